@@ -1,0 +1,243 @@
+"""TrialSpec: the self-contained description of one training run (a benchmark trial or the full run).
+
+One YAML per candidate (``candidate_configs/<trial_id>.yaml``); the base config and the optimal config
+use the same schema. Loading is pure Python (OmegaConf + dataclasses, no torch), so the planner, the
+launcher and the trial engine all share it. Every field is typed; an unknown key or a wrong type fails
+on load with the key's name, and ``__post_init__`` checks the cross-field rules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, List, Optional
+
+from omegaconf import OmegaConf
+
+from hp_tool.errors import require
+from hp_tool.fsutil import atomic_write_text
+
+FAMILIES = ("gpt3", "llama", "t5", "mt5")
+PRECISIONS = ("bf16", "fp16", "fp32")
+SHARDINGS = ("none", "gradients", "full")  # DDP, FSDP2 without / with resharding after forward
+SCHEDULES = ("1F1B", "GPipe")
+RUN_MODES = ("benchmark", "full")
+DATA_SOURCES = ("synthetic", "file")
+
+
+@dataclass
+class ModelSpec:
+    """Shape of the transformer; weights are always random."""
+
+    family: str = "gpt3"  # one of FAMILIES
+    num_layers: int = 12
+    hidden_size: int = 768
+    num_attention_heads: int = 12
+    num_kv_heads: int = 12  # == num_attention_heads unless grouped-query attention (Llama)
+    ffn_hidden_size: int = 3072
+    vocab_size: int = 51200
+    seq_length: int = 2048
+    init_method_std: float = 0.02
+    num_parameters: int = 0  # total parameter count of the whole model (all stages, unsharded)
+
+    def __post_init__(self) -> None:
+        require(self.family in FAMILIES, "model.family", self.family, "unknown model family",
+                f"use one of {list(FAMILIES)}")
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads",
+                     "ffn_hidden_size", "vocab_size", "seq_length"):
+            require(getattr(self, name) > 0, f"model.{name}", getattr(self, name),
+                    "must be positive", "set a positive integer")
+        require(self.hidden_size % self.num_attention_heads == 0, "model.hidden_size", self.hidden_size,
+                f"not divisible by num_attention_heads={self.num_attention_heads}",
+                "choose hidden_size as a multiple of the head count")
+        require(self.num_attention_heads % self.num_kv_heads == 0, "model.num_kv_heads",
+                self.num_kv_heads, f"does not divide num_attention_heads={self.num_attention_heads}",
+                "use a divisor of the head count")
+
+
+@dataclass
+class ParallelSpec:
+    """Parallel layout: world size = tp * pp * dp."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    mbs: int = 1  # micro-batch size, sequences per forward pass per data-parallel replica
+    act_ckpt_layers: int = 0  # transformer layers per pipeline stage whose activations are recomputed
+    pipeline_schedule: str = "1F1B"  # one of SCHEDULES
+    dp_sharding: str = "full"  # one of SHARDINGS: none = DDP, gradients = ZeRO-2-like, full = FSDP2/ZeRO-3
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp", "mbs"):
+            require(getattr(self, name) >= 1, f"parallel.{name}", getattr(self, name),
+                    "must be at least 1", "set a positive integer")
+        require(self.act_ckpt_layers >= 0, "parallel.act_ckpt_layers", self.act_ckpt_layers,
+                "must not be negative", "use 0 for no activation checkpointing")
+        require(self.pipeline_schedule in SCHEDULES, "parallel.pipeline_schedule",
+                self.pipeline_schedule, "unknown schedule", f"use one of {list(SCHEDULES)}")
+        require(self.dp_sharding in SHARDINGS, "parallel.dp_sharding", self.dp_sharding,
+                "unknown sharding", f"use one of {list(SHARDINGS)}")
+
+
+@dataclass
+class DataSpec:
+    source: str = "synthetic"  # synthetic tokens from the seed, or a flat binary token file
+    path: Optional[str] = None  # token file (uint16/uint32 ids, memory-mapped) when source == "file"
+    dtype: str = "uint16"
+
+    def __post_init__(self) -> None:
+        require(self.source in DATA_SOURCES, "training.data.source", self.source, "unknown data source",
+                f"use one of {list(DATA_SOURCES)}")
+        require(self.source != "file" or bool(self.path), "training.data.path", self.path,
+                "a file data source needs a path", "set training.data.path to a token file")
+        require(self.dtype in ("uint16", "uint32"), "training.data.dtype", self.dtype,
+                "unsupported token dtype", "use uint16 or uint32")
+
+
+@dataclass
+class TrainingSpec:
+    """Optimisation settings. The schedule (warm-up, constant, cosine decay) is defined over max_steps."""
+
+    global_batch_size: int = 8  # sequences per optimizer step across all data-parallel replicas
+    precision: str = "bf16"  # compute precision on GPU; CPU runs always use fp32
+    optimizer: str = "adamw"
+    lr: float = 6e-4
+    min_lr: float = 6e-5
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    weight_decay: float = 0.1
+    warmup_steps: int = 0
+    constant_steps: int = 0
+    max_steps: int = 100  # length of the full schedule (steps of the full run)
+    grad_clip: float = 1.0
+    seed: int = 1234
+    data: DataSpec = field(default_factory=DataSpec)
+
+    def __post_init__(self) -> None:
+        require(self.global_batch_size >= 1, "training.global_batch_size", self.global_batch_size,
+                "must be positive", "set a positive integer")
+        require(self.precision in PRECISIONS, "training.precision", self.precision,
+                "unknown precision", f"use one of {list(PRECISIONS)}")
+        require(self.optimizer == "adamw", "training.optimizer", self.optimizer,
+                "unsupported optimizer", "use adamw")
+        require(self.max_steps >= 1, "training.max_steps", self.max_steps, "must be positive",
+                "set the number of optimizer steps of the full run")
+
+
+@dataclass
+class ResourcesSpec:
+    num_nodes: int = 1
+    gpus_per_node: int = 1  # processes per node (GPUs on a GPU cluster, CPU processes locally)
+    gpu_memory_gb: float = 80.0
+    peak_tflops_per_gpu: float = 312.0  # dense peak in the compute precision, for MFU
+
+    def __post_init__(self) -> None:
+        for name in ("num_nodes", "gpus_per_node", "gpu_memory_gb", "peak_tflops_per_gpu"):
+            require(getattr(self, name) > 0, f"resources.{name}", getattr(self, name),
+                    "must be positive", "set a positive number")
+
+
+@dataclass
+class RunSpec:
+    """How long to run and when to stop. A benchmark stops at whichever limit comes first."""
+
+    mode: str = "benchmark"  # one of RUN_MODES
+    max_minutes: float = 10.0  # wall-clock budget of the job, start-up included
+    max_steps: int = 50  # optimizer steps to run at most
+    warmup_steps: int = 3  # first steps excluded from timing
+    stable_window: int = 5  # stop early once this many timed steps ...
+    stable_cv: float = 0.05  # ... have a coefficient of variation below this (0 disables)
+    memory_cap_gb: Optional[float] = None  # CPU only: per-process address-space cap (RLIMIT_AS)
+    output_dir: Optional[str] = None  # where metrics.jsonl and result.json go
+
+    def __post_init__(self) -> None:
+        require(self.mode in RUN_MODES, "run.mode", self.mode, "unknown run mode",
+                f"use one of {list(RUN_MODES)}")
+        require(self.max_minutes > 0, "run.max_minutes", self.max_minutes, "must be positive",
+                "set the job's time limit in minutes")
+        require(self.max_steps >= 1, "run.max_steps", self.max_steps, "must be positive",
+                "set a positive number of steps")
+        require(self.warmup_steps >= 0, "run.warmup_steps", self.warmup_steps,
+                "must not be negative", "use 0 or more")
+
+
+@dataclass
+class FullRunSpec:
+    """The production run a benchmark trial stands for (the trial may use fewer nodes)."""
+
+    num_nodes: int = 1
+    dp: int = 1
+    global_batch_size: int = 8
+    num_tokens_in_b: float = 0.0
+    max_steps: int = 1
+
+
+@dataclass
+class EstimatesSpec:
+    """The planner's predictions, kept beside the measurement. None where not estimated."""
+
+    memory_gb: Optional[float] = None  # peak per GPU, GB (1e9 bytes)
+    step_time_s: Optional[float] = None  # one optimizer step of the full run, seconds
+    tokens_per_s_per_gpu: Optional[float] = None
+    model_tflops_per_gpu: Optional[float] = None
+
+
+@dataclass
+class TrialSpec:
+    trial_id: str = "trial"
+    model: ModelSpec = field(default_factory=ModelSpec)
+    parallel: ParallelSpec = field(default_factory=ParallelSpec)
+    training: TrainingSpec = field(default_factory=TrainingSpec)
+    resources: ResourcesSpec = field(default_factory=ResourcesSpec)
+    run: RunSpec = field(default_factory=RunSpec)
+    full_run: FullRunSpec = field(default_factory=FullRunSpec)
+    estimates: EstimatesSpec = field(default_factory=EstimatesSpec)
+
+    def __post_init__(self) -> None:
+        m, p, r = self.model, self.parallel, self.resources
+        world = r.num_nodes * r.gpus_per_node
+        require(p.tp * p.pp * p.dp == world, "parallel", f"tp={p.tp} pp={p.pp} dp={p.dp}",
+                f"tp*pp*dp={p.tp * p.pp * p.dp} differs from the world size "
+                f"num_nodes*gpus_per_node={r.num_nodes}*{r.gpus_per_node}={world}",
+                "make the parallel degrees multiply to the number of processes")
+        require(m.num_attention_heads % p.tp == 0 and m.num_kv_heads % p.tp == 0, "parallel.tp", p.tp,
+                f"does not divide the heads ({m.num_attention_heads} query, {m.num_kv_heads} kv)",
+                "use a divisor of the kv head count")
+        require(m.num_layers % p.pp == 0, "parallel.pp", p.pp,
+                f"does not divide num_layers={m.num_layers}", "use a divisor of the layer count")
+        require(p.act_ckpt_layers <= m.num_layers // p.pp, "parallel.act_ckpt_layers",
+                p.act_ckpt_layers, f"exceeds the {m.num_layers // p.pp} layers of a pipeline stage",
+                "use at most num_layers / pp")
+        replica_batch = p.mbs * p.dp
+        require(self.training.global_batch_size % replica_batch == 0, "training.global_batch_size",
+                self.training.global_batch_size, f"not divisible by mbs*dp={replica_batch}",
+                "use a multiple of mbs*dp")
+
+    @property
+    def grad_accum_steps(self) -> int:
+        """Micro-batches per optimizer step on each data-parallel replica."""
+        return self.training.global_batch_size // (self.parallel.mbs * self.parallel.dp)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def load_spec(path: str | os.PathLike) -> TrialSpec:
+    """Read a TrialSpec YAML; unknown keys, wrong types and broken rules raise with the key's name."""
+    schema = OmegaConf.structured(TrialSpec)
+    merged = OmegaConf.merge(schema, OmegaConf.load(str(path)))
+    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+
+
+def dump_spec(spec: TrialSpec, path: str | os.PathLike) -> Path:
+    """Write the spec as YAML atomically, so a reader never sees half a file."""
+    import yaml
+
+    text = yaml.safe_dump(spec.to_dict(), sort_keys=False, default_flow_style=False)
+    return atomic_write_text(path, text)
+
+
+def make_trial_id(family: str, size_label: str, tp: int, pp: int, mbs: int, act_ckpt_layers: int) -> str:
+    """The one place a trial id is built; every file name derives from it. E.g. gpt3_5b_tp2_pp1_mbs4_ac0."""
+    return f"{family}_{size_label}_tp{tp}_pp{pp}_mbs{mbs}_ac{act_ckpt_layers}"
