@@ -16,6 +16,7 @@ from typing import Any, List, Optional
 
 from omegaconf import OmegaConf
 
+from hp_tool.architectures import Shape
 from hp_tool.errors import require
 from hp_tool.fsutil import atomic_write_text
 
@@ -41,6 +42,11 @@ class ModelSpec:
     seq_length: int = 2048
     init_method_std: float = 0.02
     num_parameters: int = 0  # total parameter count of the whole model (all stages, unsharded)
+
+    def shape(self) -> Shape:
+        """The planner's view of this model (for parameter and FLOP counts)."""
+        return Shape(self.family, self.num_layers, self.hidden_size, self.num_attention_heads,
+                     self.num_kv_heads, self.ffn_hidden_size, self.vocab_size, self.seq_length)
 
     def __post_init__(self) -> None:
         require(self.family in FAMILIES, "model.family", self.family, "unknown model family",
@@ -131,9 +137,13 @@ class ResourcesSpec:
     gpus_per_node: int = 1  # processes per node (GPUs on a GPU cluster, CPU processes locally)
     gpu_memory_gb: float = 80.0
     peak_tflops_per_gpu: float = 312.0  # dense peak in the compute precision, for MFU
+    intra_node_bandwidth_gbps: float = 200.0  # GB/s per GPU within a node (NVLink)
+    inter_node_bandwidth_gbps: float = 25.0  # GB/s per GPU across nodes (InfiniBand)
+    gpu_hour_price: Optional[float] = None  # dollars per GPU-hour, for cost estimates
 
     def __post_init__(self) -> None:
-        for name in ("num_nodes", "gpus_per_node", "gpu_memory_gb", "peak_tflops_per_gpu"):
+        for name in ("num_nodes", "gpus_per_node", "gpu_memory_gb", "peak_tflops_per_gpu",
+                     "intra_node_bandwidth_gbps", "inter_node_bandwidth_gbps"):
             require(getattr(self, name) > 0, f"resources.{name}", getattr(self, name),
                     "must be positive", "set a positive number")
 

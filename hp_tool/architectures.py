@@ -1,0 +1,109 @@
+"""Per-family shapes, parameter counts and FLOP counts. Pure functions, no torch.
+
+Parameter count (GPT): P = 12·L·h² + 13·L·h + (V + s)·h. FLOPs: every matmul of each family counted
+per token (Narayanan et al. 2021 for GPT; Llama's grouped-query attention and SwiGLU counted as they are).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+from hp_tool.tables import GPT3_SHAPE, lookup
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Transformer shape; kv_heads == heads unless grouped-query attention."""
+
+    family: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    ffn_hidden_size: int
+    vocab_size: int
+    seq_length: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def gated_mlp(self) -> bool:
+        return self.family == "llama"
+
+
+def gpt_parameters(num_layers: int, hidden: int, vocab: int, seq: int) -> int:
+    """GPT parameter count with ffn = 4h and learned positions (tied input/output embedding)."""
+    return 12 * num_layers * hidden**2 + 13 * num_layers * hidden + (vocab + seq) * hidden
+
+
+def count_parameters(shape: Shape) -> int:
+    """Parameter count of the whole model (all stages, unsharded)."""
+    h, f, L = shape.hidden_size, shape.ffn_hidden_size, shape.num_layers
+    kv = shape.num_kv_heads * shape.head_dim
+    if shape.family == "llama":  # no biases, RMSNorm, RoPE, untied head
+        per_layer = h * (h + 2 * kv) + h * h + 3 * h * f + 2 * h
+        return L * per_layer + 2 * shape.vocab_size * h + h
+    # GPT: biases, LayerNorms, learned positions, tied head
+    per_layer = h * (h + 2 * kv) + (h + 2 * kv) + h * h + h + 2 * h * f + f + h + 4 * h
+    return L * per_layer + (shape.vocab_size + shape.seq_length) * h + 2 * h
+
+
+def layer_forward_flops_per_token(shape: Shape) -> float:
+    """Forward matmul FLOPs of one transformer layer for one token (attention over the full sequence)."""
+    h, f, s = shape.hidden_size, shape.ffn_hidden_size, shape.seq_length
+    kv = shape.num_kv_heads * shape.head_dim
+    qkv = 2 * h * (h + 2 * kv)
+    attention = 2 * 2 * s * h  # Q·Kᵀ and scores·V
+    out_proj = 2 * h * h
+    mlp = (3 if shape.gated_mlp else 2) * 2 * h * f
+    return qkv + attention + out_proj + mlp
+
+
+def model_flops_per_step(shape: Shape, global_batch_size: int) -> float:
+    """Model FLOPs of one training step (forward + backward = 3x forward), recomputation excluded.
+
+    For GPT with ffn = 4h this equals 72·B·s·L·h²·(1 + s/(6h) + V/(12·L·h)).
+    """
+    tokens = global_batch_size * shape.seq_length
+    logits = 2 * shape.hidden_size * shape.vocab_size
+    return 3.0 * tokens * (shape.num_layers * layer_forward_flops_per_token(shape) + logits)
+
+
+def recompute_flops_per_step(shape: Shape, global_batch_size: int, recomputed_layers: int) -> float:
+    """Extra FLOPs of one step from re-running the forward of ``recomputed_layers`` layers (all stages)."""
+    tokens = global_batch_size * shape.seq_length
+    return float(tokens * recomputed_layers * layer_forward_flops_per_token(shape))
+
+
+# ---- GPT-3 shapes from a size (NeMo's layer search) ----
+
+def _layer_candidates() -> Iterator[tuple[list[int], int]]:
+    """(layer counts to try, number of 1% margin steps), in NeMo's order of preference."""
+    yield [2**p for p in range(1, 10)], 10
+    yield list(range(16, 201, 16)), 6
+    yield list(range(2, 201, 2)), 6
+    yield list(range(5, 201, 5)), 6
+    yield list(range(1, 200)), 10
+
+
+def gpt3_num_layers(size_b: float, hidden: int, vocab: int, seq: int) -> int:
+    """First layer count whose GPT parameter count is within the margin of ``size_b`` billions."""
+    target = size_b * 1e9
+    for layer_counts, margin_steps in _layer_candidates():
+        for step in range(1, margin_steps + 1):
+            margin = step / 100
+            for layers in layer_counts:
+                if abs(gpt_parameters(layers, hidden, vocab, seq) - target) < margin * target:
+                    return layers
+    raise ValueError(f"no GPT-3 layer count gives {size_b}B parameters with hidden size {hidden}")
+
+
+def gpt3_shape(size_b: float, vocab: int, seq: int) -> tuple[Shape, float]:
+    """GPT-3 shape and learning rate for a model of ``size_b`` billion parameters."""
+    hidden, heads, lr = lookup(GPT3_SHAPE, size_b)
+    layers = gpt3_num_layers(size_b, hidden, vocab, seq)
+    shape = Shape("gpt3", layers, hidden, heads, heads, 4 * hidden, vocab, seq)
+    return shape, lr

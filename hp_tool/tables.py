@@ -1,0 +1,81 @@
+"""Heuristic tables are data: rows of (upper bound on model size in billions, values).
+
+One lookup serves every table. Sources: NeMo's auto-configurator tables, see REFERENCE.md.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence, Tuple, TypeVar
+
+V = TypeVar("V")
+Table = Sequence[Tuple[float, V]]
+
+
+def lookup(table: Table[V], size_b: float, inclusive: bool = False) -> V:
+    """Values of the first row whose bound exceeds ``size_b`` (or equals it when ``inclusive``).
+
+    Sizes above the last bound take the last row: the tables end at the largest sizes anyone trains.
+    """
+    for bound, values in table:
+        if size_b < bound or (inclusive and size_b == bound):
+            return values
+    return table[-1][1]
+
+
+# GPT-3: size < bound -> (hidden, heads, lr)
+GPT3_SHAPE: Table[tuple[int, int, float]] = [
+    (0.25, (768, 12, 6e-4)),
+    (0.5, (1024, 16, 3e-4)),
+    (1, (1536, 16, 2.5e-4)),
+    (2, (2048, 16, 2e-4)),
+    (3, (2560, 32, 1.6e-4)),
+    (4.5, (3072, 32, 1.4e-4)),
+    (8, (4096, 32, 1.2e-4)),
+    (15, (5120, 40, 1e-4)),
+    (25, (6144, 48, 1e-4)),
+    (52, (8192, 64, 8e-5)),
+    (105, (10240, 80, 7e-5)),
+    (205, (12288, 96, 6e-5)),
+    (405, (20480, 128, 5e-5)),
+    (805, (20480, 128, 4e-5)),
+    (1105, (25600, 160, 3e-5)),
+]
+
+# GPT-3, 80 GB GPUs, seq 2048: size <= bound -> (global batch size, starting TP, starting PP)
+GPT3_GBS_TP_PP: Table[tuple[int, int, int]] = [
+    (1, (256, 1, 1)),
+    (4, (1024, 1, 1)),
+    (8, (2048, 2, 1)),
+    (13, (2048, 4, 1)),
+    (20.6, (2048, 8, 1)),
+    (45.6, (2048, 8, 2)),
+    (123.6, (2048, 8, 4)),
+    (196.6, (2048, 8, 8)),
+    (392.2, (2048, 8, 16)),
+    (735, (2048, 8, 32)),
+    (1100, (2048, 8, 64)),
+]
+
+
+def _r(lo: int, hi: int) -> list[int]:
+    return list(range(lo, hi + 1))
+
+
+# GPT-3 candidate grid, 80 GB, seq 2048: size <= bound -> (TP, PP, MBS, (min, max) of TP*PP)
+GPT3_GRID: Table[tuple[list[int], list[int], list[int], tuple[int, int]]] = [
+    (1, ([1, 2], [1], [1, 2, 3, 4, 6, 8], (1, 8))),
+    (4, ([1, 2, 4], [1], [1, 2, 3, 4, 6, 8], (1, 8))),
+    (8, ([1, 2, 4], [1], [1, 2, 3, 4, 6, 8], (1, 8))),
+    (13, ([1, 2, 4, 8], [1], [1, 2, 3, 4, 6, 8], (1, 8))),
+    (23, ([1, 2, 4], _r(1, 4), [1, 2, 4], (4, 8))),
+    (45, ([2, 4, 8], _r(1, 4), [1, 2, 4], (8, 32))),
+    (95, ([2, 4, 8], _r(1, 8), [1, 2, 4, 8], (8, 64))),
+    (130, ([2, 4, 8], _r(1, 16), [1, 2, 4, 8], (16, 128))),
+    (195, ([8], _r(4, 16), [1, 2, 4], (32, 256))),
+    (395, ([8], _r(8, 32), [1, 2, 4], (64, 512))),
+    (790, ([8], _r(8, 100), [1, 2, 4], (128, 1024))),
+    (1100, ([8], _r(16, 130), [1, 2, 4], (256, 2048))),
+]
+
+# Activation-checkpointing step (before dividing by PP), size < bound -> step
+ACT_CKPT_STEP: Table[int] = [(1, 4), (11.3, 8), (60, 16), (float("inf"), 32)]
