@@ -39,16 +39,33 @@ def gpt_parameters(num_layers: int, hidden: int, vocab: int, seq: int) -> int:
     return 12 * num_layers * hidden**2 + 13 * num_layers * hidden + (vocab + seq) * hidden
 
 
+def layer_parameters(shape: Shape) -> int:
+    """Parameters of one transformer layer."""
+    h, f = shape.hidden_size, shape.ffn_hidden_size
+    kv = shape.num_kv_heads * shape.head_dim
+    if shape.family == "llama":  # no biases, RMSNorm, SwiGLU
+        return h * (h + 2 * kv) + h * h + 3 * h * f + 2 * h
+    # GPT: biases and two LayerNorms (weight and bias)
+    return h * (h + 2 * kv) + (h + 2 * kv) + h * h + h + 2 * h * f + f + h + 4 * h
+
+
+def embedding_parameters(shape: Shape) -> int:
+    """Input embedding parameters (word, plus learned positions for GPT)."""
+    positions = 0 if shape.family == "llama" else shape.seq_length
+    return (shape.vocab_size + positions) * shape.hidden_size
+
+
+def head_parameters(shape: Shape) -> int:
+    """Final norm plus output projection (GPT ties the projection to the word embedding)."""
+    h = shape.hidden_size
+    if shape.family == "llama":
+        return h + shape.vocab_size * h
+    return 2 * h
+
+
 def count_parameters(shape: Shape) -> int:
     """Parameter count of the whole model (all stages, unsharded)."""
-    h, f, L = shape.hidden_size, shape.ffn_hidden_size, shape.num_layers
-    kv = shape.num_kv_heads * shape.head_dim
-    if shape.family == "llama":  # no biases, RMSNorm, RoPE, untied head
-        per_layer = h * (h + 2 * kv) + h * h + 3 * h * f + 2 * h
-        return L * per_layer + 2 * shape.vocab_size * h + h
-    # GPT: biases, LayerNorms, learned positions, tied head
-    per_layer = h * (h + 2 * kv) + (h + 2 * kv) + h * h + h + 2 * h * f + f + h + 4 * h
-    return L * per_layer + (shape.vocab_size + shape.seq_length) * h + 2 * h
+    return shape.num_layers * layer_parameters(shape) + embedding_parameters(shape) + head_parameters(shape)
 
 
 def layer_forward_flops_per_token(shape: Shape) -> float:

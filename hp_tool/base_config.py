@@ -1,0 +1,163 @@
+"""Model size and the runnable base training config for it (REFERENCE §1-2). Pure, no I/O.
+
+The base config is a TrialSpec in ``full`` mode: the shape, optimizer and schedule, global batch size
+and the table's starting TP/PP for the whole cluster.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from hp_tool.architectures import Shape, count_parameters, gpt3_shape
+from hp_tool.config import AppConfig, TrainSettings
+from hp_tool.errors import ConfigError, require
+from hp_tool.estimate.layout import Hardware
+from hp_tool.sizing import days_to_train, recommend_model_size_b, size_label
+from hp_tool.tables import GPT3_GBS_TP_PP, GPT3_SHAPE, lookup
+from hp_tool.trial.spec import (FullRunSpec, ModelSpec, ParallelSpec, ResourcesSpec, RunSpec, TrainingSpec,
+                                TrialSpec, make_trial_id)
+
+TS = "search_config.train_settings"
+REFERENCE_SEQ = 2048  # the GBS table is for this sequence length
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The full run's machines, train_settings taking precedence over the cluster config."""
+
+    num_nodes: int
+    hw: Hardware
+    gpu_hour_price: float | None
+
+    @property
+    def gpus(self) -> int:
+        return self.num_nodes * self.hw.gpus_per_node
+
+
+def resolve_cluster(app: AppConfig) -> Cluster:
+    ts, cl = app.search_config.train_settings, app.cluster
+    hw = Hardware(
+        gpus_per_node=ts.gpus_per_node or cl.gpus_per_node,
+        gpu_memory_gb=ts.gpu_memory_gb or cl.gpu_memory_gb,
+        peak_tflops=cl.gpu_peak_tflops,
+        intra_node_bandwidth_gbps=cl.intra_node_bandwidth_gbps,
+        inter_node_bandwidth_gbps=cl.inter_node_bandwidth_gbps,
+        memory_overhead_gb=cl.memory_overhead_gb,
+        precision=ts.precision,
+    )
+    require(hw.memory_overhead_gb < hw.gpu_memory_gb, "cluster.memory_overhead_gb", hw.memory_overhead_gb,
+            f"leaves nothing of the {hw.gpu_memory_gb} GB per GPU", "lower it or raise gpu_memory_gb")
+    return Cluster(ts.num_nodes, hw, cl.gpu_hour_price)
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    shape: Shape
+    size_b: float  # requested (or recommended) size in billions
+    num_parameters: int  # of the shape actually built
+    lr: float
+    recommended: bool
+    label: str  # for file names: 5b, 126m, ...
+
+    def sentence(self, days: float, cluster: Cluster, ts: TrainSettings) -> str:
+        how = "Recommended model size" if self.recommended else "Model size"
+        return (f"{how}: {self.num_parameters / 1e9:.3g}B parameters ({self.shape.num_layers} layers x "
+                f"{self.shape.hidden_size} hidden); training on {ts.num_tokens_in_b:g}B tokens with "
+                f"{cluster.gpus} GPUs at {ts.tflops_per_gpu:g} TFLOPS each takes about {days:g} days.")
+
+
+def choose_model(app: AppConfig, cluster: Cluster) -> ModelChoice:
+    """The model to search for: an explicit shape, the given size, or the size the budget affords."""
+    sc = app.search_config
+    ts, ov = sc.train_settings, sc.model
+    if ov.given:
+        heads = ov.num_attention_heads
+        shape = Shape(sc.model_family, ov.num_layers, ov.hidden_size, heads, heads,
+                      ov.ffn_hidden_size or 4 * ov.hidden_size, ts.vocab_size, ts.seq_length)
+        _check_shape(shape)
+        n = count_parameters(shape)
+        lr = lookup(GPT3_SHAPE, n / 1e9)[2]
+        return ModelChoice(shape, n / 1e9, n, lr, False, size_label(n))
+    size, recommended = ts.model_size_in_b, False
+    if size is None:
+        size = recommend_model_size_b(sc.model_family, ts.max_training_days, cluster.gpus,
+                                      ts.tflops_per_gpu, ts.num_tokens_in_b)
+        recommended = True
+        require(size > 0, f"{TS}.max_training_days", ts.max_training_days,
+                "the budget affords no model at all", "raise the days, nodes or TFLOPS, or set model_size_in_b")
+    try:
+        shape, lr = gpt3_shape(size, ts.vocab_size, ts.seq_length)
+    except ValueError as exc:
+        raise ConfigError(f"{TS}.model_size_in_b", size, str(exc),
+                          "choose another size or give search_config.model explicitly") from exc
+    return ModelChoice(shape, size, count_parameters(shape), lr, recommended, size_label(size * 1e9))
+
+
+def _check_shape(shape: Shape) -> None:
+    require(shape.hidden_size % shape.num_attention_heads == 0, "search_config.model.hidden_size",
+            shape.hidden_size, f"not divisible by num_attention_heads={shape.num_attention_heads}",
+            "use a multiple of the head count")
+
+
+def global_batch_size(ts: TrainSettings, size_b: float) -> int:
+    """Table GBS for the size, halved for each doubling of the sequence length beyond 2048."""
+    if ts.global_batch_size is not None:
+        return ts.global_batch_size
+    gbs = lookup(GPT3_GBS_TP_PP, size_b, inclusive=True)[0]
+    return max(1, int(gbs * REFERENCE_SEQ / ts.seq_length))
+
+
+def schedule(tokens_b: float, seq: int, gbs: int) -> tuple[int, int, int]:
+    """(max_steps, warmup_steps, constant_steps) of the full run."""
+    max_steps = max(1, int(tokens_b * 1e9 / (seq * gbs)))
+    return max_steps, int(0.0015 * max_steps), int(0.166 * max_steps)
+
+
+def base_spec(app: AppConfig, model: ModelChoice, cluster: Cluster) -> TrialSpec:
+    """The runnable full-mode training config for the chosen model on the whole cluster."""
+    ts = app.search_config.train_settings
+    s = model.shape
+    gbs = global_batch_size(ts, model.size_b)
+    max_steps, warmup, constant = schedule(ts.num_tokens_in_b, ts.seq_length, gbs)
+    _, tp, pp = lookup(GPT3_GBS_TP_PP, model.size_b, inclusive=True)
+    tp, pp = _fit_base_layout(s, tp, pp, cluster.gpus, cluster.hw.gpus_per_node)
+    dp = cluster.gpus // (tp * pp)
+    require(gbs % dp == 0, f"{TS}.global_batch_size", gbs,
+            f"not divisible by the {dp} data-parallel replicas of the base layout (TP={tp}, PP={pp})",
+            f"use a multiple of {dp}, or change num_nodes")
+    hw = cluster.hw
+    return TrialSpec(
+        trial_id=make_trial_id(s.family, model.label, tp, pp, 1, 0),
+        model=ModelSpec(s.family, s.num_layers, s.hidden_size, s.num_attention_heads, s.num_kv_heads,
+                        s.ffn_hidden_size, s.vocab_size, s.seq_length,
+                        init_method_std=round(0.64 / math.sqrt(s.hidden_size), 6),
+                        num_parameters=model.num_parameters),
+        parallel=ParallelSpec(tp=tp, pp=pp, dp=dp, mbs=1, act_ckpt_layers=0, dp_sharding=ts.dp_sharding),
+        training=TrainingSpec(global_batch_size=gbs, precision=ts.precision, lr=model.lr,
+                              min_lr=round(0.1 * model.lr, 10), warmup_steps=warmup,
+                              constant_steps=constant, max_steps=max_steps),
+        resources=ResourcesSpec(cluster.num_nodes, hw.gpus_per_node, hw.gpu_memory_gb, hw.peak_tflops,
+                                hw.intra_node_bandwidth_gbps, hw.inter_node_bandwidth_gbps,
+                                cluster.gpu_hour_price),
+        run=RunSpec(mode="full", max_minutes=ts.max_training_days * 24 * 60, max_steps=max_steps,
+                    stable_cv=0.0),
+        full_run=FullRunSpec(cluster.num_nodes, dp, gbs, ts.num_tokens_in_b, max_steps),
+    )
+
+
+def _fit_base_layout(s: Shape, tp: int, pp: int, gpus: int, gpn: int) -> tuple[int, int]:
+    """The table's TP/PP, reduced until valid for this shape and cluster (small clusters, odd shapes)."""
+    while tp > 1 and (s.num_attention_heads % tp or tp > gpn or gpus % tp):
+        tp //= 2
+    while pp > 1 and (s.num_layers % pp or gpus % (tp * pp)):
+        pp -= 1
+    require(gpus % (tp * pp) == 0, f"{TS}.num_nodes", gpus // gpn,
+            f"{gpus} GPUs cannot hold a TP={tp} x PP={pp} layout", "use a node count that is a power of two")
+    return tp, pp
+
+
+def days_for(model: ModelChoice, app: AppConfig, cluster: Cluster) -> float:
+    ts = app.search_config.train_settings
+    return days_to_train(app.search_config.model_family, model.size_b, cluster.gpus,
+                         ts.tflops_per_gpu, ts.num_tokens_in_b)

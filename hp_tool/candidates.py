@@ -1,0 +1,160 @@
+"""Candidate grid: product of TP x PP x MBS x checkpointed layers -> validity -> estimates -> prune -> order.
+
+Pure planning: no I/O, no torch. Every candidate ends with a status and, unless selected, the reason:
+``invalid`` (the layout cannot exist on this model and cluster), ``pruned`` (predicted not to fit in
+memory), ``over_limit`` (valid and fitting, but ranked below limit_search_runs), ``selected``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from hp_tool.architectures import Shape, model_flops_per_step
+from hp_tool.base_config import TS, Cluster
+from hp_tool.config import TrainSettings
+from hp_tool.estimate.layout import Layout
+from hp_tool.estimate.memory import estimate_memory
+from hp_tool.estimate.speed import estimate_step_time
+from hp_tool.tables import ACT_CKPT_STEP, GPT3_GRID, lookup
+
+SELECTED, PRUNED, INVALID, OVER_LIMIT = "selected", "pruned", "invalid", "over_limit"
+
+
+@dataclass(slots=True)
+class Candidate:
+    tp: int
+    pp: int
+    mbs: int
+    act_ckpt_layers: int
+    dp: int = 0  # data-parallel replicas of the full run
+    status: str = SELECTED
+    reason: str = ""
+    reason_key: str = ""  # the config key a rejection is about
+    trial_nodes: int = 0  # nodes the benchmark trial uses (TP*PP GPUs rounded up to whole nodes)
+    trial_gpus_per_node: int = 0
+    trial_dp: int = 0
+    memory_gb: Optional[float] = None  # predicted peak per GPU in the trial
+    full_memory_gb: Optional[float] = None  # predicted peak per GPU in the full run
+    step_time_s: Optional[float] = None  # predicted optimizer step of the full run
+    tokens_per_s_per_gpu: Optional[float] = None
+    model_tflops_per_gpu: Optional[float] = None
+    rank: Optional[int] = None  # 1 = predicted fastest, among valid and fitting candidates
+
+    def reject(self, status: str, key: str, reason: str) -> None:
+        self.status, self.reason_key, self.reason = status, key, reason
+
+
+@dataclass(frozen=True)
+class Grid:
+    tp: list[int]
+    pp: list[int]
+    mbs: list[int]
+    act_ckpt: Optional[list[int]]  # None: heuristic values per PP
+    mp_range: tuple[int, int]
+    act_ckpt_step: int
+
+
+def build_grid(ts: TrainSettings, size_b: float, num_layers: int) -> Grid:
+    """Heuristic lists for the size (REFERENCE §4) with the user's lists taking their place when given."""
+    tp, pp, mbs, (lo, hi) = lookup(GPT3_GRID, size_b, inclusive=True)
+    if ts.pipeline_parallel_sizes is None:  # the heuristic keeps only PP values that divide the layers
+        pp = [p for p in pp if num_layers % p == 0] or [1]
+    return Grid(
+        tp=list(ts.tensor_parallel_sizes or tp),
+        pp=list(ts.pipeline_parallel_sizes or pp),
+        mbs=list(ts.micro_batch_sizes or mbs),
+        act_ckpt=None if ts.act_ckpt_layers is None else list(ts.act_ckpt_layers),
+        mp_range=(ts.min_model_parallel_size or lo, ts.max_model_parallel_size or hi),
+        act_ckpt_step=lookup(ACT_CKPT_STEP, size_b),
+    )
+
+
+def act_ckpt_values(grid: Grid, num_layers: int, pp: int) -> list[int]:
+    if grid.act_ckpt is not None:
+        return grid.act_ckpt
+    per_stage = num_layers // pp if num_layers % pp == 0 else 0
+    return list(range(0, per_stage + 1, max(1, grid.act_ckpt_step // pp)))
+
+
+def invalid_reason(shape: Shape, c: Candidate, gbs: int, cluster: Cluster,
+                   mp_range: tuple[int, int]) -> Optional[tuple[str, str]]:
+    """(config key, reason) when the layout cannot exist, else None."""
+    gpn, gpus = cluster.hw.gpus_per_node, cluster.gpus
+    mp = c.tp * c.pp
+    if shape.num_attention_heads % c.tp or shape.num_kv_heads % c.tp:
+        return "tensor_parallel_sizes", f"TP={c.tp} does not divide the {shape.num_attention_heads} heads"
+    if c.tp > gpn:
+        return "tensor_parallel_sizes", f"TP={c.tp} spans nodes ({gpn} GPUs per node)"
+    if shape.num_layers % c.pp:
+        return "pipeline_parallel_sizes", f"PP={c.pp} does not divide the {shape.num_layers} layers"
+    if gpus % mp:
+        return "num_nodes", f"TP*PP={mp} does not divide the {gpus} GPUs"
+    if not mp_range[0] <= mp <= mp_range[1]:
+        return "max_model_parallel_size", f"TP*PP={mp} outside model-parallel range {list(mp_range)}"
+    if c.act_ckpt_layers > shape.num_layers // c.pp:
+        return "act_ckpt_layers", (f"{c.act_ckpt_layers} checkpointed layers exceed the "
+                                   f"{shape.num_layers // c.pp} layers per stage")
+    if gbs % (c.mbs * c.dp):
+        return "micro_batch_sizes", f"GBS={gbs} not divisible by MBS*DP={c.mbs}*{c.dp}"
+    return None
+
+
+def _trial_layout(c: Candidate, gbs: int, gpn: int, dp_sharding: str) -> Layout:
+    """Benchmark on the fewest whole nodes that hold TP*PP, data parallelism filling them; each replica
+    does the full run's per-replica work, so the step time carries over."""
+    mp = c.tp * c.pp
+    c.trial_nodes = math.ceil(mp / gpn)
+    c.trial_dp = max(1, (c.trial_nodes * gpn) // mp)
+    c.trial_gpus_per_node = mp * c.trial_dp // c.trial_nodes
+    trial_gbs = gbs // c.dp * c.trial_dp
+    return Layout(c.tp, c.pp, c.trial_dp, c.mbs, c.act_ckpt_layers, trial_gbs, dp_sharding)
+
+
+def estimate(shape: Shape, c: Candidate, gbs: int, cluster: Cluster, dp_sharding: str) -> None:
+    """Fill the candidate's predicted memory (trial and full run) and full-run step time."""
+    hw = cluster.hw
+    full = Layout(c.tp, c.pp, c.dp, c.mbs, c.act_ckpt_layers, gbs, dp_sharding)
+    trial = _trial_layout(c, gbs, hw.gpus_per_node, dp_sharding)
+    c.memory_gb = estimate_memory(shape, trial, hw).total_gb
+    c.full_memory_gb = estimate_memory(shape, full, hw).total_gb
+    step = estimate_step_time(shape, full, hw, cluster.num_nodes).total_s
+    c.step_time_s = step
+    c.tokens_per_s_per_gpu = gbs * shape.seq_length / (step * cluster.gpus)
+    c.model_tflops_per_gpu = model_flops_per_step(shape, gbs) / (step * cluster.gpus) / 1e12
+
+
+def plan_candidates(shape: Shape, size_b: float, ts: TrainSettings, cluster: Cluster,
+                    gbs: int) -> list[Candidate]:
+    """Every candidate of the grid, with status and reason; selected ones ranked fastest first."""
+    grid = build_grid(ts, size_b, shape.num_layers)
+    usable = cluster.hw.gpu_memory_gb * (1 - ts.memory_margin)
+    out: list[Candidate] = []
+    for tp, pp, mbs in itertools.product(grid.tp, grid.pp, grid.mbs):
+        for ac in act_ckpt_values(grid, shape.num_layers, pp):
+            c = Candidate(tp, pp, mbs, ac, dp=max(1, cluster.gpus // (tp * pp)))
+            out.append(c)
+            bad = invalid_reason(shape, c, gbs, cluster, grid.mp_range)
+            if bad:
+                c.reject(INVALID, f"{TS}.{bad[0]}", bad[1])
+                continue
+            estimate(shape, c, gbs, cluster, ts.dp_sharding)
+            need = max(c.memory_gb, c.full_memory_gb)
+            if need > usable:
+                c.reject(PRUNED, f"{TS}.gpu_memory_gb",
+                         f"predicted {need:.2f} GB per GPU > {usable:.2f} GB usable "
+                         f"({cluster.hw.gpu_memory_gb:g} GB - {ts.memory_margin:.0%} margin)")
+    _rank(out, ts.limit_search_runs)
+    return out
+
+
+def _rank(cands: list[Candidate], limit: int) -> None:
+    fitting = [c for c in cands if c.status == SELECTED]
+    fitting.sort(key=lambda c: (c.step_time_s, c.memory_gb, c.tp, c.pp, c.mbs, c.act_ckpt_layers))
+    for i, c in enumerate(fitting, start=1):
+        c.rank = i
+        if i > limit:
+            c.reject(OVER_LIMIT, f"{TS}.limit_search_runs",
+                     f"predicted rank {i} is beyond limit_search_runs={limit}")

@@ -1,0 +1,97 @@
+"""Analytic peak memory per GPU for one training layout. Pure arithmetic, no torch.
+
+Model states: mixed-precision Adam, 16 bytes per parameter, divided as ZeRO does (Rajbhandari et al.
+2020). Activations per layer: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+Transformer Models", Table 2. Pipeline: 1F1B keeps up to PP micro-batches in flight on the first stage.
+Logits: a 16-bit logits tensor upcast to fp32 for the loss, plus its fp32 gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hp_tool.architectures import Shape, embedding_parameters, head_parameters, layer_parameters
+from hp_tool.estimate.layout import GB, Hardware, Layout
+
+MODEL_STATE_BYTES = 16  # 2 (16-bit weights) + 2 (16-bit grads) + 12 (fp32 master, Adam m, v)
+
+
+def activation_bytes_per_layer(seq: int, mbs: int, hidden: int, heads: int, tp: int = 1,
+                               sequence_parallel: bool = False, store_scores: bool = True,
+                               bytes_per_value: int = 2) -> float:
+    """Bytes one transformer layer keeps for backward (Korthikanti et al. 2022), one micro-batch.
+
+    ``store_scores=False`` drops the 5·a·s/h term: flash attention, or selective recompute.
+    The paper's numbers are for 16-bit values; ``bytes_per_value=4`` scales them for fp32.
+    """
+    sbh = seq * mbs * hidden
+    scores = 5 * heads * seq / hidden if store_scores else 0.0
+    if sequence_parallel:
+        per_value = (34 + scores) / tp
+    else:
+        per_value = 10 + 24 / tp + scores / tp
+    return sbh * per_value * bytes_per_value / 2
+
+
+def model_state_bytes(params: float, dp: int, sharding: str) -> float:
+    """Weights, gradients and Adam states of ``params`` local parameters under a sharding scheme."""
+    if dp == 1 or sharding == "none":
+        return MODEL_STATE_BYTES * params
+    if sharding == "gradients":  # weights stay gathered between forward and backward
+        return 2 * params + 14 * params / dp
+    return MODEL_STATE_BYTES * params / dp
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Peak bytes per GPU on the most loaded pipeline stage, in GB."""
+
+    model_states_gb: float
+    activations_gb: float
+    logits_gb: float
+    overhead_gb: float
+
+    @property
+    def total_gb(self) -> float:
+        return self.model_states_gb + self.activations_gb + self.logits_gb + self.overhead_gb
+
+
+def estimate_memory(shape: Shape, layout: Layout, hw: Hardware) -> MemoryEstimate:
+    """Peak memory per GPU: the larger of the first stage (embeddings, most activations in flight)
+    and the last stage (head and logits)."""
+    tp, pp = layout.tp, layout.pp
+    layers = shape.num_layers // pp
+    layer_p = layer_parameters(shape) / tp
+    embed_p = embedding_parameters(shape) / tp
+    head_p = head_parameters(shape) / tp
+    if pp > 1 and shape.family != "llama":
+        head_p += shape.vocab_size * shape.hidden_size / tp  # the last stage holds its own output matrix
+    first_p = layers * layer_p + embed_p + (head_p if pp == 1 else 0.0)
+    last_p = layers * layer_p + head_p
+
+    bpv = hw.bytes_per_value
+    full = activation_bytes_per_layer(shape.seq_length, layout.mbs, shape.hidden_size,
+                                      shape.num_attention_heads, tp, layout.sequence_parallel,
+                                      not hw.flash_attention, bpv)
+    sp_div = tp if layout.sequence_parallel else 1
+    kept_input = shape.seq_length * layout.mbs * shape.hidden_size * bpv / sp_div
+    k = layout.act_ckpt_layers
+    per_microbatch = k * kept_input + (layers - k) * full
+    recompute_buffer = full if k > 0 else 0.0  # one recomputed layer is live during its backward
+    in_flight_first = min(pp, layout.num_microbatches)
+    act_first = in_flight_first * per_microbatch + recompute_buffer
+    act_last = per_microbatch + recompute_buffer
+
+    logits = layout.mbs * shape.seq_length * shape.vocab_size / tp * (bpv + 8)
+    gather = 0.0 if layout.dp == 1 or layout.dp_sharding == "none" else 2 * 2 * layer_p  # FSDP prefetch
+
+    first = model_state_bytes(first_p, layout.dp, layout.dp_sharding) + gather + act_first
+    last = model_state_bytes(last_p, layout.dp, layout.dp_sharding) + gather + act_last + logits
+    if pp == 1:
+        states = model_state_bytes(first_p, layout.dp, layout.dp_sharding) + gather
+        return MemoryEstimate(states / GB, act_first / GB, logits / GB, hw.memory_overhead_gb)
+    if first >= last:
+        states = first - act_first
+        return MemoryEstimate(states / GB, act_first / GB, 0.0, hw.memory_overhead_gb)
+    states = last - act_last - logits
+    return MemoryEstimate(states / GB, act_last / GB, logits / GB, hw.memory_overhead_gb)

@@ -1,0 +1,101 @@
+"""Writing and showing a plan: base config, candidate TrialSpecs, plan.csv, the printed table."""
+
+from __future__ import annotations
+
+import csv
+import io
+import logging
+from pathlib import Path
+from typing import Any, Iterable
+
+from hp_tool.candidates import SELECTED, Candidate
+from hp_tool.fsutil import atomic_write_text
+from hp_tool.planner import Plan
+from hp_tool.sizing import SECONDS_PER_DAY
+from hp_tool.trial.spec import dump_spec, make_trial_id
+
+log = logging.getLogger(__name__)
+
+PLAN_COLUMNS = (
+    "trial_id", "model_family", "model_size_b", "tp", "pp", "dp", "mbs", "act_ckpt_layers",
+    "global_batch_size", "num_nodes", "trial_num_nodes", "trial_dp", "predicted_memory_gb",
+    "predicted_full_memory_gb", "predicted_step_time_s", "predicted_tokens_per_s_per_gpu",
+    "predicted_model_tflops_per_gpu", "predicted_days_to_train", "predicted_rank", "plan_status",
+    "reason",
+)
+
+
+def _round(x: float | None, digits: int) -> float | None:
+    return None if x is None else round(x, digits)
+
+
+def plan_rows(plan: Plan) -> Iterable[dict[str, Any]]:
+    """One row per candidate, in grid order; units in the column names."""
+    m, full = plan.model, plan.base.full_run
+    for c in plan.candidates:
+        days = None if c.step_time_s is None else full.max_steps * c.step_time_s / SECONDS_PER_DAY
+        yield {
+            "trial_id": make_trial_id(m.shape.family, m.label, c.tp, c.pp, c.mbs, c.act_ckpt_layers),
+            "model_family": m.shape.family, "model_size_b": round(m.num_parameters / 1e9, 6),
+            "tp": c.tp, "pp": c.pp, "dp": c.dp, "mbs": c.mbs, "act_ckpt_layers": c.act_ckpt_layers,
+            "global_batch_size": full.global_batch_size, "num_nodes": full.num_nodes,
+            "trial_num_nodes": c.trial_nodes or None, "trial_dp": c.trial_dp or None,
+            "predicted_memory_gb": _round(c.memory_gb, 3),
+            "predicted_full_memory_gb": _round(c.full_memory_gb, 3),
+            "predicted_step_time_s": _round(c.step_time_s, 6),
+            "predicted_tokens_per_s_per_gpu": _round(c.tokens_per_s_per_gpu, 2),
+            "predicted_model_tflops_per_gpu": _round(c.model_tflops_per_gpu, 3),
+            "predicted_days_to_train": _round(days, 3), "predicted_rank": c.rank,
+            "plan_status": c.status, "reason": c.reason,
+        }
+
+
+def plan_csv_text(plan: Plan) -> str:
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=PLAN_COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    for row in plan_rows(plan):
+        writer.writerow({k: ("" if v is None else v) for k, v in row.items()})
+    return buf.getvalue()
+
+
+def write_plan(plan: Plan) -> Path:
+    """Write base_cfg_<size>.yaml, candidate_configs/<trial_id>.yaml and candidate_configs/plan.csv."""
+    out = plan.results_dir
+    dump_spec(plan.base, out / f"base_cfg_{plan.model.label}.yaml")
+    cand_dir = out / "candidate_configs"
+    for spec in plan.specs:
+        dump_spec(spec, cand_dir / f"{spec.trial_id}.yaml")
+    atomic_write_text(cand_dir / "plan.csv", plan_csv_text(plan))
+    log.info("Wrote the plan to %s (%d trial configs)", cand_dir, len(plan.specs))
+    return cand_dir
+
+
+def _counts(cands: list[Candidate]) -> str:
+    counts: dict[str, int] = {}
+    for c in cands:
+        counts[c.status] = counts.get(c.status, 0) + 1
+    return ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+
+
+def render_plan(plan: Plan, max_rows: int = 25) -> str:
+    """The plan as text: the sentence, then the selected candidates, predicted fastest first."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"Training candidates for {plan.search_name} ({_counts(plan.candidates)})")
+    for col in ("rank", "trial_id", "TP", "PP", "DP", "MBS", "ckpt", "mem GB", "step s", "tok/s/GPU"):
+        table.add_column(col, justify="left" if col == "trial_id" else "right")
+    for c, spec in zip(sorted((c for c in plan.candidates if c.status == SELECTED), key=lambda c: c.rank),
+                       plan.specs[:max_rows]):
+        table.add_row(str(c.rank), spec.trial_id, str(c.tp), str(c.pp), str(c.dp), str(c.mbs),
+                      str(c.act_ckpt_layers), f"{c.memory_gb:.2f}", f"{c.step_time_s:.4g}",
+                      f"{c.tokens_per_s_per_gpu:,.0f}")
+    console = Console(file=io.StringIO(), width=140, force_terminal=False)
+    console.print(plan.sentence)
+    console.print(table)
+    hidden = len(plan.specs) - max_rows
+    if hidden > 0:
+        console.print(f"... {hidden} more selected; all candidates with reasons in "
+                      f"{plan.results_dir / 'candidate_configs' / 'plan.csv'}")
+    return console.file.getvalue()  # type: ignore[attr-defined]

@@ -1,0 +1,37 @@
+"""Model size from a compute budget, and days to train a size (NeMo auto-configurator, REFERENCE §1).
+
+Training compute is taken as 8·N·T FLOPs: 6 for forward and backward, 2 for full activation recompute
+(Narayanan et al. 2021).
+"""
+
+from __future__ import annotations
+
+SECONDS_PER_DAY = 86400
+
+
+def _family_factors(family: str) -> tuple[float, float]:
+    """(p, q): mT5 gets a smaller model for the budget and takes longer per parameter."""
+    return (0.87, 1.15) if family == "mt5" else (1.0, 1.0)
+
+
+def recommend_model_size_b(family: str, days: float, gpus: int, tflops_per_gpu: float,
+                           tokens_b: float) -> float:
+    """Largest model (billions of parameters) that trains on ``tokens_b`` billion tokens in ``days``."""
+    p, _ = _family_factors(family)
+    flops = days * SECONDS_PER_DAY * gpus * tflops_per_gpu * 1e12
+    return round(p * flops / (8 * tokens_b * 1e9) / 1e9, 2)
+
+
+def days_to_train(family: str, size_b: float, gpus: int, tflops_per_gpu: float, tokens_b: float) -> float:
+    """Days to train ``size_b`` billion parameters on ``tokens_b`` billion tokens at ``tflops_per_gpu``."""
+    _, q = _family_factors(family)
+    seconds = q * size_b * 1e9 * 8 * tokens_b * 1e9 / (gpus * tflops_per_gpu * 1e12)
+    return round(seconds / SECONDS_PER_DAY, 2)
+
+
+def size_label(num_parameters: float) -> str:
+    """Short readable size for file names: 5b, 12.9b, 126m, 240k (three significant digits)."""
+    for scale, unit in ((1e9, "b"), (1e6, "m"), (1e3, "k")):
+        if num_parameters >= scale:
+            return f"{float(f'{num_parameters / scale:.3g}'):g}{unit}"
+    return f"{int(num_parameters)}"

@@ -1,0 +1,114 @@
+"""Process-group set-up for a trial: ranks from torchrun, submitit or srun; device; the (pp, dp, tp) mesh.
+
+Ranks come from RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT (torchrun, and submitit after
+``TorchDistributedEnvironment().export()``), else from SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID (srun).
+With neither, the trial runs as a single process without a process group.
+
+Collectives time out after ``HP_TOOL_TRIAL_COLLECTIVE_TIMEOUT_S`` seconds (default 300), so a rank that
+died cannot leave the others waiting forever.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import subprocess
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from hp_tool.errors import require
+from hp_tool.trial.spec import ParallelSpec
+
+log = logging.getLogger(__name__)
+
+COLLECTIVE_TIMEOUT_ENV = "HP_TOOL_TRIAL_COLLECTIVE_TIMEOUT_S"
+DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
+
+
+@dataclass
+class DistEnv:
+    """Where this process sits: global rank, world size, local rank."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+
+def read_env(environ: Optional[dict] = None) -> DistEnv:
+    """This process's ranks from the torchrun variables, else SLURM's, else a single process."""
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return DistEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)))
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        return DistEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]),
+                       int(env.get("SLURM_LOCALID", 0)))
+    return DistEnv()
+
+
+def _export_slurm_rendezvous() -> None:
+    """Under plain srun, point MASTER_ADDR/PORT at the job's first node (a port derived from the job id)."""
+    if "MASTER_ADDR" not in os.environ:
+        nodelist = os.environ.get("SLURM_JOB_NODELIST", "")
+        hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                               text=True, check=True).stdout.split()
+        os.environ["MASTER_ADDR"] = hosts[0]
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(20000 + int(os.environ.get("SLURM_JOB_ID", "0")) % 20000)
+
+
+def select_device(env: DistEnv) -> torch.device:
+    """cuda:<local rank> when a GPU is visible, else the CPU."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def collective_timeout_s() -> float:
+    return float(os.environ.get(COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT_S))
+
+
+def init_distributed(env: DistEnv, device: torch.device) -> None:
+    """Join the default process group (nccl on GPU, gloo on CPU); nothing to do for one process."""
+    if env.world_size == 1 or dist.is_initialized():
+        return
+    if "RANK" not in os.environ:  # srun without torchrun: export what init_process_group reads
+        _export_slurm_rendezvous()
+        os.environ.update(RANK=str(env.rank), WORLD_SIZE=str(env.world_size),
+                          LOCAL_RANK=str(env.local_rank))
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=collective_timeout_s())
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
+    log.info("rank %d/%d joined the %s process group", env.rank, env.world_size, backend)
+
+
+def build_mesh(par: ParallelSpec, env: DistEnv, device: torch.device) -> Optional[DeviceMesh]:
+    """The (pp, dp, tp) device mesh, TP innermost so a TP group shares a node; None for one process."""
+    if env.world_size == 1:
+        return None
+    require(par.pp * par.dp * par.tp == env.world_size, "parallel",
+            f"pp={par.pp} dp={par.dp} tp={par.tp}",
+            f"the degrees multiply to {par.pp * par.dp * par.tp} but {env.world_size} processes "
+            "were started", "launch pp*dp*tp processes (e.g. torchrun --nproc-per-node)")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (par.pp, par.dp, par.tp), mesh_dim_names=("pp", "dp", "tp"))
+
+
+def backend_name(env: DistEnv, device: torch.device) -> str:
+    """The collective backend in use ("nccl", "gloo"), or "none" for a single process."""
+    if env.world_size == 1:
+        return "none"
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

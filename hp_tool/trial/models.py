@@ -1,0 +1,168 @@
+"""The trial's model: a transformers model built from a spec's shape, cut into one pipeline stage.
+
+The whole ``OPTForCausalLM`` (GPT-3 family) or ``LlamaForCausalLM`` is built on the meta device, which
+allocates no memory whatever its size; this rank's pipeline stage keeps only its own layers (plus the
+embeddings on the first stage and the final norm and head on the last) and the rest is dropped before
+anything is materialised. Weights are filled later by :mod:`hp_tool.trial.weights`, after the tensor and
+data-parallel wrappers have decided which shard each rank holds.
+
+Layers are kept under their global index (``layers.7``), so a parameter's name is the same whatever the
+layout; weight initialisation relies on that to make every layout the same model.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hp_tool.errors import require
+from hp_tool.trial.spec import ModelSpec
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_FAMILIES = ("gpt3", "llama")
+
+
+def hf_config(model: ModelSpec):
+    """The transformers config for a spec's shape: dropout off, SDPA attention, no KV cache."""
+    require(model.family in SUPPORTED_FAMILIES, "model.family", model.family,
+            "the trial engine has no model class for this family",
+            f"use one of {list(SUPPORTED_FAMILIES)}")
+    if model.family == "gpt3":
+        from transformers import OPTConfig
+
+        # GPT-3 = OPT's layout: learned positions, pre-LayerNorm, separate q/k/v with biases, GELU,
+        # input and output embeddings tied. Dropout is off so every layout computes the same numbers.
+        return OPTConfig(
+            vocab_size=model.vocab_size, hidden_size=model.hidden_size,
+            num_hidden_layers=model.num_layers, num_attention_heads=model.num_attention_heads,
+            ffn_dim=model.ffn_hidden_size, max_position_embeddings=model.seq_length,
+            word_embed_proj_dim=model.hidden_size, do_layer_norm_before=True,
+            activation_function="gelu", enable_bias=True, dropout=0.0, attention_dropout=0.0,
+            layerdrop=0.0, tie_word_embeddings=True, use_cache=False, attn_implementation="sdpa",
+            pad_token_id=None,
+        )
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=model.vocab_size, hidden_size=model.hidden_size,
+        num_hidden_layers=model.num_layers, num_attention_heads=model.num_attention_heads,
+        num_key_value_heads=model.num_kv_heads, intermediate_size=model.ffn_hidden_size,
+        max_position_embeddings=model.seq_length, rms_norm_eps=1e-5, attention_bias=False,
+        mlp_bias=False, tie_word_embeddings=False, use_cache=False, attn_implementation="sdpa",
+    )
+
+
+def stage_layers(num_layers: int, pp: int, stage: int) -> range:
+    """Global indices of the transformer layers on pipeline ``stage`` (layers split evenly)."""
+    per_stage = num_layers // pp
+    return range(stage * per_stage, (stage + 1) * per_stage)
+
+
+class CausalLMStage(nn.Module):
+    """One pipeline stage of a causal LM: [embeddings] -> layers -> [final norm -> head].
+
+    Input: token ids ``[batch, seq]`` on the first stage, hidden states ``[batch, seq, hidden]`` on
+    the others. Output: logits ``[batch, seq, vocab]`` on the last stage, hidden states otherwise.
+    """
+
+    def __init__(self, family: str, config, layers: dict[int, nn.Module],
+                 embed_tokens: Optional[nn.Module], embed_positions: Optional[nn.Module],
+                 norm: Optional[nn.Module], lm_head: Optional[nn.Module]):
+        super().__init__()
+        self.family = family
+        self.config = config
+        self.embed_tokens = embed_tokens
+        self.embed_positions = embed_positions
+        self.layers = nn.ModuleDict({str(i): layer for i, layer in layers.items()})
+        self.norm = norm
+        self.lm_head = lm_head
+        self.rotary_emb: Optional[nn.Module] = None
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+
+    @property
+    def is_first(self) -> bool:
+        return self.embed_tokens is not None
+
+    @property
+    def is_last(self) -> bool:
+        return self.lm_head is not None
+
+    def reset_buffers(self, device: torch.device) -> None:
+        """Rebuild non-parameter buffers (RoPE frequencies) on ``device`` after materialisation."""
+        if self.family == "llama":
+            from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+            self.rotary_emb = LlamaRotaryEmbedding(self.config).to(device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        seq = x.shape[1]
+        position_ids = torch.arange(seq, device=x.device).unsqueeze(0)
+        h = x
+        if self.embed_tokens is not None:
+            h = self.embed_tokens(x)
+            if self.embed_positions is not None:
+                h = h + self.embed_positions(None, 0, position_ids=position_ids)
+        extra = {}
+        if self.rotary_emb is not None:
+            extra["position_embeddings"] = self.rotary_emb(h, position_ids)
+        for layer in self.layers.values():
+            # No mask: SDPA then runs causal attention (is_causal) with its fastest kernel.
+            h = layer(h, attention_mask=None, position_ids=position_ids, **extra)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.lm_head is not None:
+            h = self.lm_head(h)
+        return h
+
+
+def build_full_model_on_meta(model: ModelSpec) -> nn.Module:
+    """The whole transformers model on the meta device: no memory, whatever the size."""
+    config = hf_config(model)
+    with torch.device("meta"):
+        if model.family == "gpt3":
+            from transformers import OPTForCausalLM
+
+            return OPTForCausalLM(config)
+        from transformers import LlamaForCausalLM
+
+        return LlamaForCausalLM(config)
+
+
+def build_stage(model: ModelSpec, pp: int, stage: int) -> CausalLMStage:
+    """Pipeline stage ``stage`` of ``pp`` on the meta device; the other stages' modules are dropped."""
+    full = build_full_model_on_meta(model)
+    config = full.config
+    first, last = stage == 0, stage == pp - 1
+    if model.family == "gpt3":
+        body = full.model.decoder
+        tokens, positions, norm = body.embed_tokens, body.embed_positions, body.final_layer_norm
+    else:
+        body = full.model
+        tokens, positions, norm = body.embed_tokens, None, body.norm
+    layers = {i: body.layers[i] for i in stage_layers(model.num_layers, pp, stage)}
+    lm_head = full.lm_head if last else None
+    if lm_head is not None and config.tie_word_embeddings and not first:
+        # The tied head lives apart from the embedding on another stage: give it its own weight
+        # (kept equal to the embedding by identical init and summed gradients, see optim.py).
+        lm_head.weight = nn.Parameter(torch.empty_like(lm_head.weight))
+    return CausalLMStage(model.family, config, layers,
+                         tokens if first else None, positions if first else None,
+                         norm if last else None, lm_head)
+
+
+def canonical_name(name: str, tied: bool) -> str:
+    """A parameter's layout-independent name: wrapper prefixes removed, a tied head named as the embedding."""
+    name = name.replace("_checkpoint_wrapped_module.", "").replace("module.", "")
+    if tied and name == "lm_head.weight":
+        return "embed_tokens.weight"
+    return name
+
+
+def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of one micro-batch, computed in fp32."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())

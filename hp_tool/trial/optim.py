@@ -1,0 +1,118 @@
+"""Optimizer, learning-rate schedule and gradient clipping that hold under TP, FSDP and PP.
+
+Parameters may be plain tensors (replicated), DTensors on the ``tp`` mesh, the ``dp`` mesh, or both.
+Fused/foreach kernels need every tensor of one call on the same mesh, so AdamW gets one parameter group
+per (mesh, weight decay) pair. The gradient norm is the norm of the whole model's gradient: DTensor norms
+are reduced over their own mesh (``full_tensor``), replicated ones are counted once, and the squared
+norms of the pipeline stages are summed over the ``pp`` group.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.experimental import implicit_replication
+
+from hp_tool.trial.spec import TrainingSpec
+
+
+def lr_at(step: int, t: TrainingSpec) -> float:
+    """Learning rate of optimizer step ``step`` (0-based): linear warm-up, constant, cosine to min_lr."""
+    if t.warmup_steps > 0 and step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    if step < t.warmup_steps + t.constant_steps:
+        return t.lr
+    decay_steps = max(1, t.max_steps - t.warmup_steps - t.constant_steps)
+    progress = min(1.0, (step - t.warmup_steps - t.constant_steps) / decay_steps)
+    return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def _mesh_key(param: torch.Tensor) -> tuple:
+    if isinstance(param, DTensor):
+        mesh = param.device_mesh
+        return (mesh.mesh_dim_names, tuple(mesh.mesh.flatten().tolist()))
+    return ()
+
+
+def build_optimizer(module: nn.Module, t: TrainingSpec, device: torch.device) -> torch.optim.AdamW:
+    """AdamW with one group per (mesh, decay); matrices decay, biases and norm weights do not."""
+    groups: dict[tuple, list] = {}
+    for param in module.parameters():
+        if param.requires_grad:
+            groups.setdefault((_mesh_key(param), param.ndim >= 2), []).append(param)
+    param_groups = [{"params": params, "weight_decay": t.weight_decay if decay else 0.0}
+                    for (_, decay), params in groups.items()]
+    fused = device.type == "cuda"
+    return torch.optim.AdamW(param_groups, lr=lr_at(0, t), betas=tuple(t.betas),
+                             weight_decay=t.weight_decay, fused=fused, foreach=None if fused else True)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _sum_of_squares(grads: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Global sum of squared entries of these (same-stage) gradients, as a plain fp32 tensor.
+
+    Shards are summed locally and then reduced once per (mesh, sharded mesh dims) group over the mesh
+    dimensions they are sharded on; replicated dimensions are not summed (counted once).
+    """
+    total = torch.zeros((), device=device, dtype=torch.float32)
+    groups: dict[tuple, tuple] = {}
+    for g in grads:
+        if isinstance(g, DTensor):
+            shard_dims = tuple(i for i, pl in enumerate(g.placements) if pl.is_shard())
+            key = (_mesh_key(g), shard_dims)
+            groups.setdefault(key, (g.device_mesh, shard_dims, []))[2].append(g.to_local())
+        else:
+            groups.setdefault((), (None, (), []))[2].append(g)
+    for mesh, shard_dims, tensors in groups.values():
+        squares = torch.stack(torch._foreach_norm(tensors, 2.0)).float().pow(2).sum()
+        for dim in shard_dims:
+            dist.all_reduce(squares, group=mesh.get_group(dim))
+        total = total + squares
+    return total
+
+
+def clip_grad_norm(module: nn.Module, max_norm: float, pp_group: Optional[dist.ProcessGroup],
+                   skip: frozenset = frozenset()) -> torch.Tensor:
+    """Scale gradients so the whole model's L2 norm is at most ``max_norm``; returns the norm before.
+
+    ``skip`` holds ids of parameters held twice in the pipeline (a tied head): counted on one stage only.
+    """
+    params = [p for p in module.parameters() if p.grad is not None]
+    device = _local(params[0]).device if params else torch.device("cpu")
+    total_sq = _sum_of_squares([p.grad for p in params if id(p) not in skip], device)
+    if pp_group is not None:
+        dist.all_reduce(total_sq, group=pp_group)
+    total_norm = total_sq.sqrt()
+    if max_norm > 0 and params:
+        coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+        # Scaling the local shards scales the DTensors; no per-parameter DTensor dispatch needed.
+        torch._foreach_mul_([_local(p.grad) for p in params], coef)
+    return total_norm
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer) -> None:
+    """One optimizer step; plain tensors met by DTensors count as replicated."""
+    with implicit_replication():
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def sync_tied_grads(param: Optional[nn.Parameter], group: Optional[dist.ProcessGroup]) -> None:
+    """Sum the gradients of a weight shared by the first and last pipeline stages (tied embedding)."""
+    if param is None or group is None or param.grad is None:
+        return
+    grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+    dist.all_reduce(grad, group=group)

@@ -1,0 +1,123 @@
+"""Apply a spec's parallel layout to one pipeline stage: TP, then activation checkpointing, then DP.
+
+The order matters and follows torchtitan: tensor parallelism first (it replaces Linear weights by
+DTensor shards on the ``tp`` mesh), then ``checkpoint_wrapper`` around the first ``act_ckpt_layers``
+layers of the stage, then FSDP2 ``fully_shard`` (or FSDP2-style ``replicate`` for plain DDP) on the
+``dp`` mesh, per layer and then for the whole stage. Everything happens on the meta device; the stage is
+materialised afterwards, so each rank only ever allocates its own shard.
+
+Tensor parallelism follows Megatron: q/k/v and the MLP's up (and gate) projections are split by
+columns, the attention output and MLP down projections by rows, so each layer needs one all-reduce in
+forward and one in backward. Embeddings, norms and the head are replicated across the TP group.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from hp_tool.trial.models import CausalLMStage, loss_fn
+from hp_tool.trial.spec import ParallelSpec
+
+log = logging.getLogger(__name__)
+
+# Per family: module names (relative to a decoder layer) split by columns and by rows.
+TP_PLANS = {
+    "gpt3": (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "fc1"),
+             ("self_attn.out_proj", "fc2")),
+    "llama": (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
+               "mlp.up_proj"),
+              ("self_attn.o_proj", "mlp.down_proj")),
+}
+
+
+def apply_tensor_parallel(stage: CausalLMStage, tp_mesh: DeviceMesh) -> None:
+    """Shard each layer's projections over ``tp_mesh`` with ``parallelize_module``."""
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    colwise, rowwise = TP_PLANS[stage.family]
+    plan = {name: ColwiseParallel() for name in colwise}
+    plan.update({name: RowwiseParallel() for name in rowwise})
+    tp = tp_mesh.size()
+    for layer in stage.layers.values():
+        parallelize_module(layer, tp_mesh, plan)
+        attention = layer.self_attn
+        if hasattr(attention, "num_heads"):
+            # OPT reshapes q/k/v with its head count; after the split each rank holds heads/tp of them.
+            attention.num_heads = attention.num_heads // tp
+
+
+def apply_activation_checkpointing(stage: CausalLMStage, num_layers: int) -> None:
+    """Recompute the activations of the first ``num_layers`` layers of this stage in backward."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl, checkpoint_wrapper)
+
+    for key in list(stage.layers.keys())[:num_layers]:
+        stage.layers[key] = checkpoint_wrapper(stage.layers[key],
+                                               checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+
+
+def apply_data_parallel(stage: CausalLMStage, dp_mesh: DeviceMesh, sharding: str,
+                        param_dtype: Optional[torch.dtype]) -> None:
+    """FSDP2 over ``dp_mesh``: full = ZeRO-3, gradients = no reshard after forward, none = DDP.
+
+    ``param_dtype`` (bf16 on GPU) makes FSDP gather and compute in that dtype while the optimizer keeps
+    fp32 master weights; gradients are reduced in fp32.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    if sharding == "none":
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        replicate(stage, mesh=dp_mesh, mp_policy=mp)
+        return
+    reshard = sharding == "full"
+    for layer in stage.layers.values():
+        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+    # The root unit holds embeddings, final norm and head; the last unit is used right after forward.
+    fully_shard(stage, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp)
+
+
+def parallelize_stage(stage: CausalLMStage, par: ParallelSpec, mesh: Optional[DeviceMesh],
+                      param_dtype: Optional[torch.dtype]) -> None:
+    """Apply TP, activation checkpointing and DP to ``stage`` in place (still on meta)."""
+    if par.tp > 1:
+        apply_tensor_parallel(stage, mesh["tp"])
+    if par.act_ckpt_layers > 0:
+        apply_activation_checkpointing(stage, par.act_ckpt_layers)
+    if par.dp > 1:
+        apply_data_parallel(stage, mesh["dp"], par.dp_sharding, param_dtype)
+
+
+def build_schedule(stage: CausalLMStage, par: ParallelSpec, mesh: DeviceMesh, stage_index: int,
+                   n_microbatches: int, device: torch.device):
+    """The pipeline schedule (1F1B, or GPipe) driving this rank's stage over the ``pp`` mesh."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    pipe_stage = PipelineStage(stage, stage_index, par.pp, device, group=mesh["pp"].get_group())
+    schedule_cls = Schedule1F1B if par.pipeline_schedule == "1F1B" else ScheduleGPipe
+    if schedule_cls is Schedule1F1B and n_microbatches < par.pp:
+        log.warning("1F1B needs at least pp=%d micro-batches per step, the spec gives %d; using GPipe",
+                    par.pp, n_microbatches)
+        schedule_cls = ScheduleGPipe
+    # scale_grads divides by the micro-batch count: gradients are the mean over micro-batches, as
+    # with plain gradient accumulation.
+    return schedule_cls(pipe_stage, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
+
+
+def needs_grad_sync_control(par: ParallelSpec) -> bool:
+    """Whether to skip DP gradient reduction on all but the last micro-batch (DDP's no_sync)."""
+    return par.dp > 1 and par.pp == 1 and par.dp_sharding == "none"
+
+
+def set_grad_sync(stage: nn.Module, enabled: bool) -> None:
+    """Turn DP gradient reduction on or off for the next backward (FSDP2 and replicate modules)."""
+    setter = getattr(stage, "set_requires_gradient_sync", None)
+    if setter is not None:
+        setter(enabled)

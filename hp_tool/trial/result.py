@@ -1,0 +1,126 @@
+"""The trial's output contract: ``metrics.jsonl`` lines and ``result.json``, and how they are filled.
+
+The results collector reads exactly these names; :data:`METRIC_FIELDS` and :data:`RESULT_FIELDS` are
+the single place they are defined. Values that could not be measured are JSON ``null``.
+
+``metrics.jsonl`` (one line per optimizer step, appended and flushed by rank 0):
+    step (1-based), step_time_s, loss, lr, tokens (global, this step), memory_gb (rank 0's peak so far,
+    GB = 1e9 bytes), timed (false for warm-up steps), time (unix seconds).
+
+``result.json`` (written atomically by rank 0; by a failing rank too, so a status is always left):
+    status: ok (at least one timed step), timeout (time budget or signal before any timed step),
+    oom, failed, cancelled; reason; stop_reason: max_steps, time_budget, stable, signal, or null on
+    failure; step-time statistics over the timed steps (seconds); throughput of one optimizer step of
+    the spec's global batch on the spec's layout; peak memory per GPU (max over ranks, GB); versions;
+    start and end times (ISO 8601 UTC).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import traceback
+from importlib import metadata
+from pathlib import Path
+from typing import Optional
+
+from hp_tool.architectures import model_flops_per_step
+from hp_tool.fsutil import atomic_write_json
+from hp_tool.trial.spec import TrialSpec
+
+METRICS_FILE = "metrics.jsonl"
+RESULT_FILE = "result.json"
+FAILURE_DIR = "rank_failures"  # per-rank failure notes, read by rank 0 to name the root cause
+
+METRIC_FIELDS = ("step", "step_time_s", "loss", "lr", "tokens", "memory_gb", "timed", "time")
+RESULT_FIELDS = (
+    "trial_id", "status", "reason", "stop_reason", "steps_run", "steps_measured",
+    "step_time_s_median", "step_time_s_mean", "step_time_s_std", "samples_per_s", "tokens_per_s",
+    "tokens_per_s_per_gpu", "model_tflops_per_gpu", "mfu", "peak_memory_gb",
+    "peak_memory_reserved_gb", "world_size", "device", "backend", "first_losses", "final_loss",
+    "versions", "start_time", "end_time",
+)
+STATUSES = ("ok", "oom", "timeout", "failed", "cancelled")
+STOP_REASONS = ("max_steps", "time_budget", "stable", "signal")
+FIRST_LOSSES = 5  # losses of the first steps kept in result.json (layout-equivalence checks)
+TRACEBACK_TAIL_CHARS = 2000
+
+
+def iso_utc(unix_s: float) -> str:
+    return datetime.datetime.fromtimestamp(unix_s, datetime.timezone.utc).isoformat()
+
+
+def versions() -> dict:
+    """Versions of python, torch, transformers and hp_tool (None where not installed)."""
+    found = {"python": platform.python_version()}
+    for name in ("torch", "transformers", "hp_tool"):
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def throughput(spec: TrialSpec, median_step_s: Optional[float], world_size: int) -> dict:
+    """samples/s, tokens/s (all and per GPU), model TFLOPS per GPU and MFU from the median step time."""
+    keys = ("samples_per_s", "tokens_per_s", "tokens_per_s_per_gpu", "model_tflops_per_gpu", "mfu")
+    if not median_step_s:
+        return dict.fromkeys(keys)
+    gbs = spec.training.global_batch_size
+    tokens_per_s = gbs * spec.model.seq_length / median_step_s
+    tflops = model_flops_per_step(spec.model.shape(), gbs) / median_step_s / world_size / 1e12
+    return {"samples_per_s": gbs / median_step_s, "tokens_per_s": tokens_per_s,
+            "tokens_per_s_per_gpu": tokens_per_s / world_size, "model_tflops_per_gpu": tflops,
+            "mfu": tflops / spec.resources.peak_tflops_per_gpu}
+
+
+def is_oom(exc: BaseException) -> bool:
+    """Out of memory on GPU (torch.OutOfMemoryError) or CPU (MemoryError, failed allocation)."""
+    import torch
+
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    text = str(exc).lower()
+    return any(s in text for s in ("out of memory", "can't allocate memory", "cannot allocate memory",
+                                   "std::bad_alloc"))
+
+
+def describe_failure(exc: BaseException, rank: int) -> dict:
+    """status (oom/failed) and a reason naming the rank, the exception type and its traceback tail."""
+    tail = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    tail = tail[-TRACEBACK_TAIL_CHARS:]
+    status = "oom" if is_oom(exc) else "failed"
+    return {"status": status, "reason": f"rank {rank}: {type(exc).__name__}: {exc}\n{tail}"}
+
+
+def empty_result(spec: TrialSpec) -> dict:
+    """Every contract field, unmeasured (null)."""
+    result = dict.fromkeys(RESULT_FIELDS)
+    result.update(trial_id=spec.trial_id, steps_run=0, steps_measured=0, first_losses=[],
+                  versions=versions())
+    return result
+
+
+def write_result(output_dir: Path, result: dict) -> Path:
+    """Write ``result.json`` atomically, fields in contract order."""
+    missing = set(RESULT_FIELDS) - set(result)
+    if missing:
+        raise ValueError(f"result is missing contract fields {sorted(missing)}")
+    return atomic_write_json(output_dir / RESULT_FILE, {k: result[k] for k in RESULT_FIELDS})
+
+
+def write_rank_failure(output_dir: Path, rank: int, failure: dict, unix_s: float) -> None:
+    """Leave this rank's failure where rank 0 can find it."""
+    atomic_write_json(output_dir / FAILURE_DIR / f"rank{rank}.json", {**failure, "time": unix_s})
+
+
+def earliest_rank_failure(output_dir: Path) -> Optional[dict]:
+    """The first failure any rank recorded (the root cause; later ones are usually its echo)."""
+    notes = []
+    for path in sorted((output_dir / FAILURE_DIR).glob("rank*.json")):
+        try:
+            notes.append(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError):
+            continue
+    return min(notes, key=lambda n: n.get("time", float("inf")), default=None)
