@@ -1,0 +1,197 @@
+"""Run one trial: train the spec's model on the spec's layout inside its time box and leave results.
+
+    torchrun --nproc-per-node 4 -m hp_tool.trial.train SPEC.yaml [--output-dir DIR]
+    srun python -m hp_tool.trial.train SPEC.yaml
+    run_trial(spec_path, output_dir=None)   # from a submitit job, after
+                                            # submitit.helpers.TorchDistributedEnvironment().export()
+
+Rank 0 appends ``metrics.jsonl`` every step and writes ``result.json`` at the end (see result.py). Any
+exception becomes status ``oom`` or ``failed``; in a multi-process run the failing rank records it and
+leaves at once (``os._exit``), so the other ranks' collectives fail fast instead of hanging, and rank 0
+writes the earliest failure as the trial's reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from hp_tool.trial import dist as tdist
+from hp_tool.trial import measure, result as res
+from hp_tool.trial.engine import Engine, build_engine, train_step
+from hp_tool.trial.optim import lr_at
+from hp_tool.trial.spec import TrialSpec, load_spec
+
+log = logging.getLogger(__name__)
+
+FAILURE_GRACE_S = 1.0  # rank 0 waits this long for other ranks' failure notes before writing
+
+
+def output_dir_for(spec: TrialSpec, output_dir: Optional[str]) -> Path:
+    """``output_dir`` if given, else spec.run.output_dir, else ./training_logs/<trial_id>."""
+    chosen = output_dir or spec.run.output_dir or str(Path("training_logs") / spec.trial_id)
+    return Path(chosen)
+
+
+def apply_memory_cap(spec: TrialSpec, device: torch.device) -> None:
+    """On CPU, cap this process's address space at run.memory_cap_gb so over-allocation fails for real."""
+    cap = spec.run.memory_cap_gb
+    if cap is None or device.type != "cpu":
+        return
+    limit = int(cap * measure.GB)
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    log.info("address space capped at %.2f GB (run.memory_cap_gb)", limit / measure.GB)
+
+
+def _reduce(values: list[float], op, device: torch.device) -> list[float]:
+    """All-reduce a few floats over the world (identity for one process)."""
+    if not dist.is_initialized():
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=op)
+    return tensor.tolist()
+
+
+def _stop_code(rule: measure.StopRule, steps: int, elapsed: float, last: float, timed: list,
+               signalled: bool, device: torch.device) -> Optional[str]:
+    """Rank 0's stop decision, shared with every rank so all leave the loop after the same step."""
+    reason = rule.reason(steps, elapsed, last, timed, signalled)
+    if dist.is_initialized():
+        code = torch.tensor([measure_index(reason)], device=device)
+        dist.broadcast(code, src=0)
+        reason = (None,) + res.STOP_REASONS
+        return reason[int(code.item())]
+    return reason
+
+
+def measure_index(reason: Optional[str]) -> int:
+    return 0 if reason is None else res.STOP_REASONS.index(reason) + 1
+
+
+def run_loop(engine: Engine, out: Path, t_start: float, flag: measure.SignalFlag) -> dict:
+    """Train until the stop rule fires; returns steps run, timed step times, losses and stop reason."""
+    spec, device, rank0 = engine.spec, engine.device, engine.env.rank == 0
+    rule = measure.StopRule(spec.run, measure.time_budget_s(spec.run), measure.effective_warmup(spec.run))
+    share = 1.0 / (spec.parallel.dp * spec.parallel.tp)  # last-stage ranks each add their share
+    tokens = spec.training.global_batch_size * spec.model.seq_length
+    writer = measure.MetricsWriter(out / res.METRICS_FILE, enabled=rank0)
+    timed, losses, step, reason = [], [], 0, None
+    try:
+        while reason is None:
+            begin = measure.now_s()
+            loss = train_step(engine, step)
+            measure.synchronize(device)
+            local = float(loss) * share if loss is not None and engine.is_last_stage else 0.0
+            loss_sum, signals = _reduce([local, float(flag.received is not None)], dist.ReduceOp.SUM,
+                                        device)
+            step_s = measure.now_s() - begin
+            step += 1
+            is_timed = step > rule.warmup
+            if is_timed:
+                timed.append(step_s)
+            losses.append(loss_sum if dist.is_initialized() else float(loss))
+            writer.write({"step": step, "step_time_s": step_s, "loss": losses[-1],
+                          "lr": lr_at(step - 1, spec.training), "tokens": tokens,
+                          "memory_gb": measure.peak_memory_gb(device)[0], "timed": is_timed,
+                          "time": time.time()})
+            reason = _stop_code(rule, step, measure.now_s() - t_start, step_s, timed, signals > 0,
+                                device)
+    finally:
+        writer.close()
+    return {"steps_run": step, "timed": timed, "losses": losses, "stop_reason": reason}
+
+
+def _finish(spec: TrialSpec, result: dict, outcome: dict, device: torch.device, world: int) -> dict:
+    """Fill the result's measurements from the loop outcome (peak memory: max over ranks)."""
+    stats = measure.step_stats(outcome["timed"])
+    peak, reserved = measure.peak_memory_gb(device)
+    peak, reserved_max = _reduce([peak, reserved or 0.0], dist.ReduceOp.MAX, device)
+    measured = stats["count"] > 0
+    result.update(
+        status="ok" if measured else "timeout",
+        reason=None if measured else f"stopped by {outcome['stop_reason']} before any timed step",
+        stop_reason=outcome["stop_reason"], steps_run=outcome["steps_run"],
+        steps_measured=stats["count"], step_time_s_median=stats["median"],
+        step_time_s_mean=stats["mean"], step_time_s_std=stats["std"],
+        peak_memory_gb=peak, peak_memory_reserved_gb=reserved_max if reserved is not None else None,
+        first_losses=outcome["losses"][:res.FIRST_LOSSES],
+        final_loss=outcome["losses"][-1] if outcome["losses"] else None,
+        end_time=res.iso_utc(time.time()),
+    )
+    result.update(res.throughput(spec, stats["median"], world))
+    return result
+
+
+def _fail(exc: Exception, spec: TrialSpec, result: dict, out: Path, env: tdist.DistEnv) -> dict:
+    """Record the failure; rank 0 names the earliest failure of any rank. Multi-process: exit at once."""
+    failure = res.describe_failure(exc, env.rank)
+    log.error("trial %s failed on rank %d: %s", spec.trial_id, env.rank, failure["reason"])
+    res.write_rank_failure(out, env.rank, failure, time.time())
+    if env.world_size > 1 and env.rank == 0:
+        time.sleep(FAILURE_GRACE_S)
+    root = res.earliest_rank_failure(out) or failure
+    result.update(status=root["status"], reason=root["reason"], stop_reason=None,
+                  end_time=res.iso_utc(time.time()))
+    if env.rank == 0 or not (out / res.RESULT_FILE).exists():
+        res.write_result(out, result)  # a non-zero rank writes too, in case rank 0 is gone
+    if env.world_size > 1:
+        logging.shutdown()
+        os._exit(1)  # skip collectives and atexit hooks that could wait on dead peers
+    return result
+
+
+def run_trial(spec_path: str | os.PathLike, output_dir: Optional[str] = None) -> dict:
+    """Run the trial described by ``spec_path``; returns result.json's content (rank 0's view)."""
+    t_start, wall_start = measure.now_s(), time.time()
+    spec = load_spec(spec_path)
+    out = output_dir_for(spec, output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    env = tdist.read_env()
+    device = tdist.select_device(env)
+    result = res.empty_result(spec)
+    result.update(world_size=env.world_size, device=device.type,
+                  backend=tdist.backend_name(env, device), start_time=res.iso_utc(wall_start))
+    flag = measure.SignalFlag()
+    flag.install()
+    try:
+        apply_memory_cap(spec, device)
+        tdist.init_distributed(env, device)
+        engine = build_engine(spec, env, device)
+        outcome = run_loop(engine, out, t_start, flag)
+        _finish(spec, result, outcome, device, env.world_size)
+        if env.rank == 0:
+            res.write_result(out, result)
+        tdist.shutdown()
+        return result
+    except Exception as exc:  # every failure must leave a status on disk
+        return _fail(exc, spec, result, out, env)
+    finally:
+        flag.restore()
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hp_tool.trial.train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("spec", help="TrialSpec YAML")
+    parser.add_argument("--output-dir", default=None, help="default: the spec's run.output_dir")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s rank{tdist.read_env().rank} %(levelname)s %(name)s: %(message)s")
+    result = run_trial(args.spec, args.output_dir)
+    return 0 if result["status"] in ("ok", "timeout", "cancelled") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""Tiny TrialSpecs and process launchers shared by the trial engine tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from hp_tool.trial.spec import (ModelSpec, ParallelSpec, ResourcesSpec, RunSpec, TrainingSpec,
+                                TrialSpec, dump_spec)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tiny_spec(family: str = "gpt3", tp: int = 1, pp: int = 1, dp: int = 1, mbs: int = 2,
+              gbs: int = 8, act_ckpt: int = 0, max_steps: int = 3, **run) -> TrialSpec:
+    """4 layers, hidden 64, 4 heads (2 kv heads for Llama), vocab 512, seq 64: a step takes milliseconds."""
+    kv = 2 if family == "llama" else 4
+    ffn = 176 if family == "llama" else 256
+    model = ModelSpec(family=family, num_layers=4, hidden_size=64, num_attention_heads=4,
+                      num_kv_heads=kv, ffn_hidden_size=ffn, vocab_size=512, seq_length=64)
+    parallel = ParallelSpec(tp=tp, pp=pp, dp=dp, mbs=mbs, act_ckpt_layers=act_ckpt,
+                            dp_sharding=run.pop("dp_sharding", "full"))
+    training = TrainingSpec(global_batch_size=gbs, lr=1e-3, min_lr=1e-4, warmup_steps=1,
+                            max_steps=100, seed=1234)
+    run_spec = RunSpec(max_steps=max_steps, warmup_steps=run.pop("warmup_steps", 1),
+                       stable_cv=run.pop("stable_cv", 0.0), **run)
+    trial_id = f"{family}_tiny_tp{tp}_pp{pp}_dp{dp}_mbs{mbs}_ac{act_ckpt}"
+    return TrialSpec(trial_id=trial_id, model=model, parallel=parallel, training=training,
+                     resources=ResourcesSpec(num_nodes=1, gpus_per_node=tp * pp * dp,
+                                             peak_tflops_per_gpu=1.0),
+                     run=run_spec)
+
+
+def write_spec(spec: TrialSpec, folder: Path) -> Path:
+    return dump_spec(spec, folder / f"{spec.trial_id}.yaml")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(spec_path: Path, out: Path, nproc: int, env: dict | None = None,
+             timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run the engine under torchrun with ``nproc`` CPU processes (gloo)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+           f"--master-port={free_port()}", "-m", "hp_tool.trial.train", str(spec_path),
+           "--output-dir", str(out)]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
+    return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+def read_result(out: Path) -> dict:
+    return json.loads((out / "result.json").read_text())
+
+
+def read_metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
