@@ -13,7 +13,7 @@ from hp_tool.architectures import Shape, count_parameters, gpt3_shape
 from hp_tool.config import AppConfig, TrainSettings
 from hp_tool.errors import ConfigError, require
 from hp_tool.estimate.layout import Hardware
-from hp_tool.sizing import days_to_train, recommend_model_size_b, size_label
+from hp_tool.sizing import days_to_train, format_days, recommend_model_size_b, size_label
 from hp_tool.tables import GPT3_GBS_TP_PP, GPT3_SHAPE, lookup
 from hp_tool.trial.spec import (FullRunSpec, ModelSpec, ParallelSpec, ResourcesSpec, RunSpec, TrainingSpec,
                                 TrialSpec, make_trial_id)
@@ -62,9 +62,9 @@ class ModelChoice:
 
     def sentence(self, days: float, cluster: Cluster, ts: TrainSettings) -> str:
         how = "Recommended model size" if self.recommended else "Model size"
-        return (f"{how}: {self.num_parameters / 1e9:.3g}B parameters ({self.shape.num_layers} layers x "
+        return (f"{how}: {size_label(self.num_parameters).upper()} parameters ({self.shape.num_layers} layers x "
                 f"{self.shape.hidden_size} hidden); training on {ts.num_tokens_in_b:g}B tokens with "
-                f"{cluster.gpus} GPUs at {ts.tflops_per_gpu:g} TFLOPS each takes about {days:g} days.")
+                f"{cluster.gpus} GPUs at {ts.tflops_per_gpu:g} TFLOPS each takes about {format_days(days)}.")
 
 
 def choose_model(app: AppConfig, cluster: Cluster) -> ModelChoice:
@@ -160,4 +160,4 @@ def _fit_base_layout(s: Shape, tp: int, pp: int, gpus: int, gpn: int) -> tuple[i
 def days_for(model: ModelChoice, app: AppConfig, cluster: Cluster) -> float:
     ts = app.search_config.train_settings
     return days_to_train(app.search_config.model_family, model.size_b, cluster.gpus,
-                         ts.tflops_per_gpu, ts.num_tokens_in_b)
+                         ts.tflops_per_gpu, ts.num_tokens_in_b, ndigits=None)

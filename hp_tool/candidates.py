@@ -98,7 +98,7 @@ def invalid_reason(shape: Shape, c: Candidate, gbs: int, cluster: Cluster,
         return "act_ckpt_layers", (f"{c.act_ckpt_layers} checkpointed layers exceed the "
                                    f"{shape.num_layers // c.pp} layers per stage")
     if gbs % (c.mbs * c.dp):
-        return "micro_batch_sizes", f"GBS={gbs} not divisible by MBS*DP={c.mbs}*{c.dp}"
+        return "global_batch_size", f"GBS={gbs} not divisible by MBS*DP={c.mbs}*{c.dp}"
     return None
 
 
@@ -126,10 +126,11 @@ def estimate(shape: Shape, c: Candidate, gbs: int, cluster: Cluster, dp_sharding
     c.model_tflops_per_gpu = model_flops_per_step(shape, gbs) / (step * cluster.gpus) / 1e12
 
 
-def plan_candidates(shape: Shape, size_b: float, ts: TrainSettings, cluster: Cluster,
-                    gbs: int) -> list[Candidate]:
-    """Every candidate of the grid, with status and reason; selected ones ranked fastest first."""
-    grid = build_grid(ts, size_b, shape.num_layers)
+def plan_candidates(shape: Shape, size_b: float, ts: TrainSettings, cluster: Cluster, gbs: int,
+                    grid: Optional[Grid] = None) -> list[Candidate]:
+    """Every candidate of the grid (default: ``build_grid``), with status and reason; selected ones
+    ranked fastest first."""
+    grid = grid or build_grid(ts, size_b, shape.num_layers)
     usable = cluster.hw.gpu_memory_gb * (1 - ts.memory_margin)
     out: list[Candidate] = []
     for tp, pp, mbs in itertools.product(grid.tp, grid.pp, grid.mbs):

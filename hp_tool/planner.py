@@ -17,7 +17,7 @@ from hp_tool.trial.spec import EstimatesSpec, FullRunSpec, ParallelSpec, Resourc
 FIXES = {
     "tensor_parallel_sizes": "use TP values that divide the head count and fit in one node",
     "pipeline_parallel_sizes": "use PP values that divide the layer count",
-    "micro_batch_sizes": "use micro-batch sizes (or a global_batch_size) so that GBS % (MBS*DP) == 0",
+    "global_batch_size": "use a global_batch_size (and micro_batch_sizes) with GBS % (MBS*DP) == 0",
     "act_ckpt_layers": "use values between 0 and num_layers / PP",
     "num_nodes": "use a GPU count divisible by TP*PP",
     "max_model_parallel_size": "widen min_model_parallel_size / max_model_parallel_size",

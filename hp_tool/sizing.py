@@ -22,11 +22,21 @@ def recommend_model_size_b(family: str, days: float, gpus: int, tflops_per_gpu: 
     return round(p * flops / (8 * tokens_b * 1e9) / 1e9, 2)
 
 
-def days_to_train(family: str, size_b: float, gpus: int, tflops_per_gpu: float, tokens_b: float) -> float:
+def days_to_train(family: str, size_b: float, gpus: int, tflops_per_gpu: float, tokens_b: float,
+                  ndigits: int | None = 2) -> float:
     """Days to train ``size_b`` billion parameters on ``tokens_b`` billion tokens at ``tflops_per_gpu``."""
     _, q = _family_factors(family)
     seconds = q * size_b * 1e9 * 8 * tokens_b * 1e9 / (gpus * tflops_per_gpu * 1e12)
-    return round(seconds / SECONDS_PER_DAY, 2)
+    days = seconds / SECONDS_PER_DAY
+    return days if ndigits is None else round(days, ndigits)
+
+
+def format_days(days: float) -> str:
+    """'33.9 days', '5.2 hours', '42 minutes': three significant digits in the unit that reads best."""
+    for unit, per_day in (("days", 1), ("hours", 24), ("minutes", 1440)):
+        if days * per_day >= 1 or unit == "minutes":
+            return f"{float(f'{days * per_day:.3g}'):g} {unit}"
+    raise AssertionError("unreachable")
 
 
 def size_label(num_parameters: float) -> str:

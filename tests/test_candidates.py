@@ -1,0 +1,124 @@
+"""Grid properties: kept candidates are valid and fit, overrides are respected, every rejection has a reason."""
+
+import pytest
+
+from hp_tool.candidates import INVALID, OVER_LIMIT, PRUNED, SELECTED
+from hp_tool.cli import compose
+from hp_tool.config import to_app_config
+from hp_tool.errors import ConfigError
+from hp_tool.planner import make_plan
+
+
+def plan(tmp_path, *overrides):
+    cfg, name = compose(list(overrides))
+    return make_plan(to_app_config(cfg), name, tmp_path / name)
+
+
+def assert_valid(p, c):
+    s, gpus = p.model.shape, p.cluster.gpus
+    assert s.num_attention_heads % c.tp == 0
+    assert s.num_layers % c.pp == 0
+    assert gpus == c.tp * c.pp * c.dp
+    assert p.base.training.global_batch_size % (c.mbs * c.dp) == 0
+    assert 0 <= c.act_ckpt_layers <= s.num_layers // c.pp
+    usable = p.cluster.hw.gpu_memory_gb * (1 - 0.05)
+    assert c.memory_gb <= usable and c.full_memory_gb <= usable
+
+
+@pytest.mark.parametrize("name", ["gpt3/126m", "gpt3/5b", "gpt3/20b", "gpt3/175b", "gpt3/unknown_size"])
+def test_selected_candidates_are_valid_fit_and_ordered(tmp_path, name):
+    p = plan(tmp_path, f"search_config={name}")
+    selected = [c for c in p.candidates if c.status == SELECTED]
+    assert 0 < len(selected) <= 30  # limit_search_runs of the shipped configs
+    for c in selected:
+        assert_valid(p, c)
+    ranks = sorted(selected, key=lambda c: c.rank)
+    times = [c.step_time_s for c in ranks]
+    assert times == sorted(times)
+    assert [s.trial_id for s in p.specs] == [
+        f"gpt3_{p.model.label}_tp{c.tp}_pp{c.pp}_mbs{c.mbs}_ac{c.act_ckpt_layers}" for c in ranks]
+    for c in p.candidates:
+        if c.status != SELECTED:
+            assert c.reason and c.reason_key.startswith("search_config.")
+        if c.status == PRUNED:
+            assert max(c.memory_gb, c.full_memory_gb) > p.cluster.hw.gpu_memory_gb * 0.95
+        if c.status == OVER_LIMIT:
+            assert c.rank > 30
+
+
+def test_5b_heuristic_grid(tmp_path):
+    p = plan(tmp_path, "search_config=gpt3/5b")
+    assert {c.tp for c in p.candidates} == {1, 2, 4}
+    assert {c.pp for c in p.candidates} == {1}
+    assert {c.mbs for c in p.candidates} == {1, 2, 3, 4, 6, 8}
+    assert {c.act_ckpt_layers for c in p.candidates} == {0, 8, 16, 24}  # 8 // PP steps for 1-11.3B
+
+
+def test_overrides_are_respected(tmp_path):
+    p = plan(tmp_path, "search_config=gpt3/5b",
+             "search_config.train_settings.tensor_parallel_sizes=[1,2]",
+             "search_config.train_settings.micro_batch_sizes=[1,2,4]",
+             "search_config.train_settings.act_ckpt_layers=[0,4]")
+    assert {c.tp for c in p.candidates} == {1, 2}
+    assert {c.mbs for c in p.candidates} == {1, 2, 4}
+    assert {c.act_ckpt_layers for c in p.candidates} == {0, 4}
+    assert len(p.candidates) == 2 * 1 * 3 * 2
+
+
+def test_invalid_override_values_are_kept_with_reasons(tmp_path):
+    p = plan(tmp_path, "search_config=gpt3/5b", "search_config.train_settings.tensor_parallel_sizes=[1,3]",
+             "search_config.train_settings.pipeline_parallel_sizes=[1,5]")
+    tp3 = [c for c in p.candidates if c.tp == 3]
+    pp5 = [c for c in p.candidates if c.pp == 5 and c.tp == 1]
+    assert tp3 and all(c.status == INVALID and "TP=3 does not divide the 32 heads" in c.reason for c in tp3)
+    assert pp5 and all(c.status == INVALID and "PP=5 does not divide the 24 layers" in c.reason for c in pp5)
+
+
+def test_tiny_demo_grid(tmp_path):
+    p = plan(tmp_path, "search_config=gpt3/tiny")
+    selected = [c for c in p.candidates if c.status == SELECTED]
+    assert 6 <= len(selected) <= 12
+    assert any(c.tp == 2 for c in selected) and any(c.pp == 2 for c in selected)
+    for spec in p.specs:  # every trial fits on the 2 local processes
+        assert spec.resources.num_nodes * spec.resources.gpus_per_node == 2
+        assert spec.parallel.tp * spec.parallel.pp * spec.parallel.dp == 2
+
+
+def test_memory_pruning_with_margin(tmp_path):
+    tight = plan(tmp_path, "search_config=gpt3/5b", "search_config.train_settings.gpu_memory_gb=40")
+    roomy = plan(tmp_path, "search_config=gpt3/5b", "search_config.train_settings.gpu_memory_gb=80")
+    n_pruned = lambda p: sum(c.status == PRUNED for c in p.candidates)  # noqa: E731
+    assert n_pruned(tight) > n_pruned(roomy)
+    margin = plan(tmp_path, "search_config=gpt3/5b", "search_config.train_settings.gpu_memory_gb=40",
+                  "search_config.train_settings.memory_margin=0.3")
+    assert n_pruned(margin) > n_pruned(tight)
+
+
+def test_limit_search_runs_caps_selection(tmp_path):
+    p = plan(tmp_path, "search_config=gpt3/5b", "search_config.train_settings.limit_search_runs=3")
+    assert len(p.specs) == 3
+    assert sum(c.status == OVER_LIMIT for c in p.candidates) > 0
+
+
+@pytest.mark.parametrize("override, key", [
+    ("search_config.train_settings.tensor_parallel_sizes=[3]", "search_config.train_settings.tensor_parallel_sizes"),
+    ("search_config.train_settings.pipeline_parallel_sizes=[5,7]", "search_config.train_settings.pipeline_parallel_sizes"),
+    ("search_config.train_settings.global_batch_size=1001", "search_config.train_settings.global_batch_size"),
+    ("search_config.train_settings.act_ckpt_layers=[25]", "search_config.train_settings.act_ckpt_layers"),
+    ("search_config.train_settings.gpu_memory_gb=4", "search_config.train_settings.gpu_memory_gb"),
+])
+def test_nothing_runnable_is_a_clear_error(tmp_path, override, key):
+    with pytest.raises(ConfigError) as exc:
+        plan(tmp_path, "search_config=gpt3/5b", override)
+    assert exc.value.key == key
+    assert not (tmp_path / "gpt3").exists()
+
+
+def test_trial_runs_on_fewest_whole_nodes(tmp_path):
+    p = plan(tmp_path, "search_config=gpt3/175b")
+    for spec in p.specs:
+        mp = spec.parallel.tp * spec.parallel.pp
+        assert spec.resources.num_nodes == -(-mp // 8)
+        assert spec.full_run.num_nodes == 128
+        per_replica_full = spec.full_run.global_batch_size // spec.full_run.dp
+        assert spec.training.global_batch_size // spec.parallel.dp == per_replica_full

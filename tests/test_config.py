@@ -1,0 +1,84 @@
+"""Every shipped config composes and validates; bad input fails with the key, the value and the fix."""
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ConfigKeyError, ValidationError
+
+from hp_tool.cli import available_search_configs, compose
+from hp_tool.config import AppConfig, to_app_config
+from hp_tool.errors import ConfigError
+
+SHIPPED = available_search_configs()
+
+
+def load(*overrides: str) -> AppConfig:
+    cfg, _ = compose(list(overrides))
+    return to_app_config(cfg)
+
+
+def test_all_gpt3_sizes_are_shipped():
+    for size in ("tiny", "126m", "400m", "1b", "2b", "5b", "8b", "20b", "43b", "175b", "unknown_size"):
+        assert f"gpt3/{size}" in SHIPPED
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+@pytest.mark.parametrize("cluster", ["local", "auto", "bcm"])
+def test_every_shipped_config_composes_and_validates(name, cluster):
+    app = load(f"search_config={name}", f"cluster={cluster}", "cluster.partition=batch")
+    assert app.search_config.model_family == "gpt3"
+    assert app.cluster.type == cluster
+
+
+def test_defaults():
+    cfg, name = compose([])
+    app = to_app_config(cfg)
+    assert name == "gpt3/5b"
+    assert app.cluster.type == "auto"
+    assert app.base_results_dir == "results"
+    assert app.dry_run is False and app.wandb.enable is False
+
+
+def test_list_override_from_the_command_line():
+    app = load("search_config.train_settings.tensor_parallel_sizes=[1,2]",
+               "search_config.train_settings.micro_batch_sizes=[1,2,4]")
+    assert app.search_config.train_settings.tensor_parallel_sizes == [1, 2]
+    assert app.search_config.train_settings.micro_batch_sizes == [1, 2, 4]
+
+
+def test_unknown_key_fails_at_compose_with_its_name():
+    with pytest.raises((ConfigCompositionException, ConfigKeyError)) as exc:
+        load("search_config.train_settings.tensor_paralel_sizes=[1]")
+    assert "tensor_paralel_sizes" in str(exc.value)
+
+
+def test_wrong_type_fails_at_compose_with_its_name():
+    with pytest.raises((ConfigCompositionException, ValidationError)) as exc:
+        load("search_config.train_settings.num_nodes=many")
+    assert "num_nodes" in str(exc.value)
+
+
+@pytest.mark.parametrize("override, key", [
+    ("search_config.train_settings.num_nodes=0", "search_config.train_settings.num_nodes"),
+    ("search_config.train_settings.micro_batch_sizes=[0,2]", "search_config.train_settings.micro_batch_sizes"),
+    ("search_config.train_settings.tensor_parallel_sizes=[]", "search_config.train_settings.tensor_parallel_sizes"),
+    ("search_config.train_settings.seq_length=-5", "search_config.train_settings.seq_length"),
+    ("search_config.train_settings.vocab_size=1", "search_config.train_settings.vocab_size"),
+    ("search_config.train_settings.memory_margin=1.5", "search_config.train_settings.memory_margin"),
+    ("search_config.inference_settings.end_id=99999999", "search_config.inference_settings.end_id"),
+    ("search_config.inference_settings.max_batch_sizes=[]", "search_config.inference_settings.max_batch_sizes"),
+    ("cluster.gpus_per_node=0", "cluster.gpus_per_node"),
+    ("cluster.type=slurm", "cluster.type"),
+])
+def test_bad_values_name_key_value_and_fix(override, key):
+    with pytest.raises(ConfigError) as exc:
+        load(override)
+    assert exc.value.key == key
+    assert str(exc.value).startswith(f"{key}=")
+    assert "Fix:" in str(exc.value)
+
+
+def test_slurm_cluster_requires_a_partition():
+    with pytest.raises(ConfigError) as exc:
+        load("cluster=bcm")
+    assert exc.value.key == "cluster.partition"
+    assert load("cluster=bcm", "cluster.partition=batch").cluster.partition == "batch"

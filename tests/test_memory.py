@@ -1,0 +1,59 @@
+"""Memory model against published numbers (Korthikanti et al. 2022; ZeRO paper)."""
+
+import pytest
+
+from hp_tool.architectures import gpt3_shape
+from hp_tool.estimate.layout import Hardware, Layout
+from hp_tool.estimate.memory import activation_bytes_per_layer, estimate_memory, model_state_bytes
+
+GIB, MIB = 2**30, 2**20
+
+
+def test_activation_per_layer_gpt3_175b_no_parallelism():
+    assert activation_bytes_per_layer(2048, 1, 12288, 96) / GIB == pytest.approx(2.67, abs=0.005)
+
+
+def test_activation_per_layer_tp8_sequence_parallel_selective_recompute():
+    got = activation_bytes_per_layer(2048, 1, 12288, 96, tp=8, sequence_parallel=True, store_scores=False)
+    assert got / MIB == pytest.approx(102, abs=0.5)
+
+
+def test_tensor_parallel_without_sp_keeps_replicated_part():
+    full = activation_bytes_per_layer(2048, 1, 12288, 96, tp=1, store_scores=False)
+    tp8 = activation_bytes_per_layer(2048, 1, 12288, 96, tp=8, store_scores=False)
+    assert tp8 == pytest.approx(full * (10 + 24 / 8) / 34)
+
+
+def test_model_states_follow_zero_table():
+    psi = 1e9
+    assert model_state_bytes(psi, 8, "none") == 16 * psi
+    assert model_state_bytes(psi, 8, "gradients") == 2 * psi + 14 * psi / 8
+    assert model_state_bytes(psi, 8, "full") == 16 * psi / 8
+    assert model_state_bytes(psi, 1, "full") == 16 * psi
+
+
+HW = Hardware(gpus_per_node=8, gpu_memory_gb=80, peak_tflops=312, intra_node_bandwidth_gbps=200,
+              inter_node_bandwidth_gbps=25, memory_overhead_gb=3.0)
+
+
+def test_checkpointing_and_smaller_microbatch_lower_activations():
+    shape, _ = gpt3_shape(5, 51200, 2048)
+    base = estimate_memory(shape, Layout(1, 1, 8, 4, 0, 256), HW)
+    ckpt = estimate_memory(shape, Layout(1, 1, 8, 4, 12, 256), HW)
+    small = estimate_memory(shape, Layout(1, 1, 8, 1, 0, 256), HW)
+    assert ckpt.activations_gb < base.activations_gb
+    assert small.activations_gb == pytest.approx(base.activations_gb / 4)
+    assert base.overhead_gb == 3.0
+
+
+def test_pipeline_first_stage_holds_about_all_layers_in_flight():
+    shape, _ = gpt3_shape(20, 51200, 2048)
+    pp1 = estimate_memory(shape, Layout(1, 1, 8, 1, 0, 64), HW).activations_gb
+    pp4 = estimate_memory(shape, Layout(1, 4, 2, 1, 0, 64), HW).activations_gb
+    assert pp4 == pytest.approx(pp1, rel=0.01)  # 4 micro-batches in flight x L/4 layers
+
+
+def test_logits_term_uses_the_vocabulary():
+    shape, _ = gpt3_shape(1, 51200, 2048)
+    est = estimate_memory(shape, Layout(1, 1, 8, 2, 0, 256), HW)
+    assert est.logits_gb == pytest.approx(2 * 2048 * 51200 * (2 + 8) / 1e9)
