@@ -215,6 +215,8 @@ class AppConfig:
     run_training_hp_search: bool = True
     run_inference_hp_search: bool = False
     dry_run: bool = False  # plan only: print the candidate table and stop
+    detach: bool = False  # submit the trials and exit; re-run the same command to collect
+    cancel: bool = False  # cancel this search's jobs that have no result yet, then exit
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 

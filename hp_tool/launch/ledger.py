@@ -1,0 +1,64 @@
+"""jobs.jsonl: the search's memory of what it submitted. Append-only; the last line per trial wins.
+
+A line is written *before* a submission (state ``submitting``) and again with the job id after it, so an
+orchestrator killed in between leaves a trace; the next run looks the job up by name before
+resubmitting. Re-running the same command reads this file to resume.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+LEDGER_FILE = "jobs.jsonl"
+
+
+@dataclass
+class Entry:
+    trial_id: str
+    state: str  # submitting | submitted | done | failed | timeout | cancelled | oom
+    job_id: Optional[str] = None
+    kind: Optional[str] = None  # local | slurm
+    folder: Optional[str] = None  # submitit's folder for this job (logs, pickles)
+    tasks: int = 1
+    reason: Optional[str] = None
+    time: float = 0.0
+
+
+class Ledger:
+    def __init__(self, results_dir: Path):
+        self.path = Path(results_dir) / LEDGER_FILE
+
+    def append(self, entry: Entry) -> None:
+        entry.time = entry.time or time.time()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as fh:  # one short line per write: appends are atomic in practice
+            fh.write(json.dumps(asdict(entry)) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    def latest(self) -> dict[str, Entry]:
+        """Last entry of each trial; a torn last line (killed mid-write) is ignored."""
+        out: dict[str, Entry] = {}
+        if not self.path.exists():
+            return out
+        for line in self.path.read_text().splitlines():
+            try:
+                entry = Entry(**json.loads(line))
+            except (json.JSONDecodeError, TypeError):
+                continue
+            if entry.job_id is None and entry.trial_id in out and out[entry.trial_id].job_id:
+                entry.job_id = out[entry.trial_id].job_id  # keep the id known for this trial
+            out[entry.trial_id] = entry
+        return out
+
+    def submissions(self) -> list[Entry]:
+        """Every line with a job id (to count submissions)."""
+        if not self.path.exists():
+            return []
+        rows = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        return [Entry(**r) for r in rows if r.get("state") == "submitted"]
