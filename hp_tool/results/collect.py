@@ -1,0 +1,222 @@
+"""Every candidate's plan and measurement in one pandas table, ranked by the full run's step time.
+
+Sources in a results directory (``<base_results_dir>/<search_config>/``):
+    candidate_configs/plan.csv              every candidate: layout, plan status, reason, predictions
+    base_cfg_<label>.yaml                   the full run: shape, cluster, steps, global batch, price
+    training_logs/<trial_id>/result.json    the trial's measurement (or the launcher's verdict)
+    training_logs/<trial_id>/metrics.jsonl  per-step log, used when result.json is missing
+
+A trial runs its layout on the fewest whole nodes while each data-parallel replica does the full run's
+work, so its step time carries over; ``full_run_step_time_s`` adds the modelled difference in
+data-parallel communication (:func:`hp_tool.estimate.speed.extrapolate_step_time_s`). Successful trials
+(status ``ok``) are ranked by that column, fastest first. Costs follow
+
+    full_run_cost_usd            = gpu_hour_price * num_gpus * days_to_train * 24
+    cost_usd_per_million_tokens  = (gpu_hour_price * num_gpus) / (full-run tokens per hour / 1e6)
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+from pathlib import Path
+from typing import Any, Optional
+
+import pandas as pd
+
+from hp_tool.architectures import model_flops_per_step
+from hp_tool.errors import ConfigError
+from hp_tool.estimate.layout import Layout
+from hp_tool.estimate.speed import extrapolate_step_time_s
+from hp_tool.results.full_run import FullRun, load_full_run
+from hp_tool.results.trial_files import OK, number, read_trial
+from hp_tool.sizing import SECONDS_PER_DAY
+
+log = logging.getLogger(__name__)
+
+RANK_COLUMN = "full_run_step_time_s"  # the one column trials are ranked by, ascending
+NOT_RUN = "not_run"
+NOT_IN_PLAN = "not_in_plan"
+SELECTED = "selected"
+# Order of unranked rows in the table: trials that ran, then those that never did, then the plan's verdicts.
+STATUS_ORDER = ("ok", "timeout", "oom", "failed", "cancelled", NOT_RUN, "over_limit", "pruned", "invalid")
+PLAN_INTS = ("tp", "pp", "dp", "mbs", "act_ckpt_layers", "global_batch_size", "num_nodes",
+             "trial_num_nodes", "trial_dp", "predicted_rank")
+PLAN_TEXT = ("trial_id", "model_family", "plan_status", "reason")
+
+# Every column of the table, in the order the CSVs use; units in the names.
+TABLE_COLUMNS = (
+    "rank", "trial_id", "status", "reason", "plan_status", "model_family", "model_size_b",
+    "tp", "pp", "dp", "mbs", "act_ckpt_layers", "global_batch_size", "num_nodes", "num_gpus",
+    "trial_num_nodes", "trial_dp", "trial_world_size",
+    "full_run_step_time_s", "predicted_step_time_s", "step_time_error_pct", "measured_step_time_s",
+    "measured_step_time_mean_s", "measured_step_time_std_s", "steps_run", "steps_measured",
+    "full_run_tokens_per_s", "full_run_tokens_per_s_per_gpu", "tokens_per_s_per_gpu",
+    "predicted_tokens_per_s_per_gpu", "model_tflops_per_gpu", "mfu",
+    "peak_memory_gb", "predicted_memory_gb", "memory_error_pct", "predicted_full_memory_gb",
+    "gpu_memory_gb", "peak_memory_pct_of_gpu",
+    "days_to_train", "predicted_days_to_train", "full_run_cost_usd", "cost_usd_per_million_tokens",
+    "gpu_hour_price_usd", "predicted_rank", "stop_reason", "final_loss", "device", "start_time", "end_time",
+)
+INT_COLUMNS = ("rank", "tp", "pp", "dp", "mbs", "act_ckpt_layers", "global_batch_size", "num_nodes",
+               "num_gpus", "trial_num_nodes", "trial_dp", "trial_world_size", "steps_run",
+               "steps_measured", "predicted_rank")
+TEXT_COLUMNS = ("trial_id", "status", "reason", "plan_status", "model_family", "stop_reason", "device",
+                "start_time", "end_time")
+FLOAT_COLUMNS = tuple(c for c in TABLE_COLUMNS if c not in INT_COLUMNS + TEXT_COLUMNS)
+
+
+def _cell(name: str, text: str) -> Any:
+    if text is None or text == "":
+        return None
+    if name in PLAN_TEXT:
+        return text
+    return int(float(text)) if name in PLAN_INTS else float(text)
+
+
+def read_plan(results_dir: Path) -> list[dict]:
+    """candidate_configs/plan.csv as dicts (numbers parsed, empty cells None), one per trial id."""
+    path = results_dir / "candidate_configs" / "plan.csv"
+    if not path.is_file():
+        raise ConfigError("results_dir", str(results_dir), f"has no {path.relative_to(results_dir)}",
+                          "run the planner first (python3 main.py search_config=... dry_run=true) "
+                          "or point at the results directory of a search")
+    with open(path, newline="") as fh:
+        rows = [{k: _cell(k, v) for k, v in row.items()} for row in csv.DictReader(fh)]
+    by_id = {row["trial_id"]: row for row in rows}  # a repeated id keeps its last row, never two
+    return list(by_id.values())
+
+
+def collect_trials(results_dir: Path, time_box_s: Optional[float] = None) -> pd.DataFrame:
+    """One row per candidate (and per trial directory the plan does not know), ranked.
+
+    ``time_box_s``: each trial job's time limit in seconds (tells a killed trial's timeout from a
+    failure); None when unknown.
+    """
+    results_dir = Path(results_dir)
+    plan = read_plan(results_dir)
+    full = load_full_run(results_dir, tuple(row["trial_id"] for row in plan))
+    logs = results_dir / "training_logs"
+    on_disk = {p.name for p in logs.iterdir() if p.is_dir()} if logs.is_dir() else set()
+    planned = {row["trial_id"] for row in plan}
+    rows = [_row(p, logs / p["trial_id"] if p["trial_id"] in on_disk else None, full, time_box_s)
+            for p in plan]
+    for trial_id in sorted(on_disk - planned):
+        log.warning("training_logs/%s is not in plan.csv (an earlier plan?); shown, not ranked", trial_id)
+        rows.append(_unplanned_row(trial_id, logs / trial_id, time_box_s))
+    return rank_trials(to_frame(rows))
+
+
+def _row(plan: dict, trial_dir: Optional[Path], full: FullRun, time_box_s: Optional[float]) -> dict:
+    row = {k: plan.get(k) for k in TABLE_COLUMNS if k in plan}
+    row["status"], row["reason"] = plan["plan_status"], plan.get("reason")
+    if plan["plan_status"] != SELECTED:
+        return row  # pruned / invalid / over_limit keep the planner's verdict and reason
+    result = read_trial(trial_dir, time_box_s) if trial_dir is not None else None
+    if result is None:
+        row.update(status=NOT_RUN, reason="no result.json or metrics.jsonl in training_logs/"
+                                          f"{plan['trial_id']} (never ran, or still pending)")
+    else:
+        row.update(_measured(result))
+    row.update(full_run_columns(row, full))
+    return row
+
+
+def _unplanned_row(trial_id: str, trial_dir: Path, time_box_s: Optional[float]) -> dict:
+    result = read_trial(trial_dir, time_box_s) or {"status": NOT_RUN}
+    row = {"trial_id": trial_id, "plan_status": NOT_IN_PLAN, **_measured(result)}
+    note = "not in candidate_configs/plan.csv, so not ranked"
+    row["reason"] = f"{note}; {row['reason']}" if row.get("reason") else note
+    return row
+
+
+def _measured(result: dict) -> dict:
+    """The table's measured columns from a result dict (seconds, GB, tokens/s, TFLOPS)."""
+    return {
+        "status": result.get("status"), "reason": result.get("reason"),
+        "measured_step_time_s": number(result.get("step_time_s_median")),
+        "measured_step_time_mean_s": number(result.get("step_time_s_mean")),
+        "measured_step_time_std_s": number(result.get("step_time_s_std")),
+        "steps_run": number(result.get("steps_run")), "steps_measured": number(result.get("steps_measured")),
+        "tokens_per_s_per_gpu": number(result.get("tokens_per_s_per_gpu")),
+        "model_tflops_per_gpu": number(result.get("model_tflops_per_gpu")),
+        "mfu": number(result.get("mfu")), "peak_memory_gb": number(result.get("peak_memory_gb")),
+        "trial_world_size": number(result.get("world_size")), "stop_reason": result.get("stop_reason"),
+        "final_loss": number(result.get("final_loss")), "device": result.get("device"),
+        "start_time": result.get("start_time"), "end_time": result.get("end_time"),
+    }
+
+
+def full_run_columns(row: dict, full: FullRun) -> dict:
+    """Full-run step time (s), throughput, days and cost from a trial's measured step time."""
+    cols = {"gpu_memory_gb": full.gpu_memory_gb, "gpu_hour_price_usd": full.gpu_hour_price}
+    tp, pp, dp, trial_dp = row.get("tp"), row.get("pp"), row.get("dp"), row.get("trial_dp")
+    cols["num_gpus"] = tp * pp * dp if tp and pp and dp else None
+    if row.get("peak_memory_gb") is not None:
+        cols["peak_memory_pct_of_gpu"] = 100 * row["peak_memory_gb"] / full.gpu_memory_gb
+    if row.get("trial_world_size") is None and tp and pp and trial_dp:
+        cols["trial_world_size"] = tp * pp * trial_dp
+    measured = row.get("measured_step_time_s")
+    if measured is None or cols["num_gpus"] is None or not trial_dp:
+        return cols
+    gbs, mbs, ckpt = row["global_batch_size"], row["mbs"], row["act_ckpt_layers"]
+    # The planner gives each trial replica the full run's per-replica batch (planner.candidate_spec).
+    trial = Layout(tp, pp, trial_dp, mbs, ckpt, gbs // dp * trial_dp, full.dp_sharding)
+    whole = Layout(tp, pp, dp, mbs, ckpt, gbs, full.dp_sharding)
+    step_s = extrapolate_step_time_s(measured, full.shape, trial, whole, full.hw,
+                                     row.get("trial_num_nodes") or 1, full.num_nodes)
+    tokens_per_s = gbs * full.shape.seq_length / step_s
+    days = full.max_steps * step_s / SECONDS_PER_DAY
+    cols.update(full_run_step_time_s=step_s, full_run_tokens_per_s=tokens_per_s,
+                full_run_tokens_per_s_per_gpu=tokens_per_s / cols["num_gpus"], days_to_train=days)
+    if row.get("model_tflops_per_gpu") is None:  # derived from metrics.jsonl: same formula as the engine
+        trial_gpus = tp * pp * trial_dp
+        cols["model_tflops_per_gpu"] = (model_flops_per_step(full.shape, trial.global_batch_size)
+                                        / measured / trial_gpus / 1e12)
+        cols["mfu"] = cols["model_tflops_per_gpu"] / full.peak_tflops_per_gpu
+        cols["tokens_per_s_per_gpu"] = trial.global_batch_size * full.shape.seq_length / measured / trial_gpus
+    if full.gpu_hour_price is not None:
+        dollars_per_hour = full.gpu_hour_price * cols["num_gpus"]
+        cols["full_run_cost_usd"] = dollars_per_hour * days * 24
+        cols["cost_usd_per_million_tokens"] = dollars_per_hour / (tokens_per_s * 3600 / 1e6)
+    predicted = row.get("predicted_step_time_s")
+    if predicted:
+        cols["step_time_error_pct"] = 100 * (step_s - predicted) / predicted
+    return cols
+
+
+def to_frame(rows: list[dict]) -> pd.DataFrame:
+    """Rows as a DataFrame with every TABLE_COLUMNS column, nullable integer and float dtypes."""
+    df = pd.DataFrame.from_records(rows, columns=list(TABLE_COLUMNS))
+    for name in INT_COLUMNS:
+        df[name] = pd.to_numeric(df[name], errors="coerce").round().astype("Int64")
+    for name in FLOAT_COLUMNS:
+        df[name] = pd.to_numeric(df[name], errors="coerce").astype("float64")
+    for name in TEXT_COLUMNS:
+        df[name] = df[name].astype("object").where(df[name].notna(), None)
+    measured, predicted = df["peak_memory_gb"], df["predicted_memory_gb"]
+    df["memory_error_pct"] = 100 * (measured - predicted) / predicted
+    return df
+
+
+def rank_trials(df: pd.DataFrame) -> pd.DataFrame:
+    """Ranked trials first (status ok with a full-run step time, fastest first, 1-based ``rank``),
+    then the rest by status, measured then predicted speed, and trial id. Index 0..n-1."""
+    ranked = (df["status"] == OK) & df[RANK_COLUMN].notna() & (df["plan_status"] != NOT_IN_PLAN)
+    order = {status: i for i, status in enumerate(STATUS_ORDER)}
+    keys = pd.DataFrame({
+        "unranked": ~ranked,
+        "status": df["status"].map(lambda s: order.get(s, len(order))),
+        "speed": df[RANK_COLUMN], "predicted": df["predicted_rank"], "trial_id": df["trial_id"],
+    })
+    keys = keys.sort_values(["unranked", "status", "speed", "predicted", "trial_id"],
+                            na_position="last", kind="mergesort")
+    out = df.loc[keys.index].reset_index(drop=True)
+    is_ranked = ranked.loc[keys.index].to_numpy()
+    out["rank"] = pd.Series(is_ranked.cumsum(), dtype="Int64").where(is_ranked)
+    return out
+
+
+def successful(df: pd.DataFrame) -> pd.DataFrame:
+    """The ranked trials, fastest first."""
+    return df[df["rank"].notna()].sort_values("rank")

@@ -1,0 +1,87 @@
+"""The full training run a search is for, read from the planner's ``base_cfg_<label>.yaml``."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from hp_tool.architectures import Shape
+from hp_tool.errors import ConfigError
+from hp_tool.estimate.layout import Hardware
+from hp_tool.trial.spec import TrialSpec, load_spec
+
+log = logging.getLogger(__name__)
+
+BASE_PREFIX = "base_cfg_"
+
+
+@dataclass(frozen=True)
+class FullRun:
+    """Shape, cluster and schedule of the full run; memory in GB, price in dollars per GPU-hour."""
+
+    label: str  # model size label used in file names, e.g. 5b
+    base: TrialSpec
+    path: Path
+
+    @property
+    def shape(self) -> Shape:
+        return self.base.model.shape()
+
+    @property
+    def hw(self) -> Hardware:
+        r = self.base.resources
+        # memory_overhead_gb only matters for memory estimates, not for the communication model used here
+        return Hardware(r.gpus_per_node, r.gpu_memory_gb, r.peak_tflops_per_gpu, r.intra_node_bandwidth_gbps,
+                        r.inter_node_bandwidth_gbps, memory_overhead_gb=0.0,
+                        precision=self.base.training.precision)
+
+    @property
+    def num_nodes(self) -> int:
+        return self.base.full_run.num_nodes
+
+    @property
+    def max_steps(self) -> int:
+        """Optimizer steps of the full run."""
+        return self.base.full_run.max_steps
+
+    @property
+    def dp_sharding(self) -> str:
+        return self.base.parallel.dp_sharding
+
+    @property
+    def gpu_memory_gb(self) -> float:
+        return self.base.resources.gpu_memory_gb
+
+    @property
+    def gpu_hour_price(self) -> Optional[float]:
+        return self.base.resources.gpu_hour_price
+
+    @property
+    def peak_tflops_per_gpu(self) -> float:
+        return self.base.resources.peak_tflops_per_gpu
+
+
+def _label(path: Path) -> str:
+    return path.stem[len(BASE_PREFIX):]
+
+
+def find_base_config(results_dir: Path, trial_ids: tuple[str, ...] = ()) -> Path:
+    """The base config of this search: the one whose label the trial ids carry, else the newest."""
+    found = sorted(results_dir.glob(f"{BASE_PREFIX}*.yaml"))
+    if not found:
+        raise ConfigError("results_dir", str(results_dir), f"has no {BASE_PREFIX}<size>.yaml",
+                          "run the planner first (python3 main.py search_config=... dry_run=true)")
+    matching = [p for p in found if any(f"_{_label(p)}_tp" in t for t in trial_ids)]
+    if len(matching) == 1:
+        return matching[0]
+    newest = max(matching or found, key=lambda p: p.stat().st_mtime)
+    if len(found) > 1:
+        log.warning("Several base configs in %s; using the newest, %s", results_dir, newest.name)
+    return newest
+
+
+def load_full_run(results_dir: Path, trial_ids: tuple[str, ...] = ()) -> FullRun:
+    path = find_base_config(results_dir, trial_ids)
+    return FullRun(_label(path), load_spec(path), path)

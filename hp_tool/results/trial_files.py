@@ -1,0 +1,150 @@
+"""Read one trial's outputs (``result.json``, else ``metrics.jsonl``) into a result dict.
+
+Whatever is on disk, the answer is a dict with every field of the result contract
+(:data:`hp_tool.trial.result.RESULT_FIELDS`) and a status: a corrupt or partial ``result.json``
+becomes ``failed`` with the reason, a trial killed before writing one is derived from its logged steps,
+and a trial with no files at all is ``None`` (the caller marks it ``not_run``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any, Optional
+
+from hp_tool.trial.result import METRICS_FILE, RESULT_FIELDS, RESULT_FILE, STATUSES
+
+OK = "ok"
+# A killed trial whose log spans this fraction of its time box most likely hit the limit.
+TIMEOUT_SPAN_FRACTION = 0.9
+# Measurements filled from metrics.jsonl when result.json (e.g. the launcher's) leaves them empty.
+TIMING_FIELDS = ("steps_run", "steps_measured", "step_time_s_median", "step_time_s_mean",
+                 "step_time_s_std", "peak_memory_gb", "final_loss")
+
+
+def number(value: Any) -> Optional[float]:
+    """A finite float, or None (for null, text, booleans, NaN and infinity)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def read_trial(trial_dir: Path, time_box_s: Optional[float] = None) -> Optional[dict]:
+    """The trial's result (every contract field), or None when it left no result and no metrics.
+
+    ``time_box_s``: the trial job's time limit in seconds, used to tell a killed trial's timeout
+    from another failure.
+    """
+    result_path, metrics_path = trial_dir / RESULT_FILE, trial_dir / METRICS_FILE
+    has_result, has_metrics = result_path.is_file(), metrics_path.is_file()
+    if not has_result and not has_metrics:
+        return None
+    steps, bad_lines = read_metrics(metrics_path) if has_metrics else ([], 0)
+    if not has_result:
+        return result_from_metrics(trial_dir.name, steps, bad_lines, time_box_s)
+    result = _read_result_json(result_path, trial_dir.name)
+    if steps and result.get("step_time_s_median") is None:
+        _fill_timing(result, steps)  # e.g. the launcher's verdict on a job SLURM killed
+    return result
+
+
+def _blank(trial_id: str) -> dict:
+    result = dict.fromkeys(RESULT_FIELDS)
+    result.update(trial_id=trial_id, first_losses=[])
+    return result
+
+
+def _read_result_json(path: Path, trial_id: str) -> dict:
+    """result.json checked against the contract; anything unusable becomes status failed + reason."""
+    result = _blank(trial_id)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        result.update(status="failed", reason=f"{path.name} is unreadable ({type(exc).__name__}: {exc})")
+        return result
+    if not isinstance(data, dict):
+        result.update(status="failed", reason=f"{path.name} holds a {type(data).__name__}, not an object")
+        return result
+    result.update({k: data[k] for k in RESULT_FIELDS if k in data})
+    result["trial_id"] = trial_id  # the directory name is the id every other file uses
+    problem = _contract_problem(result)
+    if problem:
+        earlier = f"; it said: {result['reason']}" if result.get("reason") else ""
+        result.update(status="failed", reason=f"{path.name} {problem}{earlier}")
+    return result
+
+
+def _contract_problem(result: dict) -> Optional[str]:
+    status = result.get("status")
+    if status not in STATUSES:
+        return f"has no valid status (got {status!r}; expected one of {list(STATUSES)})"
+    if status == OK:
+        median = number(result.get("step_time_s_median"))
+        if median is None or median <= 0:
+            return (f"says ok but has no positive step_time_s_median "
+                    f"(got {result.get('step_time_s_median')!r})")
+    return None
+
+
+def read_metrics(path: Path) -> tuple[list[dict], int]:
+    """The logged steps (dicts with a positive step_time_s) and the number of unusable lines.
+
+    A hard kill can cut the last line short, so bad lines are counted, not fatal.
+    """
+    steps, bad = [], 0
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return [], 1
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            bad += 1
+            continue
+        if isinstance(row, dict) and (number(row.get("step_time_s")) or 0) > 0:
+            steps.append(row)
+        else:
+            bad += 1
+    return steps, bad
+
+
+def _fill_timing(result: dict, steps: list[dict]) -> None:
+    timing = _timing(steps)
+    for key in TIMING_FIELDS:
+        if result.get(key) is None:
+            result[key] = timing[key]
+
+
+def _timing(steps: list[dict]) -> dict:
+    """Step-time statistics (seconds) over the timed steps; peak memory (GB) over all steps."""
+    timed = [float(s["step_time_s"]) for s in steps if s.get("timed") is True]
+    memory = [m for m in (number(s.get("memory_gb")) for s in steps) if m is not None]
+    losses = [x for x in (number(s.get("loss")) for s in steps) if x is not None]
+    return {
+        "steps_run": len(steps), "steps_measured": len(timed),
+        "step_time_s_median": statistics.median(timed) if timed else None,
+        "step_time_s_mean": statistics.fmean(timed) if timed else None,
+        "step_time_s_std": statistics.pstdev(timed) if len(timed) > 1 else None,
+        "peak_memory_gb": max(memory) if memory else None,
+        "first_losses": losses[:5], "final_loss": losses[-1] if losses else None,
+    }
+
+
+def result_from_metrics(trial_id: str, steps: list[dict], bad_lines: int,
+                        time_box_s: Optional[float]) -> dict:
+    """A result for a trial killed before it wrote result.json: status timeout when its log spans
+    most of the time box (``time_box_s``, seconds), else failed; timing from the timed steps."""
+    result = _blank(trial_id)
+    result.update(_timing(steps))
+    times = [t for t in (number(s.get("time")) for s in steps) if t is not None]
+    span_s = (max(times) - min(times) + float(steps[0]["step_time_s"])) if times else 0.0
+    timed_out = time_box_s is not None and span_s >= TIMEOUT_SPAN_FRACTION * time_box_s
+    note = f", {bad_lines} unreadable line(s)" if bad_lines else ""
+    result.update(status="timeout" if timed_out else "failed",
+                  reason=f"killed without a result; derived from {len(steps)} logged steps{note}")
+    return result
