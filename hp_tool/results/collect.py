@@ -87,15 +87,21 @@ def read_plan(results_dir: Path) -> list[dict]:
     return list(by_id.values())
 
 
-def collect_trials(results_dir: Path, time_box_s: Optional[float] = None) -> pd.DataFrame:
+def full_run_for(results_dir: Path) -> FullRun:
+    """The full run of the search whose plan is in ``results_dir``."""
+    return load_full_run(Path(results_dir), tuple(row["trial_id"] for row in read_plan(Path(results_dir))))
+
+
+def collect_trials(results_dir: Path, time_box_s: Optional[float] = None,
+                   full: Optional[FullRun] = None) -> pd.DataFrame:
     """One row per candidate (and per trial directory the plan does not know), ranked.
 
     ``time_box_s``: each trial job's time limit in seconds (tells a killed trial's timeout from a
-    failure); None when unknown.
+    failure); None when unknown. ``full``: the search's full run (read from the base config if None).
     """
     results_dir = Path(results_dir)
     plan = read_plan(results_dir)
-    full = load_full_run(results_dir, tuple(row["trial_id"] for row in plan))
+    full = full or load_full_run(results_dir, tuple(row["trial_id"] for row in plan))
     logs = results_dir / "training_logs"
     on_disk = {p.name for p in logs.iterdir() if p.is_dir()} if logs.is_dir() else set()
     planned = {row["trial_id"] for row in plan}
@@ -130,10 +136,19 @@ def _unplanned_row(trial_id: str, trial_dir: Path, time_box_s: Optional[float]) 
     return row
 
 
+def _one_line(reason: Any) -> Optional[str]:
+    """A table cell: the first line of a reason; a traceback stays in result.json."""
+    if reason is None or reason == "":
+        return None
+    text = str(reason).strip()
+    first = text.splitlines()[0] if text else ""
+    return first if first == text else f"{first} (traceback in result.json)"
+
+
 def _measured(result: dict) -> dict:
     """The table's measured columns from a result dict (seconds, GB, tokens/s, TFLOPS)."""
     return {
-        "status": result.get("status"), "reason": result.get("reason"),
+        "status": result.get("status"), "reason": _one_line(result.get("reason")),
         "measured_step_time_s": number(result.get("step_time_s_median")),
         "measured_step_time_mean_s": number(result.get("step_time_s_mean")),
         "measured_step_time_std_s": number(result.get("step_time_s_std")),

@@ -1,0 +1,95 @@
+"""The recommended full-run config: the fastest trial's layout scaled back to the whole cluster.
+
+The trial spec already carries the full run (``full_run``: nodes, DP, global batch, steps); the base
+config gives the nodes' shape and the full run's ``run`` section. The result is a TrialSpec in ``full``
+mode, written with a comment header (days, cost, how to launch), reloaded with ``load_spec`` and
+compared field by field, so a file that does not load or validate is never left as the recommendation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import pandas as pd
+import yaml
+
+from hp_tool.architectures import model_flops_per_step
+from hp_tool.fsutil import atomic_write_text
+from hp_tool.results.full_run import FullRun
+from hp_tool.sizing import format_days
+from hp_tool.trial.spec import EstimatesSpec, TrialSpec, load_spec
+
+# The job's time limit gets this margin over the estimated duration (restarts, evaluation, slow nodes).
+RUN_TIME_MARGIN = 1.25
+
+
+def optimal_path(folder: Path, full: FullRun) -> Path:
+    return folder / f"optimal_config_{full.label}_{full.num_nodes}nodes.yaml"
+
+
+def optimal_spec(trial: TrialSpec, best: pd.Series, full: FullRun) -> TrialSpec:
+    """``trial`` (the fastest candidate's spec) on the full run's nodes, DP, global batch and steps;
+    estimates: the trial's measured peak memory per GPU (GB) and the extrapolated step time (s)."""
+    fr, base = trial.full_run, full.base
+    step_s = float(best["full_run_step_time_s"])
+    gpus = fr.num_nodes * base.resources.gpus_per_node
+    minutes = max(base.run.max_minutes, math.ceil(fr.max_steps * step_s / 60 * RUN_TIME_MARGIN))
+    tflops = model_flops_per_step(trial.model.shape(), fr.global_batch_size) / step_s / gpus / 1e12
+    peak = best["peak_memory_gb"]
+    return dataclasses.replace(
+        trial,
+        parallel=dataclasses.replace(trial.parallel, dp=fr.dp),
+        training=dataclasses.replace(trial.training, global_batch_size=fr.global_batch_size,
+                                     max_steps=fr.max_steps),
+        resources=dataclasses.replace(trial.resources, num_nodes=fr.num_nodes,
+                                      gpus_per_node=base.resources.gpus_per_node),
+        run=dataclasses.replace(base.run, mode="full", max_steps=fr.max_steps, max_minutes=float(minutes),
+                                output_dir=None),
+        estimates=EstimatesSpec(
+            memory_gb=None if pd.isna(peak) else round(float(peak), 4),
+            step_time_s=round(step_s, 6),
+            tokens_per_s_per_gpu=round(fr.global_batch_size * trial.model.seq_length / step_s / gpus, 3),
+            model_tflops_per_gpu=round(tflops, 4)),
+    )
+
+
+def _header(spec: TrialSpec, best: pd.Series, n_ranked: int) -> str:
+    days = float(best["days_to_train"])
+    gpus = spec.resources.num_nodes * spec.resources.gpus_per_node
+    cost = ""
+    if not pd.isna(best["full_run_cost_usd"]):
+        cost = (f"# Cost: ${best['full_run_cost_usd']:,.0f} at ${best['gpu_hour_price_usd']:g} per GPU-hour "
+                f"(${best['cost_usd_per_million_tokens']:.4g} per million tokens).\n")
+    return (
+        f"# Optimal training config: {spec.trial_id}, fastest of {n_ranked} successful trial(s).\n"
+        f"# Full run: {spec.resources.num_nodes} node(s) x {spec.resources.gpus_per_node} GPUs, "
+        f"TP={spec.parallel.tp} PP={spec.parallel.pp} DP={spec.parallel.dp} MBS={spec.parallel.mbs} "
+        f"act_ckpt_layers={spec.parallel.act_ckpt_layers}, global batch {spec.training.global_batch_size}.\n"
+        f"# Measured {best['measured_step_time_s']:.6g} s per step in the trial; full run "
+        f"{best['full_run_step_time_s']:.6g} s per step (plus modelled data-parallel communication).\n"
+        f"# Estimated days to train: {days:.4g} ({spec.run.max_steps:,} steps x "
+        f"{best['full_run_step_time_s']:.6g} s = {format_days(days)}).\n"
+        f"{cost}"
+        f"# estimates.memory_gb is the trial's measured peak per GPU (GB); more data-parallel shards in the\n"
+        f"# full run can only lower it under FSDP.\n"
+        f"# Train: torchrun --nnodes {spec.resources.num_nodes} --nproc-per-node "
+        f"{spec.resources.gpus_per_node} -m hp_tool.trial.train <this file>   ({gpus} processes)\n"
+    )
+
+
+def write_optimal_config(results_dir: Path, best: pd.Series, full: FullRun, n_ranked: int,
+                         folder: Path) -> Path:
+    """Write optimal_config_<label>_<N>nodes.yaml for the ``best`` table row; returns its path."""
+    trial = load_spec(results_dir / "candidate_configs" / f"{best['trial_id']}.yaml")
+    spec = optimal_spec(trial, best, full)  # dataclasses.replace re-runs every __post_init__ check
+    path = optimal_path(folder, full)
+    text = _header(spec, best, n_ranked) + yaml.safe_dump(spec.to_dict(), sort_keys=False)
+    atomic_write_text(path, text)
+    reloaded = load_spec(path)
+    if reloaded.to_dict() != spec.to_dict():
+        path.unlink()
+        raise ValueError(f"{path} did not reload as written; removed it. Written: {spec.to_dict()}; "
+                         f"reloaded: {reloaded.to_dict()}")
+    return path

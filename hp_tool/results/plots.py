@@ -1,0 +1,86 @@
+"""Plots of a collected table (PNG, matplotlib's Agg canvas; no display and no pyplot global state)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+
+STATUS_COLORS = {"ok": "#2a9d8f", "timeout": "#e9c46a", "oom": "#e76f51", "failed": "#9b2226",
+                 "cancelled": "#6c757d", "not_run": "#ced4da"}
+OTHER_COLOR = "#adb5bd"
+MAX_LABELLED_BARS = 60  # beyond this, trial ids no longer fit on the axis
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    FigureCanvasAgg(fig)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    return path
+
+
+def plot_throughput(df: pd.DataFrame, path: Path) -> Path:
+    """Measured tokens/s per GPU of every trial the planner selected, coloured by status (fastest at top;
+    a trial without a measurement shows as an empty bar in its status colour)."""
+    trials = df[df["status"].isin(list(STATUS_COLORS))]
+    values = trials["tokens_per_s_per_gpu"].fillna(0.0).to_numpy()
+    colors = [STATUS_COLORS.get(s, OTHER_COLOR) for s in trials["status"]]
+    n = len(trials)
+    fig = Figure(figsize=(9, min(2 + 0.28 * max(n, 1), 30)))
+    ax = fig.add_subplot()
+    ax.barh(range(n), values, color=colors, edgecolor=colors)
+    ax.invert_yaxis()
+    if n <= MAX_LABELLED_BARS:
+        ax.set_yticks(range(n), list(trials["trial_id"]), fontsize=8)
+    ax.set_xlabel("measured tokens/s per GPU (trial)")
+    ax.set_title(f"Throughput per trial ({int((trials['status'] == 'ok').sum())} ok of {n})")
+    present = [s for s in STATUS_COLORS if s in set(trials["status"])]
+    ax.legend(handles=[Patch(color=STATUS_COLORS[s], label=s) for s in present], loc="lower right")
+    if n == 0:
+        ax.text(0.5, 0.5, "no trial selected", ha="center", va="center", transform=ax.transAxes)
+    return _save(fig, path)
+
+
+def _scatter(ax, df: pd.DataFrame, predicted: str, measured: str, label: str, log: bool) -> None:
+    points = df[df[predicted].notna() & df[measured].notna()]
+    for status, group in points.groupby("status", sort=True):
+        ax.scatter(group[predicted], group[measured], s=22, label=status,
+                   color=STATUS_COLORS.get(status, OTHER_COLOR))
+    ax.set_xlabel(f"predicted {label}")
+    ax.set_ylabel(f"measured {label}")
+    if points.empty:
+        ax.text(0.5, 0.5, "no measurement", ha="center", va="center", transform=ax.transAxes)
+        return
+    low = min(points[predicted].min(), points[measured].min())
+    high = max(points[predicted].max(), points[measured].max())
+    use_log = log and low > 0 and high / low > 10
+    if use_log:
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+    pad = (high / low) ** 0.05 if use_log else 0.05 * (high - low or abs(high) or 1.0)
+    lo, hi = (low / pad, high * pad) if use_log else (low - pad, high + pad)
+    ax.plot([lo, hi], [lo, hi], color="black", linewidth=0.8, linestyle="--", label="measured = predicted")
+    ax.legend(fontsize=8)
+
+
+def plot_predicted_vs_measured(df: pd.DataFrame, path: Path) -> Path:
+    """Two panels: peak memory per GPU in the trial (GB) and full-run step time (s), measured against
+    the planner's prediction; points on the dashed line were predicted exactly."""
+    fig = Figure(figsize=(11, 4.8))
+    mem_ax, time_ax = fig.subplots(1, 2)
+    _scatter(mem_ax, df, "predicted_memory_gb", "peak_memory_gb", "peak memory per GPU (GB)", log=False)
+    _scatter(time_ax, df, "predicted_step_time_s", "full_run_step_time_s", "full-run step time (s)",
+             log=True)
+    mem_ax.set_title("Memory")
+    time_ax.set_title("Step time")
+    return _save(fig, path)
+
+
+def write_plots(df: pd.DataFrame, folder: Path) -> list[Path]:
+    """throughput.png and predicted_vs_measured.png in ``folder``."""
+    return [plot_throughput(df, folder / "throughput.png"),
+            plot_predicted_vs_measured(df, folder / "predicted_vs_measured.png")]
+

@@ -1,0 +1,177 @@
+"""What the user reads at the end of a search: CSVs, the optimal YAML, plots and a printed summary.
+
+In ``<results_dir>/final_results/`` (N = nodes of the full run):
+    final_summary_<N>nodes.csv                 the top ``output_top_n`` successful trials, fastest first
+    all_trials_<N>nodes.csv                    every candidate: status, reason, predicted vs measured
+    optimal_config_<label>_<N>nodes.yaml       the fastest trial as a full-run TrialSpec
+    throughput.png, predicted_vs_measured.png
+Both CSVs are ranked by ``full_run_step_time_s`` (see collect.py for the cost formulas); empty cells
+mean "not measured" or "not applicable".
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from pathlib import Path
+
+import pandas as pd
+
+from hp_tool.config import AppConfig
+from hp_tool.fsutil import atomic_write_text
+from hp_tool.results.collect import (FLOAT_COLUMNS, RANK_COLUMN, SELECTED, TABLE_COLUMNS, collect_trials,
+                                     full_run_for, successful)
+from hp_tool.results.full_run import FullRun
+from hp_tool.results.optimal import optimal_path, write_optimal_config
+from hp_tool.results.plots import write_plots
+from hp_tool.sizing import format_days
+
+log = logging.getLogger(__name__)
+
+FINAL_DIR = "final_results"
+MEMORY_LIMIT_PCT = 98.0  # above this share of GPU memory a full run is one allocation away from OOM
+SIGNIFICANT_DIGITS = 6
+ALL_TRIALS_COLUMNS = TABLE_COLUMNS
+SUMMARY_COLUMNS = (
+    "rank", "trial_id", "tp", "pp", "dp", "mbs", "act_ckpt_layers", "global_batch_size", "num_nodes",
+    "num_gpus", RANK_COLUMN, "predicted_step_time_s", "measured_step_time_s",
+    "full_run_tokens_per_s_per_gpu", "tokens_per_s_per_gpu", "model_tflops_per_gpu", "mfu",
+    "peak_memory_gb", "predicted_memory_gb", "peak_memory_pct_of_gpu", "days_to_train",
+    "full_run_cost_usd", "cost_usd_per_million_tokens", "status",
+)
+
+
+def csv_text(df: pd.DataFrame, columns: tuple[str, ...]) -> str:
+    """The named columns in this order; floats to 6 significant digits, missing values empty."""
+    out = df[list(columns)].copy()
+    for name in set(columns) & set(FLOAT_COLUMNS):
+        out[name] = out[name].map(lambda x: float(f"{x:.{SIGNIFICANT_DIGITS}g}"), na_action="ignore")
+    return out.to_csv(index=False, na_rep="", lineterminator="\n")
+
+
+def report_paths(results_dir: Path, full: FullRun) -> dict[str, Path]:
+    folder = Path(results_dir) / FINAL_DIR
+    n = full.num_nodes
+    return {"summary": folder / f"final_summary_{n}nodes.csv", "all": folder / f"all_trials_{n}nodes.csv",
+            "optimal": optimal_path(folder, full), "folder": folder}
+
+
+def _status_counts(df: pd.DataFrame) -> str:
+    counts = df["status"].value_counts()
+    return ", ".join(f"{counts[s]} {s}" for s in sorted(counts.index))
+
+
+def _layout(row: pd.Series) -> str:
+    ckpt = (f"{row['act_ckpt_layers']} checkpointed layers per stage" if row["act_ckpt_layers"]
+            else "no activation checkpointing")
+    return f"TP={row['tp']}, PP={row['pp']}, DP={row['dp']}, MBS={row['mbs']}, {ckpt}"
+
+
+def _memory_note(ranked: pd.DataFrame) -> str:
+    best = ranked.iloc[0]
+    pct = best["peak_memory_pct_of_gpu"]
+    if pd.isna(pct) or pct <= MEMORY_LIMIT_PCT:
+        return ""
+    note = (f" Its peak memory, {best['peak_memory_gb']:.2f} GB, is {pct:.1f}% of the "
+            f"{best['gpu_memory_gb']:g} GB per GPU, above {MEMORY_LIMIT_PCT:g}%: the full run may run "
+            f"out of memory.")
+    safe = ranked[ranked["peak_memory_pct_of_gpu"] <= MEMORY_LIMIT_PCT]
+    if safe.empty:
+        return note + f" No successful trial stays below {MEMORY_LIMIT_PCT:g}%."
+    alt = safe.iloc[0]
+    return note + (f" The fastest trial below that line is {alt['trial_id']} (rank {alt['rank']}, "
+                   f"{alt[RANK_COLUMN]:.4g} s per step, {alt['peak_memory_pct_of_gpu']:.1f}% of memory, "
+                   f"{format_days(alt['days_to_train'])}).")
+
+
+def recommendation(ranked: pd.DataFrame, full: FullRun, optimal: Path) -> str:
+    """One sentence naming the fastest trial, its layout, duration and cost (plus a memory warning)."""
+    best = ranked.iloc[0]
+    cost = ""
+    if not pd.isna(best["full_run_cost_usd"]):
+        cost = (f", about ${best['full_run_cost_usd']:,.0f} "
+                f"(${best['cost_usd_per_million_tokens']:.4g} per million tokens)")
+    return (f"Recommended: {best['trial_id']} ({_layout(best)}) on {full.num_nodes} node(s), "
+            f"{best['num_gpus']} GPUs: {best[RANK_COLUMN]:.4g} s per step, "
+            f"{best['full_run_tokens_per_s_per_gpu']:,.0f} tokens/s per GPU; {full.max_steps:,} steps take "
+            f"about {format_days(best['days_to_train'])}{cost}. Config: {optimal}."
+            + _memory_note(ranked))
+
+
+def render_summary(df: pd.DataFrame, top_n: int, full: FullRun, paths: dict[str, Path]) -> str:
+    """The printed summary: counts, the top-N table and the recommendation (or why there is none)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(file=io.StringIO(), width=160, force_terminal=False)
+    ranked = successful(df)
+    selected = df[df["plan_status"] == SELECTED]
+    console.print(f"{len(ranked)} of {len(selected)} selected trials succeeded ({_status_counts(selected)}); "
+                  f"every candidate with its reason: {paths['all']}")
+    if ranked.empty:
+        console.print(f"No trial succeeded, so there is no recommendation. Read the status and reason "
+                      f"columns of {paths['all']} and the job logs in training_logs/<trial_id>/.")
+        return console.file.getvalue()  # type: ignore[attr-defined]
+    table = Table(title=f"Fastest {min(top_n, len(ranked))} of {len(ranked)} on {full.num_nodes} node(s)")
+    headers = ("rank", "trial_id", "TP", "PP", "DP", "MBS", "ckpt", "step s", "tok/s/GPU", "MFU",
+               "mem GB", "days", "$ / M tok")
+    for h in headers:
+        table.add_column(h, justify="left" if h == "trial_id" else "right")
+    for _, r in ranked.head(top_n).iterrows():
+        per_m = "" if pd.isna(r["cost_usd_per_million_tokens"]) else f"{r['cost_usd_per_million_tokens']:.3g}"
+        mem = "" if pd.isna(r["peak_memory_gb"]) else f"{r['peak_memory_gb']:.2f}"
+        mfu = "" if pd.isna(r["mfu"]) else f"{100 * r['mfu']:.1f}%"
+        table.add_row(str(r["rank"]), r["trial_id"], str(r["tp"]), str(r["pp"]), str(r["dp"]), str(r["mbs"]),
+                      str(r["act_ckpt_layers"]), f"{r[RANK_COLUMN]:.4g}",
+                      f"{r['full_run_tokens_per_s_per_gpu']:,.0f}", mfu, mem, f"{r['days_to_train']:.3g}", per_m)
+    console.print(table)
+    console.print(recommendation(ranked, full, paths["optimal"]))
+    return console.file.getvalue()  # type: ignore[attr-defined]
+
+
+def write_reports(results_dir: Path, df: pd.DataFrame, full: FullRun, top_n: int) -> dict[str, Path]:
+    """Write the CSVs, the optimal YAML (when a trial succeeded) and the plots; returns their paths."""
+    paths = report_paths(results_dir, full)
+    ranked = successful(df)
+    atomic_write_text(paths["all"], csv_text(df, ALL_TRIALS_COLUMNS))
+    atomic_write_text(paths["summary"], csv_text(ranked.head(top_n), SUMMARY_COLUMNS))
+    if ranked.empty:
+        if paths["optimal"].exists():  # an earlier collection's pick is no longer backed by a success
+            log.warning("Removing %s: no trial succeeded in this collection", paths["optimal"])
+            paths["optimal"].unlink()
+    else:
+        write_optimal_config(results_dir, ranked.iloc[0], full, len(ranked), paths["folder"])
+    paths["plots"] = write_plots(df, paths["folder"])  # type: ignore[assignment]
+    log.info("Wrote %s, %s and plots in %s", paths["summary"].name, paths["all"].name, paths["folder"])
+    return paths
+
+
+def finalize(results_dir: Path, app: AppConfig) -> int:
+    """Collect every trial, write final_results/*, print the summary and log it to W&B when enabled.
+
+    Returns 0 when at least one trial succeeded, else 1.
+    """
+    results_dir = Path(results_dir)
+    ts = app.search_config.train_settings
+    full = full_run_for(results_dir)
+    df = collect_trials(results_dir, time_box_s=ts.max_minutes_per_run * 60, full=full)
+    paths = write_reports(results_dir, df, full, ts.output_top_n)
+    print(render_summary(df, ts.output_top_n, full, paths), flush=True)
+    if app.wandb.enable:
+        _log_summary_to_wandb(df, app, results_dir, full)
+    ok = successful(df)
+    if ok.empty:
+        log.error("No trial succeeded (%s); see %s", _status_counts(df), paths["all"])
+        return 1
+    return 0
+
+
+def _log_summary_to_wandb(df: pd.DataFrame, app: AppConfig, results_dir: Path, full: FullRun) -> None:
+    from hp_tool import tracking
+
+    name = f"{full.base.model.family}_{full.label}_{full.num_nodes}nodes_summary"
+    try:
+        tracking.log_summary(df, app.wandb, results_dir, name)
+    except Exception as exc:  # noqa: BLE001 - the files above are the result; W&B is a copy of them
+        log.error("Logging the summary to W&B failed (%s: %s); the files in %s are complete",
+                  type(exc).__name__, exc, results_dir / FINAL_DIR)
