@@ -1,0 +1,128 @@
+"""Weights & Biases: one run per trial (its metrics.jsonl, spec and result) and one for the summary.
+
+Imported only when ``wandb.enable=true``. The API key is the first line of ``wandb.api_key_file``; it is
+handed to wandb inside this process only, through ``wandb.Settings(api_key=...)`` (``wandb.login(key=...)``
+would also save it to ~/.netrc), and is never printed, logged or written anywhere. With
+``WANDB_MODE=offline`` no key is needed: runs are written under ``WANDB_DIR`` (default: the trial's
+output directory, or the results directory) for a later ``wandb sync``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import pandas as pd
+
+from hp_tool.config import WandbConfig
+from hp_tool.errors import ConfigError
+from hp_tool.results.trial_files import number, read_metrics
+from hp_tool.sizing import size_label
+from hp_tool.trial.result import METRICS_FILE
+from hp_tool.trial.spec import TrialSpec
+
+log = logging.getLogger(__name__)
+
+INSTALL_FIX = 'pip install -e ".[wandb]", or set wandb.enable=false'
+KEY_FIX = ("put the API key on the first line of a file only you can read (chmod 600) and pass "
+           "wandb.api_key_file=<path>; or set WANDB_MODE=offline to write runs locally")
+OFFLINE_MODES = ("offline", "dryrun", "disabled")
+STEP_FIELDS = ("step_time_s", "loss", "lr", "tokens", "memory_gb")  # logged per step, by name
+
+
+def _import_wandb():
+    try:
+        import wandb
+    except ImportError as exc:
+        raise ConfigError("wandb.enable", True, f"wandb is not importable ({exc})", INSTALL_FIX) from exc
+    return wandb
+
+
+def offline() -> bool:
+    """True when WANDB_MODE asks for no server (then no API key is needed)."""
+    return os.environ.get("WANDB_MODE", "").lower() in OFFLINE_MODES
+
+
+def read_api_key(cfg: WandbConfig) -> str:
+    """The first line of ``cfg.api_key_file``, stripped. Errors name the file, never its content."""
+    path = cfg.api_key_file
+    if not path:
+        raise ConfigError("wandb.api_key_file", path, "is not set and W&B needs an API key", KEY_FIX)
+    try:
+        lines = Path(path).expanduser().read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError("wandb.api_key_file", path, f"cannot be read ({type(exc).__name__})",
+                          KEY_FIX) from None  # from None: keep file content out of tracebacks
+    key = lines[0].strip() if lines else ""
+    if not key:
+        raise ConfigError("wandb.api_key_file", path, "is empty; the key goes on its first line", KEY_FIX)
+    return key
+
+
+def check_wandb(cfg: WandbConfig) -> None:
+    """At start, before any job: wandb importable and (unless offline) an API key readable."""
+    if not cfg.enable:
+        return
+    _import_wandb()
+    if not offline():
+        read_api_key(cfg)
+
+
+def _init(cfg: WandbConfig, default_dir: Path, **kwargs: Any):
+    wandb = _import_wandb()
+    settings = wandb.Settings() if offline() else wandb.Settings(api_key=read_api_key(cfg))
+    folder = Path(os.environ.get("WANDB_DIR") or default_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    return wandb.init(project=cfg.project, dir=str(folder), settings=settings, reinit="create_new",
+                      **kwargs)
+
+
+def _group(spec: TrialSpec) -> str:
+    """Model family and size, e.g. gpt3_5b: the trials of one search share a group."""
+    size = size_label(spec.model.num_parameters) if spec.model.num_parameters else "custom"
+    return f"{spec.model.family}_{size}"
+
+
+def log_trial(spec: TrialSpec, output_dir: str | os.PathLike, result: dict, wandb_cfg: WandbConfig) -> None:
+    """One W&B run for a finished trial: named by its trial id (model, size, layout); config = the
+    TrialSpec; history = metrics.jsonl (seconds, GB, tokens); summary = result.json's fields."""
+    output_dir = Path(output_dir)
+    steps, _ = read_metrics(output_dir / METRICS_FILE) if (output_dir / METRICS_FILE).is_file() else ([], 0)
+    run = _init(wandb_cfg, output_dir, name=spec.trial_id, group=_group(spec), job_type="trial",
+                config=spec.to_dict())
+    ok = result.get("status") == "ok"
+    try:
+        last = 0
+        for s in steps:
+            row = {k: number(s.get(k)) for k in STEP_FIELDS if number(s.get(k)) is not None}
+            step = s.get("step")
+            if isinstance(step, int) and step > last:  # wandb drops steps that go backwards
+                run.log({**row, "timed": bool(s.get("timed"))}, step=step)
+                last = step
+        run.summary.update({k: v for k, v in result.items() if v is not None})
+    finally:
+        run.finish(exit_code=0 if ok else 1)
+
+
+def _cells(df: pd.DataFrame) -> pd.DataFrame:
+    """Plain Python values (None for missing) so wandb.Table accepts nullable integer columns."""
+    return df.astype(object).where(df.notna(), None)
+
+
+def log_summary(table: pd.DataFrame, wandb_cfg: WandbConfig, results_dir: Path,
+                name: Optional[str] = None) -> None:
+    """One W&B run holding the collected table (every candidate) and the fastest trial in its summary."""
+    wandb = _import_wandb()
+    run = _init(wandb_cfg, Path(results_dir), name=name or "summary", job_type="summary",
+                config={"results_dir": str(results_dir)})
+    try:
+        run.log({"all_trials": wandb.Table(dataframe=_cells(table))})
+        ranked = table[table["rank"].notna()].sort_values("rank")
+        if not ranked.empty:
+            best = _cells(ranked.head(1)).iloc[0].to_dict()
+            run.summary.update({f"best/{k}": v for k, v in best.items() if v is not None})
+        run.summary.update({"trials": len(table), "succeeded": len(ranked)})
+    finally:
+        run.finish()
