@@ -110,5 +110,7 @@ def backend_name(env: DistEnv, device: torch.device) -> str:
 
 
 def shutdown() -> None:
+    """Leave the process group together: a rank tearing down gloo while a peer still uses it aborts."""
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()

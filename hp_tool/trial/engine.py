@@ -88,6 +88,7 @@ def build_engine(spec: TrialSpec, env: DistEnv, device: torch.device) -> Engine:
     stage = build_stage(spec.model, par.pp, pp_rank)
     parallelize_stage(stage, par, mesh, compute_dtype(spec, device))
     stage.to_empty(device=device)
+    stage.retie()
     stage.reset_buffers(device)
     numel = init_weights(stage, spec.training.seed, spec.model.init_method_std, stage.tied)
     log.info("rank %d: stage %d holds %d parameter elements", env.rank, pp_rank, numel)

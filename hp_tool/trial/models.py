@@ -92,6 +92,11 @@ class CausalLMStage(nn.Module):
     def is_last(self) -> bool:
         return self.lm_head is not None
 
+    def retie(self) -> None:
+        """Share the head's weight with the embedding again (``to_empty`` gives each its own tensor)."""
+        if self.tied and self.is_first and self.is_last and self.lm_head.weight is not self.embed_tokens.weight:
+            self.lm_head.weight = self.embed_tokens.weight
+
     def reset_buffers(self, device: torch.device) -> None:
         """Rebuild non-parameter buffers (RoPE frequencies) on ``device`` after materialisation."""
         if self.family == "llama":
