@@ -25,6 +25,11 @@ from hp_tool.trial.spec import EstimatesSpec, TrialSpec, load_spec
 RUN_TIME_MARGIN = 1.25
 
 
+def format_usd(dollars: float) -> str:
+    """$1,234 for large sums, three significant digits below $100 ($0.326)."""
+    return f"${dollars:,.0f}" if dollars >= 100 else f"${dollars:.3g}"
+
+
 def optimal_path(folder: Path, full: FullRun) -> Path:
     return folder / f"optimal_config_{full.label}_{full.num_nodes}nodes.yaml"
 
@@ -60,8 +65,9 @@ def _header(spec: TrialSpec, best: pd.Series, n_ranked: int) -> str:
     gpus = spec.resources.num_nodes * spec.resources.gpus_per_node
     cost = ""
     if not pd.isna(best["full_run_cost_usd"]):
-        cost = (f"# Cost: ${best['full_run_cost_usd']:,.0f} at ${best['gpu_hour_price_usd']:g} per GPU-hour "
-                f"(${best['cost_usd_per_million_tokens']:.4g} per million tokens).\n")
+        cost = (f"# Cost: {format_usd(best['full_run_cost_usd'])} at ${best['gpu_hour_price_usd']:g} per GPU-hour "
+                f"({format_usd(best['cost_usd_per_million_tokens'])} per million tokens = price per GPU-hour x "
+                f"GPUs / (tokens per hour / 1e6)).\n")
     return (
         f"# Optimal training config: {spec.trial_id}, fastest of {n_ranked} successful trial(s).\n"
         f"# Full run: {spec.resources.num_nodes} node(s) x {spec.resources.gpus_per_node} GPUs, "

@@ -18,7 +18,7 @@ MAX_LABELLED_BARS = 60  # beyond this, trial ids no longer fit on the axis
 def _save(fig: Figure, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     FigureCanvasAgg(fig)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    fig.savefig(path, dpi=100)
     return path
 
 
@@ -29,7 +29,7 @@ def plot_throughput(df: pd.DataFrame, path: Path) -> Path:
     values = trials["tokens_per_s_per_gpu"].fillna(0.0).to_numpy()
     colors = [STATUS_COLORS.get(s, OTHER_COLOR) for s in trials["status"]]
     n = len(trials)
-    fig = Figure(figsize=(9, min(2 + 0.28 * max(n, 1), 30)))
+    fig = Figure(figsize=(9, min(2 + 0.28 * max(n, 1), 30)), layout="constrained")
     ax = fig.add_subplot()
     ax.barh(range(n), values, color=colors, edgecolor=colors)
     ax.invert_yaxis()
@@ -69,7 +69,7 @@ def _scatter(ax, df: pd.DataFrame, predicted: str, measured: str, label: str, lo
 def plot_predicted_vs_measured(df: pd.DataFrame, path: Path) -> Path:
     """Two panels: peak memory per GPU in the trial (GB) and full-run step time (s), measured against
     the planner's prediction; points on the dashed line were predicted exactly."""
-    fig = Figure(figsize=(11, 4.8))
+    fig = Figure(figsize=(11, 4.8), layout="constrained")
     mem_ax, time_ax = fig.subplots(1, 2)
     _scatter(mem_ax, df, "predicted_memory_gb", "peak_memory_gb", "peak memory per GPU (GB)", log=False)
     _scatter(time_ax, df, "predicted_step_time_s", "full_run_step_time_s", "full-run step time (s)",

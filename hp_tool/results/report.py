@@ -22,7 +22,7 @@ from hp_tool.fsutil import atomic_write_text
 from hp_tool.results.collect import (FLOAT_COLUMNS, RANK_COLUMN, SELECTED, TABLE_COLUMNS, collect_trials,
                                      full_run_for, successful)
 from hp_tool.results.full_run import FullRun
-from hp_tool.results.optimal import optimal_path, write_optimal_config
+from hp_tool.results.optimal import format_usd, optimal_path, write_optimal_config
 from hp_tool.results.plots import write_plots
 from hp_tool.sizing import format_days
 
@@ -89,8 +89,8 @@ def recommendation(ranked: pd.DataFrame, full: FullRun, optimal: Path) -> str:
     best = ranked.iloc[0]
     cost = ""
     if not pd.isna(best["full_run_cost_usd"]):
-        cost = (f", about ${best['full_run_cost_usd']:,.0f} "
-                f"(${best['cost_usd_per_million_tokens']:.4g} per million tokens)")
+        cost = (f", about {format_usd(best['full_run_cost_usd'])} "
+                f"({format_usd(best['cost_usd_per_million_tokens'])} per million tokens)")
     return (f"Recommended: {best['trial_id']} ({_layout(best)}) on {full.num_nodes} node(s), "
             f"{best['num_gpus']} GPUs: {best[RANK_COLUMN]:.4g} s per step, "
             f"{best['full_run_tokens_per_s_per_gpu']:,.0f} tokens/s per GPU; {full.max_steps:,} steps take "
