@@ -134,6 +134,10 @@ def _finish(spec: TrialSpec, result: dict, outcome: dict, device: torch.device, 
     return result
 
 
+def engine_device(result: dict) -> torch.device:
+    return torch.device("cuda") if result["device"] == "cuda" else torch.device("cpu")
+
+
 def _fail(exc: Exception, spec: TrialSpec, result: dict, out: Path, env: tdist.DistEnv) -> dict:
     """Record the failure; rank 0 names the earliest failure of any rank. Multi-process: exit at once."""
     failure = res.describe_failure(exc, env.rank)
@@ -143,6 +147,7 @@ def _fail(exc: Exception, spec: TrialSpec, result: dict, out: Path, env: tdist.D
         time.sleep(FAILURE_GRACE_S)
     root = res.earliest_rank_failure(out) or failure
     result.update(status=root["status"], reason=root["reason"], stop_reason=None,
+                  peak_memory_gb=measure.peak_memory_gb(engine_device(result))[0],
                   end_time=res.iso_utc(time.time()))
     if env.rank == 0 or not (out / res.RESULT_FILE).exists():
         res.write_result(out, result)  # a non-zero rank writes too, in case rank 0 is gone

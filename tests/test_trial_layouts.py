@@ -1,0 +1,77 @@
+"""Every parallel layout is the same model: its first losses match the single-process run (gloo, CPU).
+
+Each launch is a real torchrun job of the trial engine; several checks share a launch to keep the
+suite within a few minutes on two cores.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from hp_tool.trial.result import METRIC_FIELDS, RESULT_FIELDS
+from hp_tool.trial.train import run_trial
+from trial_helpers import read_metrics, read_result, tiny_spec, torchrun, write_spec
+
+REL_TOL = 1e-4
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """First losses of the single-process run, per family (computed once)."""
+    cache = {}
+
+    def losses(family: str) -> list[float]:
+        if family not in cache:
+            folder = tmp_path_factory.mktemp(f"ref_{family}")
+            spec = tiny_spec(family, max_steps=STEPS)
+            result = run_trial(write_spec(spec, folder), str(folder / "out"))
+            assert result["status"] == "ok", result["reason"]
+            cache[family] = result["first_losses"]
+        return cache[family]
+
+    return losses
+
+
+def launch(tmp_path, family, **layout):
+    spec = tiny_spec(family, max_steps=STEPS, **layout)
+    out = tmp_path / "out"
+    world = spec.parallel.tp * spec.parallel.pp * spec.parallel.dp
+    proc = torchrun(write_spec(spec, tmp_path), out, world)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return spec, out, read_result(out)
+
+
+@pytest.mark.parametrize("family, layout", [
+    ("gpt3", {"tp": 2}),
+    ("gpt3", {"pp": 2, "act_ckpt": 1}),
+    ("gpt3", {"dp": 2, "dp_sharding": "full"}),
+    ("gpt3", {"dp": 2, "dp_sharding": "none"}),
+    ("llama", {"dp": 2, "dp_sharding": "gradients"}),
+    ("gpt3", {"tp": 2, "pp": 2}),
+    ("llama", {"tp": 2, "pp": 2}),
+], ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}{x}" for k, x in v.items()))
+def test_layout_reproduces_single_process_losses(tmp_path, reference, family, layout):
+    spec, out, result = launch(tmp_path, family, **layout)
+    assert result["status"] == "ok" and result["stop_reason"] == "max_steps"
+    assert result["world_size"] == spec.parallel.tp * spec.parallel.pp * spec.parallel.dp
+    assert result["backend"] == "gloo" and result["device"] == "cpu"
+    assert list(result) == list(RESULT_FIELDS)
+    assert result["first_losses"] == pytest.approx(reference(family), rel=REL_TOL)
+    metrics = read_metrics(out)  # rank 0 alone writes one line per step
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+    assert all(set(m) == set(METRIC_FIELDS) for m in metrics)
+    assert [m["loss"] for m in metrics] == pytest.approx(reference(family), rel=REL_TOL)
+
+
+def test_failure_on_one_rank_leaves_failed_status_without_hanging(tmp_path):
+    spec = tiny_spec("gpt3", pp=2, max_steps=20)
+    out = tmp_path / "out"
+    env = {"HP_TOOL_TRIAL_FAIL_RANK": "1", "HP_TOOL_TRIAL_FAIL_STEP": "2"}
+    proc = torchrun(write_spec(spec, tmp_path), out, 2, env=env, timeout=90)
+    assert proc.returncode != 0
+    result = read_result(out)
+    assert result["status"] == "failed" and result["stop_reason"] is None
+    assert result["reason"].startswith("rank 1: RuntimeError: injected failure")
+    assert "Traceback" in result["reason"]
+    assert len(read_metrics(out)) == 1  # step 1 finished, step 2 failed
