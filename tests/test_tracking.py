@@ -3,6 +3,7 @@ everything written."""
 
 import os
 import sys
+import time
 
 import pytest
 from test_results_helpers import planned, selected_ids, write_metrics, write_ok
@@ -34,6 +35,14 @@ def key_file(tmp_path, text=KEY + "\nsecond line is ignored\n"):
 
 def runs(folder):
     return sorted((folder / "wandb").glob("offline-run-*/run-*.wandb"))
+
+
+def run_bytes(run, needle, timeout_s=20.0):
+    """The run file once it holds ``needle``: wandb's service process may still be flushing it."""
+    deadline = time.monotonic() + timeout_s
+    while needle not in run.read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return run.read_bytes()
 
 
 def test_disabled_needs_nothing(monkeypatch):
@@ -105,7 +114,7 @@ def test_log_trial_writes_an_offline_run(tmp_path, offline):
     cfg = WandbConfig(enable=True, api_key_file=key_file(tmp_path), project="hp_tool_test")
     tracking.log_trial(spec, out / "training_logs" / tid, result, cfg)
     (run,) = runs(offline)
-    data = run.read_bytes()
+    data = run_bytes(run, b"tokens_per_s_per_gpu")
     assert tid.encode() in data and b"step_time_s" in data and b"tokens_per_s_per_gpu" in data
     written = b"".join(p.read_bytes() for p in offline.rglob("*") if p.is_file())
     assert KEY.encode() not in written
