@@ -184,20 +184,29 @@ def full_run_columns(row: dict, full: FullRun) -> dict:
     days = full.max_steps * step_s / SECONDS_PER_DAY
     cols.update(full_run_step_time_s=step_s, full_run_tokens_per_s=tokens_per_s,
                 full_run_tokens_per_s_per_gpu=tokens_per_s / cols["num_gpus"], days_to_train=days)
-    if row.get("model_tflops_per_gpu") is None:  # derived from metrics.jsonl: same formula as the engine
-        trial_gpus = tp * pp * trial_dp
-        cols["model_tflops_per_gpu"] = (model_flops_per_step(full.shape, trial.global_batch_size)
-                                        / measured / trial_gpus / 1e12)
-        cols["mfu"] = cols["model_tflops_per_gpu"] / full.peak_tflops_per_gpu
-        cols["tokens_per_s_per_gpu"] = trial.global_batch_size * full.shape.seq_length / measured / trial_gpus
+    if row.get("model_tflops_per_gpu") is None:  # derived from metrics.jsonl
+        cols.update(_trial_throughput(trial, measured, full))
     if full.gpu_hour_price is not None:
-        dollars_per_hour = full.gpu_hour_price * cols["num_gpus"]
-        cols["full_run_cost_usd"] = dollars_per_hour * days * 24
-        cols["cost_usd_per_million_tokens"] = dollars_per_hour / (tokens_per_s * 3600 / 1e6)
-    predicted = row.get("predicted_step_time_s")
-    if predicted:
-        cols["step_time_error_pct"] = 100 * (step_s - predicted) / predicted
+        cols.update(cost_columns(full.gpu_hour_price, cols["num_gpus"], tokens_per_s, days))
+    if row.get("predicted_step_time_s"):
+        cols["step_time_error_pct"] = 100 * (step_s / row["predicted_step_time_s"] - 1)
     return cols
+
+
+def _trial_throughput(trial: Layout, step_time_s: float, full: FullRun) -> dict:
+    """tokens/s and model TFLOPS per GPU and MFU of the trial, by the engine's own definition."""
+    gpus = trial.tp * trial.pp * trial.dp
+    tflops = model_flops_per_step(full.shape, trial.global_batch_size) / step_time_s / gpus / 1e12
+    return {"tokens_per_s_per_gpu": trial.global_batch_size * full.shape.seq_length / step_time_s / gpus,
+            "model_tflops_per_gpu": tflops, "mfu": tflops / full.peak_tflops_per_gpu}
+
+
+def cost_columns(gpu_hour_price: float, num_gpus: int, tokens_per_s: float, days: float) -> dict:
+    """Dollars for the full run, and dollars per million tokens =
+    (price per GPU-hour x GPUs) / (tokens per hour / 1e6)."""
+    dollars_per_hour = gpu_hour_price * num_gpus
+    return {"full_run_cost_usd": dollars_per_hour * days * 24,
+            "cost_usd_per_million_tokens": dollars_per_hour / (tokens_per_s * 3600 / 1e6)}
 
 
 def to_frame(rows: list[dict]) -> pd.DataFrame:
