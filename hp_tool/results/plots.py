@@ -32,6 +32,11 @@ def plot_throughput(df: pd.DataFrame, path: Path) -> Path:
     fig = Figure(figsize=(9, min(2 + 0.28 * max(n, 1), 30)), layout="constrained")
     ax = fig.add_subplot()
     ax.barh(range(n), values, color=colors, edgecolor=colors)
+    if n <= MAX_LABELLED_BARS:  # say why a bar is empty instead of leaving a silent gap
+        measured = trials["tokens_per_s_per_gpu"].notna()
+        for i, (status, has_value) in enumerate(zip(trials["status"], measured, strict=True)):
+            if not has_value:
+                ax.text(0, i, f" {status}: no measurement", va="center", fontsize=7, color="#495057")
     ax.invert_yaxis()
     if n <= MAX_LABELLED_BARS:
         ax.set_yticks(range(n), list(trials["trial_id"]), fontsize=8)
