@@ -19,7 +19,7 @@ import pandas as pd
 
 from hp_tool.config import AppConfig
 from hp_tool.fsutil import atomic_write_text
-from hp_tool.results.collect import (FLOAT_COLUMNS, RANK_COLUMN, SELECTED, TABLE_COLUMNS, collect_trials,
+from hp_tool.results.collect import (FLOAT_COLUMNS, NOT_RUN, RANK_COLUMN, SELECTED, TABLE_COLUMNS, collect_trials,
                                      full_run_for, successful)
 from hp_tool.results.full_run import FullRun
 from hp_tool.results.optimal import format_usd, optimal_path, write_optimal_config
@@ -109,7 +109,8 @@ def render_summary(df: pd.DataFrame, top_n: int, full: FullRun, paths: dict[str,
     console.print(f"{len(ranked)} of {len(selected)} selected trials succeeded ({_status_counts(selected)}); "
                   f"every candidate with its reason: {paths['all']}")
     if ranked.empty:
-        console.print(f"No trial succeeded, so there is no recommendation. Read the status and reason "
+        pending = " No selected trial has left any output yet." if (selected["status"] == NOT_RUN).all() else ""
+        console.print(f"No trial succeeded, so there is no recommendation.{pending} Read the status and reason "
                       f"columns of {paths['all']} and the job logs in training_logs/<trial_id>/.")
         return console.file.getvalue()  # type: ignore[attr-defined]
     table = Table(title=f"Fastest {min(top_n, len(ranked))} of {len(ranked)} on {full.num_nodes} node(s)")
