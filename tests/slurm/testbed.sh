@@ -158,6 +158,13 @@ put_file() {
     fi
 }
 
+ensure_hostname_resolves() {
+    # jobs (torch.distributed via submitit) reach the node by the name in SLURM_JOB_NODELIST
+    getent hosts "$NODE" >/dev/null 2>&1 && return 0
+    log "adding '$NODE' to /etc/hosts (127.0.1.1)"
+    printf '127.0.1.1\t%s\n' "$NODE" >>/etc/hosts
+}
+
 make_fake_gpus() {
     local i minor=3
     for ((i = 0; i < NGPUS; i++)); do
@@ -332,6 +339,7 @@ cmd_start() {
 
     local t0=$SECONDS
     install_packages
+    ensure_hostname_resolves
     make_fake_gpus
     write_configs
     start_munge
