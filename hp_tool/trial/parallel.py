@@ -14,6 +14,7 @@ forward and one in backward. Embeddings, norms and the head are replicated acros
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Optional
 
 import torch
@@ -71,6 +72,8 @@ def apply_data_parallel(stage: CausalLMStage, dp_mesh: DeviceMesh, sharding: str
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    # OPT's layer returns a view; harmless here because the stage never modifies a layer output in place.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     if sharding == "none":
         from torch.distributed._composable.replicate_with_fsdp import replicate

@@ -66,18 +66,14 @@ def _reduce(values: list[float], op, device: torch.device) -> list[float]:
 
 def _stop_code(rule: measure.StopRule, steps: int, elapsed: float, last: float, timed: list,
                signalled: bool, device: torch.device) -> Optional[str]:
-    """Rank 0's stop decision, shared with every rank so all leave the loop after the same step."""
+    """Rank 0's stop decision, broadcast so that every rank leaves the loop after the same step."""
     reason = rule.reason(steps, elapsed, last, timed, signalled)
-    if dist.is_initialized():
-        code = torch.tensor([measure_index(reason)], device=device)
-        dist.broadcast(code, src=0)
-        reason = (None,) + res.STOP_REASONS
-        return reason[int(code.item())]
-    return reason
-
-
-def measure_index(reason: Optional[str]) -> int:
-    return 0 if reason is None else res.STOP_REASONS.index(reason) + 1
+    if not dist.is_initialized():
+        return reason
+    choices = (None,) + res.STOP_REASONS
+    code = torch.tensor([choices.index(reason)], device=device)
+    dist.broadcast(code, src=0)
+    return choices[int(code.item())]
 
 
 def run_loop(engine: Engine, out: Path, t_start: float, flag: measure.SignalFlag) -> dict:
