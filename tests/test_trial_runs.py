@@ -104,3 +104,13 @@ def test_memory_cap_produces_oom(tmp_path):
     result = read_result(tmp_path / "out")
     assert result["status"] == "oom", output[-3000:]
     assert "allocate" in result["reason"] and result["stop_reason"] is None
+
+
+def test_unreadable_spec_leaves_a_failed_status(tmp_path):
+    bad = tmp_path / "gpt3_bad.yaml"
+    bad.write_text("parallel:\n  tp: 3\n")
+    with pytest.raises(Exception):
+        run_trial(bad, str(tmp_path / "out"))
+    result = read_result(tmp_path / "out")
+    assert result["trial_id"] == "gpt3_bad" and result["status"] == "failed"
+    assert "parallel" in result["reason"]

@@ -130,7 +130,7 @@ def test_throughput_and_failures():
     assert throughput(spec, None, 2) == dict.fromkeys(throughput(spec, None, 2))
     rates = throughput(spec, 0.5, 2)
     assert rates["tokens_per_s_per_gpu"] == spec.training.global_batch_size * 64 / 0.5 / 2
-    assert set(empty_result(spec)) == set(RESULT_FIELDS)
+    assert set(empty_result(spec.trial_id)) == set(RESULT_FIELDS)
     assert describe_failure(MemoryError("x"), 3)["status"] == "oom"
     failure = describe_failure(ValueError("bad value"), 1)
     assert failure["status"] == "failed" and failure["reason"].startswith("rank 1: ValueError: bad")

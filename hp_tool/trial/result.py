@@ -94,10 +94,10 @@ def describe_failure(exc: BaseException, rank: int) -> dict:
     return {"status": status, "reason": f"rank {rank}: {type(exc).__name__}: {exc}\n{tail}"}
 
 
-def empty_result(spec: TrialSpec) -> dict:
+def empty_result(trial_id: str) -> dict:
     """Every contract field, unmeasured (null)."""
     result = dict.fromkeys(RESULT_FIELDS)
-    result.update(trial_id=spec.trial_id, steps_run=0, steps_measured=0, first_losses=[],
+    result.update(trial_id=trial_id, steps_run=0, steps_measured=0, first_losses=[],
                   versions=versions())
     return result
 

@@ -153,15 +153,29 @@ def _fail(exc: Exception, spec: TrialSpec, result: dict, out: Path, env: tdist.D
     return result
 
 
+def _load_or_record(spec_path: str | os.PathLike, output_dir: Optional[str]) -> TrialSpec:
+    """Load the spec; if it is unreadable and an output folder is known, leave a failed status there."""
+    try:
+        return load_spec(spec_path)
+    except Exception as exc:
+        if output_dir is not None and tdist.read_env().rank == 0:
+            result = res.empty_result(Path(spec_path).stem)
+            result.update(res.describe_failure(exc, 0), start_time=res.iso_utc(time.time()),
+                          end_time=res.iso_utc(time.time()))
+            Path(output_dir).mkdir(parents=True, exist_ok=True)
+            res.write_result(Path(output_dir), result)
+        raise
+
+
 def run_trial(spec_path: str | os.PathLike, output_dir: Optional[str] = None) -> dict:
     """Run the trial described by ``spec_path``; returns result.json's content (rank 0's view)."""
     t_start, wall_start = measure.now_s(), time.time()
-    spec = load_spec(spec_path)
+    spec = _load_or_record(spec_path, output_dir)
     out = output_dir_for(spec, output_dir)
     out.mkdir(parents=True, exist_ok=True)
     env = tdist.read_env()
     device = tdist.select_device(env)
-    result = res.empty_result(spec)
+    result = res.empty_result(spec.trial_id)
     result.update(world_size=env.world_size, device=device.type,
                   backend=tdist.backend_name(env, device), start_time=res.iso_utc(wall_start))
     flag = measure.SignalFlag()
