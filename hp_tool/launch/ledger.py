@@ -41,24 +41,27 @@ class Ledger:
             fh.flush()
             os.fsync(fh.fileno())
 
-    def latest(self) -> dict[str, Entry]:
-        """Last entry of each trial; a torn last line (killed mid-write) is ignored."""
-        out: dict[str, Entry] = {}
+    def entries(self) -> list[Entry]:
+        """Every line in order; a torn last line (killed mid-write) is skipped."""
         if not self.path.exists():
-            return out
+            return []
+        out = []
         for line in self.path.read_text().splitlines():
             try:
-                entry = Entry(**json.loads(line))
+                out.append(Entry(**json.loads(line)))
             except (json.JSONDecodeError, TypeError):
                 continue
+        return out
+
+    def latest(self) -> dict[str, Entry]:
+        """Last entry of each trial, keeping the job id known for it."""
+        out: dict[str, Entry] = {}
+        for entry in self.entries():
             if entry.job_id is None and entry.trial_id in out and out[entry.trial_id].job_id:
-                entry.job_id = out[entry.trial_id].job_id  # keep the id known for this trial
+                entry.job_id = out[entry.trial_id].job_id
             out[entry.trial_id] = entry
         return out
 
     def submissions(self) -> list[Entry]:
-        """Every line with a job id (to count submissions)."""
-        if not self.path.exists():
-            return []
-        rows = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
-        return [Entry(**r) for r in rows if r.get("state") == "submitted"]
+        """Every successful submission (to count them)."""
+        return [e for e in self.entries() if e.state == "submitted"]

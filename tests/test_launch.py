@@ -1,0 +1,109 @@
+"""Launch layer without a cluster: sbatch parameters, ledger, end-state classification, local search."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from hp_tool.cli import compose
+from hp_tool.config import to_app_config
+from hp_tool.launch.executors import make_executor, resolve_kind
+from hp_tool.launch.job import classify_slurm_end, write_job_failure
+from hp_tool.launch.ledger import Entry, Ledger
+from hp_tool.planner import make_plan
+from hp_tool.trial.result import RESULT_FIELDS
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def bcm_plan(tmp_path, *overrides):
+    cfg, name = compose(["search_config=gpt3/5b", "cluster=bcm", "cluster.partition=batch", *overrides])
+    app = to_app_config(cfg)
+    return app, make_plan(app, name, tmp_path / name)
+
+
+def sbatch_text(tmp_path, *overrides):
+    app, plan = bcm_plan(tmp_path, *overrides)
+    spec = plan.specs[0]
+    ex = make_executor("slurm", tmp_path / "job folder 'quoted'", spec, app.cluster)
+    return spec, ex._executor._make_submission_file_text("python3 -m x", "uid")  # the sbatch script
+
+
+def test_sbatch_script_carries_the_cluster_settings(tmp_path):
+    spec, text = sbatch_text(
+        tmp_path, "cluster.account=acct", "cluster.qos=high", "cluster.constraint=h100",
+        "cluster.container_image=nvcr.io/x:1", "cluster.container_mounts=[/data:/data]",
+        "cluster.setup=[module load cuda]", "+cluster.additional_sbatch_parameters.reservation=res1",
+        "search_config.train_settings.max_minutes_per_run=30")
+    for line in ("#SBATCH --partition=batch", "#SBATCH --account=acct", "#SBATCH --qos=high",
+                 "#SBATCH --constraint=h100", "#SBATCH --exclusive", "#SBATCH --gpus-per-node=8",
+                 "#SBATCH --ntasks-per-node=8", "#SBATCH --time=30", "#SBATCH --reservation=res1",
+                 f"#SBATCH --job-name=hp_tool:{spec.trial_id}", "module load cuda"):
+        assert line in text, line
+    assert f"#SBATCH --nodes={spec.resources.num_nodes}" in text
+    assert "--container-image=nvcr.io/x:1" in text and "--container-mounts=/data:/data" in text
+
+
+def test_local_kind_is_chosen_without_slurm(tmp_path, monkeypatch):
+    app, _ = bcm_plan(tmp_path)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch on PATH
+    app.cluster.type = "auto"
+    assert resolve_kind(app.cluster) == "local"
+    app.cluster.type = "local"
+    assert resolve_kind(app.cluster) == "local"
+
+
+def test_ledger_keeps_last_state_and_survives_a_torn_line(tmp_path):
+    ledger = Ledger(tmp_path)
+    ledger.append(Entry("a", "submitting", kind="slurm"))
+    ledger.append(Entry("a", "submitted", job_id="17", kind="slurm"))
+    ledger.append(Entry("b", "submitting", kind="slurm"))
+    with open(ledger.path, "a") as fh:
+        fh.write('{"trial_id": "b", "sta')  # orchestrator killed mid-write
+    latest = ledger.latest()
+    assert latest["a"].job_id == "17" and latest["a"].state == "submitted"
+    assert latest["b"].state == "submitting" and latest["b"].job_id is None
+    assert [e.job_id for e in ledger.submissions()] == ["17"]
+
+
+@pytest.mark.parametrize("state, status", [
+    ("TIMEOUT", "timeout"), ("CANCELLED by 0", "cancelled"), ("OUT_OF_MEMORY", "oom"),
+    ("NODE_FAIL", "failed"), ("FAILED", "failed"), ("COMPLETED", "failed"),
+])
+def test_slurm_end_states_are_classified(state, status):
+    got, reason = classify_slurm_end(state, "boom")
+    assert got == status
+    assert state.split()[0] in reason and "boom" in reason
+
+
+def test_job_failure_result_follows_the_contract(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    result = write_job_failure(tmp_path, "t1", "timeout", "SLURM job ended TIMEOUT without a result")
+    on_disk = json.loads((tmp_path / "result.json").read_text())
+    assert on_disk == result
+    assert set(on_disk) == set(RESULT_FIELDS)
+    assert on_disk["status"] == "timeout" and on_disk["steps_run"] == 2
+    assert "2 steps were logged" in on_disk["reason"]
+
+
+def test_local_search_end_to_end_and_rerun_submits_nothing(tmp_path):
+    """README's main command, shortened to 2 trials; then the same command again."""
+    cmd = [sys.executable, str(REPO / "main.py"), "search_config=gpt3/tiny", "cluster=local",
+           "search_config.train_settings.limit_search_runs=2", f"base_results_dir={tmp_path / 'res'}"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = tmp_path / "res" / "gpt3" / "tiny"
+    assert "Recommended:" in proc.stdout
+    summary = pd.read_csv(out / "final_results" / "final_summary_1nodes.csv")
+    assert len(summary) == 2 and set(summary["status"]) == {"ok"}
+    submitted = len(Ledger(out).submissions())
+    assert submitted == 2
+
+    again = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert len(Ledger(out).submissions()) == submitted  # resumed: nothing re-run
+    rows = pd.read_csv(out / "final_results" / "all_trials_1nodes.csv")
+    assert rows["trial_id"].is_unique
