@@ -1,4 +1,4 @@
-"""Model size and the runnable base training config for it (REFERENCE §1-2). Pure, no I/O.
+"""Model size and the runnable base training config for it. Pure, no I/O.
 
 The base config is a TrialSpec in ``full`` mode: the shape, optimizer and schedule, global batch size
 and the table's starting TP/PP for the whole cluster.

@@ -58,7 +58,7 @@ class Grid:
 
 
 def build_grid(ts: TrainSettings, size_b: float, num_layers: int) -> Grid:
-    """Heuristic lists for the size (REFERENCE §4) with the user's lists taking their place when given."""
+    """Heuristic lists for the size (NeMo tables) with the user's lists taking their place when given."""
     tp, pp, mbs, (lo, hi) = lookup(GPT3_GRID, size_b, inclusive=True)
     if ts.pipeline_parallel_sizes is None:  # the heuristic keeps only PP values that divide the layers
         pp = [p for p in pp if num_layers % p == 0] or [1]

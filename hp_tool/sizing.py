@@ -1,4 +1,4 @@
-"""Model size from a compute budget, and days to train a size (NeMo auto-configurator, REFERENCE §1).
+"""Model size from a compute budget, and days to train a size (NeMo auto-configurator).
 
 Training compute is taken as 8·N·T FLOPs: 6 for forward and backward, 2 for full activation recompute
 (Narayanan et al. 2021).

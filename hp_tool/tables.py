@@ -1,6 +1,6 @@
 """Heuristic tables are data: rows of (upper bound on model size in billions, values).
 
-One lookup serves every table. Sources: NeMo's auto-configurator tables, see REFERENCE.md.
+One lookup serves every table. Sources: NeMo's auto-configurator tables.
 """
 
 from __future__ import annotations

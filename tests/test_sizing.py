@@ -1,4 +1,4 @@
-"""Model size from a budget and days to train, against REFERENCE §1-2 check values."""
+"""Model size from a budget and days to train, against published check values (NeMo auto-configurator)."""
 
 import pytest
 

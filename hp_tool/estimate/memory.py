@@ -4,6 +4,9 @@ Model states: mixed-precision Adam, 16 bytes per parameter, divided as ZeRO does
 2020). Activations per layer: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
 Transformer Models", Table 2. Pipeline: 1F1B keeps up to PP micro-batches in flight on the first stage.
 Logits: a 16-bit logits tensor upcast to fp32 for the loss, plus its fp32 gradient.
+
+The trial engine shards the transformer layers across TP ranks but keeps the embeddings, final norm and
+output head (and so the logits) whole on every TP rank; the estimate counts them the same way.
 """
 
 from __future__ import annotations
@@ -62,10 +65,10 @@ def estimate_memory(shape: Shape, layout: Layout, hw: Hardware) -> MemoryEstimat
     tp, pp = layout.tp, layout.pp
     layers = shape.num_layers // pp
     layer_p = layer_parameters(shape) / tp
-    embed_p = embedding_parameters(shape) / tp
-    head_p = head_parameters(shape) / tp
+    embed_p = float(embedding_parameters(shape))  # replicated across TP ranks (see module docstring)
+    head_p = float(head_parameters(shape))
     if pp > 1 and shape.family != "llama":
-        head_p += shape.vocab_size * shape.hidden_size / tp  # the last stage holds its own output matrix
+        head_p += shape.vocab_size * shape.hidden_size  # the last stage holds its own output matrix
     first_p = layers * layer_p + embed_p + (head_p if pp == 1 else 0.0)
     last_p = layers * layer_p + head_p
 
@@ -82,7 +85,7 @@ def estimate_memory(shape: Shape, layout: Layout, hw: Hardware) -> MemoryEstimat
     act_first = in_flight_first * per_microbatch + recompute_buffer
     act_last = per_microbatch + recompute_buffer
 
-    logits = layout.mbs * shape.seq_length * shape.vocab_size / tp * (bpv + 8)
+    logits = layout.mbs * shape.seq_length * shape.vocab_size * (bpv + 8)
     gather = 0.0 if layout.dp == 1 or layout.dp_sharding == "none" else 2 * 2 * layer_p  # FSDP prefetch
 
     first = model_state_bytes(first_p, layout.dp, layout.dp_sharding) + gather + act_first

@@ -56,8 +56,8 @@ def dp_comm_s(shape: Shape, layout: Layout, hw: Hardware, num_nodes: int) -> flo
     under full sharding (FSDP), over the node interconnect when the job spans nodes."""
     if layout.dp == 1:
         return 0.0
-    params = (shape.num_layers // layout.pp * layer_parameters(shape)
-              + embedding_parameters(shape) + head_parameters(shape)) / layout.tp
+    params = (shape.num_layers // layout.pp * layer_parameters(shape) / layout.tp
+              + embedding_parameters(shape) + head_parameters(shape))  # embeddings replicated over TP
     volume = {"none": 1.0, "gradients": 1.0, "full": 1.5}[layout.dp_sharding]  # in all-reduces
     bandwidth = hw.inter_node_bandwidth_gbps if num_nodes > 1 else hw.intra_node_bandwidth_gbps
     return (1 - DP_OVERLAP) * volume * _ring_allreduce_s(2 * params, layout.dp, bandwidth)
