@@ -69,8 +69,14 @@ mariadb_pidfile() {
 
 mariadb_alive() { alive "$(mariadb_pidfile)"; }
 
-# Run a daemon detached from our session and our stdio (so callers that capture output do not hang).
-spawn() { setsid "$@" </dev/null >>"$LOG_DIR/spawn.log" 2>&1; }
+# Run a daemon detached from our session, our stdio (so callers that capture output do not hang) and
+# our lock file descriptor (a daemon inheriting it would hold the lock for its whole life).
+spawn() { setsid "$@" </dev/null >>"$LOG_DIR/spawn.log" 2>&1 9>&-; }
+
+take_lock() { # take_lock SECONDS: serialise start/stop between concurrent callers
+    exec 9>"$LOCK"
+    flock -w "$1" 9
+}
 
 wait_for() { # wait_for SECONDS DESCRIPTION COMMAND...
     local secs=$1 what=$2; shift 2
@@ -332,8 +338,7 @@ cmd_start() {
         log "already up: node $NODE idle in partition $PARTITION"
         return 0
     fi
-    exec 9>"$LOCK"
-    flock -w 300 9 || die "another testbed.sh holds $LOCK"
+    take_lock 300 || die "another testbed.sh has held $LOCK for 5 minutes"
     # someone may have finished starting it while we waited for the lock
     if command -v sinfo >/dev/null 2>&1 && cluster_ready; then return 0; fi
 
@@ -353,14 +358,13 @@ cmd_start() {
 
 cmd_stop() {
     need_root
-    exec 9>"$LOCK"
-    flock -w 300 9 || die "another testbed.sh holds $LOCK"
+    take_lock 60 || log "WARNING: $LOCK still held after 60 s; stopping anyway"
     stop_pidfile slurmd "$SLURMD_PID"
     stop_pidfile slurmctld "$CTLD_PID"
     stop_pidfile slurmdbd "$DBD_PID"
     if mariadb_alive; then
         log "stopping mariadb"
-        /etc/init.d/mariadb stop </dev/null >>"$LOG_DIR/spawn.log" 2>&1 || stop_pidfile mariadb "$(mariadb_pidfile)"
+        /etc/init.d/mariadb stop </dev/null >>"$LOG_DIR/spawn.log" 2>&1 9>&- || stop_pidfile mariadb "$(mariadb_pidfile)"
     fi
     stop_pidfile munged "$MUNGE_PID"
     log "stopped"
