@@ -1,0 +1,199 @@
+"""The inference grid: TP x PP x batch size, the validity filter and the memory check. Pure, no torch.
+
+Every candidate keeps its verdict and the reason: ``valid``, ``invalid`` (the layout cannot be built
+for this model or node) or ``over_memory`` (predicted not to fit in one GPU's memory). The per-config
+YAML the worker reads (:class:`InferenceJobConfig`) is defined here too, so that planning and the worker
+share one contract without the planner importing torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from hp_tool.architectures import Shape, embedding_parameters, head_parameters, layer_parameters
+from hp_tool.config import InferenceSettings
+from hp_tool.errors import ConfigError, require
+from hp_tool.estimate.layout import GB, Hardware
+from hp_tool.fsutil import atomic_write_text
+from hp_tool.trial.spec import ModelSpec
+
+IS = "search_config.inference_settings"
+FP32_BYTES, HALF_BYTES = 4, 2
+
+
+def make_config_id(family: str, label: str, tp: int, pp: int, batch_size: int) -> str:
+    """The only builder of inference config ids, e.g. ``gpt3_241k_tp2_pp1_bs4``."""
+    return f"{family}_{label}_tp{tp}_pp{pp}_bs{batch_size}"
+
+
+@dataclass(frozen=True)
+class InferenceCandidate:
+    """One layout of the grid and the planner's verdict on it."""
+
+    config_id: str
+    tp: int
+    pp: int
+    batch_size: int
+    status: str  # valid | invalid | over_memory
+    reason: Optional[str] = None
+    memory_gb: Optional[float] = None  # predicted peak per GPU, GB
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp
+
+
+def inference_shape(shape: Shape, settings: InferenceSettings) -> Shape:
+    """The served model: the chosen shape with the inference vocabulary."""
+    return dataclasses.replace(shape, vocab_size=settings.vocab_size)
+
+
+def layout_problem(shape: Shape, tp: int, pp: int, gpus_per_node: int) -> Optional[str]:
+    """Why a TP x PP layout cannot serve this model on one node, or None when it can."""
+    if shape.num_attention_heads % tp:
+        return f"TP={tp} does not divide the {shape.num_attention_heads} attention heads"
+    if shape.num_kv_heads % tp:
+        return f"TP={tp} does not divide the {shape.num_kv_heads} key/value heads"
+    if shape.num_layers % pp:
+        return f"PP={pp} does not divide the {shape.num_layers} layers"
+    if tp * pp > gpus_per_node:
+        return f"TP*PP={tp * pp} exceeds the {gpus_per_node} GPUs of one node"
+    return None
+
+
+def check_settings(shape: Shape, settings: InferenceSettings, gpus_per_node: int) -> None:
+    """Checks that need the model: a key whose every listed value is unusable, a too-long sequence."""
+    tokens = settings.input_seq_len + settings.output_seq_len
+    require(tokens <= shape.seq_length, f"{IS}.output_seq_len", settings.output_seq_len,
+            f"input_seq_len + output_seq_len = {tokens} tokens exceeds the model's {shape.seq_length} "
+            "positions", f"keep the sum at most {shape.seq_length} (or raise train_settings.seq_length)")
+    tps = settings.tensor_parallel_sizes
+    bad_tp = {tp: layout_problem(shape, tp, 1, gpus_per_node) for tp in tps}
+    if all(bad_tp.values()):
+        raise ConfigError(f"{IS}.tensor_parallel_sizes", tps, "no value is usable: " +
+                          "; ".join(bad_tp.values()),
+                          f"use TP values that divide the {shape.num_attention_heads} heads and fit in "
+                          f"one node of {gpus_per_node} GPUs, e.g. [1]")
+    pps = settings.pipeline_parallel_sizes
+    bad_pp = {pp: layout_problem(shape, 1, pp, gpus_per_node) for pp in pps}
+    if all(bad_pp.values()):
+        raise ConfigError(f"{IS}.pipeline_parallel_sizes", pps, "no value is usable: " +
+                          "; ".join(bad_pp.values()),
+                          f"use PP values that divide the {shape.num_layers} layers, e.g. [1]")
+
+
+def kv_cache_bytes(shape: Shape, tp: int, pp: int, batch: int, tokens: int, bytes_per_value: int) -> float:
+    """Keys and values of one stage's layers for ``batch`` x ``tokens`` positions on one GPU, bytes."""
+    layers = shape.num_layers // pp
+    return 2 * layers * batch * tokens * shape.num_kv_heads * shape.head_dim * bytes_per_value / tp
+
+
+def step_activation_bytes(shape: Shape, tp: int, batch: int, seq: int, bytes_per_value: int) -> float:
+    """Live activations of one forward over ``seq`` new tokens (the prompt's is the largest), bytes.
+
+    A few hidden-size tensors, the MLP's widened tensor and the attention scores of the local heads
+    (SDPA's math kernel on CPU materialises them), plus fp32 logits of the last position.
+    """
+    hidden = batch * seq * (4 * shape.hidden_size + shape.ffn_hidden_size / tp) * bytes_per_value
+    scores = batch * (shape.num_attention_heads / tp) * seq * seq * bytes_per_value
+    logits = batch * shape.vocab_size * FP32_BYTES
+    return hidden + scores + logits
+
+
+def weight_bytes(shape: Shape, tp: int, pp: int, bytes_per_value: int) -> float:
+    """Weights on the most loaded GPU: its stage's layer shard plus the whole embedding and/or head."""
+    layers = (shape.num_layers // pp) * layer_parameters(shape) / tp
+    embed, head = float(embedding_parameters(shape)), float(head_parameters(shape))
+    if pp > 1 and shape.family != "llama":
+        head += shape.vocab_size * shape.hidden_size  # the last stage holds its own output matrix
+    first = layers + embed + (head if pp == 1 else 0.0)
+    last = layers + head
+    return max(first, last) * bytes_per_value
+
+
+def memory_gb(shape: Shape, settings: InferenceSettings, tp: int, pp: int, batch: int,
+              hw: Hardware, bytes_per_value: int) -> float:
+    """Predicted peak memory per GPU in GB: weights + KV cache + one step's activations + overhead."""
+    tokens = settings.input_seq_len + settings.output_seq_len
+    total = (weight_bytes(shape, tp, pp, bytes_per_value)
+             + kv_cache_bytes(shape, tp, pp, batch, tokens, bytes_per_value)
+             + step_activation_bytes(shape, tp, batch, settings.input_seq_len, bytes_per_value))
+    return total / GB + hw.memory_overhead_gb
+
+
+def build_grid(shape: Shape, label: str, settings: InferenceSettings, hw: Hardware,
+               bytes_per_value: int) -> list[InferenceCandidate]:
+    """Every TP x PP x batch candidate with its verdict, in (TP, PP, batch) order."""
+    out = []
+    for tp in sorted(set(settings.tensor_parallel_sizes)):
+        for pp in sorted(set(settings.pipeline_parallel_sizes)):
+            problem = layout_problem(shape, tp, pp, hw.gpus_per_node)
+            for bs in sorted(set(settings.max_batch_sizes)):
+                cid = make_config_id(shape.family, label, tp, pp, bs)
+                if problem:
+                    out.append(InferenceCandidate(cid, tp, pp, bs, "invalid", problem))
+                    continue
+                need = memory_gb(shape, settings, tp, pp, bs, hw, bytes_per_value)
+                if need > hw.gpu_memory_gb:
+                    reason = f"needs {need:.2f} GB per GPU, more than the {hw.gpu_memory_gb:g} GB available"
+                    out.append(InferenceCandidate(cid, tp, pp, bs, "over_memory", reason, need))
+                else:
+                    out.append(InferenceCandidate(cid, tp, pp, bs, "valid", None, need))
+    return out
+
+
+def plan_grid(shape: Shape, label: str, settings: InferenceSettings, hw: Hardware,
+              bytes_per_value: int) -> list[InferenceCandidate]:
+    """The checked grid; ConfigError when the settings leave nothing that can run."""
+    shape = inference_shape(shape, settings)
+    check_settings(shape, settings, hw.gpus_per_node)
+    grid = build_grid(shape, label, settings, hw, bytes_per_value)
+    if not any(c.status == "valid" for c in grid):
+        smallest = min((c for c in grid if c.memory_gb is not None), key=lambda c: c.memory_gb)
+        raise ConfigError(f"{IS}.max_batch_sizes", settings.max_batch_sizes,
+                          f"no layout fits in GPU memory (smallest: {smallest.config_id}, "
+                          f"{smallest.reason})", "use smaller batch sizes or larger TP / PP")
+    return grid
+
+
+@dataclass
+class InferenceJobConfig:
+    """What one inference job runs (``inference/candidate_configs/<config_id>.yaml``)."""
+
+    config_id: str
+    model: ModelSpec
+    tp: int
+    pp: int
+    batch_size: int
+    input_seq_len: int
+    output_seq_len: int
+    start_id: int
+    end_id: int
+    output_dir: str
+    warmup: int = 1  # untimed generations before the timed ones
+    repeats: int = 5  # timed generations (latency percentiles are over these)
+    seed: int = 1234  # weights and prompt
+    precision: str = "bf16"  # bf16 | fp16 | fp32 on GPU; the CPU always runs fp32
+    max_minutes: float = 10.0  # the job's time limit
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def dump_job_config(cfg: InferenceJobConfig, path: str | Path) -> Path:
+    import yaml
+
+    return atomic_write_text(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+def load_job_config(path: str | Path) -> InferenceJobConfig:
+    """Read a per-config YAML; unknown keys fail (TypeError names them)."""
+    import yaml
+
+    data = yaml.safe_load(Path(path).read_text())
+    data["model"] = ModelSpec(**data["model"])
+    return InferenceJobConfig(**data)

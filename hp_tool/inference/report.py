@@ -1,0 +1,145 @@
+"""Inference results: the result.json contract, latency statistics, the summary CSV and the plot.
+
+No torch here: the worker fills results, the search reads them back. Times in result.json are in
+milliseconds, throughput in samples or tokens per second.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from hp_tool.fsutil import atomic_write_json, atomic_write_text
+
+log = logging.getLogger(__name__)
+
+RESULT_FILE = "result.json"
+RESULT_FIELDS = (
+    "config_id", "status", "reason", "tp", "pp", "batch_size", "latency_ms_p50", "latency_ms_p95",
+    "latency_ms_p99", "time_to_first_token_ms", "samples_per_s", "tokens_per_s", "tokens_per_s_per_gpu",
+    "world_size", "device", "generated_tokens", "versions", "start_time", "end_time",
+)
+SUMMARY_COLUMNS = (
+    "config_id", "status", "tp", "pp", "batch_size", "num_gpus", "latency_ms_p50", "latency_ms_p95",
+    "latency_ms_p99", "time_to_first_token_ms", "samples_per_s", "tokens_per_s", "tokens_per_s_per_gpu",
+    "meets_latency_bound", "predicted_memory_gb", "reason",
+)
+SUMMARY_DIR = Path("inference") / "final_summary"
+SUMMARY_CSV, PLOT_FILE = "final_output.csv", "latency_vs_throughput.png"
+
+
+def empty_result(cfg: Any) -> dict:
+    """Every contract field, unmeasured (null), for a job config (anything with the layout fields)."""
+    result = dict.fromkeys(RESULT_FIELDS)
+    result.update(config_id=cfg.config_id, tp=cfg.tp, pp=cfg.pp, batch_size=cfg.batch_size)
+    return result
+
+
+def write_result(out_dir: Path, result: dict) -> Path:
+    """``result.json`` atomically, fields in contract order."""
+    return atomic_write_json(Path(out_dir) / RESULT_FILE, {k: result.get(k) for k in RESULT_FIELDS})
+
+
+def read_result(out_dir: Path) -> Optional[dict]:
+    path = Path(out_dir) / RESULT_FILE
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return {"status": "failed", "reason": f"unreadable {RESULT_FILE}"}
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0-100) with linear interpolation between closest ranks (numpy's default)."""
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q / 100.0
+    lo, hi = math.floor(k), math.ceil(k)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def latency_stats(latencies_s: Sequence[float], ttfts_s: Sequence[float], batch: int, new_tokens: int,
+                  gpus: int) -> dict:
+    """Percentiles of the batch latency (ms), median time to first token (ms), and throughput from the
+    median latency: samples/s, generated tokens/s, and tokens/s per GPU."""
+    p50 = percentile(latencies_s, 50)
+    tokens_per_s = batch * new_tokens / p50
+    return {"latency_ms_p50": 1e3 * p50, "latency_ms_p95": 1e3 * percentile(latencies_s, 95),
+            "latency_ms_p99": 1e3 * percentile(latencies_s, 99),
+            "time_to_first_token_ms": 1e3 * percentile(ttfts_s, 50),
+            "samples_per_s": batch / p50, "tokens_per_s": tokens_per_s,
+            "tokens_per_s_per_gpu": tokens_per_s / gpus}
+
+
+def meets_bound(result: dict, max_latency_ms: float) -> bool:
+    """A config meets the bound when it ran (status ok) and its p99 batch latency is within it."""
+    p99 = result.get("latency_ms_p99")
+    return result.get("status") == "ok" and p99 is not None and p99 <= max_latency_ms
+
+
+def summary_frame(rows: list[dict], max_latency_ms: float):
+    """One row per config; those meeting the bound first, each group by throughput per GPU, best first."""
+    import pandas as pd
+
+    frame = pd.DataFrame([{c: r.get(c) for c in SUMMARY_COLUMNS} for r in rows], columns=list(SUMMARY_COLUMNS))
+    frame["meets_latency_bound"] = [meets_bound(r, max_latency_ms) for r in rows]
+    frame["tokens_per_s_per_gpu"] = pd.to_numeric(frame["tokens_per_s_per_gpu"])
+    frame = frame.sort_values(["meets_latency_bound", "tokens_per_s_per_gpu", "latency_ms_p99"],
+                              ascending=[False, False, True], na_position="last", kind="stable")
+    return frame.reset_index(drop=True)
+
+
+def write_summary_csv(frame, path: Path) -> Path:
+    """The summary as CSV; missing values are empty cells."""
+    return atomic_write_text(path, frame.to_csv(index=False, na_rep="", float_format="%.6g"))
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[int]:
+    """Indices of (latency, throughput) points no other point beats on both (lower, higher)."""
+    front = []
+    for i, (lat, thr) in enumerate(points):
+        dominated = any(l2 <= lat and t2 >= thr and (l2 < lat or t2 > thr)
+                        for j, (l2, t2) in enumerate(points) if j != i)
+        if not dominated:
+            front.append(i)
+    return front
+
+
+def plot_latency_vs_throughput(frame, max_latency_ms: float, path: Path) -> Optional[Path]:
+    """p99 latency against tokens/s per GPU for configs that ran, the Pareto front joined and the bound
+    drawn; None when nothing ran."""
+    ok = frame[frame["status"] == "ok"].dropna(subset=["latency_ms_p99", "tokens_per_s_per_gpu"])
+    if ok.empty:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = list(zip(ok["latency_ms_p99"].astype(float), ok["tokens_per_s_per_gpu"].astype(float)))
+    front = sorted((points[i] for i in pareto_front(points)))
+    fig, ax = plt.subplots(figsize=(7, 5))
+    ax.scatter([p[0] for p in points], [p[1] for p in points], color="tab:blue", label="configs")
+    for (lat, thr), label in zip(points, ok["config_id"]):
+        ax.annotate(str(label).split("_", 2)[-1], (lat, thr), fontsize=7, xytext=(3, 3),
+                    textcoords="offset points")
+    ax.plot([p[0] for p in front], [p[1] for p in front], "o-", color="tab:red", label="Pareto front")
+    ax.axvline(max_latency_ms, color="gray", linestyle="--", label=f"bound {max_latency_ms:g} ms")
+    ax.set_xlabel("batch latency p99 (ms)")
+    ax.set_ylabel("generated tokens/s per GPU")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def render_top(frame, top_n: int) -> str:
+    """The top rows as a fixed-width table for the terminal."""
+    cols = ["config_id", "status", "latency_ms_p50", "latency_ms_p99", "time_to_first_token_ms",
+            "tokens_per_s_per_gpu", "meets_latency_bound"]
+    return frame[cols].head(top_n).to_string(index=False, na_rep="", float_format=lambda v: f"{v:.2f}")
