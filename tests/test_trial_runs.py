@@ -59,11 +59,11 @@ def test_activation_checkpointing_keeps_the_losses(tmp_path):
 
 
 def test_time_budget_stops_the_run(tmp_path):
-    spec = tiny_spec("gpt3", max_steps=100_000, max_minutes=0.1)  # 6 s job, 5.4 s for training
+    spec = tiny_spec("gpt3", max_steps=100_000, max_minutes=0.2)  # 12 s job, 10.8 s for training
     started = time.perf_counter()
     result, out = run(tmp_path, spec)
     assert result["status"] == "ok" and result["stop_reason"] == "time_budget"
-    assert time.perf_counter() - started < 6.5  # the 6 s limit, plus slack for a loaded machine
+    assert time.perf_counter() - started < 12.0  # finished, results written, inside the job's limit
     assert result["steps_run"] == len(read_metrics(out)) > 1
 
 
