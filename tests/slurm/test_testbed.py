@@ -20,6 +20,13 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 QUEUE_WAIT_S = 180  # a job may wait behind others on the one node
 
 
+def _no_result_grace(job: submitit.Job) -> submitit.Job:
+    """result()/exception() of a job killed before writing its result wait 15 s for the file (slow
+    shared file systems); the file is local here, so 2 s is plenty and keeps the tests short."""
+    job._results_timeout_s = 2
+    return job
+
+
 def _wait_done(job: submitit.Job, timeout_s: float, poll_s: float = 1.0) -> float:
     """Poll with a forced sacct check until the job is done; return the seconds it took."""
     t0 = time.monotonic()
@@ -95,7 +102,7 @@ def test_two_task_gloo_all_reduce(slurm_executor, slurm_cluster, slurm_job_name,
 
 def test_cancel_reaches_cancelled_and_done(slurm_executor, sacct):
     executor = slurm_executor(timeout_min=10)
-    job = executor.submit(_sleep, 600)
+    job = _no_result_grace(executor.submit(_sleep, 600))
     sacct.wait_for_state(job.job_id, ["RUNNING"], timeout_s=QUEUE_WAIT_S)
 
     t0 = time.monotonic()
@@ -118,7 +125,7 @@ def test_time_limit_ends_in_timeout(slurm_executor, sacct):
     # slurm_signal_delay_s=0: no USR2 before the limit. With submitit's default (90 s) a 1-minute job
     # gets the signal at once and ends FAILED ("timed-out and not checkpointable") instead.
     executor = slurm_executor(timeout_min=1, slurm_signal_delay_s=0)
-    job = executor.submit(_sleep, 600)
+    job = _no_result_grace(executor.submit(_sleep, 600))
     sacct.wait_for_state(job.job_id, ["RUNNING"], timeout_s=QUEUE_WAIT_S)
 
     took = _wait_done(job, timeout_s=150, poll_s=2.0)
