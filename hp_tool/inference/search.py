@@ -30,7 +30,8 @@ from hp_tool.trial.spec import ModelSpec
 log = logging.getLogger(__name__)
 
 GRACE_S = 120.0  # past a job's time limit before it is cancelled and recorded as timeout
-POLL_MIN_S, POLL_MAX_S = 0.5, 10.0
+POLL_MIN_S = 0.5
+POLL_MAX_S = {"local": 1.0, "slurm": 15.0}  # local jobs are short; SLURM is polled gently
 REPEATS, WARMUP = 10, 2  # timed and untimed generations per config
 
 
@@ -139,7 +140,7 @@ def run_jobs(app: AppConfig, plan: InferencePlan, kind: str) -> None:
                 result = report.empty_result(r.cfg)
                 result.update(status="timeout", reason="job did not end within its time limit plus grace")
                 report.write_result(Path(r.cfg.output_dir), result)
-        delay = POLL_MIN_S if changed else min(POLL_MAX_S, delay * 1.5)
+        delay = POLL_MIN_S if changed else min(POLL_MAX_S[kind], delay * 1.5)
         if active:
             time.sleep(delay)
 

@@ -1,0 +1,89 @@
+"""Inference worker: greedy KV-cache generation equals recomputation, and TP=2 / PP=2 (torchrun, 2 CPU
+processes) generate the same tokens as TP=1 with the same seed."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hp_tool.inference.grid import InferenceJobConfig, dump_job_config
+from hp_tool.inference.report import RESULT_FIELDS
+from hp_tool.inference.worker import build_server, generate, make_prompt, run_inference
+from hp_tool.trial.dist import DistEnv
+from hp_tool.trial.spec import ModelSpec
+
+TINY = ModelSpec("gpt3", 4, 64, 4, 4, 256, 512, 128, init_method_std=0.08)
+
+
+def job_config(tmp_path: Path, tp: int = 1, pp: int = 1, batch: int = 2) -> Path:
+    cid = f"gpt3_241k_tp{tp}_pp{pp}_bs{batch}"
+    cfg = InferenceJobConfig(cid, TINY, tp, pp, batch, 16, 8, 0, 0, str(tmp_path / cid), warmup=1, repeats=3,
+                             precision="fp32")
+    return dump_job_config(cfg, tmp_path / f"{cid}.yaml")
+
+
+def load(path: Path) -> dict:
+    return json.loads((path.parent / path.stem / "result.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory) -> dict:
+    path = job_config(tmp_path_factory.mktemp("tp1"))
+    run_inference(path)
+    return load(path)
+
+
+def test_single_process_result(single):
+    assert list(single) == list(RESULT_FIELDS)
+    assert single["status"] == "ok" and single["reason"] is None
+    assert len(single["generated_tokens"]) == 8 and len(set(single["generated_tokens"])) > 1
+    assert 0 < single["time_to_first_token_ms"] < single["latency_ms_p50"] <= single["latency_ms_p99"]
+    assert single["tokens_per_s"] == pytest.approx(2 * 8 / single["latency_ms_p50"] * 1e3)
+    assert single["world_size"] == 1 and single["device"] == "cpu"
+
+
+@torch.no_grad()
+def test_kv_cache_matches_full_recomputation(tmp_path):
+    from hp_tool.inference.grid import load_job_config
+
+    cfg = load_job_config(job_config(tmp_path))
+    srv = build_server(cfg, DistEnv(), torch.device("cpu"))
+    prompt = make_prompt(cfg, srv.device)
+    cached, _, _ = generate(srv, prompt)
+    seq = prompt
+    for _ in range(cfg.output_seq_len):  # no cache: the whole sequence again at every step
+        nxt = srv.stage(seq)[:, -1].argmax(-1, keepdim=True)
+        seq = torch.cat([seq, nxt], dim=1)
+    assert torch.equal(cached, seq[:, cfg.input_seq_len:])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_layouts_generate_the_same_tokens(tmp_path, single, tp, pp):
+    path = job_config(tmp_path, tp, pp)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
+           "-m", "hp_tool.inference.worker", str(path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = load(path)
+    assert result["status"] == "ok" and result["world_size"] == 2
+    assert result["generated_tokens"] == single["generated_tokens"]
+    assert result["tokens_per_s_per_gpu"] == pytest.approx(result["tokens_per_s"] / 2)
+
+
+def test_wrong_process_count_leaves_a_failed_status(tmp_path):
+    path = job_config(tmp_path, tp=2)
+    result = run_inference(path)
+    assert result["status"] == "failed" and "needs TP*PP=2 processes" in result["reason"]
+    assert load(path)["status"] == "failed"
