@@ -74,7 +74,7 @@ def test_layouts_generate_the_same_tokens(tmp_path, single, tp, pp):
     path = job_config(tmp_path, tp, pp)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
            "-m", "hp_tool.inference.worker", str(path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = load(path)
     assert result["status"] == "ok" and result["world_size"] == 2

@@ -9,9 +9,9 @@ share one contract without the planner importing torch.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from hp_tool.architectures import Shape, embedding_parameters, head_parameters, layer_parameters
 from hp_tool.config import InferenceSettings
@@ -178,7 +178,6 @@ class InferenceJobConfig:
     seed: int = 1234  # weights and prompt
     precision: str = "bf16"  # bf16 | fp16 | fp32 on GPU; the CPU always runs fp32
     max_minutes: float = 10.0  # the job's time limit
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

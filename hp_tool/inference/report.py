@@ -9,8 +9,9 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 from hp_tool.fsutil import atomic_write_json, atomic_write_text
 
@@ -120,7 +121,7 @@ def plot_latency_vs_throughput(frame, max_latency_ms: float, path: Path) -> Opti
     import matplotlib.pyplot as plt
 
     points = list(zip(ok["latency_ms_p99"].astype(float), ok["tokens_per_s_per_gpu"].astype(float)))
-    front = sorted((points[i] for i in pareto_front(points)))
+    front = sorted(points[i] for i in pareto_front(points))
     fig, ax = plt.subplots(figsize=(7, 5))
     ax.scatter([p[0] for p in points], [p[1] for p in points], color="tab:blue", label="configs")
     for (lat, thr), label in zip(points, ok["config_id"]):

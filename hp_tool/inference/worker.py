@@ -72,10 +72,10 @@ def serving_dtype(cfg: InferenceJobConfig, device: torch.device) -> torch.dtype:
 
 def build_server(cfg: InferenceJobConfig, env: tdist.DistEnv, device: torch.device) -> Server:
     """This rank's materialised, sharded, initialised stage; allocates only its own shard."""
-    require_world = cfg.tp * cfg.pp
-    if env.world_size != require_world:
-        raise RuntimeError(f"{cfg.config_id} needs TP*PP={require_world} processes, "
-                           f"{env.world_size} were started (torchrun --nproc-per-node {require_world})")
+    needed = cfg.tp * cfg.pp
+    if env.world_size != needed:
+        raise RuntimeError(f"{cfg.config_id} needs TP*PP={needed} processes, "
+                           f"{env.world_size} were started (torchrun --nproc-per-node {needed})")
     pp_rank, tp_rank, ranks = 0, 0, None
     mesh = None
     if env.world_size > 1:
@@ -95,10 +95,10 @@ def build_server(cfg: InferenceJobConfig, env: tdist.DistEnv, device: torch.devi
     stage.to(dtype).eval()
     server = Server(cfg, stage, device, dtype, pp_rank)
     if cfg.pp > 1:
-        at = lambda p: int(ranks[p, tp_rank])  # noqa: E731 - global rank of stage p, same TP coordinate
-        server.prev_rank = at(pp_rank - 1) if pp_rank > 0 else None
-        server.next_rank = at(pp_rank + 1) if pp_rank < cfg.pp - 1 else None
-        server.first_rank, server.last_rank = at(0), at(cfg.pp - 1)
+        stages = [int(r) for r in ranks[:, tp_rank]]  # global rank of each stage at this TP coordinate
+        server.prev_rank = stages[pp_rank - 1] if pp_rank > 0 else None
+        server.next_rank = stages[pp_rank + 1] if pp_rank < cfg.pp - 1 else None
+        server.first_rank, server.last_rank = stages[0], stages[-1]
     return server
 
 
