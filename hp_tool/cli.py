@@ -56,12 +56,19 @@ def run(app: AppConfig, search_name: str) -> int:
     _log_to_file(out)
     write_plan(plan)
     print(render_plan(plan), flush=True)
-    if app.dry_run or not app.run_training_hp_search:
+    if app.dry_run:
         log.info("Dry run: plan written to %s; no job submitted.", out)
         return 0
-    from hp_tool.search import run_training_search
+    code = 0
+    if app.run_training_hp_search:
+        from hp_tool.search import run_training_search
 
-    return run_training_search(app, plan)
+        code = run_training_search(app, plan)
+    if app.run_inference_hp_search and not (app.detach or app.cancel):
+        from hp_tool.inference.search import run_inference_search
+
+        code = max(code, run_inference_search(app, search_name, out))
+    return code
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
