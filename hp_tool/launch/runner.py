@@ -176,6 +176,9 @@ class Launcher:
 
     def poll(self) -> bool:
         changed = False
+        if self.kind == "slurm" and self.active:
+            # one sacct call refreshes every job's state; submitit's own refresh can lag by minutes
+            self.active[0].job.watcher.update()
         for a in list(self.active):
             if a.job.done():
                 self.active.remove(a)
