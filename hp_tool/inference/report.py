@@ -6,7 +6,6 @@ milliseconds, throughput in samples or tokens per second.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections.abc import Sequence
@@ -14,6 +13,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from hp_tool.fsutil import atomic_write_json, atomic_write_text
+from hp_tool.launch.job import read_result  # noqa: F401  (one reader of result.json for every job)
 
 log = logging.getLogger(__name__)
 
@@ -42,16 +42,6 @@ def empty_result(cfg: Any) -> dict:
 def write_result(out_dir: Path, result: dict) -> Path:
     """``result.json`` atomically, fields in contract order."""
     return atomic_write_json(Path(out_dir) / RESULT_FILE, {k: result.get(k) for k in RESULT_FIELDS})
-
-
-def read_result(out_dir: Path) -> Optional[dict]:
-    path = Path(out_dir) / RESULT_FILE
-    if not path.exists():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError:
-        return {"status": "failed", "reason": f"unreadable {RESULT_FILE}"}
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -50,7 +50,8 @@ def write_job_failure(out_dir: Path, trial_id: str, status: str, reason: str) ->
 
 
 def read_result(out_dir: Path) -> Optional[dict[str, Any]]:
-    path = out_dir / RESULT_FILE
+    """A job's result.json (training trial or inference config); None when it has none yet."""
+    path = Path(out_dir) / RESULT_FILE
     if not path.exists():
         return None
     try:
