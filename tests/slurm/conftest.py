@@ -181,8 +181,15 @@ class Sacct:
             jobs.append(SacctJob(cols[0], cols[1], state, cols[3], cols[4]))
         return jobs
 
-    def jobs_named(self, name: str) -> list[SacctJob]:
-        return [j for j in self._query(["--name", name]) if j.name == name]
+    def jobs_named(self, name: str, settle_s: float = 5.0) -> list[SacctJob]:
+        """Jobs called `name`. slurmdbd can answer a name query a moment after a job-id query, so an
+        empty answer is asked again for up to `settle_s` seconds."""
+        deadline = time.monotonic() + settle_s
+        while True:
+            jobs = [j for j in self._query(["--name", name]) if j.name == name]
+            if jobs or time.monotonic() >= deadline:
+                return jobs
+            time.sleep(0.5)
 
     def count(self, name: str, states: Optional[Iterable[str]] = None) -> int:
         """Number of jobs (array tasks count one each) called `name`, optionally only in `states`."""
