@@ -36,6 +36,17 @@ def sacct_jobs(prefix):
     return [(name, state.split()[0]) for name, state in rows]
 
 
+def settled_jobs(prefix, n, timeout=60):
+    """sacct's view once it lists n jobs that all ended: a job's result can land before SLURM closes it."""
+    deadline = time.time() + timeout
+    jobs = sacct_jobs(prefix)
+    while time.time() < deadline and (len(jobs) < n or any(s in ("PENDING", "RUNNING", "COMPLETING")
+                                                           for _, s in jobs)):
+        time.sleep(1)
+        jobs = sacct_jobs(prefix)
+    return jobs
+
+
 def prefix():
     return f"t{uuid.uuid4().hex[:6]}:"
 
@@ -51,7 +62,7 @@ def test_whole_tiny_search_on_slurm_to_ranked_csv(tmp_path):
     summary = pd.read_csv(results(tmp_path) / "final_results" / "final_summary_1nodes.csv")
     assert len(summary) == 2
     assert list(summary["full_run_step_time_s"]) == sorted(summary["full_run_step_time_s"])
-    jobs = sacct_jobs(p)
+    jobs = settled_jobs(p, 2)
     assert sorted(state for _, state in jobs) == ["COMPLETED", "COMPLETED"]
 
 
@@ -65,7 +76,7 @@ def test_job_past_its_time_limit_is_a_timeout_row(tmp_path):
     ran = rows[rows["plan_status"] == "selected"]
     assert list(ran["status"]) == ["timeout"]
     assert "TIMEOUT" in ran["reason"].iloc[0]
-    assert [state for _, state in sacct_jobs(p)] == ["TIMEOUT"]
+    assert [state for _, state in settled_jobs(p, 1)] == ["TIMEOUT"]
 
 
 def test_cancelled_search_gives_cancelled_rows(tmp_path):
@@ -104,7 +115,7 @@ def test_killed_orchestrator_resumes_without_duplicates(tmp_path):
 
     proc = run_main(tmp_path, p, *args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    jobs = sacct_jobs(p)
+    jobs = settled_jobs(p, 3)
     names = [name for name, _ in jobs]
     assert len(names) == len(set(names)) == 3, jobs  # every trial submitted exactly once
     rows = pd.read_csv(results(tmp_path) / "final_results" / "all_trials_1nodes.csv")
