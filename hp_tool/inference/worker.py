@@ -39,7 +39,6 @@ from hp_tool.trial.weights import init_weights
 log = logging.getLogger(__name__)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-FAILURE_GRACE_S = 1.0
 
 
 @dataclass
@@ -192,18 +191,9 @@ def benchmark(srv: Server) -> dict:
 
 def _fail(exc: Exception, cfg: InferenceJobConfig, result: dict, out: Path, env: tdist.DistEnv) -> dict:
     """Record the failure (rank 0 names the earliest of any rank); multi-process: leave at once."""
-    failure = res.describe_failure(exc, env.rank)
-    log.error("inference %s failed on rank %d: %s", cfg.config_id, env.rank, failure["reason"])
-    res.write_rank_failure(out, env.rank, failure, time.time())
-    if env.world_size > 1 and env.rank == 0:
-        time.sleep(FAILURE_GRACE_S)
-    root = res.earliest_rank_failure(out) or failure
+    root = res.record_failure(exc, out, env.rank, env.world_size, f"inference {cfg.config_id}")
     result.update(status=root["status"], reason=root["reason"], end_time=res.iso_utc(time.time()))
-    if env.rank == 0 or not (out / "result.json").exists():
-        write_result(out, result)
-    if env.world_size > 1:
-        logging.shutdown()
-        os._exit(1)  # peers blocked in send/recv fail on their own; do not wait on them
+    res.write_and_leave(out, env.rank, env.world_size, lambda: write_result(out, result))
     return result
 
 

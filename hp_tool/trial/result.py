@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
+import os
 import platform
+import time
 import traceback
 from importlib import metadata
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from hp_tool.architectures import model_flops_per_step
 from hp_tool.fsutil import atomic_write_json
@@ -124,3 +127,28 @@ def earliest_rank_failure(output_dir: Path) -> Optional[dict]:
         except (OSError, json.JSONDecodeError):
             continue
     return min(notes, key=lambda n: n.get("time", float("inf")), default=None)
+
+
+FAILURE_GRACE_S = 1.0  # rank 0 waits this long for other ranks' failure notes before writing
+
+
+def record_failure(exc: BaseException, output_dir: Path, rank: int, world_size: int, label: str) -> dict:
+    """Log and note this rank's failure; return the root failure (the earliest of any rank).
+
+    Rank 0 of a multi-process run first waits FAILURE_GRACE_S for the other ranks' notes."""
+    failure = describe_failure(exc, rank)
+    logging.getLogger(__name__).error("%s failed on rank %d: %s", label, rank, failure["reason"])
+    write_rank_failure(output_dir, rank, failure, time.time())
+    if world_size > 1 and rank == 0:
+        time.sleep(FAILURE_GRACE_S)
+    return earliest_rank_failure(output_dir) or failure
+
+
+def write_and_leave(output_dir: Path, rank: int, world_size: int, write: Callable[[], object]) -> None:
+    """Write the failed result (a non-zero rank too, in case rank 0 is gone); in a multi-process run,
+    exit at once, skipping collectives and atexit hooks that could wait on dead peers."""
+    if rank == 0 or not (output_dir / RESULT_FILE).exists():
+        write()
+    if world_size > 1:
+        logging.shutdown()
+        os._exit(1)

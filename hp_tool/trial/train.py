@@ -33,7 +33,6 @@ from hp_tool.trial.spec import TrialSpec, load_spec
 
 log = logging.getLogger(__name__)
 
-FAILURE_GRACE_S = 1.0  # rank 0 waits this long for other ranks' failure notes before writing
 
 
 def output_dir_for(spec: TrialSpec, output_dir: Optional[str]) -> Path:
@@ -136,20 +135,11 @@ def engine_device(result: dict) -> torch.device:
 
 def _fail(exc: Exception, spec: TrialSpec, result: dict, out: Path, env: tdist.DistEnv) -> dict:
     """Record the failure; rank 0 names the earliest failure of any rank. Multi-process: exit at once."""
-    failure = res.describe_failure(exc, env.rank)
-    log.error("trial %s failed on rank %d: %s", spec.trial_id, env.rank, failure["reason"])
-    res.write_rank_failure(out, env.rank, failure, time.time())
-    if env.world_size > 1 and env.rank == 0:
-        time.sleep(FAILURE_GRACE_S)
-    root = res.earliest_rank_failure(out) or failure
+    root = res.record_failure(exc, out, env.rank, env.world_size, f"trial {spec.trial_id}")
     result.update(status=root["status"], reason=root["reason"], stop_reason=None,
                   peak_memory_gb=measure.peak_memory_gb(engine_device(result))[0],
                   end_time=res.iso_utc(time.time()))
-    if env.rank == 0 or not (out / res.RESULT_FILE).exists():
-        res.write_result(out, result)  # a non-zero rank writes too, in case rank 0 is gone
-    if env.world_size > 1:
-        logging.shutdown()
-        os._exit(1)  # skip collectives and atexit hooks that could wait on dead peers
+    res.write_and_leave(out, env.rank, env.world_size, lambda: res.write_result(out, result))
     return result
 
 
