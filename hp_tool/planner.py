@@ -12,7 +12,7 @@ from hp_tool.base_config import (TS, Cluster, ModelChoice, base_spec, choose_mod
 from hp_tool.candidates import INVALID, SELECTED, Candidate, plan_candidates
 from hp_tool.config import AppConfig
 from hp_tool.errors import ConfigError
-from hp_tool.trial.spec import EstimatesSpec, FullRunSpec, ParallelSpec, ResourcesSpec, RunSpec, TrialSpec, make_trial_id
+from hp_tool.trial.spec import EstimatesSpec, FullRunSpec, ParallelSpec, RunSpec, TrialSpec, make_trial_id
 
 FIXES = {
     "tensor_parallel_sizes": "use TP values that divide the head count and fit in one node",

@@ -5,7 +5,6 @@ the trial engine, and sacct is the witness for what was submitted.
 """
 
 import json
-import os
 import signal
 import subprocess
 import sys
