@@ -76,7 +76,7 @@ def write_trials(out: Path, ids: list[str]) -> None:
 
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        cfg, name = compose(["search_config=gpt3/5b", f"base_results_dir={tmp}", "cluster.gpu_hour_price=2.5"])
+        cfg, name = compose(["search_config=gpt3/5b", f"base_results_dir={tmp}", "gpu.price_per_gpu_hour=2.5"])
         app = to_app_config(cfg)
         plan = make_plan(app, name, results_dir(app, name))
         write_plan(plan)

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 
 from hp_tool.architectures import Shape, count_parameters, gpt3_shape
-from hp_tool.config import AppConfig, TrainSettings
+from hp_tool.config import SIZING_MFU, AppConfig, TrainSettings
 from hp_tool.errors import ConfigError, require
 from hp_tool.estimate.layout import Hardware
 from hp_tool.sizing import days_to_train, format_days, recommend_model_size_b, size_label
@@ -24,11 +24,13 @@ REFERENCE_SEQ = 2048  # the GBS table is for this sequence length
 
 @dataclass(frozen=True)
 class Cluster:
-    """The full run's machines, train_settings taking precedence over the cluster config."""
+    """The full run's machines: its shape (train_settings) on the GPUs of the ``gpu`` preset."""
 
     num_nodes: int
     hw: Hardware
     gpu_hour_price: float | None
+    gpu_name: str
+    sizing_tflops_per_gpu: float  # achieved TFLOPS per GPU assumed for the size and days-to-train rule
 
     @property
     def gpus(self) -> int:
@@ -36,19 +38,19 @@ class Cluster:
 
 
 def resolve_cluster(app: AppConfig) -> Cluster:
-    ts, cl = app.search_config.train_settings, app.cluster
+    ts, gpu = app.search_config.train_settings, app.gpu
+    peak = gpu.peak_tflops_for(ts.precision)
     hw = Hardware(
-        gpus_per_node=ts.gpus_per_node or cl.gpus_per_node,
-        gpu_memory_gb=ts.gpu_memory_gb or cl.gpu_memory_gb,
-        peak_tflops=cl.gpu_peak_tflops,
-        intra_node_bandwidth_gbps=cl.intra_node_bandwidth_gbps,
-        inter_node_bandwidth_gbps=cl.inter_node_bandwidth_gbps,
-        memory_overhead_gb=cl.memory_overhead_gb,
+        gpus_per_node=ts.gpus_per_node,
+        gpu_memory_gb=gpu.memory_gb,
+        peak_tflops=peak,
+        intra_node_bandwidth_gbps=gpu.intra_node_bandwidth_gbps,
+        inter_node_bandwidth_gbps=gpu.inter_node_bandwidth_gbps,
+        memory_overhead_gb=gpu.memory_overhead_gb,
         precision=ts.precision,
     )
-    require(hw.memory_overhead_gb < hw.gpu_memory_gb, "cluster.memory_overhead_gb", hw.memory_overhead_gb,
-            f"leaves nothing of the {hw.gpu_memory_gb} GB per GPU", "lower it or raise gpu_memory_gb")
-    return Cluster(ts.num_nodes, hw, cl.gpu_hour_price)
+    sizing = ts.tflops_per_gpu if ts.tflops_per_gpu is not None else round(SIZING_MFU * peak, 1)
+    return Cluster(ts.num_nodes, hw, gpu.price_per_gpu_hour, gpu.name, sizing)
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,7 @@ class ModelChoice:
         how = "Recommended model size" if self.recommended else "Model size"
         return (f"{how}: {size_label(self.num_parameters).upper()} parameters ({self.shape.num_layers} layers x "
                 f"{self.shape.hidden_size} hidden); training on {ts.num_tokens_in_b:g}B tokens with "
-                f"{cluster.gpus} GPUs at {ts.tflops_per_gpu:g} TFLOPS each takes about {format_days(days)}.")
+                f"{cluster.gpus} {cluster.gpu_name} GPUs at {cluster.sizing_tflops_per_gpu:g} TFLOPS each takes about {format_days(days)}.")
 
 
 def choose_model(app: AppConfig, cluster: Cluster) -> ModelChoice:
@@ -82,7 +84,7 @@ def choose_model(app: AppConfig, cluster: Cluster) -> ModelChoice:
     size, recommended = ts.model_size_in_b, False
     if size is None:
         size = recommend_model_size_b(sc.model_family, ts.max_training_days, cluster.gpus,
-                                      ts.tflops_per_gpu, ts.num_tokens_in_b)
+                                      cluster.sizing_tflops_per_gpu, ts.num_tokens_in_b)
         recommended = True
         require(size > 0, f"{TS}.max_training_days", ts.max_training_days,
                 "the budget affords no model at all", "raise the days, nodes or TFLOPS, or set model_size_in_b")
@@ -139,7 +141,7 @@ def base_spec(app: AppConfig, model: ModelChoice, cluster: Cluster) -> TrialSpec
                               constant_steps=constant, max_steps=max_steps),
         resources=ResourcesSpec(cluster.num_nodes, hw.gpus_per_node, hw.gpu_memory_gb, hw.peak_tflops,
                                 hw.intra_node_bandwidth_gbps, hw.inter_node_bandwidth_gbps,
-                                cluster.gpu_hour_price),
+                                cluster.gpu_hour_price, gpu=cluster.gpu_name),
         run=RunSpec(mode="full", max_minutes=ts.max_training_days * 24 * 60, max_steps=max_steps,
                     stable_cv=0.0),
         full_run=FullRunSpec(cluster.num_nodes, dp, gbs, ts.num_tokens_in_b, max_steps),
@@ -160,4 +162,4 @@ def _fit_base_layout(s: Shape, tp: int, pp: int, gpus: int, gpn: int) -> tuple[i
 def days_for(model: ModelChoice, app: AppConfig, cluster: Cluster) -> float:
     ts = app.search_config.train_settings
     return days_to_train(app.search_config.model_family, model.size_b, cluster.gpus,
-                         ts.tflops_per_gpu, ts.num_tokens_in_b, ndigits=None)
+                         cluster.sizing_tflops_per_gpu, ts.num_tokens_in_b, ndigits=None)

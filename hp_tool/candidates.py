@@ -144,7 +144,7 @@ def plan_candidates(shape: Shape, size_b: float, ts: TrainSettings, cluster: Clu
             estimate(shape, c, gbs, cluster, ts.dp_sharding)
             need = max(c.memory_gb, c.full_memory_gb)
             if need > usable:
-                c.reject(PRUNED, f"{TS}.gpu_memory_gb",
+                c.reject(PRUNED, "gpu.memory_gb",
                          f"predicted {need:.2f} GB per GPU > {usable:.2f} GB usable "
                          f"({cluster.hw.gpu_memory_gb:g} GB - {ts.memory_margin:.0%} margin)")
     _rank(out, ts.limit_search_runs)

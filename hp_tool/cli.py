@@ -1,4 +1,9 @@
-"""Hydra entry point: compose -> validate -> plan -> (launch -> collect). Also the `hp-tool` script."""
+"""Hydra entry point: compose -> validate -> plan -> (launch -> collect). Also the `hp-tool` script.
+
+Configs live in the package (``hp_tool/conf``, Hydra search path ``pkg://hp_tool.conf``), so an
+installed ``hp-tool`` finds them from any directory. ``-m`` (multirun) runs one plan per combination and
+writes a comparison table beside them (hp_tool/compare.py).
+"""
 
 from __future__ import annotations
 
@@ -6,25 +11,29 @@ import logging
 import sys
 import time
 from pathlib import Path
+from typing import Any, Optional
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, open_dict
 
-from hp_tool.config import AppConfig, to_app_config
+from hp_tool.config import GROUPS, AppConfig, check_override_keys, to_app_config
 from hp_tool.errors import ConfigError
+from hp_tool.wandb_key import check_key_file
 
 log = logging.getLogger("hp_tool")
 
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+CONF_MODULE = "hp_tool.conf"
+CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 
 def compose(overrides: list[str] = ()) -> tuple[DictConfig, str]:
     """The config `main.py` would see for these command-line overrides, and the search_config name."""
     from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+    from hydra import initialize_config_module
 
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+    with initialize_config_module(config_module=CONF_MODULE, version_base="1.3"):
         cfg = hydra_compose("config", overrides=list(overrides), return_hydra_config=True)
     name = cfg.hydra.runtime.choices["search_config"]
     with open_dict(cfg):
@@ -37,70 +46,113 @@ def results_dir(app: AppConfig, search_name: str) -> Path:
     return Path(app.base_results_dir) / search_name
 
 
-def _log_to_file(out: Path) -> None:
+def _log_to_file(out: Path) -> logging.Handler:
     """After validation only: the orchestrator's log lives in the results directory."""
     path = out / "logs" / f"hp_tool_{time.strftime('%Y%m%d-%H%M%S')}.log"
     path.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
     logging.getLogger().addHandler(handler)
+    return handler
 
 
-def run(app: AppConfig, search_name: str) -> int:
-    """Plan (and unless dry_run, search). Returns the process exit code."""
+def run(app: AppConfig, search_name: str, out: Optional[Path] = None, plans: Optional[list] = None) -> int:
+    """Plan (and unless dry_run, search) into ``out`` (default: results_dir). Returns the exit code;
+    the plan is appended to ``plans`` when given. Bad input raises ConfigError before anything is written."""
     from hp_tool.plan_output import render_plan, write_plan
     from hp_tool.planner import make_plan
 
-    out = results_dir(app, search_name)
-    plan = make_plan(app, search_name, out)  # raises ConfigError before anything is written
-    _log_to_file(out)
-    write_plan(plan)
-    print(render_plan(plan), flush=True)
-    if app.dry_run:
-        log.info("Dry run: plan written to %s; no job submitted.", out)
-        return 0
-    code = 0
-    if app.run_training_hp_search:
-        from hp_tool.search import run_training_search
+    out = out or results_dir(app, search_name)
+    check_key_file(app.wandb)
+    plan = make_plan(app, search_name, out)
+    if plans is not None:
+        plans.append(plan)
+    kind = None
+    if not app.dry_run and app.run_training_hp_search:
+        from hp_tool.launch.executors import resolve_kind
 
-        code = run_training_search(app, plan)
-    if app.run_inference_hp_search and not (app.detach or app.cancel):
-        from hp_tool.inference.search import run_inference_search
+        kind = resolve_kind(app, [(s.resources.num_nodes, s.resources.gpus_per_node) for s in plan.specs])
+    handler = _log_to_file(out)
+    try:
+        write_plan(plan)
+        print(render_plan(plan), flush=True)
+        if app.dry_run:
+            log.info("Dry run: plan written to %s; no job submitted.", out)
+            return 0
+        code = 0
+        if app.run_training_hp_search:
+            from hp_tool.search import run_training_search
 
-        code = max(code, run_inference_search(app, search_name, out))
-    return code
+            code = run_training_search(app, plan, kind)
+        if app.run_inference_hp_search and not (app.detach or app.cancel):
+            from hp_tool.inference.search import run_inference_search
+
+            code = max(code, run_inference_search(app, search_name, out))
+        return code
+    finally:
+        logging.getLogger().removeHandler(handler)
+        handler.close()
 
 
-@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
-def _hydra_main(cfg: DictConfig) -> None:
+def _multirun_job(app: AppConfig, search_name: str) -> dict[str, Any]:
+    """One job of a multirun: its plan under the job's own folder, and its row of the comparison."""
+    from hp_tool.compare import comparison_row, error_row
+
+    out = Path(HydraConfig.get().runtime.output_dir) / search_name
+    plans: list = []
+    try:
+        code = run(app, search_name, out, plans)
+    except ConfigError as exc:
+        print(f"hp_tool: error: {exc}", file=sys.stderr, flush=True)
+        return error_row(app, search_name, HydraConfig.get().job.num, str(exc))
+    return comparison_row(plans[0], app, HydraConfig.get().job.num, code)
+
+
+@hydra.main(version_base="1.3", config_path=f"pkg://{CONF_MODULE}", config_name="config")
+def _hydra_main(cfg: DictConfig) -> Optional[dict[str, Any]]:
     search_name = HydraConfig.get().runtime.choices["search_config"]
+    multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     try:
         app = to_app_config(cfg)
+        if multirun:
+            return _multirun_job(app, search_name)
         code = run(app, search_name)
     except ConfigError as exc:
         print(f"hp_tool: error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
     if code:
         sys.exit(code)
+    return None
 
 
-def available_search_configs() -> list[str]:
-    root = Path(CONF_DIR) / "search_config"
+def available(group: str) -> list[str]:
+    """The shipped options of a config group, e.g. available("gpu") -> ["a100_40gb", ...]."""
+    root = CONF_DIR / group
     return sorted(str(p.relative_to(root).with_suffix("")) for p in root.rglob("*.yaml"))
 
 
-def _check_search_config_arg(argv: list[str]) -> None:
-    """Name the unknown search_config and list the shipped ones (Hydra alone only says 'not found')."""
-    for arg in argv:
-        if arg.startswith("search_config="):
-            name = arg.split("=", 1)[1]
-            if name not in available_search_configs():
-                err = ConfigError("search_config", name, "no such search config under conf/search_config/",
-                                  f"use one of {available_search_configs()}")
-                print(f"hp_tool: error: {err}", file=sys.stderr)
-                sys.exit(2)
+def available_search_configs() -> list[str]:
+    return available("search_config")
+
+
+def _check_args(argv: list[str]) -> None:
+    """Before Hydra: every key exists (with or without +; moved keys name their new place) and every
+    group option is shipped (Hydra alone only says 'not found'). Comma lists are multirun sweeps."""
+    overrides = [a for a in argv if not a.startswith("-")]
+    check_override_keys(overrides)
+    for arg in overrides:
+        group, sep, value = arg.partition("=")
+        if sep and group in GROUPS:
+            for name in value.split(","):
+                if name not in available(group):
+                    raise ConfigError(group, name, f"no such option under hp_tool/conf/{group}/",
+                                      f"use one of {available(group)}")
 
 
 def main() -> None:
-    _check_search_config_arg(sys.argv[1:])
+    try:
+        _check_args(sys.argv[1:])
+    except ConfigError as exc:
+        print(f"hp_tool: error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
     _hydra_main()

@@ -7,17 +7,21 @@ before anything is planned, written or submitted. Each failure names the key, th
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import MissingMandatoryValue
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from hp_tool.errors import ConfigError, require
+from hp_tool.trial.spec import PRECISIONS
 
 CLUSTER_TYPES = ("local", "bcm", "auto")
 FAMILIES = ("gpt3",)  # families the planner can size today
+SIZING_MFU = 140 / 312  # tflops_per_gpu default: the MFU of NeMo's 140 TFLOPS on a 312-TFLOPS A100 (45%)
 MAX_SEQ_LENGTH = 1 << 20
 MAX_VOCAB = 1 << 22
 
@@ -58,22 +62,53 @@ class WandbConfig:
 
 
 @dataclass
-class ClusterConfig:
-    """Where trials run and what each node offers."""
+class PeakTflops:
+    """Dense peak per GPU in TFLOPS for each training precision (datasheet figures, without sparsity)."""
 
-    type: str = "auto"  # local | bcm (SLURM) | auto (SLURM when sbatch is reachable, else local)
+    bf16: float = MISSING
+    fp16: float = MISSING
+    fp32: float = MISSING
+
+
+@dataclass
+class GpuConfig:
+    """What one GPU (and its node) offers: a preset of the ``gpu`` group, e.g. ``gpu=h100_80gb``."""
+
+    name: str = MISSING  # preset name, shown in plans and comparisons
+    memory_gb: float = MISSING  # GPU memory, GB
+    peak_tflops: PeakTflops = field(default_factory=PeakTflops)
+    intra_node_bandwidth_gbps: float = MISSING  # GB/s per GPU and direction within a node
+    inter_node_bandwidth_gbps: float = MISSING  # GB/s per GPU across nodes
+    host_ram_gb: float = MISSING  # host RAM per node, GB
+    memory_overhead_gb: float = MISSING  # calibrated per-GPU framework overhead (context, buffers), GB
+    price_per_gpu_hour: Optional[float] = None  # USD; the shipped values are examples
+
+    def __post_init__(self) -> None:
+        if self.name == MISSING:  # the schema's placeholder, before a preset is merged in
+            return
+        _positive(self, "gpu", ("memory_gb", "intra_node_bandwidth_gbps", "inter_node_bandwidth_gbps",
+                                "host_ram_gb", "price_per_gpu_hour"))
+        _positive(self.peak_tflops, "gpu.peak_tflops", PRECISIONS)
+        require(0 <= self.memory_overhead_gb < self.memory_gb, "gpu.memory_overhead_gb",
+                self.memory_overhead_gb, f"must be at least 0 and below gpu.memory_gb={self.memory_gb}",
+                "measure the framework overhead per GPU, in GB")
+
+    def peak_tflops_for(self, precision: str) -> float:
+        """Dense peak TFLOPS per GPU in ``precision`` (bf16 | fp16 | fp32)."""
+        return float(getattr(self.peak_tflops, precision))
+
+
+@dataclass
+class ClusterConfig:
+    """Where and how trials run. Hardware is the ``gpu`` group; the run's shape is ``train_settings``."""
+
+    type: str = "auto"  # local | bcm (SLURM) | auto (SLURM when it answers, else local if the search fits)
     partition: Optional[str] = None
     account: Optional[str] = None
     qos: Optional[str] = None
     exclusive: bool = True
     constraint: Optional[str] = None
-    gpus_per_node: int = 8
-    gpu_memory_gb: float = 80.0
-    gpu_peak_tflops: float = 312.0  # dense bf16 peak per GPU (A100 312, H100/H200 989)
-    intra_node_bandwidth_gbps: float = 200.0  # GB/s per GPU within a node
-    inter_node_bandwidth_gbps: float = 25.0  # GB/s per GPU across nodes
-    memory_overhead_gb: float = 3.0  # calibrated per-GPU framework overhead (context, buffers)
-    cpus_per_task: Optional[int] = None
+    cpus_per_task: Optional[int] = None  # null = the partition's CPUs per node / tasks per node
     mem: Optional[str] = None  # sbatch --mem, e.g. "0" for the whole node
     job_name_prefix: str = "hp_tool:"
     container_image: Optional[str] = None
@@ -81,7 +116,6 @@ class ClusterConfig:
     srun_args: List[str] = field(default_factory=list)
     setup: List[str] = field(default_factory=list)  # shell lines run before each trial
     additional_sbatch_parameters: Dict[str, str] = field(default_factory=dict)
-    gpu_hour_price: Optional[float] = None  # dollars per GPU-hour, for cost estimates
     max_parallel_runs: int = 1  # trials running at once
 
     def __post_init__(self) -> None:
@@ -89,14 +123,7 @@ class ClusterConfig:
                 f"use one of {list(CLUSTER_TYPES)}")
         require(self.type != "bcm" or bool(self.partition), "cluster.partition", self.partition,
                 "is required for a SLURM cluster", "add cluster.partition=<partition> to the command")
-        _positive(self, "cluster", ("gpus_per_node", "gpu_memory_gb", "gpu_peak_tflops",
-                                    "intra_node_bandwidth_gbps", "inter_node_bandwidth_gbps",
-                                    "cpus_per_task", "gpu_hour_price", "max_parallel_runs"))
-        require(self.memory_overhead_gb >= 0, "cluster.memory_overhead_gb", self.memory_overhead_gb,
-                "must not be negative", "measure the framework overhead per GPU, in GB")
-        require(self.memory_overhead_gb < self.gpu_memory_gb, "cluster.memory_overhead_gb",
-                self.memory_overhead_gb, f"leaves nothing of gpu_memory_gb={self.gpu_memory_gb}",
-                "use a value well below the GPU memory")
+        _positive(self, "cluster", ("cpus_per_task", "max_parallel_runs"))
 
 
 @dataclass
@@ -127,14 +154,13 @@ class TrainSettings:
 
     model_size_in_b: Optional[float] = None  # null = recommend from the budget below
     num_nodes: int = 1
-    gpus_per_node: Optional[int] = None  # null = cluster.gpus_per_node
-    gpu_memory_gb: Optional[float] = None  # null = cluster.gpu_memory_gb
+    gpus_per_node: int = 8  # GPUs per node of the full run (trial processes per node)
     max_training_days: float = 5.0
     limit_search_runs: int = 100  # most trials to launch
     output_top_n: int = 10
     max_steps_per_run: int = 50
     max_minutes_per_run: float = 20.0
-    tflops_per_gpu: float = 140.0  # achieved TFLOPS per GPU assumed for sizing and days to train
+    tflops_per_gpu: Optional[float] = None  # achieved TFLOPS per GPU for sizing; null = SIZING_MFU x peak
     num_tokens_in_b: float = 300.0
     vocab_size: int = 51200
     seq_length: int = 2048
@@ -151,7 +177,7 @@ class TrainSettings:
 
     def __post_init__(self) -> None:
         p = "search_config.train_settings"
-        _positive(self, p, ("model_size_in_b", "num_nodes", "gpus_per_node", "gpu_memory_gb",
+        _positive(self, p, ("model_size_in_b", "num_nodes", "gpus_per_node",
                             "max_training_days", "limit_search_runs", "output_top_n",
                             "max_steps_per_run", "max_minutes_per_run", "tflops_per_gpu",
                             "num_tokens_in_b", "global_batch_size", "min_model_parallel_size",
@@ -159,7 +185,7 @@ class TrainSettings:
         _seq_and_vocab(p, self.seq_length, self.vocab_size)
         _positive_list(self, p, ("tensor_parallel_sizes", "pipeline_parallel_sizes", "micro_batch_sizes"))
         _positive_list(self, p, ("act_ckpt_layers",), allow_zero=True)
-        require(self.precision in ("bf16", "fp16", "fp32"), f"{p}.precision", self.precision,
+        require(self.precision in PRECISIONS, f"{p}.precision", self.precision,
                 "unknown precision", "use bf16, fp16 or fp32")
         require(self.dp_sharding in ("none", "gradients", "full"), f"{p}.dp_sharding", self.dp_sharding,
                 "unknown sharding", "use none (DDP), gradients or full (FSDP)")
@@ -210,6 +236,7 @@ class SearchConfig:
 @dataclass
 class AppConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    gpu: GpuConfig = field(default_factory=GpuConfig)
     search_config: SearchConfig = field(default_factory=SearchConfig)
     base_results_dir: str = "results"  # results go to <base_results_dir>/<search_config>/
     run_training_hp_search: bool = True
@@ -224,10 +251,108 @@ def register() -> None:
     ConfigStore.instance().store(name="hp_tool_schema", node=AppConfig)
 
 
+# Keys that moved when hardware got its own config group; a config still using one fails naming the new key.
+MOVED_KEYS = {
+    "cluster.gpus_per_node": "search_config.train_settings.gpus_per_node",
+    "cluster.gpu_memory_gb": "gpu.memory_gb",
+    "cluster.gpu_peak_tflops": "gpu.peak_tflops.bf16",
+    "cluster.intra_node_bandwidth_gbps": "gpu.intra_node_bandwidth_gbps",
+    "cluster.inter_node_bandwidth_gbps": "gpu.inter_node_bandwidth_gbps",
+    "cluster.memory_overhead_gb": "gpu.memory_overhead_gb",
+    "cluster.gpu_hour_price": "gpu.price_per_gpu_hour",
+    "search_config.train_settings.gpu_memory_gb": "gpu.memory_gb",
+}
+GROUPS = ("cluster", "gpu", "search_config")
+
+
+def unknown_key_error(key: str, value: object) -> ConfigError:
+    """The error for a key the schema does not have: where it moved, or the closest real key."""
+    if key in MOVED_KEYS:
+        new = MOVED_KEYS[key]
+        return ConfigError(key, value, f"was moved to {new}",
+                           f"use {new}=<value>, or choose a preset of the gpu group, e.g. gpu=h100_80gb")
+    parent, _, name = key.rpartition(".")
+    siblings = _schema_children(parent)
+    close = difflib.get_close_matches(name, siblings, n=1)
+    fix = f"did you mean {parent + '.' if parent else ''}{close[0]}?" if close else \
+        f"remove it; the keys{' of ' + parent if parent else ''} are {siblings}"
+    return ConfigError(key, value, "is not an hp_tool setting", fix)
+
+
+def _schema_node(path: str) -> Any:
+    """The schema's node at a dotted path, or None when the schema has no such key."""
+    node: Any = OmegaConf.structured(AppConfig)
+    for part in [p for p in path.split(".") if p]:
+        node = _child(node, part)
+        if node is None:
+            return None
+    return node
+
+
+def _child(node: Any, key: str) -> Any:
+    """A DictConfig's child node, or None (also for a key a structured node does not declare)."""
+    if not isinstance(node, DictConfig):
+        return None
+    return node._get_node(key, validate_access=False, throw_on_missing_key=False)
+
+
+def _schema_children(path: str) -> list[str]:
+    node = _schema_node(path)
+    return sorted(str(k) for k in node.keys()) if isinstance(node, DictConfig) else []
+
+
+def _is_structured(node: Any) -> bool:
+    return isinstance(node, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(node))
+
+
+def _unknown_keys(cfg: Any, schema: Any, prefix: str = "") -> list[str]:
+    """Dotted keys of ``cfg`` that the dataclass schema lacks (free-form dict fields may hold any key)."""
+    found = []
+    for key in cfg.keys():
+        path = f"{prefix}{key}"
+        sub_schema, sub = _child(schema, key), cfg._get_node(key)
+        if sub_schema is None:  # `key in schema` is False for keys whose value is ??? (MISSING)
+            found.append(path)
+            continue
+        if _is_structured(sub_schema) and isinstance(sub, DictConfig):
+            found += _unknown_keys(sub, sub_schema, path + ".")
+    return found
+
+
+def check_override_keys(overrides: List[str]) -> None:
+    """Command-line overrides name keys the schema has, whether or not they come with ``+``."""
+    for arg in overrides:
+        key, sep, value = arg.partition("=")
+        if arg.startswith("-") or not (sep or key.startswith("~")):  # Hydra flags (-m, --cfg, ...)
+            continue
+        key = key.lstrip("+~")
+        if key.startswith("hydra") or key in GROUPS or "@" in key:
+            continue
+        if _schema_node(key) is None and not _in_free_form_dict(key):
+            raise unknown_key_error(key, value)
+
+
+def _in_free_form_dict(key: str) -> bool:
+    """True for keys inside a Dict[str, ...] field such as cluster.additional_sbatch_parameters."""
+    parent = key.rpartition(".")[0]
+    node = _schema_node(parent)
+    return isinstance(node, DictConfig) and not _is_structured(node)
+
+
 def to_app_config(cfg: DictConfig | Dict[str, Any]) -> AppConfig:
-    """Validated dataclasses from a composed config; a missing required value names its key."""
-    node = OmegaConf.structured(AppConfig)
-    node = OmegaConf.merge(node, cfg)
+    """Validated dataclasses from a composed config; an unknown key, a wrong type or a missing required
+    value raises ConfigError naming the key."""
+    schema = OmegaConf.structured(AppConfig)
+    composed = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(cfg)
+    unknown = _unknown_keys(composed, schema)
+    if unknown:
+        raise unknown_key_error(unknown[0], OmegaConf.select(composed, unknown[0]))
+    try:
+        node = OmegaConf.merge(schema, composed)
+    except OmegaConfBaseException as exc:
+        key = str(getattr(exc, "full_key", "") or "config")
+        raise ConfigError(key, OmegaConf.select(composed, key, default=None), str(exc).splitlines()[0],
+                          "give a value of the type documented in the config file") from None
     missing = sorted(OmegaConf.missing_keys(node))
     if missing:
         raise ConfigError(missing[0], "???", "is required and has no value",

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from hp_tool.candidates import SELECTED, Candidate
+from hp_tool.cost import cost_columns
 from hp_tool.fsutil import atomic_write_text
 from hp_tool.planner import Plan
 from hp_tool.sizing import SECONDS_PER_DAY
@@ -20,8 +21,8 @@ PLAN_COLUMNS = (
     "trial_id", "model_family", "model_size_b", "tp", "pp", "dp", "mbs", "act_ckpt_layers",
     "global_batch_size", "num_nodes", "trial_num_nodes", "trial_dp", "predicted_memory_gb",
     "predicted_full_memory_gb", "predicted_step_time_s", "predicted_tokens_per_s_per_gpu",
-    "predicted_model_tflops_per_gpu", "predicted_days_to_train", "predicted_rank", "plan_status",
-    "reason",
+    "predicted_model_tflops_per_gpu", "predicted_days_to_train", "predicted_full_run_cost_usd",
+    "predicted_cost_usd_per_million_tokens", "predicted_rank", "plan_status", "reason",
 )
 
 
@@ -32,8 +33,12 @@ def _round(x: float | None, digits: int) -> float | None:
 def plan_rows(plan: Plan) -> Iterable[dict[str, Any]]:
     """One row per candidate, in grid order; units in the column names."""
     m, full = plan.model, plan.base.full_run
+    price, gpus = plan.cluster.gpu_hour_price, plan.cluster.gpus
     for c in plan.candidates:
         days = None if c.step_time_s is None else full.max_steps * c.step_time_s / SECONDS_PER_DAY
+        cost = {}
+        if days is not None and price is not None:
+            cost = cost_columns(price, gpus, c.tokens_per_s_per_gpu * gpus, days)
         yield {
             "trial_id": make_trial_id(m.shape.family, m.label, c.tp, c.pp, c.mbs, c.act_ckpt_layers),
             "model_family": m.shape.family, "model_size_b": round(m.num_parameters / 1e9, 6),
@@ -45,7 +50,10 @@ def plan_rows(plan: Plan) -> Iterable[dict[str, Any]]:
             "predicted_step_time_s": _round(c.step_time_s, 6),
             "predicted_tokens_per_s_per_gpu": _round(c.tokens_per_s_per_gpu, 2),
             "predicted_model_tflops_per_gpu": _round(c.model_tflops_per_gpu, 3),
-            "predicted_days_to_train": _round(days, 3), "predicted_rank": c.rank,
+            "predicted_days_to_train": _round(days, 3),
+            "predicted_full_run_cost_usd": _round(cost.get("full_run_cost_usd"), 2),
+            "predicted_cost_usd_per_million_tokens": _round(cost.get("cost_usd_per_million_tokens"), 6),
+            "predicted_rank": c.rank,
             "plan_status": c.status, "reason": c.reason,
         }
 
@@ -92,7 +100,7 @@ def render_plan(plan: Plan, max_rows: int = 25) -> str:
                       str(c.act_ckpt_layers), f"{c.memory_gb:.2f}", f"{c.step_time_s:.4g}",
                       f"{c.tokens_per_s_per_gpu:,.0f}")
     console = Console(file=io.StringIO(), width=140, force_terminal=False)
-    console.print(plan.sentence)
+    console.print(plan.sentence, soft_wrap=True)
     console.print(table)
     hidden = len(plan.specs) - max_rows
     if hidden > 0:

@@ -46,14 +46,14 @@ def make_plan(app: AppConfig, search_name: str, results_dir: Path) -> Plan:
     base = base_spec(app, model, cluster)
     gbs = base.training.global_batch_size
     candidates = plan_candidates(model.shape, model.size_b, ts, cluster, gbs)
-    _require_selection(candidates, ts)
+    _require_selection(candidates, ts, cluster)
     selected = sorted((c for c in candidates if c.status == SELECTED), key=lambda c: c.rank)
     specs = [candidate_spec(base, c, model, app, results_dir) for c in selected]
     return Plan(search_name, results_dir, model, cluster, days, model.sentence(days, cluster, ts), base,
                 candidates, specs)
 
 
-def _require_selection(candidates: list[Candidate], ts) -> None:
+def _require_selection(candidates: list[Candidate], ts, cluster: Cluster) -> None:
     if any(c.status == SELECTED for c in candidates):
         return
     valid = [c for c in candidates if c.status != INVALID]
@@ -66,9 +66,9 @@ def _require_selection(candidates: list[Candidate], ts) -> None:
                           f"no candidate layout is valid for this model and cluster: {summary}",
                           FIXES.get(name, "change the search settings"))
     best = min(valid, key=lambda c: max(c.memory_gb, c.full_memory_gb))
-    raise ConfigError(f"{TS}.gpu_memory_gb", best.reason,
+    raise ConfigError("gpu.memory_gb", cluster.hw.gpu_memory_gb,
                       f"no valid layout fits in memory; the smallest is TP={best.tp} PP={best.pp} "
-                      f"MBS={best.mbs} act_ckpt={best.act_ckpt_layers}",
+                      f"MBS={best.mbs} act_ckpt={best.act_ckpt_layers}: {best.reason}",
                       "allow larger tensor_parallel_sizes / pipeline_parallel_sizes, smaller "
                       "micro_batch_sizes, more act_ckpt_layers, or use GPUs with more memory")
 

@@ -8,7 +8,7 @@ import sys
 
 from hp_tool.config import AppConfig
 from hp_tool.errors import ConfigError
-from hp_tool.launch.executors import check_slurm_target, resolve_kind
+from hp_tool.launch.executors import check_slurm_target
 from hp_tool.launch.monitor import Progress
 from hp_tool.launch.runner import Launcher
 from hp_tool.planner import Plan
@@ -29,14 +29,14 @@ def _trial_logger(app: AppConfig):
     return lambda spec, result: tracking.log_trial(spec, spec.run.output_dir, result, app.wandb)
 
 
-def run_training_search(app: AppConfig, plan: Plan) -> int:
-    """Launch (or resume) the plan's trials, wait for all, then write the final results.
+def run_training_search(app: AppConfig, plan: Plan, kind: str) -> int:
+    """Launch (or resume) the plan's trials with the ``kind`` of executor (`slurm` or `local`, from
+    executors.resolve_kind), wait for all, then write the final results.
     Returns the exit code: 0 when at least one trial succeeded."""
     if app.wandb.enable:
         from hp_tool import tracking
 
         tracking.check_wandb(app.wandb)
-    kind = resolve_kind(app.cluster)
     if kind == "slurm":
         check_slurm_target(app.cluster)
     elif app.detach:

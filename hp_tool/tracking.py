@@ -22,13 +22,11 @@ from hp_tool.results.trial_files import number, read_metrics
 from hp_tool.sizing import size_label
 from hp_tool.trial.result import METRICS_FILE
 from hp_tool.trial.spec import TrialSpec
+from hp_tool.wandb_key import check_key_file, offline, read_api_key
 
 log = logging.getLogger(__name__)
 
 INSTALL_FIX = 'pip install -e ".[wandb]", or set wandb.enable=false'
-KEY_FIX = ("put the API key on the first line of a file only you can read (chmod 600) and pass "
-           "wandb.api_key_file=<path>; or set WANDB_MODE=offline to write runs locally")
-OFFLINE_MODES = ("offline", "dryrun", "disabled")
 STEP_FIELDS = ("step_time_s", "loss", "lr", "tokens", "memory_gb")  # logged per step, by name
 
 
@@ -40,34 +38,12 @@ def _import_wandb():
     return wandb
 
 
-def offline() -> bool:
-    """True when WANDB_MODE asks for no server (then no API key is needed)."""
-    return os.environ.get("WANDB_MODE", "").lower() in OFFLINE_MODES
-
-
-def read_api_key(cfg: WandbConfig) -> str:
-    """The first line of ``cfg.api_key_file``, stripped. Errors name the file, never its content."""
-    path = cfg.api_key_file
-    if not path:
-        raise ConfigError("wandb.api_key_file", path, "is not set and W&B needs an API key", KEY_FIX)
-    try:
-        lines = Path(path).expanduser().read_text().splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError("wandb.api_key_file", path, f"cannot be read ({type(exc).__name__})",
-                          KEY_FIX) from None  # from None: keep file content out of tracebacks
-    key = lines[0].strip() if lines else ""
-    if not key:
-        raise ConfigError("wandb.api_key_file", path, "is empty; the key goes on its first line", KEY_FIX)
-    return key
-
-
 def check_wandb(cfg: WandbConfig) -> None:
     """At start, before any job: wandb importable and (unless offline) an API key readable."""
     if not cfg.enable:
         return
     _import_wandb()
-    if not offline():
-        read_api_key(cfg)
+    check_key_file(cfg)
 
 
 def _init(cfg: WandbConfig, default_dir: Path, **kwargs: Any):

@@ -39,7 +39,7 @@ def test_selected_candidates_are_valid_fit_and_ordered(tmp_path, name):
         f"gpt3_{p.model.label}_tp{c.tp}_pp{c.pp}_mbs{c.mbs}_ac{c.act_ckpt_layers}" for c in ranks]
     for c in p.candidates:
         if c.status != SELECTED:
-            assert c.reason and c.reason_key.startswith("search_config.")
+            assert c.reason and c.reason_key.startswith(("search_config.", "gpu."))
         if c.status == PRUNED:
             assert max(c.memory_gb, c.full_memory_gb) > p.cluster.hw.gpu_memory_gb * 0.95
         if c.status == OVER_LIMIT:
@@ -85,11 +85,11 @@ def test_tiny_demo_grid(tmp_path):
 
 
 def test_memory_pruning_with_margin(tmp_path):
-    tight = plan(tmp_path, "search_config=gpt3/5b", "search_config.train_settings.gpu_memory_gb=40")
-    roomy = plan(tmp_path, "search_config=gpt3/5b", "search_config.train_settings.gpu_memory_gb=80")
+    tight = plan(tmp_path, "search_config=gpt3/5b", "gpu.memory_gb=40")
+    roomy = plan(tmp_path, "search_config=gpt3/5b", "gpu.memory_gb=80")
     n_pruned = lambda p: sum(c.status == PRUNED for c in p.candidates)  # noqa: E731
     assert n_pruned(tight) > n_pruned(roomy)
-    margin = plan(tmp_path, "search_config=gpt3/5b", "search_config.train_settings.gpu_memory_gb=40",
+    margin = plan(tmp_path, "search_config=gpt3/5b", "gpu.memory_gb=40",
                   "search_config.train_settings.memory_margin=0.3")
     assert n_pruned(margin) > n_pruned(tight)
 
@@ -105,7 +105,7 @@ def test_limit_search_runs_caps_selection(tmp_path):
     ("search_config.train_settings.pipeline_parallel_sizes=[5,7]", "search_config.train_settings.pipeline_parallel_sizes"),
     ("search_config.train_settings.global_batch_size=1001", "search_config.train_settings.global_batch_size"),
     ("search_config.train_settings.act_ckpt_layers=[25]", "search_config.train_settings.act_ckpt_layers"),
-    ("search_config.train_settings.gpu_memory_gb=4", "search_config.train_settings.gpu_memory_gb"),
+    ("gpu.memory_gb=4", "gpu.memory_gb"),
 ])
 def test_nothing_runnable_is_a_clear_error(tmp_path, override, key):
     with pytest.raises(ConfigError) as exc:

@@ -51,6 +51,13 @@ def test_unknown_key_fails_at_compose_with_its_name():
     assert "tensor_paralel_sizes" in str(exc.value)
 
 
+def test_unknown_key_added_with_plus_fails_with_its_name_and_the_closest_key():
+    with pytest.raises(ConfigError) as exc:
+        load("+search_config.train_settings.tensr_parallel_sizes=[1]")
+    assert exc.value.key == "search_config.train_settings.tensr_parallel_sizes"
+    assert "search_config.train_settings.tensor_parallel_sizes" in exc.value.fix
+
+
 def test_wrong_type_fails_at_compose_with_its_name():
     with pytest.raises((ConfigCompositionException, ValidationError)) as exc:
         load("search_config.train_settings.num_nodes=many")
@@ -66,7 +73,11 @@ def test_wrong_type_fails_at_compose_with_its_name():
     ("search_config.train_settings.memory_margin=1.5", "search_config.train_settings.memory_margin"),
     ("search_config.inference_settings.end_id=99999999", "search_config.inference_settings.end_id"),
     ("search_config.inference_settings.max_batch_sizes=[]", "search_config.inference_settings.max_batch_sizes"),
-    ("cluster.gpus_per_node=0", "cluster.gpus_per_node"),
+    ("search_config.train_settings.gpus_per_node=0", "search_config.train_settings.gpus_per_node"),
+    ("gpu.memory_gb=0", "gpu.memory_gb"),
+    ("gpu.peak_tflops.bf16=-1", "gpu.peak_tflops.bf16"),
+    ("gpu.memory_overhead_gb=90", "gpu.memory_overhead_gb"),
+    ("gpu.price_per_gpu_hour=0", "gpu.price_per_gpu_hour"),
     ("cluster.type=slurm", "cluster.type"),
 ])
 def test_bad_values_name_key_value_and_fix(override, key):

@@ -77,7 +77,7 @@ def test_schema_checks_reach_the_user():
 
 
 def test_memory_check_rejects_with_reason(tmp_path):
-    app = tiny_app(tmp_path, "search_config.train_settings.gpu_memory_gb=0.503", f"{IS}.max_batch_sizes=[1,64]")
+    app = tiny_app(tmp_path, "gpu.memory_gb=0.503", f"{IS}.max_batch_sizes=[1,64]")
     by_id = {c.config_id: c for c in plan_inference(app, tmp_path).candidates}
     assert by_id["gpt3_241k_tp1_pp1_bs1"].status == "valid"
     big = by_id["gpt3_241k_tp1_pp1_bs64"]

@@ -10,7 +10,7 @@ import pytest
 
 from hp_tool.cli import compose
 from hp_tool.config import to_app_config
-from hp_tool.launch.executors import make_executor, resolve_kind
+from hp_tool.launch.executors import make_executor
 from hp_tool.launch.job import classify_slurm_end, write_job_failure
 from hp_tool.launch.ledger import Entry, Ledger
 from hp_tool.planner import make_plan
@@ -45,15 +45,6 @@ def test_sbatch_script_carries_the_cluster_settings(tmp_path):
         assert line in text, line
     assert f"#SBATCH --nodes={spec.resources.num_nodes}" in text
     assert "--container-image=nvcr.io/x:1" in text and "--container-mounts=/data:/data" in text
-
-
-def test_local_kind_is_chosen_without_slurm(tmp_path, monkeypatch):
-    app, _ = bcm_plan(tmp_path)
-    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch on PATH
-    app.cluster.type = "auto"
-    assert resolve_kind(app.cluster) == "local"
-    app.cluster.type = "local"
-    assert resolve_kind(app.cluster) == "local"
 
 
 def test_ledger_keeps_last_state_and_survives_a_torn_line(tmp_path):

@@ -40,7 +40,7 @@ def test_rank_uses_full_run_step_time_with_extrapolated_communication(tmp_path):
     # 4 nodes of 2 processes; trials run on 1 node, so the full run adds inter-node DP communication
     _, out, plan = planned(tmp_path, "search_config.train_settings.num_nodes=4",
                            "search_config.train_settings.global_batch_size=32",
-                           "cluster.inter_node_bandwidth_gbps=0.01")
+                           "gpu.inter_node_bandwidth_gbps=0.01")
     full = full_run_for(out)
     a, b = "gpt3_241k_tp1_pp1_mbs4_ac0", "gpt3_241k_tp2_pp1_mbs4_ac0"  # full DP 8 and 4
     assert {a, b} <= set(selected_ids(plan))
@@ -63,7 +63,7 @@ def test_rank_uses_full_run_step_time_with_extrapolated_communication(tmp_path):
 
 
 def test_days_and_cost_match_hand_computation(tmp_path):
-    _, out, _ = planned(tmp_path, "cluster.gpu_hour_price=2.0")
+    _, out, _ = planned(tmp_path, "gpu.price_per_gpu_hour=2.0")
     tid = "gpt3_241k_tp1_pp1_mbs4_ac0"
     write_ok(out, tid, 0.5)
     row = collect_trials(out).set_index("trial_id").loc[tid]

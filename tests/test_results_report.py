@@ -23,7 +23,7 @@ def read_csv(path):
 
 def finished_search(tmp_path, *overrides):
     """A tiny search: 3 ok trials in a known speed order, one oom, one killed, the rest never ran."""
-    app, out, plan = planned(tmp_path, "cluster.gpu_hour_price=2.0", *overrides)
+    app, out, plan = planned(tmp_path, "gpu.price_per_gpu_hour=2.0", *overrides)
     ids = selected_ids(plan)
     times = {ids[4]: 0.30, ids[0]: 0.50, ids[2]: 0.40}
     for tid, t in times.items():

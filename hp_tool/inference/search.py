@@ -182,8 +182,8 @@ def run_inference_search(app: AppConfig, search_name: str, results_dir: Path,
     """Plan, launch, collect and rank the inference search; 0 when a config met the latency bound (or
     at least one ran), else 1. ConfigError (before anything is written) when nothing valid is left."""
     plan = plan_inference(app, results_dir)
+    kind = kind or resolve_kind(app, [(1, c.tp * c.pp) for c in plan.configs.values()])
     write_configs(plan)
-    kind = kind or resolve_kind(app.cluster)
     log.info("inference search %s: %d configs to measure (%s)", search_name, len(plan.configs), kind)
     run_jobs(app, plan, kind)
     frame = write_summary(app, plan, results_dir)

@@ -6,17 +6,20 @@ locally); inside it, submitit's torch distributed environment feeds the trial en
 
 from __future__ import annotations
 
+import functools
 import math
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Iterable, Optional
 
 import submitit
 
-from hp_tool.config import ClusterConfig
+from hp_tool.config import AppConfig, ClusterConfig, GpuConfig
 from hp_tool.errors import ConfigError
 from hp_tool.trial.spec import TrialSpec
 
+LOCAL_MEMORY_TOLERANCE = 0.9  # nvidia-smi's MiB vs a datasheet's GB; an 80 GB part shows ~79.6 GiB
 SIGNAL_DELAY_S = 60  # submitit signals the job this long before its limit; the engine stops earlier
 
 
@@ -30,11 +33,59 @@ def slurm_reachable() -> bool:
         return False
 
 
-def resolve_kind(cluster: ClusterConfig) -> str:
-    """`local` or `slurm`."""
-    if cluster.type == "auto":
-        return "slurm" if slurm_reachable() else "local"
-    return "slurm" if cluster.type == "bcm" else "local"
+def local_gpu_memory_gb() -> list[float]:
+    """Memory in GB of each GPU on this machine, from nvidia-smi (no torch import); [] without GPUs."""
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    if out.returncode != 0:
+        return []
+    return [float(line) * 2**20 / 1e9 for line in out.stdout.split() if line.strip().isdigit()]
+
+
+def local_problem(gpu: GpuConfig, jobs: Iterable[tuple[int, int]],
+                  gpus_here: Optional[list[float]] = None) -> Optional[str]:
+    """Why this machine cannot run jobs of (nodes, processes per node) as the ``gpu`` preset describes
+    them, or None when it can. CPU processes (gpu=cpu) always fit on one node."""
+    jobs = list(jobs)
+    nodes = max((n for n, _ in jobs), default=1)
+    procs = max((p for _, p in jobs), default=1)
+    if nodes > 1:
+        return f"a trial spans {nodes} nodes and this machine is one"
+    if gpu.name == "cpu":
+        return None
+    gpus_here = local_gpu_memory_gb() if gpus_here is None else gpus_here
+    if not gpus_here:
+        return f"gpu={gpu.name} was asked for and this machine has no GPU (nvidia-smi lists none)"
+    if procs > len(gpus_here):
+        return f"a trial needs {procs} GPUs and this machine has {len(gpus_here)}"
+    if min(gpus_here) < LOCAL_MEMORY_TOLERANCE * gpu.memory_gb:
+        return (f"its GPUs have {min(gpus_here):.0f} GB, less than the {gpu.memory_gb:g} GB of "
+                f"gpu={gpu.name}")
+    return None
+
+
+def resolve_kind(app: AppConfig, jobs: Iterable[tuple[int, int]]) -> str:
+    """`slurm` or `local` for jobs of (nodes, processes per node). `auto` takes SLURM when it answers,
+    else this machine only when the jobs fit it; otherwise ConfigError says what to pass."""
+    cluster_type = app.cluster.type
+    if cluster_type == "bcm" or (cluster_type == "auto" and slurm_reachable()):
+        return "slurm"
+    problem = local_problem(app.gpu, jobs)
+    if problem is None:
+        return "local"
+    if cluster_type == "auto":
+        raise ConfigError("cluster", "auto", f"found no SLURM (sinfo did not answer), and this machine "
+                          f"cannot run the search: {problem}",
+                          "on a SLURM login node pass cluster=bcm cluster.partition=<partition>; to run "
+                          "here, choose presets that fit this machine, e.g. search_config=gpt3/tiny gpu=cpu")
+    raise ConfigError("cluster", "local", f"this machine cannot run the search: {problem}",
+                      "run on a SLURM cluster (cluster=bcm cluster.partition=<partition>), or choose "
+                      "presets that fit this machine, e.g. search_config=gpt3/tiny gpu=cpu")
 
 
 def job_name(cluster: ClusterConfig, trial_id: str) -> str:
@@ -63,12 +114,33 @@ def make_executor(kind: str, folder: Path, spec: TrialSpec, cluster: ClusterConf
     )
     optional = dict(slurm_partition=cluster.partition, slurm_account=cluster.account,
                     slurm_qos=cluster.qos, slurm_constraint=cluster.constraint,
-                    cpus_per_task=cluster.cpus_per_task, slurm_mem=cluster.mem)
+                    cpus_per_task=cpus_per_task(cluster, r.gpus_per_node), slurm_mem=cluster.mem)
     params.update({k: v for k, v in optional.items() if v is not None})
     if cluster.exclusive:
         params["slurm_exclusive"] = True
     ex.update_parameters(**params)
     return ex
+
+
+def cpus_per_task(cluster: ClusterConfig, tasks_per_node: int) -> Optional[int]:
+    """cluster.cpus_per_task, or the partition's CPUs per node shared by the node's tasks (SLURM's own
+    default is one CPU per task, which starves data loading and the host side of each rank)."""
+    if cluster.cpus_per_task is not None:
+        return cluster.cpus_per_task
+    cpus = partition_cpus_per_node(cluster.partition)
+    return max(1, cpus // tasks_per_node) if cpus else None
+
+
+@functools.lru_cache(maxsize=None)
+def partition_cpus_per_node(partition: Optional[str]) -> Optional[int]:
+    """The fewest CPUs of a node in the partition (the default partition when None), from sinfo."""
+    cmd = ["sinfo", "-h", "-N", "-o", "%c"] + (["-p", partition] if partition else [])
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    counts = [int(c) for c in out.stdout.split() if c.isdigit()]
+    return min(counts) if out.returncode == 0 and counts else None
 
 
 def _srun_args(cluster: ClusterConfig) -> list[str]:

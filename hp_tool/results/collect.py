@@ -9,10 +9,7 @@ Sources in a results directory (``<base_results_dir>/<search_config>/``):
 A trial runs its layout on the fewest whole nodes while each data-parallel replica does the full run's
 work, so its step time carries over; ``full_run_step_time_s`` adds the modelled difference in
 data-parallel communication (:func:`hp_tool.estimate.speed.extrapolate_step_time_s`). Successful trials
-(status ``ok``) are ranked by that column, fastest first. Costs follow
-
-    full_run_cost_usd            = gpu_hour_price * num_gpus * days_to_train * 24
-    cost_usd_per_million_tokens  = (gpu_hour_price * num_gpus) / (full-run tokens per hour / 1e6)
+(status ``ok``) are ranked by that column, fastest first. Costs: :mod:`hp_tool.cost`.
 """
 
 from __future__ import annotations
@@ -25,6 +22,7 @@ from typing import Any, Optional
 import pandas as pd
 
 from hp_tool.architectures import model_flops_per_step
+from hp_tool.cost import cost_columns
 from hp_tool.errors import ConfigError
 from hp_tool.estimate.layout import Layout
 from hp_tool.estimate.speed import extrapolate_step_time_s
@@ -199,14 +197,6 @@ def _trial_throughput(trial: Layout, step_time_s: float, full: FullRun) -> dict:
     tflops = model_flops_per_step(full.shape, trial.global_batch_size) / step_time_s / gpus / 1e12
     return {"tokens_per_s_per_gpu": trial.global_batch_size * full.shape.seq_length / step_time_s / gpus,
             "model_tflops_per_gpu": tflops, "mfu": tflops / full.peak_tflops_per_gpu}
-
-
-def cost_columns(gpu_hour_price: float, num_gpus: int, tokens_per_s: float, days: float) -> dict:
-    """Dollars for the full run, and dollars per million tokens =
-    (price per GPU-hour x GPUs) / (tokens per hour / 1e6)."""
-    dollars_per_hour = gpu_hour_price * num_gpus
-    return {"full_run_cost_usd": dollars_per_hour * days * 24,
-            "cost_usd_per_million_tokens": dollars_per_hour / (tokens_per_s * 3600 / 1e6)}
 
 
 def to_frame(rows: list[dict]) -> pd.DataFrame:

@@ -140,6 +140,7 @@ class ResourcesSpec:
     intra_node_bandwidth_gbps: float = 200.0  # GB/s per GPU within a node (NVLink)
     inter_node_bandwidth_gbps: float = 25.0  # GB/s per GPU across nodes (InfiniBand)
     gpu_hour_price: Optional[float] = None  # dollars per GPU-hour, for cost estimates
+    gpu: Optional[str] = None  # the gpu preset the plan assumed, e.g. h100_80gb (cpu: CPU processes)
 
     def __post_init__(self) -> None:
         for name in ("num_nodes", "gpus_per_node", "gpu_memory_gb", "peak_tflops_per_gpu",

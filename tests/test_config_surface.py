@@ -1,0 +1,256 @@
+"""The config surface as a cluster user meets it: gpu presets, moved and mistyped keys, multirun
+comparison, cluster=auto without SLURM, the W&B key file in dry runs, cpus per task."""
+
+import csv
+import os
+import re
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hp_tool.cli import CONF_DIR, available, available_search_configs, compose
+from hp_tool.config import MOVED_KEYS, to_app_config
+from hp_tool.errors import ConfigError
+from hp_tool.launch.executors import cpus_per_task, local_problem, partition_cpus_per_node, resolve_kind
+from hp_tool.planner import make_plan
+
+REPO = Path(__file__).resolve().parent.parent
+GPUS = ("a100_40gb", "a100_80gb", "h100_80gb", "h200", "a10g", "l4", "cpu")
+
+
+def main(tmp_path, *args, env=None):
+    flags = [a for a in args if a.startswith("-")]  # Hydra's flags (-m) come before the overrides
+    overrides = [a for a in args if not a.startswith("-")]
+    return subprocess.run([sys.executable, str(REPO / "main.py"), *flags, f"base_results_dir={tmp_path / 'res'}",
+                           *overrides],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **(env or {})})
+
+
+def load(*overrides):
+    cfg, name = compose(list(overrides))
+    return to_app_config(cfg), name
+
+
+def fake_command(folder: Path, name: str, output: str) -> None:
+    """A stand-in for a cluster tool this machine lacks (GPUs, a many-core SLURM node)."""
+    path = folder / name
+    path.write_text(f"#!/bin/sh\nprintf '{output}'\n")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+
+
+# ------------------------------------------------------------------------------------------ presets
+
+def test_every_gpu_preset_is_shipped_and_documents_each_value_with_a_source():
+    assert set(available("gpu")) == set(GPUS)
+    for name in GPUS:
+        text = (CONF_DIR / "gpu" / f"{name}.yaml").read_text()
+        assert "Sources:" in text or name == "cpu", name
+        for line in text.splitlines():
+            if re.match(r"^\s*\w+:\s*\S", line):  # a value line carries its comment
+                assert "#" in line, (name, line)
+        app, _ = load(f"gpu={name}", "search_config=gpt3/tiny")
+        assert app.gpu.name == name
+
+
+@pytest.mark.parametrize("name, memory, bf16, intra", [
+    ("a100_80gb", 80, 312, 300), ("h100_80gb", 80, 989, 450), ("h200", 141, 989, 450), ("a10g", 24, 125, 32)])
+def test_gpu_presets_carry_datasheet_values_into_the_plan(tmp_path, name, memory, bf16, intra):
+    app, search = load(f"gpu={name}", "search_config=gpt3/1b")
+    plan = make_plan(app, search, tmp_path)
+    hw = plan.cluster.hw
+    assert (hw.gpu_memory_gb, hw.peak_tflops, hw.intra_node_bandwidth_gbps) == (memory, bf16, intra)
+    assert plan.base.resources.gpu == name and plan.base.resources.peak_tflops_per_gpu == bf16
+
+
+def test_peak_follows_the_training_precision(tmp_path):
+    app, search = load("gpu=h100_80gb", "search_config=gpt3/1b", "search_config.train_settings.precision=fp32")
+    assert make_plan(app, search, tmp_path).cluster.hw.peak_tflops == 67
+
+
+def test_faster_gpu_predicts_faster_steps_and_sizing_scales_with_peak(tmp_path):
+    a100 = make_plan(*load("gpu=a100_80gb", "search_config=gpt3/unknown_size"), tmp_path / "a")
+    h100 = make_plan(*load("gpu=h100_80gb", "search_config=gpt3/unknown_size"), tmp_path / "h")
+    assert a100.cluster.sizing_tflops_per_gpu == pytest.approx(140.0)  # NeMo's A100 assumption
+    assert h100.cluster.sizing_tflops_per_gpu == pytest.approx(140 / 312 * 989, abs=0.1)
+    assert h100.model.size_b > 3 * a100.model.size_b
+
+
+@pytest.mark.parametrize("name", available_search_configs())
+def test_every_search_config_plans_on_its_default_gpu(tmp_path, name):
+    app, search = load(f"search_config={name}", "cluster=bcm", "cluster.partition=batch")
+    plan = make_plan(app, search, tmp_path)
+    assert plan.specs and plan.base.resources.gpu == app.gpu.name
+    assert app.gpu.name == ("cpu" if name.endswith("tiny") else "a100_80gb")
+
+
+@pytest.mark.parametrize("gpu", GPUS)
+@pytest.mark.parametrize("cluster", ["local", "auto", "bcm"])
+def test_every_gpu_and_cluster_preset_plans(tmp_path, gpu, cluster):
+    model = "gpt3/tiny" if gpu == "cpu" else "gpt3/1b"
+    app, search = load(f"search_config={model}", f"gpu={gpu}", f"cluster={cluster}", "cluster.partition=batch")
+    assert make_plan(app, search, tmp_path).specs
+
+
+# ------------------------------------------------------------------------------------- strict keys
+
+@pytest.mark.parametrize("old", sorted(MOVED_KEYS))
+@pytest.mark.parametrize("plus", ["", "+"])
+def test_a_moved_key_fails_naming_the_new_key_and_writes_nothing(tmp_path, old, plus):
+    proc = main(tmp_path, "search_config=gpt3/tiny", "dry_run=true", f"{plus}{old}=2")
+    assert proc.returncode == 2, proc.stderr
+    assert f"{old}='2': was moved to {MOVED_KEYS[old]}" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "res").exists()
+
+
+@pytest.mark.parametrize("plus", ["", "+", "++"])
+def test_a_typo_fails_with_its_name_with_or_without_plus(tmp_path, plus):
+    proc = main(tmp_path, "dry_run=true", f"{plus}search_config.train_settings.tensr_parallel_sizes=[1]")
+    assert proc.returncode == 2
+    assert "search_config.train_settings.tensr_parallel_sizes" in proc.stderr
+    assert "did you mean search_config.train_settings.tensor_parallel_sizes?" in proc.stderr
+    assert not (tmp_path / "res").exists()
+
+
+def test_a_moved_key_in_a_composed_config_fails_naming_the_new_key():
+    with pytest.raises(ConfigError) as exc:
+        load("+cluster.gpu_peak_tflops=989")
+    assert exc.value.key == "cluster.gpu_peak_tflops" and "gpu.peak_tflops.bf16" in str(exc.value)
+
+
+def test_unknown_gpu_preset_lists_the_shipped_ones(tmp_path):
+    proc = main(tmp_path, "gpu=h100", "dry_run=true")
+    assert proc.returncode == 2
+    assert "gpu='h100'" in proc.stderr and "h100_80gb" in proc.stderr
+
+
+def test_free_form_sbatch_parameters_still_take_any_key():
+    app, _ = load("cluster=bcm", "cluster.partition=p", "+cluster.additional_sbatch_parameters.reservation=r")
+    assert app.cluster.additional_sbatch_parameters == {"reservation": "r"}
+
+
+# ----------------------------------------------------------------------------------- W&B key file
+
+@pytest.mark.parametrize("content", [None, "", "\n  \nkey-on-line-two\n"])
+def test_wandb_key_file_is_checked_in_a_dry_run(tmp_path, content):
+    key_file = tmp_path / "wandb.key"
+    if content is not None:
+        key_file.write_text(content)
+    proc = main(tmp_path, "search_config=gpt3/tiny", "dry_run=true", "wandb.enable=true",
+                f"wandb.api_key_file={key_file}", env={"WANDB_MODE": "online"})
+    assert proc.returncode == 2
+    assert "wandb.api_key_file=" in proc.stderr and "Fix:" in proc.stderr
+    assert "key-on-line-two" not in proc.stderr + proc.stdout
+    assert not (tmp_path / "res").exists()
+
+
+def test_wandb_key_file_that_is_fine_passes_a_dry_run_and_is_never_written(tmp_path):
+    key_file = tmp_path / "wandb.key"
+    key_file.write_text("secret-key-123\n")
+    proc = main(tmp_path, "search_config=gpt3/tiny", "dry_run=true", "wandb.enable=true",
+                f"wandb.api_key_file={key_file}", env={"WANDB_MODE": "online"})
+    assert proc.returncode == 0, proc.stderr
+    written = "".join(p.read_text() for p in (tmp_path / "res").rglob("*") if p.is_file())
+    assert "secret-key-123" not in written + proc.stdout + proc.stderr
+
+
+# ------------------------------------------------------------------------- cluster=auto, no SLURM
+
+def test_auto_without_slurm_refuses_a_gpu_search_on_a_machine_without_gpus(tmp_path):
+    # an empty PATH directory: no sinfo/sbatch (no SLURM), no nvidia-smi (no GPU)
+    env = {"PATH": f"{tmp_path}:{Path(sys.executable).parent}"}
+    proc = main(tmp_path, "search_config=gpt3/5b", "cluster=auto", env=env)
+    assert proc.returncode == 2
+    assert "cluster='auto': found no SLURM" in proc.stderr
+    assert "cluster=bcm cluster.partition=" in proc.stderr and "gpu=cpu" in proc.stderr
+    assert not (tmp_path / "res").exists()
+
+
+def test_explicit_local_refuses_a_gpu_preset_on_a_machine_without_gpus(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    app, _ = load("search_config=gpt3/1b", "cluster=local")
+    with pytest.raises(ConfigError) as exc:
+        resolve_kind(app, [(1, 8)])
+    assert exc.value.key == "cluster" and "no GPU" in exc.value.problem
+
+
+def test_auto_without_slurm_runs_cpu_presets_here(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    app, _ = load("search_config=gpt3/tiny", "cluster=auto")
+    assert resolve_kind(app, [(1, 2)]) == "local"
+
+
+def test_auto_without_slurm_runs_here_when_the_gpus_fit(tmp_path, monkeypatch):
+    # GPUs cannot be had here: a stand-in nvidia-smi reports eight 80 GB parts (81559 MiB each)
+    fake_command(tmp_path, "nvidia-smi", "81559\\n" * 8)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    app, _ = load("search_config=gpt3/1b", "cluster=auto", "gpu=h100_80gb")
+    assert resolve_kind(app, [(1, 8)]) == "local"
+    with pytest.raises(ConfigError, match="a trial spans 2 nodes"):
+        resolve_kind(app, [(2, 8)])
+    app40, _ = load("search_config=gpt3/1b", "cluster=auto", "gpu=h200")
+    with pytest.raises(ConfigError, match="less than the 141 GB of gpu=h200"):
+        resolve_kind(app40, [(1, 8)])
+
+
+def test_local_problem_names_what_is_missing():
+    app, _ = load("search_config=gpt3/1b", "gpu=a100_80gb")
+    assert local_problem(app.gpu, [(1, 8)], gpus_here=[85.5] * 8) is None
+    assert "needs 8 GPUs and this machine has 2" in local_problem(app.gpu, [(1, 8)], gpus_here=[85.5] * 2)
+    assert "no GPU" in local_problem(app.gpu, [(1, 1)], gpus_here=[])
+
+
+# ---------------------------------------------------------------------------------- cpus per task
+
+def test_cpus_per_task_shares_the_nodes_cpus_among_its_tasks(tmp_path, monkeypatch):
+    # a 64-core SLURM node cannot be had here: a stand-in sinfo reports it
+    fake_command(tmp_path, "sinfo", "64\\n64\\n")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    partition_cpus_per_node.cache_clear()
+    try:
+        app, _ = load("cluster=bcm", "cluster.partition=batch")
+        assert cpus_per_task(app.cluster, 8) == 8
+        assert cpus_per_task(app.cluster, 3) == 21
+        app.cluster.cpus_per_task = 4
+        assert cpus_per_task(app.cluster, 8) == 4
+    finally:
+        partition_cpus_per_node.cache_clear()
+
+
+# --------------------------------------------------------------------------------------- multirun
+
+def test_multirun_over_gpu_types_writes_plans_and_a_comparison_ranked_by_cost(tmp_path):
+    proc = main(tmp_path, "-m", "gpu=a10g,a100_80gb,h100_80gb", "search_config=gpt3/8b", "dry_run=true")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [sweep] = list((tmp_path / "res" / "multirun").iterdir())
+    rows = list(csv.DictReader(open(sweep / "comparison.csv")))
+    assert sorted(r["gpu"] for r in rows) == ["a100_80gb", "a10g", "h100_80gb"]
+    costs = [float(r["predicted_full_run_cost_usd"]) for r in rows]
+    assert costs == sorted(costs) and [r["rank"] for r in rows] == ["1", "2", "3"]
+    for r in rows:
+        plan_csv = Path(r["results_dir"]) / "candidate_configs" / "plan.csv"
+        best = next(p for p in csv.DictReader(open(plan_csv)) if p["predicted_rank"] == "1")
+        assert r["best_trial_id"] == best["trial_id"]
+        # the cost by hand: price per GPU-hour x GPUs x days x 24
+        by_hand = float(r["gpu_hour_price_usd"]) * int(r["num_gpus"]) * float(best["predicted_days_to_train"]) * 24
+        assert float(r["predicted_full_run_cost_usd"]) == pytest.approx(by_hand, rel=2e-3)
+        assert Path(r["results_dir"]).is_relative_to(sweep)
+    assert "Comparison (cheapest full run first)" in proc.stdout
+
+
+def test_multirun_shows_a_gpu_where_nothing_fits_last_with_its_reason(tmp_path):
+    proc = main(tmp_path, "-m", "gpu=cpu,a100_80gb", "search_config=gpt3/5b", "dry_run=true")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [sweep] = list((tmp_path / "res" / "multirun").iterdir())
+    rows = list(csv.DictReader(open(sweep / "comparison.csv")))
+    assert [(r["gpu"], r["status"], r["rank"]) for r in rows] == [("a100_80gb", "ok", "1"), ("cpu", "error", "")]
+    assert "gpu.memory_gb=4.0: no valid layout fits in memory" in rows[1]["reason"]
+
+
+def test_multirun_where_no_job_can_plan_exits_2(tmp_path):
+    proc = main(tmp_path, "-m", "gpu=cpu", "search_config=gpt3/5b,gpt3/8b", "dry_run=true")
+    assert proc.returncode == 2
+    assert proc.stderr.count("no valid layout fits in memory") == 2
