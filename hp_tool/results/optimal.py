@@ -82,7 +82,15 @@ def _header(spec: TrialSpec, best: pd.Series, n_ranked: int) -> str:
         f"# full run can only lower it under FSDP.\n"
         f"# Train: torchrun --nnodes {spec.resources.num_nodes} --nproc-per-node "
         f"{spec.resources.gpus_per_node} -m hp_tool.trial.train <this file>   ({gpus} processes)\n"
+        f"# Train on SLURM: {train_sbatch_command(spec, '<this file>')}\n"
     )
+
+
+def train_sbatch_command(spec: TrialSpec, config: str) -> str:
+    """The sbatch line that trains ``config`` with launch_scripts/train.sbatch on the spec's nodes."""
+    r = spec.resources
+    return (f"sbatch --nodes={r.num_nodes} --ntasks-per-node={r.gpus_per_node} --gpus-per-node={r.gpus_per_node} "
+            f"launch_scripts/train.sbatch {config}")
 
 
 def write_optimal_config(results_dir: Path, best: pd.Series, full: FullRun, n_ranked: int,

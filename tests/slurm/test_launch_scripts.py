@@ -1,5 +1,8 @@
 """launch_scripts/*.sbatch on the real SLURM testbed with the tiny model."""
 
+import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -33,25 +36,55 @@ def test_search_sbatch_runs_the_orchestrator_as_a_batch_job(tmp_path):
     assert "Recommended:" in logs
 
 
-def test_train_sbatch_trains_a_config_with_srun(tmp_path):
-    # a full-mode config as the results step writes it, shortened to a few steps
+README_TRAIN = re.compile(r"sbatch --nodes=\d+ --ntasks-per-node=\d+ --gpus-per-node=\d+ "
+                          r"launch_scripts/train\.sbatch \S+")
+
+
+def tiny_full_config(tmp_path) -> tuple:
+    """A full-mode config as the results step writes it, shortened to a few steps."""
     from hp_tool.cli import compose
     from hp_tool.config import to_app_config
     from hp_tool.planner import make_plan
     from hp_tool.trial.spec import dump_spec
 
     cfg, name = compose(["search_config=gpt3/tiny"])
-    plan = make_plan(to_app_config(cfg), name, tmp_path / "plan")
-    base = plan.base
+    base = make_plan(to_app_config(cfg), name, tmp_path / "plan").base
     base.run.max_steps = 4
     base.run.output_dir = str(tmp_path / "train_out")
     dump_spec(base, tmp_path / "optimal.yaml")
     assert load_spec(tmp_path / "optimal.yaml").run.mode == "full"
+    (tmp_path / "launch_scripts").symlink_to(REPO / "launch_scripts")  # README's relative path
+    return base, "optimal.yaml"
 
-    world = base.parallel.tp * base.parallel.pp * base.parallel.dp
-    proc = sbatch_wait(tmp_path, "--nodes=1", f"--ntasks-per-node={world}", f"--gpus-per-node={world}",
-                       str(REPO / "launch_scripts" / "train.sbatch"), str(tmp_path / "optimal.yaml"))
+
+def run_as_readme(tmp_path, command: str):
+    args = shlex.split(command)
+    args.insert(1, "--wait")  # block until the job ends; otherwise the line as README shows it
+    proc = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=400,
+                          env={**os.environ, "PYTHON": sys.executable})
     logs = "".join(p.read_text() for p in tmp_path.glob("hp_tool_train_*.out"))
+    return proc, logs
+
+
+def test_train_sbatch_runs_exactly_as_readme_shows(tmp_path):
+    from hp_tool.results.optimal import train_sbatch_command
+
+    [shown] = README_TRAIN.findall((REPO / "README.md").read_text())
+    base, config = tiny_full_config(tmp_path)
+    command = train_sbatch_command(base, config)  # what the optimal config's header prints
+    assert README_TRAIN.fullmatch(command), (command, shown)
+    assert re.sub(r"\d+", "N", command.rsplit(" ", 1)[0]) == re.sub(r"\d+", "N", shown.rsplit(" ", 1)[0])
+    proc, logs = run_as_readme(tmp_path, command)
     assert proc.returncode == 0, proc.stderr + logs[-3000:]
     result = yaml.safe_load((tmp_path / "train_out" / "result.json").read_text())
-    assert result["status"] == "ok" and result["steps_run"] == 4 and result["world_size"] == world
+    world = base.parallel.tp * base.parallel.pp * base.parallel.dp
+    assert result["status"] == "ok" and result["steps_run"] == 4 and result["world_size"] == world == 2
+
+
+def test_train_sbatch_with_the_wrong_task_count_says_how_to_submit(tmp_path):
+    _, config = tiny_full_config(tmp_path)
+    proc, logs = run_as_readme(tmp_path, f"sbatch --nodes=1 --ntasks-per-node=1 launch_scripts/train.sbatch {config}")
+    assert proc.returncode != 0
+    assert "needs 1 node(s) x 2 tasks; this job has 1 node(s) and 1 tasks" in logs
+    assert "sbatch --nodes=1 --ntasks-per-node=2 --gpus-per-node=2" in logs
+    assert not (tmp_path / "train_out").exists()
