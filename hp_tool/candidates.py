@@ -36,6 +36,7 @@ class Candidate:
     trial_nodes: int = 0  # nodes the benchmark trial uses (TP*PP GPUs rounded up to whole nodes)
     trial_gpus_per_node: int = 0
     trial_dp: int = 0
+    trial_global_batch_size: int = 0  # the full run's per-replica batch times trial_dp
     memory_gb: Optional[float] = None  # predicted peak per GPU in the trial
     full_memory_gb: Optional[float] = None  # predicted peak per GPU in the full run
     step_time_s: Optional[float] = None  # predicted optimizer step of the full run
@@ -109,8 +110,8 @@ def _trial_layout(c: Candidate, gbs: int, gpn: int, dp_sharding: str) -> Layout:
     c.trial_nodes = math.ceil(mp / gpn)
     c.trial_dp = max(1, (c.trial_nodes * gpn) // mp)
     c.trial_gpus_per_node = mp * c.trial_dp // c.trial_nodes
-    trial_gbs = gbs // c.dp * c.trial_dp
-    return Layout(c.tp, c.pp, c.trial_dp, c.mbs, c.act_ckpt_layers, trial_gbs, dp_sharding)
+    c.trial_global_batch_size = gbs // c.dp * c.trial_dp
+    return Layout(c.tp, c.pp, c.trial_dp, c.mbs, c.act_ckpt_layers, c.trial_global_batch_size, dp_sharding)
 
 
 def estimate(shape: Shape, c: Candidate, gbs: int, cluster: Cluster, dp_sharding: str) -> None:

@@ -58,9 +58,11 @@ def _log_to_file(out: Path) -> logging.Handler:
 
 def run(app: AppConfig, search_name: str, out: Optional[Path] = None, plans: Optional[list] = None) -> int:
     """Plan (and unless dry_run, search) into ``out`` (default: results_dir). Returns the exit code;
-    the plan is appended to ``plans`` when given. Bad input raises ConfigError before anything is written."""
-    from hp_tool.plan_output import render_plan, write_plan
+    the plan is appended to ``plans`` when given. Bad input raises ConfigError before anything is written;
+    so does a results folder that another orchestrator holds (unless wait_for_lock)."""
     from hp_tool.planner import make_plan
+
+    from hp_tool.launch.lock import ResultsLock
 
     out = out or results_dir(app, search_name)
     check_key_file(app.wandb)
@@ -72,6 +74,14 @@ def run(app: AppConfig, search_name: str, out: Optional[Path] = None, plans: Opt
         from hp_tool.launch.executors import resolve_kind
 
         kind = resolve_kind(app, [(s.resources.num_nodes, s.resources.gpus_per_node) for s in plan.specs])
+    with ResultsLock(out).acquire(app.wait_for_lock):
+        return _write_and_search(app, plan, search_name, out, kind)
+
+
+def _write_and_search(app: AppConfig, plan, search_name: str, out: Path, kind: Optional[str]) -> int:
+    """Under the results folder's lock: write the plan, then search (unless dry_run)."""
+    from hp_tool.plan_output import render_plan, write_plan
+
     handler = _log_to_file(out)
     try:
         write_plan(plan)
@@ -84,7 +94,7 @@ def run(app: AppConfig, search_name: str, out: Optional[Path] = None, plans: Opt
             from hp_tool.search import run_training_search
 
             code = run_training_search(app, plan, kind)
-        if app.run_inference_hp_search and not (app.detach or app.cancel):
+        if app.run_inference_hp_search:
             from hp_tool.inference.search import run_inference_search
 
             code = max(code, run_inference_search(app, search_name, out))

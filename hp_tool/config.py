@@ -117,13 +117,14 @@ class ClusterConfig:
     setup: List[str] = field(default_factory=list)  # shell lines run before each trial
     additional_sbatch_parameters: Dict[str, str] = field(default_factory=dict)
     max_parallel_runs: int = 1  # trials running at once
+    max_queue_minutes: Optional[float] = None  # cancel (unschedulable) a job pending longer than this
 
     def __post_init__(self) -> None:
         require(self.type in CLUSTER_TYPES, "cluster.type", self.type, "unknown cluster type",
                 f"use one of {list(CLUSTER_TYPES)}")
         require(self.type != "bcm" or bool(self.partition), "cluster.partition", self.partition,
                 "is required for a SLURM cluster", "add cluster.partition=<partition> to the command")
-        _positive(self, "cluster", ("cpus_per_task", "max_parallel_runs"))
+        _positive(self, "cluster", ("cpus_per_task", "max_parallel_runs", "max_queue_minutes"))
 
 
 @dataclass
@@ -244,6 +245,7 @@ class AppConfig:
     dry_run: bool = False  # plan only: print the candidate table and stop
     detach: bool = False  # submit the trials and exit; re-run the same command to collect
     cancel: bool = False  # cancel this search's jobs that have no result yet, then exit
+    wait_for_lock: bool = False  # another orchestrator holds the results folder: wait instead of exit 2
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 

@@ -19,7 +19,8 @@ log = logging.getLogger(__name__)
 
 PLAN_COLUMNS = (
     "trial_id", "model_family", "model_size_b", "tp", "pp", "dp", "mbs", "act_ckpt_layers",
-    "global_batch_size", "num_nodes", "trial_num_nodes", "trial_dp", "predicted_memory_gb",
+    "global_batch_size", "num_nodes", "trial_num_nodes", "trial_dp", "trial_global_batch_size",
+    "fingerprint", "predicted_memory_gb",
     "predicted_full_memory_gb", "predicted_step_time_s", "predicted_tokens_per_s_per_gpu",
     "predicted_model_tflops_per_gpu", "predicted_days_to_train", "predicted_full_run_cost_usd",
     "predicted_cost_usd_per_million_tokens", "predicted_rank", "plan_status", "reason",
@@ -34,17 +35,23 @@ def plan_rows(plan: Plan) -> Iterable[dict[str, Any]]:
     """One row per candidate, in grid order; units in the column names."""
     m, full = plan.model, plan.base.full_run
     price, gpus = plan.cluster.gpu_hour_price, plan.cluster.gpus
+    specs = {s.trial_id: s for s in plan.specs}  # what each selected trial runs, as its YAML says
     for c in plan.candidates:
+        trial_id = make_trial_id(m.shape.family, m.label, c.tp, c.pp, c.mbs, c.act_ckpt_layers)
+        spec = specs.get(trial_id)
         days = None if c.step_time_s is None else full.max_steps * c.step_time_s / SECONDS_PER_DAY
         cost = {}
         if days is not None and price is not None:
             cost = cost_columns(price, gpus, c.tokens_per_s_per_gpu * gpus, days)
         yield {
-            "trial_id": make_trial_id(m.shape.family, m.label, c.tp, c.pp, c.mbs, c.act_ckpt_layers),
+            "trial_id": trial_id,
             "model_family": m.shape.family, "model_size_b": round(m.num_parameters / 1e9, 6),
             "tp": c.tp, "pp": c.pp, "dp": c.dp, "mbs": c.mbs, "act_ckpt_layers": c.act_ckpt_layers,
             "global_batch_size": full.global_batch_size, "num_nodes": full.num_nodes,
-            "trial_num_nodes": c.trial_nodes or None, "trial_dp": c.trial_dp or None,
+            "trial_num_nodes": spec.resources.num_nodes if spec else c.trial_nodes or None,
+            "trial_dp": spec.parallel.dp if spec else c.trial_dp or None,
+            "trial_global_batch_size": spec.training.global_batch_size if spec else None,
+            "fingerprint": spec.fingerprint() if spec else None,
             "predicted_memory_gb": _round(c.memory_gb, 3),
             "predicted_full_memory_gb": _round(c.full_memory_gb, 3),
             "predicted_step_time_s": _round(c.step_time_s, 6),

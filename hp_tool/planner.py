@@ -84,7 +84,7 @@ def candidate_spec(base: TrialSpec, c: Candidate, model: ModelChoice, app: AppCo
         trial_id=trial_id,
         parallel=ParallelSpec(c.tp, c.pp, c.trial_dp, c.mbs, c.act_ckpt_layers,
                               base.parallel.pipeline_schedule, ts.dp_sharding),
-        training=dataclasses.replace(base.training, global_batch_size=gbs // c.dp * c.trial_dp),
+        training=dataclasses.replace(base.training, global_batch_size=c.trial_global_batch_size),
         resources=dataclasses.replace(base.resources, num_nodes=c.trial_nodes,
                                       gpus_per_node=c.trial_gpus_per_node),
         run=RunSpec(mode="benchmark", max_minutes=ts.max_minutes_per_run, max_steps=ts.max_steps_per_run,

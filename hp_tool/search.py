@@ -1,19 +1,31 @@
-"""The training search after planning: launch or resume the trials, watch them, collect the results."""
+"""The training search after planning: launch or resume the trials, watch them, collect the results.
+
+Shared with the inference search (hp_tool/inference/search.py): ``launch`` runs any list of JobSpecs
+through the one launcher with detach, cancel, Ctrl-C handling and the SLURM checks.
+"""
 
 from __future__ import annotations
 
 import logging
 import shlex
 import sys
+from pathlib import Path
+from typing import Callable, Optional
 
 from hp_tool.config import AppConfig
 from hp_tool.errors import ConfigError
-from hp_tool.launch.executors import check_slurm_target
+from hp_tool.launch.job import JobSpec, trial_job
+from hp_tool.launch.ledger import search_id
 from hp_tool.launch.monitor import Progress
 from hp_tool.launch.runner import Launcher
+from hp_tool.launch.slurm import check_slurm_target
 from hp_tool.planner import Plan
+from hp_tool.trial.result import empty_result
+from hp_tool.trial.spec import TrialSpec
 
 log = logging.getLogger(__name__)
+
+INTERRUPTED = 130
 
 
 def _same_command(extra: str = "") -> str:
@@ -21,12 +33,57 @@ def _same_command(extra: str = "") -> str:
     return " ".join(["python3", "main.py", *map(shlex.quote, args), extra]).strip()
 
 
-def _trial_logger(app: AppConfig):
+def trial_job_spec(spec: TrialSpec, config_path: Path) -> JobSpec:
+    """The launcher's view of a training trial."""
+    fp = spec.fingerprint()
+    return JobSpec(spec.trial_id, str(config_path), str(spec.run.output_dir), spec.resources.num_nodes,
+                   spec.resources.gpus_per_node, spec.run.max_minutes, fp, trial_job,
+                   blank={**empty_result(spec.trial_id, fp), "versions": None})  # the job's, not ours
+
+
+def launch(app: AppConfig, kind: str, results_dir: Path, ledger_dir: Path, jobs: list[JobSpec],
+           on_end: Optional[Callable[[JobSpec, dict], None]] = None, max_parallel: Optional[int] = None,
+           what: str = "trials") -> Optional[Launcher]:
+    """Submit, resume, detach or cancel ``jobs``; returns the launcher once every job has ended, None when
+    the command only detached or cancelled. Raises KeyboardInterrupt after telling how to resume."""
+    if kind == "slurm":
+        per_task = app.cluster.cpus_per_task or 1  # unset: the node's CPUs are shared, at least one each
+        check_slurm_target(app.cluster, [(j.name, j.num_nodes, j.tasks_per_node, j.tasks_per_node * per_task)
+                                         for j in jobs])
+    elif app.detach:
+        raise ConfigError("detach", True, "a detached search needs SLURM (local jobs die with the shell)",
+                          "drop detach=true, or use cluster=bcm")
+    log.info("Launching %d %s with the %s executor", len(jobs), what, kind)
+    progress = Progress()
+    launcher = Launcher(app, ledger_dir, jobs, kind, progress, search_id(results_dir), on_end)
+    launcher.resume()
+    if app.cancel:
+        n = launcher.cancel_all()
+        print(f"Cancelled {n} jobs; {len(launcher.pending)} {what} were never submitted.")
+        return None
+    if app.detach:
+        launcher.submit_all_now()
+        print(f"Submitted; to watch and collect later run:\n  {_same_command()}\n"
+              f"to cancel:\n  {_same_command('cancel=true')}")
+        return None
+    try:
+        with progress:
+            launcher.run(max_parallel)
+    except KeyboardInterrupt:
+        print(f"\nInterrupted: submitted jobs keep running. Resume with:\n  {_same_command()}\n"
+              f"or cancel them with:\n  {_same_command('cancel=true')}", file=sys.stderr)
+        raise
+    for name, cause in launcher.hook_failures:
+        print(f"W&B: {name} was not uploaded ({cause}); its files are complete.", file=sys.stderr)
+    return launcher
+
+
+def _trial_logger(app: AppConfig, specs: dict[str, TrialSpec]):
     if not app.wandb.enable:
         return None
     from hp_tool import tracking
 
-    return lambda spec, result: tracking.log_trial(spec, spec.run.output_dir, result, app.wandb)
+    return lambda job, result: tracking.log_trial(specs[job.name], job.out, result, app.wandb)
 
 
 def run_training_search(app: AppConfig, plan: Plan, kind: str) -> int:
@@ -37,31 +94,15 @@ def run_training_search(app: AppConfig, plan: Plan, kind: str) -> int:
         from hp_tool import tracking
 
         tracking.check_wandb(app.wandb)
-    if kind == "slurm":
-        check_slurm_target(app.cluster)
-    elif app.detach:
-        raise ConfigError("detach", True, "a detached search needs SLURM (local trials die with the shell)",
-                          "drop detach=true, or use cluster=bcm")
-    log.info("Launching %d trials with the %s executor", len(plan.specs), kind)
-    progress = Progress()
-    launcher = Launcher(app, plan.results_dir, plan.specs, kind, progress, _trial_logger(app))
-    launcher.resume()
-    if app.cancel:
-        n = launcher.cancel_all()
-        print(f"Cancelled {n} jobs of {plan.search_name}; {len(launcher.pending)} trials were never submitted.")
-        return 0
-    if app.detach:
-        launcher.submit_all_now()
-        print(f"Submitted; to watch and collect later run:\n  {_same_command()}\n"
-              f"to cancel:\n  {_same_command('cancel=true')}")
-        return 0
+    cand_dir = plan.results_dir / "candidate_configs"
+    jobs = [trial_job_spec(s, cand_dir / f"{s.trial_id}.yaml") for s in plan.specs]
+    specs = {s.trial_id: s for s in plan.specs}
     try:
-        with progress:
-            launcher.run()
+        launcher = launch(app, kind, plan.results_dir, plan.results_dir, jobs, _trial_logger(app, specs))
     except KeyboardInterrupt:
-        print(f"\nInterrupted: submitted jobs keep running. Resume with:\n  {_same_command()}\n"
-              f"or cancel them with:\n  {_same_command('cancel=true')}", file=sys.stderr)
-        return 130
+        return INTERRUPTED
+    if launcher is None:
+        return 0
     from hp_tool.results.report import finalize
 
     return finalize(plan.results_dir, app)

@@ -64,10 +64,16 @@ def _group(spec: TrialSpec) -> str:
 def log_trial(spec: TrialSpec, output_dir: str | os.PathLike, result: dict, wandb_cfg: WandbConfig) -> None:
     """One W&B run for a finished trial: named by its trial id (model, size, layout); config = the
     TrialSpec; history = metrics.jsonl (seconds, GB, tokens); summary = result.json's fields."""
+    log_run(spec.trial_id, _group(spec), spec.to_dict(), output_dir, result, wandb_cfg)
+
+
+def log_run(name: str, group: str, config: dict, output_dir: str | os.PathLike, result: dict,
+            wandb_cfg: WandbConfig, job_type: str = "trial") -> None:
+    """One W&B run for a finished job (a training trial or an inference config): per-step history from
+    its metrics.jsonl when there is one, the result's fields as the summary."""
     output_dir = Path(output_dir)
     steps, _ = read_metrics(output_dir / METRICS_FILE) if (output_dir / METRICS_FILE).is_file() else ([], 0)
-    run = _init(wandb_cfg, output_dir, name=spec.trial_id, group=_group(spec), job_type="trial",
-                config=spec.to_dict())
+    run = _init(wandb_cfg, output_dir, name=name, group=group, job_type=job_type, config=config)
     ok = result.get("status") == "ok"
     try:
         last = 0

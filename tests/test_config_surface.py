@@ -14,7 +14,8 @@ import pytest
 from hp_tool.cli import CONF_DIR, available, available_search_configs, compose
 from hp_tool.config import MOVED_KEYS, to_app_config
 from hp_tool.errors import ConfigError
-from hp_tool.launch.executors import cpus_per_task, local_problem, partition_cpus_per_node, resolve_kind
+from hp_tool.launch.executors import cpus_per_task, local_problem, resolve_kind
+from hp_tool.launch.slurm import partition_cpus_per_node
 from hp_tool.planner import make_plan
 
 REPO = Path(__file__).resolve().parent.parent
@@ -207,7 +208,7 @@ def test_local_problem_names_what_is_missing():
 
 def test_cpus_per_task_shares_the_nodes_cpus_among_its_tasks(tmp_path, monkeypatch):
     # a 64-core SLURM node cannot be had here: a stand-in sinfo reports it
-    fake_command(tmp_path, "sinfo", "64\\n64\\n")
+    fake_command(tmp_path, "sinfo", "n1|64|gpu:8|idle\\nn2|64|gpu:8(S:0-1)|mixed\\n")
     monkeypatch.setenv("PATH", str(tmp_path))
     partition_cpus_per_node.cache_clear()
     try:

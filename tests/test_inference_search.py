@@ -14,6 +14,7 @@ from hp_tool.config import to_app_config
 from hp_tool.errors import ConfigError
 from hp_tool.inference import search
 from hp_tool.inference.report import SUMMARY_COLUMNS
+from hp_tool.launch import runner
 
 IS = "search_config.inference_settings"
 
@@ -46,7 +47,7 @@ def test_end_to_end_local_then_resume(tmp_path, monkeypatch, capsys):
     def no_submission(*args, **kwargs):
         raise AssertionError("a config with a result was submitted again")
 
-    monkeypatch.setattr(search, "make_inference_executor", no_submission)
+    monkeypatch.setattr(runner, "make_executor", no_submission)
     assert search.run_inference_search(app, "gpt3/tiny", out) == 0
 
 
@@ -69,7 +70,7 @@ class DeadJob:
 def test_job_without_result_gets_a_failure_and_the_search_fails(tmp_path, monkeypatch):
     app = tiny_app(tmp_path, f"{IS}.max_batch_sizes=[1]", f"{IS}.tensor_parallel_sizes=[1]")
     executor = SimpleNamespace(submit=lambda fn, path: DeadJob())
-    monkeypatch.setattr(search, "make_inference_executor", lambda kind, cfg, app: executor)
+    monkeypatch.setattr(runner, "make_executor", lambda kind, job, cluster, search_id: executor)
     out = tmp_path / "res"
     assert search.run_inference_search(app, "gpt3/tiny", out, kind="local") == 1
     result = json.loads((out / "inference" / "gpt3_241k_tp1_pp1_bs1" / "result.json").read_text())

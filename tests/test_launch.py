@@ -14,6 +14,7 @@ from hp_tool.launch.executors import make_executor
 from hp_tool.launch.job import classify_slurm_end, write_job_failure
 from hp_tool.launch.ledger import Entry, Ledger
 from hp_tool.planner import make_plan
+from hp_tool.search import trial_job_spec
 from hp_tool.trial.result import RESULT_FIELDS
 
 REPO = Path(__file__).resolve().parent.parent
@@ -28,7 +29,9 @@ def bcm_plan(tmp_path, *overrides):
 def sbatch_text(tmp_path, *overrides):
     app, plan = bcm_plan(tmp_path, *overrides)
     spec = plan.specs[0]
-    ex = make_executor("slurm", tmp_path / "job folder 'quoted'", spec, app.cluster)
+    spec.run.output_dir = str(tmp_path / "job folder 'quoted'")
+    job = trial_job_spec(spec, tmp_path / "spec.yaml")
+    ex = make_executor("slurm", job, app.cluster, "s1d")
     return spec, ex._executor._make_submission_file_text("python3 -m x", "uid")  # the sbatch script
 
 
@@ -41,7 +44,7 @@ def test_sbatch_script_carries_the_cluster_settings(tmp_path):
     for line in ("#SBATCH --partition=batch", "#SBATCH --account=acct", "#SBATCH --qos=high",
                  "#SBATCH --constraint=h100", "#SBATCH --exclusive", "#SBATCH --gpus-per-node=8",
                  "#SBATCH --ntasks-per-node=8", "#SBATCH --time=30", "#SBATCH --reservation=res1",
-                 f"#SBATCH --job-name=hp_tool:{spec.trial_id}", "module load cuda"):
+                 f"#SBATCH --job-name=hp_tool:s1d:{spec.trial_id}", "module load cuda"):
         assert line in text, line
     assert f"#SBATCH --nodes={spec.resources.num_nodes}" in text
     assert "--container-image=nvcr.io/x:1" in text and "--container-mounts=/data:/data" in text
@@ -71,11 +74,17 @@ def test_slurm_end_states_are_classified(state, status):
 
 
 def test_job_failure_result_follows_the_contract(tmp_path):
-    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
-    result = write_job_failure(tmp_path, "t1", "timeout", "SLURM job ended TIMEOUT without a result")
-    on_disk = json.loads((tmp_path / "result.json").read_text())
+    _, plan = bcm_plan(tmp_path)
+    spec = plan.specs[0]
+    spec.run.output_dir = str(tmp_path / "t1")
+    job = trial_job_spec(spec, tmp_path / "spec.yaml")
+    job.out.mkdir()
+    (job.out / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    result = write_job_failure(job, "timeout", "SLURM job ended TIMEOUT without a result")
+    on_disk = json.loads((job.out / "result.json").read_text())
     assert on_disk == result
     assert set(on_disk) == set(RESULT_FIELDS)
+    assert on_disk["fingerprint"] == spec.fingerprint() and on_disk["trial_id"] == spec.trial_id
     assert on_disk["status"] == "timeout" and on_disk["steps_run"] == 2
     assert "2 steps were logged" in on_disk["reason"]
 

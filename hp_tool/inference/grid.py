@@ -17,6 +17,7 @@ from hp_tool.architectures import Shape, embedding_parameters, head_parameters, 
 from hp_tool.config import InferenceSettings
 from hp_tool.errors import ConfigError, require
 from hp_tool.estimate.layout import GB, Hardware
+from hp_tool.fingerprint import fingerprint_of
 from hp_tool.fsutil import atomic_write_text
 from hp_tool.trial.spec import ModelSpec
 
@@ -181,6 +182,10 @@ class InferenceJobConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def fingerprint(self) -> str:
+        """Hash of everything that changes what this config measures (not its id or output folder)."""
+        return fingerprint_of({k: v for k, v in self.to_dict().items() if k not in ("config_id", "output_dir")})
 
 
 def dump_job_config(cfg: InferenceJobConfig, path: str | Path) -> Path:

@@ -14,12 +14,13 @@ from typing import Any, Optional
 
 from hp_tool.fsutil import atomic_write_json, atomic_write_text
 from hp_tool.launch.job import read_result  # noqa: F401  (one reader of result.json for every job)
+from hp_tool.trial.result import blank_result
 
 log = logging.getLogger(__name__)
 
 RESULT_FILE = "result.json"
 RESULT_FIELDS = (
-    "config_id", "status", "reason", "tp", "pp", "batch_size", "latency_ms_p50", "latency_ms_p95",
+    "config_id", "fingerprint", "status", "reason", "tp", "pp", "batch_size", "latency_ms_p50", "latency_ms_p95",
     "latency_ms_p99", "time_to_first_token_ms", "samples_per_s", "tokens_per_s", "tokens_per_s_per_gpu",
     "world_size", "device", "generated_tokens", "versions", "start_time", "end_time",
 )
@@ -33,10 +34,9 @@ SUMMARY_CSV, PLOT_FILE = "final_output.csv", "latency_vs_throughput.png"
 
 
 def empty_result(cfg: Any) -> dict:
-    """Every contract field, unmeasured (null), for a job config (anything with the layout fields)."""
-    result = dict.fromkeys(RESULT_FIELDS)
-    result.update(config_id=cfg.config_id, tp=cfg.tp, pp=cfg.pp, batch_size=cfg.batch_size)
-    return result
+    """Every contract field, unmeasured (null), for an InferenceJobConfig."""
+    return blank_result(RESULT_FIELDS, config_id=cfg.config_id, fingerprint=cfg.fingerprint(), tp=cfg.tp,
+                        pp=cfg.pp, batch_size=cfg.batch_size)
 
 
 def write_result(out_dir: Path, result: dict) -> Path:

@@ -2,37 +2,37 @@
 
     run_inference_search(app, search_name, results_dir)
 
-Jobs go through submitit like the training trials: one job of TP*PP tasks per config, on this machine
-(``LocalExecutor``, one at a time) or SLURM (``AutoExecutor`` with the cluster's partition, account,
-container and setup lines). Results live under ``<results_dir>/inference/``; a config with a result.json
-is not run again, so re-running the same command resumes.
+Jobs go through the training search's launcher (hp_tool/search.py ``launch``): one job of TP*PP tasks
+per config, with the same ledger (``inference/jobs.jsonl``), re-attach, resume, detach, cancel, SLURM
+checks, time limits from the job's start and W&B. ``inference/candidate_configs/plan.csv`` lists every
+layout with its verdict and fingerprint; a result of another configuration is shown ``stale``.
 """
 
 from __future__ import annotations
 
+import csv
+import io
 import logging
 import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Optional
 
 from hp_tool.base_config import choose_model, resolve_cluster
 from hp_tool.config import AppConfig
+from hp_tool.fsutil import atomic_write_text
 from hp_tool.inference import report
 from hp_tool.inference.grid import (FP32_BYTES, HALF_BYTES, InferenceCandidate, InferenceJobConfig,
                                     dump_job_config, plan_grid)
-from hp_tool.launch import job as jobmod
-from hp_tool.launch.executors import make_executor, resolve_kind
+from hp_tool.launch.executors import resolve_kind
+from hp_tool.launch.job import JobSpec
+from hp_tool.search import INTERRUPTED, launch
 from hp_tool.trial.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
-GRACE_S = 120.0  # past a job's time limit before it is cancelled and recorded as timeout
-POLL_MIN_S = 0.5
-POLL_MAX_S = {"local": 1.0, "slurm": 15.0}  # local jobs are short; SLURM is polled gently
 REPEATS, WARMUP = 10, 2  # timed and untimed generations per config
+NOT_RUN, STALE = "not_run", "stale"
 
 
 def inference_job(config_path: str) -> dict:
@@ -74,87 +74,28 @@ def plan_inference(app: AppConfig, results_dir: Path) -> InferencePlan:
     return InferencePlan(grid, configs, root)
 
 
-def make_inference_executor(kind: str, cfg: InferenceJobConfig, app: AppConfig):
-    """The training search's executor for a TP*PP-task, one-node job (``make_executor`` reads only
-    these fields of a trial spec, so the same SLURM parameters apply)."""
-    like_spec = SimpleNamespace(trial_id=cfg.config_id, run=SimpleNamespace(max_minutes=cfg.max_minutes),
-                                resources=SimpleNamespace(num_nodes=1, gpus_per_node=cfg.tp * cfg.pp))
-    return make_executor(kind, Path(cfg.output_dir) / "job", like_spec, app.cluster)
-
-
-@dataclass
-class Running:
-    cfg: InferenceJobConfig
-    job: Any
-    started: float
-
-
-def _end_state(kind: str, r: Running) -> tuple[str, str]:
-    """(status, reason) of a job that ended without writing result.json."""
-    folder = Path(r.cfg.output_dir) / "job"
-    tail = jobmod.log_tail(folder, str(r.job.job_id))
-    if kind == "slurm":
-        return jobmod.classify_slurm_end(str(r.job.state), tail)
-    return "failed", "local job ended without a result" + (f"; log tail: {tail}" if tail else "")
-
-
-def _finish(kind: str, r: Running) -> dict:
-    result = report.read_result(Path(r.cfg.output_dir))
-    if result is None:
-        status, reason = _end_state(kind, r)
-        result = report.empty_result(r.cfg)
-        result.update(status=status, reason=reason)
-        report.write_result(Path(r.cfg.output_dir), result)
-    log.info("inference %s: %s", r.cfg.config_id, result.get("status"))
-    return result
-
-
-def _overdue(r: Running) -> bool:
-    return time.time() - r.started > r.cfg.max_minutes * 60 + GRACE_S
-
-
-def run_jobs(app: AppConfig, plan: InferencePlan, kind: str) -> None:
-    """Submit every config without a result (local: one at a time; SLURM: up to max_parallel_runs) and
-    wait for each, bounded by its time limit plus a grace period."""
-    pending = [c for cid, c in plan.configs.items() if report.read_result(Path(c.output_dir)) is None]
-    limit = 1 if kind == "local" else app.cluster.max_parallel_runs
-    active: list[Running] = []
-    delay = POLL_MIN_S
-    while pending or active:
-        while pending and len(active) < limit:
-            cfg = pending.pop(0)
-            job = make_inference_executor(kind, cfg, app).submit(inference_job,
-                                                                 str(plan.config_path(cfg.config_id)))
-            log.info("inference %s submitted as job %s", cfg.config_id, job.job_id)
-            active.append(Running(cfg, job, time.time()))
-        changed = False
-        for r in list(active):
-            if r.job.done():
-                active.remove(r)
-                _finish(kind, r)
-                changed = True
-            elif _overdue(r):
-                log.warning("inference %s outlived its limit: cancelling", r.cfg.config_id)
-                r.job.cancel()
-                active.remove(r)
-                result = report.empty_result(r.cfg)
-                result.update(status="timeout", reason="job did not end within its time limit plus grace")
-                report.write_result(Path(r.cfg.output_dir), result)
-        delay = POLL_MIN_S if changed else min(POLL_MAX_S[kind], delay * 1.5)
-        if active:
-            time.sleep(delay)
+def inference_job_spec(cfg: InferenceJobConfig, config_path: Path) -> JobSpec:
+    """The launcher's view of an inference config: one node, TP*PP tasks."""
+    blank = report.empty_result(cfg)
+    return JobSpec(cfg.config_id, str(config_path), cfg.output_dir, 1, cfg.tp * cfg.pp, cfg.max_minutes,
+                   blank["fingerprint"], inference_job, blank=blank)
 
 
 def collect_rows(plan: InferencePlan) -> list[dict]:
-    """One row per grid candidate: its result, or its planning verdict when it was not run."""
+    """One row per grid candidate: its result, or its planning verdict when it was not run. A result
+    whose fingerprint differs from the config's is shown as ``stale``, never ranked."""
     rows = []
     for c in plan.candidates:
         row: dict[str, Any] = {"config_id": c.config_id, "tp": c.tp, "pp": c.pp, "batch_size": c.batch_size,
                                "num_gpus": c.gpus, "predicted_memory_gb": c.memory_gb}
         result = report.read_result(plan.root / c.config_id) if c.status == "valid" else None
+        expected = plan.configs[c.config_id].fingerprint() if c.status == "valid" else None
         if result is None:
-            status = c.status if c.status != "valid" else "failed"
-            row.update(status=status, reason=c.reason or "no result")
+            status = c.status if c.status != "valid" else NOT_RUN
+            row.update(status=status, reason=c.reason or "no result (never ran, or still pending)")
+        elif result.get("fingerprint") != expected:
+            row.update(status=STALE, reason=f"result.json measured another configuration (fingerprint "
+                                            f"{result.get('fingerprint')}, plan {expected}); re-run to measure it")
         else:
             row.update({k: v for k, v in result.items() if k in report.SUMMARY_COLUMNS})
         rows.append(row)
@@ -172,20 +113,57 @@ def write_summary(app: AppConfig, plan: InferencePlan, results_dir: Path):
     return frame
 
 
+PLAN_COLUMNS = ("config_id", "tp", "pp", "batch_size", "num_gpus", "predicted_memory_gb", "plan_status",
+                "fingerprint", "reason")
+
+
+def plan_csv_text(plan: InferencePlan) -> str:
+    """Every grid candidate with the planner's verdict; valid ones with the fingerprint of their config."""
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=PLAN_COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    for c in plan.candidates:
+        cfg = plan.configs.get(c.config_id)
+        writer.writerow({"config_id": c.config_id, "tp": c.tp, "pp": c.pp, "batch_size": c.batch_size,
+                         "num_gpus": c.gpus, "predicted_memory_gb": "" if c.memory_gb is None else round(c.memory_gb, 4),
+                         "plan_status": c.status, "fingerprint": cfg.fingerprint() if cfg else "",
+                         "reason": c.reason or ""})
+    return buf.getvalue()
+
+
 def write_configs(plan: InferencePlan) -> None:
+    """candidate_configs/<config_id>.yaml for every valid layout, and candidate_configs/plan.csv."""
     for cid, cfg in plan.configs.items():
         dump_job_config(cfg, plan.config_path(cid))
+    atomic_write_text(plan.root / "candidate_configs" / "plan.csv", plan_csv_text(plan))
+
+
+def _logger(app: AppConfig, plan: InferencePlan):
+    if not app.wandb.enable:
+        return None
+    from hp_tool import tracking
+
+    return lambda job, result: tracking.log_run(job.name, f"{job.name.rsplit('_tp', 1)[0]}_inference",
+                                                plan.configs[job.name].to_dict(), job.out, result, app.wandb,
+                                                job_type="inference")
 
 
 def run_inference_search(app: AppConfig, search_name: str, results_dir: Path,
                          kind: Optional[str] = None) -> int:
-    """Plan, launch, collect and rank the inference search; 0 when a config met the latency bound (or
-    at least one ran), else 1. ConfigError (before anything is written) when nothing valid is left."""
+    """Plan, launch (or resume, detach, cancel), collect and rank the inference search; 0 when a config
+    ran (or the command only detached or cancelled), else 1. ConfigError (before anything is written)
+    when nothing valid is left."""
     plan = plan_inference(app, results_dir)
     kind = kind or resolve_kind(app, [(1, c.tp * c.pp) for c in plan.configs.values()])
     write_configs(plan)
-    log.info("inference search %s: %d configs to measure (%s)", search_name, len(plan.configs), kind)
-    run_jobs(app, plan, kind)
+    jobs = [inference_job_spec(cfg, plan.config_path(cid)) for cid, cfg in plan.configs.items()]
+    try:
+        launcher = launch(app, kind, Path(results_dir), plan.root, jobs, _logger(app, plan),
+                          max_parallel=1 if kind == "local" else None, what="inference configs")
+    except KeyboardInterrupt:
+        return INTERRUPTED
+    if launcher is None:
+        return 0
     frame = write_summary(app, plan, results_dir)
     inf = app.search_config.inference_settings
     print(f"Inference search {search_name}: best layouts (latency bound {inf.max_latency_ms:g} ms)")

@@ -1,12 +1,12 @@
 """submitit executors built from the cluster config: SLURM (`bcm`), this machine (`local`), or `auto`.
 
-A trial is one job of ``num_nodes x gpus_per_node`` tasks (one task per GPU, or per CPU process
-locally); inside it, submitit's torch distributed environment feeds the trial engine.
+A job (a training trial or an inference config, see launch/job.py JobSpec) is ``num_nodes x
+tasks_per_node`` tasks (one task per GPU, or per CPU process locally); inside a trial's job,
+submitit's torch distributed environment feeds the trial engine.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import shutil
 import subprocess
@@ -17,7 +17,8 @@ import submitit
 
 from hp_tool.config import AppConfig, ClusterConfig, GpuConfig
 from hp_tool.errors import ConfigError
-from hp_tool.trial.spec import TrialSpec
+from hp_tool.launch.job import JobSpec
+from hp_tool.launch.slurm import partition_cpus_per_node
 
 LOCAL_MEMORY_TOLERANCE = 0.9  # nvidia-smi's MiB vs a datasheet's GB; an 80 GB part shows ~79.6 GiB
 SIGNAL_DELAY_S = 60  # submitit signals the job this long before its limit; the engine stops earlier
@@ -88,33 +89,34 @@ def resolve_kind(app: AppConfig, jobs: Iterable[tuple[int, int]]) -> str:
                       "presets that fit this machine, e.g. search_config=gpt3/tiny gpu=cpu")
 
 
-def job_name(cluster: ClusterConfig, trial_id: str) -> str:
-    return f"{cluster.job_name_prefix}{trial_id}"
+def job_name(cluster: ClusterConfig, search_id: str, name: str) -> str:
+    """<prefix><search id>:<trial or config id>: unique to this results folder, so looking a job up by
+    name never finds another search's (or another user's) job."""
+    return f"{cluster.job_name_prefix}{search_id}:{name}"
 
 
-def timeout_min(spec: TrialSpec) -> int:
-    return max(1, math.ceil(spec.run.max_minutes))
+def timeout_min(job: JobSpec) -> int:
+    return max(1, math.ceil(job.max_minutes))
 
 
-def make_executor(kind: str, folder: Path, spec: TrialSpec, cluster: ClusterConfig) -> submitit.Executor:
-    """An executor for one trial's job; its logs go to ``folder``."""
-    r = spec.resources
+def make_executor(kind: str, job: JobSpec, cluster: ClusterConfig, search_id: str) -> submitit.Executor:
+    """An executor for one job; submitit's files go to ``job.folder``."""
     if kind == "local":
-        ex = submitit.LocalExecutor(folder=folder)
-        ex.update_parameters(timeout_min=timeout_min(spec), tasks_per_node=r.gpus_per_node,
+        ex = submitit.LocalExecutor(folder=job.folder)
+        ex.update_parameters(timeout_min=timeout_min(job), tasks_per_node=job.tasks_per_node,
                              nodes=1, signal_delay_s=SIGNAL_DELAY_S)
         return ex
-    ex = submitit.AutoExecutor(folder=folder, cluster="slurm")
+    ex = submitit.AutoExecutor(folder=job.folder, cluster="slurm")
     params = dict(
-        name=job_name(cluster, spec.trial_id), nodes=r.num_nodes, tasks_per_node=r.gpus_per_node,
-        gpus_per_node=r.gpus_per_node, timeout_min=timeout_min(spec),
-        slurm_signal_delay_s=min(SIGNAL_DELAY_S, 15 * timeout_min(spec)),
+        name=job_name(cluster, search_id, job.name), nodes=job.num_nodes, tasks_per_node=job.tasks_per_node,
+        gpus_per_node=job.tasks_per_node, timeout_min=timeout_min(job),
+        slurm_signal_delay_s=min(SIGNAL_DELAY_S, 15 * timeout_min(job)),
         slurm_setup=list(cluster.setup), slurm_srun_args=_srun_args(cluster),
         slurm_additional_parameters=dict(cluster.additional_sbatch_parameters),
     )
     optional = dict(slurm_partition=cluster.partition, slurm_account=cluster.account,
                     slurm_qos=cluster.qos, slurm_constraint=cluster.constraint,
-                    cpus_per_task=cpus_per_task(cluster, r.gpus_per_node), slurm_mem=cluster.mem)
+                    cpus_per_task=cpus_per_task(cluster, job.tasks_per_node), slurm_mem=cluster.mem)
     params.update({k: v for k, v in optional.items() if v is not None})
     if cluster.exclusive:
         params["slurm_exclusive"] = True
@@ -131,18 +133,6 @@ def cpus_per_task(cluster: ClusterConfig, tasks_per_node: int) -> Optional[int]:
     return max(1, cpus // tasks_per_node) if cpus else None
 
 
-@functools.lru_cache(maxsize=None)
-def partition_cpus_per_node(partition: Optional[str]) -> Optional[int]:
-    """The fewest CPUs of a node in the partition (the default partition when None), from sinfo."""
-    cmd = ["sinfo", "-h", "-N", "-o", "%c"] + (["-p", partition] if partition else [])
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    counts = [int(c) for c in out.stdout.split() if c.isdigit()]
-    return min(counts) if out.returncode == 0 and counts else None
-
-
 def _srun_args(cluster: ClusterConfig) -> list[str]:
     """Container image and mounts for pyxis/enroot, then the user's own srun arguments."""
     args = []
@@ -151,19 +141,3 @@ def _srun_args(cluster: ClusterConfig) -> list[str]:
     if cluster.container_mounts:
         args.append(f"--container-mounts={','.join(cluster.container_mounts)}")
     return args + list(cluster.srun_args)
-
-
-def check_slurm_target(cluster: ClusterConfig) -> None:
-    """Fail before any submission when the partition or account does not exist."""
-    if cluster.partition:
-        out = subprocess.run(["sinfo", "-h", "-o", "%R"], capture_output=True, text=True, timeout=30)
-        partitions = sorted(set(out.stdout.split()))
-        if out.returncode == 0 and cluster.partition not in partitions:
-            raise ConfigError("cluster.partition", cluster.partition, "no such SLURM partition",
-                              f"use one of {partitions}")
-    if cluster.account and shutil.which("sacctmgr"):
-        out = subprocess.run(["sacctmgr", "-n", "-P", "show", "account", cluster.account, "format=account"],
-                             capture_output=True, text=True, timeout=30)
-        if out.returncode == 0 and cluster.account not in out.stdout.split():
-            raise ConfigError("cluster.account", cluster.account, "no such SLURM account",
-                              "use an account from `sacctmgr show account`")

@@ -1,13 +1,15 @@
-"""What runs inside a trial's job, and what is written when a job dies without writing its own result."""
+"""A job as the launcher sees it (JobSpec, built alike for training trials and inference configs), what
+runs inside a trial's job, and what is written when a job dies without writing its own result."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from hp_tool.fsutil import atomic_write_json
-from hp_tool.trial.result import METRICS_FILE, RESULT_FIELDS, RESULT_FILE
+from hp_tool.trial.result import METRICS_FILE, RESULT_FILE
 
 # SLURM end states -> trial status (a job that ends these ways never wrote result.json itself)
 SLURM_STATUS = {
@@ -15,6 +17,34 @@ SLURM_STATUS = {
     "OUT_OF_MEMORY": "oom", "NODE_FAIL": "failed", "BOOT_FAIL": "failed", "FAILED": "failed",
     "COMPLETED": "failed", "UNKNOWN": "failed",
 }
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One job to launch: what it reads, where it writes, how big and how long, and what it measures."""
+
+    name: str  # trial_id or config_id: the ledger key and the tail of the SLURM job name
+    config_path: str  # the YAML the job's entry reads
+    output_dir: str  # result.json (and metrics); submitit's files under <output_dir>/job
+    num_nodes: int
+    tasks_per_node: int  # one task per GPU (or per CPU process locally)
+    max_minutes: float  # the job's time limit, counted from its start
+    fingerprint: str  # of what it measures; a result with another fingerprint is stale
+    entry: Callable[[str], Any]  # module-level (picklable): called with config_path inside the job
+    blank: dict = field(default_factory=dict, compare=False)  # result.json skeleton: every field, ids set
+
+    @property
+    def out(self) -> Path:
+        return Path(self.output_dir)
+
+    @property
+    def folder(self) -> Path:
+        """submitit's folder for this job (pickles, stdout/stderr)."""
+        return self.out / "job"
+
+    @property
+    def tasks(self) -> int:
+        return self.num_nodes * self.tasks_per_node
 
 
 def trial_job(spec_path: str) -> dict:
@@ -35,17 +65,17 @@ def logged_steps(out_dir: Path) -> int:
     return sum(1 for line in path.read_text().splitlines() if line.strip())
 
 
-def write_job_failure(out_dir: Path, trial_id: str, status: str, reason: str) -> dict[str, Any]:
-    """A result.json for a job that ended without one (killed, timed out, node failure...).
-
-    Measurements stay null; the collector derives timings from metrics.jsonl when steps were logged.
-    """
-    steps = logged_steps(out_dir)
+def write_job_failure(job: JobSpec, status: str, reason: str) -> dict[str, Any]:
+    """A result.json for a job that ended without one (killed, timed out, unschedulable, ...), from the
+    job's blank result (so it carries the job's fingerprint). Measurements stay null; the collector
+    derives timings from metrics.jsonl when steps were logged."""
+    steps = logged_steps(job.out)
     if steps:
         reason = f"{reason}; {steps} steps were logged in {METRICS_FILE}"
-    result: dict[str, Any] = {k: None for k in RESULT_FIELDS}
-    result.update(trial_id=trial_id, status=status, reason=reason, steps_run=steps, steps_measured=0)
-    atomic_write_json(out_dir / RESULT_FILE, result)
+    result = {**job.blank, "status": status, "reason": reason}
+    if "steps_run" in result:
+        result.update(steps_run=steps, steps_measured=0)
+    atomic_write_json(job.out / RESULT_FILE, result)
     return result
 
 

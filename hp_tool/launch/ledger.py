@@ -10,18 +10,32 @@ from __future__ import annotations
 import json
 import os
 import time
+import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
+from hp_tool.fsutil import atomic_write_text
+
 LEDGER_FILE = "jobs.jsonl"
+SEARCH_ID_FILE = "search_id"
+
+
+def search_id(results_dir: Path) -> str:
+    """This results folder's id (made once, kept in <results_dir>/search_id): job names carry it."""
+    path = Path(results_dir) / SEARCH_ID_FILE
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, uuid.uuid4().hex[:8] + "\n")
+    return path.read_text().strip()
 
 
 @dataclass
 class Entry:
     trial_id: str
-    state: str  # submitting | submitted | done | failed | timeout | cancelled | oom
+    state: str  # submitting | submitted | a result status (ok, failed, timeout, cancelled, oom, ...)
     job_id: Optional[str] = None
+    fingerprint: Optional[str] = None  # of the job's config (JobSpec.fingerprint) when it was submitted
     kind: Optional[str] = None  # local | slurm
     folder: Optional[str] = None  # submitit's folder for this job (logs, pickles)
     tasks: int = 1

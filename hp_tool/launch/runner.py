@@ -1,14 +1,18 @@
-"""Submit trials in the planner's order, throttled; watch them; resume from the ledger; never submit twice.
+"""The one launcher, for training trials and inference configs alike (both described by JobSpec): submit in
+the given order, throttled; watch every job in one poll loop; resume from the ledger; never submit twice.
 
-One poll loop watches every job (submitit's SLURM watcher batches the sacct/squeue calls) with back-off.
-Every trial ends with a result.json: the engine's own, or one written here from the job's end state.
+Every job ends with a result.json: its own, or one written here from the job's end state (SLURM's end
+state, a time limit counted from the job's start, a pending reason that means it can never start,
+``cluster.max_queue_minutes``, or the user's cancel). Results and ledger lines carry the job's
+fingerprint: on resume, a result or a queued job of a different configuration is set aside (kept in
+``<output_dir>/stale-<time>/``) or cancelled, and the job runs again.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import subprocess
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,15 +22,18 @@ import submitit
 
 from hp_tool.config import AppConfig
 from hp_tool.launch import job as jobmod
+from hp_tool.launch import slurm
 from hp_tool.launch.executors import job_name, make_executor, timeout_min
+from hp_tool.launch.job import JobSpec
 from hp_tool.launch.ledger import Entry, Ledger
 from hp_tool.launch.monitor import Progress
-from hp_tool.trial.spec import TrialSpec
+from hp_tool.trial.result import FAILURE_DIR, METRICS_FILE, RESULT_FILE
 
 log = logging.getLogger(__name__)
 
-GRACE_S = 300.0  # past a job's time limit before it is cancelled and recorded as timeout
+GRACE_S = 300.0  # past a job's time limit (from its start) before it is cancelled and recorded as timeout
 POLL_MIN_S, POLL_MAX_S = 1.0, 15.0
+RESULT_FILES = (RESULT_FILE, METRICS_FILE, FAILURE_DIR)  # what a stale result consists of
 
 
 class PidJob:
@@ -57,117 +64,143 @@ class PidJob:
 
 @dataclass
 class Active:
-    spec: TrialSpec
-    job: Any
-    folder: Path
+    job: JobSpec
+    handle: Any  # submitit Job, or PidJob
     submitted: float
     running_since: Optional[float] = None
 
     @property
-    def out(self) -> Path:
-        return Path(self.spec.run.output_dir)
+    def job_id(self) -> str:
+        return str(self.handle.job_id)
 
 
 def _pid_alive(job_id: Optional[str]) -> bool:
     return job_id is not None and not PidJob(job_id).done()
 
 
-def find_slurm_job(name: str) -> Optional[str]:
-    """Job id of a job with this name (queued, running or finished in the last week), if any."""
-    for cmd in (["squeue", "-h", "-o", "%i", "-n", name],
-                ["sacct", "-n", "-X", "-P", "--name", name, "-o", "JobID", "-S", "now-7days"]):
-        try:
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
-            continue
-        ids = [line.strip() for line in out.stdout.splitlines() if line.strip()]
-        if out.returncode == 0 and ids:
-            return ids[-1]
-    return None
+def set_aside(out: Path) -> Optional[Path]:
+    """Move a stale result (result.json, metrics.jsonl, rank failures) to <out>/stale-<time>/; kept, never
+    deleted. Returns the new folder, or None when there was nothing to move."""
+    present = [out / name for name in RESULT_FILES if (out / name).exists()]
+    if not present:
+        return None
+    target = out / f"stale-{time.strftime('%Y%m%d-%H%M%S')}-{time.time_ns() % 10**6:06d}"
+    target.mkdir(parents=True)
+    for path in present:
+        shutil.move(str(path), str(target / path.name))
+    return target
 
 
 class Launcher:
-    def __init__(self, app: AppConfig, results_dir: Path, specs: list[TrialSpec], kind: str,
-                 progress: Progress, on_trial_end: Optional[Callable[[TrialSpec, dict], None]] = None):
+    """Launch ``jobs`` with the ``kind`` of executor (`slurm` or `local`); the ledger lives in ``ledger_dir``.
+    ``on_end(job, result)`` runs after each job ends; its failures are logged and listed in
+    ``hook_failures``, never stopping the search."""
+
+    def __init__(self, app: AppConfig, ledger_dir: Path, jobs: list[JobSpec], kind: str, progress: Progress,
+                 search_id: str, on_end: Optional[Callable[[JobSpec, dict], None]] = None):
         self.app, self.kind, self.progress = app, kind, progress
-        self.results_dir = results_dir
-        self.specs = specs
-        self.ledger = Ledger(results_dir)
-        self.on_trial_end = on_trial_end
-        self.pending: list[TrialSpec] = []
+        self.jobs = jobs
+        self.ledger = Ledger(ledger_dir)
+        self.search_id = search_id
+        self.on_end = on_end
+        self.pending: list[JobSpec] = []
         self.active: list[Active] = []
         self.submissions = 0
-
-    def spec_path(self, spec: TrialSpec) -> Path:
-        return self.results_dir / "candidate_configs" / f"{spec.trial_id}.yaml"
-
-    def folder(self, spec: TrialSpec) -> Path:
-        return Path(spec.run.output_dir) / "job"
+        self.hook_failures: list[tuple[str, str]] = []
 
     # ---- resume ----
     def resume(self) -> None:
-        """Sort every trial into done (has a result), re-attached (job alive), or pending."""
+        """Sort every job into done (a result of its own fingerprint), re-attached (its job is alive), or
+        pending. Results and jobs of another configuration are set aside or cancelled first."""
         latest = self.ledger.latest()
-        for spec in self.specs:
-            self.progress.add(spec.trial_id)
-            result = jobmod.read_result(Path(spec.run.output_dir))
+        for job in self.jobs:
+            self.progress.add(job.name)
+            result = jobmod.read_result(job.out)
+            if result is not None and result.get("fingerprint") != job.fingerprint:
+                moved = set_aside(job.out)
+                log.warning("%s: the result on disk measured another configuration (fingerprint %s, now %s); "
+                            "kept in %s, running it again", job.name, result.get("fingerprint"),
+                            job.fingerprint, moved)
+                result = None
+            entry = latest.get(job.name)
+            if entry is not None and entry.fingerprint != job.fingerprint:
+                self._cancel_superseded(job, entry)
+                entry = None
             if result is not None:
-                self.progress.update(spec.trial_id, result.get("status", "failed"), result)
+                self.progress.update(job.name, result.get("status", "failed"), result)
                 continue
-            attached = self._reattach(spec, latest.get(spec.trial_id))
+            attached = self._reattach(job, entry)
             if attached:
                 self.active.append(attached)
             else:
-                self.pending.append(spec)
+                self.pending.append(job)
 
-    def _reattach(self, spec: TrialSpec, entry: Optional[Entry]) -> Optional[Active]:
-        if entry is None:
+    def _cancel_superseded(self, job: JobSpec, entry: Entry) -> None:
+        """A job submitted for an earlier configuration of this name: cancel it if it may still run."""
+        job_id = entry.job_id
+        if job_id is None and entry.kind == "slurm" and entry.state == "submitting":
+            job_id = slurm.find_job(job_name(self.app.cluster, self.search_id, job.name))
+        if job_id is None or entry.state not in ("submitting", "submitted"):
+            return
+        log.warning("%s: job %s ran an earlier configuration (fingerprint %s); cancelling it", job.name,
+                    job_id, entry.fingerprint)
+        if entry.kind == "slurm":
+            slurm.cancel(job_id)
+        elif _pid_alive(job_id):
+            PidJob(job_id).cancel()
+        self.ledger.append(Entry(job.name, "cancelled", job_id=job_id, kind=entry.kind,
+                                 fingerprint=entry.fingerprint, reason="superseded by a changed configuration"))
+
+    def _reattach(self, job: JobSpec, entry: Optional[Entry]) -> Optional[Active]:
+        if entry is None or entry.state not in ("submitting", "submitted"):
             return None
         job_id = entry.job_id
         if job_id is None and entry.kind == "slurm":  # killed between sbatch and the ledger line
-            job_id = find_slurm_job(job_name(self.app.cluster, spec.trial_id))
+            job_id = slurm.find_job(job_name(self.app.cluster, self.search_id, job.name))
         if job_id is None:
             return None
         if entry.kind == "slurm":
-            job = submitit.SlurmJob(folder=self.folder(spec), job_id=job_id, tasks=range(entry.tasks))
+            handle = submitit.SlurmJob(folder=job.folder, job_id=job_id, tasks=range(entry.tasks))
         elif _pid_alive(job_id):
-            job = PidJob(job_id)
+            handle = PidJob(job_id)
         else:
             return None  # a local job that died with its orchestrator: run it again
-        log.info("re-attached %s to job %s", spec.trial_id, job_id)
-        return Active(spec, job, self.folder(spec), entry.time)
+        log.info("re-attached %s to job %s", job.name, job_id)
+        return Active(job, handle, entry.time)
 
     # ---- submit ----
-    def submit(self, spec: TrialSpec) -> None:
-        folder = self.folder(spec)
-        tasks = spec.resources.num_nodes * spec.resources.gpus_per_node
-        self.ledger.append(Entry(spec.trial_id, "submitting", kind=self.kind, folder=str(folder), tasks=tasks))
-        executor = make_executor(self.kind, folder, spec, self.app.cluster)
+    def _entry(self, job: JobSpec, state: str, job_id: Optional[str] = None, reason: Optional[str] = None) -> Entry:
+        return Entry(job.name, state, job_id=job_id, fingerprint=job.fingerprint, kind=self.kind,
+                     folder=str(job.folder), tasks=job.tasks, reason=reason)
+
+    def submit(self, job: JobSpec) -> None:
+        self.ledger.append(self._entry(job, "submitting"))
+        executor = make_executor(self.kind, job, self.app.cluster, self.search_id)
         try:
-            job = executor.submit(jobmod.trial_job, str(self.spec_path(spec)))
+            handle = executor.submit(job.entry, job.config_path)
         except Exception as exc:  # sbatch refused it: record, do not retry blindly
             if self.submissions == 0:
                 raise
-            result = jobmod.write_job_failure(Path(spec.run.output_dir), spec.trial_id, "failed",
-                                              f"submission failed: {type(exc).__name__}: {exc}")
-            self._ended(spec, None, result)
+            result = jobmod.write_job_failure(job, "failed", f"submission failed: {type(exc).__name__}: {exc}")
+            self._ended(job, None, result)
             return
         self.submissions += 1
-        self.ledger.append(Entry(spec.trial_id, "submitted", job_id=str(job.job_id), kind=self.kind,
-                                 folder=str(folder), tasks=tasks))
-        self.active.append(Active(spec, job, folder, time.time()))
-        self.progress.update(spec.trial_id, "pending")
+        self.ledger.append(self._entry(job, "submitted", job_id=str(handle.job_id)))
+        self.active.append(Active(job, handle, time.time()))
+        self.progress.update(job.name, "pending")
 
     def submit_all_now(self) -> None:
         while self.pending:
             self.submit(self.pending.pop(0))
 
     # ---- watch ----
-    def run(self) -> None:
-        """Submit (throttled by max_parallel_runs) and watch until every trial has ended."""
+    def run(self, max_parallel: Optional[int] = None) -> None:
+        """Submit (at most ``max_parallel`` at once, default cluster.max_parallel_runs) and watch until
+        every job has ended."""
+        limit = max_parallel or self.app.cluster.max_parallel_runs
         delay = POLL_MIN_S
         while self.pending or self.active:
-            while self.pending and len(self.active) < self.app.cluster.max_parallel_runs:
+            while self.pending and len(self.active) < limit:
                 self.submit(self.pending.pop(0))
             changed = self.poll()
             delay = POLL_MIN_S if changed else min(POLL_MAX_S, delay * 1.5)
@@ -178,61 +211,88 @@ class Launcher:
         changed = False
         if self.kind == "slurm" and self.active:
             # one sacct call refreshes every job's state; submitit's own refresh can lag by minutes
-            self.active[0].job.watcher.update()
+            self.active[0].handle.watcher.update()
+            changed = self._drop_unschedulable()
         for a in list(self.active):
-            if a.job.done():
+            if a.handle.done():
                 self.active.remove(a)
                 self._finish(a)
                 changed = True
                 continue
-            state = str(a.job.state)
+            state = str(a.handle.state)
             if state.startswith("RUNNING") and a.running_since is None:
                 a.running_since = time.time()
-                self.progress.update(a.spec.trial_id, "running")
+                self.progress.update(a.job.name, "running")
                 changed = True
-            if a.running_since and time.time() - a.running_since > timeout_min(a.spec) * 60 + GRACE_S:
-                log.warning("trial %s outlived its limit by %.0f s: cancelling", a.spec.trial_id, GRACE_S)
-                a.job.cancel()
-                self.active.remove(a)
-                result = jobmod.write_job_failure(a.out, a.spec.trial_id, "timeout",
-                                                  "job did not end within its time limit plus grace")
-                self._ended(a.spec, a, result)
+            if a.running_since and time.time() - a.running_since > timeout_min(a.job) * 60 + GRACE_S:
+                log.warning("%s outlived its limit by %.0f s: cancelling", a.job.name, GRACE_S)
+                self._stop(a, "timeout", "job did not end within its time limit plus grace")
+                changed = True
         return changed
 
+    def _drop_unschedulable(self) -> bool:
+        """Cancel queued jobs SLURM can never start (or that waited past cluster.max_queue_minutes)."""
+        queued = {a.job_id: a for a in self.active if a.running_since is None}
+        limit = self.app.cluster.max_queue_minutes
+        dropped = False
+        for job_id, reason in slurm.pending_reasons(list(queued)).items():
+            a = queued[job_id]
+            waited_min = (time.time() - a.submitted) / 60
+            if slurm.never_starts(reason, self.app.cluster.partition):
+                why = f"SLURM can never start job {job_id}: pending reason {reason}"
+            elif limit is not None and waited_min > limit:
+                why = (f"job {job_id} was pending {waited_min:.1f} min, more than cluster.max_queue_minutes="
+                       f"{limit:g} (SLURM's reason: {reason})")
+            else:
+                continue
+            log.warning("%s: %s; cancelling it", a.job.name, why)
+            self._stop(a, "unschedulable", why)
+            dropped = True
+        return dropped
+
+    def _stop(self, a: Active, status: str, reason: str) -> None:
+        a.handle.cancel()
+        self.active.remove(a)
+        self._ended(a.job, a, jobmod.write_job_failure(a.job, status, reason))
+
     def _finish(self, a: Active) -> None:
-        result = jobmod.read_result(a.out)
+        result = jobmod.read_result(a.job.out)
         if result is None:
             status, reason = self._end_state(a)
-            result = jobmod.write_job_failure(a.out, a.spec.trial_id, status, reason)
-        self._ended(a.spec, a, result)
+            result = jobmod.write_job_failure(a.job, status, reason)
+        self._ended(a.job, a, result)
 
     def _end_state(self, a: Active) -> tuple[str, str]:
+        tail = jobmod.log_tail(a.job.folder, a.job_id)
         if self.kind == "slurm":
-            tail = jobmod.log_tail(a.folder, str(a.job.job_id))
-            return jobmod.classify_slurm_end(str(a.job.state), tail)
+            return jobmod.classify_slurm_end(str(a.handle.state), tail)
         elapsed = time.time() - (a.running_since or a.submitted)
-        if elapsed >= timeout_min(a.spec) * 60 - 1:
-            return "timeout", f"local job reached its {timeout_min(a.spec)}-minute limit without a result"
-        tail = jobmod.log_tail(a.folder, str(a.job.job_id))
+        if elapsed >= timeout_min(a.job) * 60 - 1:
+            return "timeout", f"local job reached its {timeout_min(a.job)}-minute limit without a result"
         return "failed", f"local job ended without a result; log tail: {tail}" if tail else \
             "local job ended without a result"
 
-    def _ended(self, spec: TrialSpec, a: Optional[Active], result: dict) -> None:
-        job_id = None if a is None else str(a.job.job_id)
-        self.ledger.append(Entry(spec.trial_id, result.get("status", "failed"), job_id=job_id, kind=self.kind,
-                                 reason=result.get("reason")))
-        self.progress.update(spec.trial_id, result.get("status", "failed"), result)
-        if self.on_trial_end:
-            self.on_trial_end(spec, result)
+    def _ended(self, job: JobSpec, a: Optional[Active], result: dict) -> None:
+        self.ledger.append(self._entry(job, result.get("status", "failed"), None if a is None else a.job_id,
+                                       reason=result.get("reason")))
+        self.progress.update(job.name, result.get("status", "failed"), result)
+        if self.on_end is None:
+            return
+        try:
+            self.on_end(job, result)
+        except Exception as exc:  # noqa: BLE001 - tracking is a copy of the result files; the search goes on
+            cause = f"{type(exc).__name__}: {exc}"
+            log.error("%s: after-job hook failed (%s); the search goes on", job.name, cause)
+            self.hook_failures.append((job.name, cause))
 
     # ---- cancel ----
     def cancel_all(self) -> int:
         """Cancel every job of this search that has no result yet; returns how many."""
         n = 0
-        for a in self.active:
-            a.job.cancel()
-            jobmod.write_job_failure(a.out, a.spec.trial_id, "cancelled", "cancelled by the user")
-            self.ledger.append(Entry(a.spec.trial_id, "cancelled", job_id=str(a.job.job_id), kind=self.kind))
+        for a in list(self.active):
+            a.handle.cancel()
+            jobmod.write_job_failure(a.job, "cancelled", "cancelled by the user")
+            self.ledger.append(self._entry(a.job, "cancelled", job_id=a.job_id))
             n += 1
         self.active.clear()
         return n

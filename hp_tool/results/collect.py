@@ -27,7 +27,7 @@ from hp_tool.errors import ConfigError
 from hp_tool.estimate.layout import Layout
 from hp_tool.estimate.speed import extrapolate_step_time_s
 from hp_tool.results.full_run import FullRun, load_full_run
-from hp_tool.results.trial_files import OK, number, read_trial
+from hp_tool.results.trial_files import OK, STALE, number, read_trial
 from hp_tool.sizing import SECONDS_PER_DAY
 
 log = logging.getLogger(__name__)
@@ -37,16 +37,17 @@ NOT_RUN = "not_run"
 NOT_IN_PLAN = "not_in_plan"
 SELECTED = "selected"
 # Order of unranked rows in the table: trials that ran, then those that never did, then the plan's verdicts.
-STATUS_ORDER = ("ok", "timeout", "oom", "failed", "cancelled", NOT_RUN, "over_limit", "pruned", "invalid")
+STATUS_ORDER = ("ok", "timeout", "oom", "failed", "cancelled", "unschedulable", STALE, NOT_RUN, "over_limit",
+                "pruned", "invalid")
 PLAN_INTS = ("tp", "pp", "dp", "mbs", "act_ckpt_layers", "global_batch_size", "num_nodes",
-             "trial_num_nodes", "trial_dp", "predicted_rank")
-PLAN_TEXT = ("trial_id", "model_family", "plan_status", "reason")
+             "trial_num_nodes", "trial_dp", "trial_global_batch_size", "predicted_rank")
+PLAN_TEXT = ("trial_id", "model_family", "plan_status", "reason", "fingerprint")
 
 # Every column of the table, in the order the CSVs use; units in the names.
 TABLE_COLUMNS = (
     "rank", "trial_id", "status", "reason", "plan_status", "model_family", "model_size_b",
     "tp", "pp", "dp", "mbs", "act_ckpt_layers", "global_batch_size", "num_nodes", "num_gpus",
-    "trial_num_nodes", "trial_dp", "trial_world_size",
+    "trial_num_nodes", "trial_dp", "trial_global_batch_size", "trial_world_size",
     "full_run_step_time_s", "predicted_step_time_s", "step_time_error_pct", "measured_step_time_s",
     "measured_step_time_mean_s", "measured_step_time_std_s", "steps_run", "steps_measured",
     "full_run_tokens_per_s", "full_run_tokens_per_s_per_gpu", "tokens_per_s_per_gpu",
@@ -55,12 +56,13 @@ TABLE_COLUMNS = (
     "gpu_memory_gb", "peak_memory_pct_of_gpu",
     "days_to_train", "predicted_days_to_train", "full_run_cost_usd", "cost_usd_per_million_tokens",
     "gpu_hour_price_usd", "predicted_rank", "stop_reason", "final_loss", "device", "start_time", "end_time",
+    "fingerprint",
 )
 INT_COLUMNS = ("rank", "tp", "pp", "dp", "mbs", "act_ckpt_layers", "global_batch_size", "num_nodes",
-               "num_gpus", "trial_num_nodes", "trial_dp", "trial_world_size", "steps_run",
+               "num_gpus", "trial_num_nodes", "trial_dp", "trial_global_batch_size", "trial_world_size", "steps_run",
                "steps_measured", "predicted_rank")
 TEXT_COLUMNS = ("trial_id", "status", "reason", "plan_status", "model_family", "stop_reason", "device",
-                "start_time", "end_time")
+                "start_time", "end_time", "fingerprint")
 FLOAT_COLUMNS = tuple(c for c in TABLE_COLUMNS if c not in INT_COLUMNS + TEXT_COLUMNS)
 
 
@@ -116,10 +118,13 @@ def _row(plan: dict, trial_dir: Optional[Path], full: FullRun, time_box_s: Optio
     row["status"], row["reason"] = plan["plan_status"], plan.get("reason")
     if plan["plan_status"] != SELECTED:
         return row  # pruned / invalid / over_limit keep the planner's verdict and reason
-    result = read_trial(trial_dir, time_box_s) if trial_dir is not None else None
+    result = read_trial(trial_dir, time_box_s, plan.get("fingerprint")) if trial_dir is not None else None
     if result is None:
         row.update(status=NOT_RUN, reason="no result.json or metrics.jsonl in training_logs/"
                                           f"{plan['trial_id']} (never ran, or still pending)")
+    elif result["status"] == STALE:
+        row.update(status=STALE, reason=result["reason"])
+        return row  # its numbers belong to another configuration: none of them in the table
     else:
         row.update(_measured(result))
     row.update(full_run_columns(row, full))
@@ -170,11 +175,11 @@ def full_run_columns(row: dict, full: FullRun) -> dict:
     if row.get("trial_world_size") is None and tp and pp and trial_dp:
         cols["trial_world_size"] = tp * pp * trial_dp
     measured = row.get("measured_step_time_s")
-    if measured is None or cols["num_gpus"] is None or not trial_dp:
+    if measured is None or cols["num_gpus"] is None or not trial_dp or not row.get("trial_global_batch_size"):
         return cols
     gbs, mbs, ckpt = row["global_batch_size"], row["mbs"], row["act_ckpt_layers"]
-    # The planner gives each trial replica the full run's per-replica batch (planner.candidate_spec).
-    trial = Layout(tp, pp, trial_dp, mbs, ckpt, gbs // dp * trial_dp, full.dp_sharding)
+    # What the trial ran, as its spec says (plan.csv copies it from candidate_configs/<trial_id>.yaml).
+    trial = Layout(tp, pp, trial_dp, mbs, ckpt, row["trial_global_batch_size"], full.dp_sharding)
     whole = Layout(tp, pp, dp, mbs, ckpt, gbs, full.dp_sharding)
     step_s = extrapolate_step_time_s(measured, full.shape, trial, whole, full.hw,
                                      row.get("trial_num_nodes") or 1, full.num_nodes)

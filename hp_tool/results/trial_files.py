@@ -14,9 +14,10 @@ import statistics
 from pathlib import Path
 from typing import Any, Optional
 
-from hp_tool.trial.result import METRICS_FILE, RESULT_FIELDS, RESULT_FILE, STATUSES
+from hp_tool.trial.result import METRICS_FILE, RESULT_FIELDS, RESULT_FILE, STATUSES, blank_result
 
 OK = "ok"
+STALE = "stale"  # result.json measured another configuration than the plan's (fingerprints differ)
 # A killed trial whose log spans this fraction of its time box most likely hit the limit.
 TIMEOUT_SPAN_FRACTION = 0.9
 # Measurements filled from metrics.jsonl when result.json (e.g. the launcher's) leaves them empty.
@@ -31,11 +32,13 @@ def number(value: Any) -> Optional[float]:
     return float(value) if math.isfinite(value) else None
 
 
-def read_trial(trial_dir: Path, time_box_s: Optional[float] = None) -> Optional[dict]:
+def read_trial(trial_dir: Path, time_box_s: Optional[float] = None,
+               fingerprint: Optional[str] = None) -> Optional[dict]:
     """The trial's result (every contract field), or None when it left no result and no metrics.
 
     ``time_box_s``: the trial job's time limit in seconds, used to tell a killed trial's timeout
-    from another failure.
+    from another failure. ``fingerprint``: the plan's TrialSpec.fingerprint(); a readable result.json
+    with another one (or none) is status ``stale``.
     """
     result_path, metrics_path = trial_dir / RESULT_FILE, trial_dir / METRICS_FILE
     has_result, has_metrics = result_path.is_file(), metrics_path.is_file()
@@ -44,20 +47,21 @@ def read_trial(trial_dir: Path, time_box_s: Optional[float] = None) -> Optional[
     steps, bad_lines = read_metrics(metrics_path) if has_metrics else ([], 0)
     if not has_result:
         return result_from_metrics(trial_dir.name, steps, bad_lines, time_box_s)
-    result = _read_result_json(result_path, trial_dir.name)
+    result = _read_result_json(result_path, trial_dir.name, fingerprint)
+    if result["status"] == STALE:
+        return result
     if steps and result.get("step_time_s_median") is None:
         _fill_timing(result, steps)  # e.g. the launcher's verdict on a job SLURM killed
     return result
 
 
 def _blank(trial_id: str) -> dict:
-    result = dict.fromkeys(RESULT_FIELDS)
-    result.update(trial_id=trial_id, first_losses=[])
-    return result
+    return blank_result(RESULT_FIELDS, trial_id=trial_id, first_losses=[])
 
 
-def _read_result_json(path: Path, trial_id: str) -> dict:
-    """result.json checked against the contract; anything unusable becomes status failed + reason."""
+def _read_result_json(path: Path, trial_id: str, fingerprint: Optional[str] = None) -> dict:
+    """result.json checked against the contract; anything unusable becomes status failed + reason, and
+    a usable one of another fingerprint than ``fingerprint`` (when given) status stale."""
     result = _blank(trial_id)
     try:
         data = json.loads(path.read_text())
@@ -73,6 +77,10 @@ def _read_result_json(path: Path, trial_id: str) -> dict:
     if problem:
         earlier = f"; it said: {result['reason']}" if result.get("reason") else ""
         result.update(status="failed", reason=f"{path.name} {problem}{earlier}")
+    elif fingerprint is not None and result.get("fingerprint") != fingerprint:
+        result.update(status=STALE, reason=f"{path.name} measured another configuration (fingerprint "
+                                           f"{result.get('fingerprint')}, plan {fingerprint}); re-run the "
+                                           "same command to measure this one")
     return result
 
 

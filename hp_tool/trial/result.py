@@ -8,6 +8,7 @@ the single place they are defined. Values that could not be measured are JSON ``
     GB = 1e9 bytes), timed (false for warm-up steps), time (unix seconds).
 
 ``result.json`` (written atomically by rank 0; by a failing rank too, so a status is always left):
+    fingerprint: TrialSpec.fingerprint() of the spec that ran (the collector ranks only matching ones);
     status: ok (at least one timed step), timeout (time budget or signal before any timed step),
     oom, failed, cancelled; reason; stop_reason: max_steps, time_budget, stable, signal, or null on
     failure; step-time statistics over the timed steps (seconds); throughput of one optimizer step of
@@ -26,7 +27,7 @@ import time
 import traceback
 from importlib import metadata
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from hp_tool.architectures import model_flops_per_step
 from hp_tool.fsutil import atomic_write_json
@@ -38,13 +39,13 @@ FAILURE_DIR = "rank_failures"  # per-rank failure notes, read by rank 0 to name 
 
 METRIC_FIELDS = ("step", "step_time_s", "loss", "lr", "tokens", "memory_gb", "timed", "time")
 RESULT_FIELDS = (
-    "trial_id", "status", "reason", "stop_reason", "steps_run", "steps_measured",
+    "trial_id", "fingerprint", "status", "reason", "stop_reason", "steps_run", "steps_measured",
     "step_time_s_median", "step_time_s_mean", "step_time_s_std", "samples_per_s", "tokens_per_s",
     "tokens_per_s_per_gpu", "model_tflops_per_gpu", "mfu", "peak_memory_gb",
     "peak_memory_reserved_gb", "world_size", "device", "backend", "first_losses", "final_loss",
     "versions", "start_time", "end_time",
 )
-STATUSES = ("ok", "oom", "timeout", "failed", "cancelled")
+STATUSES = ("ok", "oom", "timeout", "failed", "cancelled", "unschedulable")  # the last: set by the launcher
 STOP_REASONS = ("max_steps", "time_budget", "stable", "signal")
 FIRST_LOSSES = 5  # losses of the first steps kept in result.json (layout-equivalence checks)
 TRACEBACK_TAIL_CHARS = 2000
@@ -97,12 +98,18 @@ def describe_failure(exc: BaseException, rank: int) -> dict:
     return {"status": status, "reason": f"rank {rank}: {type(exc).__name__}: {exc}\n{tail}"}
 
 
-def empty_result(trial_id: str) -> dict:
-    """Every contract field, unmeasured (null)."""
-    result = dict.fromkeys(RESULT_FIELDS)
-    result.update(trial_id=trial_id, steps_run=0, steps_measured=0, first_losses=[],
-                  versions=versions())
+def blank_result(fields: tuple[str, ...], **values: Any) -> dict:
+    """The one blank-result builder (training trials and inference configs): every field of the
+    contract ``fields`` null, then ``values`` (ids, fingerprint, zero counts)."""
+    result = dict.fromkeys(fields)
+    result.update(values)
     return result
+
+
+def empty_result(trial_id: str, fingerprint: Optional[str] = None) -> dict:
+    """Every contract field, unmeasured (null); ``fingerprint``: TrialSpec.fingerprint() of what runs."""
+    return blank_result(RESULT_FIELDS, trial_id=trial_id, fingerprint=fingerprint, steps_run=0,
+                        steps_measured=0, first_losses=[], versions=versions())
 
 
 def write_result(output_dir: Path, result: dict) -> Path:

@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 
 from hp_tool.architectures import Shape
 from hp_tool.errors import require
+from hp_tool.fingerprint import fingerprint_of
 from hp_tool.fsutil import atomic_write_text
 
 FAMILIES = ("gpt3", "llama", "t5", "mt5")
@@ -232,6 +233,17 @@ class TrialSpec:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def fingerprint(self) -> str:
+        """Hash of everything that changes what this trial measures: model, layout, batch, precision,
+        optimizer, data, steps, time box and stop rule, and the processes it runs on. Not the trial id,
+        the output folder, the planner's estimates, the full run it stands for, or prices."""
+        d = self.to_dict()
+        return fingerprint_of({
+            "model": d["model"], "parallel": d["parallel"], "training": d["training"],
+            "run": {k: v for k, v in d["run"].items() if k != "output_dir"},
+            "resources": {k: d["resources"][k] for k in ("num_nodes", "gpus_per_node")},
+        })
 
 
 def load_spec(path: str | os.PathLike) -> TrialSpec:

@@ -165,7 +165,7 @@ def run_trial(spec_path: str | os.PathLike, output_dir: Optional[str] = None) ->
     out.mkdir(parents=True, exist_ok=True)
     env = tdist.read_env()
     device = tdist.select_device(env)
-    result = res.empty_result(spec.trial_id)
+    result = res.empty_result(spec.trial_id, spec.fingerprint())
     result.update(world_size=env.world_size, device=device.type,
                   backend=tdist.backend_name(env, device), start_time=res.iso_utc(wall_start))
     flag = measure.SignalFlag()
