@@ -60,9 +60,8 @@ def run(app: AppConfig, search_name: str, out: Optional[Path] = None, plans: Opt
     """Plan (and unless dry_run, search) into ``out`` (default: results_dir). Returns the exit code;
     the plan is appended to ``plans`` when given. Bad input raises ConfigError before anything is written;
     so does a results folder that another orchestrator holds (unless wait_for_lock)."""
-    from hp_tool.planner import make_plan
-
     from hp_tool.launch.lock import ResultsLock
+    from hp_tool.planner import make_plan
 
     out = out or results_dir(app, search_name)
     check_key_file(app.wandb)
@@ -74,6 +73,10 @@ def run(app: AppConfig, search_name: str, out: Optional[Path] = None, plans: Opt
         from hp_tool.launch.executors import resolve_kind
 
         kind = resolve_kind(app, [(s.resources.num_nodes, s.resources.gpus_per_node) for s in plan.specs])
+        if kind == "slurm":
+            from hp_tool.search import plan_jobs, preflight
+
+            preflight(app, plan_jobs(plan))  # before any file: a trial SLURM can never start
     with ResultsLock(out).acquire(app.wait_for_lock):
         return _write_and_search(app, plan, search_name, out, kind)
 

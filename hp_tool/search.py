@@ -41,15 +41,25 @@ def trial_job_spec(spec: TrialSpec, config_path: Path) -> JobSpec:
                    blank={**empty_result(spec.trial_id, fp), "versions": None})  # the job's, not ours
 
 
+def preflight(app: AppConfig, jobs: list[JobSpec]) -> None:
+    """SLURM: the partition and account exist and can ever hold each job (ConfigError otherwise)."""
+    per_task = app.cluster.cpus_per_task or 1  # unset: the node's CPUs are shared, at least one each
+    check_slurm_target(app.cluster, [(j.name, j.num_nodes, j.tasks_per_node, j.tasks_per_node * per_task)
+                                     for j in jobs])
+
+
+def plan_jobs(plan: Plan) -> list[JobSpec]:
+    cand_dir = plan.results_dir / "candidate_configs"
+    return [trial_job_spec(s, cand_dir / f"{s.trial_id}.yaml") for s in plan.specs]
+
+
 def launch(app: AppConfig, kind: str, results_dir: Path, ledger_dir: Path, jobs: list[JobSpec],
            on_end: Optional[Callable[[JobSpec, dict], None]] = None, max_parallel: Optional[int] = None,
            what: str = "trials") -> Optional[Launcher]:
     """Submit, resume, detach or cancel ``jobs``; returns the launcher once every job has ended, None when
     the command only detached or cancelled. Raises KeyboardInterrupt after telling how to resume."""
     if kind == "slurm":
-        per_task = app.cluster.cpus_per_task or 1  # unset: the node's CPUs are shared, at least one each
-        check_slurm_target(app.cluster, [(j.name, j.num_nodes, j.tasks_per_node, j.tasks_per_node * per_task)
-                                         for j in jobs])
+        preflight(app, jobs)
     elif app.detach:
         raise ConfigError("detach", True, "a detached search needs SLURM (local jobs die with the shell)",
                           "drop detach=true, or use cluster=bcm")
@@ -94,8 +104,7 @@ def run_training_search(app: AppConfig, plan: Plan, kind: str) -> int:
         from hp_tool import tracking
 
         tracking.check_wandb(app.wandb)
-    cand_dir = plan.results_dir / "candidate_configs"
-    jobs = [trial_job_spec(s, cand_dir / f"{s.trial_id}.yaml") for s in plan.specs]
+    jobs = plan_jobs(plan)
     specs = {s.trial_id: s for s in plan.specs}
     try:
         launcher = launch(app, kind, plan.results_dir, plan.results_dir, jobs, _trial_logger(app, specs))

@@ -25,6 +25,8 @@ NEVER_REASONS = (
     "AssocMaxGRESPerJob", "AssocMaxCpuPerJobLimit", "AssocMaxNodePerJobLimit", "AssocMaxWallDurationPerJobLimit",
     "DependencyNeverSatisfied", "JobHeldAdmin",
 )
+# How squeue words "the nodes this job needs are not available" (a code, or the description of one).
+NODES_UNAVAILABLE = ("ReqNodeNotAvail", "Nodes required for job are DOWN, DRAINED")
 # Node states (sinfo %T) in which a node takes no new job until an administrator acts.
 UNAVAILABLE_STATES = ("drain", "drained", "draining", "down", "fail", "failing", "inval", "maint",
                       "not_responding", "future", "powered_down", "power_down")
@@ -139,7 +141,7 @@ def never_starts(reason: str, partition: Optional[str]) -> bool:
     head = reason.split(",")[0].strip()
     if head in NEVER_REASONS:
         return True
-    if head == "ReqNodeNotAvail":
+    if reason.startswith(NODES_UNAVAILABLE):
         nodes = partition_nodes(partition)
         return bool(nodes) and not any(n.available for n in nodes)
     return False

@@ -1,0 +1,151 @@
+"""A ranking names only what was measured: fingerprints, stale results set aside, one orchestrator per
+results folder, and tracking failures that never stop a search. Real local searches of gpt3/tiny."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from hp_tool.cli import compose
+from hp_tool.config import to_app_config
+from hp_tool.inference import search as inference
+from hp_tool.launch.ledger import Ledger
+from hp_tool.launch.lock import LOCK_FILE
+from hp_tool.launch.monitor import Progress
+from hp_tool.launch.runner import Launcher, set_aside
+from hp_tool.results.collect import collect_trials
+from hp_tool.search import plan_jobs
+from hp_tool.trial.spec import load_spec
+from test_results_helpers import planned, selected_ids, trial_dir, write_ok
+
+REPO = Path(__file__).resolve().parent.parent
+TS = "search_config.train_settings"
+ONE_LAYOUT = (f"{TS}.tensor_parallel_sizes=[1]", f"{TS}.pipeline_parallel_sizes=[2]",
+              f"{TS}.micro_batch_sizes=[2]", f"{TS}.act_ckpt_layers=[0]", f"{TS}.max_steps_per_run=6")
+TRIAL = "gpt3_241k_tp1_pp2_mbs2_ac0"
+
+
+def main_cmd(tmp_path, *args):
+    return [sys.executable, str(REPO / "main.py"), "search_config=gpt3/tiny", "cluster=local",
+            f"base_results_dir={tmp_path / 'res'}", *args]
+
+
+def run(tmp_path, *args, env=None, timeout=600):
+    return subprocess.run(main_cmd(tmp_path, *args), cwd=tmp_path, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def out_dir(tmp_path):
+    return tmp_path / "res" / "gpt3" / "tiny"
+
+
+def test_changing_the_global_batch_reruns_the_trial_and_keeps_the_old_result(tmp_path):
+    first = run(tmp_path, *ONE_LAYOUT, f"{TS}.global_batch_size=8")
+    assert first.returncode == 0, first.stderr[-3000:]
+    out = out_dir(tmp_path)
+    old = json.loads((out / "training_logs" / TRIAL / "result.json").read_text())
+
+    second = run(tmp_path, *ONE_LAYOUT, f"{TS}.global_batch_size=16")
+    assert second.returncode == 0, second.stderr[-3000:]
+    new = json.loads((out / "training_logs" / TRIAL / "result.json").read_text())
+    spec = load_spec(out / "candidate_configs" / f"{TRIAL}.yaml")
+    assert spec.training.global_batch_size == 16 and new["fingerprint"] == spec.fingerprint() != old["fingerprint"]
+    assert new["start_time"] != old["start_time"]  # measured again, not reused
+    [kept] = (out / "training_logs" / TRIAL).glob("stale-*/result.json")
+    assert json.loads(kept.read_text()) == old
+    assert len(Ledger(out).submissions()) == 2
+    row = pd.read_csv(out / "final_results" / "all_trials_1nodes.csv").set_index("trial_id").loc[TRIAL]
+    assert (row["status"], row["global_batch_size"], row["trial_global_batch_size"]) == ("ok", 16, 16)
+    # GBS 16 carries twice the tokens of GBS 8 per step: the ranked throughput comes from this run
+    assert row["measured_step_time_s"] == pytest.approx(new["step_time_s_median"], rel=1e-5)
+
+
+def test_a_result_of_another_configuration_is_stale_and_never_ranked(tmp_path):
+    _, out, plan = planned(tmp_path)
+    fast, slow = selected_ids(plan)[:2]
+    write_ok(out, fast, 0.1)
+    write_ok(out, slow, 0.9)
+    path = trial_dir(out, fast) / "result.json"
+    result = json.loads(path.read_text())
+    path.write_text(json.dumps({**result, "fingerprint": "0123456789abcdef"}))
+    df = collect_trials(out).set_index("trial_id")
+    assert df.loc[fast, "status"] == "stale" and "0123456789abcdef" in df.loc[fast, "reason"]
+    assert pd.isna(df.loc[fast, "rank"]) and pd.isna(df.loc[fast, "measured_step_time_s"])
+    assert df.loc[slow, "rank"] == 1
+
+
+def test_resume_sets_a_stale_result_aside_and_queues_the_trial_again(tmp_path):
+    app, out, plan = planned(tmp_path)
+    jobs = plan_jobs(plan)
+    write_ok(out, jobs[0].name, 0.2)
+    write_ok(out, jobs[1].name, 0.3)
+    path = jobs[1].out / "result.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "fingerprint": "old"}))
+    launcher = Launcher(app, out, jobs[:2], "local", Progress(), "sid")
+    launcher.resume()
+    assert [j.name for j in launcher.pending] == [jobs[1].name]
+    assert not path.exists() and len(list(jobs[1].out.glob("stale-*/result.json"))) == 1
+    assert (jobs[0].out / "result.json").exists()
+
+
+def test_set_aside_moves_only_result_files(tmp_path):
+    (tmp_path / "job").mkdir()
+    (tmp_path / "job" / "1_0_log.err").write_text("log")
+    (tmp_path / "result.json").write_text("{}")
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    moved = set_aside(tmp_path)
+    assert sorted(p.name for p in moved.iterdir()) == ["metrics.jsonl", "result.json"]
+    assert (tmp_path / "job" / "1_0_log.err").exists() and set_aside(tmp_path) is None
+
+
+def test_second_orchestrator_exits_naming_the_holder_and_a_waiting_one_submits_nothing_new(tmp_path):
+    args = (*ONE_LAYOUT[:1], f"{TS}.pipeline_parallel_sizes=[1,2]", *ONE_LAYOUT[2:])  # two trials
+    first = subprocess.Popen(main_cmd(tmp_path, *args), cwd=tmp_path, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    waiting = subprocess.Popen(main_cmd(tmp_path, *args, "wait_for_lock=true"), cwd=tmp_path,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lock = out_dir(tmp_path) / LOCK_FILE
+    deadline = time.time() + 60
+    while time.time() < deadline and not (lock.exists() and "pid" in lock.read_text()):
+        time.sleep(0.2)
+    holder = lock.read_text()
+    refused = run(tmp_path, *args, timeout=120)
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert "is in use by pid" in refused.stderr and holder.split()[1] in refused.stderr
+    assert "wait_for_lock=true" in refused.stderr
+    outs = [p.communicate(timeout=600) for p in (first, waiting)]
+    assert [p.returncode for p in (first, waiting)] == [0, 0], [o[1][-2000:] for o in outs]
+    ledger = Ledger(out_dir(tmp_path))
+    names = [e.trial_id for e in ledger.submissions()]
+    assert sorted(names) == sorted(set(names)) and len(names) == 2  # each trial submitted once
+    assert not lock.read_text().strip()  # released
+
+
+def test_a_broken_wandb_directory_leaves_the_search_complete(tmp_path):
+    broken = tmp_path / "not_a_dir"
+    broken.write_text("a file where W&B wants a folder")
+    proc = run(tmp_path, *ONE_LAYOUT, "wandb.enable=true", env={"WANDB_MODE": "offline", "WANDB_DIR": str(broken)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"W&B: {TRIAL} was not uploaded" in proc.stderr
+    summary = pd.read_csv(out_dir(tmp_path) / "final_results" / "final_summary_1nodes.csv")
+    assert list(summary["trial_id"]) == [TRIAL] and list(summary["status"]) == ["ok"]
+
+
+def test_inference_result_of_another_configuration_is_stale(tmp_path):
+    cfg, _ = compose(["search_config=gpt3/tiny", "cluster=local", "search_config.inference_settings.max_batch_sizes=[1]",
+                      "search_config.inference_settings.tensor_parallel_sizes=[1]"])
+    app = to_app_config(cfg)
+    plan = inference.plan_inference(app, tmp_path)
+    inference.write_configs(plan)
+    [(cid, job_cfg)] = plan.configs.items()
+    plan_rows = (plan.root / "candidate_configs" / "plan.csv").read_text()
+    assert job_cfg.fingerprint() in plan_rows
+    result = {**inference.report.empty_result(job_cfg), "status": "ok", "fingerprint": "other"}
+    inference.report.write_result(Path(job_cfg.output_dir), result)
+    [row] = inference.collect_rows(plan)
+    assert row["status"] == "stale" and "other" in row["reason"]
