@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import submitit
+from submitit.core.utils import JobPaths
 
 from hp_tool.config import AppConfig
 from hp_tool.launch import job as jobmod
@@ -91,6 +93,22 @@ def set_aside(out: Path) -> Optional[Path]:
     return target
 
 
+def complete_interrupted_submission(folder: Path, job_id: str) -> bool:
+    """Finish what an orchestrator killed between sbatch and submitit's own bookkeeping left undone.
+
+    submitit dumps the job's function to ``<uuid>.pkl``, runs sbatch, then renames the pickle to
+    ``<job_id>_submitted.pkl``; the job waits 60 s for that name and then fails. A kill in between
+    (more likely on a loaded machine, where the rename comes later) leaves a queued job that can only
+    fail. Each job has its own folder, so the one unrenamed pickle there is this job's: rename it.
+    Returns True when it did."""
+    target = JobPaths(folder, job_id=job_id).submitted_pickle
+    orphans = [p for p in Path(folder).glob("*.pkl") if re.fullmatch(r"[0-9a-f]{32}\.pkl", p.name)]
+    if target.exists() or len(orphans) != 1:
+        return False
+    shutil.move(str(orphans[0]), str(target))
+    return True
+
+
 class Launcher:
     """Launch ``jobs`` with the ``kind`` of executor (`slurm` or `local`); the ledger lives in ``ledger_dir``.
     ``on_end(job, result)`` runs after each job ends; its failures are logged and listed in
@@ -159,6 +177,8 @@ class Launcher:
             job_id = slurm.find_job(job_name(self.app.cluster, self.search_id, job.name))
         if job_id is None:
             return None
+        if entry.kind == "slurm" and entry.state == "submitting" and complete_interrupted_submission(job.folder, job_id):
+            log.warning("%s: completed the interrupted submission of job %s (its pickle)", job.name, job_id)
         if entry.kind == "slurm":
             handle = submitit.SlurmJob(folder=job.folder, job_id=job_id, tasks=range(entry.tasks))
         elif _pid_alive(job_id):

@@ -110,3 +110,32 @@ def test_a_job_queued_past_max_queue_minutes_is_cancelled_with_slurms_reason(tmp
     assert "more than cluster.max_queue_minutes=0.1" in result["reason"] and "Resources" in result["reason"]
     rows = (tmp_path / "res" / "gpt3" / "tiny" / "final_results" / "all_trials_1nodes.csv").read_text()
     assert "unschedulable" in rows
+
+
+def test_a_submission_cut_between_sbatch_and_submitits_pickle_rename_still_runs(tmp_path, blocker):
+    """The cause of a killed-orchestrator run that once ended `failed` on a loaded machine: submitit runs
+    sbatch, then renames the job's pickle to <job_id>_submitted.pkl; a kill in between leaves a queued job
+    that waits 60 s for that file and fails. The state such a kill leaves is made here exactly (jobs held
+    back by the blocker, so none starts early), then the same command resumes."""
+    p = f"t{uuid.uuid4().hex[:6]}:"
+    args = (f"{TS}.limit_search_runs=2", f"{TS}.max_steps_per_run=4")
+    detached = subprocess.run(orchestrator(tmp_path, p, *args, "detach=true"), cwd=tmp_path, capture_output=True,
+                              text=True, timeout=120)
+    assert detached.returncode == 0, detached.stderr[-3000:]
+    out = tmp_path / "res" / "gpt3" / "tiny"
+    lines = (out / "jobs.jsonl").read_text().splitlines()
+    cut = json.loads(lines[1])  # the first trial's "submitted" line: the kill came before it
+    assert cut["state"] == "submitted"
+    folder = Path(cut["folder"])
+    (folder / f"{cut['job_id']}_submitted.pkl").rename(folder / f"{uuid.uuid4().hex}.pkl")
+    (out / "jobs.jsonl").write_text("\n".join(lines[:1] + lines[2:]) + "\n")
+    subprocess.run(["scancel", blocker], check=True)
+
+    proc = subprocess.run(orchestrator(tmp_path, p, *args), cwd=tmp_path, capture_output=True, text=True,
+                          timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = (out / "final_results" / "all_trials_1nodes.csv").read_text()
+    statuses = [json.loads(path.read_text())["status"] for path in (out / "training_logs").glob("*/result.json")]
+    assert statuses == ["ok", "ok"], rows
+    names = [name for name, _ in sacct_names(p)]
+    assert len(names) == len(set(names)) == 2  # each trial submitted once
