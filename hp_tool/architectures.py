@@ -13,6 +13,25 @@ from hp_tool.tables import GPT3_SHAPE, lookup
 
 
 @dataclass(frozen=True)
+class Family:
+    """What hp_tool can do for a model family: plan (size it, build its grid) and train (trial engine)."""
+
+    planner: bool
+    engine: bool
+
+
+# The one list of families; config validation, the TrialSpec and the engine read their subsets from it.
+FAMILIES = {
+    "gpt3": Family(planner=True, engine=True),
+    "llama": Family(planner=False, engine=True),
+    "t5": Family(planner=False, engine=False),
+    "mt5": Family(planner=False, engine=False),
+}
+PLANNER_FAMILIES = tuple(name for name, f in FAMILIES.items() if f.planner)
+ENGINE_FAMILIES = tuple(name for name, f in FAMILIES.items() if f.engine)
+
+
+@dataclass(frozen=True)
 class Shape:
     """Transformer shape; kv_heads == heads unless grouped-query attention."""
 

@@ -12,13 +12,14 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from hp_tool.architectures import Shape, model_flops_per_step
+from hp_tool.architectures import Shape
 from hp_tool.base_config import TS, Cluster
 from hp_tool.config import TrainSettings
 from hp_tool.estimate.layout import Layout
 from hp_tool.estimate.memory import estimate_memory
 from hp_tool.estimate.speed import estimate_step_time
 from hp_tool.tables import ACT_CKPT_STEP, GPT3_GRID, lookup
+from hp_tool.throughput import throughput
 
 SELECTED, PRUNED, INVALID, OVER_LIMIT = "selected", "pruned", "invalid", "over_limit"
 
@@ -123,8 +124,8 @@ def estimate(shape: Shape, c: Candidate, gbs: int, cluster: Cluster, dp_sharding
     c.full_memory_gb = estimate_memory(shape, full, hw).total_gb
     step = estimate_step_time(shape, full, hw, cluster.num_nodes).total_s
     c.step_time_s = step
-    c.tokens_per_s_per_gpu = gbs * shape.seq_length / (step * cluster.gpus)
-    c.model_tflops_per_gpu = model_flops_per_step(shape, gbs) / (step * cluster.gpus) / 1e12
+    rate = throughput(shape, gbs, step, cluster.gpus, hw.peak_tflops)
+    c.tokens_per_s_per_gpu, c.model_tflops_per_gpu = rate["tokens_per_s_per_gpu"], rate["model_tflops_per_gpu"]
 
 
 def plan_candidates(shape: Shape, size_b: float, ts: TrainSettings, cluster: Cluster, gbs: int,

@@ -16,11 +16,11 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
+from hp_tool.architectures import PLANNER_FAMILIES
 from hp_tool.errors import ConfigError, require
 from hp_tool.trial.spec import PRECISIONS
 
 CLUSTER_TYPES = ("local", "bcm", "auto")
-FAMILIES = ("gpt3",)  # families the planner can size today
 SIZING_MFU = 140 / 312  # tflops_per_gpu default: the MFU of NeMo's 140 TFLOPS on a 312-TFLOPS A100 (45%)
 MAX_SEQ_LENGTH = 1 << 20
 MAX_VOCAB = 1 << 22
@@ -230,8 +230,8 @@ class SearchConfig:
     inference_settings: InferenceSettings = field(default_factory=InferenceSettings)
 
     def __post_init__(self) -> None:
-        require(self.model_family in FAMILIES, "search_config.model_family", self.model_family,
-                "no planner for this family yet", f"use one of {list(FAMILIES)}")
+        require(self.model_family in PLANNER_FAMILIES, "search_config.model_family", self.model_family,
+                "no planner for this family yet", f"use one of {list(PLANNER_FAMILIES)}")
 
 
 @dataclass

@@ -95,13 +95,16 @@ def _cells(df: pd.DataFrame) -> pd.DataFrame:
 
 def log_summary(table: pd.DataFrame, wandb_cfg: WandbConfig, results_dir: Path,
                 name: Optional[str] = None) -> None:
-    """One W&B run holding the collected table (every candidate) and the fastest trial in its summary."""
+    """One W&B run holding the collected table (every candidate) and the best row in its summary."""
     wandb = _import_wandb()
     run = _init(wandb_cfg, Path(results_dir), name=name or "summary", job_type="summary",
                 config={"results_dir": str(results_dir)})
     try:
         run.log({"all_trials": wandb.Table(dataframe=_cells(table))})
-        ranked = table[table["rank"].notna()].sort_values("rank")
+        if "rank" in table:  # training: ranked trials; inference: the frame is ordered best first
+            ranked = table[table["rank"].notna()].sort_values("rank")
+        else:
+            ranked = table[table["status"] == "ok"]
         if not ranked.empty:
             best = _cells(ranked.head(1)).iloc[0].to_dict()
             run.summary.update({f"best/{k}": v for k, v in best.items() if v is not None})

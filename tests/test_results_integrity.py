@@ -103,23 +103,22 @@ def test_set_aside_moves_only_result_files(tmp_path):
     assert (tmp_path / "job" / "1_0_log.err").exists() and set_aside(tmp_path) is None
 
 
-def test_second_orchestrator_exits_naming_the_holder_and_a_waiting_one_submits_nothing_new(tmp_path):
-    args = (*ONE_LAYOUT[:1], f"{TS}.pipeline_parallel_sizes=[1,2]", *ONE_LAYOUT[2:])  # two trials
-    first = subprocess.Popen(main_cmd(tmp_path, *args), cwd=tmp_path, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
-    waiting = subprocess.Popen(main_cmd(tmp_path, *args, "wait_for_lock=true"), cwd=tmp_path,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def test_two_orchestrators_started_together_submit_each_trial_once_and_a_third_is_refused(tmp_path):
+    args = (*ONE_LAYOUT[:1], f"{TS}.pipeline_parallel_sizes=[1,2]", *ONE_LAYOUT[2:], "wait_for_lock=true")
+    first, waiting = (subprocess.Popen(main_cmd(tmp_path, *args), cwd=tmp_path, stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True) for _ in range(2))
     lock = out_dir(tmp_path) / LOCK_FILE
     deadline = time.time() + 60
     while time.time() < deadline and not (lock.exists() and "pid" in lock.read_text()):
         time.sleep(0.2)
     holder = lock.read_text()
-    refused = run(tmp_path, *args, timeout=120)
+    refused = run(tmp_path, *args[:-1], timeout=120)  # without wait_for_lock
     assert refused.returncode == 2, refused.stderr[-2000:]
     assert "is in use by pid" in refused.stderr and holder.split()[1] in refused.stderr
     assert "wait_for_lock=true" in refused.stderr
     outs = [p.communicate(timeout=600) for p in (first, waiting)]
     assert [p.returncode for p in (first, waiting)] == [0, 0], [o[1][-2000:] for o in outs]
+    assert sum("waiting for it (wait_for_lock=true)" in o[0] + o[1] for o in outs) == 1
     ledger = Ledger(out_dir(tmp_path))
     names = [e.trial_id for e in ledger.submissions()]
     assert sorted(names) == sorted(set(names)) and len(names) == 2  # each trial submitted once

@@ -108,7 +108,11 @@ def write_summary(app: AppConfig, plan: InferencePlan, results_dir: Path):
     frame = report.summary_frame(collect_rows(plan), inf.max_latency_ms)
     out = Path(results_dir) / report.SUMMARY_DIR
     report.write_summary_csv(frame, out / report.SUMMARY_CSV)
-    report.plot_latency_vs_throughput(frame, inf.max_latency_ms, out / report.PLOT_FILE)
+    try:
+        report.plot_latency_vs_throughput(frame, inf.max_latency_ms, out / report.PLOT_FILE)
+    except Exception as exc:  # noqa: BLE001 - a picture must not cost the user the results
+        log.error("Plot %s failed (%s: %s); %s is complete", report.PLOT_FILE, type(exc).__name__, exc,
+                  report.SUMMARY_CSV)
     log.info("inference summary written to %s", out)
     return frame
 
@@ -148,6 +152,16 @@ def _logger(app: AppConfig, plan: InferencePlan):
                                                 job_type="inference")
 
 
+def _summary_to_wandb(app: AppConfig, frame, root: Path, search_name: str) -> None:
+    from hp_tool import tracking
+
+    try:
+        tracking.log_summary(frame, app.wandb, root, f"{search_name.replace('/', '_')}_inference_summary")
+    except Exception as exc:  # noqa: BLE001 - the files are the result; W&B is a copy of them
+        log.error("Logging the inference summary to W&B failed (%s: %s); %s is complete",
+                  type(exc).__name__, exc, report.SUMMARY_CSV)
+
+
 def run_inference_search(app: AppConfig, search_name: str, results_dir: Path,
                          kind: Optional[str] = None) -> int:
     """Plan, launch (or resume, detach, cancel), collect and rank the inference search; 0 when a config
@@ -165,6 +179,8 @@ def run_inference_search(app: AppConfig, search_name: str, results_dir: Path,
     if launcher is None:
         return 0
     frame = write_summary(app, plan, results_dir)
+    if app.wandb.enable:
+        _summary_to_wandb(app, frame, plan.root, search_name)
     inf = app.search_config.inference_settings
     print(f"Inference search {search_name}: best layouts (latency bound {inf.max_latency_ms:g} ms)")
     print(report.render_top(frame, inf.top_n), flush=True)

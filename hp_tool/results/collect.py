@@ -21,7 +21,6 @@ from typing import Any, Optional
 
 import pandas as pd
 
-from hp_tool.architectures import model_flops_per_step
 from hp_tool.cost import cost_columns
 from hp_tool.errors import ConfigError
 from hp_tool.estimate.layout import Layout
@@ -29,6 +28,7 @@ from hp_tool.estimate.speed import extrapolate_step_time_s
 from hp_tool.results.full_run import FullRun, load_full_run
 from hp_tool.results.trial_files import OK, STALE, number, read_trial
 from hp_tool.sizing import SECONDS_PER_DAY
+from hp_tool.throughput import throughput
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +183,7 @@ def full_run_columns(row: dict, full: FullRun) -> dict:
     whole = Layout(tp, pp, dp, mbs, ckpt, gbs, full.dp_sharding)
     step_s = extrapolate_step_time_s(measured, full.shape, trial, whole, full.hw,
                                      row.get("trial_num_nodes") or 1, full.num_nodes)
-    tokens_per_s = gbs * full.shape.seq_length / step_s
+    tokens_per_s = throughput(full.shape, gbs, step_s, cols["num_gpus"], full.peak_tflops_per_gpu)["tokens_per_s"]
     days = full.max_steps * step_s / SECONDS_PER_DAY
     cols.update(full_run_step_time_s=step_s, full_run_tokens_per_s=tokens_per_s,
                 full_run_tokens_per_s_per_gpu=tokens_per_s / cols["num_gpus"], days_to_train=days)
@@ -198,10 +198,9 @@ def full_run_columns(row: dict, full: FullRun) -> dict:
 
 def _trial_throughput(trial: Layout, step_time_s: float, full: FullRun) -> dict:
     """tokens/s and model TFLOPS per GPU and MFU of the trial, by the engine's own definition."""
-    gpus = trial.tp * trial.pp * trial.dp
-    tflops = model_flops_per_step(full.shape, trial.global_batch_size) / step_time_s / gpus / 1e12
-    return {"tokens_per_s_per_gpu": trial.global_batch_size * full.shape.seq_length / step_time_s / gpus,
-            "model_tflops_per_gpu": tflops, "mfu": tflops / full.peak_tflops_per_gpu}
+    rate = throughput(full.shape, trial.global_batch_size, step_time_s, trial.tp * trial.pp * trial.dp,
+                      full.peak_tflops_per_gpu)
+    return {k: rate[k] for k in ("tokens_per_s_per_gpu", "model_tflops_per_gpu", "mfu")}
 
 
 def to_frame(rows: list[dict]) -> pd.DataFrame:

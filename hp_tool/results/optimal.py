@@ -15,10 +15,10 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from hp_tool.architectures import model_flops_per_step
 from hp_tool.fsutil import atomic_write_text
 from hp_tool.results.full_run import FullRun
 from hp_tool.sizing import format_days
+from hp_tool.throughput import throughput
 from hp_tool.trial.spec import EstimatesSpec, TrialSpec, load_spec
 
 # The job's time limit gets this margin over the estimated duration (restarts, evaluation, slow nodes).
@@ -41,7 +41,7 @@ def optimal_spec(trial: TrialSpec, best: pd.Series, full: FullRun) -> TrialSpec:
     step_s = float(best["full_run_step_time_s"])
     gpus = fr.num_nodes * base.resources.gpus_per_node
     minutes = max(base.run.max_minutes, math.ceil(fr.max_steps * step_s / 60 * RUN_TIME_MARGIN))
-    tflops = model_flops_per_step(trial.model.shape(), fr.global_batch_size) / step_s / gpus / 1e12
+    rate = throughput(trial.model.shape(), fr.global_batch_size, step_s, gpus, base.resources.peak_tflops_per_gpu)
     peak = best["peak_memory_gb"]
     return dataclasses.replace(
         trial,
@@ -55,8 +55,8 @@ def optimal_spec(trial: TrialSpec, best: pd.Series, full: FullRun) -> TrialSpec:
         estimates=EstimatesSpec(
             memory_gb=None if pd.isna(peak) else round(float(peak), 4),
             step_time_s=round(step_s, 6),
-            tokens_per_s_per_gpu=round(fr.global_batch_size * trial.model.seq_length / step_s / gpus, 3),
-            model_tflops_per_gpu=round(tflops, 4)),
+            tokens_per_s_per_gpu=round(rate["tokens_per_s_per_gpu"], 3),
+            model_tflops_per_gpu=round(rate["model_tflops_per_gpu"], 4)),
     )
 
 

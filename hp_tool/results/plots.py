@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
+
+log = logging.getLogger(__name__)
 
 STATUS_COLORS = {"ok": "#2a9d8f", "timeout": "#e9c46a", "oom": "#e76f51", "failed": "#9b2226",
                  "cancelled": "#6c757d", "not_run": "#ced4da"}
@@ -85,7 +88,13 @@ def plot_predicted_vs_measured(df: pd.DataFrame, path: Path) -> Path:
 
 
 def write_plots(df: pd.DataFrame, folder: Path) -> list[Path]:
-    """throughput.png and predicted_vs_measured.png in ``folder``."""
-    return [plot_throughput(df, folder / "throughput.png"),
-            plot_predicted_vs_measured(df, folder / "predicted_vs_measured.png")]
+    """throughput.png and predicted_vs_measured.png in ``folder``. A plot that fails is logged with its
+    cause and left out; the CSVs and the optimal config never depend on it."""
+    paths = []
+    for name, plot in (("throughput.png", plot_throughput), ("predicted_vs_measured.png", plot_predicted_vs_measured)):
+        try:
+            paths.append(plot(df, folder / name))
+        except Exception as exc:  # noqa: BLE001 - a picture must not cost the user the results
+            log.error("Plot %s failed (%s: %s); the CSVs in %s are complete", name, type(exc).__name__, exc, folder)
+    return paths
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 from pathlib import Path
 from typing import Any, Optional
 
-from hp_tool.trial.result import METRICS_FILE, RESULT_FIELDS, RESULT_FILE, STATUSES, blank_result
+from hp_tool.trial.result import (FIRST_LOSSES, METRICS_FILE, RESULT_FIELDS, RESULT_FILE, STATUSES, blank_result,
+                                  step_stats)
 
 OK = "ok"
 STALE = "stale"  # result.json measured another configuration than the plan's (fingerprints differ)
@@ -133,13 +133,12 @@ def _timing(steps: list[dict]) -> dict:
     timed = [float(s["step_time_s"]) for s in steps if s.get("timed") is True]
     memory = [m for m in (number(s.get("memory_gb")) for s in steps) if m is not None]
     losses = [x for x in (number(s.get("loss")) for s in steps) if x is not None]
+    stats = step_stats(timed)
     return {
-        "steps_run": len(steps), "steps_measured": len(timed),
-        "step_time_s_median": statistics.median(timed) if timed else None,
-        "step_time_s_mean": statistics.fmean(timed) if timed else None,
-        "step_time_s_std": statistics.pstdev(timed) if len(timed) > 1 else None,
+        "steps_run": len(steps), "steps_measured": stats["count"], "step_time_s_median": stats["median"],
+        "step_time_s_mean": stats["mean"], "step_time_s_std": stats["std"],
         "peak_memory_gb": max(memory) if memory else None,
-        "first_losses": losses[:5], "final_loss": losses[-1] if losses else None,
+        "first_losses": losses[:FIRST_LOSSES], "final_loss": losses[-1] if losses else None,
     }
 
 

@@ -114,15 +114,6 @@ def peak_memory_gb(device: torch.device) -> tuple[float, Optional[float]]:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB, None  # ru_maxrss is KiB
 
 
-def step_stats(timed: list[float]) -> dict:
-    """Median, mean, std (seconds) and count of the timed steps; None where not measurable."""
-    if not timed:
-        return {"median": None, "mean": None, "std": None, "count": 0}
-    std = statistics.stdev(timed) if len(timed) > 1 else 0.0
-    return {"median": statistics.median(timed), "mean": statistics.fmean(timed), "std": std,
-            "count": len(timed)}
-
-
 class MetricsWriter:
     """Appends one JSON line per optimizer step to ``metrics.jsonl`` and flushes it (rank 0 only)."""
 

@@ -19,19 +19,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hp_tool.architectures import ENGINE_FAMILIES
 from hp_tool.errors import require
 from hp_tool.trial.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_FAMILIES = ("gpt3", "llama")
-
 
 def hf_config(model: ModelSpec):
     """The transformers config for a spec's shape: dropout off, SDPA attention, no KV cache."""
-    require(model.family in SUPPORTED_FAMILIES, "model.family", model.family,
+    require(model.family in ENGINE_FAMILIES, "model.family", model.family,
             "the trial engine has no model class for this family",
-            f"use one of {list(SUPPORTED_FAMILIES)}")
+            f"use one of {list(ENGINE_FAMILIES)}")
     if model.family == "gpt3":
         from transformers import OPTConfig
 

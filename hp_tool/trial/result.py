@@ -23,14 +23,15 @@ import json
 import logging
 import os
 import platform
+import statistics
 import time
 import traceback
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from hp_tool.architectures import model_flops_per_step
 from hp_tool.fsutil import atomic_write_json
+from hp_tool.throughput import throughput as step_throughput
 from hp_tool.trial.spec import TrialSpec
 
 METRICS_FILE = "metrics.jsonl"
@@ -71,12 +72,17 @@ def throughput(spec: TrialSpec, median_step_s: Optional[float], world_size: int)
     keys = ("samples_per_s", "tokens_per_s", "tokens_per_s_per_gpu", "model_tflops_per_gpu", "mfu")
     if not median_step_s:
         return dict.fromkeys(keys)
-    gbs = spec.training.global_batch_size
-    tokens_per_s = gbs * spec.model.seq_length / median_step_s
-    tflops = model_flops_per_step(spec.model.shape(), gbs) / median_step_s / world_size / 1e12
-    return {"samples_per_s": gbs / median_step_s, "tokens_per_s": tokens_per_s,
-            "tokens_per_s_per_gpu": tokens_per_s / world_size, "model_tflops_per_gpu": tflops,
-            "mfu": tflops / spec.resources.peak_tflops_per_gpu}
+    return step_throughput(spec.model.shape(), spec.training.global_batch_size, median_step_s, world_size,
+                           spec.resources.peak_tflops_per_gpu)
+
+
+def step_stats(timed: list[float]) -> dict:
+    """Median, mean, sample standard deviation (seconds) and count of the timed steps; None where not
+    measurable. The engine (result.json) and the collector (a killed trial's metrics.jsonl) both use it."""
+    if not timed:
+        return {"median": None, "mean": None, "std": None, "count": 0}
+    return {"median": statistics.median(timed), "mean": statistics.fmean(timed),
+            "std": statistics.stdev(timed) if len(timed) > 1 else None, "count": len(timed)}
 
 
 def is_oom(exc: BaseException) -> bool:

@@ -16,12 +16,11 @@ from typing import Any, List, Optional
 
 from omegaconf import OmegaConf
 
-from hp_tool.architectures import Shape
+from hp_tool.architectures import FAMILIES, Shape
 from hp_tool.errors import require
 from hp_tool.fingerprint import fingerprint_of
 from hp_tool.fsutil import atomic_write_text
 
-FAMILIES = ("gpt3", "llama", "t5", "mt5")
 PRECISIONS = ("bf16", "fp16", "fp32")
 SHARDINGS = ("none", "gradients", "full")  # DDP, FSDP2 without / with resharding after forward
 SCHEDULES = ("1F1B", "GPipe")

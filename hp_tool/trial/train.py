@@ -110,7 +110,7 @@ def run_loop(engine: Engine, out: Path, t_start: float, flag: measure.SignalFlag
 
 def _finish(spec: TrialSpec, result: dict, outcome: dict, device: torch.device, world: int) -> dict:
     """Fill the result's measurements from the loop outcome (peak memory: max over ranks)."""
-    stats = measure.step_stats(outcome["timed"])
+    stats = res.step_stats(outcome["timed"])
     peak, reserved = measure.peak_memory_gb(device)
     peak, reserved_max = _reduce([peak, reserved or 0.0], dist.ReduceOp.MAX, device)
     measured = stats["count"] > 0
