@@ -30,9 +30,9 @@ N_TRIALS = 1000
 TARGET_S = 2.0
 
 
-def widen_plan(out: Path, n: int) -> list[str]:
+def widen_plan(out: Path, n: int) -> list[tuple[str, str]]:
     """Rewrite plan.csv with ``n`` selected rows cycling through the planner's selected layouts (and a
-    candidate config per new id, for the optimal config)."""
+    candidate config per new id, for the optimal config); returns (trial id, fingerprint) pairs."""
     folder = out / "candidate_configs"
     path = folder / "plan.csv"
     with open(path, newline="") as fh:
@@ -49,12 +49,12 @@ def widen_plan(out: Path, n: int) -> list[str]:
         writer = csv.DictWriter(fh, fieldnames=PLAN_COLUMNS, lineterminator="\n")
         writer.writeheader()
         writer.writerows(rows)
-    return [r["trial_id"] for r in rows]
+    return [(r["trial_id"], r["fingerprint"]) for r in rows]
 
 
-def write_trials(out: Path, ids: list[str]) -> None:
+def write_trials(out: Path, ids: list[tuple[str, str]]) -> None:
     rng = random.Random(0)
-    for i, tid in enumerate(ids):
+    for i, (tid, fingerprint) in enumerate(ids):
         folder = out / "training_logs" / tid
         folder.mkdir(parents=True)
         step_s = rng.uniform(5.0, 20.0)
@@ -67,7 +67,7 @@ def write_trials(out: Path, ids: list[str]) -> None:
             (folder / "result.json").write_text('{"status": "ok", "step_ti')
         else:
             result = dict.fromkeys(RESULT_FIELDS)
-            result.update(trial_id=tid, status="ok", steps_run=50, steps_measured=47, step_time_s_median=step_s,
+            result.update(trial_id=tid, fingerprint=fingerprint, status="ok", steps_run=50, steps_measured=47, step_time_s_median=step_s,
                           step_time_s_mean=step_s, step_time_s_std=0.01, tokens_per_s_per_gpu=4e6 / step_s,
                           model_tflops_per_gpu=150.0, mfu=0.48, peak_memory_gb=rng.uniform(20, 79),
                           world_size=8, first_losses=[7.0] * 5, final_loss=6.5)

@@ -7,9 +7,9 @@ per token (Narayanan et al. 2021 for GPT; Llama's grouped-query attention and Sw
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
-from hp_tool.tables import GPT3_SHAPE, lookup
+from hp_tool.tables import GPT3_SHAPE, LLAMA_SHAPE, lookup
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,7 @@ class Family:
 # The one list of families; config validation, the TrialSpec and the engine read their subsets from it.
 FAMILIES = {
     "gpt3": Family(planner=True, engine=True),
-    "llama": Family(planner=False, engine=True),
+    "llama": Family(planner=True, engine=True),
     "t5": Family(planner=False, engine=False),
     "mt5": Family(planner=False, engine=False),
 }
@@ -125,16 +125,22 @@ def _layer_candidates() -> Iterator[tuple[list[int], int]]:
     yield list(range(1, 200)), 10
 
 
-def gpt3_num_layers(size_b: float, hidden: int, vocab: int, seq: int) -> int:
-    """First layer count whose GPT parameter count is within the margin of ``size_b`` billions."""
+def num_layers_for(size_b: float, parameters: Callable[[int], int], what: str) -> int:
+    """First layer count whose ``parameters(layers)`` is within the margin of ``size_b`` billions."""
     target = size_b * 1e9
     for layer_counts, margin_steps in _layer_candidates():
         for step in range(1, margin_steps + 1):
             margin = step / 100
             for layers in layer_counts:
-                if abs(gpt_parameters(layers, hidden, vocab, seq) - target) < margin * target:
+                if abs(parameters(layers) - target) < margin * target:
                     return layers
-    raise ValueError(f"no GPT-3 layer count gives {size_b}B parameters with hidden size {hidden}")
+    raise ValueError(f"no layer count gives {size_b}B parameters for {what}")
+
+
+def gpt3_num_layers(size_b: float, hidden: int, vocab: int, seq: int) -> int:
+    """First layer count whose GPT parameter count is within the margin of ``size_b`` billions."""
+    return num_layers_for(size_b, lambda layers: gpt_parameters(layers, hidden, vocab, seq),
+                          f"GPT-3 with hidden size {hidden}")
 
 
 def gpt3_shape(size_b: float, vocab: int, seq: int) -> tuple[Shape, float]:
@@ -143,3 +149,35 @@ def gpt3_shape(size_b: float, vocab: int, seq: int) -> tuple[Shape, float]:
     layers = gpt3_num_layers(size_b, hidden, vocab, seq)
     shape = Shape("gpt3", layers, hidden, heads, heads, 4 * hidden, vocab, seq)
     return shape, lr
+
+
+# ---- Llama shapes from a size ----
+
+def llama_ffn(hidden: int, multiplier: float, multiple_of: int) -> int:
+    """Llama's FFN width (Meta's model code): int(8h/3), times ``multiplier``, rounded up to a multiple of
+    ``multiple_of``. Llama-2 7B: 11008; Llama-3 8B (1.3, 256): 14336; Llama-2/3 70B (1.3, 4096): 28672."""
+    width = int(multiplier * int(8 * hidden / 3))
+    return multiple_of * -(-width // multiple_of)
+
+
+def llama_shape(size_b: float, vocab: int, seq: int) -> tuple[Shape, float]:
+    """Llama shape and learning rate for ``size_b`` billion parameters: width, heads, kv heads and FFN from
+    the table for the size (tables.LLAMA_SHAPE), then the layer count that gives the size."""
+    hidden, heads, kv, multiplier, multiple_of, lr = lookup(LLAMA_SHAPE, size_b)
+    ffn = llama_ffn(hidden, multiplier, multiple_of)
+
+    def parameters(layers: int) -> int:
+        return count_parameters(Shape("llama", layers, hidden, heads, kv, ffn, vocab, seq))
+
+    layers = num_layers_for(size_b, parameters, f"Llama with hidden size {hidden}")
+    return Shape("llama", layers, hidden, heads, kv, ffn, vocab, seq), lr
+
+
+def shape_for_size(family: str, size_b: float, vocab: int, seq: int) -> tuple[Shape, float]:
+    """The family's shape and learning rate for a model of ``size_b`` billion parameters."""
+    return (llama_shape if family == "llama" else gpt3_shape)(size_b, vocab, seq)
+
+
+def lr_for(family: str, size_b: float) -> float:
+    """The family's learning rate for a model of ``size_b`` billion parameters (explicit shapes too)."""
+    return lookup(LLAMA_SHAPE, size_b)[5] if family == "llama" else lookup(GPT3_SHAPE, size_b)[2]

@@ -9,12 +9,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hp_tool.architectures import Shape, count_parameters, gpt3_shape
+from hp_tool.architectures import Shape, count_parameters, llama_ffn, lr_for, shape_for_size
 from hp_tool.config import SIZING_MFU, AppConfig, TrainSettings
 from hp_tool.errors import ConfigError, require
 from hp_tool.estimate.layout import Hardware
 from hp_tool.sizing import days_to_train, format_days, recommend_model_size_b, size_label
-from hp_tool.tables import GPT3_GBS_TP_PP, GPT3_SHAPE, lookup
+from hp_tool.tables import GPT3_GBS_TP_PP, LLAMA_GBS_TP_PP, lookup
 from hp_tool.trial.spec import (FullRunSpec, ModelSpec, ParallelSpec, ResourcesSpec, RunSpec, TrainingSpec,
                                 TrialSpec, make_trial_id)
 
@@ -75,12 +75,13 @@ def choose_model(app: AppConfig, cluster: Cluster) -> ModelChoice:
     ts, ov = sc.train_settings, sc.model
     if ov.given:
         heads = ov.num_attention_heads
-        shape = Shape(sc.model_family, ov.num_layers, ov.hidden_size, heads, heads,
-                      ov.ffn_hidden_size or 4 * ov.hidden_size, ts.vocab_size, ts.seq_length)
+        ffn = ov.ffn_hidden_size or (llama_ffn(ov.hidden_size, 1.0, 256) if sc.model_family == "llama"
+                                     else 4 * ov.hidden_size)
+        shape = Shape(sc.model_family, ov.num_layers, ov.hidden_size, heads, ov.num_kv_heads or heads,
+                      ffn, ts.vocab_size, ts.seq_length)
         _check_shape(shape)
         n = count_parameters(shape)
-        lr = lookup(GPT3_SHAPE, n / 1e9)[2]
-        return ModelChoice(shape, n / 1e9, n, lr, False, size_label(n))
+        return ModelChoice(shape, n / 1e9, n, lr_for(sc.model_family, n / 1e9), False, size_label(n))
     size, recommended = ts.model_size_in_b, False
     if size is None:
         size = recommend_model_size_b(sc.model_family, ts.max_training_days, cluster.gpus,
@@ -89,7 +90,7 @@ def choose_model(app: AppConfig, cluster: Cluster) -> ModelChoice:
         require(size > 0, f"{TS}.max_training_days", ts.max_training_days,
                 "the budget affords no model at all", "raise the days, nodes or TFLOPS, or set model_size_in_b")
     try:
-        shape, lr = gpt3_shape(size, ts.vocab_size, ts.seq_length)
+        shape, lr = shape_for_size(sc.model_family, size, ts.vocab_size, ts.seq_length)
     except ValueError as exc:
         raise ConfigError(f"{TS}.model_size_in_b", size, str(exc),
                           "choose another size or give search_config.model explicitly") from exc
@@ -102,12 +103,21 @@ def _check_shape(shape: Shape) -> None:
             "use a multiple of the head count")
 
 
-def global_batch_size(ts: TrainSettings, size_b: float) -> int:
-    """Table GBS for the size, halved for each doubling of the sequence length beyond 2048."""
+def _gbs_tp_pp(family: str, size_b: float) -> tuple[int, int, int]:
+    """(GPT-3: sequences at seq 2048 | Llama: tokens, per global batch), starting TP, starting PP."""
+    table = LLAMA_GBS_TP_PP if family == "llama" else GPT3_GBS_TP_PP
+    return lookup(table, size_b, inclusive=True)
+
+
+def global_batch_size(family: str, ts: TrainSettings, size_b: float) -> int:
+    """Table GBS for the family and size: GPT-3's sequences halved for each doubling of the sequence
+    length beyond 2048; Llama's tokens per batch divided by the sequence length."""
     if ts.global_batch_size is not None:
         return ts.global_batch_size
-    gbs = lookup(GPT3_GBS_TP_PP, size_b, inclusive=True)[0]
-    return max(1, int(gbs * REFERENCE_SEQ / ts.seq_length))
+    batch = _gbs_tp_pp(family, size_b)[0]
+    if family == "llama":
+        return max(1, batch // ts.seq_length)
+    return max(1, int(batch * REFERENCE_SEQ / ts.seq_length))
 
 
 def schedule(tokens_b: float, seq: int, gbs: int) -> tuple[int, int, int]:
@@ -120,9 +130,9 @@ def base_spec(app: AppConfig, model: ModelChoice, cluster: Cluster) -> TrialSpec
     """The runnable full-mode training config for the chosen model on the whole cluster."""
     ts = app.search_config.train_settings
     s = model.shape
-    gbs = global_batch_size(ts, model.size_b)
+    gbs = global_batch_size(s.family, ts, model.size_b)
     max_steps, warmup, constant = schedule(ts.num_tokens_in_b, ts.seq_length, gbs)
-    _, tp, pp = lookup(GPT3_GBS_TP_PP, model.size_b, inclusive=True)
+    _, tp, pp = _gbs_tp_pp(s.family, model.size_b)
     tp, pp = _fit_base_layout(s, tp, pp, cluster.gpus, cluster.hw.gpus_per_node)
     dp = cluster.gpus // (tp * pp)
     require(gbs % dp == 0, f"{TS}.global_batch_size", gbs,
@@ -133,7 +143,7 @@ def base_spec(app: AppConfig, model: ModelChoice, cluster: Cluster) -> TrialSpec
         trial_id=make_trial_id(s.family, model.label, tp, pp, 1, 0),
         model=ModelSpec(s.family, s.num_layers, s.hidden_size, s.num_attention_heads, s.num_kv_heads,
                         s.ffn_hidden_size, s.vocab_size, s.seq_length,
-                        init_method_std=round(0.64 / math.sqrt(s.hidden_size), 6),
+                        init_method_std=init_std(s),
                         num_parameters=model.num_parameters),
         parallel=ParallelSpec(tp=tp, pp=pp, dp=dp, mbs=1, act_ckpt_layers=0, dp_sharding=ts.dp_sharding),
         training=TrainingSpec(global_batch_size=gbs, precision=ts.precision, lr=model.lr,
@@ -148,9 +158,14 @@ def base_spec(app: AppConfig, model: ModelChoice, cluster: Cluster) -> TrialSpec
     )
 
 
+def init_std(shape: Shape) -> float:
+    """Weight init std: GPT-3 0.64/sqrt(h) (NeMo); Llama 0.02 (Meta's and transformers' default)."""
+    return 0.02 if shape.family == "llama" else round(0.64 / math.sqrt(shape.hidden_size), 6)
+
+
 def _fit_base_layout(s: Shape, tp: int, pp: int, gpus: int, gpn: int) -> tuple[int, int]:
     """The table's TP/PP, reduced until valid for this shape and cluster (small clusters, odd shapes)."""
-    while tp > 1 and (s.num_attention_heads % tp or tp > gpn or gpus % tp):
+    while tp > 1 and (s.num_attention_heads % tp or s.num_kv_heads % tp or tp > gpn or gpus % tp):
         tp //= 2
     while pp > 1 and (s.num_layers % pp or gpus % (tp * pp)):
         pp -= 1

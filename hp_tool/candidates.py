@@ -18,7 +18,7 @@ from hp_tool.config import TrainSettings
 from hp_tool.estimate.layout import Layout
 from hp_tool.estimate.memory import estimate_memory
 from hp_tool.estimate.speed import estimate_step_time
-from hp_tool.tables import ACT_CKPT_STEP, GPT3_GRID, lookup
+from hp_tool.tables import ACT_CKPT_STEP, GPT3_GRID, LLAMA_GRID, lookup
 from hp_tool.throughput import throughput
 
 SELECTED, PRUNED, INVALID, OVER_LIMIT = "selected", "pruned", "invalid", "over_limit"
@@ -59,9 +59,20 @@ class Grid:
     act_ckpt_step: int
 
 
-def build_grid(ts: TrainSettings, size_b: float, num_layers: int) -> Grid:
-    """Heuristic lists for the size (NeMo tables) with the user's lists taking their place when given."""
-    tp, pp, mbs, (lo, hi) = lookup(GPT3_GRID, size_b, inclusive=True)
+def grid_table(shape: Shape) -> list:
+    """The family's heuristic grid table: GPT-3's (seq 2048); Llama's for the shortest tabled sequence
+    length at least the model's (the longest one beyond)."""
+    if shape.family != "llama":
+        return GPT3_GRID
+    lengths = sorted(LLAMA_GRID)
+    return LLAMA_GRID[next((n for n in lengths if n >= shape.seq_length), lengths[-1])]
+
+
+def build_grid(ts: TrainSettings, shape: Shape, size_b: float) -> Grid:
+    """Heuristic lists for the family, size and sequence length (NeMo tables) with the user's lists taking
+    their place when given."""
+    num_layers = shape.num_layers
+    tp, pp, mbs, (lo, hi) = lookup(grid_table(shape), size_b, inclusive=True)
     if ts.pipeline_parallel_sizes is None:  # the heuristic keeps only PP values that divide the layers
         pp = [p for p in pp if num_layers % p == 0] or [1]
     return Grid(
@@ -86,8 +97,11 @@ def invalid_reason(shape: Shape, c: Candidate, gbs: int, cluster: Cluster,
     """(config key, reason) when the layout cannot exist, else None."""
     gpn, gpus = cluster.hw.gpus_per_node, cluster.gpus
     mp = c.tp * c.pp
-    if shape.num_attention_heads % c.tp or shape.num_kv_heads % c.tp:
+    if shape.num_attention_heads % c.tp:
         return "tensor_parallel_sizes", f"TP={c.tp} does not divide the {shape.num_attention_heads} heads"
+    if shape.num_kv_heads % c.tp:
+        return "tensor_parallel_sizes", (f"TP={c.tp} does not divide the {shape.num_kv_heads} key/value heads "
+                                         f"({shape.num_attention_heads} query heads)")
     if c.tp > gpn:
         return "tensor_parallel_sizes", f"TP={c.tp} spans nodes ({gpn} GPUs per node)"
     if shape.num_layers % c.pp:
@@ -132,7 +146,7 @@ def plan_candidates(shape: Shape, size_b: float, ts: TrainSettings, cluster: Clu
                     grid: Optional[Grid] = None) -> list[Candidate]:
     """Every candidate of the grid (default: ``build_grid``), with status and reason; selected ones
     ranked fastest first."""
-    grid = grid or build_grid(ts, size_b, shape.num_layers)
+    grid = grid or build_grid(ts, shape, size_b)
     usable = cluster.hw.gpu_memory_gb * (1 - ts.memory_margin)
     out: list[Candidate] = []
     for tp, pp, mbs in itertools.product(grid.tp, grid.pp, grid.mbs):

@@ -134,11 +134,17 @@ class ModelOverrides:
     num_layers: Optional[int] = None
     hidden_size: Optional[int] = None
     num_attention_heads: Optional[int] = None
+    num_kv_heads: Optional[int] = None  # grouped-query attention; null = num_attention_heads
     ffn_hidden_size: Optional[int] = None
+    context_length: Optional[int] = None  # the model's longest sequence; null = no limit
 
     def __post_init__(self) -> None:
         _positive(self, "search_config.model", ("num_layers", "hidden_size", "num_attention_heads",
-                                                "ffn_hidden_size"))
+                                                "num_kv_heads", "ffn_hidden_size", "context_length"))
+        heads, kv = self.num_attention_heads, self.num_kv_heads
+        require(heads is None or kv is None or heads % kv == 0, "search_config.model.num_kv_heads", kv,
+                f"does not divide num_attention_heads={heads}",
+                f"use a divisor of {heads} key/value heads (e.g. 8 for 64 heads), or null for {heads}")
         given = [self.num_layers, self.hidden_size, self.num_attention_heads]
         require(all(v is None for v in given) or all(v is not None for v in given),
                 "search_config.model", given, "a partial shape was given",
@@ -232,6 +238,10 @@ class SearchConfig:
     def __post_init__(self) -> None:
         require(self.model_family in PLANNER_FAMILIES, "search_config.model_family", self.model_family,
                 "no planner for this family yet", f"use one of {list(PLANNER_FAMILIES)}")
+        context, seq = self.model.context_length, self.train_settings.seq_length
+        require(context is None or seq <= context, "search_config.train_settings.seq_length", seq,
+                f"is above the model's context of {context} tokens (search_config.model.context_length)",
+                f"use a sequence length of at most {context}")
 
 
 @dataclass
@@ -322,7 +332,8 @@ def _unknown_keys(cfg: Any, schema: Any, prefix: str = "") -> list[str]:
 
 
 def check_override_keys(overrides: List[str]) -> None:
-    """Command-line overrides name keys the schema has, whether or not they come with ``+``."""
+    """Command-line overrides name keys the schema has, whether or not they come with ``+``, and give
+    values of the key's type (sweeps and interpolations are left to Hydra)."""
     for arg in overrides:
         key, sep, value = arg.partition("=")
         if arg.startswith("-") or not (sep or key.startswith("~")):  # Hydra flags (-m, --cfg, ...)
@@ -330,8 +341,29 @@ def check_override_keys(overrides: List[str]) -> None:
         key = key.lstrip("+~")
         if key.startswith("hydra") or key in GROUPS or "@" in key:
             continue
-        if _schema_node(key) is None and not _in_free_form_dict(key):
+        node = _schema_node(key)
+        if node is None and not _in_free_form_dict(key):
             raise unknown_key_error(key, value)
+        if node is not None and not isinstance(node, DictConfig) and sep and not any(c in value for c in ",($"):
+            _check_type(key, value)
+
+
+def _check_type(key: str, value: str) -> None:
+    """ConfigError when ``value`` (YAML, as Hydra reads it) does not fit the schema's type for ``key``."""
+    import yaml
+
+    try:
+        parsed = yaml.safe_load(value)
+    except yaml.YAMLError:
+        return  # Hydra's own grammar (quoted strings, ...): let Hydra judge
+    schema = OmegaConf.structured(AppConfig)
+    try:
+        OmegaConf.update(schema, key, parsed, merge=True)
+    except OmegaConfBaseException as exc:
+        kind = getattr(_schema_node(key), "_metadata", None)
+        wanted = getattr(getattr(kind, "ref_type", None), "__name__", None) or "the documented type"
+        raise ConfigError(key, value, f"is not a valid {wanted} ({str(exc).splitlines()[0]})",
+                          f"give a value of type {wanted}, as documented in the config file") from None
 
 
 def _in_free_form_dict(key: str) -> bool:

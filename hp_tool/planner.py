@@ -15,7 +15,7 @@ from hp_tool.errors import ConfigError
 from hp_tool.trial.spec import EstimatesSpec, FullRunSpec, ParallelSpec, RunSpec, TrialSpec, make_trial_id
 
 FIXES = {
-    "tensor_parallel_sizes": "use TP values that divide the head count and fit in one node",
+    "tensor_parallel_sizes": "use TP values that divide the (key/value) head count and fit in one node",
     "pipeline_parallel_sizes": "use PP values that divide the layer count",
     "global_batch_size": "use a global_batch_size (and micro_batch_sizes) with GBS % (MBS*DP) == 0",
     "act_ckpt_layers": "use values between 0 and num_layers / PP",

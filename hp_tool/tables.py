@@ -79,3 +79,57 @@ GPT3_GRID: Table[tuple[list[int], list[int], list[int], tuple[int, int]]] = [
 
 # Activation-checkpointing step (before dividing by PP), size < bound -> step
 ACT_CKPT_STEP: Table[int] = [(1, 4), (11.3, 8), (60, 16), (float("inf"), 32)]
+
+
+# ---- Llama-style models (GQA, SwiGLU, RoPE, untied embeddings) ----
+
+# Llama shape for a size without a published one: size < bound -> (hidden, heads, kv heads, FFN multiplier,
+# FFN multiple_of, lr). Sources: Meta's released configs (params.json: dim, n_heads, n_kv_heads,
+# ffn_dim_multiplier, multiple_of) of Llama 3.2 1B/3B, Llama 3 8B/70B, Llama 3.1 405B, Llama-2 13B's width
+# and Llama-1 33B's width with grouped-query attention; learning rates from the Llama 2 paper (Table 1:
+# 3e-4 up to 13B, 1.5e-4 for 34B and 70B) and Llama 3.1 405B (8e-5).
+LLAMA_SHAPE: Table[tuple[int, int, int, float, int, float]] = [
+    (1.5, (2048, 32, 8, 1.5, 256, 3e-4)),
+    (4.5, (3072, 24, 8, 1.0, 256, 3e-4)),
+    (10, (4096, 32, 8, 1.3, 256, 3e-4)),
+    (20, (5120, 40, 8, 1.0, 256, 3e-4)),
+    (45, (6656, 52, 4, 1.0, 256, 1.5e-4)),
+    (150, (8192, 64, 8, 1.3, 4096, 1.5e-4)),
+    (500, (16384, 128, 8, 1.2, 4096, 8e-5)),
+]
+
+# Llama training batch and the base layout: size <= bound -> (tokens per global batch, TP, PP).
+# Llama 2 trained every size on 4M-token batches (paper, section 2.2); smaller models take fewer tokens.
+LLAMA_GBS_TP_PP: Table[tuple[int, int, int]] = [
+    (1.5, (2**20, 1, 1)),
+    (4.5, (2**21, 1, 1)),
+    (10, (2**22, 2, 1)),
+    (20, (2**22, 4, 1)),
+    (45, (2**22, 8, 2)),
+    (150, (2**22, 8, 4)),
+    (500, (2**24, 8, 16)),
+]
+
+# Llama candidate grid, 80 GB, by sequence length: size <= bound -> (TP, PP, MBS, (min, max) of TP*PP).
+# Rows up to 95B (seq 4096) and 45B (seq 8192) are NeMo's GPT tables for those lengths (REFERENCE 9);
+# NeMo stops there and falls back to TP<=8, PP=1 with no memory check, which proposes TP1 PP1 for a 70B
+# at seq 8192. The last rows extend them to deeper pipelines; the memory model prunes what cannot fit.
+LLAMA_GRID = {
+    4096: [
+        (4, ([1, 2, 4], [1], [1, 2, 4, 8], (1, 8))),
+        (8, ([1, 2, 4], _r(1, 2), [1, 2, 4], (1, 8))),
+        (13, ([2, 4], _r(1, 2), [1, 2, 4], (2, 8))),
+        (23, ([4, 8], _r(1, 2), [1, 2], (4, 16))),
+        (45, ([4, 8], _r(2, 4), [1, 2], (8, 32))),
+        (95, ([4, 8], _r(1, 8), [1, 2], (8, 64))),
+        (500, ([8], _r(4, 32), [1, 2], (32, 256))),
+    ],
+    8192: [
+        (1, ([1, 2], _r(1, 2), [1, 2, 4], (1, 8))),
+        (4, ([1, 2, 4], _r(1, 2), [1, 2, 4], (1, 8))),
+        (13, ([2, 4], _r(1, 2), [1, 2], (2, 8))),
+        (23, ([4, 8], _r(1, 4), [1], (8, 32))),
+        (45, ([4, 8], _r(4, 8), [1], (32, 64))),
+        (500, ([8], _r(4, 16), [1], (32, 128))),
+    ],
+}

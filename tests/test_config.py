@@ -25,7 +25,7 @@ def test_all_gpt3_sizes_are_shipped():
 @pytest.mark.parametrize("cluster", ["local", "auto", "bcm"])
 def test_every_shipped_config_composes_and_validates(name, cluster):
     app = load(f"search_config={name}", f"cluster={cluster}", "cluster.partition=batch")
-    assert app.search_config.model_family == "gpt3"
+    assert app.search_config.model_family == name.split("/")[0]
     assert app.cluster.type == cluster
 
 

@@ -1,8 +1,9 @@
 """Analytic peak memory per GPU for one training layout. Pure arithmetic, no torch.
 
 Model states: mixed-precision Adam, 16 bytes per parameter, divided as ZeRO does (Rajbhandari et al.
-2020). Activations per layer: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
-Transformer Models", Table 2. Pipeline: 1F1B keeps up to PP micro-batches in flight on the first stage.
+2020). Activations per layer: GPT from Korthikanti et al. 2022, "Reducing Activation Recomputation in
+Large Transformer Models", Table 2; Llama (GQA, SwiGLU, RMSNorm, RoPE) derived the same way in
+``llama_activation_bytes_per_layer``. Pipeline: 1F1B keeps up to PP micro-batches in flight on the first stage.
 Logits: a 16-bit logits tensor upcast to fp32 for the loss, plus its fp32 gradient.
 
 The trial engine shards the transformer layers across TP ranks but keeps the embeddings, final norm and
@@ -34,6 +35,44 @@ def activation_bytes_per_layer(seq: int, mbs: int, hidden: int, heads: int, tp: 
     else:
         per_value = 10 + 24 / tp + scores / tp
     return sbh * per_value * bytes_per_value / 2
+
+
+def llama_activation_bytes_per_layer(shape: Shape, mbs: int, tp: int = 1, sequence_parallel: bool = False,
+                                     bytes_per_value: int = 2) -> float:
+    """Bytes one Llama layer (RMSNorm, GQA with RoPE, SwiGLU) keeps for backward, one micro-batch.
+
+    Derived tensor by tensor as Korthikanti et al. do for GPT, for the engine's modules (transformers'
+    LlamaDecoderLayer, SDPA flash/efficient attention, no dropout, no biases). s = sequence, b = micro-batch,
+    h = hidden, k = kv heads x head dim, f = FFN width, a = heads, p = bytes per value (2 for bf16):
+
+      attention RMSNorm: its input, upcast to fp32 (LlamaRMSNorm computes in fp32)      4·sbh
+      q, k, v projections: their input (the norm's output)                             p·sbh
+      RoPE: nothing (cos/sin are shared buffers); q and k after RoPE are SDPA's inputs
+      SDPA: q, k, v and its output (also o_proj's input), fp32 log-sum-exp per head    p·(2sbh + 2sbk) + 4·abs
+      MLP RMSNorm: its fp32 input                                                      4·sbh
+      gate and up projections: their input                                             p·sbh
+      SiLU(gate) * up: gate output, up output, SiLU output, product (down's input)     4p·sbf
+
+    Under TP the projections' outputs and the attention are split over heads (divide by TP); the norms and
+    their outputs are whole on every TP rank unless sequence parallelism splits them along s. Attention
+    scores are never stored (flash kernels); the residual adds keep nothing.
+    """
+    s, b, h, f, a = shape.seq_length, mbs, shape.hidden_size, shape.ffn_hidden_size, shape.num_attention_heads
+    k = shape.num_kv_heads * shape.head_dim
+    p = bytes_per_value
+    sp = tp if sequence_parallel else 1
+    norms = 2 * (4 + p) * s * b * h / sp
+    attention = (p * (2 * s * b * h + 2 * s * b * k) + 4 * a * b * s) / tp
+    mlp = 4 * p * s * b * f / tp
+    return norms + attention + mlp
+
+
+def layer_activation_bytes(shape: Shape, mbs: int, tp: int, sequence_parallel: bool, hw: Hardware) -> float:
+    """One layer's stored activations for the family, one micro-batch, bytes."""
+    if shape.family == "llama":
+        return llama_activation_bytes_per_layer(shape, mbs, tp, sequence_parallel, hw.bytes_per_value)
+    return activation_bytes_per_layer(shape.seq_length, mbs, shape.hidden_size, shape.num_attention_heads, tp,
+                                      sequence_parallel, not hw.flash_attention, hw.bytes_per_value)
 
 
 def model_state_bytes(params: float, dp: int, sharding: str) -> float:
@@ -73,9 +112,7 @@ def estimate_memory(shape: Shape, layout: Layout, hw: Hardware) -> MemoryEstimat
     last_p = layers * layer_p + head_p
 
     bpv = hw.bytes_per_value
-    full = activation_bytes_per_layer(shape.seq_length, layout.mbs, shape.hidden_size,
-                                      shape.num_attention_heads, tp, layout.sequence_parallel,
-                                      not hw.flash_attention, bpv)
+    full = layer_activation_bytes(shape, layout.mbs, tp, layout.sequence_parallel, hw)
     sp_div = tp if layout.sequence_parallel else 1
     kept_input = shape.seq_length * layout.mbs * shape.hidden_size * bpv / sp_div
     k = layout.act_ckpt_layers

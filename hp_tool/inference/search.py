@@ -13,12 +13,11 @@ from __future__ import annotations
 import csv
 import io
 import logging
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from hp_tool.base_config import choose_model, resolve_cluster
+from hp_tool.base_config import choose_model, init_std, resolve_cluster
 from hp_tool.config import AppConfig
 from hp_tool.fsutil import atomic_write_text
 from hp_tool.inference import report
@@ -62,7 +61,7 @@ def plan_inference(app: AppConfig, results_dir: Path) -> InferencePlan:
     s = model.shape
     spec = ModelSpec(s.family, s.num_layers, s.hidden_size, s.num_attention_heads, s.num_kv_heads,
                      s.ffn_hidden_size, inf.vocab_size, s.seq_length,
-                     init_method_std=round(0.64 / math.sqrt(s.hidden_size), 6),
+                     init_method_std=init_std(s),
                      num_parameters=model.num_parameters)
     root = Path(results_dir) / "inference"
     configs = {

@@ -1,0 +1,163 @@
+"""Llama-style models in the planner: presets, parameter counts, shapes by size, the activation memory of
+GQA + SwiGLU, the grid for long sequences, bad input; and a whole llama/tiny search on this machine."""
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from hp_tool.architectures import Shape, count_parameters, llama_ffn, llama_shape, model_flops_per_step
+from hp_tool.base_config import base_spec, choose_model, resolve_cluster
+from hp_tool.candidates import PRUNED, SELECTED, plan_candidates
+from hp_tool.cli import available_search_configs, compose
+from hp_tool.config import to_app_config
+from hp_tool.errors import ConfigError
+from hp_tool.estimate.memory import llama_activation_bytes_per_layer
+from hp_tool.planner import make_plan
+from hp_tool.trial.spec import load_spec
+
+REPO = Path(__file__).resolve().parent.parent
+TS = "search_config.train_settings"
+PUBLISHED = {  # preset: (parameters in billions from the model cards, layers, kv heads, vocab, seq)
+    "llama2_7b": (6.74, 32, 32, 32000, 4096), "llama2_13b": (13.02, 40, 40, 32000, 4096),
+    "llama2_70b": (68.98, 80, 8, 32000, 4096), "llama3_8b": (8.03, 32, 8, 128256, 8192),
+    "llama3_70b": (70.55, 80, 8, 128256, 8192),
+}
+
+
+def plan(tmp_path, *overrides):
+    cfg, name = compose(["cluster=bcm", "cluster.partition=batch", *overrides])
+    return make_plan(to_app_config(cfg), name, tmp_path / name)
+
+
+def test_every_llama_preset_is_shipped():
+    assert {f"llama/{p}" for p in (*PUBLISHED, "tiny", "unknown_size")} <= set(available_search_configs())
+
+
+@pytest.mark.parametrize("preset", sorted(PUBLISHED))
+def test_published_shapes_have_the_published_parameter_counts(tmp_path, preset):
+    billions, layers, kv, vocab, seq = PUBLISHED[preset]
+    p = plan(tmp_path, f"search_config=llama/{preset}")
+    shape = p.model.shape
+    assert (shape.family, shape.num_layers, shape.num_kv_heads, shape.vocab_size, shape.seq_length) == \
+        ("llama", layers, kv, vocab, seq)
+    assert count_parameters(shape) / 1e9 == pytest.approx(billions, rel=0.005)
+    assert p.base.model.num_parameters == count_parameters(shape)
+    assert p.specs, "nothing selected"
+
+
+def test_llama_flops_count_gqa_swiglu_and_the_untied_head():
+    shape = Shape("llama", 32, 4096, 32, 8, 14336, 128256, 8192)
+    h, k, f, s, v = 4096, 8 * 128, 14336, 8192, 128256
+    per_token_layer = 2 * h * (h + 2 * k) + 4 * s * h + 2 * h * h + 3 * 2 * h * f
+    by_hand = 3 * s * (32 * per_token_layer + 2 * h * v)
+    assert model_flops_per_step(shape, 1) == pytest.approx(by_hand)
+
+
+def test_llama_ffn_rounds_as_meta_does():
+    assert llama_ffn(4096, 1.0, 256) == 11008 and llama_ffn(5120, 1.0, 256) == 13824
+    assert llama_ffn(4096, 1.3, 256) == 14336 and llama_ffn(8192, 1.3, 4096) == 28672
+
+
+@pytest.mark.parametrize("size_b, layers, hidden, kv", [(70, 80, 8192, 8), (8, 32, 4096, 8), (3, 22, 3072, 8)])
+def test_shape_by_size_follows_the_table(size_b, layers, hidden, kv):
+    shape, _ = llama_shape(size_b, 128256, 8192)
+    assert (shape.num_layers, shape.hidden_size, shape.num_kv_heads) == (layers, hidden, kv)
+    assert count_parameters(shape) == pytest.approx(size_b * 1e9, rel=0.1)
+
+
+def test_unknown_size_recommends_from_the_budget_and_builds_a_llama_shape(tmp_path):
+    p = plan(tmp_path, "search_config=llama/unknown_size")
+    assert p.model.recommended and p.model.shape.family == "llama"
+    assert p.model.shape.num_kv_heads < p.model.shape.num_attention_heads  # GQA
+    assert p.base.training.global_batch_size == 2**22 // 4096  # 4M tokens at seq 4096
+    assert p.base.model.init_method_std == 0.02
+
+
+def test_activation_memory_by_hand():
+    # s=8, b=2, h=16, 4 heads (d=4), 2 kv heads (k=8), f=40, bf16, no TP: counted tensor by tensor
+    shape = Shape("llama", 1, 16, 4, 2, 40, 100, 8)
+    sbh, sbk, sbf, abs_ = 8 * 2 * 16, 8 * 2 * 8, 8 * 2 * 40, 4 * 2 * 8
+    norms = 2 * (4 * sbh + 2 * sbh)             # fp32 input and bf16 output of both RMSNorms
+    attention = 2 * (2 * sbh + 2 * sbk) + 4 * abs_  # q, output, k, v; fp32 log-sum-exp
+    mlp = 4 * 2 * sbf                           # gate, up, SiLU(gate), product
+    assert llama_activation_bytes_per_layer(shape, 2) == norms + attention + mlp
+    tp2 = llama_activation_bytes_per_layer(shape, 2, tp=2)
+    assert tp2 == norms + (attention + mlp) / 2  # norms stay whole on every TP rank
+
+
+def test_70b_at_seq_8192_never_proposes_an_unsharded_layout_that_cannot_fit(tmp_path):
+    p = plan(tmp_path, "search_config=llama/llama3_70b", f"{TS}.num_nodes=16")
+    selected = [c for c in p.candidates if c.status == SELECTED]
+    assert selected and all(c.tp * c.pp >= 32 for c in selected)
+    cfg, _ = compose(["search_config=llama/llama3_70b", f"{TS}.num_nodes=16", f"{TS}.tensor_parallel_sizes=[1,8]",
+                      f"{TS}.pipeline_parallel_sizes=[1,8]", f"{TS}.act_ckpt_layers=[0]",
+                      f"{TS}.min_model_parallel_size=1"])
+    app = to_app_config(cfg)
+    cluster = resolve_cluster(app)
+    model = choose_model(app, cluster)
+    gbs = base_spec(app, model, cluster).training.global_batch_size
+    forced = plan_candidates(model.shape, model.size_b, app.search_config.train_settings, cluster, gbs)
+    unsharded = [c for c in forced if c.tp == 1 and c.pp == 1]
+    assert unsharded and all(c.status == PRUNED and c.memory_gb > 80 for c in unsharded)
+
+
+@pytest.mark.parametrize("override, key, words", [
+    ("search_config.model.num_kv_heads=3", "search_config.model.num_kv_heads", "num_attention_heads=4"),
+    (f"{TS}.seq_length=512", f"{TS}.seq_length", "context of 256 tokens"),
+    ("search_config.model.ffn_hidden_size=0", "search_config.model.ffn_hidden_size", "positive"),
+    ("search_config.model.ffn_hidden_size=17.5", "search_config.model.ffn_hidden_size", ""),
+])
+def test_bad_llama_input_names_key_value_and_fix(tmp_path, override, key, words):
+    proc = subprocess.run([sys.executable, str(REPO / "main.py"), "search_config=llama/tiny", "dry_run=true",
+                           f"base_results_dir={tmp_path / 'res'}", override],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith(f"hp_tool: error: {key}=") and words in proc.stderr and "Fix:" in proc.stderr
+    assert not (tmp_path / "res").exists()
+
+
+def test_tp_not_dividing_the_kv_heads_names_both_numbers(tmp_path):
+    with pytest.raises(ConfigError) as exc:
+        plan(tmp_path, "search_config=llama/tiny", f"{TS}.tensor_parallel_sizes=[4]")
+    assert exc.value.key == f"{TS}.tensor_parallel_sizes"
+    assert "TP=4 does not divide the 2 key/value heads (4 query heads)" in str(exc.value)
+
+
+def test_llama_tiny_search_end_to_end_and_the_optimal_config_trains(tmp_path):
+    cmd = [sys.executable, str(REPO / "main.py"), "search_config=llama/tiny", "cluster=local",
+           f"{TS}.limit_search_runs=3", f"{TS}.max_steps_per_run=6", f"base_results_dir={tmp_path / 'res'}"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = tmp_path / "res" / "llama" / "tiny"
+    summary = pd.read_csv(out / "final_results" / "final_summary_1nodes.csv")
+    assert len(summary) == 3 and set(summary["status"]) == {"ok"}
+    assert list(summary["rank"]) == [1, 2, 3]
+    [optimal] = (out / "final_results").glob("optimal_config_*_1nodes.yaml")
+    spec = load_spec(optimal)
+    assert spec.model.family == "llama" and spec.model.num_kv_heads == 2
+    spec_path = tmp_path / "short.yaml"
+    text = optimal.read_text().replace(f"max_steps: {spec.run.max_steps}", "max_steps: 3")
+    spec_path.write_text(text)
+    world = spec.parallel.tp * spec.parallel.pp * spec.parallel.dp
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
+                          "-m", "hp_tool.trial.train", str(spec_path), "--output-dir", str(tmp_path / "full")],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads((tmp_path / "full" / "result.json").read_text())
+    assert result["status"] == "ok" and result["steps_run"] == 3 and result["world_size"] == world
+
+
+def test_llama_tiny_inference_search_runs_locally(tmp_path):
+    cmd = [sys.executable, str(REPO / "main.py"), "search_config=llama/tiny", "cluster=local",
+           "run_training_hp_search=false", "run_inference_hp_search=true",
+           "search_config.inference_settings.max_batch_sizes=[2]", f"base_results_dir={tmp_path / 'res'}"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = list(csv.DictReader(open(tmp_path / "res" / "llama" / "tiny" / "inference" / "final_summary" /
+                                    "final_output.csv")))
+    assert {r["config_id"].split("_")[2] for r in rows if r["status"] == "ok"} == {"tp1", "tp2"}
