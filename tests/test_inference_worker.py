@@ -19,11 +19,12 @@ from hp_tool.trial.dist import DistEnv
 from hp_tool.trial.spec import ModelSpec
 
 TINY = ModelSpec("gpt3", 4, 64, 4, 4, 256, 512, 128, init_method_std=0.08)
+LLAMA_TINY = ModelSpec("llama", 4, 64, 4, 2, 176, 512, 128, init_method_std=0.2)  # GQA: 2 kv heads
 
 
-def job_config(tmp_path: Path, tp: int = 1, pp: int = 1, batch: int = 2) -> Path:
-    cid = f"gpt3_241k_tp{tp}_pp{pp}_bs{batch}"
-    cfg = InferenceJobConfig(cid, TINY, tp, pp, batch, 16, 8, 0, 0, str(tmp_path / cid), warmup=1, repeats=3,
+def job_config(tmp_path: Path, tp: int = 1, pp: int = 1, batch: int = 2, model: ModelSpec = TINY) -> Path:
+    cid = f"{model.family}_tiny_tp{tp}_pp{pp}_bs{batch}"
+    cfg = InferenceJobConfig(cid, model, tp, pp, batch, 16, 8, 0, 0, str(tmp_path / cid), warmup=1, repeats=3,
                              precision="fp32")
     return dump_job_config(cfg, tmp_path / f"{cid}.yaml")
 
@@ -67,6 +68,24 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def single_llama(tmp_path_factory) -> dict:
+    path = job_config(tmp_path_factory.mktemp("llama_tp1"), model=LLAMA_TINY)
+    run_inference(path)
+    return load(path)
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_llama_layouts_generate_the_same_tokens(tmp_path, single_llama, tp, pp):
+    assert single_llama["status"] == "ok" and len(set(single_llama["generated_tokens"])) > 1
+    path = job_config(tmp_path, tp, pp, model=LLAMA_TINY)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
+           "-m", "hp_tool.inference.worker", str(path)]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert load(path)["generated_tokens"] == single_llama["generated_tokens"]
 
 
 @pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
