@@ -82,6 +82,20 @@ def head_parameters(shape: Shape) -> int:
     return 2 * h
 
 
+def vocab_parallel_parameters(shape: Shape, tp: int, pp: int) -> tuple[float, float]:
+    """(embedding, head) parameters one TP rank holds, as the engine shards them: the [vocab, hidden]
+    matrices split over TP (vocab-parallel), learned positions and the final norm whole. GPT ties its head
+    to the embedding; with PP > 1 the last stage keeps its own copy of that matrix."""
+    vh = shape.vocab_size * shape.hidden_size
+    embed = embedding_parameters(shape) - vh + vh / tp
+    head = float(head_parameters(shape))
+    if shape.family == "llama":
+        head += vh / tp - vh
+    elif pp > 1:
+        head += vh / tp
+    return embed, head
+
+
 def count_parameters(shape: Shape) -> int:
     """Parameter count of the whole model (all stages, unsharded)."""
     return shape.num_layers * layer_parameters(shape) + embedding_parameters(shape) + head_parameters(shape)

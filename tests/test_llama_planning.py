@@ -10,7 +10,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from hp_tool.architectures import Shape, count_parameters, llama_ffn, llama_shape, model_flops_per_step
+from hp_tool.architectures import (Shape, count_parameters, llama_ffn, llama_shape, model_flops_per_step,
+                                   vocab_parallel_parameters)
 from hp_tool.base_config import base_spec, choose_model, resolve_cluster
 from hp_tool.candidates import PRUNED, SELECTED, plan_candidates
 from hp_tool.cli import available_search_configs, compose
@@ -161,3 +162,13 @@ def test_llama_tiny_inference_search_runs_locally(tmp_path):
     rows = list(csv.DictReader(open(tmp_path / "res" / "llama" / "tiny" / "inference" / "final_summary" /
                                     "final_output.csv")))
     assert {r["config_id"].split("_")[2] for r in rows if r["status"] == "ok"} == {"tp1", "tp2"}
+
+
+def test_vocab_parallel_parameters_follow_the_engine():
+    llama = Shape("llama", 32, 4096, 32, 8, 14336, 128256, 8192)
+    vh = 128256 * 4096
+    assert vocab_parallel_parameters(llama, 4, 1) == (vh / 4, 4096 + vh / 4)  # untied head, final norm
+    gpt = Shape("gpt3", 24, 4096, 32, 32, 16384, 51200, 2048)
+    positions, norm = 2048 * 4096, 2 * 4096
+    assert vocab_parallel_parameters(gpt, 2, 1) == (51200 * 4096 / 2 + positions, norm)  # head tied
+    assert vocab_parallel_parameters(gpt, 2, 4)[1] == norm + 51200 * 4096 / 2  # last stage's own copy

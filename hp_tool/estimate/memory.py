@@ -6,15 +6,16 @@ Large Transformer Models", Table 2; Llama (GQA, SwiGLU, RMSNorm, RoPE) derived t
 ``llama_activation_bytes_per_layer``. Pipeline: 1F1B keeps up to PP micro-batches in flight on the first stage.
 Logits: a 16-bit logits tensor upcast to fp32 for the loss, plus its fp32 gradient.
 
-The trial engine shards the transformer layers across TP ranks but keeps the embeddings, final norm and
-output head (and so the logits) whole on every TP rank; the estimate counts them the same way.
+The trial engine shards the transformer layers across TP ranks, and the input embedding, the output head
+and so the logits along the vocabulary (vocab-parallel); learned positions and norms stay whole. The
+estimate counts them the same way.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hp_tool.architectures import Shape, embedding_parameters, head_parameters, layer_parameters
+from hp_tool.architectures import Shape, layer_parameters, vocab_parallel_parameters
 from hp_tool.estimate.layout import GB, Hardware, Layout
 
 MODEL_STATE_BYTES = 16  # 2 (16-bit weights) + 2 (16-bit grads) + 12 (fp32 master, Adam m, v)
@@ -104,10 +105,7 @@ def estimate_memory(shape: Shape, layout: Layout, hw: Hardware) -> MemoryEstimat
     tp, pp = layout.tp, layout.pp
     layers = shape.num_layers // pp
     layer_p = layer_parameters(shape) / tp
-    embed_p = float(embedding_parameters(shape))  # replicated across TP ranks (see module docstring)
-    head_p = float(head_parameters(shape))
-    if pp > 1 and shape.family != "llama":
-        head_p += shape.vocab_size * shape.hidden_size  # the last stage holds its own output matrix
+    embed_p, head_p = vocab_parallel_parameters(shape, tp, pp)
     first_p = layers * layer_p + embed_p + (head_p if pp == 1 else 0.0)
     last_p = layers * layer_p + head_p
 
@@ -122,7 +120,7 @@ def estimate_memory(shape: Shape, layout: Layout, hw: Hardware) -> MemoryEstimat
     act_first = in_flight_first * per_microbatch + recompute_buffer
     act_last = per_microbatch + recompute_buffer
 
-    logits = layout.mbs * shape.seq_length * shape.vocab_size * (bpv + 8)
+    logits = layout.mbs * shape.seq_length * shape.vocab_size * (bpv + 8) / tp  # vocab-parallel logits
     gather = 0.0 if layout.dp == 1 or layout.dp_sharding == "none" else 2 * 2 * layer_p  # FSDP prefetch
 
     first = model_state_bytes(first_p, layout.dp, layout.dp_sharding) + gather + act_first

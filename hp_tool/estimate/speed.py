@@ -15,8 +15,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hp_tool.architectures import (Shape, embedding_parameters, head_parameters, layer_parameters,
-                                   model_flops_per_step, recompute_flops_per_step)
+from hp_tool.architectures import (Shape, layer_parameters, model_flops_per_step, recompute_flops_per_step,
+                                   vocab_parallel_parameters)
 from hp_tool.estimate.layout import GB, Hardware, Layout
 
 MAX_EFFICIENCY = 0.6  # best achievable fraction of peak for large dense matmuls
@@ -56,8 +56,8 @@ def dp_comm_s(shape: Shape, layout: Layout, hw: Hardware, num_nodes: int) -> flo
     under full sharding (FSDP), over the node interconnect when the job spans nodes."""
     if layout.dp == 1:
         return 0.0
-    params = (shape.num_layers // layout.pp * layer_parameters(shape) / layout.tp
-              + embedding_parameters(shape) + head_parameters(shape))  # embeddings replicated over TP
+    embed, head = vocab_parallel_parameters(shape, layout.tp, layout.pp)  # vocab matrices split over TP
+    params = shape.num_layers // layout.pp * layer_parameters(shape) / layout.tp + embed + head
     volume = {"none": 1.0, "gradients": 1.0, "full": 1.5}[layout.dp_sharding]  # in all-reduces
     bandwidth = hw.inter_node_bandwidth_gbps if num_nodes > 1 else hw.intra_node_bandwidth_gbps
     return (1 - DP_OVERLAP) * volume * _ring_allreduce_s(2 * params, layout.dp, bandwidth)

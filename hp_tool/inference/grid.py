@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from hp_tool.architectures import Shape, embedding_parameters, head_parameters, layer_parameters
+from hp_tool.architectures import Shape, layer_parameters, vocab_parallel_parameters
 from hp_tool.config import InferenceSettings
 from hp_tool.errors import ConfigError, require
 from hp_tool.estimate.layout import GB, Hardware
@@ -107,9 +107,7 @@ def step_activation_bytes(shape: Shape, tp: int, batch: int, seq: int, bytes_per
 def weight_bytes(shape: Shape, tp: int, pp: int, bytes_per_value: int) -> float:
     """Weights on the most loaded GPU: its stage's layer shard plus the whole embedding and/or head."""
     layers = (shape.num_layers // pp) * layer_parameters(shape) / tp
-    embed, head = float(embedding_parameters(shape)), float(head_parameters(shape))
-    if pp > 1 and shape.family != "llama":
-        head += shape.vocab_size * shape.hidden_size  # the last stage holds its own output matrix
+    embed, head = vocab_parallel_parameters(shape, 1, pp)  # the server keeps the vocabulary whole on TP ranks
     first = layers + embed + (head if pp == 1 else 0.0)
     last = layers + head
     return max(first, last) * bytes_per_value

@@ -85,7 +85,7 @@ def build_server(cfg: InferenceJobConfig, env: tdist.DistEnv, device: torch.devi
         ranks = mesh.mesh  # [pp, tp] global ranks
     stage = build_stage(cfg.model, cfg.pp, pp_rank)
     if cfg.tp > 1:
-        apply_tensor_parallel(stage, mesh["tp"])
+        apply_tensor_parallel(stage, mesh["tp"], vocab_parallel=False)  # greedy decoding needs whole logits
     stage.to_empty(device=device)
     stage.retie()
     stage.reset_buffers(device)

@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from hp_tool.trial import optim
 from hp_tool.trial.data import TokenBatches
 from hp_tool.trial.dist import DistEnv, build_mesh
-from hp_tool.trial.models import CausalLMStage, build_stage, loss_fn
+from hp_tool.trial.models import CausalLMStage, build_stage, loss_parallel_context, make_loss_fn
 from hp_tool.trial.parallel import (build_schedule, needs_grad_sync_control, parallelize_stage,
                                     set_grad_sync)
 from hp_tool.trial.spec import TrialSpec
@@ -53,6 +53,10 @@ class Engine:
     @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.spec.parallel.pp - 1
+
+    @property
+    def tp_mesh(self) -> Optional[DeviceMesh]:
+        return self.mesh["tp"] if self.mesh is not None and self.spec.parallel.tp > 1 else None
 
     @property
     def pp_group(self) -> Optional[dist.ProcessGroup]:
@@ -95,7 +99,8 @@ def build_engine(spec: TrialSpec, env: DistEnv, device: torch.device) -> Engine:
     engine = Engine(spec, env, device, mesh, stage, optim.build_optimizer(stage, spec.training, device),
                     TokenBatches(spec, dp_rank, device), pp_rank=pp_rank, local_numel=numel)
     if par.pp > 1:
-        engine.schedule = build_schedule(stage, par, mesh, pp_rank, spec.grad_accum_steps, device)
+        engine.schedule = build_schedule(stage, par, mesh, pp_rank, spec.grad_accum_steps, device,
+                                         make_loss_fn(engine.tp_mesh))
         if stage.tied:
             engine.tied_group = _tied_group(mesh, par.pp)
             engine.tied_param = stage.embed_tokens.weight if stage.is_first else stage.lm_head.weight
@@ -118,13 +123,15 @@ def _accumulate(engine: Engine, step: int) -> Optional[torch.Tensor]:
     """Forward and backward of all micro-batches of one step (no PP); returns their mean loss."""
     micro = engine.batches.micro_batches(step)
     control_sync = needs_grad_sync_control(engine.spec.parallel)
+    compute_loss = make_loss_fn(engine.tp_mesh)
     total = torch.zeros((), device=engine.device)
     for i, (inputs, labels) in enumerate(micro):
         if control_sync:
             set_grad_sync(engine.stage, i == len(micro) - 1)
-        with _autocast(engine):
-            loss = loss_fn(engine.stage(inputs), labels)
-        (loss / len(micro)).backward()
+        with loss_parallel_context(engine.tp_mesh):
+            with _autocast(engine):
+                loss = compute_loss(engine.stage(inputs), labels)
+            (loss / len(micro)).backward()
         total += loss.detach()
     return total / len(micro)
 
@@ -136,7 +143,7 @@ def _pipeline(engine: Engine, step: int) -> Optional[torch.Tensor]:
     first, last = engine.pp_rank == 0, engine.is_last_stage
     args = (inputs,) if first else ()
     kwargs = {"target": labels, "losses": losses} if last else {}
-    with _autocast(engine):
+    with loss_parallel_context(engine.tp_mesh), _autocast(engine):
         engine.schedule.step(*args, return_outputs=False, **kwargs)
     return torch.stack(losses).mean().detach() if last else None
 

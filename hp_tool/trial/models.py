@@ -170,3 +170,31 @@ def canonical_name(name: str, tied: bool) -> str:
 def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy of one micro-batch, computed in fp32."""
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+def make_loss_fn(tp_mesh=None):
+    """The loss for this layout: with tensor parallelism the head's logits arrive sharded along the
+    vocabulary ([batch, seq, vocab/tp] per rank) and the cross-entropy runs on the shards (DTensor's
+    ``loss_parallel``: a max, a sum of exponentials and the target's logit, each all-reduced), so no rank
+    ever holds the whole logits. Forward and backward must run inside ``loss_parallel_context``."""
+    if tp_mesh is None or tp_mesh.size() == 1:
+        return loss_fn
+
+    def vocab_parallel_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, Shard
+
+        sharded = DTensor.from_local(logits, tp_mesh, [Shard(logits.dim() - 1)], run_check=False)
+        return loss_fn(sharded, labels).to_local()
+
+    return vocab_parallel_loss
+
+
+def loss_parallel_context(tp_mesh=None):
+    """``loss_parallel()`` when the logits are vocabulary-sharded, else a no-op context."""
+    import contextlib
+
+    if tp_mesh is None or tp_mesh.size() == 1:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()

@@ -114,5 +114,9 @@ def sync_tied_grads(param: Optional[nn.Parameter], group: Optional[dist.ProcessG
     """Sum the gradients of a weight shared by the first and last pipeline stages (tied embedding)."""
     if param is None or group is None or param.grad is None:
         return
+    if isinstance(param.grad, DTensor) and param.grad.placements != param.placements:
+        # a vocab-parallel embedding's gradient comes back replicated: take this rank's rows, as the
+        # head's gradient on the last stage holds them (a local slice, no communication)
+        param.grad = param.grad.redistribute(param.device_mesh, param.placements)
     grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
     dist.all_reduce(grad, group=group)

@@ -8,7 +8,8 @@ materialised afterwards, so each rank only ever allocates its own shard.
 
 Tensor parallelism follows Megatron: q/k/v and the MLP's up (and gate) projections are split by
 columns, the attention output and MLP down projections by rows, so each layer needs one all-reduce in
-forward and one in backward. Embeddings, norms and the head are replicated across the TP group.
+forward and one in backward. The input embedding and the output head are split along the vocabulary
+(vocab-parallel; the logits stay sharded into the loss); norms and learned positions are replicated.
 """
 
 from __future__ import annotations
@@ -36,8 +37,15 @@ TP_PLANS = {
 }
 
 
-def apply_tensor_parallel(stage: CausalLMStage, tp_mesh: DeviceMesh) -> None:
-    """Shard each layer's projections over ``tp_mesh`` with ``parallelize_module``."""
+def apply_tensor_parallel(stage: CausalLMStage, tp_mesh: DeviceMesh, vocab_parallel: bool = True) -> None:
+    """Shard each layer's projections over ``tp_mesh`` with ``parallelize_module``; with
+    ``vocab_parallel``, also the input embedding and the output head along the vocabulary.
+
+    Vocab-parallel: the embedding's rows are split (each rank looks up the ids it holds, one all-reduce
+    joins them) and the head's output columns, so each rank computes logits for its slice of the
+    vocabulary only; the loss is then computed on the sharded logits (models.make_loss_fn, inside
+    ``loss_parallel``). A tied head shares the embedding's vocabulary-sharded weight."""
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    parallelize_module)
 
@@ -51,6 +59,17 @@ def apply_tensor_parallel(stage: CausalLMStage, tp_mesh: DeviceMesh) -> None:
         if hasattr(attention, "num_heads"):
             # OPT reshapes q/k/v with its head count; after the split each rank holds heads/tp of them.
             attention.num_heads = attention.num_heads // tp
+    if not vocab_parallel:
+        return
+    vocab_plan = {}
+    if stage.embed_tokens is not None:
+        vocab_plan["embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if stage.lm_head is not None:
+        vocab_plan["lm_head"] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1),
+                                                use_local_output=True)
+    if vocab_plan:
+        parallelize_module(stage, tp_mesh, vocab_plan)
+        stage.retie()  # both are Shard(0) of the same [vocab, hidden] matrix, so one tensor serves both
 
 
 def apply_activation_checkpointing(stage: CausalLMStage, num_layers: int) -> None:
@@ -99,7 +118,7 @@ def parallelize_stage(stage: CausalLMStage, par: ParallelSpec, mesh: Optional[De
 
 
 def build_schedule(stage: CausalLMStage, par: ParallelSpec, mesh: DeviceMesh, stage_index: int,
-                   n_microbatches: int, device: torch.device):
+                   n_microbatches: int, device: torch.device, loss_fn=loss_fn):
     """The pipeline schedule (1F1B, or GPipe) driving this rank's stage over the ``pp`` mesh."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
