@@ -333,36 +333,40 @@ def _unknown_keys(cfg: Any, schema: Any, prefix: str = "") -> list[str]:
 
 def check_override_keys(overrides: List[str]) -> None:
     """Command-line overrides name keys the schema has, whether or not they come with ``+``, and give
-    values of the key's type (sweeps and interpolations are left to Hydra)."""
+    values of the key's type. Overrides are read with Hydra's own parser; sweeps, deletions and anything
+    it cannot parse are left to Hydra."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
     for arg in overrides:
-        key, sep, value = arg.partition("=")
-        if arg.startswith("-") or not (sep or key.startswith("~")):  # Hydra flags (-m, --cfg, ...)
+        if arg.startswith("-"):  # Hydra's flags (-m, --cfg, ...)
             continue
-        key = key.lstrip("+~")
-        if key.startswith("hydra") or key in GROUPS or "@" in key:
+        try:
+            override = parser.parse_override(arg)
+        except HydraException:
+            continue
+        key = override.key_or_group
+        if key.startswith("hydra") or key in GROUPS or "@" in key or override.package:
             continue
         node = _schema_node(key)
+        value_text = arg.partition("=")[2]
         if node is None and not _in_free_form_dict(key):
-            raise unknown_key_error(key, value)
-        if node is not None and not isinstance(node, DictConfig) and sep and not any(c in value for c in ",($"):
-            _check_type(key, value)
+            raise unknown_key_error(key, value_text)
+        if node is not None and not isinstance(node, DictConfig) and not override.is_delete() \
+                and not override.is_sweep_override():
+            _check_type(key, value_text, override.value())
 
 
-def _check_type(key: str, value: str) -> None:
-    """ConfigError when ``value`` (YAML, as Hydra reads it) does not fit the schema's type for ``key``."""
-    import yaml
-
-    try:
-        parsed = yaml.safe_load(value)
-    except yaml.YAMLError:
-        return  # Hydra's own grammar (quoted strings, ...): let Hydra judge
+def _check_type(key: str, text: str, value: Any) -> None:
+    """ConfigError when ``value`` does not fit the schema's type for ``key``."""
     schema = OmegaConf.structured(AppConfig)
     try:
-        OmegaConf.update(schema, key, parsed, merge=True)
+        OmegaConf.update(schema, key, value, merge=True)
     except OmegaConfBaseException as exc:
-        kind = getattr(_schema_node(key), "_metadata", None)
-        wanted = getattr(getattr(kind, "ref_type", None), "__name__", None) or "the documented type"
-        raise ConfigError(key, value, f"is not a valid {wanted} ({str(exc).splitlines()[0]})",
+        ref = getattr(getattr(_schema_node(key), "_metadata", None), "ref_type", None)
+        wanted = getattr(ref, "__name__", None) or "the documented type"
+        raise ConfigError(key, text, f"is not a valid {wanted} ({str(exc).splitlines()[0]})",
                           f"give a value of type {wanted}, as documented in the config file") from None
 
 

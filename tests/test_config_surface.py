@@ -255,3 +255,11 @@ def test_multirun_where_no_job_can_plan_exits_2(tmp_path):
     proc = main(tmp_path, "-m", "gpu=cpu", "search_config=gpt3/5b,gpt3/8b", "dry_run=true")
     assert proc.returncode == 2
     assert proc.stderr.count("no valid layout fits in memory") == 2
+
+
+@pytest.mark.parametrize("override", ["cluster.job_name_prefix=t1a2:", "cluster.setup=[sleep 300,echo a: b]",
+                                      "search_config.train_settings.max_minutes_per_run=1",
+                                      "search_config.train_settings.precision=fp32"])
+def test_values_hydra_reads_as_plain_strings_or_lists_pass_the_type_check(tmp_path, override):
+    proc = main(tmp_path, "search_config=gpt3/tiny", "cluster=bcm", "cluster.partition=p", "dry_run=true", override)
+    assert proc.returncode == 0, proc.stderr[-2000:]
