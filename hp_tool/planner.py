@@ -7,8 +7,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from hp_tool.base_config import (TS, Cluster, ModelChoice, base_spec, choose_model, days_for,
-                                 resolve_cluster)
+from hp_tool.base_config import Cluster, ModelChoice, base_spec, choose_model, days_for, resolve_cluster
 from hp_tool.candidates import INVALID, SELECTED, Candidate, plan_candidates
 from hp_tool.config import AppConfig
 from hp_tool.errors import ConfigError

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import math
 import shutil
-import subprocess
-from pathlib import Path
 from typing import Iterable, Optional
 
 import submitit
@@ -18,7 +16,7 @@ import submitit
 from hp_tool.config import AppConfig, ClusterConfig, GpuConfig
 from hp_tool.errors import ConfigError
 from hp_tool.launch.job import JobSpec
-from hp_tool.launch.slurm import partition_cpus_per_node
+from hp_tool.launch.slurm import command_output, partition_cpus_per_node
 
 LOCAL_MEMORY_TOLERANCE = 0.9  # nvidia-smi's MiB vs a datasheet's GB; an 80 GB part shows ~79.6 GiB
 SIGNAL_DELAY_S = 60  # submitit signals the job this long before its limit; the engine stops earlier
@@ -26,26 +24,13 @@ SIGNAL_DELAY_S = 60  # submitit signals the job this long before its limit; the 
 
 def slurm_reachable() -> bool:
     """True when `sbatch` is on PATH and the controller answers."""
-    if shutil.which("sbatch") is None or shutil.which("sinfo") is None:
-        return False
-    try:
-        return subprocess.run(["sinfo", "-h"], capture_output=True, timeout=15).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
+    return shutil.which("sbatch") is not None and command_output(["sinfo", "-h"], timeout_s=15) is not None
 
 
 def local_gpu_memory_gb() -> list[float]:
     """Memory in GB of each GPU on this machine, from nvidia-smi (no torch import); [] without GPUs."""
-    if shutil.which("nvidia-smi") is None:
-        return []
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    if out.returncode != 0:
-        return []
-    return [float(line) * 2**20 / 1e9 for line in out.stdout.split() if line.strip().isdigit()]
+    out = command_output(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"]) or ""
+    return [float(line) * 2**20 / 1e9 for line in out.split() if line.isdigit()]
 
 
 def local_problem(gpu: GpuConfig, jobs: Iterable[tuple[int, int]],

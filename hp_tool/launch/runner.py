@@ -153,12 +153,19 @@ class Launcher:
             else:
                 self.pending.append(job)
 
+    def _job_id(self, job: JobSpec, entry: Entry) -> Optional[str]:
+        """The id of the job an unfinished ledger entry stands for; a SLURM job whose submission the last
+        orchestrator did not live to record is looked up by its (search-unique) name."""
+        if entry.state not in ("submitting", "submitted"):
+            return None
+        if entry.job_id is None and entry.kind == "slurm":
+            return slurm.find_job(job_name(self.app.cluster, self.search_id, job.name))
+        return entry.job_id
+
     def _cancel_superseded(self, job: JobSpec, entry: Entry) -> None:
         """A job submitted for an earlier configuration of this name: cancel it if it may still run."""
-        job_id = entry.job_id
-        if job_id is None and entry.kind == "slurm" and entry.state == "submitting":
-            job_id = slurm.find_job(job_name(self.app.cluster, self.search_id, job.name))
-        if job_id is None or entry.state not in ("submitting", "submitted"):
+        job_id = self._job_id(job, entry)
+        if job_id is None:
             return
         log.warning("%s: job %s ran an earlier configuration (fingerprint %s); cancelling it", job.name,
                     job_id, entry.fingerprint)
@@ -170,11 +177,7 @@ class Launcher:
                                  fingerprint=entry.fingerprint, reason="superseded by a changed configuration"))
 
     def _reattach(self, job: JobSpec, entry: Optional[Entry]) -> Optional[Active]:
-        if entry is None or entry.state not in ("submitting", "submitted"):
-            return None
-        job_id = entry.job_id
-        if job_id is None and entry.kind == "slurm":  # killed between sbatch and the ledger line
-            job_id = slurm.find_job(job_name(self.app.cluster, self.search_id, job.name))
+        job_id = None if entry is None else self._job_id(job, entry)
         if job_id is None:
             return None
         if entry.kind == "slurm" and entry.state == "submitting" and complete_interrupted_submission(job.folder, job_id):

@@ -44,19 +44,19 @@ class Node:
         return not any(self.state.startswith(s) for s in UNAVAILABLE_STATES)
 
 
-def _run(cmd: list[str]) -> Optional[str]:
-    """stdout of a SLURM command, or None when it is missing, fails or hangs."""
+def command_output(cmd: list[str], timeout_s: float = 30) -> Optional[str]:
+    """stdout of a command (SLURM's, nvidia-smi), or None when it is missing, fails or hangs."""
     if shutil.which(cmd[0]) is None:
         return None
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout if out.returncode == 0 else None
 
 
 def default_partition() -> Optional[str]:
-    out = _run(["sinfo", "-h", "-o", "%P"]) or ""
+    out = command_output(["sinfo", "-h", "-o", "%P"]) or ""
     marked = [p.rstrip("*") for p in out.split() if p.endswith("*")]
     return marked[0] if marked else None
 
@@ -69,7 +69,7 @@ def _gpus(gres: str) -> int:
 def partition_nodes(partition: Optional[str]) -> list[Node]:
     """The nodes of ``partition`` (the default partition when None); [] when SLURM does not answer."""
     partition = partition or default_partition()
-    out = _run(["sinfo", "-h", "-N", "-o", "%N|%c|%G|%T"] + (["-p", partition] if partition else []))
+    out = command_output(["sinfo", "-h", "-N", "-o", "%N|%c|%G|%T"] + (["-p", partition] if partition else []))
     nodes = {}
     for line in (out or "").splitlines():
         parts = line.strip().split("|")
@@ -100,13 +100,13 @@ def check_slurm_target(cluster: ClusterConfig, jobs: Iterable[tuple[str, int, in
     """Before any submission: the partition and account exist, and every job (name, nodes, GPUs per node,
     CPUs per node) fits the partition's nodes. ConfigError names the job, what it asks and what is there."""
     if cluster.partition:
-        out = _run(["sinfo", "-h", "-o", "%R"])
+        out = command_output(["sinfo", "-h", "-o", "%R"])
         partitions = sorted(set((out or "").split()))
         if out is not None and cluster.partition not in partitions:
             raise ConfigError("cluster.partition", cluster.partition, "no such SLURM partition",
                               f"use one of {partitions}")
     if cluster.account:
-        out = _run(["sacctmgr", "-n", "-P", "show", "account", cluster.account, "format=account"])
+        out = command_output(["sacctmgr", "-n", "-P", "show", "account", cluster.account, "format=account"])
         if out is not None and cluster.account not in out.split():
             raise ConfigError("cluster.account", cluster.account, "no such SLURM account",
                               "use an account from `sacctmgr show account`")
@@ -126,7 +126,7 @@ def pending_reasons(job_ids: list[str]) -> dict[str, str]:
     """job id -> pending reason (squeue %r) for those of ``job_ids`` that are PENDING."""
     if not job_ids:
         return {}
-    out = _run(["squeue", "-h", "-u", getpass.getuser(), "-j", ",".join(job_ids), "-o", "%i|%T|%r"]) or ""
+    out = command_output(["squeue", "-h", "-u", getpass.getuser(), "-j", ",".join(job_ids), "-o", "%i|%T|%r"]) or ""
     reasons = {}
     for line in out.splitlines():
         parts = line.strip().split("|", 2)
@@ -152,7 +152,7 @@ def find_job(name: str) -> Optional[str]:
     user = getpass.getuser()
     for cmd in (["squeue", "-h", "-u", user, "-o", "%i", "-n", name],
                 ["sacct", "-n", "-X", "-P", "-u", user, "--name", name, "-o", "JobID", "-S", "now-7days"]):
-        out = _run(cmd)
+        out = command_output(cmd)
         ids = [line.strip() for line in (out or "").splitlines() if line.strip()]
         if ids:
             return ids[-1]
@@ -160,4 +160,4 @@ def find_job(name: str) -> Optional[str]:
 
 
 def cancel(job_id: str) -> None:
-    _run(["scancel", job_id])
+    command_output(["scancel", job_id])
