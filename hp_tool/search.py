@@ -1,7 +1,8 @@
 """The training search after planning: launch or resume the trials, watch them, collect the results.
 
-Shared with the inference search (hp_tool/inference/search.py): ``launch`` runs any list of JobSpecs
-through the one launcher with detach, cancel, Ctrl-C handling and the SLURM checks.
+Shared with the inference search (hp_tool/inference/search.py): ``preflight`` checks the SLURM target
+before anything is written, ``launch`` runs any list of JobSpecs through the one launcher with detach,
+cancel and Ctrl-C handling.
 """
 
 from __future__ import annotations
@@ -57,10 +58,9 @@ def launch(app: AppConfig, kind: str, results_dir: Path, ledger_dir: Path, jobs:
            on_end: Optional[Callable[[JobSpec, dict], None]] = None, max_parallel: Optional[int] = None,
            what: str = "trials") -> Optional[Launcher]:
     """Submit, resume, detach or cancel ``jobs``; returns the launcher once every job has ended, None when
-    the command only detached or cancelled. Raises KeyboardInterrupt after telling how to resume."""
-    if kind == "slurm":
-        preflight(app, jobs)
-    elif app.detach:
+    the command only detached or cancelled. Raises KeyboardInterrupt after telling how to resume.
+    On SLURM the caller has run ``preflight`` before writing any file."""
+    if kind != "slurm" and app.detach:
         raise ConfigError("detach", True, "a detached search needs SLURM (local jobs die with the shell)",
                           "drop detach=true, or use cluster=bcm")
     log.info("Launching %d %s with the %s executor", len(jobs), what, kind)

@@ -19,19 +19,20 @@ from typing import Any, Optional
 
 from hp_tool.base_config import choose_model, init_std, resolve_cluster
 from hp_tool.config import AppConfig
+from hp_tool.fingerprint import STALE, stale_reason
 from hp_tool.fsutil import atomic_write_text
 from hp_tool.inference import report
 from hp_tool.inference.grid import (FP32_BYTES, HALF_BYTES, InferenceCandidate, InferenceJobConfig,
                                     dump_job_config, plan_grid)
 from hp_tool.launch.executors import resolve_kind
 from hp_tool.launch.job import JobSpec
-from hp_tool.search import INTERRUPTED, launch
+from hp_tool.search import INTERRUPTED, launch, preflight
 from hp_tool.trial.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
 REPEATS, WARMUP = 10, 2  # timed and untimed generations per config
-NOT_RUN, STALE = "not_run", "stale"
+NOT_RUN = "not_run"
 
 
 def inference_job(config_path: str) -> dict:
@@ -93,8 +94,7 @@ def collect_rows(plan: InferencePlan) -> list[dict]:
             status = c.status if c.status != "valid" else NOT_RUN
             row.update(status=status, reason=c.reason or "no result (never ran, or still pending)")
         elif result.get("fingerprint") != expected:
-            row.update(status=STALE, reason=f"result.json measured another configuration (fingerprint "
-                                            f"{result.get('fingerprint')}, plan {expected}); re-run to measure it")
+            row.update(status=STALE, reason=stale_reason(result.get("fingerprint"), expected))
         else:
             row.update({k: v for k, v in result.items() if k in report.SUMMARY_COLUMNS})
         rows.append(row)
@@ -168,8 +168,10 @@ def run_inference_search(app: AppConfig, search_name: str, results_dir: Path,
     when nothing valid is left."""
     plan = plan_inference(app, results_dir)
     kind = kind or resolve_kind(app, [(1, c.tp * c.pp) for c in plan.configs.values()])
-    write_configs(plan)
     jobs = [inference_job_spec(cfg, plan.config_path(cid)) for cid, cfg in plan.configs.items()]
+    if kind == "slurm":
+        preflight(app, jobs)  # before any file: a config SLURM can never start
+    write_configs(plan)
     try:
         launcher = launch(app, kind, Path(results_dir), plan.root, jobs, _logger(app, plan),
                           max_parallel=1 if kind == "local" else None, what="inference configs")

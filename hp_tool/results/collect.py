@@ -26,7 +26,8 @@ from hp_tool.errors import ConfigError
 from hp_tool.estimate.layout import Layout
 from hp_tool.estimate.speed import extrapolate_step_time_s
 from hp_tool.results.full_run import FullRun, load_full_run
-from hp_tool.results.trial_files import OK, STALE, number, read_trial
+from hp_tool.fingerprint import STALE
+from hp_tool.results.trial_files import OK, number, read_trial
 from hp_tool.sizing import SECONDS_PER_DAY
 from hp_tool.throughput import throughput
 

@@ -13,11 +13,11 @@ import math
 from pathlib import Path
 from typing import Any, Optional
 
+from hp_tool.fingerprint import STALE, stale_reason
 from hp_tool.trial.result import (FIRST_LOSSES, METRICS_FILE, RESULT_FIELDS, RESULT_FILE, STATUSES, blank_result,
                                   step_stats)
 
 OK = "ok"
-STALE = "stale"  # result.json measured another configuration than the plan's (fingerprints differ)
 # A killed trial whose log spans this fraction of its time box most likely hit the limit.
 TIMEOUT_SPAN_FRACTION = 0.9
 # Measurements filled from metrics.jsonl when result.json (e.g. the launcher's) leaves them empty.
@@ -78,9 +78,7 @@ def _read_result_json(path: Path, trial_id: str, fingerprint: Optional[str] = No
         earlier = f"; it said: {result['reason']}" if result.get("reason") else ""
         result.update(status="failed", reason=f"{path.name} {problem}{earlier}")
     elif fingerprint is not None and result.get("fingerprint") != fingerprint:
-        result.update(status=STALE, reason=f"{path.name} measured another configuration (fingerprint "
-                                           f"{result.get('fingerprint')}, plan {fingerprint}); re-run the "
-                                           "same command to measure this one")
+        result.update(status=STALE, reason=stale_reason(result.get("fingerprint"), fingerprint))
     return result
 
 
