@@ -1,7 +1,8 @@
 """Model size and the runnable base training config for it. Pure, no I/O.
 
 The base config is a TrialSpec in ``full`` mode: the shape, optimizer and schedule, global batch size
-and the table's starting TP/PP for the whole cluster.
+and the table's starting TP/PP for the whole cluster, on the torch engine with FSDP2 full sharding
+(ZeRO-3), which runs every TP/PP; the search then finds the engine, stage and offload.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ def resolve_cluster(app: AppConfig) -> Cluster:
         inter_node_bandwidth_gbps=gpu.inter_node_bandwidth_gbps,
         memory_overhead_gb=gpu.memory_overhead_gb,
         precision=ts.precision,
+        host_ram_gb=gpu.host_ram_gb,
+        pcie_bandwidth_gbps=gpu.pcie_bandwidth_gbps,
     )
     sizing = ts.tflops_per_gpu if ts.tflops_per_gpu is not None else round(SIZING_MFU * peak, 1)
     return Cluster(ts.num_nodes, hw, gpu.price_per_gpu_hour, gpu.name, sizing)
@@ -140,18 +143,19 @@ def base_spec(app: AppConfig, model: ModelChoice, cluster: Cluster) -> TrialSpec
             f"use a multiple of {dp}, or change num_nodes")
     hw = cluster.hw
     return TrialSpec(
-        trial_id=make_trial_id(s.family, model.label, tp, pp, 1, 0),
+        trial_id=make_trial_id(s.family, model.label, tp, pp, 1, 0, "torch", 3),
         model=ModelSpec(s.family, s.num_layers, s.hidden_size, s.num_attention_heads, s.num_kv_heads,
                         s.ffn_hidden_size, s.vocab_size, s.seq_length,
                         init_method_std=init_std(s),
                         num_parameters=model.num_parameters),
-        parallel=ParallelSpec(tp=tp, pp=pp, dp=dp, mbs=1, act_ckpt_layers=0, dp_sharding=ts.dp_sharding),
+        parallel=ParallelSpec(tp=tp, pp=pp, dp=dp, mbs=1, act_ckpt_layers=0, engine="torch", zero_stage=3),
         training=TrainingSpec(global_batch_size=gbs, precision=ts.precision, lr=model.lr,
                               min_lr=round(0.1 * model.lr, 10), warmup_steps=warmup,
                               constant_steps=constant, max_steps=max_steps),
         resources=ResourcesSpec(cluster.num_nodes, hw.gpus_per_node, hw.gpu_memory_gb, hw.peak_tflops,
                                 hw.intra_node_bandwidth_gbps, hw.inter_node_bandwidth_gbps,
-                                cluster.gpu_hour_price, gpu=cluster.gpu_name),
+                                cluster.gpu_hour_price, gpu=cluster.gpu_name, host_ram_gb=hw.host_ram_gb,
+                                pcie_bandwidth_gbps=hw.pcie_bandwidth_gbps),
         run=RunSpec(mode="full", max_minutes=ts.max_training_days * 24 * 60, max_steps=max_steps,
                     stable_cv=0.0),
         full_run=FullRunSpec(cluster.num_nodes, dp, gbs, ts.num_tokens_in_b, max_steps),

@@ -1,12 +1,16 @@
-"""Candidate grid: product of TP x PP x MBS x checkpointed layers -> validity -> estimates -> prune -> order.
+"""Candidate grid: product of engine x TP x PP x MBS x checkpointed layers x (ZeRO stage, offload)
+-> validity -> estimates -> prune -> order.
 
 Pure planning: no I/O, no torch. Every candidate ends with a status and, unless selected, the reason:
-``invalid`` (the layout cannot exist on this model and cluster), ``pruned`` (predicted not to fit in
-memory), ``over_limit`` (valid and fitting, but ranked below limit_search_runs), ``selected``.
+``invalid`` (the layout cannot exist on this model and cluster, or the engine cannot run the
+combination), ``pruned`` (predicted not to fit in GPU memory or host RAM), ``dominated`` (zero_stages /
+offload left to the heuristic: a lighter memory saver already fits this layout and is predicted no
+slower), ``over_limit`` (valid and fitting, but ranked below limit_search_runs), ``selected``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
@@ -16,12 +20,13 @@ from hp_tool.architectures import Shape
 from hp_tool.base_config import TS, Cluster
 from hp_tool.config import TrainSettings
 from hp_tool.estimate.layout import Layout
-from hp_tool.estimate.memory import estimate_memory
+from hp_tool.estimate.memory import estimate_memory, host_memory_gb
 from hp_tool.estimate.speed import estimate_step_time
 from hp_tool.tables import ACT_CKPT_STEP, GPT3_GRID, LLAMA_GRID, lookup
+from hp_tool.sharding import OFFLOADS, SAVING_ORDER, ZERO_STAGES, combination_problem
 from hp_tool.throughput import throughput
 
-SELECTED, PRUNED, INVALID, OVER_LIMIT = "selected", "pruned", "invalid", "over_limit"
+SELECTED, PRUNED, INVALID, OVER_LIMIT, DOMINATED = "selected", "pruned", "invalid", "over_limit", "dominated"
 
 
 @dataclass(slots=True)
@@ -30,6 +35,9 @@ class Candidate:
     pp: int
     mbs: int
     act_ckpt_layers: int
+    engine: str = "torch"
+    zero_stage: int = 3
+    offload: str = "none"
     dp: int = 0  # data-parallel replicas of the full run
     status: str = SELECTED
     reason: str = ""
@@ -40,6 +48,7 @@ class Candidate:
     trial_global_batch_size: int = 0  # the full run's per-replica batch times trial_dp
     memory_gb: Optional[float] = None  # predicted peak per GPU in the trial
     full_memory_gb: Optional[float] = None  # predicted peak per GPU in the full run
+    host_memory_gb: Optional[float] = None  # predicted host RAM of the busiest node (trial or full run)
     step_time_s: Optional[float] = None  # predicted optimizer step of the full run
     tokens_per_s_per_gpu: Optional[float] = None
     model_tflops_per_gpu: Optional[float] = None
@@ -57,6 +66,9 @@ class Grid:
     act_ckpt: Optional[list[int]]  # None: heuristic values per PP
     mp_range: tuple[int, int]
     act_ckpt_step: int
+    engines: list[str] = dataclasses.field(default_factory=lambda: ["torch"])
+    savers: list[tuple[int, str]] = dataclasses.field(default_factory=lambda: [(3, "none")])  # (stage, offload)
+    heuristic_savers: bool = False  # keep only the first saver that fits each layout (zero_stages/offload null)
 
 
 def grid_table(shape: Shape) -> list:
@@ -68,13 +80,27 @@ def grid_table(shape: Shape) -> list:
     return LLAMA_GRID[next((n for n in lengths if n >= shape.seq_length), lengths[-1])]
 
 
-def build_grid(ts: TrainSettings, shape: Shape, size_b: float) -> Grid:
+def memory_savers(ts: TrainSettings, host_ram_known: bool) -> tuple[list[tuple[int, str]], bool]:
+    """The (ZeRO stage, offload) pairs to search and whether the heuristic picks among them per layout.
+
+    Both lists given: every pair. Either left null: the pairs of SAVING_ORDER the given list allows (all
+    stages, and offload only with a host RAM figure), tried lightest first; the first that fits a layout
+    is searched (a lighter saver is never predicted slower)."""
+    if ts.zero_stages is not None and ts.offload is not None:
+        return [(z, o) for z in ts.zero_stages for o in ts.offload], False
+    stages = ts.zero_stages if ts.zero_stages is not None else ZERO_STAGES
+    offloads = ts.offload if ts.offload is not None else (OFFLOADS if host_ram_known else ("none",))
+    return [(z, o) for z, o in SAVING_ORDER if z in stages and o in offloads], True
+
+
+def build_grid(ts: TrainSettings, shape: Shape, size_b: float, host_ram_known: bool = True) -> Grid:
     """Heuristic lists for the family, size and sequence length (NeMo tables) with the user's lists taking
     their place when given."""
     num_layers = shape.num_layers
     tp, pp, mbs, (lo, hi) = lookup(grid_table(shape), size_b, inclusive=True)
     if ts.pipeline_parallel_sizes is None:  # the heuristic keeps only PP values that divide the layers
         pp = [p for p in pp if num_layers % p == 0] or [1]
+    savers, heuristic = memory_savers(ts, host_ram_known)
     return Grid(
         tp=list(ts.tensor_parallel_sizes or tp),
         pp=list(ts.pipeline_parallel_sizes or pp),
@@ -82,6 +108,9 @@ def build_grid(ts: TrainSettings, shape: Shape, size_b: float) -> Grid:
         act_ckpt=None if ts.act_ckpt_layers is None else list(ts.act_ckpt_layers),
         mp_range=(ts.min_model_parallel_size or lo, ts.max_model_parallel_size or hi),
         act_ckpt_step=lookup(ACT_CKPT_STEP, size_b),
+        engines=list(ts.engines or ["torch"]),
+        savers=savers,
+        heuristic_savers=heuristic,
     )
 
 
@@ -118,58 +147,103 @@ def invalid_reason(shape: Shape, c: Candidate, gbs: int, cluster: Cluster,
     return None
 
 
-def _trial_layout(c: Candidate, gbs: int, gpn: int, dp_sharding: str) -> Layout:
-    """Benchmark on the fewest whole nodes that hold TP*PP, data parallelism filling them; each replica
-    does the full run's per-replica work, so the step time carries over."""
+def _layout(c: Candidate, dp: int, gbs: int) -> Layout:
+    return Layout(c.tp, c.pp, dp, c.mbs, c.act_ckpt_layers, gbs, c.zero_stage, c.offload, c.engine)
+
+
+def trial_node_counts(mp: int, gpn: int, num_nodes: int) -> list[int]:
+    """Node counts a benchmark of a TP*PP=mp layout can use, fewest first: whole nodes holding whole
+    model replicas (the fewest is ceil(mp / gpn) nodes), up to the full run's."""
+    fewest = math.ceil(mp / gpn)
+    more = [k for k in range(fewest + 1, num_nodes + 1) if (k * gpn) % mp == 0]
+    return [fewest] + more
+
+
+def _set_trial(c: Candidate, gbs: int, gpn: int, nodes: int) -> Layout:
+    """The benchmark on ``nodes`` nodes, data parallelism filling them; each replica does the full run's
+    per-replica work, so the step time carries over."""
     mp = c.tp * c.pp
-    c.trial_nodes = math.ceil(mp / gpn)
-    c.trial_dp = max(1, (c.trial_nodes * gpn) // mp)
-    c.trial_gpus_per_node = mp * c.trial_dp // c.trial_nodes
+    c.trial_nodes = nodes
+    c.trial_dp = max(1, (nodes * gpn) // mp)
+    c.trial_gpus_per_node = mp * c.trial_dp // nodes
     c.trial_global_batch_size = gbs // c.dp * c.trial_dp
-    return Layout(c.tp, c.pp, c.trial_dp, c.mbs, c.act_ckpt_layers, c.trial_global_batch_size, dp_sharding)
+    return _layout(c, c.trial_dp, c.trial_global_batch_size)
 
 
-def estimate(shape: Shape, c: Candidate, gbs: int, cluster: Cluster, dp_sharding: str) -> None:
-    """Fill the candidate's predicted memory (trial and full run) and full-run step time."""
+def estimate(shape: Shape, c: Candidate, gbs: int, cluster: Cluster, usable_gb: float) -> None:
+    """Fill the candidate's predicted memory (trial and full run), host RAM and full-run step time.
+
+    The trial runs on the fewest whole nodes whose data-parallel shards make it fit in ``usable_gb``
+    per GPU (sharded stages need more ranks to fit; the full run's nodes at most)."""
     hw = cluster.hw
-    full = Layout(c.tp, c.pp, c.dp, c.mbs, c.act_ckpt_layers, gbs, dp_sharding)
-    trial = _trial_layout(c, gbs, hw.gpus_per_node, dp_sharding)
-    c.memory_gb = estimate_memory(shape, trial, hw).total_gb
+    full = _layout(c, c.dp, gbs)
     c.full_memory_gb = estimate_memory(shape, full, hw).total_gb
+    for nodes in trial_node_counts(c.tp * c.pp, hw.gpus_per_node, cluster.num_nodes):
+        trial = _set_trial(c, gbs, hw.gpus_per_node, nodes)
+        c.memory_gb = estimate_memory(shape, trial, hw).total_gb
+        if c.memory_gb <= usable_gb:
+            break
+    c.host_memory_gb = max(host_memory_gb(shape, trial, c.trial_gpus_per_node, gather_checkpoint=False),
+                           host_memory_gb(shape, full, hw.gpus_per_node, gather_checkpoint=True))
     step = estimate_step_time(shape, full, hw, cluster.num_nodes).total_s
     c.step_time_s = step
     rate = throughput(shape, gbs, step, cluster.gpus, hw.peak_tflops)
     c.tokens_per_s_per_gpu, c.model_tflops_per_gpu = rate["tokens_per_s_per_gpu"], rate["model_tflops_per_gpu"]
 
 
+def _check(shape: Shape, c: Candidate, gbs: int, cluster: Cluster, grid: Grid, ts: TrainSettings) -> None:
+    """Set the candidate's status: invalid, pruned (GPU memory, then host RAM) or selected (for now)."""
+    bad = invalid_reason(shape, c, gbs, cluster, grid.mp_range) or \
+        combination_problem(c.engine, c.zero_stage, c.offload, c.tp, c.pp)
+    if bad:
+        c.reject(INVALID, f"{TS}.{bad[0]}", bad[1])
+        return
+    hw = cluster.hw
+    usable = hw.gpu_memory_gb * (1 - ts.memory_margin)
+    estimate(shape, c, gbs, cluster, usable)
+    need = max(c.memory_gb, c.full_memory_gb)
+    if need > usable:
+        c.reject(PRUNED, "gpu.memory_gb",
+                 f"predicted {need:.2f} GB per GPU > {usable:.2f} GB usable "
+                 f"({hw.gpu_memory_gb:g} GB - {ts.memory_margin:.0%} margin)")
+        return
+    if hw.host_ram_gb is not None:
+        host_usable = hw.host_ram_gb * (1 - ts.memory_margin)
+        if c.host_memory_gb > host_usable:
+            c.reject(PRUNED, "gpu.host_ram_gb",
+                     f"predicted {c.host_memory_gb:.1f} GB host RAM per node > {host_usable:.1f} GB usable "
+                     f"({hw.host_ram_gb:g} GB - {ts.memory_margin:.0%} margin)")
+
+
 def plan_candidates(shape: Shape, size_b: float, ts: TrainSettings, cluster: Cluster, gbs: int,
                     grid: Optional[Grid] = None) -> list[Candidate]:
     """Every candidate of the grid (default: ``build_grid``), with status and reason; selected ones
     ranked fastest first."""
-    grid = grid or build_grid(ts, shape, size_b)
-    usable = cluster.hw.gpu_memory_gb * (1 - ts.memory_margin)
+    grid = grid or build_grid(ts, shape, size_b, cluster.hw.host_ram_gb is not None)
     out: list[Candidate] = []
-    for tp, pp, mbs in itertools.product(grid.tp, grid.pp, grid.mbs):
+    for engine, tp, pp, mbs in itertools.product(grid.engines, grid.tp, grid.pp, grid.mbs):
         for ac in act_ckpt_values(grid, shape.num_layers, pp):
-            c = Candidate(tp, pp, mbs, ac, dp=max(1, cluster.gpus // (tp * pp)))
-            out.append(c)
-            bad = invalid_reason(shape, c, gbs, cluster, grid.mp_range)
-            if bad:
-                c.reject(INVALID, f"{TS}.{bad[0]}", bad[1])
-                continue
-            estimate(shape, c, gbs, cluster, ts.dp_sharding)
-            need = max(c.memory_gb, c.full_memory_gb)
-            if need > usable:
-                c.reject(PRUNED, "gpu.memory_gb",
-                         f"predicted {need:.2f} GB per GPU > {usable:.2f} GB usable "
-                         f"({cluster.hw.gpu_memory_gb:g} GB - {ts.memory_margin:.0%} margin)")
+            found = None  # (stage, offload) of the first saver that fits, under the heuristic
+            for stage, offload in grid.savers:
+                c = Candidate(tp, pp, mbs, ac, engine, stage, offload, dp=max(1, cluster.gpus // (tp * pp)))
+                out.append(c)
+                if found is not None:
+                    c.reject(DOMINATED, f"{TS}.zero_stages",
+                             f"ZeRO-{found[0]} with offload {found[1]} already fits this layout and is predicted "
+                             f"no slower (zero_stages/offload null search the lightest saver that fits; "
+                             f"list them to search more)")
+                    continue
+                _check(shape, c, gbs, cluster, grid, ts)
+                if grid.heuristic_savers and c.status == SELECTED:
+                    found = (stage, offload)
     _rank(out, ts.limit_search_runs)
     return out
 
 
 def _rank(cands: list[Candidate], limit: int) -> None:
     fitting = [c for c in cands if c.status == SELECTED]
-    fitting.sort(key=lambda c: (c.step_time_s, c.memory_gb, c.tp, c.pp, c.mbs, c.act_ckpt_layers))
+    fitting.sort(key=lambda c: (c.step_time_s, c.memory_gb, c.tp, c.pp, c.mbs, c.act_ckpt_layers, c.engine,
+                                c.zero_stage, c.offload))
     for i, c in enumerate(fitting, start=1):
         c.rank = i
         if i > limit:

@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import difflib
 import functools
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -20,6 +21,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from hp_tool.architectures import PLANNER_FAMILIES
 from hp_tool.errors import ConfigError, require
+from hp_tool.sharding import ENGINES, OFFLOADS, ZERO_STAGES
 from hp_tool.trial.spec import PRECISIONS
 
 CLUSTER_TYPES = ("local", "bcm", "auto")
@@ -46,6 +48,16 @@ def _positive_list(obj: object, prefix: str, names: tuple[str, ...], allow_zero:
         low = 0 if allow_zero else 1
         bad = [v for v in values if v < low]
         require(not bad, key, values, f"has values below {low}: {bad}", f"use integers >= {low}")
+
+
+def _members(obj: object, prefix: str, name: str, allowed: tuple) -> None:
+    values = getattr(obj, name)
+    if values is None:
+        return
+    key = f"{prefix}.{name}"
+    require(len(values) > 0, key, values, "is an empty list", f"give some of {list(allowed)}, or null for the heuristic")
+    bad = [v for v in values if v not in allowed]
+    require(not bad, key, values, f"has unknown values {bad}", f"use values from {list(allowed)}")
 
 
 def _seq_and_vocab(prefix: str, seq: Optional[int], vocab: int) -> None:
@@ -81,7 +93,8 @@ class GpuConfig:
     peak_tflops: PeakTflops = field(default_factory=PeakTflops)
     intra_node_bandwidth_gbps: float = MISSING  # GB/s per GPU and direction within a node
     inter_node_bandwidth_gbps: float = MISSING  # GB/s per GPU across nodes
-    host_ram_gb: float = MISSING  # host RAM per node, GB
+    host_ram_gb: Optional[float] = None  # host RAM per node, GB; null = unknown (no offload planning)
+    pcie_bandwidth_gbps: float = MISSING  # GB/s per GPU and direction between host and GPU (offload)
     memory_overhead_gb: float = MISSING  # calibrated per-GPU framework overhead (context, buffers), GB
     price_per_gpu_hour: Optional[float] = None  # USD; the shipped values are examples
 
@@ -89,7 +102,7 @@ class GpuConfig:
         if self.name == MISSING:  # the schema's placeholder, before a preset is merged in
             return
         _positive(self, "gpu", ("memory_gb", "intra_node_bandwidth_gbps", "inter_node_bandwidth_gbps",
-                                "host_ram_gb", "price_per_gpu_hour"))
+                                "host_ram_gb", "pcie_bandwidth_gbps", "price_per_gpu_hour"))
         _positive(self.peak_tflops, "gpu.peak_tflops", PRECISIONS)
         require(0 <= self.memory_overhead_gb < self.memory_gb, "gpu.memory_overhead_gb",
                 self.memory_overhead_gb, f"must be at least 0 and below gpu.memory_gb={self.memory_gb}",
@@ -175,7 +188,9 @@ class TrainSettings:
     seq_length: int = 2048
     global_batch_size: Optional[int] = None  # null = table default for the size and seq length
     precision: str = "bf16"
-    dp_sharding: str = "full"  # none (DDP) | gradients | full (FSDP2)
+    engines: Optional[List[str]] = None  # torch | deepspeed; null = [torch]
+    zero_stages: Optional[List[int]] = None  # 0-3; null = per layout, the lowest stage that fits
+    offload: Optional[List[str]] = None  # none | optimizer | optimizer_and_params; null = only if needed
     memory_margin: float = 0.05  # fraction of GPU memory kept free when pruning
     tensor_parallel_sizes: Optional[List[int]] = None
     pipeline_parallel_sizes: Optional[List[int]] = None
@@ -196,8 +211,13 @@ class TrainSettings:
         _positive_list(self, p, ("act_ckpt_layers",), allow_zero=True)
         require(self.precision in PRECISIONS, f"{p}.precision", self.precision,
                 "unknown precision", "use bf16, fp16 or fp32")
-        require(self.dp_sharding in ("none", "gradients", "full"), f"{p}.dp_sharding", self.dp_sharding,
-                "unknown sharding", "use none (DDP), gradients or full (FSDP)")
+        _members(self, p, "engines", ENGINES)
+        _members(self, p, "zero_stages", ZERO_STAGES)
+        _members(self, p, "offload", OFFLOADS)
+        if "deepspeed" in (self.engines or ()) and importlib.util.find_spec("deepspeed") is None:
+            raise ConfigError(f"{p}.engines", self.engines, "the deepspeed engine was asked for but DeepSpeed "
+                              "is not installed", 'pip install "hp_tool[deepspeed]" (or pip install deepspeed), '
+                              "or search engines=[torch]")
         require(0 <= self.memory_margin < 1, f"{p}.memory_margin", self.memory_margin,
                 "must be a fraction in [0, 1)", "e.g. 0.05 keeps 5% of GPU memory free")
         lo, hi = self.min_model_parallel_size, self.max_model_parallel_size
@@ -260,6 +280,13 @@ class AppConfig:
     wait_for_lock: bool = False  # another orchestrator holds the results folder: wait instead of exit 2
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
+    def __post_init__(self) -> None:
+        offload = self.search_config.train_settings.offload or []
+        asked = [o for o in offload if o != "none"]
+        require(not asked or self.gpu.host_ram_gb is not None, "gpu.host_ram_gb", self.gpu.host_ram_gb,
+                f"offload {asked} needs the host RAM per node to plan, and the gpu preset gives none",
+                "set gpu.host_ram_gb=<GB per node>, or search offload=[none]")
+
 
 def register() -> None:
     ConfigStore.instance().store(name="hp_tool_schema", node=AppConfig)
@@ -275,6 +302,11 @@ MOVED_KEYS = {
     "cluster.memory_overhead_gb": "gpu.memory_overhead_gb",
     "cluster.gpu_hour_price": "gpu.price_per_gpu_hour",
     "search_config.train_settings.gpu_memory_gb": "gpu.memory_gb",
+    "search_config.train_settings.dp_sharding": "search_config.train_settings.zero_stages",
+}
+MOVED_FIXES = {  # keys whose new form is not a plain copy of the value
+    "search_config.train_settings.dp_sharding":
+        "use search_config.train_settings.zero_stages=[N]: none -> [0], gradients -> [2], full -> [3]",
 }
 GROUPS = ("cluster", "gpu", "search_config")
 
@@ -283,8 +315,8 @@ def unknown_key_error(key: str, value: object) -> ConfigError:
     """The error for a key the schema does not have: where it moved, or the closest real key."""
     if key in MOVED_KEYS:
         new = MOVED_KEYS[key]
-        return ConfigError(key, value, f"was moved to {new}",
-                           f"use {new}=<value>, or choose a preset of the gpu group, e.g. gpu=h100_80gb")
+        return ConfigError(key, value, f"was moved to {new}", MOVED_FIXES.get(
+            key, f"use {new}=<value>, or choose a preset of the gpu group, e.g. gpu=h100_80gb"))
     parent, _, name = key.rpartition(".")
     siblings = _schema_children(parent)
     close = difflib.get_close_matches(name, siblings, n=1)

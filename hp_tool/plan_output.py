@@ -11,17 +11,17 @@ from typing import Any, Iterable
 from hp_tool.candidates import SELECTED, Candidate
 from hp_tool.cost import cost_columns
 from hp_tool.fsutil import atomic_write_text
-from hp_tool.planner import Plan
+from hp_tool.planner import Plan, candidate_trial_id
 from hp_tool.sizing import SECONDS_PER_DAY
-from hp_tool.trial.spec import dump_spec, make_trial_id
+from hp_tool.trial.spec import dump_spec
 
 log = logging.getLogger(__name__)
 
 PLAN_COLUMNS = (
     "trial_id", "model_family", "model_size_b", "tp", "pp", "dp", "mbs", "act_ckpt_layers",
-    "global_batch_size", "num_nodes", "trial_num_nodes", "trial_dp", "trial_global_batch_size",
+    "engine", "zero_stage", "offload", "global_batch_size", "num_nodes", "trial_num_nodes", "trial_dp", "trial_global_batch_size",
     "fingerprint", "predicted_memory_gb",
-    "predicted_full_memory_gb", "predicted_step_time_s", "predicted_tokens_per_s_per_gpu",
+    "predicted_full_memory_gb", "predicted_host_memory_gb", "predicted_step_time_s", "predicted_tokens_per_s_per_gpu",
     "predicted_model_tflops_per_gpu", "predicted_days_to_train", "predicted_full_run_cost_usd",
     "predicted_cost_usd_per_million_tokens", "predicted_rank", "plan_status", "reason",
 )
@@ -37,7 +37,7 @@ def plan_rows(plan: Plan) -> Iterable[dict[str, Any]]:
     price, gpus = plan.cluster.gpu_hour_price, plan.cluster.gpus
     specs = {s.trial_id: s for s in plan.specs}  # what each selected trial runs, as its YAML says
     for c in plan.candidates:
-        trial_id = make_trial_id(m.shape.family, m.label, c.tp, c.pp, c.mbs, c.act_ckpt_layers)
+        trial_id = candidate_trial_id(m, c)
         spec = specs.get(trial_id)
         days = None if c.step_time_s is None else full.max_steps * c.step_time_s / SECONDS_PER_DAY
         cost = {}
@@ -47,6 +47,7 @@ def plan_rows(plan: Plan) -> Iterable[dict[str, Any]]:
             "trial_id": trial_id,
             "model_family": m.shape.family, "model_size_b": round(m.num_parameters / 1e9, 6),
             "tp": c.tp, "pp": c.pp, "dp": c.dp, "mbs": c.mbs, "act_ckpt_layers": c.act_ckpt_layers,
+            "engine": c.engine, "zero_stage": c.zero_stage, "offload": c.offload,
             "global_batch_size": full.global_batch_size, "num_nodes": full.num_nodes,
             "trial_num_nodes": spec.resources.num_nodes if spec else c.trial_nodes or None,
             "trial_dp": spec.parallel.dp if spec else c.trial_dp or None,
@@ -54,6 +55,7 @@ def plan_rows(plan: Plan) -> Iterable[dict[str, Any]]:
             "fingerprint": spec.fingerprint() if spec else None,
             "predicted_memory_gb": _round(c.memory_gb, 3),
             "predicted_full_memory_gb": _round(c.full_memory_gb, 3),
+            "predicted_host_memory_gb": _round(c.host_memory_gb, 2),
             "predicted_step_time_s": _round(c.step_time_s, 6),
             "predicted_tokens_per_s_per_gpu": _round(c.tokens_per_s_per_gpu, 2),
             "predicted_model_tflops_per_gpu": _round(c.model_tflops_per_gpu, 3),
@@ -99,14 +101,16 @@ def render_plan(plan: Plan, max_rows: int = 25) -> str:
     from rich.table import Table
 
     table = Table(title=f"Training candidates for {plan.search_name} ({_counts(plan.candidates)})")
-    for col in ("rank", "trial_id", "TP", "PP", "DP", "MBS", "ckpt", "mem GB", "step s", "tok/s/GPU"):
-        table.add_column(col, justify="left" if col == "trial_id" else "right")
+    for col in ("rank", "trial_id", "TP", "PP", "DP", "MBS", "ckpt", "engine", "ZeRO", "offload", "GPU GB",
+                "host GB", "step s", "tok/s/GPU"):
+        table.add_column(col, justify="left" if col in ("trial_id", "engine", "offload") else "right")
     for c, spec in zip(sorted((c for c in plan.candidates if c.status == SELECTED), key=lambda c: c.rank),
                        plan.specs[:max_rows]):
         table.add_row(str(c.rank), spec.trial_id, str(c.tp), str(c.pp), str(c.dp), str(c.mbs),
-                      str(c.act_ckpt_layers), f"{c.memory_gb:.2f}", f"{c.step_time_s:.4g}",
-                      f"{c.tokens_per_s_per_gpu:,.0f}")
-    console = Console(file=io.StringIO(), width=140, force_terminal=False)
+                      str(c.act_ckpt_layers), c.engine, str(c.zero_stage), c.offload,
+                      f"{max(c.memory_gb, c.full_memory_gb):.2f}", f"{c.host_memory_gb:.1f}",
+                      f"{c.step_time_s:.4g}", f"{c.tokens_per_s_per_gpu:,.0f}")
+    console = Console(file=io.StringIO(), width=190, force_terminal=False)
     console.print(plan.sentence, soft_wrap=True)
     console.print(table)
     hidden = len(plan.specs) - max_rows

@@ -64,25 +64,34 @@ def _require_selection(candidates: list[Candidate], ts, cluster: Cluster) -> Non
         raise ConfigError(key, getattr(ts, name, None),
                           f"no candidate layout is valid for this model and cluster: {summary}",
                           FIXES.get(name, "change the search settings"))
-    best = min(valid, key=lambda c: max(c.memory_gb, c.full_memory_gb))
-    raise ConfigError("gpu.memory_gb", cluster.hw.gpu_memory_gb,
-                      f"no valid layout fits in memory; the smallest is TP={best.tp} PP={best.pp} "
-                      f"MBS={best.mbs} act_ckpt={best.act_ckpt_layers}: {best.reason}",
+    measured = [c for c in valid if c.memory_gb is not None]
+    best = min(measured, key=lambda c: max(c.memory_gb, c.full_memory_gb))
+    host = best.reason_key == "gpu.host_ram_gb"
+    raise ConfigError(best.reason_key, cluster.hw.host_ram_gb if host else cluster.hw.gpu_memory_gb,
+                      f"no valid layout fits in {'host RAM' if host else 'memory'}; the smallest is "
+                      f"TP={best.tp} PP={best.pp} MBS={best.mbs} act_ckpt={best.act_ckpt_layers} "
+                      f"{best.engine} ZeRO-{best.zero_stage} offload {best.offload}: {best.reason}",
                       "allow larger tensor_parallel_sizes / pipeline_parallel_sizes, smaller "
-                      "micro_batch_sizes, more act_ckpt_layers, or use GPUs with more memory")
+                      "micro_batch_sizes, more act_ckpt_layers, higher zero_stages or offload, "
+                      "or use GPUs (nodes) with more memory")
+
+
+def candidate_trial_id(model: ModelChoice, c: Candidate) -> str:
+    return make_trial_id(model.shape.family, model.label, c.tp, c.pp, c.mbs, c.act_ckpt_layers, c.engine,
+                         c.zero_stage, c.offload)
 
 
 def candidate_spec(base: TrialSpec, c: Candidate, model: ModelChoice, app: AppConfig,
                    results_dir: Path) -> TrialSpec:
     """The benchmark TrialSpec of a selected candidate: its layout on the fewest whole nodes."""
     ts = app.search_config.train_settings
-    trial_id = make_trial_id(model.shape.family, model.label, c.tp, c.pp, c.mbs, c.act_ckpt_layers)
+    trial_id = candidate_trial_id(model, c)
     gbs = base.training.global_batch_size
     return dataclasses.replace(
         base,
         trial_id=trial_id,
         parallel=ParallelSpec(c.tp, c.pp, c.trial_dp, c.mbs, c.act_ckpt_layers,
-                              base.parallel.pipeline_schedule, ts.dp_sharding),
+                              base.parallel.pipeline_schedule, c.engine, c.zero_stage, c.offload),
         training=dataclasses.replace(base.training, global_batch_size=c.trial_global_batch_size),
         resources=dataclasses.replace(base.resources, num_nodes=c.trial_nodes,
                                       gpus_per_node=c.trial_gpus_per_node),

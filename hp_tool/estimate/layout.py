@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 GB = 1e9  # hp_tool reports memory in GB of 1e9 bytes, as GPU vendors label their memory
 
@@ -19,7 +20,9 @@ class Layout:
     mbs: int
     act_ckpt_layers: int  # layers per pipeline stage whose activations are recomputed
     global_batch_size: int
-    dp_sharding: str = "full"  # none (DDP) | gradients (ZeRO-2-like) | full (FSDP / ZeRO-3)
+    zero_stage: int = 3  # ZeRO stage over the data-parallel group (hp_tool/sharding.py)
+    offload: str = "none"  # none | optimizer | optimizer_and_params
+    engine: str = "torch"  # torch | deepspeed
     sequence_parallel: bool = False
 
     @property
@@ -43,6 +46,8 @@ class Hardware:
     inter_node_bandwidth_gbps: float
     memory_overhead_gb: float  # framework overhead: CUDA context, allocator slack, comm buffers
     precision: str = "bf16"
+    host_ram_gb: Optional[float] = None  # host RAM per node; None = unknown (offload cannot be planned)
+    pcie_bandwidth_gbps: float = 25.0  # GB/s per GPU and direction between host and GPU (offload traffic)
     flash_attention: bool = True  # attention scores are not stored (SDPA / flash kernels)
 
     @property

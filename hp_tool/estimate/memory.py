@@ -1,7 +1,8 @@
 """Analytic peak memory per GPU for one training layout. Pure arithmetic, no torch.
 
-Model states: mixed-precision Adam, 16 bytes per parameter, divided as ZeRO does (Rajbhandari et al.
-2020). Activations per layer: GPT from Korthikanti et al. 2022, "Reducing Activation Recomputation in
+Model states: mixed-precision Adam, 16 bytes per parameter (2 weights, 2 gradients, 12 fp32 master
+and Adam moments), each part divided over the data-parallel ranks from the ZeRO stage that shards it
+(Rajbhandari et al. 2020), and moved to host RAM when offloaded. Activations per layer: GPT from Korthikanti et al. 2022, "Reducing Activation Recomputation in
 Large Transformer Models", Table 2; Llama (GQA, SwiGLU, RMSNorm, RoPE) derived the same way in
 ``llama_activation_bytes_per_layer``. Pipeline: 1F1B keeps up to PP micro-batches in flight on the first stage.
 Logits: a 16-bit logits tensor upcast to fp32 for the loss, plus its fp32 gradient.
@@ -15,10 +16,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hp_tool.architectures import Shape, layer_parameters, vocab_parallel_parameters
+from typing import Optional
+
+from hp_tool.architectures import Shape, count_parameters, layer_parameters, vocab_parallel_parameters
 from hp_tool.estimate.layout import GB, Hardware, Layout
 
 MODEL_STATE_BYTES = 16  # 2 (16-bit weights) + 2 (16-bit grads) + 12 (fp32 master, Adam m, v)
+# Host bytes per parameter shard that offload keeps in RAM: fp32 master, m, v and the fp32 gradient (16),
+# DeepSpeed's parameter offload adds the 16-bit parameter (18: REFERENCE §5, "18·M/N·K"); FSDP2's
+# CPUOffloadPolicy keeps the fp32 parameter as the master, so 16 either way.
+HOST_OFFLOAD_BYTES = {("deepspeed", "optimizer"): 16, ("deepspeed", "optimizer_and_params"): 18,
+                      ("torch", "optimizer_and_params"): 16}
+CHECKPOINT_GATHER_BYTES = 4  # per parameter of the whole model: a full fp32 checkpoint gathered on rank 0
+HOST_PROCESS_OVERHEAD_GB = 3.0  # host RAM of one training process (torch, CUDA libraries, data); calibrate
 
 
 def activation_bytes_per_layer(seq: int, mbs: int, hidden: int, heads: int, tp: int = 1,
@@ -76,13 +86,37 @@ def layer_activation_bytes(shape: Shape, mbs: int, tp: int, sequence_parallel: b
                                       sequence_parallel, not hw.flash_attention, hw.bytes_per_value)
 
 
-def model_state_bytes(params: float, dp: int, sharding: str) -> float:
-    """Weights, gradients and Adam states of ``params`` local parameters under a sharding scheme."""
-    if dp == 1 or sharding == "none":
-        return MODEL_STATE_BYTES * params
-    if sharding == "gradients":  # weights stay gathered between forward and backward
-        return 2 * params + 14 * params / dp
-    return MODEL_STATE_BYTES * params / dp
+def model_state_bytes(params: float, dp: int, zero_stage: int = 3, offload: str = "none") -> float:
+    """GPU bytes of weights (2), gradients (2) and fp32 master + Adam moments (12) of ``params`` local
+    parameters: ZeRO-1 divides the 12 over the ``dp`` ranks, ZeRO-2 also the gradients, ZeRO-3 also the
+    weights (REFERENCE §5: 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N); offload leaves the optimizer part (and
+    with optimizer_and_params the weights and gradients too) in host RAM."""
+    n = max(1, dp)
+    on_gpu = offload != "optimizer_and_params"
+    weights = 2 * params / (n if zero_stage >= 3 else 1) if on_gpu else 0.0
+    grads = 2 * params / (n if zero_stage >= 2 else 1) if on_gpu else 0.0
+    optimizer = 12 * params / (n if zero_stage >= 1 else 1) if offload == "none" else 0.0
+    return weights + grads + optimizer
+
+
+def stage_parameters(shape: Shape, tp: int, pp: int) -> tuple[float, float]:
+    """Parameters one GPU holds on the first and on the last pipeline stage (after TP)."""
+    layers = shape.num_layers // pp
+    layer_p = layer_parameters(shape) / tp
+    embed_p, head_p = vocab_parallel_parameters(shape, tp, pp)
+    first = layers * layer_p + embed_p + (head_p if pp == 1 else 0.0)
+    return first, layers * layer_p + head_p
+
+
+def host_memory_gb(shape: Shape, layout: Layout, gpus_on_node: int, gather_checkpoint: bool) -> float:
+    """Host RAM of the busiest node, GB: each GPU's process (HOST_PROCESS_OVERHEAD_GB) with its offloaded
+    shard (HOST_OFFLOAD_BYTES per parameter of it), plus, when ``gather_checkpoint``, a full fp32 copy
+    of the model gathered on rank 0 to save a checkpoint (4·M, REFERENCE §5)."""
+    per_param = HOST_OFFLOAD_BYTES.get((layout.engine, layout.offload), 0)
+    shard = max(stage_parameters(shape, layout.tp, layout.pp)) / max(1, layout.dp)
+    per_gpu = per_param * shard + HOST_PROCESS_OVERHEAD_GB * GB
+    gather = CHECKPOINT_GATHER_BYTES * count_parameters(shape) if gather_checkpoint else 0.0
+    return (gpus_on_node * per_gpu + gather) / GB
 
 
 @dataclass(frozen=True)
@@ -105,9 +139,7 @@ def estimate_memory(shape: Shape, layout: Layout, hw: Hardware) -> MemoryEstimat
     tp, pp = layout.tp, layout.pp
     layers = shape.num_layers // pp
     layer_p = layer_parameters(shape) / tp
-    embed_p, head_p = vocab_parallel_parameters(shape, tp, pp)
-    first_p = layers * layer_p + embed_p + (head_p if pp == 1 else 0.0)
-    last_p = layers * layer_p + head_p
+    first_p, last_p = stage_parameters(shape, tp, pp)
 
     bpv = hw.bytes_per_value
     full = layer_activation_bytes(shape, layout.mbs, tp, layout.sequence_parallel, hw)
@@ -121,12 +153,13 @@ def estimate_memory(shape: Shape, layout: Layout, hw: Hardware) -> MemoryEstimat
     act_last = per_microbatch + recompute_buffer
 
     logits = layout.mbs * shape.seq_length * shape.vocab_size * (bpv + 8) / tp  # vocab-parallel logits
-    gather = 0.0 if layout.dp == 1 or layout.dp_sharding == "none" else 2 * 2 * layer_p  # FSDP prefetch
+    sharded_weights = layout.zero_stage >= 3 and (layout.dp > 1 or layout.offload == "optimizer_and_params")
+    gather = 2 * 2 * layer_p if sharded_weights else 0.0  # a gathered layer and the one prefetched
 
-    first = model_state_bytes(first_p, layout.dp, layout.dp_sharding) + gather + act_first
-    last = model_state_bytes(last_p, layout.dp, layout.dp_sharding) + gather + act_last + logits
+    first = model_state_bytes(first_p, layout.dp, layout.zero_stage, layout.offload) + gather + act_first
+    last = model_state_bytes(last_p, layout.dp, layout.zero_stage, layout.offload) + gather + act_last + logits
     if pp == 1:
-        states = model_state_bytes(first_p, layout.dp, layout.dp_sharding) + gather
+        states = first - act_first
         return MemoryEstimate(states / GB, act_first / GB, logits / GB, hw.memory_overhead_gb)
     if first >= last:
         states = first - act_first

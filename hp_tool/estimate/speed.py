@@ -6,7 +6,13 @@ bubble    = compute · (PP − 1) / m for m micro-batches per replica (1F1B, Nar
 TP comm   = ring all-reduces of the layer activations, 2 in forward and 2 in backward per layer, plus
             2 per recomputed layer;
 PP comm   = point-to-point activations and gradients between stages;
-DP comm   = gradient reduction (and parameter gathers under FSDP), partly hidden behind backward.
+DP comm   = gradient reduction (ZeRO 0-2: one all-reduce's volume, as reduce-scatter + all-gather) and,
+            at ZeRO-3, the parameter all-gathers of forward and backward (1.5x); up to DP_OVERLAP of it
+            hides behind the compute it can overlap (backward for stages 0-2, forward and backward for
+            stage 3), so it is exposed in full once it outruns that compute;
+offload   = host-device PCIe traffic of the offloaded shard (gradients down, updated weights up, and
+            with parameter offload the weights up for every micro-batch's forward and backward) plus
+            the optimizer step on the CPU (CPU_ADAM_PARAMS_PER_S per node, shared by its GPUs).
 The constants are deliberately few; trials measure the truth and calibrate them.
 """
 
@@ -22,7 +28,10 @@ from hp_tool.estimate.layout import GB, Hardware, Layout
 MAX_EFFICIENCY = 0.6  # best achievable fraction of peak for large dense matmuls
 TOKENS_SCALE = 1024.0  # tokens per micro-batch at which efficiency reaches 63% of its saturation
 WIDTH_SCALE = 512.0  # hidden columns per TP rank at which efficiency reaches 63% of its saturation
-DP_OVERLAP = 0.5  # fraction of data-parallel communication hidden behind compute
+DP_OVERLAP = 0.5  # at most this fraction of data-parallel communication hides behind compute
+DP_VOLUME = {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.5}  # ZeRO stage -> data-parallel traffic, in all-reduces
+CPU_ADAM_PARAMS_PER_S = 4e9  # parameters per second a node's CPUs update with Adam (DeepSpeed CPU-Adam,
+#                              about 1B parameters in 0.25 s on a 2-socket server; Ren et al. 2021)
 
 
 @dataclass(frozen=True)
@@ -34,10 +43,11 @@ class StepTimeEstimate:
     tp_comm_s: float
     pp_comm_s: float
     dp_comm_s: float
+    offload_s: float = 0.0
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.bubble_s + self.tp_comm_s + self.pp_comm_s + self.dp_comm_s
+        return self.compute_s + self.bubble_s + self.tp_comm_s + self.pp_comm_s + self.dp_comm_s + self.offload_s
 
 
 def matmul_efficiency(shape: Shape, layout: Layout) -> float:
@@ -51,25 +61,48 @@ def _ring_allreduce_s(nbytes: float, ranks: int, bandwidth_gbps: float) -> float
     return 2 * (ranks - 1) / ranks * nbytes / (bandwidth_gbps * GB) if ranks > 1 else 0.0
 
 
+def _local_parameters(shape: Shape, layout: Layout) -> float:
+    """Parameters one GPU holds (its stage, after TP; the vocabulary matrices split over TP)."""
+    embed, head = vocab_parallel_parameters(shape, layout.tp, layout.pp)
+    return shape.num_layers // layout.pp * layer_parameters(shape) / layout.tp + embed + head
+
+
+def compute_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
+    """Seconds of matmul work per optimizer step (model and recompute FLOPs) on each GPU."""
+    gpus = layout.tp * layout.pp * layout.dp
+    flops = model_flops_per_step(shape, layout.global_batch_size)
+    flops += recompute_flops_per_step(shape, layout.global_batch_size, layout.act_ckpt_layers * layout.pp)
+    return flops / (gpus * hw.peak_tflops * 1e12 * matmul_efficiency(shape, layout))
+
+
 def dp_comm_s(shape: Shape, layout: Layout, hw: Hardware, num_nodes: int) -> float:
-    """Exposed data-parallel communication per step: gradient reduction, plus two parameter gathers
-    under full sharding (FSDP), over the node interconnect when the job spans nodes."""
+    """Exposed data-parallel communication per step for the layout's ZeRO stage, over the node
+    interconnect when the job spans nodes (see the module docstring)."""
     if layout.dp == 1:
         return 0.0
-    embed, head = vocab_parallel_parameters(shape, layout.tp, layout.pp)  # vocab matrices split over TP
-    params = shape.num_layers // layout.pp * layer_parameters(shape) / layout.tp + embed + head
-    volume = {"none": 1.0, "gradients": 1.0, "full": 1.5}[layout.dp_sharding]  # in all-reduces
     bandwidth = hw.inter_node_bandwidth_gbps if num_nodes > 1 else hw.intra_node_bandwidth_gbps
-    return (1 - DP_OVERLAP) * volume * _ring_allreduce_s(2 * params, layout.dp, bandwidth)
+    comm = DP_VOLUME[layout.zero_stage] * _ring_allreduce_s(2 * _local_parameters(shape, layout), layout.dp,
+                                                            bandwidth)
+    overlappable = compute_s(shape, layout, hw) * (1.0 if layout.zero_stage >= 3 else 2 / 3)
+    return comm - min(DP_OVERLAP * comm, overlappable)
+
+
+def offload_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
+    """Seconds per step spent moving the offloaded shard over PCIe and stepping it on the CPU."""
+    if layout.offload == "none":
+        return 0.0
+    shard = _local_parameters(shape, layout) / max(1, layout.dp)
+    pcie = 2 * 2 * shard  # 16-bit gradients down, updated 16-bit weights up
+    if layout.offload == "optimizer_and_params":
+        pcie += 2 * layout.num_microbatches * 2 * shard  # weights up for each forward and backward
+    cpu_step = shard / (CPU_ADAM_PARAMS_PER_S / hw.gpus_per_node)
+    return pcie / (hw.pcie_bandwidth_gbps * GB) + cpu_step
 
 
 def estimate_step_time(shape: Shape, layout: Layout, hw: Hardware, num_nodes: int) -> StepTimeEstimate:
     """Predicted seconds per optimizer step of the full run on ``num_nodes`` nodes."""
-    gpus = layout.tp * layout.pp * layout.dp
     m = layout.num_microbatches
-    flops = model_flops_per_step(shape, layout.global_batch_size)
-    flops += recompute_flops_per_step(shape, layout.global_batch_size, layout.act_ckpt_layers * layout.pp)
-    compute = flops / (gpus * hw.peak_tflops * 1e12 * matmul_efficiency(shape, layout))
+    compute = compute_s(shape, layout, hw)
     bubble = compute * (layout.pp - 1) / m
 
     activation_bytes = layout.mbs * shape.seq_length * shape.hidden_size * hw.bytes_per_value
@@ -84,12 +117,16 @@ def estimate_step_time(shape: Shape, layout: Layout, hw: Hardware, num_nodes: in
         pp_bw = hw.inter_node_bandwidth_gbps if spans_nodes else hw.intra_node_bandwidth_gbps
         pp_comm = 2 * (m + layout.pp - 1) * activation_bytes / layout.tp / (pp_bw * GB)
 
-    return StepTimeEstimate(compute, bubble, tp_comm, pp_comm, dp_comm_s(shape, layout, hw, num_nodes))
+    return StepTimeEstimate(compute, bubble, tp_comm, pp_comm, dp_comm_s(shape, layout, hw, num_nodes),
+                            offload_s(shape, layout, hw))
 
 
 def extrapolate_step_time_s(measured_step_time_s: float, shape: Shape, trial: Layout, full: Layout,
                             hw: Hardware, trial_nodes: int, full_nodes: int) -> float:
     """Step time of the full run from a trial's measurement on fewer nodes: each replica does the same
-    work, so only the data-parallel communication differs, and that difference is modelled."""
-    extra = dp_comm_s(shape, full, hw, full_nodes) - dp_comm_s(shape, trial, hw, trial_nodes)
-    return measured_step_time_s + max(0.0, extra)
+    work, so only what depends on the data-parallel degree differs, and that difference is modelled:
+    the data-parallel communication (more or slower in the full run) and the offloaded shard's traffic
+    and CPU step (smaller with more shards; never removing more than the trial's modelled part)."""
+    extra = max(0.0, dp_comm_s(shape, full, hw, full_nodes) - dp_comm_s(shape, trial, hw, trial_nodes))
+    offload_change = offload_s(shape, full, hw) - offload_s(shape, trial, hw)
+    return measured_step_time_s + extra + offload_change

@@ -39,30 +39,32 @@ NOT_IN_PLAN = "not_in_plan"
 SELECTED = "selected"
 # Order of unranked rows in the table: trials that ran, then those that never did, then the plan's verdicts.
 STATUS_ORDER = ("ok", "timeout", "oom", "failed", "cancelled", "unschedulable", STALE, NOT_RUN, "over_limit",
-                "pruned", "invalid")
-PLAN_INTS = ("tp", "pp", "dp", "mbs", "act_ckpt_layers", "global_batch_size", "num_nodes",
+                "dominated", "pruned", "invalid")
+PLAN_INTS = ("tp", "pp", "dp", "mbs", "act_ckpt_layers", "zero_stage", "global_batch_size", "num_nodes",
              "trial_num_nodes", "trial_dp", "trial_global_batch_size", "predicted_rank")
-PLAN_TEXT = ("trial_id", "model_family", "plan_status", "reason", "fingerprint")
+PLAN_TEXT = ("trial_id", "model_family", "engine", "offload", "plan_status", "reason", "fingerprint")
 
 # Every column of the table, in the order the CSVs use; units in the names.
 TABLE_COLUMNS = (
     "rank", "trial_id", "status", "reason", "plan_status", "model_family", "model_size_b",
-    "tp", "pp", "dp", "mbs", "act_ckpt_layers", "global_batch_size", "num_nodes", "num_gpus",
-    "trial_num_nodes", "trial_dp", "trial_global_batch_size", "trial_world_size",
+    "tp", "pp", "dp", "mbs", "act_ckpt_layers", "engine", "zero_stage", "offload", "global_batch_size",
+    "num_nodes", "num_gpus", "trial_num_nodes", "trial_dp", "trial_global_batch_size", "trial_world_size",
     "full_run_step_time_s", "predicted_step_time_s", "step_time_error_pct", "measured_step_time_s",
     "measured_step_time_mean_s", "measured_step_time_std_s", "steps_run", "steps_measured",
     "full_run_tokens_per_s", "full_run_tokens_per_s_per_gpu", "tokens_per_s_per_gpu",
     "predicted_tokens_per_s_per_gpu", "model_tflops_per_gpu", "mfu",
     "peak_memory_gb", "predicted_memory_gb", "memory_error_pct", "predicted_full_memory_gb",
+    "predicted_host_memory_gb",
     "gpu_memory_gb", "peak_memory_pct_of_gpu",
     "days_to_train", "predicted_days_to_train", "full_run_cost_usd", "cost_usd_per_million_tokens",
     "gpu_hour_price_usd", "predicted_rank", "stop_reason", "final_loss", "device", "start_time", "end_time",
     "fingerprint",
 )
-INT_COLUMNS = ("rank", "tp", "pp", "dp", "mbs", "act_ckpt_layers", "global_batch_size", "num_nodes",
+INT_COLUMNS = ("rank", "tp", "pp", "dp", "mbs", "act_ckpt_layers", "zero_stage", "global_batch_size", "num_nodes",
                "num_gpus", "trial_num_nodes", "trial_dp", "trial_global_batch_size", "trial_world_size", "steps_run",
                "steps_measured", "predicted_rank")
-TEXT_COLUMNS = ("trial_id", "status", "reason", "plan_status", "model_family", "stop_reason", "device",
+TEXT_COLUMNS = ("trial_id", "status", "reason", "plan_status", "model_family", "engine", "offload",
+                "stop_reason", "device",
                 "start_time", "end_time", "fingerprint")
 FLOAT_COLUMNS = tuple(c for c in TABLE_COLUMNS if c not in INT_COLUMNS + TEXT_COLUMNS)
 
@@ -180,8 +182,10 @@ def full_run_columns(row: dict, full: FullRun) -> dict:
         return cols
     gbs, mbs, ckpt = row["global_batch_size"], row["mbs"], row["act_ckpt_layers"]
     # What the trial ran, as its spec says (plan.csv copies it from candidate_configs/<trial_id>.yaml).
-    trial = Layout(tp, pp, trial_dp, mbs, ckpt, row["trial_global_batch_size"], full.dp_sharding)
-    whole = Layout(tp, pp, dp, mbs, ckpt, gbs, full.dp_sharding)
+    stage = row.get("zero_stage")
+    savers = (3 if stage is None else stage, row.get("offload") or "none", row.get("engine") or "torch")
+    trial = Layout(tp, pp, trial_dp, mbs, ckpt, row["trial_global_batch_size"], *savers)
+    whole = Layout(tp, pp, dp, mbs, ckpt, gbs, *savers)
     step_s = extrapolate_step_time_s(measured, full.shape, trial, whole, full.hw,
                                      row.get("trial_num_nodes") or 1, full.num_nodes)
     tokens_per_s = throughput(full.shape, gbs, step_s, cols["num_gpus"], full.peak_tflops_per_gpu)["tokens_per_s"]

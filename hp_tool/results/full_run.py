@@ -32,10 +32,11 @@ class FullRun:
     @property
     def hw(self) -> Hardware:
         r = self.base.resources
-        # memory_overhead_gb only matters for memory estimates, not for the communication model used here
+        # memory_overhead_gb only matters for memory estimates, not for the step-time terms used here
         return Hardware(r.gpus_per_node, r.gpu_memory_gb, r.peak_tflops_per_gpu, r.intra_node_bandwidth_gbps,
                         r.inter_node_bandwidth_gbps, memory_overhead_gb=0.0,
-                        precision=self.base.training.precision)
+                        precision=self.base.training.precision, host_ram_gb=r.host_ram_gb,
+                        pcie_bandwidth_gbps=r.pcie_bandwidth_gbps)
 
     @property
     def num_nodes(self) -> int:
@@ -45,10 +46,6 @@ class FullRun:
     def max_steps(self) -> int:
         """Optimizer steps of the full run."""
         return self.base.full_run.max_steps
-
-    @property
-    def dp_sharding(self) -> str:
-        return self.base.parallel.dp_sharding
 
     @property
     def gpu_memory_gb(self) -> float:

@@ -17,12 +17,12 @@ from typing import Any, List, Optional
 from omegaconf import OmegaConf
 
 from hp_tool.architectures import FAMILIES, Shape
-from hp_tool.errors import require
+from hp_tool.errors import ConfigError, require
 from hp_tool.fingerprint import fingerprint_of
 from hp_tool.fsutil import atomic_write_text
+from hp_tool.sharding import ENGINES, OFFLOADS, ZERO_STAGES, combination_problem, layout_suffix
 
 PRECISIONS = ("bf16", "fp16", "fp32")
-SHARDINGS = ("none", "gradients", "full")  # DDP, FSDP2 without / with resharding after forward
 SCHEDULES = ("1F1B", "GPipe")
 RUN_MODES = ("benchmark", "full")
 DATA_SOURCES = ("synthetic", "file")
@@ -73,7 +73,9 @@ class ParallelSpec:
     mbs: int = 1  # micro-batch size, sequences per forward pass per data-parallel replica
     act_ckpt_layers: int = 0  # transformer layers per pipeline stage whose activations are recomputed
     pipeline_schedule: str = "1F1B"  # one of SCHEDULES
-    dp_sharding: str = "full"  # one of SHARDINGS: none = DDP, gradients = ZeRO-2-like, full = FSDP2/ZeRO-3
+    engine: str = "torch"  # torch (TP/PP/FSDP2) | deepspeed (ZeRO, AutoTP)
+    zero_stage: int = 3  # 0 DDP | 1 optimizer sharded | 2 + gradients | 3 + parameters (hp_tool/sharding.py)
+    offload: str = "none"  # none | optimizer | optimizer_and_params (to host RAM)
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "mbs"):
@@ -83,8 +85,17 @@ class ParallelSpec:
                 "must not be negative", "use 0 for no activation checkpointing")
         require(self.pipeline_schedule in SCHEDULES, "parallel.pipeline_schedule",
                 self.pipeline_schedule, "unknown schedule", f"use one of {list(SCHEDULES)}")
-        require(self.dp_sharding in SHARDINGS, "parallel.dp_sharding", self.dp_sharding,
-                "unknown sharding", f"use one of {list(SHARDINGS)}")
+        require(self.engine in ENGINES, "parallel.engine", self.engine, "unknown trial engine",
+                f"use one of {list(ENGINES)}")
+        require(self.zero_stage in ZERO_STAGES, "parallel.zero_stage", self.zero_stage, "unknown ZeRO stage",
+                f"use one of {list(ZERO_STAGES)}")
+        require(self.offload in OFFLOADS, "parallel.offload", self.offload, "unknown offload",
+                f"use one of {list(OFFLOADS)}")
+        bad = combination_problem(self.engine, self.zero_stage, self.offload, self.tp, self.pp)
+        if bad is not None:
+            raise ConfigError("parallel", f"engine={self.engine} zero_stage={self.zero_stage} "
+                              f"offload={self.offload} tp={self.tp} pp={self.pp}", bad[1],
+                              "choose a combination the engine supports (hp_tool/sharding.py)")
 
 
 @dataclass
@@ -141,6 +152,8 @@ class ResourcesSpec:
     inter_node_bandwidth_gbps: float = 25.0  # GB/s per GPU across nodes (InfiniBand)
     gpu_hour_price: Optional[float] = None  # dollars per GPU-hour, for cost estimates
     gpu: Optional[str] = None  # the gpu preset the plan assumed, e.g. h100_80gb (cpu: CPU processes)
+    host_ram_gb: Optional[float] = None  # host RAM per node, GB
+    pcie_bandwidth_gbps: float = 25.0  # GB/s per GPU and direction between host and GPU
 
     def __post_init__(self) -> None:
         for name in ("num_nodes", "gpus_per_node", "gpu_memory_gb", "peak_tflops_per_gpu",
@@ -260,6 +273,9 @@ def dump_spec(spec: TrialSpec, path: str | os.PathLike) -> Path:
     return atomic_write_text(path, text)
 
 
-def make_trial_id(family: str, size_label: str, tp: int, pp: int, mbs: int, act_ckpt_layers: int) -> str:
-    """The one place a trial id is built; every file name derives from it. E.g. gpt3_5b_tp2_pp1_mbs4_ac0."""
-    return f"{family}_{size_label}_tp{tp}_pp{pp}_mbs{mbs}_ac{act_ckpt_layers}"
+def make_trial_id(family: str, size_label: str, tp: int, pp: int, mbs: int, act_ckpt_layers: int,
+                  engine: str = "torch", zero_stage: int = 3, offload: str = "none") -> str:
+    """The one place a trial id is built; every file name derives from it. It names every searched
+    dimension, e.g. gpt3_5b_tp2_pp1_mbs4_ac0_torch_z3_noff."""
+    return (f"{family}_{size_label}_tp{tp}_pp{pp}_mbs{mbs}_ac{act_ckpt_layers}_"
+            f"{layout_suffix(engine, zero_stage, offload)}")

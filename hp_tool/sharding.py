@@ -1,0 +1,59 @@
+"""Memory-saving dimensions of a layout: the trial engine, the ZeRO sharding stage and CPU offload.
+
+One place for their names, for which combinations can run, and for how a trial id spells them; the
+planner, the TrialSpec check and both trial engines call these. Pure, no torch.
+
+Stages, as ZeRO (Rajbhandari et al. 2020) numbers them, over the data-parallel group:
+  0  nothing sharded (torch: DDP)
+  1  optimizer states sharded (torch: DDP with ZeroRedundancyOptimizer)
+  2  + gradients sharded (torch: FSDP2 keeping parameters gathered between forward and backward)
+  3  + parameters sharded (torch: FSDP2 full shard)
+Offload moves the optimizer states (and with ``optimizer_and_params`` the parameters) to host RAM; the
+optimizer step then runs on the CPU. The torch engine offloads through FSDP2's ``CPUOffloadPolicy``,
+which always moves parameters, gradients and optimizer states together; DeepSpeed uses its
+``offload_optimizer`` / ``offload_param``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+ENGINES = ("torch", "deepspeed")
+ZERO_STAGES = (0, 1, 2, 3)
+OFFLOADS = ("none", "optimizer", "optimizer_and_params")
+
+ENGINE_CODES = {"torch": "torch", "deepspeed": "ds"}
+OFFLOAD_CODES = {"none": "noff", "optimizer": "offopt", "optimizer_and_params": "offall"}
+
+# The order in which the heuristic (zero_stages / offload null) tries the memory savers: the first
+# combination that fits a layout is the one searched, later ones are predicted no faster.
+SAVING_ORDER = ((0, "none"), (1, "none"), (2, "none"), (3, "none"),
+                (1, "optimizer"), (2, "optimizer"), (3, "optimizer"), (3, "optimizer_and_params"))
+
+
+def layout_suffix(engine: str, zero_stage: int, offload: str) -> str:
+    """How a trial id names these dimensions, e.g. ``torch_z3_noff``, ``ds_z2_offopt``."""
+    return f"{ENGINE_CODES[engine]}_z{zero_stage}_{OFFLOAD_CODES[offload]}"
+
+
+def combination_problem(engine: str, zero_stage: int, offload: str, tp: int, pp: int) -> Optional[tuple[str, str]]:
+    """(the train_settings key at fault, why) when engine x stage x offload x TP/PP cannot run, else None."""
+    if offload != "none" and zero_stage == 0:
+        return "offload", f"offload={offload} needs ZeRO stage >= 1 (the offloaded optimizer states are partitioned)"
+    if offload == "optimizer_and_params" and zero_stage < 3:
+        return "offload", f"parameter offload needs ZeRO stage 3 (stage {zero_stage} keeps whole parameters on the GPU)"
+    if engine == "torch":
+        if offload == "optimizer":
+            return "offload", ("the torch engine offloads through FSDP2's CPUOffloadPolicy, which moves parameters "
+                               "too: use offload optimizer_and_params, or engine deepspeed for optimizer-only offload")
+        if zero_stage == 1 and (tp > 1 or pp > 1):
+            return "zero_stages", (f"the torch engine's stage 1 (ZeroRedundancyOptimizer) runs on plain data "
+                                   f"parallelism only, not with TP={tp} PP={pp}: use stage 0 or 2")
+        return None
+    if pp > 1:
+        if zero_stage >= 2:
+            return "zero_stages", f"DeepSpeed pipeline parallelism supports ZeRO stages 0-1, not {zero_stage}"
+        return "engines", f"hp_tool's DeepSpeed engine runs without pipeline parallelism (PP={pp}): use the torch engine"
+    if tp > 1 and zero_stage == 3:
+        return "zero_stages", "DeepSpeed's tensor parallelism (AutoTP) composes with ZeRO stages 0-2, not 3"
+    return None
