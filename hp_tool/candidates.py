@@ -3,9 +3,15 @@
 
 Pure planning: no I/O, no torch. Every candidate ends with a status and, unless selected, the reason:
 ``invalid`` (the layout cannot exist on this model and cluster, or the engine cannot run the
-combination), ``pruned`` (predicted not to fit in GPU memory or host RAM), ``dominated`` (zero_stages /
-offload left to the heuristic: a lighter memory saver already fits this layout and is predicted no
-slower), ``over_limit`` (valid and fitting, but ranked below limit_search_runs), ``selected``.
+combination), ``pruned`` (predicted not to fit in GPU memory or host RAM), ``over_limit`` (valid and
+fitting, but ranked below limit_search_runs), ``selected``.
+
+ZeRO stage and offload: lists given in full are searched in full. Left to the heuristic (either null),
+each layout searches one memory saver: of those that fit, one without offload when any fits (offload
+trades speed for memory), then the one whose benchmark needs the fewest nodes (sharding more needs fewer
+data-parallel ranks to fit), then the lightest (sharding.SAVING_ORDER), as a lighter saver is never
+predicted slower. The lighter ones that do not fit are listed as pruned with
+their numbers; the rest, and combinations the engine cannot run, are not candidates.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from hp_tool.tables import ACT_CKPT_STEP, GPT3_GRID, LLAMA_GRID, lookup
 from hp_tool.sharding import OFFLOADS, SAVING_ORDER, ZERO_STAGES, combination_problem
 from hp_tool.throughput import throughput
 
-SELECTED, PRUNED, INVALID, OVER_LIMIT, DOMINATED = "selected", "pruned", "invalid", "over_limit", "dominated"
+SELECTED, PRUNED, INVALID, OVER_LIMIT = "selected", "pruned", "invalid", "over_limit"
 
 
 @dataclass(slots=True)
@@ -174,7 +180,8 @@ def estimate(shape: Shape, c: Candidate, gbs: int, cluster: Cluster, usable_gb: 
     """Fill the candidate's predicted memory (trial and full run), host RAM and full-run step time.
 
     The trial runs on the fewest whole nodes whose data-parallel shards make it fit in ``usable_gb``
-    per GPU (sharded stages need more ranks to fit; the full run's nodes at most)."""
+    per GPU (a sharded stage may need more ranks than one model replica to fit; the full run's nodes
+    at most)."""
     hw = cluster.hw
     full = _layout(c, c.dp, gbs)
     c.full_memory_gb = estimate_memory(shape, full, hw).total_gb
@@ -191,13 +198,8 @@ def estimate(shape: Shape, c: Candidate, gbs: int, cluster: Cluster, usable_gb: 
     c.tokens_per_s_per_gpu, c.model_tflops_per_gpu = rate["tokens_per_s_per_gpu"], rate["model_tflops_per_gpu"]
 
 
-def _check(shape: Shape, c: Candidate, gbs: int, cluster: Cluster, grid: Grid, ts: TrainSettings) -> None:
-    """Set the candidate's status: invalid, pruned (GPU memory, then host RAM) or selected (for now)."""
-    bad = invalid_reason(shape, c, gbs, cluster, grid.mp_range) or \
-        combination_problem(c.engine, c.zero_stage, c.offload, c.tp, c.pp)
-    if bad:
-        c.reject(INVALID, f"{TS}.{bad[0]}", bad[1])
-        return
+def _fit(shape: Shape, c: Candidate, gbs: int, cluster: Cluster, ts: TrainSettings) -> None:
+    """Estimate a valid candidate and prune it when over GPU memory, then when over host RAM."""
     hw = cluster.hw
     usable = hw.gpu_memory_gb * (1 - ts.memory_margin)
     estimate(shape, c, gbs, cluster, usable)
@@ -215,6 +217,36 @@ def _check(shape: Shape, c: Candidate, gbs: int, cluster: Cluster, grid: Grid, t
                      f"({hw.host_ram_gb:g} GB - {ts.memory_margin:.0%} margin)")
 
 
+def _layout_candidates(shape: Shape, grid: Grid, ts: TrainSettings, cluster: Cluster, gbs: int, engine: str,
+                       tp: int, pp: int, mbs: int, ac: int) -> list[Candidate]:
+    """The candidates of one layout over the grid's memory savers (see the module docstring)."""
+    def make(stage: int, offload: str) -> Candidate:
+        return Candidate(tp, pp, mbs, ac, engine, stage, offload, dp=max(1, cluster.gpus // (tp * pp)))
+
+    first = make(*grid.savers[0])
+    bad = invalid_reason(shape, first, gbs, cluster, grid.mp_range)
+    if bad:  # the layout itself cannot exist: one row says so
+        first.reject(INVALID, f"{TS}.{bad[0]}", bad[1])
+        return [first]
+    out, unrunnable = [], []
+    for stage, offload in grid.savers:
+        c = make(stage, offload)
+        bad = combination_problem(engine, stage, offload, tp, pp)
+        if bad:
+            c.reject(INVALID, f"{TS}.{bad[0]}", bad[1])
+            (unrunnable if grid.heuristic_savers else out).append(c)
+            continue
+        _fit(shape, c, gbs, cluster, ts)
+        out.append(c)
+    if not grid.heuristic_savers:
+        return out
+    fitting = [c for c in out if c.status == SELECTED]
+    if not fitting:  # nothing fits: every saver tried, each with its numbers
+        return out or unrunnable[:1]  # a layout the engine runs with no saver still gets its row
+    best = min(fitting, key=lambda c: (c.offload != "none", c.trial_nodes, out.index(c)))
+    return [c for c in out[:out.index(best)] if c.status != SELECTED] + [best]
+
+
 def plan_candidates(shape: Shape, size_b: float, ts: TrainSettings, cluster: Cluster, gbs: int,
                     grid: Optional[Grid] = None) -> list[Candidate]:
     """Every candidate of the grid (default: ``build_grid``), with status and reason; selected ones
@@ -223,19 +255,7 @@ def plan_candidates(shape: Shape, size_b: float, ts: TrainSettings, cluster: Clu
     out: list[Candidate] = []
     for engine, tp, pp, mbs in itertools.product(grid.engines, grid.tp, grid.pp, grid.mbs):
         for ac in act_ckpt_values(grid, shape.num_layers, pp):
-            found = None  # (stage, offload) of the first saver that fits, under the heuristic
-            for stage, offload in grid.savers:
-                c = Candidate(tp, pp, mbs, ac, engine, stage, offload, dp=max(1, cluster.gpus // (tp * pp)))
-                out.append(c)
-                if found is not None:
-                    c.reject(DOMINATED, f"{TS}.zero_stages",
-                             f"ZeRO-{found[0]} with offload {found[1]} already fits this layout and is predicted "
-                             f"no slower (zero_stages/offload null search the lightest saver that fits; "
-                             f"list them to search more)")
-                    continue
-                _check(shape, c, gbs, cluster, grid, ts)
-                if grid.heuristic_savers and c.status == SELECTED:
-                    found = (stage, offload)
+            out += _layout_candidates(shape, grid, ts, cluster, gbs, engine, tp, pp, mbs, ac)
     _rank(out, ts.limit_search_runs)
     return out
 

@@ -6,6 +6,8 @@ from hp_tool.candidates import INVALID, OVER_LIMIT, PRUNED, SELECTED
 from hp_tool.cli import compose
 from hp_tool.config import to_app_config
 from hp_tool.errors import ConfigError
+from hp_tool.estimate.layout import Layout
+from hp_tool.estimate.memory import estimate_memory
 from hp_tool.planner import make_plan
 
 
@@ -36,7 +38,8 @@ def test_selected_candidates_are_valid_fit_and_ordered(tmp_path, name):
     times = [c.step_time_s for c in ranks]
     assert times == sorted(times)
     assert [s.trial_id for s in p.specs] == [
-        f"gpt3_{p.model.label}_tp{c.tp}_pp{c.pp}_mbs{c.mbs}_ac{c.act_ckpt_layers}" for c in ranks]
+        f"gpt3_{p.model.label}_tp{c.tp}_pp{c.pp}_mbs{c.mbs}_ac{c.act_ckpt_layers}_torch_z{c.zero_stage}_"
+        f"{dict(none='noff', optimizer_and_params='offall')[c.offload]}" for c in ranks]
     for c in p.candidates:
         if c.status != SELECTED:
             assert c.reason and c.reason_key.startswith(("search_config.", "gpu."))
@@ -62,7 +65,12 @@ def test_overrides_are_respected(tmp_path):
     assert {c.tp for c in p.candidates} == {1, 2}
     assert {c.mbs for c in p.candidates} == {1, 2, 4}
     assert {c.act_ckpt_layers for c in p.candidates} == {0, 4}
-    assert len(p.candidates) == 2 * 1 * 3 * 2
+    layouts = {(c.tp, c.pp, c.mbs, c.act_ckpt_layers) for c in p.candidates}
+    assert len(layouts) == 2 * 1 * 3 * 2
+    # zero_stages/offload null: one searched saver per layout, lighter ones listed only when they do not fit
+    for layout in layouts:
+        rows = [c for c in p.candidates if (c.tp, c.pp, c.mbs, c.act_ckpt_layers) == layout]
+        assert sum(c.status != PRUNED for c in rows) == 1
 
 
 def test_invalid_override_values_are_kept_with_reasons(tmp_path):
@@ -114,11 +122,21 @@ def test_nothing_runnable_is_a_clear_error(tmp_path, override, key):
     assert not (tmp_path / "gpt3").exists()
 
 
-def test_trial_runs_on_fewest_whole_nodes(tmp_path):
+def test_trial_runs_on_fewest_whole_nodes_it_fits_on(tmp_path):
     p = plan(tmp_path, "search_config=gpt3/175b")
-    for spec in p.specs:
+    usable = p.cluster.hw.gpu_memory_gb * 0.95
+    grown = 0
+    for spec, c in zip(p.specs, sorted((c for c in p.candidates if c.status == SELECTED), key=lambda c: c.rank)):
         mp = spec.parallel.tp * spec.parallel.pp
-        assert spec.resources.num_nodes == -(-mp // 8)
+        fewest = -(-mp // 8)
+        assert spec.resources.num_nodes == c.trial_nodes >= fewest
+        for nodes in range(fewest, spec.resources.num_nodes):  # every smaller whole-replica trial is over
+            if (nodes * 8) % mp == 0 or nodes == fewest:
+                dp = nodes * 8 // mp
+                lay = Layout(c.tp, c.pp, dp, c.mbs, c.act_ckpt_layers, c.trial_global_batch_size // c.trial_dp * dp,
+                             c.zero_stage, c.offload, c.engine)
+                assert estimate_memory(p.model.shape, lay, p.cluster.hw).total_gb > usable
+        grown += spec.resources.num_nodes > fewest
         assert spec.full_run.num_nodes == 128
         per_replica_full = spec.full_run.global_batch_size // spec.full_run.dp
         assert spec.training.global_batch_size // spec.parallel.dp == per_replica_full

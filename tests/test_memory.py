@@ -26,10 +26,16 @@ def test_tensor_parallel_without_sp_keeps_replicated_part():
 
 def test_model_states_follow_zero_table():
     psi = 1e9
-    assert model_state_bytes(psi, 8, "none") == 16 * psi
-    assert model_state_bytes(psi, 8, "gradients") == 2 * psi + 14 * psi / 8
-    assert model_state_bytes(psi, 8, "full") == 16 * psi / 8
-    assert model_state_bytes(psi, 1, "full") == 16 * psi
+    assert model_state_bytes(psi, 8, 0) == 16 * psi
+    assert model_state_bytes(psi, 8, 1) == 4 * psi + 12 * psi / 8
+    assert model_state_bytes(psi, 8, 2) == 2 * psi + 14 * psi / 8
+    assert model_state_bytes(psi, 8, 3) == 16 * psi / 8
+    assert model_state_bytes(psi, 1, 3) == 16 * psi
+    # offload: the optimizer part (12) leaves the GPU; with parameters, everything does
+    assert model_state_bytes(psi, 8, 1, "optimizer") == 4 * psi
+    assert model_state_bytes(psi, 8, 2, "optimizer") == 2 * psi + 2 * psi / 8
+    assert model_state_bytes(psi, 8, 3, "optimizer") == 4 * psi / 8
+    assert model_state_bytes(psi, 8, 3, "optimizer_and_params") == 0
 
 
 HW = Hardware(gpus_per_node=8, gpu_memory_gb=80, peak_tflops=312, intra_node_bandwidth_gbps=200,

@@ -42,11 +42,11 @@ def test_rank_uses_full_run_step_time_with_extrapolated_communication(tmp_path):
                            "search_config.train_settings.global_batch_size=32",
                            "gpu.inter_node_bandwidth_gbps=0.01")
     full = full_run_for(out)
-    a, b = "gpt3_241k_tp1_pp1_mbs4_ac0", "gpt3_241k_tp2_pp1_mbs4_ac0"  # full DP 8 and 4
+    a, b = "gpt3_241k_tp1_pp1_mbs4_ac0_torch_z0_noff", "gpt3_241k_tp2_pp1_mbs4_ac0_torch_z0_noff"  # full DP 8 and 4
     assert {a, b} <= set(selected_ids(plan))
 
     def extra(tp, trial_dp, dp):
-        lay = lambda d: Layout(tp, 1, d, 4, 0, 32 // dp * d, full.dp_sharding)  # noqa: E731
+        lay = lambda d: Layout(tp, 1, d, 4, 0, 32 // dp * d, 0)  # noqa: E731
         return dp_comm_s(full.shape, lay(dp), full.hw, 4) - dp_comm_s(full.shape, lay(trial_dp), full.hw, 1)
 
     extra_a, extra_b = extra(1, 2, 8), extra(2, 1, 4)
@@ -57,14 +57,14 @@ def test_rank_uses_full_run_step_time_with_extrapolated_communication(tmp_path):
     assert list(ranked["trial_id"][:2]) == [b, a]
     row = ranked.set_index("trial_id").loc[a]
     hw = Hardware(2, 4.0, full.hw.peak_tflops, full.hw.intra_node_bandwidth_gbps, 0.01, 0.0)
-    expected = extrapolate_step_time_s(1.0, full.shape, Layout(1, 1, 2, 4, 0, 8, "full"),
-                                       Layout(1, 1, 8, 4, 0, 32, "full"), hw, 1, 4)
+    expected = extrapolate_step_time_s(1.0, full.shape, Layout(1, 1, 2, 4, 0, 8, 0),
+                                       Layout(1, 1, 8, 4, 0, 32, 0), hw, 1, 4)
     assert row[RANK_COLUMN] == pytest.approx(expected) and row["measured_step_time_s"] == 1.0
 
 
 def test_days_and_cost_match_hand_computation(tmp_path):
     _, out, _ = planned(tmp_path, "gpu.price_per_gpu_hour=2.0")
-    tid = "gpt3_241k_tp1_pp1_mbs4_ac0"
+    tid = "gpt3_241k_tp1_pp1_mbs4_ac0_torch_z0_noff"
     write_ok(out, tid, 0.5)
     row = collect_trials(out).set_index("trial_id").loc[tid]
     # full run: 1 node x 2 GPUs, GBS 8 x seq 128, 976 steps (1e6 tokens / 1024 per step); trial = full run
@@ -79,7 +79,7 @@ def test_days_and_cost_match_hand_computation(tmp_path):
 
 def test_cost_columns_empty_without_a_price(tmp_path):
     _, out, _ = planned(tmp_path)
-    write_ok(out, "gpt3_241k_tp1_pp1_mbs4_ac0", 0.5)
+    write_ok(out, "gpt3_241k_tp1_pp1_mbs4_ac0_torch_z0_noff", 0.5)
     row = successful(collect_trials(out)).iloc[0]
     assert row["days_to_train"] > 0
     assert row.isna()["full_run_cost_usd"] and row.isna()["cost_usd_per_million_tokens"]
@@ -148,7 +148,7 @@ def test_result_with_launcher_verdict_keeps_status_and_gains_logged_timing(tmp_p
 def test_trial_directory_outside_the_plan_is_shown_not_ranked(tmp_path):
     _, out, plan = planned(tmp_path)
     write_ok(out, selected_ids(plan)[0], 0.3)
-    stray = trial_dir(out, "gpt3_241k_tp8_pp1_mbs1_ac0")
+    stray = trial_dir(out, "gpt3_241k_tp8_pp1_mbs1_ac0_torch_z0_noff")
     (stray / "result.json").write_text(json.dumps({"status": "ok", "step_time_s_median": 0.01}))
     df = collect_trials(out).set_index("trial_id")
     assert df.loc[stray.name, "plan_status"] == "not_in_plan" and df.isna().loc[stray.name, "rank"]

@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 TS = "search_config.train_settings"
 ONE_LAYOUT = (f"{TS}.tensor_parallel_sizes=[1]", f"{TS}.pipeline_parallel_sizes=[2]",
               f"{TS}.micro_batch_sizes=[2]", f"{TS}.act_ckpt_layers=[0]", f"{TS}.max_steps_per_run=6")
-TRIAL = "gpt3_241k_tp1_pp2_mbs2_ac0"
+TRIAL = "gpt3_241k_tp1_pp2_mbs2_ac0_torch_z0_noff"
 
 
 def main_cmd(tmp_path, *args):

@@ -47,10 +47,10 @@ def launch(tmp_path, family, **layout):
     ("llama", {"tp": 2}),  # vocab-parallel embedding and (untied) head
     ("gpt3", {"pp": 2, "act_ckpt": 1}),
     ("llama", {"pp": 2}),
-    ("gpt3", {"dp": 2, "dp_sharding": "full"}),
-    ("llama", {"dp": 2, "dp_sharding": "full"}),
-    ("gpt3", {"dp": 2, "dp_sharding": "none"}),
-    ("llama", {"dp": 2, "dp_sharding": "gradients"}),
+    ("gpt3", {"dp": 2, "zero_stage": 3}),
+    ("llama", {"dp": 2, "zero_stage": 3}),
+    ("gpt3", {"dp": 2, "zero_stage": 0}),
+    ("llama", {"dp": 2, "zero_stage": 2}),
     ("gpt3", {"tp": 2, "dp": 2}),  # FSDP2 over vocabulary-sharded DTensors (2-D)
     ("llama", {"tp": 2, "dp": 2}),
     ("gpt3", {"tp": 2, "pp": 2}),

@@ -23,7 +23,8 @@ def tiny_spec(family: str = "gpt3", tp: int = 1, pp: int = 1, dp: int = 1, mbs: 
     model = ModelSpec(family=family, num_layers=4, hidden_size=64, num_attention_heads=4,
                       num_kv_heads=kv, ffn_hidden_size=ffn, vocab_size=512, seq_length=64)
     parallel = ParallelSpec(tp=tp, pp=pp, dp=dp, mbs=mbs, act_ckpt_layers=act_ckpt,
-                            dp_sharding=run.pop("dp_sharding", "full"))
+                            engine=run.pop("engine", "torch"), zero_stage=run.pop("zero_stage", 3),
+                            offload=run.pop("offload", "none"))
     training = TrainingSpec(global_batch_size=gbs, lr=1e-3, min_lr=1e-4, warmup_steps=1,
                             max_steps=100, seed=1234)
     run_spec = RunSpec(max_steps=max_steps, warmup_steps=run.pop("warmup_steps", 1),
