@@ -9,6 +9,7 @@ compared field by field, so a file that does not load or validate is never left 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from hp_tool.fsutil import atomic_write_text
 from hp_tool.results.full_run import FullRun
 from hp_tool.sizing import format_days
 from hp_tool.throughput import throughput
+from hp_tool.trial.ds_config import ds_config
 from hp_tool.trial.spec import EstimatesSpec, TrialSpec, load_spec
 
 # The job's time limit gets this margin over the estimated duration (restarts, evaluation, slow nodes).
@@ -32,6 +34,10 @@ def format_usd(dollars: float) -> str:
 
 def optimal_path(folder: Path, full: FullRun) -> Path:
     return folder / f"optimal_config_{full.label}_{full.num_nodes}nodes.yaml"
+
+
+def ds_config_path(folder: Path, full: FullRun) -> Path:
+    return folder / f"ds_config_{full.label}_{full.num_nodes}nodes.json"
 
 
 def optimal_spec(trial: TrialSpec, best: pd.Series, full: FullRun) -> TrialSpec:
@@ -72,7 +78,8 @@ def _header(spec: TrialSpec, best: pd.Series, n_ranked: int) -> str:
         f"# Optimal training config: {spec.trial_id}, fastest of {n_ranked} successful trial(s).\n"
         f"# Full run: {spec.resources.num_nodes} node(s) x {spec.resources.gpus_per_node} GPUs, "
         f"TP={spec.parallel.tp} PP={spec.parallel.pp} DP={spec.parallel.dp} MBS={spec.parallel.mbs} "
-        f"act_ckpt_layers={spec.parallel.act_ckpt_layers}, global batch {spec.training.global_batch_size}.\n"
+        f"act_ckpt_layers={spec.parallel.act_ckpt_layers}, global batch {spec.training.global_batch_size}, "
+        f"{spec.parallel.engine} engine, ZeRO-{spec.parallel.zero_stage}, offload {spec.parallel.offload}.\n"
         f"# Measured {best['measured_step_time_s']:.6g} s per step in the trial; full run "
         f"{best['full_run_step_time_s']:.6g} s per step (plus modelled data-parallel communication).\n"
         f"# Estimated days to train: {days:.4g} ({spec.run.max_steps:,} steps x "
@@ -83,6 +90,9 @@ def _header(spec: TrialSpec, best: pd.Series, n_ranked: int) -> str:
         f"# Train: torchrun --nnodes {spec.resources.num_nodes} --nproc-per-node "
         f"{spec.resources.gpus_per_node} -m hp_tool.trial.train <this file>   ({gpus} processes)\n"
         f"# Train on SLURM: {train_sbatch_command(spec, '<this file>')}\n"
+        + ("# DeepSpeed config of this layout (deepspeed.initialize, transformers TrainingArguments(deepspeed=...)):\n"
+           f"# ds_config_{spec.trial_id.split('_')[1]}_{spec.resources.num_nodes}nodes.json beside this file.\n"
+           if spec.parallel.engine == "deepspeed" else "")
     )
 
 
@@ -106,4 +116,9 @@ def write_optimal_config(results_dir: Path, best: pd.Series, full: FullRun, n_ra
         path.unlink()
         raise ValueError(f"{path} did not reload as written; removed it. Written: {spec.to_dict()}; "
                          f"reloaded: {reloaded.to_dict()}")
+    ds_path = ds_config_path(folder, full)
+    if spec.parallel.engine == "deepspeed":
+        atomic_write_text(ds_path, json.dumps(ds_config(spec), indent=2) + "\n")
+    elif ds_path.exists():  # an earlier DeepSpeed pick's config is not this pick's
+        ds_path.unlink()
     return path

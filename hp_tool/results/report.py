@@ -4,6 +4,7 @@ In ``<results_dir>/final_results/`` (N = nodes of the full run):
     final_summary_<N>nodes.csv                 the top ``output_top_n`` successful trials, fastest first
     all_trials_<N>nodes.csv                    every candidate: status, reason, predicted vs measured
     optimal_config_<label>_<N>nodes.yaml       the fastest trial as a full-run TrialSpec
+    ds_config_<label>_<N>nodes.json            its DeepSpeed config, when the fastest trial ran DeepSpeed
     throughput.png, predicted_vs_measured.png
 Both CSVs are ranked by ``full_run_step_time_s`` (see collect.py for the cost formulas); empty cells
 mean "not measured" or "not applicable".
@@ -22,7 +23,7 @@ from hp_tool.fsutil import atomic_write_text
 from hp_tool.results.collect import (FLOAT_COLUMNS, NOT_RUN, RANK_COLUMN, SELECTED, TABLE_COLUMNS, collect_trials,
                                      full_run_for, successful)
 from hp_tool.results.full_run import FullRun
-from hp_tool.results.optimal import format_usd, optimal_path, write_optimal_config
+from hp_tool.results.optimal import ds_config_path, format_usd, optimal_path, write_optimal_config
 from hp_tool.results.plots import write_plots
 from hp_tool.sizing import format_days
 
@@ -33,8 +34,8 @@ MEMORY_LIMIT_PCT = 98.0  # above this share of GPU memory a full run is one allo
 SIGNIFICANT_DIGITS = 6
 ALL_TRIALS_COLUMNS = TABLE_COLUMNS
 SUMMARY_COLUMNS = (
-    "rank", "trial_id", "tp", "pp", "dp", "mbs", "act_ckpt_layers", "global_batch_size", "num_nodes",
-    "num_gpus", RANK_COLUMN, "predicted_step_time_s", "measured_step_time_s",
+    "rank", "trial_id", "tp", "pp", "dp", "mbs", "act_ckpt_layers", "engine", "zero_stage", "offload",
+    "global_batch_size", "num_nodes", "num_gpus", RANK_COLUMN, "predicted_step_time_s", "measured_step_time_s",
     "full_run_tokens_per_s_per_gpu", "tokens_per_s_per_gpu", "model_tflops_per_gpu", "mfu",
     "peak_memory_gb", "predicted_memory_gb", "peak_memory_pct_of_gpu", "days_to_train",
     "full_run_cost_usd", "cost_usd_per_million_tokens", "status",
@@ -53,7 +54,7 @@ def report_paths(results_dir: Path, full: FullRun) -> dict[str, Path]:
     folder = Path(results_dir) / FINAL_DIR
     n = full.num_nodes
     return {"summary": folder / f"final_summary_{n}nodes.csv", "all": folder / f"all_trials_{n}nodes.csv",
-            "optimal": optimal_path(folder, full), "folder": folder}
+            "optimal": optimal_path(folder, full), "ds_config": ds_config_path(folder, full), "folder": folder}
 
 
 def _status_counts(df: pd.DataFrame) -> str:
@@ -64,7 +65,9 @@ def _status_counts(df: pd.DataFrame) -> str:
 def _layout(row: pd.Series) -> str:
     ckpt = (f"{row['act_ckpt_layers']} checkpointed layers per stage" if row["act_ckpt_layers"]
             else "no activation checkpointing")
-    return f"TP={row['tp']}, PP={row['pp']}, DP={row['dp']}, MBS={row['mbs']}, {ckpt}"
+    saver = f"{row['engine']} engine, ZeRO-{row['zero_stage']}" + (
+        f", offload {row['offload']}" if row["offload"] not in (None, "none") else "")
+    return f"TP={row['tp']}, PP={row['pp']}, DP={row['dp']}, MBS={row['mbs']}, {ckpt}, {saver}"
 
 
 def _memory_note(ranked: pd.DataFrame) -> str:
@@ -114,7 +117,7 @@ def render_summary(df: pd.DataFrame, top_n: int, full: FullRun, paths: dict[str,
                       f"columns of {paths['all']} and the job logs in training_logs/<trial_id>/.")
         return console.file.getvalue()  # type: ignore[attr-defined]
     table = Table(title=f"Fastest {min(top_n, len(ranked))} of {len(ranked)} on {full.num_nodes} node(s)")
-    headers = ("rank", "trial_id", "TP", "PP", "DP", "MBS", "ckpt", "step s", "tok/s/GPU", "MFU",
+    headers = ("rank", "trial_id", "TP", "PP", "DP", "MBS", "ckpt", "ZeRO", "step s", "tok/s/GPU", "MFU",
                "mem GB", "days", "$ / M tok")
     for h in headers:
         table.add_column(h, justify="left" if h == "trial_id" else "right")
@@ -123,7 +126,7 @@ def render_summary(df: pd.DataFrame, top_n: int, full: FullRun, paths: dict[str,
         mem = "" if pd.isna(r["peak_memory_gb"]) else f"{r['peak_memory_gb']:.2f}"
         mfu = "" if pd.isna(r["mfu"]) else f"{100 * r['mfu']:.1f}%"
         table.add_row(str(r["rank"]), r["trial_id"], str(r["tp"]), str(r["pp"]), str(r["dp"]), str(r["mbs"]),
-                      str(r["act_ckpt_layers"]), f"{r[RANK_COLUMN]:.4g}",
+                      str(r["act_ckpt_layers"]), str(r["zero_stage"]), f"{r[RANK_COLUMN]:.4g}",
                       f"{r['full_run_tokens_per_s_per_gpu']:,.0f}", mfu, mem, f"{r['days_to_train']:.3g}", per_m)
     console.print(table)
     console.print(recommendation(ranked, full, paths["optimal"]))
@@ -137,9 +140,10 @@ def write_reports(results_dir: Path, df: pd.DataFrame, full: FullRun, top_n: int
     atomic_write_text(paths["all"], csv_text(df, ALL_TRIALS_COLUMNS))
     atomic_write_text(paths["summary"], csv_text(ranked.head(top_n), SUMMARY_COLUMNS))
     if ranked.empty:
-        if paths["optimal"].exists():  # an earlier collection's pick is no longer backed by a success
-            log.warning("Removing %s: no trial succeeded in this collection", paths["optimal"])
-            paths["optimal"].unlink()
+        for stale in (paths["optimal"], paths["ds_config"]):
+            if stale.exists():  # an earlier collection's pick is no longer backed by a success
+                log.warning("Removing %s: no trial succeeded in this collection", stale)
+                stale.unlink()
     else:
         write_optimal_config(results_dir, ranked.iloc[0], full, len(ranked), paths["folder"])
     paths["plots"] = write_plots(df, paths["folder"])  # type: ignore[assignment]
