@@ -66,7 +66,7 @@ def optimal_spec(trial: TrialSpec, best: pd.Series, full: FullRun) -> TrialSpec:
     )
 
 
-def _header(spec: TrialSpec, best: pd.Series, n_ranked: int) -> str:
+def _header(spec: TrialSpec, best: pd.Series, n_ranked: int, ds_name: str) -> str:
     days = float(best["days_to_train"])
     gpus = spec.resources.num_nodes * spec.resources.gpus_per_node
     cost = ""
@@ -91,7 +91,7 @@ def _header(spec: TrialSpec, best: pd.Series, n_ranked: int) -> str:
         f"{spec.resources.gpus_per_node} -m hp_tool.trial.train <this file>   ({gpus} processes)\n"
         f"# Train on SLURM: {train_sbatch_command(spec, '<this file>')}\n"
         + ("# DeepSpeed config of this layout (deepspeed.initialize, transformers TrainingArguments(deepspeed=...)):\n"
-           f"# ds_config_{spec.trial_id.split('_')[1]}_{spec.resources.num_nodes}nodes.json beside this file.\n"
+           f"# {ds_name} beside this file.\n"
            if spec.parallel.engine == "deepspeed" else "")
     )
 
@@ -109,14 +109,14 @@ def write_optimal_config(results_dir: Path, best: pd.Series, full: FullRun, n_ra
     trial = load_spec(results_dir / "candidate_configs" / f"{best['trial_id']}.yaml")
     spec = optimal_spec(trial, best, full)  # dataclasses.replace re-runs every __post_init__ check
     path = optimal_path(folder, full)
-    text = _header(spec, best, n_ranked) + yaml.safe_dump(spec.to_dict(), sort_keys=False)
+    ds_path = ds_config_path(folder, full)
+    text = _header(spec, best, n_ranked, ds_path.name) + yaml.safe_dump(spec.to_dict(), sort_keys=False)
     atomic_write_text(path, text)
     reloaded = load_spec(path)
     if reloaded.to_dict() != spec.to_dict():
         path.unlink()
         raise ValueError(f"{path} did not reload as written; removed it. Written: {spec.to_dict()}; "
                          f"reloaded: {reloaded.to_dict()}")
-    ds_path = ds_config_path(folder, full)
     if spec.parallel.engine == "deepspeed":
         atomic_write_text(ds_path, json.dumps(ds_config(spec), indent=2) + "\n")
     elif ds_path.exists():  # an earlier DeepSpeed pick's config is not this pick's

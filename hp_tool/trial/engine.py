@@ -49,6 +49,7 @@ class Engine:
     tied_param: Optional[torch.nn.Parameter] = None  # tied embedding/head copy held by this stage
     tied_group: Optional[dist.ProcessGroup] = None
     local_numel: int = 0  # parameter elements materialised on this rank
+    ds: object = None  # the DeepSpeedEngine when spec.parallel.engine == "deepspeed" (ds_engine.py)
 
     @property
     def is_last_stage(self) -> bool:
@@ -85,6 +86,10 @@ def _tied_group(mesh: DeviceMesh, pp: int) -> Optional[dist.ProcessGroup]:
 
 def build_engine(spec: TrialSpec, env: DistEnv, device: torch.device) -> Engine:
     """Everything this rank needs to train; allocates only this rank's shard of the model."""
+    if spec.parallel.engine == "deepspeed":
+        from hp_tool.trial.ds_engine import build_ds_engine
+
+        return build_ds_engine(spec, env, device)
     par = spec.parallel
     mesh = build_mesh(par, env, device)
     pp_rank = mesh["pp"].get_local_rank() if mesh is not None else 0
@@ -151,6 +156,10 @@ def _pipeline(engine: Engine, step: int) -> Optional[torch.Tensor]:
 def train_step(engine: Engine, step: int) -> Optional[torch.Tensor]:
     """One optimizer step (``step`` is 0-based); returns this stage's mean loss (None off the last stage)."""
     _maybe_inject_failure(engine.env, step + 1)
+    if engine.ds is not None:
+        from hp_tool.trial.ds_engine import ds_train_step
+
+        return ds_train_step(engine, step)
     optim.set_lr(engine.optimizer, optim.lr_at(step, engine.spec.training))
     loss = _pipeline(engine, step) if engine.schedule is not None else _accumulate(engine, step)
     optim.sync_tied_grads(engine.tied_param, engine.tied_group)

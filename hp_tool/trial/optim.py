@@ -39,16 +39,20 @@ def _mesh_key(param: torch.Tensor) -> tuple:
     return ()
 
 
-def build_optimizer(module: nn.Module, t: TrainingSpec, device: torch.device) -> torch.optim.AdamW:
-    """AdamW with one group per (mesh, decay); matrices decay, biases and norm weights do not."""
+def param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
+    """One group per (mesh, decay); matrices decay, biases and norm weights do not."""
     groups: dict[tuple, list] = {}
     for param in module.parameters():
         if param.requires_grad:
             groups.setdefault((_mesh_key(param), param.ndim >= 2), []).append(param)
-    param_groups = [{"params": params, "weight_decay": t.weight_decay if decay else 0.0}
-                    for (_, decay), params in groups.items()]
+    return [{"params": params, "weight_decay": weight_decay if decay else 0.0}
+            for (_, decay), params in groups.items()]
+
+
+def build_optimizer(module: nn.Module, t: TrainingSpec, device: torch.device) -> torch.optim.AdamW:
+    """AdamW over ``param_groups``."""
     fused = device.type == "cuda"
-    return torch.optim.AdamW(param_groups, lr=lr_at(0, t), betas=tuple(t.betas),
+    return torch.optim.AdamW(param_groups(module, t.weight_decay), lr=lr_at(0, t), betas=tuple(t.betas),
                              weight_decay=t.weight_decay, fused=fused, foreach=None if fused else True)
 
 
