@@ -46,9 +46,6 @@ def combination_problem(engine: str, zero_stage: int, offload: str, tp: int, pp:
         if offload == "optimizer":
             return "offload", ("the torch engine offloads through FSDP2's CPUOffloadPolicy, which moves parameters "
                                "too: use offload optimizer_and_params, or engine deepspeed for optimizer-only offload")
-        if zero_stage == 1 and (tp > 1 or pp > 1):
-            return "zero_stages", (f"the torch engine's stage 1 (ZeroRedundancyOptimizer) runs on plain data "
-                                   f"parallelism only, not with TP={tp} PP={pp}: use stage 0 or 2")
         return None
     if pp > 1:
         if zero_stage >= 2:

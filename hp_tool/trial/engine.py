@@ -95,13 +95,16 @@ def build_engine(spec: TrialSpec, env: DistEnv, device: torch.device) -> Engine:
     pp_rank = mesh["pp"].get_local_rank() if mesh is not None else 0
     dp_rank = mesh["dp"].get_local_rank() if mesh is not None else 0
     stage = build_stage(spec.model, par.pp, pp_rank)
-    parallelize_stage(stage, par, mesh, compute_dtype(spec, device))
+    parallelize_stage(stage, par, mesh, compute_dtype(spec, device), device)
     stage.to_empty(device=device)
     stage.retie()
     stage.reset_buffers(device)
     numel = init_weights(stage, spec.training.seed, spec.model.init_method_std, stage.tied)
     log.info("rank %d: stage %d holds %d parameter elements", env.rank, pp_rank, numel)
-    engine = Engine(spec, env, device, mesh, stage, optim.build_optimizer(stage, spec.training, device),
+    dp_group = mesh["dp"].get_group() if mesh is not None and par.dp > 1 else None
+    optimizer = optim.build_optimizer(stage, spec.training, device, par.zero_stage, dp_group,
+                                      offload=par.offload != "none")
+    engine = Engine(spec, env, device, mesh, stage, optimizer,
                     TokenBatches(spec, dp_rank, device), pp_rank=pp_rank, local_numel=numel)
     if par.pp > 1:
         engine.schedule = build_schedule(stage, par, mesh, pp_rank, spec.grad_accum_steps, device,
@@ -165,6 +168,6 @@ def train_step(engine: Engine, step: int) -> Optional[torch.Tensor]:
     optim.sync_tied_grads(engine.tied_param, engine.tied_group)
     skip = frozenset({id(engine.tied_param)}) if engine.tied_param is not None and engine.is_last_stage \
         else frozenset()
-    optim.clip_grad_norm(engine.stage, engine.spec.training.grad_clip, engine.pp_group, skip)
+    optim.clip_grad_norm(engine.stage, engine.spec.training.grad_clip, engine.pp_group, skip, engine.device)
     optim.optimizer_step(engine.optimizer)
     return loss

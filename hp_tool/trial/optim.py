@@ -49,11 +49,63 @@ def param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
             for (_, decay), params in groups.items()]
 
 
-def build_optimizer(module: nn.Module, t: TrainingSpec, device: torch.device) -> torch.optim.AdamW:
-    """AdamW over ``param_groups``."""
+def _adamw(groups: list[dict], t: TrainingSpec, device: torch.device) -> torch.optim.AdamW:
     fused = device.type == "cuda"
-    return torch.optim.AdamW(param_groups(module, t.weight_decay), lr=lr_at(0, t), betas=tuple(t.betas),
-                             weight_decay=t.weight_decay, fused=fused, foreach=None if fused else True)
+    return torch.optim.AdamW(groups, lr=lr_at(0, t), betas=tuple(t.betas), weight_decay=t.weight_decay,
+                             fused=fused, foreach=None if fused else True)
+
+
+def build_optimizer(module: nn.Module, t: TrainingSpec, device: torch.device, zero_stage: int = 0,
+                    dp_group: Optional[dist.ProcessGroup] = None, offload: bool = False) -> torch.optim.Optimizer:
+    """AdamW over ``param_groups``: on the parameters' own device (the host when FSDP2 offloads them), and
+    at ZeRO stage 1 with more than one data-parallel rank sharded by ``ShardedAdamW``."""
+    if zero_stage == 1 and dp_group is not None and dist.get_world_size(dp_group) > 1:
+        return ShardedAdamW(module, t, device, dp_group)
+    return _adamw(param_groups(module, t.weight_decay), t, torch.device("cpu") if offload else device)
+
+
+class ShardedAdamW:
+    """ZeRO-1 for the torch engine: torch's ``ZeroRedundancyOptimizer`` over the data-parallel group.
+
+    Each rank keeps AdamW states for its share of the parameters only, steps them, and broadcasts the
+    updated values to the other replicas. The parameters may be DTensors (replicated over ``dp`` by
+    ``replicate``, sharded over ``tp``): ZeroRedundancyOptimizer works on their local tensors, which
+    share storage with them, and receives their (already reduced and clipped) local gradients."""
+
+    def __init__(self, module: nn.Module, t: TrainingSpec, device: torch.device, dp_group: dist.ProcessGroup):
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        # the DTensor's own local tensor (a leaf sharing its storage; to_local() would return a view)
+        self.local = {id(p): p._local_tensor if isinstance(p, DTensor) else p for p in self.params}
+        groups = [{"params": [self.local[id(p)] for p in g["params"]], "weight_decay": g["weight_decay"]}
+                  for g in param_groups(module, t.weight_decay)]
+        fused = device.type == "cuda"
+        self.zero = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
+                                            process_group=dp_group, lr=lr_at(0, t), betas=tuple(t.betas),
+                                            weight_decay=groups[0]["weight_decay"], fused=fused,
+                                            foreach=None if fused else True)
+        for group in groups[1:]:
+            self.zero.add_param_group(group)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.zero.param_groups
+
+    def step(self) -> None:
+        for p in self.params:
+            self.local[id(p)].grad = None if p.grad is None else _local(p.grad)
+        self.zero.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+            self.local[id(p)].grad = None
+
+    def state_numel(self) -> int:
+        """Optimizer-state elements held on this rank (its shard)."""
+        return sum(v.numel() for state in self.zero.optim.state.values() for v in state.values()
+                   if torch.is_tensor(v) and v.dim() > 0)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
@@ -81,7 +133,7 @@ def _sum_of_squares(grads: Iterable[torch.Tensor], device: torch.device) -> torc
         else:
             groups.setdefault((), (None, (), []))[2].append(g)
     for mesh, shard_dims, tensors in groups.values():
-        squares = torch.stack(torch._foreach_norm(tensors, 2.0)).float().pow(2).sum()
+        squares = torch.stack(torch._foreach_norm(tensors, 2.0)).float().pow(2).sum().to(device)
         for dim in shard_dims:
             dist.all_reduce(squares, group=mesh.get_group(dim))
         total = total + squares
@@ -89,19 +141,21 @@ def _sum_of_squares(grads: Iterable[torch.Tensor], device: torch.device) -> torc
 
 
 def clip_grad_norm(module: nn.Module, max_norm: float, pp_group: Optional[dist.ProcessGroup],
-                   skip: frozenset = frozenset()) -> torch.Tensor:
+                   skip: frozenset = frozenset(), comm_device: Optional[torch.device] = None) -> torch.Tensor:
     """Scale gradients so the whole model's L2 norm is at most ``max_norm``; returns the norm before.
 
     ``skip`` holds ids of parameters held twice in the pipeline (a tied head): counted on one stage only.
+    ``comm_device``: where the collectives run (the GPU when FSDP2 offloads the gradients to the host).
     """
     params = [p for p in module.parameters() if p.grad is not None]
-    device = _local(params[0]).device if params else torch.device("cpu")
+    grad_device = _local(params[0].grad).device if params else torch.device("cpu")
+    device = comm_device or grad_device
     total_sq = _sum_of_squares([p.grad for p in params if id(p) not in skip], device)
     if pp_group is not None:
         dist.all_reduce(total_sq, group=pp_group)
     total_norm = total_sq.sqrt()
     if max_norm > 0 and params:
-        coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+        coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0).to(grad_device)
         # Scaling the local shards scales the DTensors; no per-parameter DTensor dispatch needed.
         torch._foreach_mul_([_local(p.grad) for p in params], coef)
     return total_norm

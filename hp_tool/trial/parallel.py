@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from hp_tool.errors import require
 from hp_tool.trial.models import CausalLMStage, loss_fn
 from hp_tool.trial.spec import ParallelSpec
 
@@ -82,39 +83,49 @@ def apply_activation_checkpointing(stage: CausalLMStage, num_layers: int) -> Non
                                                checkpoint_impl=CheckpointImpl.NO_REENTRANT)
 
 
-def apply_data_parallel(stage: CausalLMStage, dp_mesh: DeviceMesh, sharding: str,
-                        param_dtype: Optional[torch.dtype]) -> None:
-    """FSDP2 over ``dp_mesh``: full = ZeRO-3, gradients = no reshard after forward, none = DDP.
+def apply_data_parallel(stage: CausalLMStage, dp_mesh: DeviceMesh, zero_stage: int, offload: str,
+                        param_dtype: Optional[torch.dtype], device: torch.device) -> None:
+    """Data parallelism over ``dp_mesh`` for a ZeRO stage: 0 and 1 replicate the stage (DDP; stage 1
+    shards the optimizer, optim.ShardedAdamW), 2 = FSDP2 without resharding after forward, 3 = FSDP2
+    full shard. Offload (stages 2-3): FSDP2's CPUOffloadPolicy keeps the sharded parameters, their
+    gradients and so the optimizer step on the host (pinned buffers with a GPU).
 
     ``param_dtype`` (bf16 on GPU) makes FSDP gather and compute in that dtype while the optimizer keeps
     fp32 master weights; gradients are reduced in fp32.
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     # OPT's layer returns a view; harmless here because the stage never modifies a layer output in place.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    if sharding == "none":
+    if zero_stage <= 1:
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
         replicate(stage, mesh=dp_mesh, mp_policy=mp)
         return
-    reshard = sharding == "full"
+    extra = {}
+    if offload != "none":
+        extra["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    reshard = zero_stage >= 3
     for layer in stage.layers.values():
-        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp, **extra)
     # The root unit holds embeddings, final norm and head; the last unit is used right after forward.
-    fully_shard(stage, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp)
+    fully_shard(stage, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp, **extra)
 
 
 def parallelize_stage(stage: CausalLMStage, par: ParallelSpec, mesh: Optional[DeviceMesh],
-                      param_dtype: Optional[torch.dtype]) -> None:
+                      param_dtype: Optional[torch.dtype], device: torch.device) -> None:
     """Apply TP, activation checkpointing and DP to ``stage`` in place (still on meta)."""
     if par.tp > 1:
         apply_tensor_parallel(stage, mesh["tp"])
     if par.act_ckpt_layers > 0:
         apply_activation_checkpointing(stage, par.act_ckpt_layers)
-    if par.dp > 1:
-        apply_data_parallel(stage, mesh["dp"], par.dp_sharding, param_dtype)
+    if par.offload != "none":
+        require(mesh is not None, "parallel.offload", par.offload,
+                "the torch engine offloads through FSDP2, which needs a process group (2 or more processes)",
+                "run the trial on 2 or more processes, or use engine deepspeed")
+    if par.dp > 1 or par.offload != "none":  # FSDP2 on one data-parallel rank still offloads
+        apply_data_parallel(stage, mesh["dp"], par.zero_stage, par.offload, param_dtype, device)
 
 
 def build_schedule(stage: CausalLMStage, par: ParallelSpec, mesh: DeviceMesh, stage_index: int,
@@ -135,7 +146,7 @@ def build_schedule(stage: CausalLMStage, par: ParallelSpec, mesh: DeviceMesh, st
 
 def needs_grad_sync_control(par: ParallelSpec) -> bool:
     """Whether to skip DP gradient reduction on all but the last micro-batch (DDP's no_sync)."""
-    return par.dp > 1 and par.pp == 1 and par.dp_sharding == "none"
+    return par.dp > 1 and par.pp == 1 and par.zero_stage <= 1
 
 
 def set_grad_sync(stage: nn.Module, enabled: bool) -> None:
