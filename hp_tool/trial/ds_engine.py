@@ -96,4 +96,6 @@ def ds_train_step(engine, step: int) -> Optional[torch.Tensor]:
         ds.backward(loss)
         ds.step()
         total += loss.detach()
+    norm = ds.get_global_grad_norm()  # None at ZeRO-0, which keeps no norm
+    engine.grad_norm = None if norm is None else float(norm)
     return total / len(micro)  # under AutoTP every TP rank holds the same loss

@@ -50,6 +50,7 @@ class Engine:
     tied_group: Optional[dist.ProcessGroup] = None
     local_numel: int = 0  # parameter elements materialised on this rank
     ds: object = None  # the DeepSpeedEngine when spec.parallel.engine == "deepspeed" (ds_engine.py)
+    grad_norm: Optional[float] = None  # the last step's whole-model gradient norm before clipping
 
     @property
     def is_last_stage(self) -> bool:
@@ -168,6 +169,7 @@ def train_step(engine: Engine, step: int) -> Optional[torch.Tensor]:
     optim.sync_tied_grads(engine.tied_param, engine.tied_group)
     skip = frozenset({id(engine.tied_param)}) if engine.tied_param is not None and engine.is_last_stage \
         else frozenset()
-    optim.clip_grad_norm(engine.stage, engine.spec.training.grad_clip, engine.pp_group, skip, engine.device)
+    norm = optim.clip_grad_norm(engine.stage, engine.spec.training.grad_clip, engine.pp_group, skip, engine.device)
+    engine.grad_norm = float(norm)
     optim.optimizer_step(engine.optimizer)
     return loss

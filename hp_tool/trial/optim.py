@@ -127,7 +127,10 @@ def _sum_of_squares(grads: Iterable[torch.Tensor], device: torch.device) -> torc
     groups: dict[tuple, tuple] = {}
     for g in grads:
         if isinstance(g, DTensor):
-            shard_dims = tuple(i for i, pl in enumerate(g.placements) if pl.is_shard())
+            # Any placement that splits the tensor counts, including FSDP2's _StridedShard over TP
+            # (its is_shard() is False): only replicated and partial dimensions are not summed.
+            shard_dims = tuple(i for i, pl in enumerate(g.placements)
+                               if not (pl.is_replicate() or pl.is_partial()))
             key = (_mesh_key(g), shard_dims)
             groups.setdefault(key, (g.device_mesh, shard_dims, []))[2].append(g.to_local())
         else:

@@ -4,8 +4,9 @@ The results collector reads exactly these names; :data:`METRIC_FIELDS` and :data
 the single place they are defined. Values that could not be measured are JSON ``null``.
 
 ``metrics.jsonl`` (one line per optimizer step, appended and flushed by rank 0):
-    step (1-based), step_time_s, loss, lr, tokens (global, this step), memory_gb (rank 0's peak so far,
-    GB = 1e9 bytes), timed (false for warm-up steps), time (unix seconds).
+    step (1-based), step_time_s, loss, grad_norm (the whole model's gradient norm before clipping; null
+    where the engine does not report it: DeepSpeed at ZeRO-0), lr, tokens (global, this step), memory_gb
+    (rank 0's peak so far, GB = 1e9 bytes), timed (false for warm-up steps), time (unix seconds).
 
 ``result.json`` (written atomically by rank 0; by a failing rank too, so a status is always left):
     fingerprint: TrialSpec.fingerprint() of the spec that ran (the collector ranks only matching ones);
@@ -38,7 +39,7 @@ METRICS_FILE = "metrics.jsonl"
 RESULT_FILE = "result.json"
 FAILURE_DIR = "rank_failures"  # per-rank failure notes, read by rank 0 to name the root cause
 
-METRIC_FIELDS = ("step", "step_time_s", "loss", "lr", "tokens", "memory_gb", "timed", "time")
+METRIC_FIELDS = ("step", "step_time_s", "loss", "grad_norm", "lr", "tokens", "memory_gb", "timed", "time")
 RESULT_FIELDS = (
     "trial_id", "fingerprint", "status", "reason", "stop_reason", "steps_run", "steps_measured",
     "step_time_s_median", "step_time_s_mean", "step_time_s_std", "samples_per_s", "tokens_per_s",

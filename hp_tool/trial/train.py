@@ -97,7 +97,7 @@ def run_loop(engine: Engine, out: Path, t_start: float, flag: measure.SignalFlag
             if is_timed:
                 timed.append(step_s)
             losses.append(loss_sum if dist.is_initialized() else float(loss))
-            writer.write({"step": step, "step_time_s": step_s, "loss": losses[-1],
+            writer.write({"step": step, "step_time_s": step_s, "loss": losses[-1], "grad_norm": engine.grad_norm,
                           "lr": lr_at(step - 1, spec.training), "tokens": tokens,
                           "memory_gb": measure.peak_memory_gb(device)[0], "timed": is_timed,
                           "time": time.time()})
