@@ -1,0 +1,212 @@
+"""ZeRO stage, offload and engine as search dimensions: the memory model per stage and offload against hand
+computations, host RAM pruning, the small-GPU preset's dry run, bad input, the DeepSpeed config, and a tiny
+search whose grid spans both engines and two stages, end to end."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hp_tool.architectures import count_parameters, layer_parameters
+from hp_tool.candidates import INVALID, PRUNED, SELECTED
+from hp_tool.cli import compose
+from hp_tool.config import to_app_config
+from hp_tool.errors import ConfigError
+from hp_tool.estimate.layout import GB, Hardware, Layout
+from hp_tool.estimate.memory import (CHECKPOINT_GATHER_BYTES, HOST_PROCESS_OVERHEAD_GB, estimate_memory,
+                                     host_memory_gb, stage_parameters)
+from hp_tool.estimate.speed import estimate_step_time
+from hp_tool.architectures import llama_shape
+from hp_tool.planner import make_plan
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_main(tmp_path, *overrides, timeout=300):
+    return subprocess.run([sys.executable, str(REPO / "main.py"), f"base_results_dir={tmp_path / 'res'}", *overrides],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
+
+
+def read_rows(path):
+    with open(path, newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+HW = Hardware(gpus_per_node=8, gpu_memory_gb=80, peak_tflops=312, intra_node_bandwidth_gbps=300,
+              inter_node_bandwidth_gbps=25, memory_overhead_gb=3.0, host_ram_gb=2048, pcie_bandwidth_gbps=25)
+SHAPE, _ = llama_shape(7, 32000, 4096)
+
+
+def lay(stage, offload="none", engine="deepspeed", dp=8):
+    return Layout(1, 1, dp, 1, 32, 8 * dp, stage, offload, engine)
+
+
+def test_gpu_memory_falls_with_each_stage_by_the_zero_table():
+    mem = [estimate_memory(SHAPE, lay(z), HW) for z in range(4)]
+    totals = [m.total_gb for m in mem]
+    assert totals[0] > totals[1] > totals[2] > totals[3]
+    psi = stage_parameters(SHAPE, 1, 1)[0]
+    assert mem[0].model_states_gb == pytest.approx(16 * psi / GB)
+    assert mem[1].model_states_gb == pytest.approx((4 * psi + 12 * psi / 8) / GB)
+    assert mem[2].model_states_gb == pytest.approx((2 * psi + 14 * psi / 8) / GB)
+    gathered = 2 * 2 * layer_parameters(SHAPE)  # ZeRO-3 holds a gathered layer and the prefetched one
+    assert mem[3].model_states_gb == pytest.approx((16 * psi / 8 + gathered) / GB)
+    # activations do not depend on the stage
+    assert len({round(m.activations_gb, 9) for m in mem}) == 1
+
+
+def test_offload_moves_states_to_host_ram_by_hand_computed_figures():
+    psi = stage_parameters(SHAPE, 1, 1)[0]
+    gpu = estimate_memory(SHAPE, lay(3, "optimizer"), HW).model_states_gb
+    assert gpu == pytest.approx((4 * psi / 8 + 2 * 2 * layer_parameters(SHAPE)) / GB)
+    assert estimate_memory(SHAPE, lay(2, "optimizer"), HW).model_states_gb == pytest.approx((2 * psi + 2 * psi / 8) / GB)
+    # host RAM per node: 8 GPUs x (18 bytes per parameter of the shard + one process) + rank 0's gather 4·M
+    full = host_memory_gb(SHAPE, lay(3, "optimizer_and_params"), 8, gather_checkpoint=True)
+    m = count_parameters(SHAPE)
+    assert full == pytest.approx((8 * (18 * psi / 8) + CHECKPOINT_GATHER_BYTES * m) / GB + 8 * HOST_PROCESS_OVERHEAD_GB)
+    assert host_memory_gb(SHAPE, lay(3, "optimizer"), 8, False) == pytest.approx(
+        16 * psi / GB + 8 * HOST_PROCESS_OVERHEAD_GB)
+    torch_offload = host_memory_gb(SHAPE, lay(3, "optimizer_and_params", "torch"), 8, False)
+    assert torch_offload == pytest.approx(16 * psi / GB + 8 * HOST_PROCESS_OVERHEAD_GB)
+    # REFERENCE §5 check value: 70B, 8-way, 8 GPUs per machine -> 18·M/N·K = 1.26 TB
+    assert 18 * 70e9 / 8 * 8 / 1e12 == pytest.approx(1.26)
+    assert host_memory_gb(SHAPE, lay(3), 8, False) == pytest.approx(8 * HOST_PROCESS_OVERHEAD_GB)
+
+
+def test_speed_model_charges_stage_3_gathers_and_offload_traffic():
+    times = {(z, o): estimate_step_time(SHAPE, lay(z, o), HW, 1) for z, o in
+             [(0, "none"), (2, "none"), (3, "none"), (3, "optimizer"), (3, "optimizer_and_params")]}
+    assert times[(0, "none")].dp_comm_s == times[(2, "none")].dp_comm_s < times[(3, "none")].dp_comm_s
+    assert times[(3, "none")].offload_s == 0 < times[(3, "optimizer")].offload_s < \
+        times[(3, "optimizer_and_params")].offload_s
+    totals = [t.total_s for t in times.values()]
+    assert totals == sorted(totals)
+
+
+def plan(tmp_path, *overrides):
+    cfg, name = compose(list(overrides))
+    return make_plan(to_app_config(cfg), name, tmp_path / name)
+
+
+def test_a10g_preset_fits_only_sharded_or_offloaded_layouts_and_says_why_not(tmp_path):
+    p = plan(tmp_path, "search_config=llama/llama2_7b_a10g")
+    selected = [c for c in p.candidates if c.status == SELECTED]
+    assert selected and {c.engine for c in selected} <= {"torch", "deepspeed"}
+    for c in selected:  # 108 GB of unsharded states on 24 GB cards: only heavy savers fit
+        assert c.zero_stage == 3 or c.offload != "none"
+        assert c.memory_gb <= 24 * 0.95 and c.host_memory_gb <= 64 * 0.95
+    for c in p.candidates:
+        assert c.status in (SELECTED, PRUNED, INVALID, "over_limit") and (c.status == SELECTED or c.reason)
+    unsharded = [c for c in p.candidates if c.zero_stage == 0]
+    assert unsharded and all(c.status in (PRUNED, INVALID) for c in unsharded)
+    assert any(c.reason_key == "gpu.memory_gb" and "GB per GPU >" in c.reason for c in unsharded)
+    bad = [c for c in p.candidates if c.status == INVALID]
+    reasons = " ".join(c.reason for c in bad)
+    assert "needs ZeRO stage >= 1" in reasons and "parameter offload needs ZeRO stage 3" in reasons
+    assert "DeepSpeed pipeline parallelism supports ZeRO stages 0-1" in reasons
+
+
+def test_host_ram_prunes_offload_with_the_number_and_the_key(tmp_path):
+    p = plan(tmp_path, "search_config=llama/llama2_7b_a10g", "gpu.host_ram_gb=52")
+    host = [c for c in p.candidates if c.reason_key == "gpu.host_ram_gb"]
+    assert host and all(c.status == PRUNED and "GB host RAM per node > 49.4 GB usable" in c.reason for c in host)
+    assert all(c.host_memory_gb <= 49.4 for c in p.candidates if c.status == SELECTED)
+
+
+@pytest.mark.parametrize("override, key, words", [
+    ("search_config.train_settings.zero_stages=[4]", "search_config.train_settings.zero_stages", "unknown values [4]"),
+    ("search_config.train_settings.offload=[disk]", "search_config.train_settings.offload", "unknown values"),
+    ("search_config.train_settings.engines=[megatron]", "search_config.train_settings.engines", "unknown values"),
+    ("gpu.host_ram_gb=null", "gpu.host_ram_gb", "needs the host RAM per node"),
+    ("search_config.train_settings.dp_sharding=full", "search_config.train_settings.dp_sharding",
+     "zero_stages=[N]: none -> [0], gradients -> [2], full -> [3]"),
+])
+def test_bad_saver_input_fails_before_anything_is_written(tmp_path, override, key, words):
+    extra = ["search_config.train_settings.offload=[none,optimizer]"] if "host_ram" in override else []
+    proc = run_main(tmp_path, "search_config=gpt3/tiny", "dry_run=true", override, *extra)
+    assert proc.returncode == 2 and key in proc.stderr and words in proc.stderr and "Fix:" in proc.stderr
+    assert not (tmp_path / "res").exists()
+
+
+def test_deepspeed_engine_missing_names_the_install_command(monkeypatch):
+    # DeepSpeed is installed here; hide it from the check to see what a user without it gets.
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    cfg, _ = compose(["search_config=gpt3/tiny", "search_config.train_settings.engines=[torch,deepspeed]"])
+    with pytest.raises(ConfigError) as err:
+        to_app_config(cfg)
+    assert err.value.key == "search_config.train_settings.engines" and 'pip install "hp_tool[deepspeed]"' in str(err.value)
+
+
+DS_CHECK = """
+import json, os, sys
+import deepspeed
+from deepspeed.runtime.config import DeepSpeedConfig
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+deepspeed.init_distributed(dist_backend="gloo")
+class DataParallel:  # the full run's data-parallel group, which cannot exist on this machine
+    def __init__(self, n): self.n = n
+    def get_data_parallel_world_size(self): return self.n
+for cfg, dp in json.load(open(sys.argv[1])):
+    parsed = DeepSpeedConfig(cfg, mpu=DataParallel(dp))  # raises on a bad key, value or batch arithmetic
+    print(parsed.zero_optimization_stage, parsed.train_batch_size, parsed.gradient_accumulation_steps,
+          parsed.zero_config.offload_optimizer is not None, parsed.optimizer_name)
+"""
+
+
+def test_ds_config_is_a_plain_deepspeed_config_deepspeed_parses(tmp_path):
+    from hp_tool.trial.ds_config import ds_config
+
+    p = plan(tmp_path, "search_config=llama/llama2_7b_a10g")
+    cases = []
+    for spec in p.specs:
+        cfg = ds_config(spec)
+        assert '"auto"' not in json.dumps(cfg)
+        dp = spec.resources.num_nodes * spec.resources.gpus_per_node // (spec.parallel.tp * spec.parallel.pp)
+        cases.append((cfg, dp))
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    script = tmp_path / "check.py"
+    script.write_text(DS_CHECK)
+    from trial_helpers import free_port
+
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "cases.json"), str(free_port())],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line.split() for line in proc.stdout.splitlines() if line[:1].isdigit()]
+    assert len(lines) == len(p.specs)
+    for (stage, batch, accum, offloaded, optimizer), spec in zip(lines, p.specs):
+        assert int(stage) == spec.parallel.zero_stage and int(batch) == spec.training.global_batch_size
+        assert int(accum) == spec.grad_accum_steps and offloaded == str(spec.parallel.offload != "none")
+        assert optimizer == "adamw"
+
+
+@pytest.mark.slow
+def test_tiny_search_over_both_engines_and_two_stages_runs_and_ranks(tmp_path):
+    proc = run_main(tmp_path, "search_config=llama/tiny", "cluster=local",
+                    "search_config.train_settings.engines=[torch,deepspeed]",
+                    "search_config.train_settings.zero_stages=[0,3]", "search_config.train_settings.offload=[none]",
+                    "search_config.train_settings.tensor_parallel_sizes=[1]",
+                    "search_config.train_settings.pipeline_parallel_sizes=[1]",
+                    "search_config.train_settings.micro_batch_sizes=[2]",
+                    "search_config.train_settings.act_ckpt_layers=[0]",
+                 "search_config.train_settings.max_steps_per_run=8", timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    final = tmp_path / "res" / "llama" / "tiny" / "final_results"
+    rows = read_rows(final / "final_summary_1nodes.csv")
+    assert sorted((r["engine"], r["zero_stage"]) for r in rows) == [
+        ("deepspeed", "0"), ("deepspeed", "3"), ("torch", "0"), ("torch", "3")]
+    assert [r["rank"] for r in rows] == ["1", "2", "3", "4"]
+    times = [float(r["full_run_step_time_s"]) for r in rows]
+    assert times == sorted(times) and all(r["status"] == "ok" for r in rows)
+    ds_json = final / "ds_config_tiny_1nodes.json"
+    if rows[0]["engine"] == "deepspeed":
+        cfg = json.loads(ds_json.read_text())
+        assert cfg["zero_optimization"]["stage"] == int(rows[0]["zero_stage"])
+    else:
+        assert not ds_json.exists()
