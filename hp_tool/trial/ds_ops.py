@@ -1,0 +1,31 @@
+"""Build DeepSpeed's CPU Adam op ahead of the trials that offload the optimizer.
+
+    python3 -m hp_tool.trial.ds_ops
+
+DeepSpeed compiles the op with the machine's C++ compiler on first use (minutes) and caches it under
+TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions); a trial that had to build it would spend its
+time box compiling. Run this once per environment (or install DeepSpeed with DS_BUILD_CPU_ADAM=1).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+
+def build_cpu_adam() -> float:
+    """Build (or load the cached) CPU Adam op; returns the seconds it took."""
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+
+    start = time.monotonic()
+    CPUAdamBuilder().load()
+    return time.monotonic() - start
+
+
+def main() -> int:
+    print(f"DeepSpeed CPU Adam ready in {build_cpu_adam():.1f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
