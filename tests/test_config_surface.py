@@ -19,7 +19,7 @@ from hp_tool.launch.slurm import partition_cpus_per_node
 from hp_tool.planner import make_plan
 
 REPO = Path(__file__).resolve().parent.parent
-GPUS = ("a100_40gb", "a100_80gb", "h100_80gb", "h200", "a10g", "l4", "cpu")
+GPUS = ("a100_40gb", "a100_80gb", "h100_80gb", "h200", "a10g", "a10g_g5_4xlarge", "l4", "cpu")
 
 
 def main(tmp_path, *args, env=None):
