@@ -1,4 +1,5 @@
-"""Build DeepSpeed's CPU Adam op ahead of the trials that offload the optimizer.
+"""Build DeepSpeed's C++ ops ahead of the trials: CPU Adam (offloaded optimizer steps) and, on a machine
+without a GPU, the shared-memory communication op DeepSpeed builds in its first ``initialize``.
 
     python3 -m hp_tool.trial.ds_ops
 
@@ -22,8 +23,20 @@ def build_cpu_adam() -> float:
     return time.monotonic() - start
 
 
+def build_shm_comm() -> float:
+    """Build (or load) the op DeepSpeed's CPU accelerator loads when it sets up communication."""
+    from deepspeed.accelerator import get_accelerator
+
+    start = time.monotonic()
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None and get_accelerator().device_name() == "cpu":
+        builder.load()
+    return time.monotonic() - start
+
+
 def main() -> int:
     print(f"DeepSpeed CPU Adam ready in {build_cpu_adam():.1f} s", flush=True)
+    print(f"DeepSpeed shared-memory comm op ready in {build_shm_comm():.1f} s", flush=True)
     return 0
 
 
