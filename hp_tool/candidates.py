@@ -16,6 +16,7 @@ their numbers; the rest, and combinations the engine cannot run, are not candida
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
 import math
@@ -74,7 +75,7 @@ class Grid:
     act_ckpt_step: int
     engines: list[str] = dataclasses.field(default_factory=lambda: ["torch"])
     savers: list[tuple[int, str]] = dataclasses.field(default_factory=lambda: [(3, "none")])  # (stage, offload)
-    heuristic_savers: bool = False  # keep only the first saver that fits each layout (zero_stages/offload null)
+    heuristic_savers: bool = False  # search one saver per layout (zero_stages/offload null)
 
 
 def grid_table(shape: Shape) -> list:
@@ -90,8 +91,8 @@ def memory_savers(ts: TrainSettings, host_ram_known: bool) -> tuple[list[tuple[i
     """The (ZeRO stage, offload) pairs to search and whether the heuristic picks among them per layout.
 
     Both lists given: every pair. Either left null: the pairs of SAVING_ORDER the given list allows (all
-    stages, and offload only with a host RAM figure), tried lightest first; the first that fits a layout
-    is searched (a lighter saver is never predicted slower)."""
+    stages, and offload only with a host RAM figure), lightest first; ``_layout_candidates`` picks one per
+    layout (see the module docstring)."""
     if ts.zero_stages is not None and ts.offload is not None:
         return [(z, o) for z in ts.zero_stages for o in ts.offload], False
     stages = ts.zero_stages if ts.zero_stages is not None else ZERO_STAGES
@@ -185,11 +186,16 @@ def estimate(shape: Shape, c: Candidate, gbs: int, cluster: Cluster, usable_gb: 
     hw = cluster.hw
     full = _layout(c, c.dp, gbs)
     c.full_memory_gb = estimate_memory(shape, full, hw).total_gb
-    for nodes in trial_node_counts(c.tp * c.pp, hw.gpus_per_node, cluster.num_nodes):
-        trial = _set_trial(c, gbs, hw.gpus_per_node, nodes)
-        c.memory_gb = estimate_memory(shape, trial, hw).total_gb
-        if c.memory_gb <= usable_gb:
-            break
+
+    def trial_fits(nodes: int) -> bool:
+        return estimate_memory(shape, _set_trial(c, gbs, hw.gpus_per_node, nodes), hw).total_gb <= usable_gb
+
+    # Memory per GPU never grows with more data-parallel shards, so bisect for the first count that fits
+    # (the largest when none does).
+    counts = trial_node_counts(c.tp * c.pp, hw.gpus_per_node, cluster.num_nodes)
+    nodes = counts[min(bisect.bisect_left(counts, True, key=trial_fits), len(counts) - 1)]
+    trial = _set_trial(c, gbs, hw.gpus_per_node, nodes)
+    c.memory_gb = estimate_memory(shape, trial, hw).total_gb
     c.host_memory_gb = max(host_memory_gb(shape, trial, c.trial_gpus_per_node, gather_checkpoint=False),
                            host_memory_gb(shape, full, hw.gpus_per_node, gather_checkpoint=True))
     step = estimate_step_time(shape, full, hw, cluster.num_nodes).total_s
@@ -238,6 +244,9 @@ def _layout_candidates(shape: Shape, grid: Grid, ts: TrainSettings, cluster: Clu
             continue
         _fit(shape, c, gbs, cluster, ts)
         out.append(c)
+        if grid.heuristic_savers and c.status == SELECTED and c.offload == "none" and \
+                c.trial_nodes == trial_node_counts(tp * pp, cluster.hw.gpus_per_node, cluster.num_nodes)[0]:
+            break  # nothing after it can be chosen over it (see the ordering below)
     if not grid.heuristic_savers:
         return out
     fitting = [c for c in out if c.status == SELECTED]
