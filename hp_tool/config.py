@@ -189,8 +189,8 @@ class TrainSettings:
     global_batch_size: Optional[int] = None  # null = table default for the size and seq length
     precision: str = "bf16"
     engines: Optional[List[str]] = None  # torch | deepspeed; null = [torch]
-    zero_stages: Optional[List[int]] = None  # 0-3; null = per layout, the lowest stage that fits
-    offload: Optional[List[str]] = None  # none | optimizer | optimizer_and_params; null = only if needed
+    zero_stages: Optional[List[int]] = None  # 0-3; null (or offload null) = one saver per layout (candidates.py)
+    offload: Optional[List[str]] = None  # none | optimizer | optimizer_and_params; null = only if nothing else fits
     memory_margin: float = 0.05  # fraction of GPU memory kept free when pruning
     tensor_parallel_sizes: Optional[List[int]] = None
     pipeline_parallel_sizes: Optional[List[int]] = None

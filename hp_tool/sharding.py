@@ -25,8 +25,8 @@ OFFLOADS = ("none", "optimizer", "optimizer_and_params")
 ENGINE_CODES = {"torch": "torch", "deepspeed": "ds"}
 OFFLOAD_CODES = {"none": "noff", "optimizer": "offopt", "optimizer_and_params": "offall"}
 
-# The order in which the heuristic (zero_stages / offload null) tries the memory savers: the first
-# combination that fits a layout is the one searched, later ones are predicted no faster.
+# The memory savers from lightest to heaviest, as the heuristic (zero_stages / offload null) tries them;
+# a lighter one is never predicted slower (candidates.py picks one per layout).
 SAVING_ORDER = ((0, "none"), (1, "none"), (2, "none"), (3, "none"),
                 (1, "optimizer"), (2, "optimizer"), (3, "optimizer"), (3, "optimizer_and_params"))
 

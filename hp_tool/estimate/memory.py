@@ -16,8 +16,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from typing import Optional
-
 from hp_tool.architectures import Shape, count_parameters, layer_parameters, vocab_parallel_parameters
 from hp_tool.estimate.layout import GB, Hardware, Layout
 

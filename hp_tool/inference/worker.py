@@ -34,7 +34,7 @@ from hp_tool.trial import result as res
 from hp_tool.trial.measure import now_s, synchronize
 from hp_tool.trial.models import CausalLMStage, build_stage
 from hp_tool.trial.parallel import apply_tensor_parallel
-from hp_tool.trial.weights import init_weights
+from hp_tool.trial.weights import materialize
 
 log = logging.getLogger(__name__)
 
@@ -86,10 +86,7 @@ def build_server(cfg: InferenceJobConfig, env: tdist.DistEnv, device: torch.devi
     stage = build_stage(cfg.model, cfg.pp, pp_rank)
     if cfg.tp > 1:
         apply_tensor_parallel(stage, mesh["tp"], vocab_parallel=False)  # greedy decoding needs whole logits
-    stage.to_empty(device=device)
-    stage.retie()
-    stage.reset_buffers(device)
-    init_weights(stage, cfg.seed, cfg.model.init_method_std, stage.tied)
+    materialize(stage, device, cfg.seed, cfg.model.init_method_std)
     dtype = serving_dtype(cfg, device)
     stage.to(dtype).eval()
     server = Server(cfg, stage, device, dtype, pp_rank)

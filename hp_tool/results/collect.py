@@ -183,9 +183,10 @@ def full_run_columns(row: dict, full: FullRun) -> dict:
     gbs, mbs, ckpt = row["global_batch_size"], row["mbs"], row["act_ckpt_layers"]
     # What the trial ran, as its spec says (plan.csv copies it from candidate_configs/<trial_id>.yaml).
     stage = row.get("zero_stage")
-    savers = (3 if stage is None else stage, row.get("offload") or "none", row.get("engine") or "torch")
-    trial = Layout(tp, pp, trial_dp, mbs, ckpt, row["trial_global_batch_size"], *savers)
-    whole = Layout(tp, pp, dp, mbs, ckpt, gbs, *savers)
+    savers = {"zero_stage": 3 if stage is None else stage, "offload": row.get("offload") or "none",
+              "engine": row.get("engine") or "torch"}
+    trial = Layout(tp, pp, trial_dp, mbs, ckpt, row["trial_global_batch_size"], **savers)
+    whole = Layout(tp, pp, dp, mbs, ckpt, gbs, **savers)
     step_s = extrapolate_step_time_s(measured, full.shape, trial, whole, full.hw,
                                      row.get("trial_num_nodes") or 1, full.num_nodes)
     tokens_per_s = throughput(full.shape, gbs, step_s, cols["num_gpus"], full.peak_tflops_per_gpu)["tokens_per_s"]

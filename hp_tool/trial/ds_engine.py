@@ -26,7 +26,7 @@ from hp_tool.trial.ds_config import ds_config
 from hp_tool.trial.models import build_stage, loss_fn
 from hp_tool.trial.parallel import apply_activation_checkpointing
 from hp_tool.trial.spec import TrialSpec
-from hp_tool.trial.weights import init_weights
+from hp_tool.trial.weights import materialize
 
 log = logging.getLogger(__name__)
 
@@ -45,15 +45,14 @@ def engine_config(spec: TrialSpec, device: torch.device) -> dict:
 
 
 def _optimizer(module: torch.nn.Module, spec: TrialSpec, device: torch.device) -> torch.optim.Optimizer:
+    """The torch engine's AdamW; DeepSpeed's CPU Adam (AdamW mode) on the same groups when offloaded."""
     t = spec.training
-    groups = optim.param_groups(module, t.weight_decay)
-    if spec.parallel.offload != "none":
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
+    if spec.parallel.offload == "none":
+        return optim.build_optimizer(module, t, device)
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        return DeepSpeedCPUAdam(groups, lr=optim.lr_at(0, t), betas=tuple(t.betas), eps=1e-8,
-                                weight_decay=t.weight_decay, adamw_mode=True)
-    return torch.optim.AdamW(groups, lr=optim.lr_at(0, t), betas=tuple(t.betas), weight_decay=t.weight_decay,
-                             foreach=device.type != "cuda" or None, fused=device.type == "cuda" or None)
+    return DeepSpeedCPUAdam(optim.param_groups(module, t.weight_decay), lr=optim.lr_at(0, t),
+                            betas=tuple(t.betas), eps=1e-8, weight_decay=t.weight_decay, adamw_mode=True)
 
 
 def build_ds_engine(spec: TrialSpec, env: DistEnv, device: torch.device):
@@ -66,10 +65,7 @@ def build_ds_engine(spec: TrialSpec, env: DistEnv, device: torch.device):
     stage = build_stage(spec.model, 1, 0)
     if par.act_ckpt_layers > 0:
         apply_activation_checkpointing(stage, par.act_ckpt_layers)
-    stage.to_empty(device=device)
-    stage.retie()
-    stage.reset_buffers(device)
-    init_weights(stage, spec.training.seed, spec.model.init_method_std, stage.tied)
+    materialize(stage, device, spec.training.seed, spec.model.init_method_std)
     if par.tp > 1:
         stage = deepspeed.tp_model_init(stage, tp_size=par.tp, dtype=torch.float32 if device.type != "cuda"
                                         else {"bf16": torch.bfloat16, "fp16": torch.float16}.get(

@@ -25,7 +25,7 @@ from hp_tool.trial.models import CausalLMStage, build_stage, loss_parallel_conte
 from hp_tool.trial.parallel import (build_schedule, needs_grad_sync_control, parallelize_stage,
                                     set_grad_sync)
 from hp_tool.trial.spec import TrialSpec
-from hp_tool.trial.weights import init_weights
+from hp_tool.trial.weights import materialize
 
 log = logging.getLogger(__name__)
 
@@ -97,10 +97,7 @@ def build_engine(spec: TrialSpec, env: DistEnv, device: torch.device) -> Engine:
     dp_rank = mesh["dp"].get_local_rank() if mesh is not None else 0
     stage = build_stage(spec.model, par.pp, pp_rank)
     parallelize_stage(stage, par, mesh, compute_dtype(spec, device), device)
-    stage.to_empty(device=device)
-    stage.retie()
-    stage.reset_buffers(device)
-    numel = init_weights(stage, spec.training.seed, spec.model.init_method_std, stage.tied)
+    numel = materialize(stage, device, spec.training.seed, spec.model.init_method_std)
     log.info("rank %d: stage %d holds %d parameter elements", env.rank, pp_rank, numel)
     dp_group = mesh["dp"].get_group() if mesh is not None and par.dp > 1 else None
     optimizer = optim.build_optimizer(stage, spec.training, device, par.zero_stage, dp_group,

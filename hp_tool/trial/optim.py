@@ -49,10 +49,15 @@ def param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
             for (_, decay), params in groups.items()]
 
 
-def _adamw(groups: list[dict], t: TrainingSpec, device: torch.device) -> torch.optim.AdamW:
+def _kernel(device: torch.device) -> dict:
+    """AdamW's implementation for tensors on ``device``: fused on GPU, foreach elsewhere."""
     fused = device.type == "cuda"
+    return {"fused": fused, "foreach": None if fused else True}
+
+
+def _adamw(groups: list[dict], t: TrainingSpec, device: torch.device) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=lr_at(0, t), betas=tuple(t.betas), weight_decay=t.weight_decay,
-                             fused=fused, foreach=None if fused else True)
+                             **_kernel(device))
 
 
 def build_optimizer(module: nn.Module, t: TrainingSpec, device: torch.device, zero_stage: int = 0,
@@ -80,11 +85,9 @@ class ShardedAdamW:
         self.local = {id(p): p._local_tensor if isinstance(p, DTensor) else p for p in self.params}
         groups = [{"params": [self.local[id(p)] for p in g["params"]], "weight_decay": g["weight_decay"]}
                   for g in param_groups(module, t.weight_decay)]
-        fused = device.type == "cuda"
         self.zero = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
                                             process_group=dp_group, lr=lr_at(0, t), betas=tuple(t.betas),
-                                            weight_decay=groups[0]["weight_decay"], fused=fused,
-                                            foreach=None if fused else True)
+                                            weight_decay=groups[0]["weight_decay"], **_kernel(device))
         for group in groups[1:]:
             self.zero.add_param_group(group)
 
@@ -102,10 +105,6 @@ class ShardedAdamW:
             p.grad = None
             self.local[id(p)].grad = None
 
-    def state_numel(self) -> int:
-        """Optimizer-state elements held on this rank (its shard)."""
-        return sum(v.numel() for state in self.zero.optim.state.values() for v in state.values()
-                   if torch.is_tensor(v) and v.dim() > 0)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

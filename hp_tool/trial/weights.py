@@ -52,3 +52,12 @@ def init_weights(module: nn.Module, seed: int, std: float, tied: bool) -> int:
             local.copy_(_full_value(name, param.shape, std, seed, param.device).to(param.dtype))
         local_numel += local.numel()
     return local_numel
+
+
+def materialize(stage, device: torch.device, seed: int, std: float) -> int:
+    """Allocate a meta-device stage's (local shards of) parameters on ``device``, re-tie its head, rebuild
+    its buffers and fill the weights with ``init_weights``; returns the local element count."""
+    stage.to_empty(device=device)
+    stage.retie()
+    stage.reset_buffers(device)
+    return init_weights(stage, seed, std, stage.tied)
