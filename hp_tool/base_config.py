@@ -10,17 +10,21 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hp_tool.architectures import Shape, count_parameters, llama_ffn, lr_for, shape_for_size
+from hp_tool.architectures import ENCODER_DECODER, Shape, count_parameters, llama_ffn, lr_for, pipeline_problem, shape_for_size
 from hp_tool.config import SIZING_MFU, AppConfig, TrainSettings
 from hp_tool.errors import ConfigError, require
 from hp_tool.estimate.layout import Hardware
 from hp_tool.sizing import days_to_train, format_days, recommend_model_size_b, size_label
-from hp_tool.tables import GPT3_GBS_TP_PP, LLAMA_GBS_TP_PP, lookup
+from hp_tool.tables import (GPT3_GBS_TP_PP, LLAMA_GBS_TP_PP, T5_DECODER_SEQ, T5_GBS_TP_PP, T5_REFERENCE_SEQ,
+                            lookup)
 from hp_tool.trial.spec import (FullRunSpec, ModelSpec, ParallelSpec, ResourcesSpec, RunSpec, TrainingSpec,
                                 TrialSpec, make_trial_id)
 
 TS = "search_config.train_settings"
-REFERENCE_SEQ = 2048  # the GBS table is for this sequence length
+REFERENCE_SEQ = 2048  # the GPT-3 GBS table is for this sequence length
+T5_KV_CHANNELS = 64  # T5/mT5 per-head width of an explicit shape without model.kv_channels
+T5_INIT_STD = 0.015  # NeMo's T5/mT5 init_method_std
+T5_WARMUP_RATIO = 0.01  # NeMo's T5/mT5 warm-up, a fraction of the run's steps
 
 
 @dataclass(frozen=True)
@@ -67,7 +71,8 @@ class ModelChoice:
 
     def sentence(self, days: float, cluster: Cluster, ts: TrainSettings) -> str:
         how = "Recommended model size" if self.recommended else "Model size"
-        return (f"{how}: {size_label(self.num_parameters).upper()} parameters ({self.shape.num_layers} layers x "
+        per_stack = " per stack" if self.shape.encoder_decoder else ""
+        return (f"{how}: {size_label(self.num_parameters).upper()} parameters ({self.shape.num_layers} layers{per_stack} x "
                 f"{self.shape.hidden_size} hidden); training on {ts.num_tokens_in_b:g}B tokens with "
                 f"{cluster.gpus} {cluster.gpu_name} GPUs at {cluster.sizing_tflops_per_gpu:g} TFLOPS each takes about {format_days(days)}.")
 
@@ -76,12 +81,14 @@ def choose_model(app: AppConfig, cluster: Cluster) -> ModelChoice:
     """The model to search for: an explicit shape, the given size, or the size the budget affords."""
     sc = app.search_config
     ts, ov = sc.train_settings, sc.model
+    encdec = sc.model_family in ENCODER_DECODER
+    decoder_seq = (ts.decoder_seq_length or T5_DECODER_SEQ) if encdec else None
     if ov.given:
         heads = ov.num_attention_heads
-        ffn = ov.ffn_hidden_size or (llama_ffn(ov.hidden_size, 1.0, 256) if sc.model_family == "llama"
-                                     else 4 * ov.hidden_size)
+        ffn = ov.ffn_hidden_size or _default_ffn(sc.model_family, ov.hidden_size)
+        kv = ov.kv_channels or (T5_KV_CHANNELS if encdec else None)
         shape = Shape(sc.model_family, ov.num_layers, ov.hidden_size, heads, ov.num_kv_heads or heads,
-                      ffn, ts.vocab_size, ts.seq_length)
+                      ffn, ts.vocab_size, ts.seq_length, kv, decoder_seq)
         _check_shape(shape)
         n = count_parameters(shape)
         return ModelChoice(shape, n / 1e9, n, lr_for(sc.model_family, n / 1e9), False, size_label(n))
@@ -93,39 +100,53 @@ def choose_model(app: AppConfig, cluster: Cluster) -> ModelChoice:
         require(size > 0, f"{TS}.max_training_days", ts.max_training_days,
                 "the budget affords no model at all", "raise the days, nodes or TFLOPS, or set model_size_in_b")
     try:
-        shape, lr = shape_for_size(sc.model_family, size, ts.vocab_size, ts.seq_length)
+        shape, lr = shape_for_size(sc.model_family, size, ts.vocab_size, ts.seq_length, decoder_seq)
     except ValueError as exc:
         raise ConfigError(f"{TS}.model_size_in_b", size, str(exc),
                           "choose another size or give search_config.model explicitly") from exc
     return ModelChoice(shape, size, count_parameters(shape), lr, recommended, size_label(size * 1e9))
 
 
+def _default_ffn(family: str, hidden: int) -> int:
+    """FFN width of an explicit shape without model.ffn_hidden_size: Llama's rule, 2.5·h for T5/mT5
+    (NeMo's 2048 -> 5120, 4096 -> 10240), 4·h for GPT-3."""
+    if family == "llama":
+        return llama_ffn(hidden, 1.0, 256)
+    return int(2.5 * hidden) if family in ENCODER_DECODER else 4 * hidden
+
+
 def _check_shape(shape: Shape) -> None:
-    require(shape.hidden_size % shape.num_attention_heads == 0, "search_config.model.hidden_size",
-            shape.hidden_size, f"not divisible by num_attention_heads={shape.num_attention_heads}",
-            "use a multiple of the head count")
+    require(shape.kv_channels is not None or shape.hidden_size % shape.num_attention_heads == 0,
+            "search_config.model.hidden_size", shape.hidden_size,
+            f"not divisible by num_attention_heads={shape.num_attention_heads}",
+            "use a multiple of the head count, or set search_config.model.kv_channels")
 
 
 def _gbs_tp_pp(family: str, size_b: float) -> tuple[int, int, int]:
-    """(GPT-3: sequences at seq 2048 | Llama: tokens, per global batch), starting TP, starting PP."""
-    table = LLAMA_GBS_TP_PP if family == "llama" else GPT3_GBS_TP_PP
+    """(GPT-3: sequences at seq 2048 | T5: sequences at seq 512 | Llama: tokens, per global batch),
+    starting TP, starting PP."""
+    table = {"llama": LLAMA_GBS_TP_PP}.get(family, T5_GBS_TP_PP if family in ENCODER_DECODER else GPT3_GBS_TP_PP)
     return lookup(table, size_b, inclusive=True)
 
 
 def global_batch_size(family: str, ts: TrainSettings, size_b: float) -> int:
-    """Table GBS for the family and size: GPT-3's sequences halved for each doubling of the sequence
-    length beyond 2048; Llama's tokens per batch divided by the sequence length."""
+    """Table GBS for the family and size: GPT-3's (T5's) sequences halved for each doubling of the
+    sequence length beyond 2048 (512); Llama's tokens per batch divided by the sequence length."""
     if ts.global_batch_size is not None:
         return ts.global_batch_size
     batch = _gbs_tp_pp(family, size_b)[0]
     if family == "llama":
         return max(1, batch // ts.seq_length)
-    return max(1, int(batch * REFERENCE_SEQ / ts.seq_length))
+    reference = T5_REFERENCE_SEQ if family in ENCODER_DECODER else REFERENCE_SEQ
+    return max(1, int(batch * reference / ts.seq_length))
 
 
-def schedule(tokens_b: float, seq: int, gbs: int) -> tuple[int, int, int]:
-    """(max_steps, warmup_steps, constant_steps) of the full run."""
+def schedule(family: str, tokens_b: float, seq: int, gbs: int) -> tuple[int, int, int]:
+    """(max_steps, warmup_steps, constant_steps) of the full run: NeMo's GPT-3 schedule (0.15% warm-up,
+    16.6% constant), T5/mT5's (1% warm-up, no constant phase)."""
     max_steps = max(1, int(tokens_b * 1e9 / (seq * gbs)))
+    if family in ENCODER_DECODER:
+        return max_steps, int(T5_WARMUP_RATIO * max_steps), 0
     return max_steps, int(0.0015 * max_steps), int(0.166 * max_steps)
 
 
@@ -134,7 +155,7 @@ def base_spec(app: AppConfig, model: ModelChoice, cluster: Cluster) -> TrialSpec
     ts = app.search_config.train_settings
     s = model.shape
     gbs = global_batch_size(s.family, ts, model.size_b)
-    max_steps, warmup, constant = schedule(ts.num_tokens_in_b, ts.seq_length, gbs)
+    max_steps, warmup, constant = schedule(s.family, ts.num_tokens_in_b, ts.seq_length, gbs)
     _, tp, pp = _gbs_tp_pp(s.family, model.size_b)
     tp, pp = _fit_base_layout(s, tp, pp, cluster.gpus, cluster.hw.gpus_per_node)
     dp = cluster.gpus // (tp * pp)
@@ -144,10 +165,7 @@ def base_spec(app: AppConfig, model: ModelChoice, cluster: Cluster) -> TrialSpec
     hw = cluster.hw
     return TrialSpec(
         trial_id=make_trial_id(s.family, model.label, tp, pp, 1, 0, "torch", 3),
-        model=ModelSpec(s.family, s.num_layers, s.hidden_size, s.num_attention_heads, s.num_kv_heads,
-                        s.ffn_hidden_size, s.vocab_size, s.seq_length,
-                        init_method_std=init_std(s),
-                        num_parameters=model.num_parameters),
+        model=model_spec(s, model.num_parameters),
         parallel=ParallelSpec(tp=tp, pp=pp, dp=dp, mbs=1, act_ckpt_layers=0, engine="torch", zero_stage=3),
         training=TrainingSpec(global_batch_size=gbs, precision=ts.precision, lr=model.lr,
                               min_lr=round(0.1 * model.lr, 10), warmup_steps=warmup,
@@ -162,8 +180,19 @@ def base_spec(app: AppConfig, model: ModelChoice, cluster: Cluster) -> TrialSpec
     )
 
 
+def model_spec(s: Shape, num_parameters: int) -> ModelSpec:
+    """The TrialSpec model section of a shape."""
+    return ModelSpec(s.family, s.num_layers, s.hidden_size, s.num_attention_heads, s.num_kv_heads,
+                     s.ffn_hidden_size, s.vocab_size, s.seq_length, init_method_std=init_std(s),
+                     num_parameters=num_parameters, kv_channels=s.kv_channels,
+                     decoder_seq_length=s.decoder_seq_length)
+
+
 def init_std(shape: Shape) -> float:
-    """Weight init std: GPT-3 0.64/sqrt(h) (NeMo); Llama 0.02 (Meta's and transformers' default)."""
+    """Weight init std: GPT-3 0.64/sqrt(h) (NeMo); Llama 0.02 (Meta's and transformers' default); T5/mT5
+    0.015 (NeMo)."""
+    if shape.encoder_decoder:
+        return T5_INIT_STD
     return 0.02 if shape.family == "llama" else round(0.64 / math.sqrt(shape.hidden_size), 6)
 
 
@@ -171,7 +200,7 @@ def _fit_base_layout(s: Shape, tp: int, pp: int, gpus: int, gpn: int) -> tuple[i
     """The table's TP/PP, reduced until valid for this shape and cluster (small clusters, odd shapes)."""
     while tp > 1 and (s.num_attention_heads % tp or s.num_kv_heads % tp or tp > gpn or gpus % tp):
         tp //= 2
-    while pp > 1 and (s.num_layers % pp or gpus % (tp * pp)):
+    while pp > 1 and (pipeline_problem(s, pp) or gpus % (tp * pp)):
         pp -= 1
     require(gpus % (tp * pp) == 0, f"{TS}.num_nodes", gpus // gpn,
             f"{gpus} GPUs cannot hold a TP={tp} x PP={pp} layout", "use a node count that is a power of two")

@@ -23,14 +23,14 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from hp_tool.architectures import Shape
+from hp_tool.architectures import Shape, pipeline_problem
 from hp_tool.base_config import TS, Cluster
 from hp_tool.config import TrainSettings
 from hp_tool.estimate.layout import Layout
 from hp_tool.estimate.memory import estimate_memory, host_memory_gb
 from hp_tool.estimate.speed import estimate_step_time
-from hp_tool.tables import ACT_CKPT_STEP, GPT3_GRID, LLAMA_GRID, lookup
-from hp_tool.sharding import OFFLOADS, SAVING_ORDER, ZERO_STAGES, combination_problem
+from hp_tool.tables import ACT_CKPT_STEP, GPT3_GRID, LLAMA_GRID, T5_GRID, lookup
+from hp_tool.sharding import OFFLOADS, SAVING_ORDER, ZERO_STAGES, combination_problem, family_problem
 from hp_tool.throughput import throughput
 
 SELECTED, PRUNED, INVALID, OVER_LIMIT = "selected", "pruned", "invalid", "over_limit"
@@ -79,8 +79,10 @@ class Grid:
 
 
 def grid_table(shape: Shape) -> list:
-    """The family's heuristic grid table: GPT-3's (seq 2048); Llama's for the shortest tabled sequence
-    length at least the model's (the longest one beyond)."""
+    """The family's heuristic grid table: GPT-3's (seq 2048); T5's for T5 and mT5 (seq 512); Llama's for
+    the shortest tabled sequence length at least the model's (the longest one beyond)."""
+    if shape.encoder_decoder:
+        return T5_GRID
     if shape.family != "llama":
         return GPT3_GRID
     lengths = sorted(LLAMA_GRID)
@@ -103,10 +105,9 @@ def memory_savers(ts: TrainSettings, host_ram_known: bool) -> tuple[list[tuple[i
 def build_grid(ts: TrainSettings, shape: Shape, size_b: float, host_ram_known: bool = True) -> Grid:
     """Heuristic lists for the family, size and sequence length (NeMo tables) with the user's lists taking
     their place when given."""
-    num_layers = shape.num_layers
     tp, pp, mbs, (lo, hi) = lookup(grid_table(shape), size_b, inclusive=True)
-    if ts.pipeline_parallel_sizes is None:  # the heuristic keeps only PP values that divide the layers
-        pp = [p for p in pp if num_layers % p == 0] or [1]
+    if ts.pipeline_parallel_sizes is None:  # the heuristic keeps only PP values that split the layers
+        pp = [p for p in pp if pipeline_problem(shape, p) is None] or [1]
     savers, heuristic = memory_savers(ts, host_ram_known)
     return Grid(
         tp=list(ts.tensor_parallel_sizes or tp),
@@ -121,10 +122,12 @@ def build_grid(ts: TrainSettings, shape: Shape, size_b: float, host_ram_known: b
     )
 
 
-def act_ckpt_values(grid: Grid, num_layers: int, pp: int) -> list[int]:
+def act_ckpt_values(grid: Grid, shape: Shape, pp: int) -> list[int]:
+    """The grid's checkpointed layers per stage: the user's list, or 0 to the stage's layers (both stacks'
+    for an encoder-decoder) in the size's step divided by PP."""
     if grid.act_ckpt is not None:
         return grid.act_ckpt
-    per_stage = num_layers // pp if num_layers % pp == 0 else 0
+    per_stage = shape.pipeline_layers // pp if pipeline_problem(shape, pp) is None else 0
     return list(range(0, per_stage + 1, max(1, grid.act_ckpt_step // pp)))
 
 
@@ -140,15 +143,19 @@ def invalid_reason(shape: Shape, c: Candidate, gbs: int, cluster: Cluster,
                                          f"({shape.num_attention_heads} query heads)")
     if c.tp > gpn:
         return "tensor_parallel_sizes", f"TP={c.tp} spans nodes ({gpn} GPUs per node)"
-    if shape.num_layers % c.pp:
-        return "pipeline_parallel_sizes", f"PP={c.pp} does not divide the {shape.num_layers} layers"
+    bad_pp = pipeline_problem(shape, c.pp)
+    if bad_pp:
+        return "pipeline_parallel_sizes", bad_pp
     if gpus % mp:
         return "num_nodes", f"TP*PP={mp} does not divide the {gpus} GPUs"
     if not mp_range[0] <= mp <= mp_range[1]:
         return "max_model_parallel_size", f"TP*PP={mp} outside model-parallel range {list(mp_range)}"
-    if c.act_ckpt_layers > shape.num_layers // c.pp:
+    if c.act_ckpt_layers > shape.pipeline_layers // c.pp:
         return "act_ckpt_layers", (f"{c.act_ckpt_layers} checkpointed layers exceed the "
-                                   f"{shape.num_layers // c.pp} layers per stage")
+                                   f"{shape.pipeline_layers // c.pp} layers per stage")
+    bad_engine = family_problem(shape.family, c.engine)
+    if bad_engine:
+        return bad_engine
     if gbs % (c.mbs * c.dp):
         return "global_batch_size", f"GBS={gbs} not divisible by MBS*DP={c.mbs}*{c.dp}"
     return None
@@ -263,7 +270,7 @@ def plan_candidates(shape: Shape, size_b: float, ts: TrainSettings, cluster: Clu
     grid = grid or build_grid(ts, shape, size_b, cluster.hw.host_ram_gb is not None)
     out: list[Candidate] = []
     for engine, tp, pp, mbs in itertools.product(grid.engines, grid.tp, grid.pp, grid.mbs):
-        for ac in act_ckpt_values(grid, shape.num_layers, pp):
+        for ac in act_ckpt_values(grid, shape, pp):
             out += _layout_candidates(shape, grid, ts, cluster, gbs, engine, tp, pp, mbs, ac)
     _rank(out, ts.limit_search_runs)
     return out

@@ -19,7 +19,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from hp_tool.architectures import PLANNER_FAMILIES
+from hp_tool.architectures import ENCODER_DECODER, PLANNER_FAMILIES
 from hp_tool.errors import ConfigError, require
 from hp_tool.sharding import ENGINES, OFFLOADS, ZERO_STAGES
 from hp_tool.trial.spec import PRECISIONS
@@ -151,11 +151,13 @@ class ModelOverrides:
     num_attention_heads: Optional[int] = None
     num_kv_heads: Optional[int] = None  # grouped-query attention; null = num_attention_heads
     ffn_hidden_size: Optional[int] = None
+    kv_channels: Optional[int] = None  # per-head width; null = hidden / heads (T5/mT5: 64)
     context_length: Optional[int] = None  # the model's longest sequence; null = no limit
 
     def __post_init__(self) -> None:
         _positive(self, "search_config.model", ("num_layers", "hidden_size", "num_attention_heads",
-                                                "num_kv_heads", "ffn_hidden_size", "context_length"))
+                                                "num_kv_heads", "ffn_hidden_size", "kv_channels",
+                                                "context_length"))
         heads, kv = self.num_attention_heads, self.num_kv_heads
         require(heads is None or kv is None or heads % kv == 0, "search_config.model.num_kv_heads", kv,
                 f"does not divide num_attention_heads={heads}",
@@ -185,7 +187,8 @@ class TrainSettings:
     tflops_per_gpu: Optional[float] = None  # achieved TFLOPS per GPU for sizing; null = SIZING_MFU x peak
     num_tokens_in_b: float = 300.0
     vocab_size: int = 51200
-    seq_length: int = 2048
+    seq_length: int = 2048  # T5/mT5: the encoder's length
+    decoder_seq_length: Optional[int] = None  # T5/mT5 only: the decoder's length; null = 128
     global_batch_size: Optional[int] = None  # null = table default for the size and seq length
     precision: str = "bf16"
     engines: Optional[List[str]] = None  # torch | deepspeed; null = [torch]
@@ -207,6 +210,10 @@ class TrainSettings:
                             "num_tokens_in_b", "global_batch_size", "min_model_parallel_size",
                             "max_model_parallel_size"))
         _seq_and_vocab(p, self.seq_length, self.vocab_size)
+        if self.decoder_seq_length is not None:
+            require(1 <= self.decoder_seq_length <= MAX_SEQ_LENGTH, f"{p}.decoder_seq_length",
+                    self.decoder_seq_length, "is not a usable decoder length",
+                    f"use a length between 1 and {MAX_SEQ_LENGTH} tokens, e.g. 128 (or null for 128)")
         _positive_list(self, p, ("tensor_parallel_sizes", "pipeline_parallel_sizes", "micro_batch_sizes"))
         _positive_list(self, p, ("act_ckpt_layers",), allow_zero=True)
         require(self.precision in PRECISIONS, f"{p}.precision", self.precision,
@@ -260,6 +267,11 @@ class SearchConfig:
     def __post_init__(self) -> None:
         require(self.model_family in PLANNER_FAMILIES, "search_config.model_family", self.model_family,
                 "no planner for this family yet", f"use one of {list(PLANNER_FAMILIES)}")
+        decoder_seq = self.train_settings.decoder_seq_length
+        require(decoder_seq is None or self.model_family in ENCODER_DECODER,
+                "search_config.train_settings.decoder_seq_length", decoder_seq,
+                f"only encoder-decoder families ({list(ENCODER_DECODER)}) have a decoder length",
+                f"remove it (null): a {self.model_family} model has one sequence, train_settings.seq_length")
         context, seq = self.model.context_length, self.train_settings.seq_length
         require(context is None or seq <= context, "search_config.train_settings.seq_length", seq,
                 f"is above the model's context of {context} tokens (search_config.model.context_length)",
@@ -281,6 +293,11 @@ class AppConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def __post_init__(self) -> None:
+        family = self.search_config.model_family
+        require(not (self.run_inference_hp_search and family in ENCODER_DECODER), "run_inference_hp_search",
+                self.run_inference_hp_search, f"the inference search covers decoder-only families; "
+                f"{family} is an encoder-decoder", "set run_inference_hp_search=false (the training search "
+                "runs for it), or search a gpt3 or llama config")
         offload = self.search_config.train_settings.offload or []
         asked = [o for o in offload if o != "none"]
         require(not asked or self.gpu.host_ram_gb is not None, "gpu.host_ram_gb", self.gpu.host_ram_gb,

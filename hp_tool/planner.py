@@ -15,9 +15,12 @@ from hp_tool.trial.spec import EstimatesSpec, FullRunSpec, ParallelSpec, RunSpec
 
 FIXES = {
     "tensor_parallel_sizes": "use TP values that divide the (key/value) head count and fit in one node",
-    "pipeline_parallel_sizes": "use PP values that divide the layer count",
+    "pipeline_parallel_sizes": "use PP values that divide the layer count (T5/mT5: 1, or an even PP whose half "
+                               "divides the layers per stack)",
     "global_batch_size": "use a global_batch_size (and micro_batch_sizes) with GBS % (MBS*DP) == 0",
-    "act_ckpt_layers": "use values between 0 and num_layers / PP",
+    "act_ckpt_layers": "use values between 0 and the layers per pipeline stage (num_layers / PP; T5/mT5: "
+                       "2 x num_layers / PP)",
+    "engines": "use engines=[torch]",
     "num_nodes": "use a GPU count divisible by TP*PP",
     "max_model_parallel_size": "widen min_model_parallel_size / max_model_parallel_size",
 }

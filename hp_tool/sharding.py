@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from hp_tool.architectures import ENCODER_DECODER
+
 ENGINES = ("torch", "deepspeed")
 ZERO_STAGES = (0, 1, 2, 3)
 OFFLOADS = ("none", "optimizer", "optimizer_and_params")
@@ -34,6 +36,14 @@ SAVING_ORDER = ((0, "none"), (1, "none"), (2, "none"), (3, "none"),
 def layout_suffix(engine: str, zero_stage: int, offload: str) -> str:
     """How a trial id names these dimensions, e.g. ``torch_z3_noff``, ``ds_z2_offopt``."""
     return f"{ENGINE_CODES[engine]}_z{zero_stage}_{OFFLOAD_CODES[offload]}"
+
+
+def family_problem(family: str, engine: str) -> Optional[tuple[str, str]]:
+    """(the train_settings key at fault, why) when ``engine`` cannot train a ``family`` model, else None."""
+    if engine == "deepspeed" and family in ENCODER_DECODER:
+        return "engines", (f"hp_tool trains encoder-decoder models ({family}) on the torch engine only "
+                           "(TP, PP over both stacks, FSDP2 for ZeRO 0-3 and offload)")
+    return None
 
 
 def combination_problem(engine: str, zero_stage: int, offload: str, tp: int, pp: int) -> Optional[tuple[str, str]]:

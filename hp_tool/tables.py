@@ -133,3 +133,54 @@ LLAMA_GRID = {
         (500, ([8], _r(4, 16), [1], (32, 128))),
     ],
 }
+
+
+# ---- T5 / mT5 (encoder-decoder), NeMo's tables (REFERENCE §3, §10) ----
+
+# size < bound -> (hidden, heads, FFN, kv channels). NeMo's last two rows use 128 kv channels
+# (auto_configurator utils.calculate_model_size_params).
+T5_SHAPE: Table[tuple[int, int, int, int]] = [
+    (0.1, (512, 6, 1024, 64)),
+    (0.4, (768, 12, 2048, 64)),
+    (1, (1024, 16, 2816, 64)),
+    (5, (2048, 32, 5120, 64)),
+    (15, (4096, 64, 10240, 64)),
+    (25.9, (5120, 80, 10880, 64)),
+    (43, (6144, 96, 10880, 64)),
+    (85.5, (6144, 96, 16384, 64)),
+    (165.5, (7680, 96, 20480, 128)),
+    (250, (12288, 96, 32768, 128)),
+]
+# mT5: the same rows with wider bounds for the first three (its 250k vocabulary is a larger share).
+MT5_SHAPE: Table[tuple[int, int, int, int]] = [(0.25, T5_SHAPE[0][1]), (0.5, T5_SHAPE[1][1]),
+                                               (1.2, T5_SHAPE[2][1])] + list(T5_SHAPE[3:])
+
+T5_REFERENCE_SEQ = 512  # the T5 GBS table is for this encoder length
+T5_DECODER_SEQ = 128  # decoder length when train_settings.decoder_seq_length is null (NeMo's T5 configs)
+
+# T5/mT5, 80 GB GPUs, seq 512: size <= bound -> (global batch size, starting TP, starting PP)
+T5_GBS_TP_PP: Table[tuple[int, int, int]] = [
+    (1, (2048, 1, 1)),
+    (5, (1920, 2, 1)),
+    (11.5, (1920, 4, 1)),
+    (18.5, (1920, 8, 1)),
+    (25.9, (1920, 8, 2)),
+    (43, (1920, 8, 4)),
+    (85.5, (1920, 8, 8)),
+    (165.5, (1920, 8, 16)),
+    (250, (1920, 8, 32)),
+]
+
+# T5/mT5 candidate grid, 80 GB, seq 512: size <= bound -> (TP, PP, MBS, (min, max) of TP*PP). PP values
+# are kept only where they split both stacks (architectures.pipeline_problem).
+T5_GRID: Table[tuple[list[int], list[int], list[int], tuple[int, int]]] = [
+    (1, ([1, 2], [1], [16, 32, 64, 128], (1, 8))),
+    (4, ([1, 2, 4], [1], [4, 6, 8, 12, 16, 24, 32, 48], (1, 8))),
+    (8, ([2, 4, 8], [1], [4, 6, 8, 12, 16, 24, 32], (1, 8))),
+    (14.5, ([4, 8], [1], [2, 4, 6, 8, 12, 16, 24], (1, 8))),
+    (25.9, ([4, 8], _r(1, 2), [1, 2, 4, 6, 8], (4, 16))),
+    (43, ([4, 8], _r(1, 4), [1, 2, 4, 6, 8], (8, 32))),
+    (85.5, ([4, 8], _r(2, 8), [1, 2, 4, 6, 8], (16, 64))),
+    (165.5, ([8], _r(4, 16), [1, 2, 4, 6], (32, 128))),
+    (250, ([8], _r(4, 32), [1, 2, 4, 6, 8], (64, 256))),
+]

@@ -43,8 +43,8 @@ def test_gpt_flops_match_narayanan():
 
 
 def test_schedule_check_values():
-    assert schedule(300, 2048, 2048) == (71525, 107, 11873)
-    steps, warmup, _ = schedule(300, 2048, 256)
+    assert schedule("gpt3", 300, 2048, 2048) == (71525, 107, 11873)
+    steps, warmup, _ = schedule("gpt3", 300, 2048, 256)
     assert (steps, warmup) == (572204, 858)
 
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hp_tool.architectures import Shape, count_parameters, layer_parameters, vocab_parallel_parameters
+from hp_tool.architectures import (Shape, checkpointed_layer_counts, count_parameters, layer_parameters,
+                                   stage_layer_counts, stage_layer_parameters, vocab_parallel_parameters)
 from hp_tool.estimate.layout import GB, Hardware, Layout
 
 MODEL_STATE_BYTES = 16  # 2 (16-bit weights) + 2 (16-bit grads) + 12 (fp32 master, Adam m, v)
@@ -76,8 +77,45 @@ def llama_activation_bytes_per_layer(shape: Shape, mbs: int, tp: int = 1, sequen
     return norms + attention + mlp
 
 
-def layer_activation_bytes(shape: Shape, mbs: int, tp: int, sequence_parallel: bool, hw: Hardware) -> float:
-    """One layer's stored activations for the family, one micro-batch, bytes."""
+def t5_activation_bytes_per_layer(shape: Shape, mbs: int, encoder: bool, tp: int = 1,
+                                  sequence_parallel: bool = False, bytes_per_value: int = 2) -> float:
+    """Bytes one T5/mT5 layer keeps for backward, one micro-batch, derived tensor by tensor for the engine's
+    modules (transformers' T5Block with eager attention, relative position bias added to the scores,
+    tanh-GeLU gated FFN, no dropout). s = the layer's own length (encoder or decoder), e = the encoder's,
+    b = micro-batch, h = hidden, A = heads x kv channels, a = heads, f = FFN width, p = bytes per value:
+
+      each RMS norm (T5LayerNorm): fp32 copy of its input, its input, the normalised value and its output
+      (the next projections' input)                                                     (4 + 3p)·sbh
+      self-attention: q, k, v, the attention output (o's input)                         4p·sbA
+      scores: the fp32 softmax output and its 16-bit copy (PV's input)                  (4 + p)·abs²
+      gated FFN: wi_0's output (GeLU input), GeLU output, wi_1's output, product        4p·sbf
+      decoder cross-attention (decoder layers only): its norm, q and its output over s,
+      k and v over the encoder's e tokens, scores over s x e                            (4 + 3p)·sbh + 2p·sbA
+                                                                                        + 2p·ebA + (4 + p)·abse
+
+    The encoder output that every decoder layer's k/v projection reads is counted once per stage
+    (``estimate_memory``). Projections, attention and FFN split over TP; norms are whole on every TP rank
+    unless sequence parallelism splits them."""
+    p, b, h, f, a = bytes_per_value, mbs, shape.hidden_size, shape.ffn_hidden_size, shape.num_attention_heads
+    big_a = shape.attention_dim
+    s = shape.seq_length if encoder else shape.decoder_seq_length
+    sp = tp if sequence_parallel else 1
+    norm = (4 + 3 * p) * s * b * h / sp
+    self_attention = (4 * p * s * b * big_a + (4 + p) * a * b * s * s) / tp
+    ffn = 4 * p * s * b * f / tp
+    total = 2 * norm + self_attention + ffn
+    if not encoder:
+        e = shape.seq_length
+        total += norm + (2 * p * s * b * big_a + 2 * p * e * b * big_a + (4 + p) * a * b * s * e) / tp
+    return total
+
+
+def layer_activation_bytes(shape: Shape, mbs: int, tp: int, sequence_parallel: bool, hw: Hardware,
+                           encoder: bool = False) -> float:
+    """One layer's stored activations for the family (an encoder layer when ``encoder``), one micro-batch,
+    bytes."""
+    if shape.encoder_decoder:
+        return t5_activation_bytes_per_layer(shape, mbs, encoder, tp, sequence_parallel, hw.bytes_per_value)
     if shape.family == "llama":
         return llama_activation_bytes_per_layer(shape, mbs, tp, sequence_parallel, hw.bytes_per_value)
     return activation_bytes_per_layer(shape.seq_length, mbs, shape.hidden_size, shape.num_attention_heads, tp,
@@ -97,13 +135,14 @@ def model_state_bytes(params: float, dp: int, zero_stage: int = 3, offload: str 
     return weights + grads + optimizer
 
 
-def stage_parameters(shape: Shape, tp: int, pp: int) -> tuple[float, float]:
-    """Parameters one GPU holds on the first and on the last pipeline stage (after TP)."""
-    layers = shape.num_layers // pp
-    layer_p = layer_parameters(shape) / tp
+def stage_parameters(shape: Shape, tp: int, pp: int) -> list[float]:
+    """Parameters one GPU holds on each pipeline stage (after TP): its layers, the embedding on the first
+    stage, the head on the last."""
     embed_p, head_p = vocab_parallel_parameters(shape, tp, pp)
-    first = layers * layer_p + embed_p + (head_p if pp == 1 else 0.0)
-    return first, layers * layer_p + head_p
+    out = [stage_layer_parameters(shape, pp, stage) / tp for stage in range(pp)]
+    out[0] += embed_p
+    out[-1] += head_p
+    return out
 
 
 def host_memory_gb(shape: Shape, layout: Layout, gpus_on_node: int, gather_checkpoint: bool) -> float:
@@ -131,36 +170,49 @@ class MemoryEstimate:
         return self.model_states_gb + self.activations_gb + self.logits_gb + self.overhead_gb
 
 
+def stage_activation_bytes(shape: Shape, layout: Layout, hw: Hardware, stage: int) -> tuple[float, float]:
+    """(bytes one micro-batch leaves stored on ``stage``, the recompute buffer): full activations of its
+    layers, only the input of its checkpointed ones, and for a stage holding decoder layers of an
+    encoder-decoder the encoder output their cross-attention reads; while a checkpointed layer is
+    recomputed in backward its full activations are live once more."""
+    tp, sp = layout.tp, layout.sequence_parallel
+    bpv, b, h = hw.bytes_per_value, layout.mbs, shape.hidden_size
+    sp_div = tp if sp else 1
+    n_enc, n_dec = stage_layer_counts(shape, layout.pp, stage)
+    k_enc, k_dec = checkpointed_layer_counts(shape, layout.pp, stage, layout.act_ckpt_layers)
+    dec_full = layer_activation_bytes(shape, b, tp, sp, hw)
+    dec_input = shape.target_length * b * h * bpv / sp_div
+    stored = k_dec * dec_input + (n_dec - k_dec) * dec_full
+    buffer = dec_full if k_dec else 0.0
+    if n_enc:
+        enc_full = layer_activation_bytes(shape, b, tp, sp, hw, encoder=True)
+        stored += k_enc * shape.seq_length * b * h * bpv / sp_div + (n_enc - k_enc) * enc_full
+        buffer = max(buffer, enc_full if k_enc else 0.0)
+    if shape.encoder_decoder and n_dec:
+        stored += shape.seq_length * b * h * bpv  # the encoder output, read by every cross-attention
+    return stored, buffer
+
+
 def estimate_memory(shape: Shape, layout: Layout, hw: Hardware) -> MemoryEstimate:
-    """Peak memory per GPU: the larger of the first stage (embeddings, most activations in flight)
-    and the last stage (head and logits)."""
+    """Peak memory per GPU on the most loaded pipeline stage. Stage i of 1F1B holds up to PP - i
+    micro-batches' activations in flight (the first stage the most); the first stage holds the embedding,
+    the last the head and the logits."""
     tp, pp = layout.tp, layout.pp
-    layers = shape.num_layers // pp
-    layer_p = layer_parameters(shape) / tp
-    first_p, last_p = stage_parameters(shape, tp, pp)
-
     bpv = hw.bytes_per_value
-    full = layer_activation_bytes(shape, layout.mbs, tp, layout.sequence_parallel, hw)
-    sp_div = tp if layout.sequence_parallel else 1
-    kept_input = shape.seq_length * layout.mbs * shape.hidden_size * bpv / sp_div
-    k = layout.act_ckpt_layers
-    per_microbatch = k * kept_input + (layers - k) * full
-    recompute_buffer = full if k > 0 else 0.0  # one recomputed layer is live during its backward
-    in_flight_first = min(pp, layout.num_microbatches)
-    act_first = in_flight_first * per_microbatch + recompute_buffer
-    act_last = per_microbatch + recompute_buffer
-
-    logits = layout.mbs * shape.seq_length * shape.vocab_size * (bpv + 8) / tp  # vocab-parallel logits
+    logits = layout.mbs * shape.target_length * shape.vocab_size * (bpv + 8) / tp  # vocab-parallel logits
     sharded_weights = layout.zero_stage >= 3 and (layout.dp > 1 or layout.offload == "optimizer_and_params")
-    gather = 2 * 2 * layer_p if sharded_weights else 0.0  # a gathered layer and the one prefetched
-
-    first = model_state_bytes(first_p, layout.dp, layout.zero_stage, layout.offload) + gather + act_first
-    last = model_state_bytes(last_p, layout.dp, layout.zero_stage, layout.offload) + gather + act_last + logits
-    if pp == 1:
-        states = first - act_first
-        return MemoryEstimate(states / GB, act_first / GB, logits / GB, hw.memory_overhead_gb)
-    if first >= last:
-        states = first - act_first
-        return MemoryEstimate(states / GB, act_first / GB, 0.0, hw.memory_overhead_gb)
-    states = last - act_last - logits
-    return MemoryEstimate(states / GB, act_last / GB, logits / GB, hw.memory_overhead_gb)
+    gathered_layer = max(layer_parameters(shape), layer_parameters(shape, encoder=True)) / tp
+    gather = 2 * 2 * gathered_layer if sharded_weights else 0.0  # a gathered layer and the one prefetched
+    best: MemoryEstimate | None = None
+    best_total = -1.0
+    for stage, params in enumerate(stage_parameters(shape, tp, pp)):
+        per_microbatch, buffer = stage_activation_bytes(shape, layout, hw, stage)
+        activations = min(pp - stage, layout.num_microbatches) * per_microbatch + buffer
+        stage_logits = logits if stage == pp - 1 else 0.0
+        states = model_state_bytes(params, layout.dp, layout.zero_stage, layout.offload) + gather
+        total = states + activations + stage_logits
+        if total > best_total:
+            best_total = total
+            best = MemoryEstimate(states / GB, activations / GB, stage_logits / GB, hw.memory_overhead_gb)
+    assert best is not None
+    return best

@@ -21,7 +21,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hp_tool.architectures import (Shape, layer_parameters, model_flops_per_step, recompute_flops_per_step,
+from hp_tool.architectures import (Shape, checkpointed_layer_counts, model_flops_per_step,
+                                   recompute_flops_per_step, stage_layer_counts, stage_layer_parameters,
                                    vocab_parallel_parameters)
 from hp_tool.estimate.layout import GB, Hardware, Layout
 
@@ -62,16 +63,18 @@ def _ring_allreduce_s(nbytes: float, ranks: int, bandwidth_gbps: float) -> float
 
 
 def _local_parameters(shape: Shape, layout: Layout) -> float:
-    """Parameters one GPU holds (its stage, after TP; the vocabulary matrices split over TP)."""
+    """Parameters one GPU holds (the largest stage's layers, after TP, with the vocabulary matrices split
+    over TP)."""
     embed, head = vocab_parallel_parameters(shape, layout.tp, layout.pp)
-    return shape.num_layers // layout.pp * layer_parameters(shape) / layout.tp + embed + head
+    layers = max(stage_layer_parameters(shape, layout.pp, stage) for stage in range(layout.pp))
+    return layers / layout.tp + embed + head
 
 
 def compute_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
     """Seconds of matmul work per optimizer step (model and recompute FLOPs) on each GPU."""
     gpus = layout.tp * layout.pp * layout.dp
     flops = model_flops_per_step(shape, layout.global_batch_size)
-    flops += recompute_flops_per_step(shape, layout.global_batch_size, layout.act_ckpt_layers * layout.pp)
+    flops += recompute_flops_per_step(shape, layout.global_batch_size, layout.act_ckpt_layers, layout.pp)
     return flops / (gpus * hw.peak_tflops * 1e12 * matmul_efficiency(shape, layout))
 
 
@@ -99,23 +102,39 @@ def offload_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
     return pcie / (hw.pcie_bandwidth_gbps * GB) + cpu_step
 
 
+def tp_allreduce_bytes(shape: Shape, layout: Layout, hw: Hardware) -> float:
+    """Bytes all-reduced over TP per micro-batch on the busiest stage: one layer activation for each
+    sub-layer (attention and MLP; a T5 decoder layer adds cross-attention) in forward and in backward,
+    and again in the recomputed forward of a checkpointed layer."""
+    per_token = shape.hidden_size * hw.bytes_per_value * layout.mbs
+    dec_sublayers = 3 if shape.encoder_decoder else 2
+    busiest = 0.0
+    for stage in range(layout.pp):
+        n_enc, n_dec = stage_layer_counts(shape, layout.pp, stage)
+        k_enc, k_dec = checkpointed_layer_counts(shape, layout.pp, stage, layout.act_ckpt_layers)
+        enc = 2 * (2 * n_enc + k_enc) * shape.seq_length
+        dec = dec_sublayers * (2 * n_dec + k_dec) * shape.target_length
+        busiest = max(busiest, (enc + dec) * per_token)
+    return busiest
+
+
 def estimate_step_time(shape: Shape, layout: Layout, hw: Hardware, num_nodes: int) -> StepTimeEstimate:
     """Predicted seconds per optimizer step of the full run on ``num_nodes`` nodes."""
     m = layout.num_microbatches
     compute = compute_s(shape, layout, hw)
     bubble = compute * (layout.pp - 1) / m
 
-    activation_bytes = layout.mbs * shape.seq_length * shape.hidden_size * hw.bytes_per_value
-    layers = shape.num_layers // layout.pp
     tp_bw = hw.intra_node_bandwidth_gbps if layout.tp <= hw.gpus_per_node else hw.inter_node_bandwidth_gbps
-    allreduces = m * (4 * layers + 2 * layout.act_ckpt_layers)
-    tp_comm = allreduces * _ring_allreduce_s(activation_bytes, layout.tp, tp_bw)
+    tp_comm = m * _ring_allreduce_s(tp_allreduce_bytes(shape, layout, hw), layout.tp, tp_bw)
 
     pp_comm = 0.0
     if layout.pp > 1:
         spans_nodes = layout.model_parallel > hw.gpus_per_node
         pp_bw = hw.inter_node_bandwidth_gbps if spans_nodes else hw.intra_node_bandwidth_gbps
-        pp_comm = 2 * (m + layout.pp - 1) * activation_bytes / layout.tp / (pp_bw * GB)
+        # an encoder-decoder's stages pass the encoder's and the decoder's hidden states
+        tokens = shape.seq_length + (shape.decoder_seq_length or 0)
+        boundary_bytes = layout.mbs * tokens * shape.hidden_size * hw.bytes_per_value
+        pp_comm = 2 * (m + layout.pp - 1) * boundary_bytes / layout.tp / (pp_bw * GB)
 
     return StepTimeEstimate(compute, bubble, tp_comm, pp_comm, dp_comm_s(shape, layout, hw, num_nodes),
                             offload_s(shape, layout, hw))

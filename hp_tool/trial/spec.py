@@ -16,11 +16,11 @@ from typing import Any, List, Optional
 
 from omegaconf import OmegaConf
 
-from hp_tool.architectures import FAMILIES, Shape
+from hp_tool.architectures import ENCODER_DECODER, FAMILIES, Shape, pipeline_problem
 from hp_tool.errors import ConfigError, require
 from hp_tool.fingerprint import fingerprint_of
 from hp_tool.fsutil import atomic_write_text
-from hp_tool.sharding import ENGINES, OFFLOADS, ZERO_STAGES, combination_problem, layout_suffix
+from hp_tool.sharding import ENGINES, OFFLOADS, ZERO_STAGES, combination_problem, family_problem, layout_suffix
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 SCHEDULES = ("1F1B", "GPipe")
@@ -30,7 +30,8 @@ DATA_SOURCES = ("synthetic", "file")
 
 @dataclass
 class ModelSpec:
-    """Shape of the transformer; weights are always random."""
+    """Shape of the transformer; weights are always random. T5/mT5: num_layers per stack, seq_length the
+    encoder's and decoder_seq_length the decoder's."""
 
     family: str = "gpt3"  # one of FAMILIES
     num_layers: int = 12
@@ -42,11 +43,14 @@ class ModelSpec:
     seq_length: int = 2048
     init_method_std: float = 0.02
     num_parameters: int = 0  # total parameter count of the whole model (all stages, unsharded)
+    kv_channels: Optional[int] = None  # per-head width; null = hidden_size / num_attention_heads
+    decoder_seq_length: Optional[int] = None  # encoder-decoder families only
 
     def shape(self) -> Shape:
         """The planner's view of this model (for parameter and FLOP counts)."""
         return Shape(self.family, self.num_layers, self.hidden_size, self.num_attention_heads,
-                     self.num_kv_heads, self.ffn_hidden_size, self.vocab_size, self.seq_length)
+                     self.num_kv_heads, self.ffn_hidden_size, self.vocab_size, self.seq_length,
+                     self.kv_channels, self.decoder_seq_length)
 
     def __post_init__(self) -> None:
         require(self.family in FAMILIES, "model.family", self.family, "unknown model family",
@@ -55,9 +59,18 @@ class ModelSpec:
                      "ffn_hidden_size", "vocab_size", "seq_length"):
             require(getattr(self, name) > 0, f"model.{name}", getattr(self, name),
                     "must be positive", "set a positive integer")
-        require(self.hidden_size % self.num_attention_heads == 0, "model.hidden_size", self.hidden_size,
+        require(self.kv_channels is not None or self.hidden_size % self.num_attention_heads == 0,
+                "model.hidden_size", self.hidden_size,
                 f"not divisible by num_attention_heads={self.num_attention_heads}",
-                "choose hidden_size as a multiple of the head count")
+                "choose hidden_size as a multiple of the head count, or set model.kv_channels")
+        require(self.kv_channels is None or self.kv_channels > 0, "model.kv_channels", self.kv_channels,
+                "must be positive", "set the per-head width, or null for hidden_size / num_attention_heads")
+        encdec = self.family in ENCODER_DECODER
+        require((self.decoder_seq_length is not None) == encdec, "model.decoder_seq_length",
+                self.decoder_seq_length, "is set exactly for encoder-decoder families",
+                "give a positive decoder length for t5/mt5, null for decoder-only families")
+        require(self.decoder_seq_length is None or self.decoder_seq_length > 0, "model.decoder_seq_length",
+                self.decoder_seq_length, "must be positive", "set the decoder's length in tokens, e.g. 128")
         require(self.num_attention_heads % self.num_kv_heads == 0, "model.num_kv_heads",
                 self.num_kv_heads, f"does not divide num_attention_heads={self.num_attention_heads}",
                 "use a divisor of the head count")
@@ -228,11 +241,17 @@ class TrialSpec:
         require(m.num_attention_heads % p.tp == 0 and m.num_kv_heads % p.tp == 0, "parallel.tp", p.tp,
                 f"does not divide the heads ({m.num_attention_heads} query, {m.num_kv_heads} kv)",
                 "use a divisor of the kv head count")
-        require(m.num_layers % p.pp == 0, "parallel.pp", p.pp,
-                f"does not divide num_layers={m.num_layers}", "use a divisor of the layer count")
-        require(p.act_ckpt_layers <= m.num_layers // p.pp, "parallel.act_ckpt_layers",
-                p.act_ckpt_layers, f"exceeds the {m.num_layers // p.pp} layers of a pipeline stage",
-                "use at most num_layers / pp")
+        shape = m.shape()
+        bad_pp = pipeline_problem(shape, p.pp)
+        require(bad_pp is None, "parallel.pp", p.pp, bad_pp or "",
+                "use a PP that splits the layers evenly (T5/mT5: 1, or even with PP/2 dividing num_layers)")
+        per_stage = shape.pipeline_layers // p.pp
+        require(p.act_ckpt_layers <= per_stage, "parallel.act_ckpt_layers",
+                p.act_ckpt_layers, f"exceeds the {per_stage} layers of a pipeline stage",
+                f"use at most {per_stage}")
+        bad_engine = family_problem(m.family, p.engine)
+        require(bad_engine is None, "parallel.engine", p.engine, bad_engine and bad_engine[1] or "",
+                "use engine torch")
         replica_batch = p.mbs * p.dp
         require(self.training.global_batch_size % replica_batch == 0, "training.global_batch_size",
                 self.training.global_batch_size, f"not divisible by mbs*dp={replica_batch}",
