@@ -65,6 +65,16 @@ def launch(tmp_path, family, **layout):
     ("llama", {"dp": 2, "engine": "deepspeed", "zero_stage": 2, "offload": "optimizer"}),
     ("gpt3", {"dp": 2, "engine": "deepspeed", "zero_stage": 3, "offload": "optimizer_and_params", "act_ckpt": 2}),
     ("llama", {"tp": 2, "engine": "deepspeed", "zero_stage": 1}),  # AutoTP
+    # encoder-decoder: head-sharded relative position tables, encoder on stage 0 and decoder on stage 1
+    # with the encoder output and the position tables carried between them, FSDP2 and DDP
+    ("t5", {"tp": 2}),
+    ("t5", {"pp": 2, "act_ckpt": 1}),
+    ("t5", {"dp": 2, "zero_stage": 3}),
+    ("t5", {"tp": 2, "dp": 2}),
+    ("mt5", {"tp": 2}),
+    ("mt5", {"pp": 2}),
+    ("mt5", {"dp": 2, "zero_stage": 0, "act_ckpt": 3}),
+    ("mt5", {"tp": 2, "dp": 2}),
 ], ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}{x}" for k, x in v.items()))
 def test_layout_reproduces_single_process_losses(tmp_path, reference, family, layout):
     spec, out, result = launch(tmp_path, family, **layout)

@@ -83,12 +83,12 @@ def test_weights_do_not_depend_on_the_stage_split():
 
 def test_global_batch_is_the_same_whatever_the_layout():
     single = TokenBatches(tiny_spec("gpt3", mbs=2), dp_rank=0, device=torch.device("cpu"))
-    whole = torch.cat([x for x, _ in single.micro_batches(step=3)])
+    whole = torch.cat([x for (x,), _ in single.micro_batches(step=3)])
     shards = [TokenBatches(tiny_spec("gpt3", dp=2, mbs=1), dp_rank=d, device=torch.device("cpu"))
               for d in range(2)]
-    split = torch.cat([torch.cat([x for x, _ in s.micro_batches(step=3)]) for s in shards])
+    split = torch.cat([torch.cat([x for (x,), _ in s.micro_batches(step=3)]) for s in shards])
     assert torch.equal(whole, split)
-    inputs, labels = single.replica_batch(step=0)
+    (inputs,), labels = single.replica_batch(step=0)
     assert torch.equal(inputs[:, 1:], labels[:, :-1])  # labels are the next tokens
 
 
@@ -101,7 +101,7 @@ def test_token_file_is_memory_mapped(tmp_path):
     spec.training.data.source, spec.training.data.path = "file", str(path)
     batches = TokenBatches(spec, dp_rank=0, device=torch.device("cpu"))
     assert isinstance(batches.stream, np.memmap)
-    inputs, _ = batches.replica_batch(step=0)
+    (inputs,), _ = batches.replica_batch(step=0)
     assert inputs[1, 0].item() == 65  # second window starts at seq + 1
 
 

@@ -17,11 +17,16 @@ REPO = Path(__file__).resolve().parents[1]
 
 def tiny_spec(family: str = "gpt3", tp: int = 1, pp: int = 1, dp: int = 1, mbs: int = 2,
               gbs: int = 8, act_ckpt: int = 0, max_steps: int = 3, **run) -> TrialSpec:
-    """4 layers, hidden 64, 4 heads (2 kv heads for Llama), vocab 512, seq 64: a step takes milliseconds."""
+    """4 layers, hidden 64, 4 heads (2 kv heads for Llama), vocab 512, seq 64: a step takes milliseconds.
+    T5/mT5: 2 layers per stack, 4 heads of 16 channels, encoder 64 and decoder 32 tokens (mT5 a larger
+    vocabulary)."""
     kv = 2 if family == "llama" else 4
-    ffn = 176 if family == "llama" else 256
-    model = ModelSpec(family=family, num_layers=4, hidden_size=64, num_attention_heads=4,
-                      num_kv_heads=kv, ffn_hidden_size=ffn, vocab_size=512, seq_length=64)
+    ffn = {"llama": 176, "t5": 128, "mt5": 128}.get(family, 256)
+    encdec = family in ("t5", "mt5")
+    model = ModelSpec(family=family, num_layers=2 if encdec else 4, hidden_size=64, num_attention_heads=4,
+                      num_kv_heads=kv, ffn_hidden_size=ffn, vocab_size=2048 if family == "mt5" else 512,
+                      seq_length=64, kv_channels=16 if encdec else None,
+                      decoder_seq_length=32 if encdec else None)
     parallel = ParallelSpec(tp=tp, pp=pp, dp=dp, mbs=mbs, act_ckpt_layers=act_ckpt,
                             engine=run.pop("engine", "torch"), zero_stage=run.pop("zero_stage", 3),
                             offload=run.pop("offload", "none"))

@@ -2,8 +2,10 @@
 
 Both sources are a flat stream of token ids. Sample ``j`` of step ``t`` (0-based, ``g = t * GBS + j``)
 is the window of ``seq + 1`` tokens starting at ``g * (seq + 1)`` (wrapping around the stream); inputs are
-its first ``seq`` tokens, labels its last ``seq``. A data-parallel replica ``d`` takes samples
-``[d * GBS/dp, (d+1) * GBS/dp)`` of each step, in micro-batches of ``mbs``.
+its first ``seq`` tokens, labels its last ``seq``. An encoder-decoder's window is ``seq + dec + 1`` tokens:
+the encoder reads the first ``seq``, the decoder the next ``dec`` and the labels are those shifted by one.
+A data-parallel replica ``d`` takes samples ``[d * GBS/dp, (d+1) * GBS/dp)`` of each step, in micro-batches
+of ``mbs``. Inputs are a tuple (token ids; encoder ids and decoder ids for an encoder-decoder).
 
 - synthetic (default): a stream drawn once from the seed (at most ``SYNTHETIC_MAX_TOKENS`` ids, reused).
 - file: a flat binary file of uint16 or uint32 ids, memory-mapped with numpy (nothing is read up front).
@@ -48,7 +50,8 @@ class TokenBatches:
 
     def __init__(self, spec: TrialSpec, dp_rank: int, device: torch.device):
         m, t, p = spec.model, spec.training, spec.parallel
-        self.window = m.seq_length + 1
+        self.encoder = m.seq_length if m.decoder_seq_length else 0  # encoder ids ahead of the decoder's
+        self.window = self.encoder + (m.decoder_seq_length or m.seq_length) + 1
         self.gbs, self.mbs = t.global_batch_size, p.mbs
         self.per_replica = t.global_batch_size // p.dp
         self.first_sample = dp_rank * self.per_replica
@@ -69,12 +72,16 @@ class TokenBatches:
         array = np.stack([self.stream[r * self.window:(r + 1) * self.window] for r in rows])
         return torch.from_numpy(array.astype(np.int64))
 
-    def replica_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This replica's whole share of step ``step`` (0-based): ``[GBS/dp, seq]`` inputs and labels."""
+    def replica_batch(self, step: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """This replica's whole share of step ``step`` (0-based): the inputs (``[GBS/dp, seq]`` ids, or encoder
+        and decoder ids) and the ``[GBS/dp, target length]`` labels."""
         samples = self._samples(step, 0, self.per_replica).to(self.device, non_blocking=True)
-        return samples[:, :-1], samples[:, 1:]
+        e = self.encoder
+        inputs = (samples[:, :e], samples[:, e:-1]) if e else (samples[:, :-1],)
+        return inputs, samples[:, e + 1:]
 
-    def micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def micro_batches(self, step: int) -> list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
         """The replica batch of step ``step`` split into micro-batches of ``mbs`` sequences."""
         inputs, labels = self.replica_batch(step)
-        return list(zip(inputs.split(self.mbs), labels.split(self.mbs)))
+        parts = [x.split(self.mbs) for x in inputs]
+        return [(tuple(p[i] for p in parts), y) for i, y in enumerate(labels.split(self.mbs))]

@@ -88,7 +88,7 @@ def ds_train_step(engine, step: int) -> Optional[torch.Tensor]:
     micro = engine.batches.micro_batches(step)
     total = torch.zeros((), device=engine.device)
     for inputs, labels in micro:
-        loss = loss_fn(ds(inputs), labels)
+        loss = loss_fn(ds(*inputs), labels)
         ds.backward(loss)
         ds.step()
         total += loss.detach()

@@ -136,7 +136,7 @@ def _accumulate(engine: Engine, step: int) -> Optional[torch.Tensor]:
             set_grad_sync(engine.stage, i == len(micro) - 1)
         with loss_parallel_context(engine.tp_mesh):
             with _autocast(engine):
-                loss = compute_loss(engine.stage(inputs), labels)
+                loss = compute_loss(engine.stage(*inputs), labels)
             (loss / len(micro)).backward()
         total += loss.detach()
     return total / len(micro)
@@ -147,7 +147,7 @@ def _pipeline(engine: Engine, step: int) -> Optional[torch.Tensor]:
     inputs, labels = engine.batches.replica_batch(step)
     losses: list = []
     first, last = engine.pp_rank == 0, engine.is_last_stage
-    args = (inputs,) if first else ()
+    args = inputs if first else ()
     kwargs = {"target": labels, "losses": losses} if last else {}
     with loss_parallel_context(engine.tp_mesh), _autocast(engine):
         engine.schedule.step(*args, return_outputs=False, **kwargs)

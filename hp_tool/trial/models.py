@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hp_tool.architectures import ENGINE_FAMILIES
+from hp_tool.architectures import ENCODER_DECODER, ENGINE_FAMILIES
 from hp_tool.errors import require
 from hp_tool.trial.spec import ModelSpec
 
@@ -31,6 +31,10 @@ def hf_config(model: ModelSpec):
     require(model.family in ENGINE_FAMILIES, "model.family", model.family,
             "the trial engine has no model class for this family",
             f"use one of {list(ENGINE_FAMILIES)}")
+    if model.family in ENCODER_DECODER:
+        from hp_tool.trial.encdec import t5_config
+
+        return t5_config(model)
     if model.family == "gpt3":
         from transformers import OPTConfig
 
@@ -96,6 +100,14 @@ class CausalLMStage(nn.Module):
         if self.tied and self.is_first and self.is_last and self.lm_head.weight is not self.embed_tokens.weight:
             self.lm_head.weight = self.embed_tokens.weight
 
+    def checkpoint_keys(self, act_ckpt_layers: int) -> list[str]:
+        """Keys of the layers to recompute: the stage's first ``act_ckpt_layers``."""
+        return list(self.layers.keys())[:act_ckpt_layers]
+
+    def bias_modules(self) -> list[nn.Module]:
+        """Modules called outside their layer's forward (none here; see EncDecStage)."""
+        return []
+
     def reset_buffers(self, device: torch.device) -> None:
         """Rebuild non-parameter buffers (RoPE frequencies) on ``device`` after materialisation."""
         if self.family == "llama":
@@ -137,8 +149,13 @@ def build_full_model_on_meta(model: ModelSpec) -> nn.Module:
         return LlamaForCausalLM(config)
 
 
-def build_stage(model: ModelSpec, pp: int, stage: int) -> CausalLMStage:
-    """Pipeline stage ``stage`` of ``pp`` on the meta device; the other stages' modules are dropped."""
+def build_stage(model: ModelSpec, pp: int, stage: int):
+    """Pipeline stage ``stage`` of ``pp`` on the meta device; the other stages' modules are dropped.
+    A CausalLMStage, or for T5/mT5 an :class:`hp_tool.trial.encdec.EncDecStage`."""
+    if model.family in ENCODER_DECODER:
+        from hp_tool.trial.encdec import build_encdec_stage
+
+        return build_encdec_stage(model, pp, stage)
     full = build_full_model_on_meta(model)
     config = full.config
     first, last = stage == 0, stage == pp - 1

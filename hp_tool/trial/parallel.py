@@ -22,23 +22,61 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from hp_tool.architectures import ENCODER_DECODER
 from hp_tool.errors import require
 from hp_tool.trial.models import CausalLMStage, loss_fn
 from hp_tool.trial.spec import ParallelSpec
 
 log = logging.getLogger(__name__)
 
-# Per family: module names (relative to a decoder layer) split by columns and by rows.
+# Per family: module names (relative to a layer) split by columns and by rows. T5/mT5 blocks: self-attention
+# (and the decoder's cross-attention) q/k/v by columns and o by rows, both gated-FFN inputs by columns and
+# the output by rows; the stacks' relative-position embeddings split along heads (their columns) as q is.
+_T5_ATTENTION = (("SelfAttention.q", "SelfAttention.k", "SelfAttention.v"), ("SelfAttention.o",))
+_T5_CROSS = (("EncDecAttention.q", "EncDecAttention.k", "EncDecAttention.v"), ("EncDecAttention.o",))
+_T5_FFN = (("DenseReluDense.wi_0", "DenseReluDense.wi_1"), ("DenseReluDense.wo",))
 TP_PLANS = {
     "gpt3": (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "fc1"),
              ("self_attn.out_proj", "fc2")),
     "llama": (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
                "mlp.up_proj"),
               ("self_attn.o_proj", "mlp.down_proj")),
+    "t5_encoder": tuple(tuple(f"layer.{i}.{name}" for i, part in enumerate((_T5_ATTENTION, _T5_FFN))
+                              for name in part[side]) for side in (0, 1)),
+    "t5_decoder": tuple(tuple(f"layer.{i}.{name}" for i, part in enumerate((_T5_ATTENTION, _T5_CROSS, _T5_FFN))
+                              for name in part[side]) for side in (0, 1)),
 }
+T5_BIAS = "layer.0.SelfAttention.relative_attention_bias"
 
 
-def apply_tensor_parallel(stage: CausalLMStage, tp_mesh: DeviceMesh, vocab_parallel: bool = True) -> None:
+def layer_tp_plan(stage, layer: nn.Module) -> dict:
+    """The ``parallelize_module`` plan of one layer of ``stage``."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if stage.family in ENCODER_DECODER:
+        key = "t5_decoder" if layer.is_decoder else "t5_encoder"
+    else:
+        key = stage.family
+    colwise, rowwise = TP_PLANS[key]
+    plan = {name: ColwiseParallel() for name in colwise}
+    plan.update({name: RowwiseParallel() for name in rowwise})
+    if key.startswith("t5") and layer.layer[0].SelfAttention.has_relative_attention_bias:
+        plan[T5_BIAS] = ColwiseParallel()  # Shard(1) of [buckets, heads]: this rank's heads, as q's
+    return plan
+
+
+def _shard_head_counts(layer: nn.Module, tp: int) -> None:
+    """After the split each rank holds heads/tp of each attention's heads (OPT's num_heads; T5's n_heads
+    and inner_dim, used to shape the cross-attention's zero bias)."""
+    for module in layer.modules():
+        if hasattr(module, "num_heads") and hasattr(module, "out_proj"):
+            module.num_heads //= tp
+        if hasattr(module, "n_heads") and hasattr(module, "inner_dim"):
+            module.n_heads //= tp
+            module.inner_dim //= tp
+
+
+def apply_tensor_parallel(stage, tp_mesh: DeviceMesh, vocab_parallel: bool = True) -> None:
     """Shard each layer's projections over ``tp_mesh`` with ``parallelize_module``; with
     ``vocab_parallel``, also the input embedding and the output head along the vocabulary.
 
@@ -50,16 +88,10 @@ def apply_tensor_parallel(stage: CausalLMStage, tp_mesh: DeviceMesh, vocab_paral
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    parallelize_module)
 
-    colwise, rowwise = TP_PLANS[stage.family]
-    plan = {name: ColwiseParallel() for name in colwise}
-    plan.update({name: RowwiseParallel() for name in rowwise})
     tp = tp_mesh.size()
     for layer in stage.layers.values():
-        parallelize_module(layer, tp_mesh, plan)
-        attention = layer.self_attn
-        if hasattr(attention, "num_heads"):
-            # OPT reshapes q/k/v with its head count; after the split each rank holds heads/tp of them.
-            attention.num_heads = attention.num_heads // tp
+        parallelize_module(layer, tp_mesh, layer_tp_plan(stage, layer))
+        _shard_head_counts(layer, tp)
     if not vocab_parallel:
         return
     vocab_plan = {}
@@ -78,7 +110,7 @@ def apply_activation_checkpointing(stage: CausalLMStage, num_layers: int) -> Non
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         CheckpointImpl, checkpoint_wrapper)
 
-    for key in list(stage.layers.keys())[:num_layers]:
+    for key in stage.checkpoint_keys(num_layers):
         stage.layers[key] = checkpoint_wrapper(stage.layers[key],
                                                checkpoint_impl=CheckpointImpl.NO_REENTRANT)
 
@@ -107,6 +139,8 @@ def apply_data_parallel(stage: CausalLMStage, dp_mesh: DeviceMesh, zero_stage: i
     if offload != "none":
         extra["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     reshard = zero_stage >= 3
+    for module in stage.bias_modules():  # called outside its layer's forward: its own unit
+        fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp, **extra)
     for layer in stage.layers.values():
         fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp, **extra)
     # The root unit holds embeddings, final norm and head; the last unit is used right after forward.

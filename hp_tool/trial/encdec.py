@@ -1,0 +1,192 @@
+"""The trial's encoder-decoder model: transformers' ``T5ForConditionalGeneration`` (T5) or
+``MT5ForConditionalGeneration`` (mT5) built from a spec's shape, cut into one pipeline stage.
+
+The model is built whole on the meta device and this rank's stage keeps only its own blocks: the pipeline
+splits the 2·L blocks (the encoder's L, then the decoder's L, indexed 0..2L-1 whatever the layout), so the
+encoder takes the first PP/2 stages and the decoder the rest (architectures.pipeline_problem). The first
+stage embeds both the encoder and the decoder tokens with the shared embedding; the last normalises the
+decoder output and applies the head, tied to that embedding (its own copy on another stage, kept equal as
+GPT's is).
+
+Between stages travel, per micro-batch: the encoder's hidden states (its output, after its final norm,
+once the encoder is done: every decoder stage's cross-attention reads it), the decoder's hidden states
+(its embedded tokens until the decoder starts) and, inside a stack, the stack's relative-position table
+``[buckets, heads]``: the bias weights of the stack's first block. Each stage turns the table into its
+``[1, heads, q, k]`` position bias, so the bias costs a few kilobytes between stages and its gradient flows
+back to that first block's weights through the pipeline.
+
+Dropout is off; attention is transformers' eager T5 attention (relative bias added to the scores); the
+gated FFN uses the tanh GeLU of ``torch.nn.functional.gelu`` (T5 v1.1's gated-GeLU, one fused kernel).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hp_tool.architectures import RELATIVE_ATTENTION_BUCKETS, checkpointed_layer_counts, stage_layer_counts
+from hp_tool.trial.spec import ModelSpec
+
+MAX_DISTANCE = 128  # T5's relative_attention_max_distance
+
+
+def t5_config(model: ModelSpec):
+    """The transformers config for a T5/mT5 spec: dropout off, eager attention, no KV cache, tied head."""
+    from transformers import MT5Config, T5Config
+
+    config_cls = MT5Config if model.family == "mt5" else T5Config
+    return config_cls(
+        vocab_size=model.vocab_size, d_model=model.hidden_size, d_kv=model.kv_channels or
+        model.hidden_size // model.num_attention_heads, d_ff=model.ffn_hidden_size,
+        num_layers=model.num_layers, num_decoder_layers=model.num_layers, num_heads=model.num_attention_heads,
+        relative_attention_num_buckets=RELATIVE_ATTENTION_BUCKETS, relative_attention_max_distance=MAX_DISTANCE,
+        dropout_rate=0.0, feed_forward_proj="gated-gelu_pytorch_tanh", tie_word_embeddings=True,
+        use_cache=False, attn_implementation="eager",
+    )
+
+
+def build_full_encdec_on_meta(model: ModelSpec) -> nn.Module:
+    from transformers import MT5ForConditionalGeneration, T5ForConditionalGeneration
+
+    cls = MT5ForConditionalGeneration if model.family == "mt5" else T5ForConditionalGeneration
+    with torch.device("meta"):
+        return cls(t5_config(model))
+
+
+def position_bias(table: torch.Tensor, query: int, key: int, bidirectional: bool) -> torch.Tensor:
+    """T5's ``[1, heads, query, key]`` relative position bias from a stack's ``[buckets, heads]`` table
+    (transformers' own bucketing, so the numbers are the model's)."""
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    context = torch.arange(query, dtype=torch.long, device=table.device)[:, None]
+    memory = torch.arange(key, dtype=torch.long, device=table.device)[None, :]
+    buckets = T5Attention._relative_position_bucket(memory - context, bidirectional=bidirectional,
+                                                    num_buckets=table.shape[0], max_distance=MAX_DISTANCE)
+    return F.embedding(buckets, table).permute(2, 0, 1).unsqueeze(0)
+
+
+def causal_mask(length: int, device: torch.device) -> torch.Tensor:
+    """Additive ``[1, 1, length, length]`` mask hiding later decoder positions."""
+    mask = torch.full((length, length), torch.finfo(torch.float32).min, device=device).triu(1)
+    return mask[None, None]
+
+
+class EncDecStage(nn.Module):
+    """One pipeline stage of T5/mT5. Inputs: encoder and decoder token ids ``[batch, seq]`` on the first
+    stage; otherwise what the previous stage sent (see the module docstring). Output: logits
+    ``[batch, decoder seq, vocab]`` on the last stage, else the tensors for the next stage."""
+
+    def __init__(self, family: str, config, model: ModelSpec, pp: int, stage: int, layers: dict[int, nn.Module],
+                 embed_tokens: Optional[nn.Module], enc_norm: Optional[nn.Module], dec_norm: Optional[nn.Module],
+                 lm_head: Optional[nn.Module]):
+        super().__init__()
+        self.family = family
+        self.config = config
+        self.num_layers = model.num_layers  # per stack
+        self.seq_length, self.decoder_seq_length = model.seq_length, model.decoder_seq_length
+        self.shape, self.pp, self.stage_index = model.shape(), pp, stage
+        self.embed_tokens = embed_tokens
+        self.layers = nn.ModuleDict({str(i): layer for i, layer in layers.items()})
+        self.enc_norm = enc_norm
+        self.dec_norm = dec_norm
+        self.lm_head = lm_head
+        self.tied = True
+        # The stacks' first blocks own the relative-position tables; kept as paths, not submodules, so
+        # every parameter keeps one name.
+        self._bias_paths = {index: f"layers.{index}.layer.0.SelfAttention.relative_attention_bias"
+                            for index in (0, self.num_layers) if index in layers}
+
+    @property
+    def is_first(self) -> bool:
+        return self.embed_tokens is not None
+
+    @property
+    def is_last(self) -> bool:
+        return self.lm_head is not None
+
+    def retie(self) -> None:
+        """Share the head's weight with the embedding again (``to_empty`` gives each its own tensor)."""
+        if self.is_first and self.is_last and self.lm_head.weight is not self.embed_tokens.weight:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def reset_buffers(self, device: torch.device) -> None:
+        """No buffers: the position bias is computed from the tables in every forward."""
+
+    def bias_modules(self) -> list[nn.Module]:
+        """The relative-position embeddings this stage holds (FSDP2 shards each as its own unit, as the
+        stage calls them outside their block)."""
+        return [self._bias_module(index) for index in self._bias_paths]
+
+    def _bias_module(self, index: int) -> nn.Module:
+        path = self._bias_paths[index].replace(f"layers.{index}.", "")
+        return _unwrapped(self.layers[str(index)]).get_submodule(path)
+
+    def _table(self, index: int) -> torch.Tensor:
+        """The ``[buckets, heads on this TP rank]`` table of the stack whose first block is ``index``."""
+        module = self._bias_module(index)
+        return module(torch.arange(RELATIVE_ATTENTION_BUCKETS, device=module.weight.device))
+
+    def checkpoint_keys(self, act_ckpt_layers: int) -> list[str]:
+        """Keys of the layers to recompute: the first ones of each stack on this stage."""
+        k_enc, k_dec = checkpointed_layer_counts(self.shape, self.pp, self.stage_index, act_ckpt_layers)
+        encoder = [key for key in self.layers if int(key) < self.num_layers]
+        decoder = [key for key in self.layers if int(key) >= self.num_layers]
+        return encoder[:k_enc] + decoder[:k_dec]
+
+    def forward(self, *args: torch.Tensor):
+        table: Optional[torch.Tensor] = None
+        if self.is_first:
+            enc_ids, dec_ids = args
+            enc, dec = self.embed_tokens(enc_ids), self.embed_tokens(dec_ids)
+        else:
+            enc, dec = args[0].view_as(args[0]), args[1].view_as(args[1])  # pass-throughs get their own node
+            table = args[2].view_as(args[2]) if len(args) > 2 else None
+        encoder = [layer for key, layer in self.layers.items() if int(key) < self.num_layers]
+        decoder = [layer for key, layer in self.layers.items() if int(key) >= self.num_layers]
+        if encoder:
+            table = self._table(0) if table is None else table
+            bias = position_bias(table, self.seq_length, self.seq_length, bidirectional=True)
+            for layer in encoder:
+                enc = layer(enc, position_bias=bias)[0]
+            if self.enc_norm is not None:  # the encoder ends here: its output for every cross-attention
+                enc, table = self.enc_norm(enc), None
+        if decoder:
+            t = self.decoder_seq_length
+            table = self._table(self.num_layers) if table is None else table
+            bias = position_bias(table, t, t, bidirectional=False)
+            mask = causal_mask(t, dec.device)
+            for layer in decoder:
+                dec = layer(dec, attention_mask=mask, position_bias=bias, encoder_hidden_states=enc)[0]
+        if self.is_last:
+            dec = self.dec_norm(dec)
+            if getattr(self.config, "scale_decoder_outputs", False):  # T5's tied head; mT5's model does not
+                dec = dec * (self.config.d_model ** -0.5)
+            return self.lm_head(dec)
+        return (enc, dec) if table is None else (enc, dec, table)
+
+
+def _unwrapped(module: nn.Module) -> nn.Module:
+    """The block inside a checkpoint wrapper (or the block itself)."""
+    return getattr(module, "_checkpoint_wrapped_module", module)
+
+
+def build_encdec_stage(model: ModelSpec, pp: int, stage: int) -> EncDecStage:
+    """Pipeline stage ``stage`` of ``pp`` on the meta device; the other stages' modules are dropped."""
+    full = build_full_encdec_on_meta(model)
+    config = full.config
+    n_layers = model.num_layers
+    n_enc, n_dec = stage_layer_counts(model.shape(), pp, stage)
+    first_index = stage * (2 * n_layers // pp)
+    blocks = list(full.encoder.block) + list(full.decoder.block)
+    layers = {i: blocks[i] for i in range(first_index, first_index + n_enc + n_dec)}
+    first, last = stage == 0, stage == pp - 1
+    ends_encoder = (n_layers - 1) in layers
+    lm_head = full.lm_head if last else None
+    if lm_head is not None and not first:
+        lm_head.weight = nn.Parameter(torch.empty_like(lm_head.weight))  # kept equal to the embedding
+    return EncDecStage(model.family, config, model, pp, stage, layers, full.shared if first else None,
+                       full.encoder.final_layer_norm if ends_encoder else None,
+                       full.decoder.final_layer_norm if last else None, lm_head)
