@@ -33,9 +33,10 @@ def lr_at(step: int, t: TrainingSpec) -> float:
 
 
 def _mesh_key(param: torch.Tensor) -> tuple:
+    """Tensors on equal meshes share a key (DeviceMesh compares its ranks and dimension names without
+    tensor ops, so this also works under fake tensors)."""
     if isinstance(param, DTensor):
-        mesh = param.device_mesh
-        return (mesh.mesh_dim_names, tuple(mesh.mesh.flatten().tolist()))
+        return (param.device_mesh,)
     return ()
 
 

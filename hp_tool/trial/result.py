@@ -44,7 +44,7 @@ RESULT_FIELDS = (
     "trial_id", "fingerprint", "status", "reason", "stop_reason", "steps_run", "steps_measured",
     "step_time_s_median", "step_time_s_mean", "step_time_s_std", "samples_per_s", "tokens_per_s",
     "tokens_per_s_per_gpu", "model_tflops_per_gpu", "mfu", "peak_memory_gb",
-    "peak_memory_reserved_gb", "world_size", "device", "backend", "first_losses", "final_loss",
+    "peak_memory_reserved_gb", "peak_tensor_memory_gb", "world_size", "device", "backend", "first_losses", "final_loss",
     "versions", "start_time", "end_time",
 )
 STATUSES = ("ok", "oom", "timeout", "failed", "cancelled", "unschedulable")  # the last: set by the launcher

@@ -14,6 +14,7 @@ writes the earliest failure as the trial's reason.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import resource
@@ -83,10 +84,12 @@ def run_loop(engine: Engine, out: Path, t_start: float, flag: measure.SignalFlag
     tokens = spec.training.global_batch_size * spec.model.seq_length
     writer = measure.MetricsWriter(out / res.METRICS_FILE, enabled=rank0)
     timed, losses, step, reason = [], [], 0, None
+    tensor_peak = _TensorPeakSteps(engine, min(2, rule.warmup))
     try:
         while reason is None:
             begin = measure.now_s()
-            loss = train_step(engine, step)
+            with tensor_peak.around(step):
+                loss = train_step(engine, step)
             measure.synchronize(device)
             local = float(loss) * share if loss is not None and engine.is_last_stage else 0.0
             loss_sum, signals = _reduce([local, float(flag.received is not None)], dist.ReduceOp.SUM,
@@ -105,14 +108,41 @@ def run_loop(engine: Engine, out: Path, t_start: float, flag: measure.SignalFlag
                                 device)
     finally:
         writer.close()
-    return {"steps_run": step, "timed": timed, "losses": losses, "stop_reason": reason}
+    return {"steps_run": step, "timed": timed, "losses": losses, "stop_reason": reason,
+            "tensor_peak_bytes": tensor_peak.peak}
+
+
+class _TensorPeakSteps:
+    """Peak tensor bytes of this rank over the first untimed steps (memtrace.TensorPeak, the count the
+    pre-launch trace makes); the torch engine only, and none when no step is untimed."""
+
+    def __init__(self, engine: Engine, steps: int):
+        self.engine, self.steps, self.peak = engine, steps if engine.ds is None else 0, None
+        self.tracker = None
+
+    @contextlib.contextmanager
+    def around(self, step: int):
+        if step >= self.steps:
+            yield
+            return
+        from hp_tool.trial.memtrace import TensorPeak
+
+        if self.tracker is None:
+            self.tracker = TensorPeak()
+            self.tracker.track(self.engine.stage, self.engine.optimizer)
+        with self.tracker:
+            self.tracker.restart_peak()
+            yield
+        self.peak = max(self.peak or 0, self.tracker.peak_bytes())
 
 
 def _finish(spec: TrialSpec, result: dict, outcome: dict, device: torch.device, world: int) -> dict:
     """Fill the result's measurements from the loop outcome (peak memory: max over ranks)."""
     stats = res.step_stats(outcome["timed"])
     peak, reserved = measure.peak_memory_gb(device)
-    peak, reserved_max = _reduce([peak, reserved or 0.0], dist.ReduceOp.MAX, device)
+    tensors = outcome["tensor_peak_bytes"]
+    peak, reserved_max, tensors_max = _reduce([peak, reserved or 0.0, (tensors or 0) / measure.GB],
+                                              dist.ReduceOp.MAX, device)
     measured = stats["count"] > 0
     result.update(
         status="ok" if measured else "timeout",
@@ -121,6 +151,7 @@ def _finish(spec: TrialSpec, result: dict, outcome: dict, device: torch.device, 
         steps_measured=stats["count"], step_time_s_median=stats["median"],
         step_time_s_mean=stats["mean"], step_time_s_std=stats["std"],
         peak_memory_gb=peak, peak_memory_reserved_gb=reserved_max if reserved is not None else None,
+        peak_tensor_memory_gb=tensors_max if tensors is not None else None,
         first_losses=outcome["losses"][:res.FIRST_LOSSES],
         final_loss=outcome["losses"][-1] if outcome["losses"] else None,
         end_time=res.iso_utc(time.time()),

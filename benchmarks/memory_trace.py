@@ -1,0 +1,104 @@
+"""Per-rank peak memory three ways: traced under fake tensors, analytic, and measured in a real run.
+
+    python benchmarks/memory_trace.py [--layouts all|quick]
+
+For a Llama-shaped and a GPT-3-shaped model (4 layers, hidden 128, seq 128, vocab 2048, global batch 8,
+micro-batch 2, fp32) and each layout (single process, FSDP2 DP2 with and without checkpointing, TP2,
+TP2 x DP2, PP2 with and without checkpointing), prints the measured peak tensor GB per rank of a real
+trial on CPU processes (gloo; the trial's ``peak_tensor_memory_gb``), the traced peak
+(``hp_tool.trial.memtrace.trace_stage`` on the busiest stage, one process, fake process group) and the
+analytic estimate's tensor part (``hp_tool.estimate.memory.estimate_memory`` less its overhead), each with
+its ratio to the measured figure; then the time to trace the first stage of GPT-3 175B (one layer and the
+embedding per stage, PP 96, FSDP2 over 8 ranks) on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from hp_tool.estimate.layout import Hardware, Layout
+from hp_tool.estimate.memory import estimate_memory
+from hp_tool.trial.memtrace import trace_stage
+from hp_tool.trial.spec import (ModelSpec, ParallelSpec, ResourcesSpec, RunSpec, TrainingSpec, TrialSpec,
+                                dump_spec)
+
+LAYOUTS = [{}, {"dp": 2}, {"dp": 2, "act_ckpt": 4}, {"tp": 2}, {"tp": 2, "dp": 2}, {"pp": 2},
+           {"pp": 2, "act_ckpt": 1}]
+CPU = Hardware(gpus_per_node=2, gpu_memory_gb=4, peak_tflops=1, intra_node_bandwidth_gbps=5,
+               inter_node_bandwidth_gbps=5, memory_overhead_gb=0.0, precision="fp32", flash_attention=True)
+
+
+def spec_for(family: str, layout: dict) -> TrialSpec:
+    tp, pp, dp = layout.get("tp", 1), layout.get("pp", 1), layout.get("dp", 1)
+    model = ModelSpec(family=family, num_layers=4, hidden_size=128, num_attention_heads=4,
+                      num_kv_heads=2 if family == "llama" else 4, ffn_hidden_size=352 if family == "llama" else 512,
+                      vocab_size=2048, seq_length=128)
+    return TrialSpec(
+        trial_id=f"bench_{family}_tp{tp}_pp{pp}_dp{dp}_ac{layout.get('act_ckpt', 0)}", model=model,
+        parallel=ParallelSpec(tp=tp, pp=pp, dp=dp, mbs=2, act_ckpt_layers=layout.get("act_ckpt", 0), zero_stage=3),
+        training=TrainingSpec(global_batch_size=8, precision="fp32", max_steps=100),
+        resources=ResourcesSpec(num_nodes=1, gpus_per_node=tp * pp * dp),
+        run=RunSpec(max_steps=3, warmup_steps=2, stable_cv=0.0, max_minutes=10),
+    )
+
+
+def measure(spec: TrialSpec) -> float:
+    with tempfile.TemporaryDirectory() as folder:
+        path = dump_spec(spec, Path(folder) / "spec.yaml")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        world = spec.resources.gpus_per_node
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
+                        f"--master-port={port}", "-m", "hp_tool.trial.train", str(path), "--output-dir",
+                        str(Path(folder) / "out")], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                       capture_output=True, check=True, timeout=600)
+        return json.loads((Path(folder) / "out" / "result.json").read_text())["peak_tensor_memory_gb"]
+
+
+def analytic(spec: TrialSpec) -> float:
+    p = spec.parallel
+    layout = Layout(p.tp, p.pp, p.dp, p.mbs, p.act_ckpt_layers, spec.training.global_batch_size, p.zero_stage)
+    return estimate_memory(spec.model.shape(), layout, CPU).total_gb
+
+
+def trace_175b() -> float:
+    model = ModelSpec(family="gpt3", num_layers=96, hidden_size=12288, num_attention_heads=96, num_kv_heads=96,
+                      ffn_hidden_size=49152, vocab_size=51200, seq_length=2048)
+    spec = TrialSpec(model=model, parallel=ParallelSpec(pp=96, dp=8, zero_stage=3),
+                     training=TrainingSpec(global_batch_size=8), resources=ResourcesSpec(num_nodes=96, gpus_per_node=8))
+    start = time.monotonic()
+    trace = trace_stage(spec, 0)
+    print(f"GPT-3 175B first stage (1 layer + embedding, FSDP2 over 8): traced {trace.peak_gb:.2f} GB per rank "
+          f"in {time.monotonic() - start:.1f} s")
+    return trace.peak_gb
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layouts", choices=("all", "quick"), default="all")
+    args = parser.parse_args()
+    layouts = LAYOUTS if args.layouts == "all" else LAYOUTS[:3]
+    print(f"{'model':6} {'layout':18} {'measured GB':>12} {'traced GB':>10} {'ratio':>6} {'analytic GB':>12} {'ratio':>6}")
+    for family in ("gpt3", "llama"):
+        for layout in layouts:
+            spec = spec_for(family, layout)
+            measured = measure(spec)
+            traced = max(trace_stage(spec, s).peak_gb for s in range(spec.parallel.pp))
+            estimate = analytic(spec)
+            name = "-".join(f"{k}{v}" for k, v in layout.items()) or "single"
+            print(f"{family:6} {name:18} {measured:12.5f} {traced:10.5f} {traced / measured:6.3f} {estimate:12.5f} "
+                  f"{estimate / measured:6.3f}", flush=True)
+    trace_175b()
+
+
+if __name__ == "__main__":
+    main()
