@@ -17,7 +17,8 @@ the loss; a middle stage receives hidden states and returns a gradient of its ou
 1F1B's order: ``min(PP - stage, micro-batches)`` forwards in flight, then one backward per forward.
 
 Fidelity on CPU (tests/test_memtrace.py, benchmarks/memory_trace.py): equal to the real run's measured
-peak per rank for one process, DDP and FSDP2 with and without checkpointing; TP reads 20-30% high and PP
+peak per rank for one process, DDP and FSDP2 with and without checkpointing (the real run's foreach AdamW
+peaks below its backward there); TP reads 3-5% high (backward temporaries of the fake DTensor path) and PP
 3-10% low (the real schedule keeps buffers the replay does not) — not yet used for pruning. Stages are
 traced whole; extrapolating deep stages from 1-2 layers is still to come.
 """
@@ -142,6 +143,8 @@ def trace_stage(spec: TrialSpec, stage_index: int = 0) -> StageTrace:
         # built outside fake mode: parameter groups read the (real) mesh; states appear at the first step
         optimizer = optim.build_optimizer(stage, spec.training, device, par.zero_stage, dp_group,
                                           offload=par.offload != "none")
+        for group in optimizer.param_groups:  # REFERENCE §11: fake foreach kernels inflate the step
+            group["foreach"] = False
         with fake:
             return _run_traced(spec, stage, optimizer, stage_index, mesh, tp_mesh)
     finally:
