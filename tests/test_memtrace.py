@@ -2,7 +2,7 @@
 engine's own stage and parallelize code) against the same count measured in a real multi-process run.
 
 Covered within 3%: one process, DDP and FSDP2 with and without checkpointing. Not yet: TP (the trace
-reads 3-5% high) and PP (the real schedule holds buffers the replay does not; 3-10% low), see
+reads 3-7% high) and PP (the real schedule holds buffers the replay does not; 3-10% low), see
 benchmarks/memory_trace.py."""
 
 from __future__ import annotations

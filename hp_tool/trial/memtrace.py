@@ -18,7 +18,7 @@ the loss; a middle stage receives hidden states and returns a gradient of its ou
 
 Fidelity on CPU (tests/test_memtrace.py, benchmarks/memory_trace.py): equal to the real run's measured
 peak per rank for one process, DDP and FSDP2 with and without checkpointing (the real run's foreach AdamW
-peaks below its backward there); TP reads 3-5% high (backward temporaries of the fake DTensor path) and PP
+peaks below its backward there); TP reads 3-7% high (backward temporaries of the fake DTensor path) and PP
 3-10% low (the real schedule keeps buffers the replay does not) — not yet used for pruning. Stages are
 traced whole; extrapolating deep stages from 1-2 layers is still to come.
 """
