@@ -1,9 +1,8 @@
 """Per-rank peak tensor memory: the trace under fake tensors (one process, a fake process group, the
 engine's own stage and parallelize code) against the same count measured in a real multi-process run.
 
-Covered within 3%: one process, DDP and FSDP2 with and without checkpointing. Not yet: TP (the trace
-reads 3-7% high) and PP (the real schedule holds buffers the replay does not; 3-10% low), see
-benchmarks/memory_trace.py."""
+Covered within 3%: one process, DDP, FSDP2 and PP, with and without checkpointing. Not yet: TP (the
+trace reads 3-7% high), see benchmarks/memory_trace.py."""
 
 from __future__ import annotations
 
@@ -38,6 +37,8 @@ def measured_peak(tmp_path, spec) -> float:
     ("gpt3", {"dp": 2, "zero_stage": 3, "act_ckpt": 2}),
     ("llama", {"dp": 2, "zero_stage": 3}),
     ("llama", {"dp": 2, "zero_stage": 0}),  # DDP (replicate): whole states, reduced gradients
+    ("gpt3", {"pp": 2, "act_ckpt": 1}),  # stages traced alone, 1F1B replayed with the schedule's buffers
+    ("llama", {"pp": 2}),
     ("t5", {}),
 ], ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}{x}" for k, x in v.items()) or "single")
 def test_traced_peak_matches_the_real_runs_peak_per_rank(tmp_path, family, layout):

@@ -14,12 +14,15 @@ their grouped temporaries inflate the FSDP2 step).
 
 Pipeline stages are traced as their own modules (the first with the embedding, the last with the head and
 the loss; a middle stage receives hidden states and returns a gradient of its output's size), replaying
-1F1B's order: ``min(PP - stage, micro-batches)`` forwards in flight, then one backward per forward.
+1F1B's order: ``min(PP - stage, micro-batches)`` forwards in flight, then one backward per forward, with
+what torch.distributed.pipelining holds besides: one receive buffer per micro-batch for the whole run
+(activations on all stages but the first, gradients on all but the last) and each stage output until its
+backward.
 
 Fidelity on CPU (tests/test_memtrace.py, benchmarks/memory_trace.py): equal to the real run's measured
 peak per rank for one process, DDP and FSDP2 with and without checkpointing (the real run's foreach AdamW
-peaks below its backward there); TP reads 3-7% high (backward temporaries of the fake DTensor path) and PP
-3-10% low (the real schedule keeps buffers the replay does not) — not yet used for pruning. Stages are
+peaks below its backward there) and PP (within 1%); TP reads 3-7% high (backward temporaries of the fake
+DTensor path) — not yet used for pruning. Stages are
 traced whole; extrapolating deep stages from 1-2 layers is still to come.
 """
 
@@ -168,7 +171,8 @@ def _fake_batch(spec: TrialSpec, stage_index: int):
 def _run_traced(spec: TrialSpec, stage, optimizer, stage_index: int, mesh, tp_mesh) -> StageTrace:
     """Two optimizer steps of this stage as the engine runs them: the 1F1B order of micro-batches (all
     forwards in flight first, then one backward per forward; one at a time without PP), enough of them to
-    accumulate gradients once, then the gradient clipping and the optimizer step."""
+    accumulate gradients once, then the gradient clipping and the optimizer step; with the schedule's
+    receive buffers, one per micro-batch."""
     from hp_tool.trial import optim
     from hp_tool.trial.models import loss_parallel_context, make_loss_fn
 
@@ -182,15 +186,33 @@ def _run_traced(spec: TrialSpec, stage, optimizer, stage_index: int, mesh, tp_me
     tracker = TensorPeak()
     tracker.track(stage, optimizer, *[t for inputs, labels in batches for t in (*inputs, labels)])
 
-    def forward(inputs, labels) -> torch.Tensor:
-        out = stage(*inputs)  # the last stage's loss right away, as the engine and the schedule do
-        return loss_fn(out, labels) / m if last else out
+    def forward(inputs, labels) -> tuple:
+        """(what backward starts from, what stays referenced until then): the last stage's loss right away,
+        as the engine and the schedule do; the schedule also keeps each stage's output until its backward
+        (the engine without PP does not)."""
+        out = stage(*inputs)
+        if not last:
+            return out, None
+        return loss_fn(out, labels) / m, out if par.pp > 1 else None
 
-    def backward(out: torch.Tensor) -> None:
-        out.backward(None if last else torch.ones_like(out))  # a middle stage gets the next one's gradient
+    # torch.distributed.pipelining keeps one receive buffer per micro-batch for the whole run: activations
+    # on every stage but the first, their gradients on every stage but the last
+    recv_grads: list = []
+    recv_inputs = [torch.empty_like(batches[0][0][0]) for _ in range(m - len(batches))] if stage_index else []
 
+    def backward(pending: tuple) -> None:
+        out = pending[0]
+        if last:
+            out.backward()
+            return
+        if not recv_grads:
+            recv_grads.extend(torch.empty_like(out) for _ in range(m))
+        out.backward(recv_grads[0])  # the gradient the next stage sends
+
+    train_peak = step_peak = 0
     with tracker:
         for _ in range(2):
+            tracker.restart_peak()
             with loss_parallel_context(tp_mesh):
                 live = []
                 for inputs, labels in batches:
@@ -199,6 +221,10 @@ def _run_traced(spec: TrialSpec, stage, optimizer, stage_index: int, mesh, tp_me
                     live.append(forward(inputs, labels))
                 while live:
                     backward(live.pop(0))
+            train_peak = max(train_peak, tracker.peak_bytes())
+            tracker.restart_peak()
             optim.clip_grad_norm(stage, spec.training.grad_clip, pp_group, frozenset(), torch.device("cpu"))
             optim.optimizer_step(optimizer)
-    return StageTrace(tracker.peak_bytes(), in_flight)
+            step_peak = max(step_peak, tracker.peak_bytes())
+    del recv_inputs
+    return StageTrace(max(train_peak, step_peak), in_flight)
