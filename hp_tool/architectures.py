@@ -83,9 +83,6 @@ class Shape:
     def gated_mlp(self) -> bool:
         return self.family != "gpt3"
 
-    def stack(self, encoder: bool) -> str:
-        return "encoder" if encoder else "decoder"
-
 
 def pipeline_problem(shape: Shape, pp: int) -> Optional[str]:
     """Why ``pp`` pipeline stages cannot split ``shape``, or None. The one rule for the planner, the base
@@ -304,14 +301,10 @@ def llama_shape(size_b: float, vocab: int, seq: int) -> tuple[Shape, float]:
 T5_LR = 1e-4  # NeMo's T5/mT5 learning rate at every size
 
 
-def t5_table(family: str) -> list:
-    return MT5_SHAPE if family == "mt5" else T5_SHAPE
-
-
 def t5_shape(family: str, size_b: float, vocab: int, seq: int, decoder_seq: int) -> tuple[Shape, float]:
     """T5/mT5 shape for ``size_b`` billion parameters: width, heads, FFN and kv channels from the family's
     table, then the layers per stack whose NeMo parameter count gives the size."""
-    hidden, heads, ffn, kv = lookup(t5_table(family), size_b)
+    hidden, heads, ffn, kv = lookup(MT5_SHAPE if family == "mt5" else T5_SHAPE, size_b)
 
     def parameters(layers: int) -> float:
         return t5_nemo_parameters(layers, hidden, heads, kv, ffn, vocab, seq)

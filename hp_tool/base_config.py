@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hp_tool.architectures import ENCODER_DECODER, Shape, count_parameters, llama_ffn, lr_for, pipeline_problem, shape_for_size
+from hp_tool.architectures import (ENCODER_DECODER, Shape, count_parameters, llama_ffn, lr_for, pipeline_problem,
+                                   shape_for_size)
 from hp_tool.config import SIZING_MFU, AppConfig, TrainSettings
 from hp_tool.errors import ConfigError, require
 from hp_tool.estimate.layout import Hardware
@@ -125,7 +126,10 @@ def _check_shape(shape: Shape) -> None:
 def _gbs_tp_pp(family: str, size_b: float) -> tuple[int, int, int]:
     """(GPT-3: sequences at seq 2048 | T5: sequences at seq 512 | Llama: tokens, per global batch),
     starting TP, starting PP."""
-    table = {"llama": LLAMA_GBS_TP_PP}.get(family, T5_GBS_TP_PP if family in ENCODER_DECODER else GPT3_GBS_TP_PP)
+    if family == "llama":
+        table = LLAMA_GBS_TP_PP
+    else:
+        table = T5_GBS_TP_PP if family in ENCODER_DECODER else GPT3_GBS_TP_PP
     return lookup(table, size_b, inclusive=True)
 
 

@@ -60,10 +60,14 @@ def _members(obj: object, prefix: str, name: str, allowed: tuple) -> None:
     require(not bad, key, values, f"has unknown values {bad}", f"use values from {list(allowed)}")
 
 
+def _length(key: str, value: Optional[int], what: str, example: str) -> None:
+    if value is not None:
+        require(1 <= value <= MAX_SEQ_LENGTH, key, value, f"is not a usable {what}",
+                f"use a length between 1 and {MAX_SEQ_LENGTH} tokens, e.g. {example}")
+
+
 def _seq_and_vocab(prefix: str, seq: Optional[int], vocab: int) -> None:
-    if seq is not None:
-        require(1 <= seq <= MAX_SEQ_LENGTH, f"{prefix}.seq_length", seq, "is not a usable sequence length",
-                f"use a length between 1 and {MAX_SEQ_LENGTH} tokens, e.g. 2048")
+    _length(f"{prefix}.seq_length", seq, "sequence length", "2048")
     require(2 <= vocab <= MAX_VOCAB, f"{prefix}.vocab_size", vocab, "is not a usable vocabulary size",
             f"use a size between 2 and {MAX_VOCAB}, e.g. 51200")
 
@@ -210,10 +214,7 @@ class TrainSettings:
                             "num_tokens_in_b", "global_batch_size", "min_model_parallel_size",
                             "max_model_parallel_size"))
         _seq_and_vocab(p, self.seq_length, self.vocab_size)
-        if self.decoder_seq_length is not None:
-            require(1 <= self.decoder_seq_length <= MAX_SEQ_LENGTH, f"{p}.decoder_seq_length",
-                    self.decoder_seq_length, "is not a usable decoder length",
-                    f"use a length between 1 and {MAX_SEQ_LENGTH} tokens, e.g. 128 (or null for 128)")
+        _length(f"{p}.decoder_seq_length", self.decoder_seq_length, "decoder length", "128 (or null for 128)")
         _positive_list(self, p, ("tensor_parallel_sizes", "pipeline_parallel_sizes", "micro_batch_sizes"))
         _positive_list(self, p, ("act_ckpt_layers",), allow_zero=True)
         require(self.precision in PRECISIONS, f"{p}.precision", self.precision,

@@ -11,13 +11,14 @@ layout with its verdict and fingerprint; a result of another configuration is sh
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from hp_tool.base_config import choose_model, init_std, resolve_cluster
+from hp_tool.base_config import choose_model, model_spec, resolve_cluster
 from hp_tool.config import AppConfig
 from hp_tool.fingerprint import STALE, stale_reason
 from hp_tool.fsutil import atomic_write_text
@@ -27,7 +28,6 @@ from hp_tool.inference.grid import (FP32_BYTES, HALF_BYTES, InferenceCandidate, 
 from hp_tool.launch.executors import resolve_kind
 from hp_tool.launch.job import JobSpec
 from hp_tool.search import INTERRUPTED, launch, preflight
-from hp_tool.trial.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +59,7 @@ def plan_inference(app: AppConfig, results_dir: Path) -> InferencePlan:
     inf, ts = app.search_config.inference_settings, app.search_config.train_settings
     bytes_per_value = FP32_BYTES if ts.precision == "fp32" else HALF_BYTES
     grid = plan_grid(model.shape, model.label, inf, cluster.hw, bytes_per_value)
-    s = model.shape
-    spec = ModelSpec(s.family, s.num_layers, s.hidden_size, s.num_attention_heads, s.num_kv_heads,
-                     s.ffn_hidden_size, inf.vocab_size, s.seq_length,
-                     init_method_std=init_std(s),
-                     num_parameters=model.num_parameters)
+    spec = dataclasses.replace(model_spec(model.shape, model.num_parameters), vocab_size=inf.vocab_size)
     root = Path(results_dir) / "inference"
     configs = {
         c.config_id: InferenceJobConfig(

@@ -28,9 +28,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from hp_tool.architectures import RELATIVE_ATTENTION_BUCKETS, checkpointed_layer_counts, stage_layer_counts
+from hp_tool.trial.models import StageModule
 from hp_tool.trial.spec import ModelSpec
 
 MAX_DISTANCE = 128  # T5's relative_attention_max_distance
+BIAS_PATH = "layer.0.SelfAttention.relative_attention_bias"  # a stack's first block's position table
 
 
 def t5_config(model: ModelSpec):
@@ -74,7 +76,7 @@ def causal_mask(length: int, device: torch.device) -> torch.Tensor:
     return mask[None, None]
 
 
-class EncDecStage(nn.Module):
+class EncDecStage(StageModule):
     """One pipeline stage of T5/mT5. Inputs: encoder and decoder token ids ``[batch, seq]`` on the first
     stage; otherwise what the previous stage sent (see the module docstring). Output: logits
     ``[batch, decoder seq, vocab]`` on the last stage, else the tensors for the next stage."""
@@ -94,23 +96,11 @@ class EncDecStage(nn.Module):
         self.dec_norm = dec_norm
         self.lm_head = lm_head
         self.tied = True
-        # The stacks' first blocks own the relative-position tables; kept as paths, not submodules, so
-        # every parameter keeps one name.
-        self._bias_paths = {index: f"layers.{index}.layer.0.SelfAttention.relative_attention_bias"
-                            for index in (0, self.num_layers) if index in layers}
-
-    @property
-    def is_first(self) -> bool:
-        return self.embed_tokens is not None
-
-    @property
-    def is_last(self) -> bool:
-        return self.lm_head is not None
-
-    def retie(self) -> None:
-        """Share the head's weight with the embedding again (``to_empty`` gives each its own tensor)."""
-        if self.is_first and self.is_last and self.lm_head.weight is not self.embed_tokens.weight:
-            self.lm_head.weight = self.embed_tokens.weight
+        self._encoder_keys = [str(i) for i in layers if i < self.num_layers]
+        self._decoder_keys = [str(i) for i in layers if i >= self.num_layers]
+        # The stacks' first blocks own the relative-position tables; found by index, not registered
+        # again as submodules, so every parameter keeps one name.
+        self._bias_blocks = [index for index in (0, self.num_layers) if index in layers]
 
     def reset_buffers(self, device: torch.device) -> None:
         """No buffers: the position bias is computed from the tables in every forward."""
@@ -118,11 +108,10 @@ class EncDecStage(nn.Module):
     def bias_modules(self) -> list[nn.Module]:
         """The relative-position embeddings this stage holds (FSDP2 shards each as its own unit, as the
         stage calls them outside their block)."""
-        return [self._bias_module(index) for index in self._bias_paths]
+        return [self._bias_module(index) for index in self._bias_blocks]
 
     def _bias_module(self, index: int) -> nn.Module:
-        path = self._bias_paths[index].replace(f"layers.{index}.", "")
-        return _unwrapped(self.layers[str(index)]).get_submodule(path)
+        return _unwrapped(self.layers[str(index)]).get_submodule(BIAS_PATH)
 
     def _table(self, index: int) -> torch.Tensor:
         """The ``[buckets, heads on this TP rank]`` table of the stack whose first block is ``index``."""
@@ -132,9 +121,7 @@ class EncDecStage(nn.Module):
     def checkpoint_keys(self, act_ckpt_layers: int) -> list[str]:
         """Keys of the layers to recompute: the first ones of each stack on this stage."""
         k_enc, k_dec = checkpointed_layer_counts(self.shape, self.pp, self.stage_index, act_ckpt_layers)
-        encoder = [key for key in self.layers if int(key) < self.num_layers]
-        decoder = [key for key in self.layers if int(key) >= self.num_layers]
-        return encoder[:k_enc] + decoder[:k_dec]
+        return self._encoder_keys[:k_enc] + self._decoder_keys[:k_dec]
 
     def forward(self, *args: torch.Tensor):
         table: Optional[torch.Tensor] = None
@@ -144,8 +131,8 @@ class EncDecStage(nn.Module):
         else:
             enc, dec = args[0].view_as(args[0]), args[1].view_as(args[1])  # pass-throughs get their own node
             table = args[2].view_as(args[2]) if len(args) > 2 else None
-        encoder = [layer for key, layer in self.layers.items() if int(key) < self.num_layers]
-        decoder = [layer for key, layer in self.layers.items() if int(key) >= self.num_layers]
+        encoder = [self.layers[key] for key in self._encoder_keys]  # checkpoint wrappers replace blocks
+        decoder = [self.layers[key] for key in self._decoder_keys]
         if encoder:
             table = self._table(0) if table is None else table
             bias = position_bias(table, self.seq_length, self.seq_length, bidirectional=True)

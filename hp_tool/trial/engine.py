@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from hp_tool.trial import optim
 from hp_tool.trial.data import TokenBatches
 from hp_tool.trial.dist import DistEnv, build_mesh
-from hp_tool.trial.models import CausalLMStage, build_stage, loss_parallel_context, make_loss_fn
+from hp_tool.trial.models import StageModule, build_stage, loss_parallel_context, make_loss_fn
 from hp_tool.trial.parallel import (build_schedule, needs_grad_sync_control, parallelize_stage,
                                     set_grad_sync)
 from hp_tool.trial.spec import TrialSpec
@@ -41,7 +41,7 @@ class Engine:
     env: DistEnv
     device: torch.device
     mesh: Optional[DeviceMesh]
-    stage: CausalLMStage
+    stage: StageModule
     optimizer: torch.optim.Optimizer
     batches: TokenBatches
     schedule: object = None  # torch.distributed.pipelining schedule when pp > 1

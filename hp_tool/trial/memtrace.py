@@ -100,10 +100,9 @@ class TensorPeak(MemTracker):
 
 @dataclass(frozen=True)
 class StageTrace:
-    """One traced rank of a stage: its peak tensor bytes, and the micro-batches its schedule keeps."""
+    """One traced rank of a stage: its peak tensor bytes."""
 
     peak_bytes: int
-    in_flight: int  # micro-batches whose activations are live at once (1F1B: min(PP - stage, m))
 
     @property
     def peak_gb(self) -> float:
@@ -227,4 +226,4 @@ def _run_traced(spec: TrialSpec, stage, optimizer, stage_index: int, mesh, tp_me
             optim.optimizer_step(optimizer)
             step_peak = max(step_peak, tracker.peak_bytes())
     del recv_inputs
-    return StageTrace(max(train_peak, step_peak), in_flight)
+    return StageTrace(max(train_peak, step_peak))

@@ -66,26 +66,15 @@ def stage_layers(num_layers: int, pp: int, stage: int) -> range:
     return range(stage * per_stage, (stage + 1) * per_stage)
 
 
-class CausalLMStage(nn.Module):
-    """One pipeline stage of a causal LM: [embeddings] -> layers -> [final norm -> head].
+class StageModule(nn.Module):
+    """What every pipeline stage module shares: it is first when it holds the embedding (``embed_tokens``),
+    last when it holds the head (``lm_head``); a tied head is re-tied after materialisation; by default
+    the first ``act_ckpt_layers`` of ``layers`` are recomputed and no module is called outside its layer."""
 
-    Input: token ids ``[batch, seq]`` on the first stage, hidden states ``[batch, seq, hidden]`` on
-    the others. Output: logits ``[batch, seq, vocab]`` on the last stage, hidden states otherwise.
-    """
-
-    def __init__(self, family: str, config, layers: dict[int, nn.Module],
-                 embed_tokens: Optional[nn.Module], embed_positions: Optional[nn.Module],
-                 norm: Optional[nn.Module], lm_head: Optional[nn.Module]):
-        super().__init__()
-        self.family = family
-        self.config = config
-        self.embed_tokens = embed_tokens
-        self.embed_positions = embed_positions
-        self.layers = nn.ModuleDict({str(i): layer for i, layer in layers.items()})
-        self.norm = norm
-        self.lm_head = lm_head
-        self.rotary_emb: Optional[nn.Module] = None
-        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+    embed_tokens: Optional[nn.Module]
+    lm_head: Optional[nn.Module]
+    layers: nn.ModuleDict
+    tied: bool
 
     @property
     def is_first(self) -> bool:
@@ -107,6 +96,28 @@ class CausalLMStage(nn.Module):
     def bias_modules(self) -> list[nn.Module]:
         """Modules called outside their layer's forward (none here; see EncDecStage)."""
         return []
+
+
+class CausalLMStage(StageModule):
+    """One pipeline stage of a causal LM: [embeddings] -> layers -> [final norm -> head].
+
+    Input: token ids ``[batch, seq]`` on the first stage, hidden states ``[batch, seq, hidden]`` on
+    the others. Output: logits ``[batch, seq, vocab]`` on the last stage, hidden states otherwise.
+    """
+
+    def __init__(self, family: str, config, layers: dict[int, nn.Module],
+                 embed_tokens: Optional[nn.Module], embed_positions: Optional[nn.Module],
+                 norm: Optional[nn.Module], lm_head: Optional[nn.Module]):
+        super().__init__()
+        self.family = family
+        self.config = config
+        self.embed_tokens = embed_tokens
+        self.embed_positions = embed_positions
+        self.layers = nn.ModuleDict({str(i): layer for i, layer in layers.items()})
+        self.norm = norm
+        self.lm_head = lm_head
+        self.rotary_emb: Optional[nn.Module] = None
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
 
     def reset_buffers(self, device: torch.device) -> None:
         """Rebuild non-parameter buffers (RoPE frequencies) on ``device`` after materialisation."""
@@ -149,7 +160,7 @@ def build_full_model_on_meta(model: ModelSpec) -> nn.Module:
         return LlamaForCausalLM(config)
 
 
-def build_stage(model: ModelSpec, pp: int, stage: int):
+def build_stage(model: ModelSpec, pp: int, stage: int) -> StageModule:
     """Pipeline stage ``stage`` of ``pp`` on the meta device; the other stages' modules are dropped.
     A CausalLMStage, or for T5/mT5 an :class:`hp_tool.trial.encdec.EncDecStage`."""
     if model.family in ENCODER_DECODER:

@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hp_tool.architectures import ENCODER_DECODER
 from hp_tool.errors import require
-from hp_tool.trial.models import CausalLMStage, loss_fn
+from hp_tool.trial.models import StageModule, loss_fn
 from hp_tool.trial.spec import ParallelSpec
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,6 @@ TP_PLANS = {
     "t5_decoder": tuple(tuple(f"layer.{i}.{name}" for i, part in enumerate((_T5_ATTENTION, _T5_CROSS, _T5_FFN))
                               for name in part[side]) for side in (0, 1)),
 }
-T5_BIAS = "layer.0.SelfAttention.relative_attention_bias"
 
 
 def layer_tp_plan(stage, layer: nn.Module) -> dict:
@@ -61,7 +60,9 @@ def layer_tp_plan(stage, layer: nn.Module) -> dict:
     plan = {name: ColwiseParallel() for name in colwise}
     plan.update({name: RowwiseParallel() for name in rowwise})
     if key.startswith("t5") and layer.layer[0].SelfAttention.has_relative_attention_bias:
-        plan[T5_BIAS] = ColwiseParallel()  # Shard(1) of [buckets, heads]: this rank's heads, as q's
+        from hp_tool.trial.encdec import BIAS_PATH
+
+        plan[BIAS_PATH] = ColwiseParallel()  # Shard(1) of [buckets, heads]: this rank's heads, as q's
     return plan
 
 
@@ -76,7 +77,7 @@ def _shard_head_counts(layer: nn.Module, tp: int) -> None:
             module.inner_dim //= tp
 
 
-def apply_tensor_parallel(stage, tp_mesh: DeviceMesh, vocab_parallel: bool = True) -> None:
+def apply_tensor_parallel(stage: StageModule, tp_mesh: DeviceMesh, vocab_parallel: bool = True) -> None:
     """Shard each layer's projections over ``tp_mesh`` with ``parallelize_module``; with
     ``vocab_parallel``, also the input embedding and the output head along the vocabulary.
 
@@ -105,7 +106,7 @@ def apply_tensor_parallel(stage, tp_mesh: DeviceMesh, vocab_parallel: bool = Tru
         stage.retie()  # both are Shard(0) of the same [vocab, hidden] matrix, so one tensor serves both
 
 
-def apply_activation_checkpointing(stage: CausalLMStage, num_layers: int) -> None:
+def apply_activation_checkpointing(stage: StageModule, num_layers: int) -> None:
     """Recompute the activations of the first ``num_layers`` layers of this stage in backward."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         CheckpointImpl, checkpoint_wrapper)
@@ -115,7 +116,7 @@ def apply_activation_checkpointing(stage: CausalLMStage, num_layers: int) -> Non
                                                checkpoint_impl=CheckpointImpl.NO_REENTRANT)
 
 
-def apply_data_parallel(stage: CausalLMStage, dp_mesh: DeviceMesh, zero_stage: int, offload: str,
+def apply_data_parallel(stage: StageModule, dp_mesh: DeviceMesh, zero_stage: int, offload: str,
                         param_dtype: Optional[torch.dtype], device: torch.device) -> None:
     """Data parallelism over ``dp_mesh`` for a ZeRO stage: 0 and 1 replicate the stage (DDP; stage 1
     shards the optimizer, optim.ShardedAdamW), 2 = FSDP2 without resharding after forward, 3 = FSDP2
@@ -147,7 +148,7 @@ def apply_data_parallel(stage: CausalLMStage, dp_mesh: DeviceMesh, zero_stage: i
     fully_shard(stage, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp, **extra)
 
 
-def parallelize_stage(stage: CausalLMStage, par: ParallelSpec, mesh: Optional[DeviceMesh],
+def parallelize_stage(stage: StageModule, par: ParallelSpec, mesh: Optional[DeviceMesh],
                       param_dtype: Optional[torch.dtype], device: torch.device) -> None:
     """Apply TP, activation checkpointing and DP to ``stage`` in place (still on meta)."""
     if par.tp > 1:
@@ -162,7 +163,7 @@ def parallelize_stage(stage: CausalLMStage, par: ParallelSpec, mesh: Optional[De
         apply_data_parallel(stage, mesh["dp"], par.zero_stage, par.offload, param_dtype, device)
 
 
-def build_schedule(stage: CausalLMStage, par: ParallelSpec, mesh: DeviceMesh, stage_index: int,
+def build_schedule(stage: StageModule, par: ParallelSpec, mesh: DeviceMesh, stage_index: int,
                    n_microbatches: int, device: torch.device, loss_fn=loss_fn):
     """The pipeline schedule (1F1B, or GPipe) driving this rank's stage over the ``pp`` mesh."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
