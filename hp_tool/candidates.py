@@ -56,6 +56,8 @@ class Candidate:
     memory_gb: Optional[float] = None  # predicted peak per GPU in the trial
     full_memory_gb: Optional[float] = None  # predicted peak per GPU in the full run
     host_memory_gb: Optional[float] = None  # predicted host RAM of the busiest node (trial or full run)
+    traced_memory_gb: Optional[float] = None  # traced peak per GPU in the trial (tensors + overhead)
+    memory_check: str = "analytic"  # what the fit was judged on: traced, or analytic (and why not traced)
     step_time_s: Optional[float] = None  # predicted optimizer step of the full run
     tokens_per_s_per_gpu: Optional[float] = None
     model_tflops_per_gpu: Optional[float] = None
@@ -272,11 +274,12 @@ def plan_candidates(shape: Shape, size_b: float, ts: TrainSettings, cluster: Clu
     for engine, tp, pp, mbs in itertools.product(grid.engines, grid.tp, grid.pp, grid.mbs):
         for ac in act_ckpt_values(grid, shape, pp):
             out += _layout_candidates(shape, grid, ts, cluster, gbs, engine, tp, pp, mbs, ac)
-    _rank(out, ts.limit_search_runs)
+    rank_candidates(out, ts.limit_search_runs)
     return out
 
 
-def _rank(cands: list[Candidate], limit: int) -> None:
+def rank_candidates(cands: list[Candidate], limit: int) -> None:
+    """Rank the selected candidates, predicted fastest first; those beyond ``limit`` become over_limit."""
     fitting = [c for c in cands if c.status == SELECTED]
     fitting.sort(key=lambda c: (c.step_time_s, c.memory_gb, c.tp, c.pp, c.mbs, c.act_ckpt_layers, c.engine,
                                 c.zero_stage, c.offload))

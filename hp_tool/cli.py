@@ -56,6 +56,18 @@ def _log_to_file(out: Path) -> logging.Handler:
     return handler
 
 
+def _tracer(app: AppConfig, out: Path):
+    """The memory tracer of memory_check=traced (with the traces an earlier run of this search kept), else
+    None: the analytic check, and no torch import."""
+    from hp_tool.config import memory_check_mode
+
+    if memory_check_mode(app) != "traced":
+        return None
+    from hp_tool.memory_check import Tracer, trace_device
+
+    return Tracer.load(trace_device(app.gpu.name), out / "candidate_configs")
+
+
 def run(app: AppConfig, search_name: str, out: Optional[Path] = None, plans: Optional[list] = None) -> int:
     """Plan (and unless dry_run, search) into ``out`` (default: results_dir). Returns the exit code;
     the plan is appended to ``plans`` when given. Bad input raises ConfigError before anything is written;
@@ -65,7 +77,7 @@ def run(app: AppConfig, search_name: str, out: Optional[Path] = None, plans: Opt
 
     out = out or results_dir(app, search_name)
     check_key_file(app.wandb)
-    plan = make_plan(app, search_name, out)
+    plan = make_plan(app, search_name, out, _tracer(app, out))
     if plans is not None:
         plans.append(plan)
     kind = None

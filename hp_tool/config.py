@@ -288,12 +288,19 @@ class AppConfig:
     run_training_hp_search: bool = True
     run_inference_hp_search: bool = False
     dry_run: bool = False  # plan only: print the candidate table and stop
+    memory_check: Optional[str] = None  # traced | analytic; null: traced when trials launch, analytic for dry runs
     detach: bool = False  # submit the trials and exit; re-run the same command to collect
     cancel: bool = False  # cancel this search's jobs that have no result yet, then exit
     wait_for_lock: bool = False  # another orchestrator holds the results folder: wait instead of exit 2
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def __post_init__(self) -> None:
+        from hp_tool.memory_check import MEMORY_CHECKS
+
+        require(self.memory_check is None or self.memory_check in MEMORY_CHECKS, "memory_check",
+                self.memory_check, "is not a memory check",
+                f"use one of {list(MEMORY_CHECKS)} (traced: the engine's model under fake tensors; analytic: "
+                "the formula), or null for traced when trials launch and analytic for dry runs")
         family = self.search_config.model_family
         require(not (self.run_inference_hp_search and family in ENCODER_DECODER), "run_inference_hp_search",
                 self.run_inference_hp_search, f"the inference search covers decoder-only families; "
@@ -304,6 +311,14 @@ class AppConfig:
         require(not asked or self.gpu.host_ram_gb is not None, "gpu.host_ram_gb", self.gpu.host_ram_gb,
                 f"offload {asked} needs the host RAM per node to plan, and the gpu preset gives none",
                 "set gpu.host_ram_gb=<GB per node>, or search offload=[none]")
+
+
+def memory_check_mode(app: AppConfig) -> str:
+    """The memory check this command runs: the key's value, else traced when training trials launch and
+    analytic for a dry run (which then never imports torch)."""
+    if app.memory_check is not None:
+        return app.memory_check
+    return "traced" if app.run_training_hp_search and not app.dry_run else "analytic"
 
 
 def register() -> None:

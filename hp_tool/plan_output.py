@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 PLAN_COLUMNS = (
     "trial_id", "model_family", "model_size_b", "tp", "pp", "dp", "mbs", "act_ckpt_layers",
     "engine", "zero_stage", "offload", "global_batch_size", "num_nodes", "trial_num_nodes", "trial_dp", "trial_global_batch_size",
-    "fingerprint", "predicted_memory_gb",
+    "fingerprint", "predicted_memory_gb", "traced_memory_gb", "memory_check",
     "predicted_full_memory_gb", "predicted_host_memory_gb", "predicted_step_time_s", "predicted_tokens_per_s_per_gpu",
     "predicted_model_tflops_per_gpu", "predicted_days_to_train", "predicted_full_run_cost_usd",
     "predicted_cost_usd_per_million_tokens", "predicted_rank", "plan_status", "reason",
@@ -54,6 +54,7 @@ def plan_rows(plan: Plan) -> Iterable[dict[str, Any]]:
             "trial_global_batch_size": spec.training.global_batch_size if spec else None,
             "fingerprint": spec.fingerprint() if spec else None,
             "predicted_memory_gb": _round(c.memory_gb, 3),
+            "traced_memory_gb": _round(c.traced_memory_gb, 3), "memory_check": c.memory_check,
             "predicted_full_memory_gb": _round(c.full_memory_gb, 3),
             "predicted_host_memory_gb": _round(c.host_memory_gb, 2),
             "predicted_step_time_s": _round(c.step_time_s, 6),
@@ -83,6 +84,10 @@ def write_plan(plan: Plan) -> Path:
     cand_dir = out / "candidate_configs"
     for spec in plan.specs:
         dump_spec(spec, cand_dir / f"{spec.trial_id}.yaml")
+    if plan.tracer is not None:
+        from hp_tool.memory_check import CACHE_FILE
+
+        atomic_write_text(cand_dir / CACHE_FILE, plan.tracer.text())
     atomic_write_text(cand_dir / "plan.csv", plan_csv_text(plan))
     log.info("Wrote the plan to %s (%d trial configs)", cand_dir, len(plan.specs))
     return cand_dir
@@ -95,6 +100,23 @@ def _counts(cands: list[Candidate]) -> str:
     return ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
 
 
+def _memory_line(plan: Plan) -> str:
+    """How the candidates' memory was checked: the analytic formula, or traced (how many, how long)."""
+    if plan.tracer is None:
+        return ("Memory: analytic estimate (GPU GB); memory_check=traced traces the engine's model per rank "
+                "before launch.")
+    traced = [c for c in plan.candidates if c.memory_check == "traced"]
+    pruned = sum(c.status != SELECTED and c.memory_check == "traced" and c.reason.startswith("traced")
+                 for c in plan.candidates)
+    untraced = sum(c.memory_check.startswith("analytic:") for c in plan.candidates)
+    seconds = plan.tracer.seconds
+    timing = (f"; {len(seconds)} traced now, at most {max(seconds):.1f} s each on one core" if seconds
+              else "; all from the cache")
+    return (f"Memory: traced per rank under fake tensors for {len(traced)} candidates (traced GB includes the "
+            f"{plan.cluster.hw.memory_overhead_gb:g} GB overhead){timing}; {pruned} pruned by the trace"
+            + (f", {untraced} kept the analytic figure (see memory_check in plan.csv)" if untraced else "") + ".")
+
+
 def render_plan(plan: Plan, max_rows: int = 25) -> str:
     """The plan as text: the sentence, then the selected candidates, predicted fastest first."""
     from rich.console import Console
@@ -102,17 +124,19 @@ def render_plan(plan: Plan, max_rows: int = 25) -> str:
 
     table = Table(title=f"Training candidates for {plan.search_name} ({_counts(plan.candidates)})")
     for col in ("rank", "trial_id", "TP", "PP", "DP", "MBS", "ckpt", "engine", "ZeRO", "offload", "GPU GB",
-                "host GB", "step s", "tok/s/GPU"):
+                "traced GB", "host GB", "step s", "tok/s/GPU"):
         table.add_column(col, justify="left" if col in ("trial_id", "engine", "offload") else "right")
     for c, spec in zip(sorted((c for c in plan.candidates if c.status == SELECTED), key=lambda c: c.rank),
                        plan.specs[:max_rows]):
         table.add_row(str(c.rank), spec.trial_id, str(c.tp), str(c.pp), str(c.dp), str(c.mbs),
                       str(c.act_ckpt_layers), c.engine, str(c.zero_stage), c.offload,
-                      f"{max(c.memory_gb, c.full_memory_gb):.2f}", f"{c.host_memory_gb:.1f}",
+                      f"{max(c.memory_gb, c.full_memory_gb):.2f}",
+                      "-" if c.traced_memory_gb is None else f"{c.traced_memory_gb:.2f}", f"{c.host_memory_gb:.1f}",
                       f"{c.step_time_s:.4g}", f"{c.tokens_per_s_per_gpu:,.0f}")
     console = Console(file=io.StringIO(), width=190, force_terminal=False)
     console.print(plan.sentence, soft_wrap=True)
     console.print(table)
+    console.print(_memory_line(plan), soft_wrap=True)
     hidden = len(plan.specs) - max_rows
     if hidden > 0:
         console.print(f"... {hidden} more selected; all candidates with reasons in "

@@ -1,4 +1,6 @@
-"""The whole training plan: model size -> base config -> candidates -> trial specs. Pure, no I/O."""
+"""The whole training plan: model size -> base config -> candidates -> [traced memory] -> trial specs.
+
+Pure, no I/O: the memory trace (hp_tool/memory_check.py) comes in as a callable."""
 
 from __future__ import annotations
 
@@ -6,9 +8,10 @@ import dataclasses
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Optional
 
 from hp_tool.base_config import Cluster, ModelChoice, base_spec, choose_model, days_for, resolve_cluster
-from hp_tool.candidates import INVALID, SELECTED, Candidate, plan_candidates
+from hp_tool.candidates import INVALID, OVER_LIMIT, PRUNED, SELECTED, Candidate, plan_candidates, rank_candidates
 from hp_tool.config import AppConfig
 from hp_tool.errors import ConfigError
 from hp_tool.trial.spec import EstimatesSpec, FullRunSpec, ParallelSpec, RunSpec, TrialSpec, make_trial_id
@@ -37,10 +40,12 @@ class Plan:
     base: TrialSpec
     candidates: list[Candidate]
     specs: list[TrialSpec]  # selected candidates, predicted fastest first
+    tracer: Optional[Callable] = None  # the memory_check.Tracer that checked the candidates (traced mode)
 
 
-def make_plan(app: AppConfig, search_name: str, results_dir: Path) -> Plan:
-    """Plan the training search; raises ConfigError (before anything is written) when nothing can run."""
+def make_plan(app: AppConfig, search_name: str, results_dir: Path, tracer: Optional[Callable] = None) -> Plan:
+    """Plan the training search; raises ConfigError (before anything is written) when nothing can run.
+    ``tracer`` (memory_check=traced): list of TrialSpecs -> list of memory_check.TraceOutcome."""
     ts = app.search_config.train_settings
     cluster = resolve_cluster(app)
     model = choose_model(app, cluster)
@@ -48,11 +53,48 @@ def make_plan(app: AppConfig, search_name: str, results_dir: Path) -> Plan:
     base = base_spec(app, model, cluster)
     gbs = base.training.global_batch_size
     candidates = plan_candidates(model.shape, model.size_b, ts, cluster, gbs)
+    if tracer is not None:
+        check_traced_memory(candidates, lambda c: candidate_spec(base, c, model, app, results_dir), tracer,
+                            ts, cluster)
     _require_selection(candidates, ts, cluster)
     selected = sorted((c for c in candidates if c.status == SELECTED), key=lambda c: c.rank)
     specs = [candidate_spec(base, c, model, app, results_dir) for c in selected]
     return Plan(search_name, results_dir, model, cluster, days, model.sentence(days, cluster, ts), base,
-                candidates, specs)
+                candidates, specs, tracer)
+
+
+def check_traced_memory(candidates: list[Candidate], spec_of: Callable[[Candidate], TrialSpec],
+                        tracer: Callable, ts, cluster: Cluster) -> None:
+    """Trace the fitting candidates, predicted fastest first, until ``limit_search_runs`` of them fit by
+    the trace (a batch of the missing number at a time, traced in parallel); prune those whose traced peak
+    plus the overhead exceeds the usable memory, then rank again. A candidate the trace cannot run keeps
+    its analytic verdict, with the reason in ``memory_check``. Candidates beyond the limit are not traced."""
+    hw, limit = cluster.hw, ts.limit_search_runs
+    usable = hw.gpu_memory_gb * (1 - ts.memory_margin)
+    order = sorted((c for c in candidates if c.status in (SELECTED, OVER_LIMIT)), key=lambda c: c.rank)
+    kept = done = 0
+    while kept < limit and done < len(order):
+        batch = order[done:done + limit - kept]
+        done += len(batch)
+        for c, outcome in zip(batch, tracer([spec_of(c) for c in batch]), strict=True):
+            if outcome.tensor_gb is None:
+                c.memory_check = f"analytic: {outcome.reason}"
+                kept += 1
+                continue
+            c.memory_check = "traced"
+            c.traced_memory_gb = outcome.tensor_gb + hw.memory_overhead_gb
+            if c.traced_memory_gb <= usable:
+                kept += 1
+                continue
+            c.reject(PRUNED, "gpu.memory_gb",
+                     f"traced {c.traced_memory_gb:.4g} GB per GPU ({outcome.tensor_gb:.4g} GB of tensors + "
+                     f"{hw.memory_overhead_gb:g} GB overhead) > {usable:.4g} GB usable ({hw.gpu_memory_gb:g} GB - "
+                     f"{ts.memory_margin:.0%} margin); the analytic estimate was {c.memory_gb:.4g} GB")
+            c.rank = None
+    for c in order:
+        if c.status == OVER_LIMIT:
+            c.status, c.reason, c.reason_key = SELECTED, "", ""
+    rank_candidates(candidates, limit)
 
 
 def _require_selection(candidates: list[Candidate], ts, cluster: Cluster) -> None:
@@ -68,7 +110,7 @@ def _require_selection(candidates: list[Candidate], ts, cluster: Cluster) -> Non
                           f"no candidate layout is valid for this model and cluster: {summary}",
                           FIXES.get(name, "change the search settings"))
     measured = [c for c in valid if c.memory_gb is not None]
-    best = min(measured, key=lambda c: max(c.memory_gb, c.full_memory_gb))
+    best = min(measured, key=lambda c: c.traced_memory_gb or max(c.memory_gb, c.full_memory_gb))
     host = best.reason_key == "gpu.host_ram_gb"
     raise ConfigError(best.reason_key, cluster.hw.host_ram_gb if host else cluster.hw.gpu_memory_gb,
                       f"no valid layout fits in {'host RAM' if host else 'memory'}; the smallest is "
@@ -102,5 +144,6 @@ def candidate_spec(base: TrialSpec, c: Candidate, model: ModelChoice, app: AppCo
                     output_dir=str((results_dir / "training_logs" / trial_id).resolve())),
         full_run=FullRunSpec(base.full_run.num_nodes, c.dp, gbs, ts.num_tokens_in_b, base.full_run.max_steps),
         estimates=EstimatesSpec(round(c.memory_gb, 4), round(c.step_time_s, 6),
-                                round(c.tokens_per_s_per_gpu, 3), round(c.model_tflops_per_gpu, 4)),
+                                round(c.tokens_per_s_per_gpu, 3), round(c.model_tflops_per_gpu, 4),
+                                None if c.traced_memory_gb is None else round(c.traced_memory_gb, 4)),
     )

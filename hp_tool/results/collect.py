@@ -42,7 +42,7 @@ STATUS_ORDER = ("ok", "timeout", "oom", "failed", "cancelled", "unschedulable", 
                 "pruned", "invalid")
 PLAN_INTS = ("tp", "pp", "dp", "mbs", "act_ckpt_layers", "zero_stage", "global_batch_size", "num_nodes",
              "trial_num_nodes", "trial_dp", "trial_global_batch_size", "predicted_rank")
-PLAN_TEXT = ("trial_id", "model_family", "engine", "offload", "plan_status", "reason", "fingerprint")
+PLAN_TEXT = ("trial_id", "model_family", "engine", "offload", "plan_status", "reason", "fingerprint", "memory_check")
 
 # Every column of the table, in the order the CSVs use; units in the names.
 TABLE_COLUMNS = (
@@ -53,8 +53,8 @@ TABLE_COLUMNS = (
     "measured_step_time_mean_s", "measured_step_time_std_s", "steps_run", "steps_measured",
     "full_run_tokens_per_s", "full_run_tokens_per_s_per_gpu", "tokens_per_s_per_gpu",
     "predicted_tokens_per_s_per_gpu", "model_tflops_per_gpu", "mfu",
-    "peak_memory_gb", "predicted_memory_gb", "memory_error_pct", "predicted_full_memory_gb",
-    "predicted_host_memory_gb",
+    "peak_memory_gb", "predicted_memory_gb", "memory_error_pct", "traced_memory_gb", "traced_memory_error_pct",
+    "memory_check", "peak_tensor_memory_gb", "predicted_full_memory_gb", "predicted_host_memory_gb",
     "gpu_memory_gb", "peak_memory_pct_of_gpu",
     "days_to_train", "predicted_days_to_train", "full_run_cost_usd", "cost_usd_per_million_tokens",
     "gpu_hour_price_usd", "predicted_rank", "stop_reason", "final_loss", "device", "start_time", "end_time",
@@ -64,7 +64,7 @@ INT_COLUMNS = ("rank", "tp", "pp", "dp", "mbs", "act_ckpt_layers", "zero_stage",
                "num_gpus", "trial_num_nodes", "trial_dp", "trial_global_batch_size", "trial_world_size", "steps_run",
                "steps_measured", "predicted_rank")
 TEXT_COLUMNS = ("trial_id", "status", "reason", "plan_status", "model_family", "engine", "offload",
-                "stop_reason", "device",
+                "memory_check", "stop_reason", "device",
                 "start_time", "end_time", "fingerprint")
 FLOAT_COLUMNS = tuple(c for c in TABLE_COLUMNS if c not in INT_COLUMNS + TEXT_COLUMNS)
 
@@ -162,6 +162,7 @@ def _measured(result: dict) -> dict:
         "tokens_per_s_per_gpu": number(result.get("tokens_per_s_per_gpu")),
         "model_tflops_per_gpu": number(result.get("model_tflops_per_gpu")),
         "mfu": number(result.get("mfu")), "peak_memory_gb": number(result.get("peak_memory_gb")),
+        "peak_tensor_memory_gb": number(result.get("peak_tensor_memory_gb")),
         "trial_world_size": number(result.get("world_size")), "stop_reason": result.get("stop_reason"),
         "final_loss": number(result.get("final_loss")), "device": result.get("device"),
         "start_time": result.get("start_time"), "end_time": result.get("end_time"),
@@ -218,8 +219,9 @@ def to_frame(rows: list[dict]) -> pd.DataFrame:
         df[name] = pd.to_numeric(df[name], errors="coerce").astype("float64")
     for name in TEXT_COLUMNS:
         df[name] = df[name].astype("object").where(df[name].notna(), None)
-    measured, predicted = df["peak_memory_gb"], df["predicted_memory_gb"]
-    df["memory_error_pct"] = 100 * (measured - predicted) / predicted
+    measured = df["peak_memory_gb"]
+    df["memory_error_pct"] = 100 * (measured - df["predicted_memory_gb"]) / df["predicted_memory_gb"]
+    df["traced_memory_error_pct"] = 100 * (measured - df["traced_memory_gb"]) / df["traced_memory_gb"]
     return df
 
 

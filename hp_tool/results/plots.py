@@ -52,18 +52,28 @@ def plot_throughput(df: pd.DataFrame, path: Path) -> Path:
     return _save(fig, path)
 
 
-def _scatter(ax, df: pd.DataFrame, predicted: str, measured: str, label: str, log: bool) -> None:
-    points = df[df[predicted].notna() & df[measured].notna()]
-    for status, group in points.groupby("status", sort=True):
-        ax.scatter(group[predicted], group[measured], s=22, label=status,
-                   color=STATUS_COLORS.get(status, OTHER_COLOR))
+def _scatter(ax, df: pd.DataFrame, predicted: str | list[tuple[str, str]], measured: str, label: str,
+             log: bool) -> None:
+    """Measured against each predicted column: one column coloured by status, or (column, name) pairs
+    each in its own marker (every status alike)."""
+    series = [(predicted, "")] if isinstance(predicted, str) else predicted
+    points = [df[df[column].notna() & df[measured].notna()] for column, _ in series]
+    for (column, name), marker, pts in zip(series, ("o", "x", "^"), points):
+        if name:
+            ax.scatter(pts[column], pts[measured], s=26, marker=marker, label=name)
+            continue
+        for status, group in pts.groupby("status", sort=True):
+            ax.scatter(group[column], group[measured], s=22, label=status,
+                       color=STATUS_COLORS.get(status, OTHER_COLOR))
     ax.set_xlabel(f"predicted {label}")
     ax.set_ylabel(f"measured {label}")
-    if points.empty:
+    if all(p.empty for p in points):
         ax.text(0.5, 0.5, "no measurement", ha="center", va="center", transform=ax.transAxes)
         return
-    low = min(points[predicted].min(), points[measured].min())
-    high = max(points[predicted].max(), points[measured].max())
+    values = [v for (column, _), p in zip(series, points) for v in (p[column].min(), p[column].max(),
+                                                                     p[measured].min(), p[measured].max())
+              if not p.empty]
+    low, high = min(values), max(values)
     use_log = log and low > 0 and high / low > 10
     if use_log:
         ax.set_xscale("log")
@@ -75,11 +85,13 @@ def _scatter(ax, df: pd.DataFrame, predicted: str, measured: str, label: str, lo
 
 
 def plot_predicted_vs_measured(df: pd.DataFrame, path: Path) -> Path:
-    """Two panels: peak memory per GPU in the trial (GB) and full-run step time (s), measured against
-    the planner's prediction; points on the dashed line were predicted exactly."""
+    """Two panels: peak memory per GPU in the trial (GB), measured against the analytic estimate and the
+    trace (both with the overhead constant), and full-run step time (s) against the planner's prediction;
+    points on the dashed line were predicted exactly."""
     fig = Figure(figsize=(11, 4.8), layout="constrained")
     mem_ax, time_ax = fig.subplots(1, 2)
-    _scatter(mem_ax, df, "predicted_memory_gb", "peak_memory_gb", "peak memory per GPU (GB)", log=False)
+    _scatter(mem_ax, df, [("predicted_memory_gb", "analytic"), ("traced_memory_gb", "traced")], "peak_memory_gb",
+             "peak memory per GPU (GB)", log=False)
     _scatter(time_ax, df, "predicted_step_time_s", "full_run_step_time_s", "full-run step time (s)",
              log=True)
     mem_ax.set_title("Memory")

@@ -28,7 +28,9 @@ traced whole; extrapolating deep stages from 1-2 layers is still to come.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import nn
@@ -37,6 +39,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from hp_tool.trial.spec import TrialSpec
 
 GB = 1e9
+WHOLE_UNITS = 4  # a stage of this many units (see stage_units) or fewer is traced whole, not extrapolated
 
 
 class TensorPeak(MemTracker):
@@ -100,13 +103,29 @@ class TensorPeak(MemTracker):
 
 @dataclass(frozen=True)
 class StageTrace:
-    """One traced rank of a stage: its peak tensor bytes."""
+    """One traced rank of a stage, phase by phase: the peak of the micro-batches' forwards and backwards
+    (``train_bytes``), the peak of the first optimizer step (which creates the optimizer states), and of a
+    later step: the bytes live when it starts (parameters, gradients, optimizer states) and the peak
+    above them (the largest parameter's temporaries, the same for any depth)."""
 
-    peak_bytes: int
+    train_bytes: float
+    first_step_bytes: float
+    state_bytes: float
+    step_transient_bytes: float
+
+    @property
+    def peak_bytes(self) -> float:
+        return max(self.train_bytes, self.first_step_bytes, self.state_bytes + self.step_transient_bytes)
 
     @property
     def peak_gb(self) -> float:
         return self.peak_bytes / GB
+
+
+def combine(terms: list[tuple[StageTrace, float]]) -> StageTrace:
+    """Phase by phase, the sum of ``weight * trace``; the step's temporaries, the most of any."""
+    return StageTrace(sum(w * t.train_bytes for t, w in terms), sum(w * t.first_step_bytes for t, w in terms),
+                      sum(w * t.state_bytes for t, w in terms), max(t.step_transient_bytes for t, _ in terms))
 
 
 def _fake_group(world: int):
@@ -118,24 +137,32 @@ def _fake_group(world: int):
     dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
 
 
-def trace_stage(spec: TrialSpec, stage_index: int = 0) -> StageTrace:
-    """Trace one rank of pipeline stage ``stage_index`` of ``spec`` as it is (every layer of the stage)."""
+def trace_dtype(spec: TrialSpec, device_type: str) -> Optional[torch.dtype]:
+    """The compute dtype the trial runs with on ``device_type`` (the engine's rule, engine.compute_dtype)."""
+    from hp_tool.trial.engine import compute_dtype
+
+    return compute_dtype(spec, torch.device(device_type))
+
+
+def trace_stage(spec: TrialSpec, stage_index: int = 0, device_type: str = "cpu") -> StageTrace:
+    """Trace one rank of pipeline stage ``stage_index`` of ``spec`` as it is (every layer of the stage), as
+    the trial runs it on ``device_type`` ("cuda": the precision's autocast and FSDP2 parameter dtype)."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from hp_tool.trial import optim
     from hp_tool.trial.dist import DistEnv, build_mesh
-    from hp_tool.trial.engine import compute_dtype
     from hp_tool.trial.models import build_stage
     from hp_tool.trial.parallel import parallelize_stage
 
     par, device = spec.parallel, torch.device("cpu")
+    dtype = trace_dtype(spec, device_type)
     world = par.tp * par.pp * par.dp
     _fake_group(world)
     try:
         mesh = build_mesh(par, DistEnv(stage_index * par.dp * par.tp, world, 0), device) if world > 1 else None
         stage = build_stage(spec.model, par.pp, stage_index)
-        parallelize_stage(stage, par, mesh, compute_dtype(spec, device), device)
+        parallelize_stage(stage, par, mesh, dtype, device)
         tp_mesh = mesh["tp"] if mesh is not None and par.tp > 1 else None
         dp_group = mesh["dp"].get_group() if mesh is not None and par.dp > 1 else None
         with FakeTensorMode(allow_non_fake_inputs=True) as fake:
@@ -148,30 +175,46 @@ def trace_stage(spec: TrialSpec, stage_index: int = 0) -> StageTrace:
         for group in optimizer.param_groups:  # REFERENCE §11: fake foreach kernels inflate the step
             group["foreach"] = False
         with fake:
-            return _run_traced(spec, stage, optimizer, stage_index, mesh, tp_mesh)
+            return _run_traced(spec, stage, optimizer, stage_index, mesh, tp_mesh, dtype)
     finally:
         dist.destroy_process_group()
 
 
-def _fake_batch(spec: TrialSpec, stage_index: int):
-    """One micro-batch of this stage's inputs: token ids on the first stage, else what it receives."""
-    m, mbs = spec.model, spec.parallel.mbs
+def _fake_batch(spec: TrialSpec, stage_index: int, dtype: Optional[torch.dtype]):
+    """One micro-batch of this stage's inputs: token ids on the first stage, else what the previous stage
+    sends (hidden states; for T5/mT5 the encoder's and the decoder's, and the stack's position table
+    unless the previous stage ended the encoder, see encdec.EncDecStage.forward)."""
+    m, par = spec.model, spec.parallel
+    mbs = par.mbs
     target = m.decoder_seq_length or m.seq_length
     labels = torch.randint(0, m.vocab_size, (mbs, target))
     if stage_index == 0:
         enc = torch.randint(0, m.vocab_size, (mbs, m.seq_length))
         return ((enc, labels) if m.decoder_seq_length else (enc,)), labels
-    hidden = torch.empty(mbs, m.seq_length, m.hidden_size, requires_grad=True)
+
+    def hidden(length: int) -> torch.Tensor:
+        return torch.empty(mbs, length, m.hidden_size, dtype=dtype or torch.float32, requires_grad=True)
+
     if not m.decoder_seq_length:
-        return (hidden,), labels
-    raise NotImplementedError("tracing a later pipeline stage of an encoder-decoder")
+        return (hidden(m.seq_length),), labels
+    inputs = (hidden(m.seq_length), hidden(target))
+    if stage_index != par.pp // 2:  # the stage before ended the encoder: no table follows
+        from hp_tool.architectures import RELATIVE_ATTENTION_BUCKETS
+
+        table = torch.empty(RELATIVE_ATTENTION_BUCKETS, m.num_attention_heads // par.tp,
+                            dtype=dtype or torch.float32, requires_grad=True)
+        inputs += (table,)
+    return inputs, labels
 
 
-def _run_traced(spec: TrialSpec, stage, optimizer, stage_index: int, mesh, tp_mesh) -> StageTrace:
+def _run_traced(spec: TrialSpec, stage, optimizer, stage_index: int, mesh, tp_mesh,
+                dtype: Optional[torch.dtype]) -> StageTrace:
     """Two optimizer steps of this stage as the engine runs them: the 1F1B order of micro-batches (all
     forwards in flight first, then one backward per forward; one at a time without PP), enough of them to
     accumulate gradients once, then the gradient clipping and the optimizer step; with the schedule's
     receive buffers, one per micro-batch."""
+    import contextlib
+
     from hp_tool.trial import optim
     from hp_tool.trial.models import loss_parallel_context, make_loss_fn
 
@@ -181,49 +224,120 @@ def _run_traced(spec: TrialSpec, stage, optimizer, stage_index: int, mesh, tp_me
     last = stage_index == par.pp - 1
     loss_fn = make_loss_fn(tp_mesh)
     pp_group = mesh["pp"].get_group() if mesh is not None and par.pp > 1 else None
-    batches = [_fake_batch(spec, stage_index) for _ in range(min(m, in_flight + 1))]
+    batches = [_fake_batch(spec, stage_index, dtype) for _ in range(min(m, in_flight + 1))]
     tracker = TensorPeak()
     tracker.track(stage, optimizer, *[t for inputs, labels in batches for t in (*inputs, labels)])
+    autocast = (torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext)
 
     def forward(inputs, labels) -> tuple:
         """(what backward starts from, what stays referenced until then): the last stage's loss right away,
         as the engine and the schedule do; the schedule also keeps each stage's output until its backward
         (the engine without PP does not)."""
-        out = stage(*inputs)
-        if not last:
-            return out, None
-        return loss_fn(out, labels) / m, out if par.pp > 1 else None
+        with autocast():
+            out = stage(*inputs)
+            if not last:
+                return (out if isinstance(out, tuple) else (out,)), None
+            return (loss_fn(out, labels) / m,), out if par.pp > 1 else None
 
     # torch.distributed.pipelining keeps one receive buffer per micro-batch for the whole run: activations
     # on every stage but the first, their gradients on every stage but the last
     recv_grads: list = []
-    recv_inputs = [torch.empty_like(batches[0][0][0]) for _ in range(m - len(batches))] if stage_index else []
+    recv_inputs = [[torch.empty_like(t) for t in batches[0][0]] for _ in range(m - len(batches))] \
+        if stage_index else []
 
     def backward(pending: tuple) -> None:
-        out = pending[0]
+        outs = pending[0]
         if last:
-            out.backward()
+            outs[0].backward()
             return
         if not recv_grads:
-            recv_grads.extend(torch.empty_like(out) for _ in range(m))
-        out.backward(recv_grads[0])  # the gradient the next stage sends
+            recv_grads.extend([torch.empty_like(o) for o in outs] for _ in range(m))
+        torch.autograd.backward(outs, recv_grads[0])  # the gradients the next stage sends
 
-    train_peak = step_peak = 0
+    train_peak, steps = 0, []
     with tracker:
-        for _ in range(2):
+        for first in (True, False):
+            # the first step only creates the gradients and the optimizer states: one micro-batch will do;
+            # the second, with the states, runs the schedule
             tracker.restart_peak()
             with loss_parallel_context(tp_mesh):
                 live = []
-                for inputs, labels in batches:
+                for inputs, labels in batches[:1] if first else batches:
                     if len(live) == in_flight:
                         backward(live.pop(0))
                     live.append(forward(inputs, labels))
                 while live:
                     backward(live.pop(0))
-            train_peak = max(train_peak, tracker.peak_bytes())
+            if not first:
+                train_peak = tracker.peak_bytes()
             tracker.restart_peak()
+            start = tracker.current_bytes()
             optim.clip_grad_norm(stage, spec.training.grad_clip, pp_group, frozenset(), torch.device("cpu"))
             optim.optimizer_step(optimizer)
-            step_peak = max(step_peak, tracker.peak_bytes())
+            steps.append((start, tracker.peak_bytes()))
     del recv_inputs
-    return StageTrace(max(train_peak, step_peak))
+    (_, first_peak), (states, later_peak) = steps
+    return StageTrace(train_peak, first_peak, states, later_peak - states)
+
+
+def stage_units(spec: TrialSpec) -> tuple[int, int, int]:
+    """How a stage's layers grow with the model: (units per stage, layers per unit, model layers per unit).
+    A unit is one layer per stack on the stage: one layer of a decoder-only model or of a T5 stage in one
+    stack's half of the pipeline, an encoder and a decoder layer on T5's single stage (PP=1)."""
+    shape, pp = spec.model.shape(), spec.parallel.pp
+    if shape.encoder_decoder and pp == 1:
+        return shape.num_layers, 2, 1
+    per_stage = shape.pipeline_layers // pp
+    return per_stage, 1, shape.num_layers // per_stage
+
+
+def _with_units(spec: TrialSpec, units: int, checkpointed_layers: int) -> TrialSpec:
+    _, _, model_layers = stage_units(spec)
+    return dataclasses.replace(
+        spec, model=dataclasses.replace(spec.model, num_layers=units * model_layers),
+        parallel=dataclasses.replace(spec.parallel, act_ckpt_layers=checkpointed_layers))
+
+
+def extrapolated_stage(spec: TrialSpec, stage_index: int = 0, device_type: str = "cpu",
+                       whole_units: int = WHOLE_UNITS) -> StageTrace:
+    """The stage traced with one and two units of layers (see ``stage_units``) and extrapolated, phase by
+    phase, to its ``U`` units of which ``j`` are checkpointed (act_ckpt_layers / layers per unit; the
+    engine recomputes the first ones).
+
+    A(1 unit), B(2 units), none checkpointed: per phase A + (U - 1)(B - A). All checkpointed: the same with
+    A and B checkpointed. Some: C(2 units, the first checkpointed) adds a checkpointed unit's increment,
+    A + (U - 1 - j)(B - A) + j(C - A). The fixed part (embedding, head, logits and loss, the gathered
+    unit FSDP2 prefetches, a checkpointed layer's recompute) is in A; each unit's states and the
+    activations of every micro-batch in flight grow with the increments. A stage of up to ``whole_units``
+    units is traced as it is, as fast as extrapolating it."""
+    units, per_unit, _ = stage_units(spec)
+    if units <= max(2, whole_units):
+        return trace_stage(spec, stage_index, device_type)
+    j = spec.parallel.act_ckpt_layers / per_unit
+
+    def at(n: int, checkpointed_units: int) -> StageTrace:
+        return trace_stage(_with_units(spec, n, checkpointed_units * per_unit), stage_index, device_type)
+
+    if j in (0, units):
+        ckpt = 1 if j else 0
+        a, b = at(1, ckpt), at(2, 2 * ckpt)
+        return combine([(a, 2 - units), (b, units - 1)])
+    a, b, c = at(1, 0), at(2, 0), at(2, 1)
+    return combine([(a, 1 - (units - 1 - j) - j), (b, units - 1 - j), (c, j)])
+
+
+def traced_stages(spec: TrialSpec) -> list[int]:
+    """The pipeline stages whose peaks differ in kind: the first (embedding, the most micro-batches in
+    flight) and the last (head, logits and loss); for T5/mT5 also the decoder's first stage (decoder
+    layers with cross-attention, the encoder's output passed along). Stages between hold less."""
+    pp = spec.parallel.pp
+    stages = {0, pp - 1}
+    if spec.model.decoder_seq_length and pp > 1:
+        stages.add(pp // 2)
+    return sorted(stages)
+
+
+def traced_peak_bytes(spec: TrialSpec, device_type: str = "cpu") -> float:
+    """Peak tensor bytes of the busiest rank of ``spec`` before launch: the most of ``traced_stages``, each
+    extrapolated from 1-2 layers (``extrapolated_stage``)."""
+    return max(extrapolated_stage(spec, stage, device_type).peak_bytes for stage in traced_stages(spec))

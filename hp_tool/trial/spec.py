@@ -218,6 +218,7 @@ class EstimatesSpec:
     step_time_s: Optional[float] = None  # one optimizer step of the full run, seconds
     tokens_per_s_per_gpu: Optional[float] = None
     model_tflops_per_gpu: Optional[float] = None
+    traced_memory_gb: Optional[float] = None  # traced peak per GPU (tensors + overhead), GB; None: not traced
 
 
 @dataclass

@@ -1,0 +1,162 @@
+"""The memory check before launch: trace each candidate's per-rank peak under fake tensors, in parallel.
+
+``memory_check=traced`` (the default when trials launch) traces every candidate the planner would launch
+with ``hp_tool.trial.memtrace.traced_peak_bytes`` (the engine's own stage and parallelize code on a fake
+process group, no real memory), one candidate per worker process, over the machine's cores; the planner
+prunes on the traced figure plus the gpu preset's ``memory_overhead_gb``. ``analytic`` (the default of a
+dry run) keeps the instant formula of hp_tool/estimate/memory.py and never imports torch.
+
+A candidate the trace cannot run keeps the analytic figure, with the reason in its row: the DeepSpeed
+engine (not traced), host offload (a CPU trace cannot tell host-resident states from GPU memory), or a
+trace that failed (an operator without a fake implementation, say). Traces are cached by what decides
+them (model, layout, batch, precision, device, torch version) in ``candidate_configs/memory_traces.json``,
+so a resumed or repeated search traces nothing twice.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import multiprocessing
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from hp_tool.fingerprint import fingerprint_of
+from hp_tool.trial.spec import TrialSpec
+
+log = logging.getLogger(__name__)
+
+MEMORY_CHECKS = ("traced", "analytic")
+TRACE_VERSION = 1  # bump when the trace counts differently: cached traces of another version are redone
+CACHE_FILE = "memory_traces.json"  # in candidate_configs/
+
+
+@dataclass(frozen=True)
+class TraceOutcome:
+    """A candidate's traced peak tensor memory per rank (GB), or None and why the analytic figure stands."""
+
+    tensor_gb: Optional[float]
+    reason: str = ""
+    seconds: float = 0.0
+
+
+def trace_device(gpu_name: str) -> str:
+    """What the trials run on: the ``cpu`` gpu preset's processes compute in fp32 on CPU; every other
+    preset is a GPU, traced with its precision's autocast and FSDP2 parameter dtype."""
+    return "cpu" if gpu_name == "cpu" else "cuda"
+
+
+def untraceable(spec: TrialSpec) -> Optional[str]:
+    """Why ``spec`` keeps its analytic figure without a trace, or None."""
+    if spec.parallel.engine != "torch":
+        return f"the {spec.parallel.engine} engine is not traced"
+    if spec.parallel.offload != "none":
+        return "offloaded states live in host RAM, which a trace cannot tell from GPU memory"
+    return None
+
+
+def trace_key(spec: TrialSpec, device_type: str, torch_version: str) -> str:
+    d = spec.to_dict()
+    return fingerprint_of({"model": d["model"], "parallel": d["parallel"],
+                           "batch": spec.training.global_batch_size, "precision": spec.training.precision,
+                           "device": device_type, "torch": torch_version, "version": TRACE_VERSION})
+
+
+def _worker_init() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    logging.getLogger("torch").setLevel(logging.ERROR)
+
+
+def trace_one(spec: TrialSpec, device_type: str) -> TraceOutcome:
+    """Trace one candidate (in a worker process); a failure becomes the reason, never an exception."""
+    import warnings
+
+    from hp_tool.trial.memtrace import GB, traced_peak_bytes
+
+    start = time.monotonic()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            peak = traced_peak_bytes(spec, device_type)
+    except Exception as exc:  # noqa: BLE001 - any failure falls back to the analytic figure, with its cause
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        return TraceOutcome(None, f"the trace failed ({type(exc).__name__}: {first})",
+                            time.monotonic() - start)
+    return TraceOutcome(peak / GB, "", time.monotonic() - start)
+
+
+class Tracer:
+    """Traces lists of candidate specs over ``workers`` processes, remembering each by its key.
+
+    ``cache``: traces from an earlier run (``load``); ``save`` writes what is known now."""
+
+    def __init__(self, device_type: str, workers: Optional[int] = None, cache: Optional[dict] = None):
+        import torch
+
+        self.device_type = device_type
+        self.workers = workers or max(1, len(os.sched_getaffinity(0)))
+        self.torch_version = torch.__version__
+        self.cache: dict[str, dict] = dict(cache or {})
+        self.traced = 0  # candidates traced (not from the cache) by this tracer
+        self.seconds: list[float] = []
+
+    @classmethod
+    def load(cls, device_type: str, folder: Path, workers: Optional[int] = None) -> "Tracer":
+        path = Path(folder) / CACHE_FILE
+        cache = {}
+        if path.is_file():
+            try:
+                cache = json.loads(path.read_text())
+            except (OSError, ValueError) as exc:
+                log.warning("Ignoring unreadable %s (%s); tracing again", path, exc)
+        return cls(device_type, workers, cache)
+
+    def text(self) -> str:
+        return json.dumps(self.cache, indent=1, sort_keys=True) + "\n"
+
+    def __call__(self, specs: list[TrialSpec]) -> list[TraceOutcome]:
+        out: list[Optional[TraceOutcome]] = [None] * len(specs)
+        todo: dict[str, list[int]] = {}
+        for i, spec in enumerate(specs):
+            why = untraceable(spec)
+            key = trace_key(spec, self.device_type, self.torch_version)
+            if why:
+                out[i] = TraceOutcome(None, why)
+            elif key in self.cache:
+                out[i] = TraceOutcome(**self.cache[key])
+            else:
+                todo.setdefault(key, []).append(i)
+        if todo:
+            done = self._trace({key: specs[where[0]] for key, where in todo.items()})
+            for key, where in todo.items():
+                for i in where:
+                    out[i] = done[key]
+        return out  # type: ignore[return-value]
+
+    def _trace(self, jobs: dict[str, TrialSpec]) -> dict[str, TraceOutcome]:
+        """Trace ``jobs`` (key: spec) in worker processes; a worker that died is not remembered."""
+        workers = min(self.workers, len(jobs))
+        log.info("Tracing the memory of %d candidates on %d processes", len(jobs), workers)
+        context = multiprocessing.get_context("spawn")  # a fresh interpreter: no state shared with ours
+        done: dict[str, TraceOutcome] = {}
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context,
+                                                    initializer=_worker_init) as pool:
+            futures = {pool.submit(trace_one, spec, self.device_type): key for key, spec in jobs.items()}
+            for future in concurrent.futures.as_completed(futures):
+                key = futures[future]
+                try:
+                    outcome = done[key] = future.result()
+                except Exception as exc:  # noqa: BLE001 - a worker that died (killed, out of memory)
+                    done[key] = TraceOutcome(None, f"the trace process failed ({type(exc).__name__}: {exc})")
+                    continue
+                self.cache[key] = {"tensor_gb": outcome.tensor_gb, "reason": outcome.reason,
+                                   "seconds": round(outcome.seconds, 3)}
+                self.traced += 1
+                self.seconds.append(outcome.seconds)
+        return done

@@ -1,0 +1,119 @@
+"""The memory check before launch: extrapolating the trace from 1-2 layers, and pruning on the traced figure.
+
+Traces run for real (the engine's model under fake tensors on a fake process group, in worker processes);
+GPUs are not needed, which is the point."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hp_tool.candidates import PRUNED, SELECTED
+from hp_tool.cli import compose
+from hp_tool.config import memory_check_mode, to_app_config
+from hp_tool.errors import ConfigError
+from hp_tool.memory_check import Tracer
+from hp_tool.planner import candidate_trial_id, make_plan
+from hp_tool.trial.memtrace import extrapolated_stage, trace_stage, traced_stages
+from trial_helpers import tiny_spec
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def deeper(spec, num_layers: int, act_ckpt: int = 0):
+    return dataclasses.replace(spec, model=dataclasses.replace(spec.model, num_layers=num_layers),
+                               parallel=dataclasses.replace(spec.parallel, act_ckpt_layers=act_ckpt))
+
+
+@pytest.mark.parametrize("family, layers, layout", [
+    ("gpt3", 4, {"act_ckpt": 2}),  # some layers checkpointed: three traces
+    ("llama", 4, {"tp": 2, "dp": 2}),  # TP and FSDP2
+    ("llama", 8, {"pp": 2, "act_ckpt": 4}),  # a pipeline stage, every layer checkpointed
+    ("t5", 4, {"dp": 2, "zero_stage": 0}),  # an encoder and a decoder layer per unit
+], ids=lambda v: v if isinstance(v, (str, int)) else "-".join(f"{k}{x}" for k, x in v.items()))
+def test_extrapolating_from_one_and_two_layers_matches_the_whole_trace(family, layers, layout):
+    ckpt = layout.pop("act_ckpt", 0)
+    spec = deeper(tiny_spec(family, **layout), layers, ckpt)
+    for stage in traced_stages(spec):
+        whole = trace_stage(spec, stage)
+        extrapolated = extrapolated_stage(spec, stage, whole_units=2)  # force it at 4 layers per stage
+        assert extrapolated.peak_bytes == pytest.approx(whole.peak_bytes, rel=0.01)
+
+
+def plan_for(tmp_path, tracer, *overrides):
+    """Llama tiny on TP 1-2, MBS 2-4, no PP or checkpointing, without the overhead constant (tensors only)."""
+    cfg, name = compose(["search_config=llama/tiny", f"base_results_dir={tmp_path}", "gpu.memory_overhead_gb=0",
+                         "search_config.train_settings.pipeline_parallel_sizes=[1]",
+                         "search_config.train_settings.act_ckpt_layers=[0]", *overrides])
+    app = to_app_config(cfg)
+    return make_plan(app, name, tmp_path / name, tracer)
+
+
+def test_a_layout_the_formula_fits_but_the_trace_does_not_is_pruned_with_the_traced_figure(tmp_path):
+    tracer = Tracer("cpu", workers=2)
+    roomy = plan_for(tmp_path, tracer)
+    traced = [c for c in roomy.candidates if c.memory_check == "traced"]
+    assert len(traced) == 4 and all(c.status == SELECTED for c in traced)
+    # the largest of those the analytic formula underestimates
+    under = [c for c in traced if c.traced_memory_gb > max(c.memory_gb, c.full_memory_gb)]
+    assert under, [(c.tp, c.mbs, c.memory_gb, c.traced_memory_gb) for c in traced]
+    low = max(under, key=lambda c: c.traced_memory_gb)
+    margin = 0.1
+    between = (low.traced_memory_gb + max(low.memory_gb, low.full_memory_gb)) / 2
+    tight = plan_for(tmp_path, tracer, f"gpu.memory_gb={between / (1 - margin)}",
+                     f"search_config.train_settings.memory_margin={margin}")
+    assert tracer.traced == 4  # the second plan's traces came from the cache
+    (same,) = [c for c in tight.candidates if (c.tp, c.pp, c.mbs) == (low.tp, low.pp, low.mbs)]
+    assert max(same.memory_gb, same.full_memory_gb) < between  # the formula says it fits
+    assert same.status == PRUNED and same.reason_key == "gpu.memory_gb"
+    assert same.reason.startswith(f"traced {same.traced_memory_gb:.4g} GB per GPU")
+    assert same.rank is None and candidate_trial_id(tight.model, same) not in [s.trial_id for s in tight.specs]
+    kept = sorted((c for c in tight.candidates if c.status == SELECTED), key=lambda c: c.rank)
+    assert kept and [c.rank for c in kept] == list(range(1, len(kept) + 1))
+    assert all(c.traced_memory_gb <= between for c in kept)
+    assert [s.estimates.traced_memory_gb for s in tight.specs] == [round(c.traced_memory_gb, 4) for c in kept]
+
+
+def test_deepspeed_keeps_the_analytic_figure_with_the_reason(tmp_path):
+    tracer = Tracer("cpu", workers=1)
+    plan = plan_for(tmp_path, tracer, "search_config.train_settings.engines=[deepspeed]",
+                    "search_config.train_settings.tensor_parallel_sizes=[1]",
+                    "search_config.train_settings.micro_batch_sizes=[4]")
+    (c,) = [c for c in plan.candidates if c.status == SELECTED]
+    assert c.memory_check == "analytic: the deepspeed engine is not traced" and c.traced_memory_gb is None
+    assert tracer.traced == 0
+
+
+def test_memory_check_defaults_and_bad_value():
+    def mode(*overrides):
+        cfg, _ = compose(["search_config=gpt3/tiny", *overrides])
+        return memory_check_mode(to_app_config(cfg))
+
+    assert mode() == "traced"
+    assert mode("dry_run=true") == "analytic"
+    assert mode("dry_run=true", "memory_check=traced") == "traced"
+    assert mode("memory_check=analytic") == "analytic"
+    cfg, _ = compose(["search_config=gpt3/tiny", "memory_check=exact"])
+    with pytest.raises(ConfigError, match="memory_check='?exact'?.*traced"):
+        to_app_config(cfg)
+
+
+def test_dry_run_with_traced_memory_writes_both_figures_and_reuses_the_traces(tmp_path):
+    args = [sys.executable, str(REPO / "main.py"), "search_config=llama/tiny", f"base_results_dir={tmp_path}",
+            "dry_run=true", "memory_check=traced", "search_config.train_settings.pipeline_parallel_sizes=[2]",
+            "search_config.train_settings.micro_batch_sizes=[2]"]
+    first = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr
+    folder = tmp_path / "llama" / "tiny" / "candidate_configs"
+    rows = [r for r in csv.DictReader(open(folder / "plan.csv")) if r["plan_status"] == "selected"]
+    assert rows and all(r["memory_check"] == "traced" and float(r["traced_memory_gb"]) > 0.5 for r in rows)
+    assert all(float(r["predicted_memory_gb"]) > 0 for r in rows)
+    assert "pruned by the trace" in first.stdout and (folder / "memory_traces.json").is_file()
+    again = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr
+    assert "all from the cache" in again.stdout
