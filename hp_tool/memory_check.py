@@ -145,8 +145,9 @@ class Tracer:
         log.info("Tracing the memory of %d candidates on %d processes", len(jobs), workers)
         context = multiprocessing.get_context("spawn")  # a fresh interpreter: no state shared with ours
         done: dict[str, TraceOutcome] = {}
-        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context,
-                                                    initializer=_worker_init) as pool:
+        # one candidate per process: see memtrace._fake_group
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_init,
+                                                    max_tasks_per_child=1) as pool:
             futures = {pool.submit(trace_one, spec, self.device_type): key for key, spec in jobs.items()}
             for future in concurrent.futures.as_completed(futures):
                 key = futures[future]

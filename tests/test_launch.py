@@ -107,3 +107,8 @@ def test_local_search_end_to_end_and_rerun_submits_nothing(tmp_path):
     assert len(Ledger(out).submissions()) == submitted  # resumed: nothing re-run
     rows = pd.read_csv(out / "final_results" / "all_trials_1nodes.csv")
     assert rows["trial_id"].is_unique
+    ran = rows[rows["status"] == "ok"]  # a launch checks memory by the trace: traced beside measured
+    assert len(ran) == 2 and (ran["memory_check"] == "traced").all()
+    assert (ran["traced_memory_gb"] > 0).all() and (ran["peak_tensor_memory_gb"] > 0).all()
+    overhead = 0.5  # gpu=cpu preset: the traced figure includes it, the measured tensor peak does not
+    assert ((ran["traced_memory_gb"] - overhead) / ran["peak_tensor_memory_gb"]).between(0.97, 1.03).all()

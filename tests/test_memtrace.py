@@ -40,6 +40,9 @@ def measured_peak(tmp_path, spec) -> float:
     ("gpt3", {"pp": 2, "act_ckpt": 1}),  # stages traced alone, 1F1B replayed with the schedule's buffers
     ("llama", {"pp": 2}),
     ("t5", {}),
+    ("gpt3", {"tp": 2}),
+    ("llama", {"tp": 2, "dp": 2}),
+    ("gpt3", {"tp": 2, "act_ckpt": 2}),
 ], ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}{x}" for k, x in v.items()) or "single")
 def test_traced_peak_matches_the_real_runs_peak_per_rank(tmp_path, family, layout):
     spec = tiny_spec(family, max_steps=3, warmup_steps=2, **layout)  # two untimed steps are measured

@@ -32,6 +32,7 @@ TRIAL = "gpt3_241k_tp1_pp2_mbs2_ac0_torch_z0_noff"
 
 def main_cmd(tmp_path, *args):
     return [sys.executable, str(REPO / "main.py"), "search_config=gpt3/tiny", "cluster=local",
+            "memory_check=analytic",  # the trace is tested in test_memory_check and test_launch
             f"base_results_dir={tmp_path / 'res'}", *args]
 
 

@@ -21,8 +21,8 @@ backward.
 
 Fidelity on CPU (tests/test_memtrace.py, benchmarks/memory_trace.py): equal to the real run's measured
 peak per rank for one process, DDP and FSDP2 with and without checkpointing (the real run's foreach AdamW
-peaks below its backward there) and PP (within 1%); TP reads 3-7% high (backward temporaries of the fake
-DTensor path) — not yet used for pruning. Stages are
+peaks below its backward there), PP and TP (within 1%: DTensor's global-shape propagation, which under
+fake tensors runs in the trace's own fake mode, is not counted; see ``TensorPeak``). Stages are
 traced whole; extrapolating deep stages from 1-2 layers is still to come.
 """
 
@@ -66,6 +66,8 @@ class TensorPeak(MemTracker):
 
         if self._depth == 0:
             self._fake_mode_on_entry = active_fake_mode()
+            if self._fake_mode_on_entry is not None:
+                self._skip_dtensor_propagation()
             self._register_global_optimizer_hook()
             self._track_resize()
             self._peak_mem_snap = self.get_tracker_snapshot()
@@ -81,7 +83,45 @@ class TensorPeak(MemTracker):
         if self._depth == 0:
             self._deregister_param_and_optimizer_hooks()
             self._restore_resize()
+            self._restore_dtensor_propagation()
         TorchDispatchMode.__exit__(self, *args)
+
+    _propagating = 0
+    _orig_propagate = None
+
+    def _skip_dtensor_propagation(self) -> None:
+        """Under fake tensors DTensor derives each op's output metadata by running the op on global-shape
+        tensors in the active fake mode, i.e. the trace's own (uncached: fake mode counts as tracing), so
+        MemTracker would count those transient whole tensors as this rank's memory (at TP's peak: the
+        vocab-parallel loss backward's [tokens, vocab] input and gradient); a real run propagates in a
+        private fake mode, which MemTracker skips. Mark the propagation so ``__torch_dispatch__`` lets it
+        through uncounted."""
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+        orig = ShardingPropagator._propagate_tensor_meta_non_cached
+        tracker = self
+
+        def propagate(prop, op_schema):
+            tracker._propagating += 1
+            try:
+                return orig(prop, op_schema)
+            finally:
+                tracker._propagating -= 1
+
+        self._orig_propagate = orig
+        ShardingPropagator._propagate_tensor_meta_non_cached = propagate
+
+    def _restore_dtensor_propagation(self) -> None:
+        if self._orig_propagate is not None:
+            from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+            ShardingPropagator._propagate_tensor_meta_non_cached = self._orig_propagate
+            self._orig_propagate = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self._propagating:  # DTensor's global-shape propagation: see _skip_dtensor_propagation
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
     def track(self, *objects) -> None:
         """Register modules, optimizers (or ones wrapping ``.zero``) and tensors created before the context."""
@@ -129,6 +169,10 @@ def combine(terms: list[tuple[StageTrace, float]]) -> StageTrace:
 
 
 def _fake_group(world: int):
+    """A fresh fake process group of ``world`` ranks (this process is rank 0). Traces of one candidate
+    may share a process (they create the same groups in the same order); traces of different layouts
+    may not: DTensor remembers meshes by shape, and a remembered mesh names groups of another layout's
+    process group (memory_check runs each candidate in its own process)."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -227,7 +271,8 @@ def _run_traced(spec: TrialSpec, stage, optimizer, stage_index: int, mesh, tp_me
     batches = [_fake_batch(spec, stage_index, dtype) for _ in range(min(m, in_flight + 1))]
     tracker = TensorPeak()
     tracker.track(stage, optimizer, *[t for inputs, labels in batches for t in (*inputs, labels)])
-    autocast = (torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext)
+    def autocast():  # the GPU's autocast, on the CPU's fake tensors
+        return torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
     def forward(inputs, labels) -> tuple:
         """(what backward starts from, what stays referenced until then): the last stage's loss right away,

@@ -23,6 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 def run_main(tmp_path, prefix, *args, timeout=400):
     cmd = [sys.executable, str(REPO / "main.py"), "search_config=gpt3/tiny", "cluster=bcm",
            "cluster.partition=debug", f"cluster.job_name_prefix={prefix}", f"base_results_dir={tmp_path / 'res'}",
+           "memory_check=analytic",  # traced on the orchestrator's machine: tests/test_memory_check.py
            *args]
     return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=timeout)
 

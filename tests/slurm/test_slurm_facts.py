@@ -21,6 +21,7 @@ ONE_TRIAL = (f"{TS}.limit_search_runs=1", f"{TS}.max_steps_per_run=4")
 def orchestrator(tmp_path, prefix, *args):
     return [sys.executable, str(REPO / "main.py"), "search_config=gpt3/tiny", "cluster=bcm",
             "cluster.partition=debug", f"cluster.job_name_prefix={prefix}", f"base_results_dir={tmp_path / 'res'}",
+           "memory_check=analytic",  # traced on the orchestrator's machine: tests/test_memory_check.py
             *args]
 
 
