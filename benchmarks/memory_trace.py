@@ -1,15 +1,15 @@
 """Per-rank peak memory three ways: traced under fake tensors, analytic, and measured in a real run.
 
-    python benchmarks/memory_trace.py [--layouts all|quick]
+    python benchmarks/memory_trace.py [--layouts all|quick|none] [--workers N]
 
 For a Llama-shaped and a GPT-3-shaped model (4 layers, hidden 128, seq 128, vocab 2048, global batch 8,
 micro-batch 2, fp32) and each layout (single process, FSDP2 DP2 with and without checkpointing, TP2,
 TP2 x DP2, PP2 with and without checkpointing), prints the measured peak tensor GB per rank of a real
 trial on CPU processes (gloo; the trial's ``peak_tensor_memory_gb``), the traced peak
-(``hp_tool.trial.memtrace.trace_stage`` on the busiest stage, one process, fake process group) and the
+(``hp_tool.trial.memtrace.traced_peak_bytes``: the busiest rank, one process, fake process group) and the
 analytic estimate's tensor part (``hp_tool.estimate.memory.estimate_memory`` less its overhead), each with
-its ratio to the measured figure; then the time to trace the first stage of GPT-3 175B (one layer and the
-embedding per stage, PP 96, FSDP2 over 8 ranks) on this machine.
+its ratio to the measured figure; then the traced memory check of the gpt3/175b plan (1024 GPUs): time
+per candidate and in all, and the analytic and traced figure of each candidate.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 
 from hp_tool.estimate.layout import Hardware, Layout
 from hp_tool.estimate.memory import estimate_memory
-from hp_tool.trial.memtrace import trace_stage
+from hp_tool.trial.memtrace import traced_peak_bytes
 from hp_tool.trial.spec import (ModelSpec, ParallelSpec, ResourcesSpec, RunSpec, TrainingSpec, TrialSpec,
                                 dump_spec)
 
@@ -70,34 +70,50 @@ def analytic(spec: TrialSpec) -> float:
     return estimate_memory(spec.model.shape(), layout, CPU).total_gb
 
 
-def trace_175b() -> float:
-    model = ModelSpec(family="gpt3", num_layers=96, hidden_size=12288, num_attention_heads=96, num_kv_heads=96,
-                      ffn_hidden_size=49152, vocab_size=51200, seq_length=2048)
-    spec = TrialSpec(model=model, parallel=ParallelSpec(pp=96, dp=8, zero_stage=3),
-                     training=TrainingSpec(global_batch_size=8), resources=ResourcesSpec(num_nodes=96, gpus_per_node=8))
+def trace_175b_grid(workers: int) -> None:
+    """Plan gpt3/175b (128 nodes x 8 GPUs) with memory_check=traced, as a launch would: every candidate the
+    planner would launch is traced; prints the time per candidate (each in its own process, one core)
+    and for the whole check."""
+    from hp_tool.cli import compose
+    from hp_tool.config import to_app_config
+    from hp_tool.memory_check import Tracer, trace_device
+    from hp_tool.planner import make_plan
+
+    cfg, name = compose(["search_config=gpt3/175b"])
+    app = to_app_config(cfg)
+    tracer = Tracer(trace_device(app.gpu.name), workers=workers)
     start = time.monotonic()
-    trace = trace_stage(spec, 0)
-    print(f"GPT-3 175B first stage (1 layer + embedding, FSDP2 over 8): traced {trace.peak_gb:.2f} GB per rank "
-          f"in {time.monotonic() - start:.1f} s")
-    return trace.peak_gb
+    with tempfile.TemporaryDirectory() as folder:
+        plan = make_plan(app, name, Path(folder), tracer)
+    wall = time.monotonic() - start
+    traced = [c for c in plan.candidates if c.memory_check == "traced"]
+    pruned = [c for c in traced if c.status == "pruned"]
+    seconds = sorted(tracer.seconds)
+    print(f"GPT-3 175B on {plan.cluster.gpus} GPUs: {tracer.traced} candidates traced ({len(pruned)} pruned by the "
+          f"trace) in {wall:.0f} s on {tracer.workers} processes; per candidate on one core: median "
+          f"{seconds[len(seconds) // 2]:.1f} s, max {seconds[-1]:.1f} s")
+    for c in traced:
+        print(f"  tp{c.tp} pp{c.pp} mbs{c.mbs} ac{c.act_ckpt_layers} z{c.zero_stage}: analytic "
+              f"{c.memory_gb:6.1f} GB, traced {c.traced_memory_gb:6.1f} GB, {c.status}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layouts", choices=("all", "quick"), default="all")
+    parser.add_argument("--layouts", choices=("all", "quick", "none"), default="all")
+    parser.add_argument("--workers", type=int, default=None, help="trace processes for the 175B grid (default: all cores)")
     args = parser.parse_args()
-    layouts = LAYOUTS if args.layouts == "all" else LAYOUTS[:3]
+    layouts = {"all": LAYOUTS, "quick": LAYOUTS[:3], "none": []}[args.layouts]
     print(f"{'model':6} {'layout':18} {'measured GB':>12} {'traced GB':>10} {'ratio':>6} {'analytic GB':>12} {'ratio':>6}")
     for family in ("gpt3", "llama"):
         for layout in layouts:
             spec = spec_for(family, layout)
             measured = measure(spec)
-            traced = max(trace_stage(spec, s).peak_gb for s in range(spec.parallel.pp))
+            traced = traced_peak_bytes(spec) / 1e9
             estimate = analytic(spec)
             name = "-".join(f"{k}{v}" for k, v in layout.items()) or "single"
             print(f"{family:6} {name:18} {measured:12.5f} {traced:10.5f} {traced / measured:6.3f} {estimate:12.5f} "
                   f"{estimate / measured:6.3f}", flush=True)
-    trace_175b()
+    trace_175b_grid(args.workers)
 
 
 if __name__ == "__main__":

@@ -7,10 +7,13 @@ per-module statistics (which refuse a module called once per micro-batch). What 
 
 Tracing (REFERENCE §11): one process joins a fake process group of the layout's world size, builds the
 trial's stage exactly as the engine does (``build_stage`` and ``parallelize_stage``: TP, checkpointing,
-DDP / FSDP2), then inside ``FakeTensorMode`` materialises it, and runs one micro-batch's forward and
-backward and the optimizer step twice (the second step has the optimizer states). No real memory is
-allocated, so any size traces on a login node. AdamW runs without foreach kernels (under fake tensors
-their grouped temporaries inflate the FSDP2 step).
+DDP / FSDP2), then inside ``FakeTensorMode`` materialises it and runs two optimizer steps: the first with
+one micro-batch (it creates the gradients and the optimizer states), the second with the step's
+micro-batches in the schedule's order, each followed by the gradient clipping and the AdamW step. For a
+GPU target the precision's autocast and FSDP2 parameter dtype are applied as on the GPU. No real memory
+is allocated, so any size traces on a login node. AdamW runs without foreach kernels (under fake tensors
+their grouped temporaries inflate the FSDP2 step). Deep stages are extrapolated from 1 and 2 layers,
+phase by phase (``extrapolated_stage``); ``traced_peak_bytes`` is the busiest rank's peak.
 
 Pipeline stages are traced as their own modules (the first with the embedding, the last with the head and
 the loss; a middle stage receives hidden states and returns a gradient of its output's size), replaying
@@ -22,8 +25,8 @@ backward.
 Fidelity on CPU (tests/test_memtrace.py, benchmarks/memory_trace.py): equal to the real run's measured
 peak per rank for one process, DDP and FSDP2 with and without checkpointing (the real run's foreach AdamW
 peaks below its backward there), PP and TP (within 1%: DTensor's global-shape propagation, which under
-fake tensors runs in the trace's own fake mode, is not counted; see ``TensorPeak``). Stages are
-traced whole; extrapolating deep stages from 1-2 layers is still to come.
+fake tensors runs in the trace's own fake mode, is not counted; see ``TensorPeak``); the extrapolation
+within 1% of the whole stage's trace (tests/test_memory_check.py).
 """
 
 from __future__ import annotations
