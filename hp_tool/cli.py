@@ -68,6 +68,21 @@ def _tracer(app: AppConfig, out: Path):
     return Tracer.load(trace_device(app.gpu.name), out / "candidate_configs")
 
 
+def _launch_kind(app: AppConfig, plan) -> Optional[str]:
+    """The executor the plan's trials would run on (None: no training trial launches); on SLURM, the
+    partition and account are checked to hold each trial before any file is written."""
+    if app.dry_run or not app.run_training_hp_search:
+        return None
+    from hp_tool.launch.executors import resolve_kind
+
+    kind = resolve_kind(app, [(s.resources.num_nodes, s.resources.gpus_per_node) for s in plan.specs])
+    if kind == "slurm":
+        from hp_tool.search import plan_jobs, preflight
+
+        preflight(app, plan_jobs(plan))
+    return kind
+
+
 def run(app: AppConfig, search_name: str, out: Optional[Path] = None, plans: Optional[list] = None) -> int:
     """Plan (and unless dry_run, search) into ``out`` (default: results_dir). Returns the exit code;
     the plan is appended to ``plans`` when given. Bad input raises ConfigError before anything is written;
@@ -77,18 +92,14 @@ def run(app: AppConfig, search_name: str, out: Optional[Path] = None, plans: Opt
 
     out = out or results_dir(app, search_name)
     check_key_file(app.wandb)
-    plan = make_plan(app, search_name, out, _tracer(app, out))
+    plan = make_plan(app, search_name, out)
+    kind = _launch_kind(app, plan)  # a SLURM target that can never run the trials fails here, in seconds
+    tracer = _tracer(app, out)
+    if tracer is not None:  # then the minutes of tracing, and the check again on what the trace selected
+        plan = make_plan(app, search_name, out, tracer)
+        kind = _launch_kind(app, plan)
     if plans is not None:
         plans.append(plan)
-    kind = None
-    if not app.dry_run and app.run_training_hp_search:
-        from hp_tool.launch.executors import resolve_kind
-
-        kind = resolve_kind(app, [(s.resources.num_nodes, s.resources.gpus_per_node) for s in plan.specs])
-        if kind == "slurm":
-            from hp_tool.search import plan_jobs, preflight
-
-            preflight(app, plan_jobs(plan))  # before any file: a trial SLURM can never start
     with ResultsLock(out).acquire(app.wait_for_lock):
         return _write_and_search(app, plan, search_name, out, kind)
 
