@@ -94,7 +94,7 @@ def trace_one(spec: TrialSpec, device_type: str) -> TraceOutcome:
 class Tracer:
     """Traces lists of candidate specs over ``workers`` processes, remembering each by its key.
 
-    ``cache``: traces from an earlier run (``load``); ``save`` writes what is known now."""
+    ``cache``: traces from an earlier run (``load``); ``text`` is what is known now, for the cache file."""
 
     def __init__(self, device_type: str, workers: Optional[int] = None, cache: Optional[dict] = None):
         import torch

@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 from typing import Any, Iterable
 
-from hp_tool.candidates import SELECTED, Candidate
+from hp_tool.candidates import PRUNED, SELECTED, Candidate
 from hp_tool.cost import cost_columns
 from hp_tool.fsutil import atomic_write_text
 from hp_tool.planner import Plan, candidate_trial_id
@@ -106,8 +106,7 @@ def _memory_line(plan: Plan) -> str:
         return ("Memory: analytic estimate (GPU GB); memory_check=traced traces the engine's model per rank "
                 "before launch.")
     traced = [c for c in plan.candidates if c.memory_check == "traced"]
-    pruned = sum(c.status != SELECTED and c.memory_check == "traced" and c.reason.startswith("traced")
-                 for c in plan.candidates)
+    pruned = sum(c.status == PRUNED for c in traced)  # only candidates that fit by the formula are traced
     untraced = sum(c.memory_check.startswith("analytic:") for c in plan.candidates)
     seconds = plan.tracer.seconds
     timing = (f"; {len(seconds)} traced now, at most {max(seconds):.1f} s each on one core" if seconds

@@ -58,11 +58,22 @@ class Engine:
 
     @property
     def tp_mesh(self) -> Optional[DeviceMesh]:
-        return self.mesh["tp"] if self.mesh is not None and self.spec.parallel.tp > 1 else None
+        return tp_mesh_of(self.mesh, self.spec.parallel)
 
     @property
     def pp_group(self) -> Optional[dist.ProcessGroup]:
-        return self.mesh["pp"].get_group() if self.mesh is not None and self.spec.parallel.pp > 1 else None
+        return group_of(self.mesh, self.spec.parallel, "pp")
+
+
+def tp_mesh_of(mesh: Optional[DeviceMesh], par) -> Optional[DeviceMesh]:
+    """The ``tp`` sub-mesh when the layout splits tensors, else None."""
+    return mesh["tp"] if mesh is not None and par.tp > 1 else None
+
+
+def group_of(mesh: Optional[DeviceMesh], par, dim: str) -> Optional[dist.ProcessGroup]:
+    """The process group of mesh dimension ``dim`` ("pp" or "dp") when the layout has more than one rank
+    along it, else None."""
+    return mesh[dim].get_group() if mesh is not None and getattr(par, dim) > 1 else None
 
 
 def compute_dtype(spec: TrialSpec, device: torch.device) -> Optional[torch.dtype]:
@@ -99,7 +110,7 @@ def build_engine(spec: TrialSpec, env: DistEnv, device: torch.device) -> Engine:
     parallelize_stage(stage, par, mesh, compute_dtype(spec, device), device)
     numel = materialize(stage, device, spec.training.seed, spec.model.init_method_std)
     log.info("rank %d: stage %d holds %d parameter elements", env.rank, pp_rank, numel)
-    dp_group = mesh["dp"].get_group() if mesh is not None and par.dp > 1 else None
+    dp_group = group_of(mesh, par, "dp")
     optimizer = optim.build_optimizer(stage, spec.training, device, par.zero_stage, dp_group,
                                       offload=par.offload != "none")
     engine = Engine(spec, env, device, mesh, stage, optimizer,

@@ -184,13 +184,6 @@ def _fake_group(world: int):
     dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
 
 
-def trace_dtype(spec: TrialSpec, device_type: str) -> Optional[torch.dtype]:
-    """The compute dtype the trial runs with on ``device_type`` (the engine's rule, engine.compute_dtype)."""
-    from hp_tool.trial.engine import compute_dtype
-
-    return compute_dtype(spec, torch.device(device_type))
-
-
 def trace_stage(spec: TrialSpec, stage_index: int = 0, device_type: str = "cpu") -> StageTrace:
     """Trace one rank of pipeline stage ``stage_index`` of ``spec`` as it is (every layer of the stage), as
     the trial runs it on ``device_type`` ("cuda": the precision's autocast and FSDP2 parameter dtype)."""
@@ -199,19 +192,19 @@ def trace_stage(spec: TrialSpec, stage_index: int = 0, device_type: str = "cpu")
 
     from hp_tool.trial import optim
     from hp_tool.trial.dist import DistEnv, build_mesh
+    from hp_tool.trial.engine import compute_dtype, group_of
     from hp_tool.trial.models import build_stage
     from hp_tool.trial.parallel import parallelize_stage
 
     par, device = spec.parallel, torch.device("cpu")
-    dtype = trace_dtype(spec, device_type)
+    dtype = compute_dtype(spec, torch.device(device_type))  # the target's dtype; the fake tensors stay on CPU
     world = par.tp * par.pp * par.dp
     _fake_group(world)
     try:
         mesh = build_mesh(par, DistEnv(stage_index * par.dp * par.tp, world, 0), device) if world > 1 else None
         stage = build_stage(spec.model, par.pp, stage_index)
         parallelize_stage(stage, par, mesh, dtype, device)
-        tp_mesh = mesh["tp"] if mesh is not None and par.tp > 1 else None
-        dp_group = mesh["dp"].get_group() if mesh is not None and par.dp > 1 else None
+        dp_group = group_of(mesh, par, "dp")
         with FakeTensorMode(allow_non_fake_inputs=True) as fake:
             stage.to_empty(device=device)
             stage.retie()
@@ -222,7 +215,7 @@ def trace_stage(spec: TrialSpec, stage_index: int = 0, device_type: str = "cpu")
         for group in optimizer.param_groups:  # REFERENCE §11: fake foreach kernels inflate the step
             group["foreach"] = False
         with fake:
-            return _run_traced(spec, stage, optimizer, stage_index, mesh, tp_mesh, dtype)
+            return _run_traced(spec, stage, optimizer, stage_index, mesh, dtype)
     finally:
         dist.destroy_process_group()
 
@@ -254,7 +247,7 @@ def _fake_batch(spec: TrialSpec, stage_index: int, dtype: Optional[torch.dtype])
     return inputs, labels
 
 
-def _run_traced(spec: TrialSpec, stage, optimizer, stage_index: int, mesh, tp_mesh,
+def _run_traced(spec: TrialSpec, stage, optimizer, stage_index: int, mesh,
                 dtype: Optional[torch.dtype]) -> StageTrace:
     """Two optimizer steps of this stage as the engine runs them: the 1F1B order of micro-batches (all
     forwards in flight first, then one backward per forward; one at a time without PP), enough of them to
@@ -263,17 +256,20 @@ def _run_traced(spec: TrialSpec, stage, optimizer, stage_index: int, mesh, tp_me
     import contextlib
 
     from hp_tool.trial import optim
+    from hp_tool.trial.engine import group_of, tp_mesh_of
     from hp_tool.trial.models import loss_parallel_context, make_loss_fn
 
     par = spec.parallel
+    tp_mesh = tp_mesh_of(mesh, par)
     m = spec.grad_accum_steps
     in_flight = min(par.pp - stage_index, m) if par.pp > 1 else 1
     last = stage_index == par.pp - 1
     loss_fn = make_loss_fn(tp_mesh)
-    pp_group = mesh["pp"].get_group() if mesh is not None and par.pp > 1 else None
+    pp_group = group_of(mesh, par, "pp")
     batches = [_fake_batch(spec, stage_index, dtype) for _ in range(min(m, in_flight + 1))]
     tracker = TensorPeak()
     tracker.track(stage, optimizer, *[t for inputs, labels in batches for t in (*inputs, labels)])
+
     def autocast():  # the GPU's autocast, on the CPU's fake tensors
         return torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
@@ -371,7 +367,7 @@ def extrapolated_stage(spec: TrialSpec, stage_index: int = 0, device_type: str =
         a, b = at(1, ckpt), at(2, 2 * ckpt)
         return combine([(a, 2 - units), (b, units - 1)])
     a, b, c = at(1, 0), at(2, 0), at(2, 1)
-    return combine([(a, 1 - (units - 1 - j) - j), (b, units - 1 - j), (c, j)])
+    return combine([(a, 2 - units), (b, units - 1 - j), (c, j)])
 
 
 def traced_stages(spec: TrialSpec) -> list[int]:
