@@ -72,7 +72,7 @@ def analytic(spec: TrialSpec) -> float:
 
 def trace_175b_grid(workers: int) -> None:
     """Plan gpt3/175b (128 nodes x 8 GPUs) with memory_check=traced, as a launch would: every candidate the
-    planner would launch is traced; prints the time per candidate (each in its own process, one core)
+    planner would launch is traced; prints the time per candidate (one core each; a worker process traces candidates in turn)
     and for the whole check."""
     from hp_tool.cli import compose
     from hp_tool.config import to_app_config

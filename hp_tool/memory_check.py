@@ -2,7 +2,7 @@
 
 ``memory_check=traced`` (the default when trials launch) traces every candidate the planner would launch
 with ``hp_tool.trial.memtrace.traced_peak_bytes`` (the engine's own stage and parallelize code on a fake
-process group, no real memory), one candidate per worker process, over the machine's cores; the planner
+process group, no real memory) in worker processes over the machine's cores; the planner
 prunes on the traced figure plus the gpu preset's ``memory_overhead_gb``. ``analytic`` (the default of a
 dry run) keeps the instant formula of hp_tool/estimate/memory.py and never imports torch.
 
@@ -67,7 +67,17 @@ def trace_key(spec: TrialSpec, device_type: str, torch_version: str) -> str:
 
 
 def _worker_init() -> None:
+    """One core per worker; what every trace imports, imported once per worker, not per candidate."""
     import torch
+
+    import transformers.models.llama.modeling_llama  # noqa: F401
+    import transformers.models.mt5.modeling_mt5  # noqa: F401
+    import transformers.models.opt.modeling_opt  # noqa: F401
+    import transformers.models.t5.modeling_t5  # noqa: F401
+
+    import hp_tool.trial.memtrace  # noqa: F401
+    import hp_tool.trial.models  # noqa: F401
+    import hp_tool.trial.parallel  # noqa: F401
 
     torch.set_num_threads(1)
     logging.getLogger("torch").setLevel(logging.ERROR)
@@ -145,9 +155,7 @@ class Tracer:
         log.info("Tracing the memory of %d candidates on %d processes", len(jobs), workers)
         context = multiprocessing.get_context("spawn")  # a fresh interpreter: no state shared with ours
         done: dict[str, TraceOutcome] = {}
-        # one candidate per process: see memtrace._fake_group
-        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_init,
-                                                    max_tasks_per_child=1) as pool:
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_init) as pool:
             futures = {pool.submit(trace_one, spec, self.device_type): key for key, spec in jobs.items()}
             for future in concurrent.futures.as_completed(futures):
                 key = futures[future]

@@ -172,21 +172,41 @@ def combine(terms: list[tuple[StageTrace, float]]) -> StageTrace:
 
 
 def _fake_group(world: int):
-    """A fresh fake process group of ``world`` ranks (this process is rank 0). Traces of one candidate
-    may share a process (they create the same groups in the same order); traces of different layouts
-    may not: DTensor remembers meshes by shape, and a remembered mesh names groups of another layout's
-    process group (memory_check runs each candidate in its own process)."""
+    """A fresh fake process group of ``world`` ranks (this process is rank 0), after forgetting what DTensor
+    cached under the last one: its sharding propagation remembers output specs by mesh shape, and a
+    remembered mesh names groups that died with the last layout's process group. So one process can trace
+    any number of layouts in turn (memory_check's workers do)."""
     import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         dist.destroy_process_group()
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ dispatch fast path's copy
     dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
 
 
+def in_flight(spec: TrialSpec, stage_index: int) -> int:
+    """Micro-batches whose activations 1F1B keeps at once on stage ``stage_index``: PP - stage, at most the
+    step's micro-batches; one without PP."""
+    if spec.parallel.pp == 1:
+        return 1
+    return min(spec.parallel.pp - stage_index, spec.grad_accum_steps)
+
+
 def trace_stage(spec: TrialSpec, stage_index: int = 0, device_type: str = "cpu") -> StageTrace:
-    """Trace one rank of pipeline stage ``stage_index`` of ``spec`` as it is (every layer of the stage), as
-    the trial runs it on ``device_type`` ("cuda": the precision's autocast and FSDP2 parameter dtype)."""
+    """Trace one rank of pipeline stage ``stage_index`` of ``spec`` as it is (every layer of the stage, the
+    schedule's micro-batches in flight), as the trial runs it on ``device_type`` ("cuda": the precision's
+    autocast and FSDP2 parameter dtype)."""
+    (trace,) = _trace_stage(spec, stage_index, device_type, (in_flight(spec, stage_index),))
+    return trace
+
+
+def _trace_stage(spec: TrialSpec, stage_index: int, device_type: str, counts: tuple[int, ...]) -> list[StageTrace]:
+    """One build of the stage, traced once per count of micro-batches in flight (``_run_traced``)."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -215,7 +235,7 @@ def trace_stage(spec: TrialSpec, stage_index: int = 0, device_type: str = "cpu")
         for group in optimizer.param_groups:  # REFERENCE §11: fake foreach kernels inflate the step
             group["foreach"] = False
         with fake:
-            return _run_traced(spec, stage, optimizer, stage_index, mesh, dtype)
+            return _run_traced(spec, stage, optimizer, stage_index, mesh, dtype, counts)
     finally:
         dist.destroy_process_group()
 
@@ -247,12 +267,14 @@ def _fake_batch(spec: TrialSpec, stage_index: int, dtype: Optional[torch.dtype])
     return inputs, labels
 
 
-def _run_traced(spec: TrialSpec, stage, optimizer, stage_index: int, mesh,
-                dtype: Optional[torch.dtype]) -> StageTrace:
-    """Two optimizer steps of this stage as the engine runs them: the 1F1B order of micro-batches (all
-    forwards in flight first, then one backward per forward; one at a time without PP), enough of them to
-    accumulate gradients once, then the gradient clipping and the optimizer step; with the schedule's
-    receive buffers, one per micro-batch."""
+def _run_traced(spec: TrialSpec, stage, optimizer, stage_index: int, mesh, dtype: Optional[torch.dtype],
+                counts: tuple[int, ...]) -> list[StageTrace]:
+    """Optimizer steps of this stage as the engine runs them, each micro-batch in 1F1B's order (``k``
+    forwards in flight first, then one backward per forward; one at a time without PP) and the step's
+    gradient clipping and optimizer step; with the schedule's receive buffers, one per micro-batch. The first
+    step, with one micro-batch, creates the gradients and the optimizer states; then one step per ``k`` in
+    ``counts``, with ``k + 1`` micro-batches (the steady state's backward-then-forward included), gives
+    that count's trace (the optimizer step, the same for every count, runs after the first of them)."""
     import contextlib
 
     from hp_tool.trial import optim
@@ -262,11 +284,10 @@ def _run_traced(spec: TrialSpec, stage, optimizer, stage_index: int, mesh,
     par = spec.parallel
     tp_mesh = tp_mesh_of(mesh, par)
     m = spec.grad_accum_steps
-    in_flight = min(par.pp - stage_index, m) if par.pp > 1 else 1
     last = stage_index == par.pp - 1
     loss_fn = make_loss_fn(tp_mesh)
     pp_group = group_of(mesh, par, "pp")
-    batches = [_fake_batch(spec, stage_index, dtype) for _ in range(min(m, in_flight + 1))]
+    batches = [_fake_batch(spec, stage_index, dtype) for _ in range(min(m, max(counts) + 1))]
     tracker = TensorPeak()
     tracker.track(stage, optimizer, *[t for inputs, labels in batches for t in (*inputs, labels)])
 
@@ -298,22 +319,24 @@ def _run_traced(spec: TrialSpec, stage, optimizer, stage_index: int, mesh,
             recv_grads.extend([torch.empty_like(o) for o in outs] for _ in range(m))
         torch.autograd.backward(outs, recv_grads[0])  # the gradients the next stage sends
 
-    train_peak, steps = 0, []
+    train_peaks, steps = [], []
     with tracker:
-        for first in (True, False):
-            # the first step only creates the gradients and the optimizer states: one micro-batch will do;
-            # the second, with the states, runs the schedule
+        for k in (1, *counts):
+            first = not steps
             tracker.restart_peak()
             with loss_parallel_context(tp_mesh):
                 live = []
-                for inputs, labels in batches[:1] if first else batches:
-                    if len(live) == in_flight:
+                for inputs, labels in batches[:1] if first else batches[:k + 1]:
+                    if len(live) == k:
                         backward(live.pop(0))
                     live.append(forward(inputs, labels))
                 while live:
                     backward(live.pop(0))
             if not first:
-                train_peak = tracker.peak_bytes()
+                train_peaks.append(tracker.peak_bytes())
+            if len(steps) == 2:  # a later step is the same at any count in flight: once is enough
+                optimizer.zero_grad(set_to_none=True)
+                continue
             tracker.restart_peak()
             start = tracker.current_bytes()
             optim.clip_grad_norm(stage, spec.training.grad_clip, pp_group, frozenset(), torch.device("cpu"))
@@ -321,7 +344,7 @@ def _run_traced(spec: TrialSpec, stage, optimizer, stage_index: int, mesh,
             steps.append((start, tracker.peak_bytes()))
     del recv_inputs
     (_, first_peak), (states, later_peak) = steps
-    return StageTrace(train_peak, first_peak, states, later_peak - states)
+    return [StageTrace(train, first_peak, states, later_peak - states) for train in train_peaks]
 
 
 def stage_units(spec: TrialSpec) -> tuple[int, int, int]:
@@ -344,30 +367,38 @@ def _with_units(spec: TrialSpec, units: int, checkpointed_layers: int) -> TrialS
 
 def extrapolated_stage(spec: TrialSpec, stage_index: int = 0, device_type: str = "cpu",
                        whole_units: int = WHOLE_UNITS) -> StageTrace:
-    """The stage traced with one and two units of layers (see ``stage_units``) and extrapolated, phase by
-    phase, to its ``U`` units of which ``j`` are checkpointed (act_ckpt_layers / layers per unit; the
-    engine recomputes the first ones).
+    """The stage traced with one and two units of layers (see ``stage_units``) and with one and two
+    micro-batches in flight, and extrapolated, phase by phase, to its ``U`` units of which ``j`` are
+    checkpointed (act_ckpt_layers / layers per unit; the engine recomputes the first ones) and its ``K``
+    micro-batches in flight (``in_flight``).
 
-    A(1 unit), B(2 units), none checkpointed: per phase A + (U - 1)(B - A). All checkpointed: the same with
-    A and B checkpointed. Some: C(2 units, the first checkpointed) adds a checkpointed unit's increment,
-    A + (U - 1 - j)(B - A) + j(C - A). The fixed part (embedding, head, logits and loss, the gathered
-    unit FSDP2 prefetches, a checkpointed layer's recompute) is in A; each unit's states and the
-    activations of every micro-batch in flight grow with the increments. A stage of up to ``whole_units``
-    units is traced as it is, as fast as extrapolating it."""
+    Layers, for each count in flight: A(1 unit), B(2 units), none checkpointed: per phase A + (U - 1)(B - A).
+    All checkpointed: the same with A and B checkpointed. Some: C(2 units, the first checkpointed) adds a
+    checkpointed unit's increment, A + (U - 1 - j)(B - A) + j(C - A). The fixed part (embedding, head,
+    logits and loss, the gathered unit FSDP2 prefetches, a checkpointed layer's recompute) is in A; each
+    unit's states and the activations of every micro-batch in flight grow with the increments.
+    In flight, when K > 2: T(1) + (K - 1)(T(2) - T(1)); each micro-batch in flight adds its activations
+    (the receive buffers, one per micro-batch of the step, are there at any count). One build traces both
+    counts. A stage of up to ``whole_units`` units is traced with its own layers, as fast as
+    extrapolating them."""
     units, per_unit, _ = stage_units(spec)
+    k = in_flight(spec, stage_index)
+    counts, k_weights = ((1, 2), (2 - k, k - 1)) if k > 2 else ((k,), (1,))
+
+    def traced(layers: TrialSpec, weight: float) -> list[tuple[StageTrace, float]]:
+        traces = _trace_stage(layers, stage_index, device_type, counts)
+        return [(t, weight * w) for t, w in zip(traces, k_weights, strict=True)]
+
+    def at(n: int, checkpointed_units: int, weight: float) -> list[tuple[StageTrace, float]]:
+        return traced(_with_units(spec, n, checkpointed_units * per_unit), weight)
+
     if units <= max(2, whole_units):
-        return trace_stage(spec, stage_index, device_type)
+        return combine(traced(spec, 1))
     j = spec.parallel.act_ckpt_layers / per_unit
-
-    def at(n: int, checkpointed_units: int) -> StageTrace:
-        return trace_stage(_with_units(spec, n, checkpointed_units * per_unit), stage_index, device_type)
-
     if j in (0, units):
         ckpt = 1 if j else 0
-        a, b = at(1, ckpt), at(2, 2 * ckpt)
-        return combine([(a, 2 - units), (b, units - 1)])
-    a, b, c = at(1, 0), at(2, 0), at(2, 1)
-    return combine([(a, 2 - units), (b, units - 1 - j), (c, j)])
+        return combine(at(1, ckpt, 2 - units) + at(2, 2 * ckpt, units - 1))
+    return combine(at(1, 0, 2 - units) + at(2, 0, units - 1 - j) + at(2, 1, j))
 
 
 def traced_stages(spec: TrialSpec) -> list[int]:
