@@ -19,7 +19,7 @@ from hp_tool.config import memory_check_mode, to_app_config
 from hp_tool.errors import ConfigError
 from hp_tool.memory_check import Tracer
 from hp_tool.planner import candidate_trial_id, make_plan
-from hp_tool.trial.memtrace import extrapolated_stage, in_flight, trace_stage, traced_stages
+from hp_tool.trial.memtrace import extrapolated_stages, trace_stage, traced_stages
 from trial_helpers import tiny_spec
 
 REPO = Path(__file__).resolve().parent.parent
@@ -36,17 +36,20 @@ def deeper(spec, num_layers: int, act_ckpt: int = 0):
     ("llama", 8, {"pp": 2, "act_ckpt": 4}),  # a pipeline stage, every layer checkpointed
     ("t5", 4, {"dp": 2, "zero_stage": 0}),  # an encoder and a decoder layer per unit
     # 8 micro-batches, 4 in flight on the first stage: extrapolated from 1 and 2 in flight as well
+    # the last stage takes the layer increments of the first, or for T5 of the decoder's first
     ("gpt3", 16, {"pp": 4, "gbs": 16, "act_ckpt": 2}),
+    ("t5", 8, {"pp": 4}),
 ], ids=lambda v: v if isinstance(v, (str, int)) else "-".join(f"{k}{x}" for k, x in v.items()))
 def test_extrapolating_from_one_and_two_layers_matches_the_whole_trace(family, layers, layout):
     ckpt = layout.pop("act_ckpt", 0)
     spec = deeper(tiny_spec(family, **layout), layers, ckpt)
+    extrapolated = extrapolated_stages(spec, whole_units=2)  # force it at 4 layers per stage
+    in_flight_only = extrapolated_stages(spec)  # the stages' own layers, extrapolated in flight only
+    assert sorted(extrapolated) == sorted(in_flight_only) == traced_stages(spec)
     for stage in traced_stages(spec):
-        whole = trace_stage(spec, stage)
-        extrapolated = extrapolated_stage(spec, stage, whole_units=2)  # force it at 4 layers per stage
-        assert extrapolated.peak_bytes == pytest.approx(whole.peak_bytes, rel=0.01)
-        if in_flight(spec, stage) > 2:  # the stage's own layers, extrapolated in flight only
-            assert extrapolated_stage(spec, stage).peak_bytes == pytest.approx(whole.peak_bytes, rel=0.01)
+        whole = trace_stage(spec, stage).peak_bytes
+        assert extrapolated[stage].peak_bytes == pytest.approx(whole, rel=0.01)
+        assert in_flight_only[stage].peak_bytes == pytest.approx(whole, rel=0.01)
 
 
 def plan_for(tmp_path, tracer, *overrides):

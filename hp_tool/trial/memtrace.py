@@ -13,7 +13,7 @@ micro-batches in the schedule's order, each followed by the gradient clipping an
 GPU target the precision's autocast and FSDP2 parameter dtype are applied as on the GPU. No real memory
 is allocated, so any size traces on a login node. AdamW runs without foreach kernels (under fake tensors
 their grouped temporaries inflate the FSDP2 step). Deep stages are extrapolated from 1 and 2 layers,
-phase by phase (``extrapolated_stage``); ``traced_peak_bytes`` is the busiest rank's peak.
+phase by phase (``extrapolated_stages``); ``traced_peak_bytes`` is the busiest rank's peak.
 
 Pipeline stages are traced as their own modules (the first with the embedding, the last with the head and
 the loss; a middle stage receives hidden states and returns a gradient of its output's size), replaying
@@ -323,6 +323,9 @@ def _run_traced(spec: TrialSpec, stage, optimizer, stage_index: int, mesh, dtype
     with tracker:
         for k in (1, *counts):
             first = not steps
+            for inputs, _ in batches:  # the gradients a stage sends back go with the step that made them
+                for t in inputs:
+                    t.grad = None
             tracker.restart_peak()
             with loss_parallel_context(tp_mesh):
                 live = []
@@ -365,12 +368,58 @@ def _with_units(spec: TrialSpec, units: int, checkpointed_layers: int) -> TrialS
         parallel=dataclasses.replace(spec.parallel, act_ckpt_layers=checkpointed_layers))
 
 
-def extrapolated_stage(spec: TrialSpec, stage_index: int = 0, device_type: str = "cpu",
-                       whole_units: int = WHOLE_UNITS) -> StageTrace:
-    """The stage traced with one and two units of layers (see ``stage_units``) and with one and two
-    micro-batches in flight, and extrapolated, phase by phase, to its ``U`` units of which ``j`` are
-    checkpointed (act_ckpt_layers / layers per unit; the engine recomputes the first ones) and its ``K``
-    micro-batches in flight (``in_flight``).
+def _increment_donor(spec: TrialSpec, stage_index: int) -> Optional[int]:
+    """The traced stage whose layers are this stage's kind, whose per-unit increments (at one micro-batch in
+    flight) this stage can use, tracing only its one-unit fixed part: the first stage's for the last stage
+    of a decoder-only pipeline; T5/mT5's decoder's first stage for the last. None: trace its own."""
+    pp = spec.parallel.pp
+    if pp < 2 or stage_index != pp - 1:
+        return None
+    donor = pp // 2 if spec.model.decoder_seq_length else 0
+    return donor if donor != stage_index else None
+
+
+def _in_flight_counts(spec: TrialSpec, stage_index: int, with_one: bool = False
+                      ) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """(the counts in flight to trace, their weights) for the stage's ``K`` in flight: 1 and 2, extrapolated,
+    when K > 2 and the step has more micro-batches than K (1F1B's steady state, a backward then a forward,
+    is in every count's trace; without it, as when all the step's micro-batches are in flight at once, the
+    peak is not linear in K: K is traced as it is); ``with_one``: 1 traced as well (a stage lending its
+    increments at one in flight)."""
+    k = in_flight(spec, stage_index)
+    steady = spec.grad_accum_steps > k
+    if steady and (k > 2 or (with_one and k == 2)):
+        return (1, 2), (2 - k, k - 1)
+    if with_one and k > 1:
+        return (1, k), (0, 1)
+    return (k,), (1,)
+
+
+def _unit_traces(spec: TrialSpec, stage_index: int, device_type: str, counts: tuple[int, ...],
+                 mixed: bool) -> dict[str, list[StageTrace]]:
+    """The traces extrapolation needs, each at every count in flight: "A" one unit, "B" two units (both
+    checkpointed when the whole stage is), and when only some units are checkpointed "C", two units of
+    which the first is."""
+    units, per_unit, _ = stage_units(spec)
+    ckpt = 1 if spec.parallel.act_ckpt_layers == units * per_unit else 0
+
+    def at(n: int, checkpointed_units: int) -> list[StageTrace]:
+        return _trace_stage(_with_units(spec, n, checkpointed_units * per_unit), stage_index, device_type, counts)
+
+    traces = {"A": at(1, ckpt)}
+    if mixed:
+        traces["B"], traces["C"] = at(2, 0), at(2, 1)
+    else:
+        traces["B"] = at(2, 2 * ckpt)
+    return traces
+
+
+def extrapolated_stages(spec: TrialSpec, device_type: str = "cpu",
+                        whole_units: int = WHOLE_UNITS) -> dict[int, StageTrace]:
+    """Each of ``traced_stages`` traced with one and two units of layers (see ``stage_units``) and with one
+    and two micro-batches in flight, and extrapolated, phase by phase, to its ``U`` units of which ``j``
+    are checkpointed (act_ckpt_layers / layers per unit; the engine recomputes the first ones) and its
+    ``K`` micro-batches in flight (``in_flight``).
 
     Layers, for each count in flight: A(1 unit), B(2 units), none checkpointed: per phase A + (U - 1)(B - A).
     All checkpointed: the same with A and B checkpointed. Some: C(2 units, the first checkpointed) adds a
@@ -379,26 +428,36 @@ def extrapolated_stage(spec: TrialSpec, stage_index: int = 0, device_type: str =
     unit's states and the activations of every micro-batch in flight grow with the increments.
     In flight, when K > 2: T(1) + (K - 1)(T(2) - T(1)); each micro-batch in flight adds its activations
     (the receive buffers, one per micro-batch of the step, are there at any count). One build traces both
-    counts. A stage of up to ``whole_units`` units is traced with its own layers, as fast as
-    extrapolating them."""
+    counts. The last stage (K = 1) traces only its own A and takes the increments at one in flight from
+    the stage with its kind of layers (``_increment_donor``). Stages of up to ``whole_units`` units are
+    traced with their own layers, as fast as extrapolating them."""
     units, per_unit, _ = stage_units(spec)
-    k = in_flight(spec, stage_index)
-    counts, k_weights = ((1, 2), (2 - k, k - 1)) if k > 2 else ((k,), (1,))
-
-    def traced(layers: TrialSpec, weight: float) -> list[tuple[StageTrace, float]]:
-        traces = _trace_stage(layers, stage_index, device_type, counts)
-        return [(t, weight * w) for t, w in zip(traces, k_weights, strict=True)]
-
-    def at(n: int, checkpointed_units: int, weight: float) -> list[tuple[StageTrace, float]]:
-        return traced(_with_units(spec, n, checkpointed_units * per_unit), weight)
-
+    stages = traced_stages(spec)
+    out: dict[int, StageTrace] = {}
     if units <= max(2, whole_units):
-        return combine(traced(spec, 1))
+        for stage in stages:
+            counts, weights = _in_flight_counts(spec, stage)
+            out[stage] = combine(list(zip(_trace_stage(spec, stage, device_type, counts), weights, strict=True)))
+        return out
     j = spec.parallel.act_ckpt_layers / per_unit
-    if j in (0, units):
-        ckpt = 1 if j else 0
-        return combine(at(1, ckpt, 2 - units) + at(2, 2 * ckpt, units - 1))
-    return combine(at(1, 0, 2 - units) + at(2, 0, units - 1 - j) + at(2, 1, j))
+    mixed = j not in (0, units)
+    unit_weights = {"A": 2 - units, "B": units - 1 - (j if mixed else 0), "C": j}
+    lenders = {_increment_donor(spec, stage) for stage in stages}
+    lent: dict[int, dict[str, StageTrace]] = {}
+    for stage in stages:  # donors come first
+        donor = _increment_donor(spec, stage)
+        if donor is not None:
+            (a,) = _trace_stage(_with_units(spec, 1, per_unit if j == units else 0), stage, device_type, (1,))
+            terms = [(a, 1.0), (lent[donor]["A"], unit_weights["A"] - 1)]
+            out[stage] = combine(terms + [(t, unit_weights[key]) for key, t in lent[donor].items() if key != "A"])
+            continue
+        counts, weights = _in_flight_counts(spec, stage, with_one=stage in lenders)
+        traces = _unit_traces(spec, stage, device_type, counts, mixed)
+        if stage in lenders:
+            lent[stage] = {key: ts[counts.index(1)] for key, ts in traces.items()}
+        out[stage] = combine([(t, unit_weights[key] * w) for key, ts in traces.items()
+                              for t, w in zip(ts, weights, strict=True)])
+    return out
 
 
 def traced_stages(spec: TrialSpec) -> list[int]:
@@ -414,5 +473,5 @@ def traced_stages(spec: TrialSpec) -> list[int]:
 
 def traced_peak_bytes(spec: TrialSpec, device_type: str = "cpu") -> float:
     """Peak tensor bytes of the busiest rank of ``spec`` before launch: the most of ``traced_stages``, each
-    extrapolated from 1-2 layers (``extrapolated_stage``)."""
-    return max(extrapolated_stage(spec, stage, device_type).peak_bytes for stage in traced_stages(spec))
+    extrapolated from 1-2 layers (``extrapolated_stages``)."""
+    return max(trace.peak_bytes for trace in extrapolated_stages(spec, device_type).values())
