@@ -83,7 +83,7 @@ def test_activation_memory_by_hand():
     # s=8, b=2, h=16, 4 heads (d=4), 2 kv heads (k=8), f=40, bf16, no TP: counted tensor by tensor
     shape = Shape("llama", 1, 16, 4, 2, 40, 100, 8)
     sbh, sbk, sbf, abs_ = 8 * 2 * 16, 8 * 2 * 8, 8 * 2 * 40, 4 * 2 * 8
-    norms = 2 * (4 * sbh + 2 * sbh)             # fp32 input and bf16 output of both RMSNorms
+    norms = 2 * (4 * sbh + 2 * 2 * sbh)         # fp32 input, bf16 normalised value and output of both RMSNorms
     attention = 2 * (2 * sbh + 2 * sbk) + 4 * abs_  # q, output, k, v; fp32 log-sum-exp
     mlp = 4 * 2 * sbf                           # gate, up, SiLU(gate), product
     assert llama_activation_bytes_per_layer(shape, 2) == norms + attention + mlp

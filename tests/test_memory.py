@@ -1,10 +1,13 @@
 """Memory model against published numbers (Korthikanti et al. 2022; ZeRO paper)."""
 
+import functools
+
 import pytest
 
 from hp_tool.architectures import gpt3_shape
 from hp_tool.estimate.layout import Hardware, Layout
-from hp_tool.estimate.memory import activation_bytes_per_layer, estimate_memory, model_state_bytes
+from hp_tool.estimate.memory import activation_bytes_per_layer, estimate_memory
+from hp_tool.estimate.memory import model_state_bytes as _model_state_bytes
 
 GIB, MIB = 2**30, 2**20
 
@@ -25,7 +28,9 @@ def test_tensor_parallel_without_sp_keeps_replicated_part():
 
 
 def test_model_states_follow_zero_table():
+    """DeepSpeed's ZeRO: 16-bit weights and gradients, fp32 master and moments (2 + 2 + 12)."""
     psi = 1e9
+    model_state_bytes = functools.partial(_model_state_bytes, engine="deepspeed")
     assert model_state_bytes(psi, 8, 0) == 16 * psi
     assert model_state_bytes(psi, 8, 1) == 4 * psi + 12 * psi / 8
     assert model_state_bytes(psi, 8, 2) == 2 * psi + 14 * psi / 8
@@ -36,6 +41,16 @@ def test_model_states_follow_zero_table():
     assert model_state_bytes(psi, 8, 2, "optimizer") == 2 * psi + 2 * psi / 8
     assert model_state_bytes(psi, 8, 3, "optimizer") == 4 * psi / 8
     assert model_state_bytes(psi, 8, 3, "optimizer_and_params") == 0
+
+
+def test_torch_engine_states_keep_fp32_weights_as_the_master():
+    """The torch engine's parameters are fp32 (4), gradients fp32 (4), AdamW moments (8): ZeRO-1
+    (ShardedAdamW) shards the moments only, ZeRO-2 shards everything (FSDP2 shards the parameters too)."""
+    psi = 1e9
+    assert _model_state_bytes(psi, 8, 0) == 16 * psi
+    assert _model_state_bytes(psi, 8, 1) == 8 * psi + 8 * psi / 8
+    assert _model_state_bytes(psi, 8, 2) == _model_state_bytes(psi, 8, 3) == 16 * psi / 8
+    assert _model_state_bytes(psi, 8, 3, "optimizer_and_params") == 0
 
 
 HW = Hardware(gpus_per_node=8, gpu_memory_gb=80, peak_tflops=312, intra_node_bandwidth_gbps=200,

@@ -1,10 +1,14 @@
 """Analytic peak memory per GPU for one training layout. Pure arithmetic, no torch.
 
-Model states: mixed-precision Adam, 16 bytes per parameter (2 weights, 2 gradients, 12 fp32 master
-and Adam moments), each part divided over the data-parallel ranks from the ZeRO stage that shards it
-(Rajbhandari et al. 2020), and moved to host RAM when offloaded. Activations per layer: GPT from Korthikanti et al. 2022, "Reducing Activation Recomputation in
-Large Transformer Models", Table 2; Llama (GQA, SwiGLU, RMSNorm, RoPE) derived the same way in
-``llama_activation_bytes_per_layer``. Pipeline: 1F1B keeps up to PP micro-batches in flight on the first stage.
+Model states: mixed-precision Adam, 16 bytes per parameter (DeepSpeed: 2 weights, 2 gradients, 12 fp32
+master and Adam moments; the torch engine: 4 fp32 weights that are the master, 4 gradients, 8 moments),
+each part divided over the data-parallel ranks from the ZeRO stage that shards it (Rajbhandari et al.
+2020), and moved to host RAM when offloaded; plus the compute-dtype copy of the weights that forward makes
+and backward reads (``compute_copy_bytes``). Activations per layer: GPT from Korthikanti et al. 2022,
+"Reducing Activation Recomputation in Large Transformer Models", Table 2, without dropout masks (the trial
+engine runs without dropout); Llama (GQA, SwiGLU, RMSNorm, RoPE) and T5 derived tensor by tensor for the
+engine's modules. Each term is checked against the traced engine (tests/test_memory_check.py,
+benchmarks/memory_terms.py). Pipeline: 1F1B keeps up to PP micro-batches in flight on the first stage.
 Logits: a 16-bit logits tensor upcast to fp32 for the loss, plus its fp32 gradient.
 
 The trial engine shards the transformer layers across TP ranks, and the input embedding, the output head
@@ -32,18 +36,21 @@ HOST_PROCESS_OVERHEAD_GB = 3.0  # host RAM of one training process (torch, CUDA 
 
 def activation_bytes_per_layer(seq: int, mbs: int, hidden: int, heads: int, tp: int = 1,
                                sequence_parallel: bool = False, store_scores: bool = True,
-                               bytes_per_value: int = 2) -> float:
+                               bytes_per_value: int = 2, dropout: bool = True) -> float:
     """Bytes one transformer layer keeps for backward (Korthikanti et al. 2022), one micro-batch.
 
     ``store_scores=False`` drops the 5·a·s/h term: flash attention, or selective recompute.
+    ``dropout=False`` drops the dropout masks (2·sbh, and a·s²·b of the 5·a·s/h): the trial engine's
+    models run without dropout, so they keep 32·sbh (tests/test_memory_check.py checks it against the trace).
     The paper's numbers are for 16-bit values; ``bytes_per_value=4`` scales them for fp32.
     """
     sbh = seq * mbs * hidden
-    scores = 5 * heads * seq / hidden if store_scores else 0.0
+    scores = (5 if dropout else 2) * heads * seq / hidden if store_scores else 0.0
+    replicated = 10 if dropout else 8  # layer-norm inputs 4, projection inputs 4, dropout masks 2
     if sequence_parallel:
-        per_value = (34 + scores) / tp
+        per_value = (replicated + 24 + scores) / tp
     else:
-        per_value = 10 + 24 / tp + scores / tp
+        per_value = replicated + 24 / tp + scores / tp
     return sbh * per_value * bytes_per_value / 2
 
 
@@ -55,11 +62,12 @@ def llama_activation_bytes_per_layer(shape: Shape, mbs: int, tp: int = 1, sequen
     LlamaDecoderLayer, SDPA flash/efficient attention, no dropout, no biases). s = sequence, b = micro-batch,
     h = hidden, k = kv heads x head dim, f = FFN width, a = heads, p = bytes per value (2 for bf16):
 
-      attention RMSNorm: its input, upcast to fp32 (LlamaRMSNorm computes in fp32)      4·sbh
+      attention RMSNorm: its input upcast to fp32 (LlamaRMSNorm computes in fp32), the
+      normalised value cast back                                                        (4 + p)·sbh
       q, k, v projections: their input (the norm's output)                             p·sbh
       RoPE: nothing (cos/sin are shared buffers); q and k after RoPE are SDPA's inputs
       SDPA: q, k, v and its output (also o_proj's input), fp32 log-sum-exp per head    p·(2sbh + 2sbk) + 4·abs
-      MLP RMSNorm: its fp32 input                                                      4·sbh
+      MLP RMSNorm: as the attention's                                                  (4 + p)·sbh
       gate and up projections: their input                                             p·sbh
       SiLU(gate) * up: gate output, up output, SiLU output, product (down's input)     4p·sbf
 
@@ -71,7 +79,7 @@ def llama_activation_bytes_per_layer(shape: Shape, mbs: int, tp: int = 1, sequen
     k = shape.num_kv_heads * shape.head_dim
     p = bytes_per_value
     sp = tp if sequence_parallel else 1
-    norms = 2 * (4 + p) * s * b * h / sp
+    norms = 2 * (4 + 2 * p) * s * b * h / sp
     attention = (p * (2 * s * b * h + 2 * s * b * k) + 4 * a * b * s) / tp
     mlp = 4 * p * s * b * f / tp
     return norms + attention + mlp
@@ -84,14 +92,14 @@ def t5_activation_bytes_per_layer(shape: Shape, mbs: int, encoder: bool, tp: int
     tanh-GeLU gated FFN, no dropout). s = the layer's own length (encoder or decoder), e = the encoder's,
     b = micro-batch, h = hidden, A = heads x kv channels, a = heads, f = FFN width, p = bytes per value:
 
-      each RMS norm (T5LayerNorm): fp32 copy of its input, its input, the normalised value and its output
-      (the next projections' input)                                                     (4 + 3p)·sbh
+      each RMS norm (T5LayerNorm): fp32 copy of its input, its input (16-bit only: in fp32 the copy
+      is the input), the normalised value and its output (the next projections' input)  (4 + 3p)·sbh
       self-attention: q, k, v, the attention output (o's input)                         4p·sbA
-      scores: the fp32 softmax output and its 16-bit copy (PV's input)                  (4 + p)·abs²
+      scores: the softmax output in the compute dtype (PV's input)                      p·abs²
       gated FFN: wi_0's output (GeLU input), GeLU output, wi_1's output, product        4p·sbf
       decoder cross-attention (decoder layers only): its norm, q and its output over s,
       k and v over the encoder's e tokens, scores over s x e                            (4 + 3p)·sbh + 2p·sbA
-                                                                                        + 2p·ebA + (4 + p)·abse
+                                                                                        + 2p·ebA + p·abse
 
     The encoder output that every decoder layer's k/v projection reads is counted once per stage
     (``estimate_memory``). Projections, attention and FFN split over TP; norms are whole on every TP rank
@@ -100,13 +108,13 @@ def t5_activation_bytes_per_layer(shape: Shape, mbs: int, encoder: bool, tp: int
     big_a = shape.attention_dim
     s = shape.seq_length if encoder else shape.decoder_seq_length
     sp = tp if sequence_parallel else 1
-    norm = (4 + 3 * p) * s * b * h / sp
-    self_attention = (4 * p * s * b * big_a + (4 + p) * a * b * s * s) / tp
+    norm = (4 + 2 * p + (p if p < 4 else 0)) * s * b * h / sp
+    self_attention = (4 * p * s * b * big_a + p * a * b * s * s) / tp
     ffn = 4 * p * s * b * f / tp
     total = 2 * norm + self_attention + ffn
     if not encoder:
         e = shape.seq_length
-        total += norm + (2 * p * s * b * big_a + 2 * p * e * b * big_a + (4 + p) * a * b * s * e) / tp
+        total += norm + (2 * p * s * b * big_a + 2 * p * e * b * big_a + p * a * b * s * e) / tp
     return total
 
 
@@ -119,20 +127,52 @@ def layer_activation_bytes(shape: Shape, mbs: int, tp: int, sequence_parallel: b
     if shape.family == "llama":
         return llama_activation_bytes_per_layer(shape, mbs, tp, sequence_parallel, hw.bytes_per_value)
     return activation_bytes_per_layer(shape.seq_length, mbs, shape.hidden_size, shape.num_attention_heads, tp,
-                                      sequence_parallel, not hw.flash_attention, hw.bytes_per_value)
+                                      sequence_parallel, not hw.flash_attention, hw.bytes_per_value,
+                                      dropout=False)
 
 
-def model_state_bytes(params: float, dp: int, zero_stage: int = 3, offload: str = "none") -> float:
-    """GPU bytes of weights (2), gradients (2) and fp32 master + Adam moments (12) of ``params`` local
-    parameters: ZeRO-1 divides the 12 over the ``dp`` ranks, ZeRO-2 also the gradients, ZeRO-3 also the
-    weights (REFERENCE §5: 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N); offload leaves the optimizer part (and
-    with optimizer_and_params the weights and gradients too) in host RAM."""
+def model_state_bytes(params: float, dp: int, zero_stage: int = 3, offload: str = "none",
+                      engine: str = "torch") -> float:
+    """GPU bytes of the weights, gradients and optimizer states of ``params`` local parameters.
+
+    ``deepspeed``: 16-bit weights (2) and gradients (2), fp32 master and Adam moments (12); ZeRO-1 divides
+    the 12 over the ``dp`` ranks, ZeRO-2 also the gradients, ZeRO-3 also the weights (REFERENCE §5: 16Ψ,
+    4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N). ``torch``: the parameters are the fp32 master (4), gradients fp32
+    (4), Adam moments (8); ZeRO-1 (optim.ShardedAdamW) divides the moments, ZeRO-2 and 3 (FSDP2 shards the
+    parameters either way) all three: 16Ψ, 8Ψ + 8Ψ/N, 16Ψ/N, 16Ψ/N. The 16-bit compute copy is
+    ``compute_copy_bytes``. Offload leaves the optimizer part (and with optimizer_and_params the weights
+    and gradients too) in host RAM."""
     n = max(1, dp)
     on_gpu = offload != "optimizer_and_params"
-    weights = 2 * params / (n if zero_stage >= 3 else 1) if on_gpu else 0.0
-    grads = 2 * params / (n if zero_stage >= 2 else 1) if on_gpu else 0.0
-    optimizer = 12 * params / (n if zero_stage >= 1 else 1) if offload == "none" else 0.0
-    return weights + grads + optimizer
+    if engine == "deepspeed":
+        weights, grads, optimizer = 2.0, 2.0, 12.0
+        weights_div, grads_div = (n if zero_stage >= 3 else 1), (n if zero_stage >= 2 else 1)
+    else:
+        weights, grads, optimizer = 4.0, 4.0, 8.0
+        weights_div = grads_div = n if zero_stage >= 2 else 1
+    gpu_weights = weights * params / weights_div if on_gpu else 0.0
+    gpu_grads = grads * params / grads_div if on_gpu else 0.0
+    gpu_optimizer = optimizer * params / (n if zero_stage >= 1 else 1) if offload == "none" else 0.0
+    return gpu_weights + gpu_grads + gpu_optimizer
+
+
+def compute_copy_bytes(params: float, gathered_layer: float, layout: Layout, hw: Hardware) -> float:
+    """Bytes of the weights' compute-dtype copy that one step's forward makes and its backward reads, for a
+    stage of ``params`` local parameters whose largest layer has ``gathered_layer``.
+
+    Sharded weights (ZeRO-3, or FSDP2's offload): a gathered layer and the one prefetched. Torch engine
+    otherwise: over DP ranks, replicate (ZeRO 0-1) and FSDP2 at ZeRO-2 keep the whole stage unsharded in
+    the compute dtype until backward ends (fp32 too: the unsharded parameters are their own tensors); on
+    one rank, autocast's 16-bit casts of the weights (none in fp32). DeepSpeed keeps 16-bit weights: no copy.
+    Measured against the trace in tests/test_memory_check.py."""
+    bpv = hw.bytes_per_value
+    if layout.zero_stage >= 3 and (layout.dp > 1 or layout.offload == "optimizer_and_params"):
+        return 2 * bpv * gathered_layer
+    if layout.engine == "deepspeed":
+        return 0.0
+    if layout.dp > 1:
+        return bpv * params
+    return bpv * params if bpv < 4 else 0.0
 
 
 def stage_parameters(shape: Shape, tp: int, pp: int) -> list[float]:
@@ -200,16 +240,15 @@ def estimate_memory(shape: Shape, layout: Layout, hw: Hardware) -> MemoryEstimat
     tp, pp = layout.tp, layout.pp
     bpv = hw.bytes_per_value
     logits = layout.mbs * shape.target_length * shape.vocab_size * (bpv + 8) / tp  # vocab-parallel logits
-    sharded_weights = layout.zero_stage >= 3 and (layout.dp > 1 or layout.offload == "optimizer_and_params")
     gathered_layer = max(layer_parameters(shape), layer_parameters(shape, encoder=True)) / tp
-    gather = 2 * 2 * gathered_layer if sharded_weights else 0.0  # a gathered layer and the one prefetched
     best: MemoryEstimate | None = None
     best_total = -1.0
     for stage, params in enumerate(stage_parameters(shape, tp, pp)):
         per_microbatch, buffer = stage_activation_bytes(shape, layout, hw, stage)
         activations = min(pp - stage, layout.num_microbatches) * per_microbatch + buffer
         stage_logits = logits if stage == pp - 1 else 0.0
-        states = model_state_bytes(params, layout.dp, layout.zero_stage, layout.offload) + gather
+        states = (model_state_bytes(params, layout.dp, layout.zero_stage, layout.offload, layout.engine)
+                  + compute_copy_bytes(params, gathered_layer, layout, hw))
         total = states + activations + stage_logits
         if total > best_total:
             best_total = total

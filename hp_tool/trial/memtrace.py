@@ -31,6 +31,7 @@ within 1% of the whole stage's trace (tests/test_memory_check.py).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 from typing import Optional
@@ -207,6 +208,26 @@ def trace_stage(spec: TrialSpec, stage_index: int = 0, device_type: str = "cpu")
 
 def _trace_stage(spec: TrialSpec, stage_index: int, device_type: str, counts: tuple[int, ...]) -> list[StageTrace]:
     """One build of the stage, traced once per count of micro-batches in flight (``_run_traced``)."""
+    with _built(spec, stage_index, device_type) as (stage, optimizer, mesh, dtype):
+        return _run_traced(spec, stage, optimizer, stage_index, mesh, dtype, counts)
+
+
+def states_and_kept_bytes(spec: TrialSpec, stage_index: int = 0, device_type: str = "cpu") -> tuple[float, float]:
+    """(the bytes of parameters, gradients and optimizer states when a later optimizer step starts, the
+    bytes one micro-batch's forward leaves live until its backward) on a rank of stage ``stage_index``.
+    The second is the activations autograd saved, the output (the loss on the last stage) and the weights'
+    compute copies that forward made and backward reads (autocast's casts; FSDP2's and replicate's
+    unsharded parameters); taken after the first optimizer step, so without gradients. The terms the
+    analytic model adds up (hp_tool/trial/memterms.py compares them)."""
+    with _built(spec, stage_index, device_type) as (stage, optimizer, mesh, dtype):
+        (trace,) = _run_traced(spec, stage, optimizer, stage_index, mesh, dtype, (1,))
+        return trace.state_bytes, _forward_kept(spec, stage, stage_index, mesh, dtype)
+
+
+@contextlib.contextmanager
+def _built(spec: TrialSpec, stage_index: int, device_type: str):
+    """(stage, optimizer, mesh, compute dtype) of one rank of ``stage_index``, built as the engine builds
+    them on a fake process group of the layout's world size; the context is fake tensor mode."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -235,7 +256,7 @@ def _trace_stage(spec: TrialSpec, stage_index: int, device_type: str, counts: tu
         for group in optimizer.param_groups:  # REFERENCE §11: fake foreach kernels inflate the step
             group["foreach"] = False
         with fake:
-            return _run_traced(spec, stage, optimizer, stage_index, mesh, dtype, counts)
+            yield stage, optimizer, mesh, dtype
     finally:
         dist.destroy_process_group()
 
@@ -275,8 +296,6 @@ def _run_traced(spec: TrialSpec, stage, optimizer, stage_index: int, mesh, dtype
     step, with one micro-batch, creates the gradients and the optimizer states; then one step per ``k`` in
     ``counts``, with ``k + 1`` micro-batches (the steady state's backward-then-forward included), gives
     that count's trace (the optimizer step, the same for every count, runs after the first of them)."""
-    import contextlib
-
     from hp_tool.trial import optim
     from hp_tool.trial.engine import group_of, tp_mesh_of
     from hp_tool.trial.models import loss_parallel_context, make_loss_fn
@@ -348,6 +367,27 @@ def _run_traced(spec: TrialSpec, stage, optimizer, stage_index: int, mesh, dtype
     del recv_inputs
     (_, first_peak), (states, later_peak) = steps
     return [StageTrace(train, first_peak, states, later_peak - states) for train in train_peaks]
+
+
+def _forward_kept(spec: TrialSpec, stage, stage_index: int, mesh, dtype: Optional[torch.dtype]) -> float:
+    """Bytes live after one micro-batch's forward (its output kept) less those live before it."""
+    from hp_tool.trial.engine import tp_mesh_of
+    from hp_tool.trial.models import loss_parallel_context, make_loss_fn
+
+    tp_mesh = tp_mesh_of(mesh, spec.parallel)
+    inputs, labels = _fake_batch(spec, stage_index, dtype)
+    tracker = TensorPeak()
+    tracker.track(stage, *inputs, labels)
+    autocast = torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
+    with tracker, loss_parallel_context(tp_mesh):
+        before = tracker.current_bytes()
+        with autocast:
+            out = stage(*inputs)
+            if stage_index == spec.parallel.pp - 1:
+                out = make_loss_fn(tp_mesh)(out, labels)
+        kept = tracker.current_bytes() - before
+        del out
+    return kept
 
 
 def stage_units(spec: TrialSpec) -> tuple[int, int, int]:
