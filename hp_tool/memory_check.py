@@ -16,6 +16,7 @@ so a resumed or repeated search traces nothing twice.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import logging
 import multiprocessing
@@ -101,6 +102,28 @@ def trace_one(spec: TrialSpec, device_type: str) -> TraceOutcome:
     return TraceOutcome(peak / GB, "", time.monotonic() - start)
 
 
+def trace_siblings(specs: list[TrialSpec], device_type: str) -> list[TraceOutcome]:
+    """Trace candidates that differ only in their checkpointed layers, in one worker: none checkpointed,
+    then all, then some, so each reuses the builds the ones before made (memtrace._TRACES)."""
+    from hp_tool.trial.memtrace import stage_units
+
+    def order(spec: TrialSpec) -> tuple[bool, int]:
+        units, per_unit, _ = stage_units(spec)
+        k = spec.parallel.act_ckpt_layers
+        return 0 < k < units * per_unit, k
+
+    ranked = sorted(range(len(specs)), key=lambda i: order(specs[i]))
+    out: list[Optional[TraceOutcome]] = [None] * len(specs)
+    for i in ranked:
+        out[i] = trace_one(specs[i], device_type)
+    return out  # type: ignore[return-value]
+
+
+def sibling_key(spec: TrialSpec) -> str:
+    """What candidates that share traces have in common: everything but the checkpointed layers."""
+    return dataclasses.replace(spec, parallel=dataclasses.replace(spec.parallel, act_ckpt_layers=0)).fingerprint()
+
+
 class Tracer:
     """Traces lists of candidate specs over ``workers`` processes, remembering each by its key.
 
@@ -150,22 +173,30 @@ class Tracer:
         return out  # type: ignore[return-value]
 
     def _trace(self, jobs: dict[str, TrialSpec]) -> dict[str, TraceOutcome]:
-        """Trace ``jobs`` (key: spec) in worker processes; a worker that died is not remembered."""
-        workers = min(self.workers, len(jobs))
+        """Trace ``jobs`` (key: spec) in worker processes, candidates that differ only in checkpointing
+        together (``trace_siblings``); a worker that died is not remembered."""
+        groups: dict[str, list[str]] = {}
+        for key, spec in jobs.items():
+            groups.setdefault(sibling_key(spec), []).append(key)
+        workers = min(self.workers, len(groups))
         log.info("Tracing the memory of %d candidates on %d processes", len(jobs), workers)
         context = multiprocessing.get_context("spawn")  # a fresh interpreter: no state shared with ours
         done: dict[str, TraceOutcome] = {}
         with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_init) as pool:
-            futures = {pool.submit(trace_one, spec, self.device_type): key for key, spec in jobs.items()}
+            futures = {pool.submit(trace_siblings, [jobs[k] for k in keys], self.device_type): keys
+                       for keys in groups.values()}
             for future in concurrent.futures.as_completed(futures):
-                key = futures[future]
+                keys = futures[future]
                 try:
-                    outcome = done[key] = future.result()
+                    outcomes = future.result()
                 except Exception as exc:  # noqa: BLE001 - a worker that died (killed, out of memory)
-                    done[key] = TraceOutcome(None, f"the trace process failed ({type(exc).__name__}: {exc})")
+                    for key in keys:
+                        done[key] = TraceOutcome(None, f"the trace process failed ({type(exc).__name__}: {exc})")
                     continue
-                self.cache[key] = {"tensor_gb": outcome.tensor_gb, "reason": outcome.reason,
-                                   "seconds": round(outcome.seconds, 3)}
-                self.traced += 1
-                self.seconds.append(outcome.seconds)
+                for key, outcome in zip(keys, outcomes):
+                    done[key] = outcome
+                    self.cache[key] = {"tensor_gb": outcome.tensor_gb, "reason": outcome.reason,
+                                       "seconds": round(outcome.seconds, 3)}
+                    self.traced += 1
+                    self.seconds.append(outcome.seconds)
         return done

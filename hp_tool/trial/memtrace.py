@@ -206,10 +206,20 @@ def trace_stage(spec: TrialSpec, stage_index: int = 0, device_type: str = "cpu")
     return trace
 
 
+# This process's traces by (spec fingerprint, stage, device, counts in flight): candidates that differ only
+# in how many layers they checkpoint extrapolate from the same one- and two-unit builds, so a worker
+# that traces them in turn (memory_check groups them) builds each once.
+_TRACES: dict[tuple, list[StageTrace]] = {}
+
+
 def _trace_stage(spec: TrialSpec, stage_index: int, device_type: str, counts: tuple[int, ...]) -> list[StageTrace]:
-    """One build of the stage, traced once per count of micro-batches in flight (``_run_traced``)."""
-    with _built(spec, stage_index, device_type) as (stage, optimizer, mesh, dtype):
-        return _run_traced(spec, stage, optimizer, stage_index, mesh, dtype, counts)
+    """One build of the stage, traced once per count of micro-batches in flight (``_run_traced``); a build
+    this process traced before is not traced again."""
+    key = (spec.fingerprint(), stage_index, device_type, counts)
+    if key not in _TRACES:
+        with _built(spec, stage_index, device_type) as (stage, optimizer, mesh, dtype):
+            _TRACES[key] = _run_traced(spec, stage, optimizer, stage_index, mesh, dtype, counts)
+    return _TRACES[key]
 
 
 def states_and_kept_bytes(spec: TrialSpec, stage_index: int = 0, device_type: str = "cpu") -> tuple[float, float]:
