@@ -10,7 +10,9 @@ trial's stage exactly as the engine does (``build_stage`` and ``parallelize_stag
 DDP / FSDP2), then inside ``FakeTensorMode`` materialises it and runs two optimizer steps: the first with
 one micro-batch (it creates the gradients and the optimizer states), the second with the step's
 micro-batches in the schedule's order, each followed by the gradient clipping and the AdamW step. For a
-GPU target the precision's autocast and FSDP2 parameter dtype are applied as on the GPU. No real memory
+GPU target the precision's autocast and FSDP2 parameter dtype are applied as on the GPU (a pipeline's
+whole step in one autocast region, whose casts of the weights live until the step ends, as the engine
+runs it; without PP one region per forward). No real memory
 is allocated, so any size traces on a login node. AdamW runs without foreach kernels (under fake tensors
 their grouped temporaries inflate the FSDP2 step). Deep stages are extrapolated from 1 and 2 layers,
 phase by phase (``extrapolated_stages``); ``traced_peak_bytes`` is the busiest rank's peak.
@@ -323,11 +325,16 @@ def _run_traced(spec: TrialSpec, stage, optimizer, stage_index: int, mesh, dtype
     def autocast():  # the GPU's autocast, on the CPU's fake tensors
         return torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
+    # the engine runs a pipeline's whole step in one autocast region (so autocast casts each weight once a
+    # step and keeps the cast until the region ends), without PP one region per micro-batch's forward
+    step_autocast = autocast if par.pp > 1 else contextlib.nullcontext
+    forward_autocast = contextlib.nullcontext if par.pp > 1 else autocast
+
     def forward(inputs, labels) -> tuple:
         """(what backward starts from, what stays referenced until then): the last stage's loss right away,
         as the engine and the schedule do; the schedule also keeps each stage's output until its backward
         (the engine without PP does not)."""
-        with autocast():
+        with forward_autocast():
             out = stage(*inputs)
             if not last:
                 return (out if isinstance(out, tuple) else (out,)), None
@@ -356,7 +363,7 @@ def _run_traced(spec: TrialSpec, stage, optimizer, stage_index: int, mesh, dtype
                 for t in inputs:
                     t.grad = None
             tracker.restart_peak()
-            with loss_parallel_context(tp_mesh):
+            with loss_parallel_context(tp_mesh), step_autocast():
                 live = []
                 for inputs, labels in batches[:1] if first else batches[:k + 1]:
                     if len(live) == k:
