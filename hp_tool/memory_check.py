@@ -32,7 +32,7 @@ from hp_tool.trial.spec import TrialSpec
 log = logging.getLogger(__name__)
 
 MEMORY_CHECKS = ("traced", "analytic")
-TRACE_VERSION = 1  # bump when the trace counts differently: cached traces of another version are redone
+TRACE_VERSION = 2  # bump when the trace counts differently: cached traces of another version are redone
 CACHE_FILE = "memory_traces.json"  # in candidate_configs/
 
 

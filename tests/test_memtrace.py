@@ -51,6 +51,9 @@ def measured_peak(tmp_path, spec) -> float:
     ("t5", {"tp": 2}),
     ("t5", {"tp": 2, "dp": 2}),
     ("t5", {"pp": 2, "act_ckpt": 1}),  # an encoder stage and a decoder stage
+    # PP over FSDP2 / replicate: the schedule defers reduction and resharding to the step's last backward
+    ("gpt3", {"pp": 2, "dp": 2, "zero_stage": 3, "gbs": 16}),
+    ("llama", {"pp": 2, "dp": 2, "zero_stage": 0, "gbs": 16}),
 ], ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}{x}" for k, x in v.items()) or "single")
 def test_traced_peak_matches_the_real_runs_peak_per_rank(tmp_path, family, layout):
     spec = tiny_spec(family, max_steps=3, warmup_steps=2, **layout)  # two untimed steps are measured

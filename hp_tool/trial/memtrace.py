@@ -22,7 +22,8 @@ the loss; a middle stage receives hidden states and returns a gradient of its ou
 1F1B's order: ``min(PP - stage, micro-batches)`` forwards in flight, then one backward per forward, with
 what torch.distributed.pipelining holds besides: one receive buffer per micro-batch for the whole run
 (activations on all stages but the first, gradients on all but the last) and each stage output until its
-backward.
+backward; over FSDP2 or replicate, unsharded parameters and gradients kept until the step's last backward,
+where the schedule reduces and reshards.
 
 Fidelity on CPU (tests/test_memtrace.py, benchmarks/memory_trace.py): equal to the real run's measured
 peak per rank for one process, DDP and FSDP2 with and without checkpointing (the real run's foreach AdamW
@@ -36,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
@@ -346,7 +348,19 @@ def _run_traced(spec: TrialSpec, stage, optimizer, stage_index: int, mesh, dtype
     recv_inputs = [[torch.empty_like(t) for t in batches[0][0]] for _ in range(m - len(batches))] \
         if stage_index else []
 
+    # under PP, torch.distributed.pipelining runs an FSDP2 / replicate stage's backwards without gradient
+    # reduction or resharding (unsharded parameters and gradients accumulate over the step's micro-batches)
+    # and reduces and reshards once after the last (PipelineStage.perform_reduce_grad, called here as is)
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.pipelining.stage import PipelineStage
+
+    deferred_reduction = par.pp > 1 and isinstance(stage, FSDPModule)
+
     def backward(pending: tuple) -> None:
+        if deferred_reduction:
+            stage.set_is_last_backward(False)
+            stage.set_reshard_after_backward(False)
+            stage.set_requires_gradient_sync(False)
         outs = pending[0]
         if last:
             outs[0].backward()
@@ -371,6 +385,8 @@ def _run_traced(spec: TrialSpec, stage, optimizer, stage_index: int, mesh, dtype
                     live.append(forward(inputs, labels))
                 while live:
                     backward(live.pop(0))
+                if deferred_reduction:
+                    PipelineStage.perform_reduce_grad(SimpleNamespace(submod=stage), grad_scale_factor=1)
             if not first:
                 train_peaks.append(tracker.peak_bytes())
             if len(steps) == 2:  # a later step is the same at any count in flight: once is enough
