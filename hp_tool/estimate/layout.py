@@ -24,6 +24,7 @@ class Layout:
     offload: str = "none"  # none | optimizer | optimizer_and_params
     engine: str = "torch"  # torch | deepspeed
     sequence_parallel: bool = False
+    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved 1F1B when > 1)
 
     @property
     def num_microbatches(self) -> int:

@@ -1,11 +1,12 @@
 """Analytic time of one optimizer step for a training layout. Pure arithmetic, no torch.
 
 compute   = (model + recompute FLOPs) / (GPUs · peak · efficiency), efficiency growing with the matmul
-            sizes a micro-batch gives each GPU;
-bubble    = compute · (PP − 1) / m for m micro-batches per replica (1F1B, Narayanan et al. 2021);
+            sizes a micro-batch gives each GPU (``matmul_efficiency``);
+bubble    = compute · (PP − 1) / (v · m) for m micro-batches per replica and v virtual stages per GPU
+            (1F1B, interleaved when v > 1; Narayanan et al. 2021);
 TP comm   = ring all-reduces of the layer activations, 2 in forward and 2 in backward per layer, plus
             2 per recomputed layer;
-PP comm   = point-to-point activations and gradients between stages;
+PP comm   = point-to-point activations and gradients between stages, v times as many when interleaved;
 DP comm   = gradient reduction (ZeRO 0-2: one all-reduce's volume, as reduce-scatter + all-gather) and,
             at ZeRO-3, the parameter all-gathers of forward and backward (1.5x); up to DP_OVERLAP of it
             hides behind the compute it can overlap (backward for stages 0-2, forward and backward for
@@ -13,12 +14,12 @@ DP comm   = gradient reduction (ZeRO 0-2: one all-reduce's volume, as reduce-sca
 offload   = host-device PCIe traffic of the offloaded shard (gradients down, updated weights up, and
             with parameter offload the weights up for every micro-batch's forward and backward) plus
             the optimizer step on the CPU (CPU_ADAM_PARAMS_PER_S per node, shared by its GPUs).
-The constants are deliberately few; trials measure the truth and calibrate them.
+The constants are deliberately few; trials measure the truth and calibrate them. Validated on published
+runs (REFERENCE §12) by benchmarks/published_runs.py.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from hp_tool.architectures import (Shape, checkpointed_layer_counts, model_flops_per_step,
@@ -26,9 +27,9 @@ from hp_tool.architectures import (Shape, checkpointed_layer_counts, model_flops
                                    vocab_parallel_parameters)
 from hp_tool.estimate.layout import GB, Hardware, Layout
 
-MAX_EFFICIENCY = 0.6  # best achievable fraction of peak for large dense matmuls
-TOKENS_SCALE = 1024.0  # tokens per micro-batch at which efficiency reaches 63% of its saturation
-WIDTH_SCALE = 512.0  # hidden columns per TP rank at which efficiency reaches 63% of its saturation
+MAX_EFFICIENCY = 0.7  # the fraction of peak large dense matmuls approach (best published runs: 0.5-0.65)
+WIDTH_HALF = 384.0  # hidden columns per TP rank at which efficiency is half its saturation
+TOKENS_HALF = 128.0  # tokens per micro-batch at which efficiency is half its saturation
 DP_OVERLAP = 0.5  # at most this fraction of data-parallel communication hides behind compute
 DP_VOLUME = {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.5}  # ZeRO stage -> data-parallel traffic, in all-reduces
 CPU_ADAM_PARAMS_PER_S = 4e9  # parameters per second a node's CPUs update with Adam (DeepSpeed CPU-Adam,
@@ -52,10 +53,16 @@ class StepTimeEstimate:
 
 
 def matmul_efficiency(shape: Shape, layout: Layout) -> float:
-    """Fraction of peak a GPU reaches for this micro-batch and TP width (0 < e <= MAX_EFFICIENCY)."""
+    """Fraction of peak a GPU reaches for this micro-batch and TP width (0 < e < MAX_EFFICIENCY).
+
+    A layer's GEMMs are (tokens of the micro-batch) x (hidden) x (hidden / TP) and wider; each dimension
+    below a few hundred leaves the tensor cores underfed, and the work that is not a GEMM (norms,
+    softmax, element-wise, launches) costs per token about in proportion to hidden / TP while the GEMMs
+    cost its square: efficiency rises hyperbolically with both and saturates at MAX_EFFICIENCY.
+    Constants fitted to Narayanan et al. 2021's Table 1 (benchmarks/published_runs.py)."""
     tokens = layout.mbs * shape.seq_length
     width = shape.hidden_size / layout.tp
-    return MAX_EFFICIENCY * (1 - math.exp(-tokens / TOKENS_SCALE)) * (1 - math.exp(-width / WIDTH_SCALE))
+    return MAX_EFFICIENCY * width / (width + WIDTH_HALF) * tokens / (tokens + TOKENS_HALF)
 
 
 def _ring_allreduce_s(nbytes: float, ranks: int, bandwidth_gbps: float) -> float:
@@ -122,7 +129,7 @@ def estimate_step_time(shape: Shape, layout: Layout, hw: Hardware, num_nodes: in
     """Predicted seconds per optimizer step of the full run on ``num_nodes`` nodes."""
     m = layout.num_microbatches
     compute = compute_s(shape, layout, hw)
-    bubble = compute * (layout.pp - 1) / m
+    bubble = compute * (layout.pp - 1) / (layout.virtual_stages * m)
 
     tp_bw = hw.intra_node_bandwidth_gbps if layout.tp <= hw.gpus_per_node else hw.inter_node_bandwidth_gbps
     tp_comm = m * _ring_allreduce_s(tp_allreduce_bytes(shape, layout, hw), layout.tp, tp_bw)
@@ -134,7 +141,8 @@ def estimate_step_time(shape: Shape, layout: Layout, hw: Hardware, num_nodes: in
         # an encoder-decoder's stages pass the encoder's and the decoder's hidden states
         tokens = shape.seq_length + (shape.decoder_seq_length or 0)
         boundary_bytes = layout.mbs * tokens * shape.hidden_size * hw.bytes_per_value
-        pp_comm = 2 * (m + layout.pp - 1) * boundary_bytes / layout.tp / (pp_bw * GB)
+        crossings = layout.virtual_stages * (m + layout.pp - 1)  # each micro-batch crosses v times more
+        pp_comm = 2 * crossings * boundary_bytes / layout.tp / (pp_bw * GB)
 
     return StepTimeEstimate(compute, bubble, tp_comm, pp_comm, dp_comm_s(shape, layout, hw, num_nodes),
                             offload_s(shape, layout, hw))

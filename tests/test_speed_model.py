@@ -1,0 +1,62 @@
+"""The step-time model: matmul efficiency from the GEMM shapes, interleaved pipelining, and its accuracy on
+published runs (Narayanan et al. 2021, Table 1; benchmarks/published_runs.py prints the same numbers)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import statistics
+from pathlib import Path
+
+import pytest
+
+from hp_tool.architectures import Shape
+from hp_tool.estimate.layout import Hardware, Layout
+from hp_tool.estimate.memory import estimate_memory
+from hp_tool.estimate.speed import MAX_EFFICIENCY, estimate_step_time, matmul_efficiency
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "published_runs.py"
+GPT_20B = Shape("gpt3", 44, 6144, 48, 48, 4 * 6144, 51200, 2048)
+
+
+def published():
+    spec = importlib.util.spec_from_file_location("published_runs", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_efficiency_rises_with_width_per_tp_rank_and_tokens_and_saturates():
+    base = Layout(tp=8, pp=1, dp=1, mbs=1, act_ckpt_layers=0, global_batch_size=8)
+    by_tp = [matmul_efficiency(GPT_20B, dataclasses.replace(base, tp=tp)) for tp in (8, 4, 2, 1)]
+    by_mbs = [matmul_efficiency(GPT_20B, dataclasses.replace(base, mbs=mbs)) for mbs in (1, 2, 4, 8)]
+    assert by_tp == sorted(by_tp) and by_mbs == sorted(by_mbs)
+    assert by_tp[0] < by_tp[-1] < MAX_EFFICIENCY
+    assert MAX_EFFICIENCY > 0.6  # the best published runs reach 0.5-0.65 of peak with everything else
+
+
+def test_virtual_stages_divide_the_bubble_multiply_the_p2p_and_raise_activation_memory():
+    hw = Hardware(gpus_per_node=8, gpu_memory_gb=80, peak_tflops=312, intra_node_bandwidth_gbps=300,
+                  inter_node_bandwidth_gbps=25, memory_overhead_gb=3, precision="bf16")
+    plain = Layout(tp=8, pp=4, dp=1, mbs=1, act_ckpt_layers=0, global_batch_size=16)
+    inter = dataclasses.replace(plain, virtual_stages=2)
+    a, b = (estimate_step_time(GPT_20B, x, hw, num_nodes=4) for x in (plain, inter))
+    assert b.compute_s == a.compute_s
+    assert b.bubble_s == pytest.approx(a.bubble_s / 2)
+    assert b.pp_comm_s == pytest.approx(a.pp_comm_s * 2)
+    ma, mb = (estimate_memory(GPT_20B, x, hw) for x in (plain, inter))
+    assert mb.activations_gb == pytest.approx(ma.activations_gb * (1 + 3 / 8), rel=0.02)  # 1 + (p-1)/(p·v)
+
+
+def test_published_runs_median_error_and_rank_correlation_meet_the_targets():
+    bench = published()
+    hw = bench.a100()
+    measured, predicted = [], []
+    for size, layers, hidden, heads, tp, pp, gpus, batch, mbs, v, tflops in bench.TABLE_1:
+        shape = Shape("gpt3", layers, hidden, heads, heads, 4 * hidden, bench.VOCAB, bench.SEQ)
+        layout = Layout(tp, pp, gpus // (tp * pp), mbs, -(-layers // pp), batch, zero_stage=0, virtual_stages=v)
+        measured.append(bench.measured_step_s(layers, hidden, gpus, batch, tflops))
+        predicted.append(estimate_step_time(shape, layout, hw, num_nodes=gpus // 8).total_s)
+    errors = [abs(p - m) / m for p, m in zip(predicted, measured)]
+    assert statistics.median(errors) <= 0.10
+    assert bench.spearman(measured, predicted) >= 0.9
