@@ -160,12 +160,20 @@ def compute_copy_bytes(params: float, gathered_layer: float, layout: Layout, hw:
     """Bytes of the weights' compute-dtype copy that one step's forward makes and its backward reads, for a
     stage of ``params`` local parameters whose largest layer has ``gathered_layer``.
 
-    Sharded weights (ZeRO-3, or FSDP2's offload): a gathered layer and the one prefetched. Torch engine
+    Under PP over FSDP2 (torch engine, ZeRO-2/3): the whole stage unsharded and its fp32 gradients, the
+    schedule reshards and reduces only after the step's last backward. Otherwise sharded weights (ZeRO-3,
+    or FSDP2's offload): a gathered layer and the one prefetched. Torch engine
     otherwise: over DP ranks, replicate (ZeRO 0-1) and FSDP2 at ZeRO-2 keep the whole stage unsharded in
     the compute dtype until backward ends (fp32 too: the unsharded parameters are their own tensors); on
     one rank, autocast's 16-bit casts of the weights (none in fp32). DeepSpeed keeps 16-bit weights: no copy.
     Measured against the trace in tests/test_memory_check.py."""
     bpv = hw.bytes_per_value
+    if (layout.engine == "torch" and layout.pp > 1 and layout.dp > 1 and layout.zero_stage >= 2
+            and layout.offload == "none"):
+        # torch.distributed.pipelining defers FSDP2's reduction and resharding to the step's last backward:
+        # the stage stays unsharded in the compute dtype and its gradients accumulate unsharded in fp32
+        # (in place of their shard, counted in the states)
+        return bpv * params + 4 * params * (1 - 1 / layout.dp)
     if layout.zero_stage >= 3 and (layout.dp > 1 or layout.offload == "optimizer_and_params"):
         return 2 * bpv * gathered_layer
     if layout.engine == "deepspeed":
