@@ -59,6 +59,8 @@ class Candidate:
     traced_memory_gb: Optional[float] = None  # traced peak per GPU in the trial (tensors + overhead)
     memory_check: str = "analytic"  # what the fit was judged on: traced, or analytic (and why not traced)
     step_time_s: Optional[float] = None  # predicted optimizer step of the full run
+    compute_time_s: Optional[float] = None  # its compute part (matmuls, recompute, pipeline bubble)
+    comm_time_s: Optional[float] = None  # the rest: TP / PP / DP communication and offload
     tokens_per_s_per_gpu: Optional[float] = None
     model_tflops_per_gpu: Optional[float] = None
     rank: Optional[int] = None  # 1 = predicted fastest, among valid and fitting candidates
@@ -207,8 +209,10 @@ def estimate(shape: Shape, c: Candidate, gbs: int, cluster: Cluster, usable_gb: 
     c.memory_gb = estimate_memory(shape, trial, hw).total_gb
     c.host_memory_gb = max(host_memory_gb(shape, trial, c.trial_gpus_per_node, gather_checkpoint=False),
                            host_memory_gb(shape, full, hw.gpus_per_node, gather_checkpoint=True))
-    step = estimate_step_time(shape, full, hw, cluster.num_nodes).total_s
-    c.step_time_s = step
+    split = estimate_step_time(shape, full, hw, cluster.num_nodes)
+    step = c.step_time_s = split.total_s
+    c.compute_time_s = split.compute_s + split.bubble_s
+    c.comm_time_s = step - c.compute_time_s
     rate = throughput(shape, gbs, step, cluster.gpus, hw.peak_tflops)
     c.tokens_per_s_per_gpu, c.model_tflops_per_gpu = rate["tokens_per_s_per_gpu"], rate["model_tflops_per_gpu"]
 

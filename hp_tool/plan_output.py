@@ -21,7 +21,8 @@ PLAN_COLUMNS = (
     "trial_id", "model_family", "model_size_b", "tp", "pp", "dp", "mbs", "act_ckpt_layers",
     "engine", "zero_stage", "offload", "global_batch_size", "num_nodes", "trial_num_nodes", "trial_dp", "trial_global_batch_size",
     "fingerprint", "predicted_memory_gb", "traced_memory_gb", "memory_check",
-    "predicted_full_memory_gb", "predicted_host_memory_gb", "predicted_step_time_s", "predicted_tokens_per_s_per_gpu",
+    "predicted_full_memory_gb", "predicted_host_memory_gb", "predicted_step_time_s", "predicted_compute_s",
+    "predicted_comm_s", "predicted_tokens_per_s_per_gpu",
     "predicted_model_tflops_per_gpu", "predicted_days_to_train", "predicted_full_run_cost_usd",
     "predicted_cost_usd_per_million_tokens", "predicted_rank", "plan_status", "reason",
 )
@@ -58,6 +59,7 @@ def plan_rows(plan: Plan) -> Iterable[dict[str, Any]]:
             "predicted_full_memory_gb": _round(c.full_memory_gb, 3),
             "predicted_host_memory_gb": _round(c.host_memory_gb, 2),
             "predicted_step_time_s": _round(c.step_time_s, 6),
+            "predicted_compute_s": _round(c.compute_time_s, 6), "predicted_comm_s": _round(c.comm_time_s, 6),
             "predicted_tokens_per_s_per_gpu": _round(c.tokens_per_s_per_gpu, 2),
             "predicted_model_tflops_per_gpu": _round(c.model_tflops_per_gpu, 3),
             "predicted_days_to_train": _round(days, 3),

@@ -9,7 +9,7 @@ from test_results_helpers import planned, selected_ids, trial_dir, write_failed,
 
 from hp_tool.estimate.layout import Hardware, Layout
 from hp_tool.estimate.speed import dp_comm_s, extrapolate_step_time_s
-from hp_tool.results.collect import RANK_COLUMN, collect_trials, full_run_for, successful
+from hp_tool.results.collect import RANK_COLUMN, collect_trials, full_run_for, read_plan, successful
 
 
 def test_rank_follows_measured_speed_not_any_file_or_plan_order(tmp_path):
@@ -154,3 +154,25 @@ def test_trial_directory_outside_the_plan_is_shown_not_ranked(tmp_path):
     assert df.loc[stray.name, "plan_status"] == "not_in_plan" and df.isna().loc[stray.name, "rank"]
     assert "not in candidate_configs/plan.csv" in df.loc[stray.name, "reason"]
     assert successful(df.reset_index())["trial_id"].tolist() == [selected_ids(plan)[0]]
+
+
+def test_measured_trials_calibrate_every_candidates_prediction(tmp_path):
+    """all_trials shows the raw and the calibrated prediction: trials measured 1.7x slower than predicted
+    move every prediction, run or not, by the same factor; memory by the median measured gap."""
+    _, out, plan = planned(tmp_path)
+    ids = selected_ids(plan)
+    predicted = {r["trial_id"]: r for r in read_plan(out)}
+    measured, unmeasured = ids[:-2], ids[-2:]
+    for i, tid in enumerate(measured):
+        p = predicted[tid]
+        write_ok(out, tid, 1.7 * p["predicted_step_time_s"] * (1.01 if i % 2 else 0.99),
+                 peak_memory_gb=p["predicted_memory_gb"] + 0.25)
+    df = collect_trials(out).set_index("trial_id")
+    for tid in unmeasured:
+        row = df.loc[tid]
+        assert row["status"] == "not_run"
+        assert row["calibrated_step_time_s"] == pytest.approx(1.7 * row["predicted_step_time_s"], rel=0.02)
+        assert row["calibrated_memory_gb"] == pytest.approx(row["predicted_memory_gb"] + 0.25, abs=1e-6)
+    ran = df.loc[measured]
+    assert (ran["calibrated_step_time_error_pct"].abs() < 2).all()
+    assert (ran["step_time_error_pct"] > 60).all()  # the raw prediction, kept beside it

@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 import pandas as pd
 
+from hp_tool.calibration import StepPoint, fit_memory_offset, fit_step_factors
 from hp_tool.cost import cost_columns
 from hp_tool.errors import ConfigError
 from hp_tool.estimate.layout import Layout
@@ -49,11 +50,13 @@ TABLE_COLUMNS = (
     "rank", "trial_id", "status", "reason", "plan_status", "model_family", "model_size_b",
     "tp", "pp", "dp", "mbs", "act_ckpt_layers", "engine", "zero_stage", "offload", "global_batch_size",
     "num_nodes", "num_gpus", "trial_num_nodes", "trial_dp", "trial_global_batch_size", "trial_world_size",
-    "full_run_step_time_s", "predicted_step_time_s", "step_time_error_pct", "measured_step_time_s",
+    "full_run_step_time_s", "predicted_step_time_s", "step_time_error_pct", "calibrated_step_time_s",
+    "calibrated_step_time_error_pct", "predicted_compute_s", "predicted_comm_s", "measured_step_time_s",
     "measured_step_time_mean_s", "measured_step_time_std_s", "steps_run", "steps_measured",
     "full_run_tokens_per_s", "full_run_tokens_per_s_per_gpu", "tokens_per_s_per_gpu",
     "predicted_tokens_per_s_per_gpu", "model_tflops_per_gpu", "mfu",
-    "peak_memory_gb", "predicted_memory_gb", "memory_error_pct", "traced_memory_gb", "traced_memory_error_pct",
+    "peak_memory_gb", "predicted_memory_gb", "memory_error_pct", "calibrated_memory_gb", "traced_memory_gb",
+    "traced_memory_error_pct",
     "memory_check", "peak_tensor_memory_gb", "predicted_full_memory_gb", "predicted_host_memory_gb",
     "gpu_memory_gb", "peak_memory_pct_of_gpu",
     "days_to_train", "predicted_days_to_train", "full_run_cost_usd", "cost_usd_per_million_tokens",
@@ -113,7 +116,7 @@ def collect_trials(results_dir: Path, time_box_s: Optional[float] = None,
     for trial_id in sorted(on_disk - planned):
         log.warning("training_logs/%s is not in plan.csv (an earlier plan?); shown, not ranked", trial_id)
         rows.append(_unplanned_row(trial_id, logs / trial_id, time_box_s))
-    return rank_trials(to_frame(rows))
+    return rank_trials(calibrate(to_frame(rows)))
 
 
 def _row(plan: dict, trial_dir: Optional[Path], full: FullRun, time_box_s: Optional[float]) -> dict:
@@ -222,6 +225,24 @@ def to_frame(rows: list[dict]) -> pd.DataFrame:
     measured = df["peak_memory_gb"]
     df["memory_error_pct"] = 100 * (measured - df["predicted_memory_gb"]) / df["predicted_memory_gb"]
     df["traced_memory_error_pct"] = 100 * (measured - df["traced_memory_gb"]) / df["traced_memory_gb"]
+    return df
+
+
+def calibrate(df: pd.DataFrame) -> pd.DataFrame:
+    """Every candidate's prediction again, with the step-time factors and memory offset the measured trials
+    give (:mod:`hp_tool.calibration`): ``calibrated_step_time_s`` beside the raw ``predicted_step_time_s``,
+    ``calibrated_memory_gb`` beside ``predicted_memory_gb``; the raw figures where nothing was measured."""
+    ok = df[(df["status"] == OK) & df[RANK_COLUMN].notna() & df["predicted_compute_s"].notna()]
+    factors = fit_step_factors([StepPoint(r.predicted_compute_s, r.predicted_comm_s, r.full_run_step_time_s)
+                                for r in ok.itertuples()])
+    df["calibrated_step_time_s"] = factors.compute * df["predicted_compute_s"] + factors.comm * df["predicted_comm_s"]
+    df["calibrated_step_time_error_pct"] = 100 * (df[RANK_COLUMN] / df["calibrated_step_time_s"] - 1)
+    measured = df[(df["status"] == OK) & df["peak_memory_gb"].notna() & df["predicted_memory_gb"].notna()]
+    offset = fit_memory_offset(list(measured["predicted_memory_gb"]), list(measured["peak_memory_gb"]))
+    df["calibrated_memory_gb"] = df["predicted_memory_gb"] + (offset or 0.0)
+    if factors.points:
+        log.info("Calibrated on %d trials: compute x%.3g, communication x%.3g%s, memory %+.3g GB", factors.points,
+                 factors.compute, factors.comm, " (one common factor)" if factors.common else "", offset or 0.0)
     return df
 
 

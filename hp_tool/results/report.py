@@ -129,6 +129,11 @@ def render_summary(df: pd.DataFrame, top_n: int, full: FullRun, paths: dict[str,
                       str(r["act_ckpt_layers"]), str(r["zero_stage"]), f"{r[RANK_COLUMN]:.4g}",
                       f"{r['full_run_tokens_per_s_per_gpu']:,.0f}", mfu, mem, f"{r['days_to_train']:.3g}", per_m)
     console.print(table)
+    raw, calibrated = ranked["step_time_error_pct"].abs(), ranked["calibrated_step_time_error_pct"].abs()
+    if raw.notna().any() and calibrated.notna().any():
+        console.print(f"Step-time model on the {int(raw.notna().sum())} measured trials: median error "
+                      f"{raw.median():.0f}% raw, {calibrated.median():.0f}% calibrated on them "
+                      f"(calibrated_step_time_s in {paths['all'].name})")
     console.print(recommendation(ranked, full, paths["optimal"]))
     return console.file.getvalue()  # type: ignore[attr-defined]
 

@@ -1,0 +1,84 @@
+"""Per-search calibration of the analytic model from the trials it has measured. Pure arithmetic, no I/O.
+
+The step-time model splits a candidate's predicted step into a compute part (matmuls, recompute and the
+pipeline bubble) and a communication part (TP, PP and DP traffic and offload's PCIe and CPU step). On a
+given cluster both can be off by a constant factor: the GPUs' reachable efficiency, the network's real
+bandwidth. ``fit_step_factors`` finds the two factors that best explain the measured step times,
+
+    measured ≈ compute_factor · predicted_compute + comm_factor · predicted_comm,
+
+robustly (least absolute log error, so one straggler does not pull the fit) and bounded to
+[1/4, 4] (a trial that says a GPU is 10x slower than its preset is a fault, not a calibration). With fewer
+than three trials, or when the trials' communication parts barely differ from their compute parts in
+proportion, the two cannot be told apart and one common factor is fitted. ``fit_memory_offset`` is the
+median of measured minus predicted peak memory: the overhead the preset's constant misses.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+BOUNDS = (0.25, 4.0)  # the factors' range
+MIN_POINTS_FOR_TWO = 3  # trials needed to fit compute and communication apart
+MIN_COMM_SPREAD = 0.05  # the communication share must vary by this much across trials to be told apart
+
+
+@dataclass(frozen=True)
+class StepPoint:
+    """One measured trial: its predicted compute and communication seconds and its measured step."""
+
+    compute_s: float
+    comm_s: float
+    measured_s: float
+
+
+@dataclass(frozen=True)
+class StepFactors:
+    compute: float = 1.0
+    comm: float = 1.0
+    points: int = 0  # trials the fit used; 0: no calibration (factors 1)
+    common: bool = True  # one factor fitted for both parts
+
+    def predict(self, compute_s: float, comm_s: float) -> float:
+        return self.compute * compute_s + self.comm * comm_s
+
+
+def _loss(points: Sequence[StepPoint], a: float, b: float) -> float:
+    return sum(abs(math.log((a * p.compute_s + b * p.comm_s) / p.measured_s)) for p in points)
+
+
+def _search(loss, dims: int) -> tuple[float, ...]:
+    """Minimise ``loss`` over ``dims`` factors in BOUNDS: a log-spaced grid, refined around the best point."""
+    lo, hi = (math.log(x) for x in BOUNDS)
+    centre, half = [(lo + hi) / 2] * dims, (hi - lo) / 2
+    best = tuple(math.exp(c) for c in centre)
+    for _ in range(12):
+        steps = [-1 + 2 * i / 16 for i in range(17)]
+        grid = [[min(hi, max(lo, c + s * half)) for s in steps] for c in centre]
+        candidates = [(x,) for x in grid[0]] if dims == 1 else [(x, y) for x in grid[0] for y in grid[1]]
+        logs = min(candidates, key=lambda xs: loss(*(math.exp(v) for v in xs)))
+        centre, half = list(logs), half / 4
+        best = tuple(math.exp(v) for v in logs)
+    return best
+
+
+def fit_step_factors(points: Sequence[StepPoint]) -> StepFactors:
+    """The factors that best explain ``points`` (see the module docstring); factors 1 without points."""
+    points = [p for p in points if p.measured_s > 0 and p.compute_s + p.comm_s > 0]
+    if not points:
+        return StepFactors()
+    shares = [p.comm_s / (p.compute_s + p.comm_s) for p in points]
+    if len(points) >= MIN_POINTS_FOR_TWO and max(shares) - min(shares) >= MIN_COMM_SPREAD:
+        a, b = _search(lambda a, b: _loss(points, a, b), 2)
+        return StepFactors(a, b, len(points), common=False)
+    (a,) = _search(lambda a: _loss(points, a, a), 1)
+    return StepFactors(a, a, len(points), common=True)
+
+
+def fit_memory_offset(predicted_gb: Sequence[float], measured_gb: Sequence[float]) -> Optional[float]:
+    """GB to add to every predicted peak: the median of measured minus predicted; None without trials."""
+    gaps = [m - p for p, m in zip(predicted_gb, measured_gb) if p is not None and m is not None]
+    return statistics.median(gaps) if gaps else None

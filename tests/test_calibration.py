@@ -1,0 +1,54 @@
+"""Calibrating the step-time model on measured trials: known factors come back from synthetic measurements."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from hp_tool.calibration import BOUNDS, StepPoint, fit_memory_offset, fit_step_factors
+
+
+def synthetic(compute_factor: float, comm_factor: float, n: int = 8, noise: float = 0.02, seed: int = 3):
+    rng = random.Random(seed)
+    points = []
+    for _ in range(n):
+        compute, comm = rng.uniform(0.5, 5.0), rng.uniform(0.05, 3.0)
+        truth = compute_factor * compute + comm_factor * comm
+        points.append(StepPoint(compute, comm, truth * (1 + rng.uniform(-noise, noise))))
+    return points
+
+
+@pytest.mark.parametrize("compute_factor, comm_factor", [(1.6, 0.5), (0.7, 2.5), (1.0, 1.0)])
+def test_known_factors_are_recovered_from_noisy_measurements(compute_factor, comm_factor):
+    factors = fit_step_factors(synthetic(compute_factor, comm_factor))
+    assert not factors.common and factors.points == 8
+    assert factors.compute == pytest.approx(compute_factor, rel=0.05)
+    assert factors.comm == pytest.approx(comm_factor, rel=0.1)
+
+
+def test_one_straggler_does_not_pull_the_fit():
+    points = synthetic(1.5, 0.8, n=9, noise=0.01)
+    p = points[0]
+    points[0] = StepPoint(p.compute_s, p.comm_s, p.measured_s * 5)  # a trial on a sick node
+    factors = fit_step_factors(points)
+    assert factors.compute == pytest.approx(1.5, rel=0.05)
+    assert factors.comm == pytest.approx(0.8, rel=0.15)
+
+
+def test_few_trials_fit_one_common_factor_and_none_leave_the_model_alone():
+    two = synthetic(2.0, 2.0, n=2, noise=0.0)
+    factors = fit_step_factors(two)
+    assert factors.common and factors.compute == factors.comm == pytest.approx(2.0, rel=0.01)
+    assert fit_step_factors([]).predict(3.0, 1.0) == 4.0
+
+
+def test_factors_stay_within_bounds():
+    absurd = [StepPoint(1.0, 0.1, 100.0), StepPoint(2.0, 0.2, 200.0)]
+    factors = fit_step_factors(absurd)
+    assert factors.compute == pytest.approx(BOUNDS[1])
+
+
+def test_memory_offset_is_the_median_gap():
+    assert fit_memory_offset([10.0, 20.0, 30.0], [11.0, 23.0, 30.5]) == pytest.approx(1.0)
+    assert fit_memory_offset([], []) is None
