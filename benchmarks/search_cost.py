@@ -1,0 +1,148 @@
+"""GPU-hours a search spends and how good its pick is, by strategy, on simulated landscapes at scale.
+
+    python benchmarks/search_cost.py [--search gpt3/175b] [--seeds 20] [--margins 0.1,0.25,0.5]
+
+The candidates and their predictions come from the real planner (``make_plan``, analytic memory) for the
+search config on its cluster, every fitting candidate selected. For each seed a hidden truth is drawn from
+a perturbed model: the cluster's compute and communication run ``U(0.8, 1.6)`` and ``U(0.5, 3)`` times the
+model's, each candidate's step time has 8% log-normal noise on top, and memory runs ``U(0.95, 1.15)`` times
+the prediction with 3% per-candidate noise, so layouts near the limit run out of memory unpredicted.
+A trial costs its GPUs for 3 minutes of start-up plus its steps (an OOM: start-up plus one minute).
+
+Strategies:
+- ``nemo``: every candidate, 50 fixed steps (NeMo's auto-configurator);
+- ``exhaustive``: hp_tool without adaptation, the top ``limit`` candidates by raw prediction, 20 steps;
+- ``adaptive(m)``: hp_tool's adaptive search (``hp_tool.adaptive``) in waves of ``--parallel`` trials over
+  the same candidates: launch order spread over TP/PP regimes, skipping what the calibrated model puts
+  more than ``m`` behind the best measured, pruning a regime's larger candidates after an OOM.
+
+Prints one line per strategy: median and worst GPU-hours as a fraction of ``nemo``'s, and the pick's true
+step time over the true best (median, worst). Targets: median pick <= 1.03x best at <= 25% of nemo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import random
+import statistics
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from hp_tool.adaptive import Option, Outcome, launch_order, verdicts
+
+STARTUP_H = 3 / 60
+OOM_H = 1 / 60
+
+
+@dataclass(frozen=True)
+class Candidate:
+    option: Option
+    gpus: int  # GPUs of its trial
+
+
+@dataclass(frozen=True)
+class Truth:
+    step_s: dict[str, float]
+    oom: set[str]
+
+
+def candidates(search: str, limit: int) -> tuple[list[Candidate], float]:
+    """Every fitting candidate of the plan (predicted fastest first), and the usable GB per GPU."""
+    from hp_tool.cli import compose
+    from hp_tool.config import to_app_config
+    from hp_tool.planner import make_plan
+    from hp_tool.candidates import SELECTED
+
+    cfg, name = compose([f"search_config={search}", "memory_check=analytic",
+                         f"search_config.train_settings.limit_search_runs={limit}"])
+    app = to_app_config(cfg)
+    with tempfile.TemporaryDirectory() as folder:
+        plan = make_plan(app, name, Path(folder))
+    gpn = plan.cluster.hw.gpus_per_node
+    out = [Candidate(Option(f"c{i}_tp{c.tp}_pp{c.pp}_mbs{c.mbs}_ac{c.act_ckpt_layers}_z{c.zero_stage}", c.tp, c.pp,
+                            c.compute_time_s, c.comm_time_s, c.memory_gb), c.trial_nodes * gpn)
+           for i, c in enumerate(sorted((c for c in plan.candidates if c.status == SELECTED), key=lambda c: c.rank))]
+    ts = app.search_config.train_settings
+    return out, plan.cluster.hw.gpu_memory_gb * (1 - ts.memory_margin)
+
+
+def draw_truth(cands: list[Candidate], usable_gb: float, rng: random.Random) -> Truth:
+    fc, fm, mem = rng.uniform(0.8, 1.6), rng.uniform(0.5, 3.0), rng.uniform(0.95, 1.15)
+    step = {c.option.name: (fc * c.option.compute_s + fm * c.option.comm_s) * math.exp(rng.gauss(0, 0.08))
+            for c in cands}
+    oom = {c.option.name for c in cands if c.option.memory_gb * mem * (1 + rng.uniform(-0.03, 0.03)) > usable_gb}
+    return Truth(step, oom)
+
+
+def trial_hours(c: Candidate, truth: Truth, steps: int) -> float:
+    if c.option.name in truth.oom:
+        return c.gpus * (STARTUP_H + OOM_H)
+    return c.gpus * (STARTUP_H + steps * truth.step_s[c.option.name] / 3600)
+
+
+def run(cands: list[Candidate], truth: Truth, steps: int) -> tuple[float, dict[str, float]]:
+    """GPU-hours of running ``cands`` and the measured step time of each that did not OOM."""
+    hours = sum(trial_hours(c, truth, steps) for c in cands)
+    return hours, {c.option.name: truth.step_s[c.option.name] for c in cands if c.option.name not in truth.oom}
+
+
+def adaptive(cands: list[Candidate], truth: Truth, margin: float, parallel: int) -> tuple[float, dict[str, float]]:
+    by_name = {c.option.name: c for c in cands}
+    options = [c.option for c in cands]
+    queue = launch_order(options)
+    outcomes: list[Outcome] = []
+    hours, measured = 0.0, {}
+    while queue:
+        decided = verdicts(options, outcomes, margin)
+        queue = [n for n in queue if n not in decided]
+        wave, queue = queue[:parallel], queue[parallel:]
+        for name in wave:
+            c = by_name[name]
+            hours += trial_hours(c, truth, 20)
+            if name in truth.oom:
+                outcomes.append(Outcome(name, "oom"))
+            else:
+                measured[name] = truth.step_s[name]
+                outcomes.append(Outcome(name, "ok", truth.step_s[name]))
+    return hours, measured
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--search", default="gpt3/175b")
+    parser.add_argument("--seeds", type=int, default=20)
+    parser.add_argument("--limit", type=int, default=30, help="the exhaustive search's limit_search_runs")
+    parser.add_argument("--parallel", type=int, default=8, help="trials per wave (cluster.max_parallel_runs)")
+    parser.add_argument("--margins", default="0.1,0.25,0.5")
+    args = parser.parse_args()
+    logging.disable(logging.WARNING)
+    cands, usable = candidates(args.search, 10_000)
+    margins = [float(m) for m in args.margins.split(",")]
+    stats: dict[str, list[tuple[float, float]]] = {}
+    for seed in range(args.seeds):
+        truth = draw_truth(cands, usable, random.Random(seed))
+        fits = [truth.step_s[c.option.name] for c in cands if c.option.name not in truth.oom]
+        if not fits:
+            continue
+        best = min(fits)
+        nemo_h, _ = run(cands, truth, 50)
+        results = {"exhaustive": run(cands[:args.limit], truth, 20)}
+        for m in margins:
+            results[f"adaptive({m:g})"] = adaptive(cands[:args.limit], truth, m, args.parallel)
+        results["nemo"] = (nemo_h, {n: s for n, s in truth.step_s.items() if n not in truth.oom})
+        for name, (hours, measured) in results.items():
+            pick = min(measured.values()) if measured else float("inf")
+            stats.setdefault(name, []).append((hours / nemo_h, pick / best))
+    print(f"{args.search}: {len(cands)} fitting candidates, {args.seeds} seeds, exhaustive/adaptive over the "
+          f"top {args.limit}, waves of {args.parallel}")
+    for name, rows in stats.items():
+        cost, pick = [r[0] for r in rows], [r[1] for r in rows]
+        print(f"  {name:16} GPU-hours vs nemo: median {statistics.median(cost):6.1%}, worst {max(cost):6.1%};  "
+              f"pick / true best: median {statistics.median(pick):.3f}x, worst {max(pick):.3f}x")
+
+
+if __name__ == "__main__":
+    main()

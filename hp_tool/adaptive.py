@@ -1,0 +1,93 @@
+"""The adaptive search's decisions, pure: which candidates to launch next, and which to give up on.
+
+Given every selected candidate (``Option``: its layout regime, the predicted compute and communication
+seconds of its full-run step, its predicted memory) and the trials that have ended (``Outcome``):
+
+- ``launch_order``: the most promising first, spread over the grid's main axes: round-robin over the
+  (TP, PP) regimes, each regime's candidates fastest-predicted first, the regimes in the order of their
+  best prediction; so the first wave measures every regime the calibration has to learn.
+- ``verdicts``: for every candidate not yet launched, a reason not to launch it, or none:
+  * ``pruned_after_oom``: a trial of the same TP and PP ran out of memory, and this candidate is
+    predicted to need at least as much;
+  * ``skipped``: its calibrated prediction (:mod:`hp_tool.calibration`, refitted on every ended trial)
+    is slower than the best measured trial by more than ``skip_margin``.
+  Each reason carries the numbers the decision used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from hp_tool.calibration import StepPoint, fit_step_factors
+
+OK = "ok"
+SKIPPED = "skipped"
+PRUNED_AFTER_OOM = "pruned_after_oom"
+DEFAULT_SKIP_MARGIN = 0.25  # benchmarks/search_cost.py
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str
+    tp: int
+    pp: int
+    compute_s: float  # predicted full-run step, compute part
+    comm_s: float  # predicted full-run step, communication part
+    memory_gb: float  # predicted peak per GPU of the trial
+
+    @property
+    def predicted_s(self) -> float:
+        return self.compute_s + self.comm_s
+
+
+@dataclass(frozen=True)
+class Outcome:
+    name: str
+    status: str
+    step_s: Optional[float] = None  # measured full-run step time, for status ok
+
+
+def launch_order(options: Sequence[Option]) -> list[str]:
+    """Names, most promising first, round-robin over (TP, PP) regimes (see the module docstring)."""
+    regimes: dict[tuple[int, int], list[Option]] = {}
+    for o in sorted(options, key=lambda o: (o.predicted_s, o.name)):
+        regimes.setdefault((o.tp, o.pp), []).append(o)
+    queues = list(regimes.values())  # in the order of each regime's best prediction
+    order: list[str] = []
+    while queues:
+        for queue in queues:
+            order.append(queue.pop(0).name)
+        queues = [q for q in queues if q]
+    return order
+
+
+def verdicts(options: Sequence[Option], outcomes: Sequence[Outcome], skip_margin: float
+             ) -> dict[str, tuple[str, str]]:
+    """{name: (status, reason)} for the candidates without an outcome that should not be launched."""
+    by_name = {o.name: o for o in options}
+    ended = {r.name for r in outcomes}
+    ok = [r for r in outcomes if r.status == OK and r.step_s and r.name in by_name]
+    factors = fit_step_factors([StepPoint(by_name[r.name].compute_s, by_name[r.name].comm_s, r.step_s)
+                                for r in ok])
+    best = min(ok, key=lambda r: r.step_s) if ok else None
+    ooms = [by_name[r.name] for r in outcomes if r.status == "oom" and r.name in by_name]
+    out: dict[str, tuple[str, str]] = {}
+    for o in options:
+        if o.name in ended:
+            continue
+        oom = next((x for x in ooms if (x.tp, x.pp) == (o.tp, o.pp) and o.memory_gb >= x.memory_gb), None)
+        if oom is not None:
+            out[o.name] = (PRUNED_AFTER_OOM,
+                           f"{oom.name} (same TP {o.tp}, PP {o.pp}) ran out of memory at a predicted "
+                           f"{oom.memory_gb:.2f} GB per GPU; this one is predicted to need {o.memory_gb:.2f} GB")
+            continue
+        if best is None:
+            continue
+        calibrated = factors.predict(o.compute_s, o.comm_s)
+        if calibrated > best.step_s * (1 + skip_margin):
+            out[o.name] = (SKIPPED,
+                           f"calibrated prediction {calibrated:.4g} s per step (raw {o.predicted_s:.4g} s) is "
+                           f"more than skip_margin={skip_margin:g} slower than the best measured, {best.name} "
+                           f"at {best.step_s:.4g} s (calibrated on {factors.points} trials)")
+    return out
