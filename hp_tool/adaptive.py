@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from hp_tool.calibration import StepPoint, fit_step_factors
+from hp_tool.trial.result import PRUNED_AFTER_OOM, SKIPPED
 
 OK = "ok"
-SKIPPED = "skipped"
-PRUNED_AFTER_OOM = "pruned_after_oom"
+STRATEGIES = ("adaptive", "exhaustive")
 DEFAULT_SKIP_MARGIN = 0.25  # benchmarks/search_cost.py
 
 
@@ -64,7 +64,8 @@ def launch_order(options: Sequence[Option]) -> list[str]:
 
 def verdicts(options: Sequence[Option], outcomes: Sequence[Outcome], skip_margin: float
              ) -> dict[str, tuple[str, str]]:
-    """{name: (status, reason)} for the candidates without an outcome that should not be launched."""
+    """{name: (status, reason)} for the candidates without an outcome that should not be launched
+    (outcomes: the trials that ended ok, with their full-run step time, or out of memory)."""
     by_name = {o.name: o for o in options}
     ended = {r.name for r in outcomes}
     ok = [r for r in outcomes if r.status == OK and r.step_s and r.name in by_name]

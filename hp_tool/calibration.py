@@ -8,7 +8,8 @@ bandwidth. ``fit_step_factors`` finds the two factors that best explain the meas
     measured ≈ compute_factor · predicted_compute + comm_factor · predicted_comm,
 
 robustly (least absolute log error, so one straggler does not pull the fit) and bounded to
-[1/4, 4] (a trial that says a GPU is 10x slower than its preset is a fault, not a calibration). With fewer
+[1/10, 10] (beyond, a trial says more about a fault than about the cluster; the CPU preset's rough peak
+sits near the top). With fewer
 than three trials, or when the trials' communication parts barely differ from their compute parts in
 proportion, the two cannot be told apart and one common factor is fitted. ``fit_memory_offset`` is the
 median of measured minus predicted peak memory: the overhead the preset's constant misses.
@@ -21,7 +22,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-BOUNDS = (0.25, 4.0)  # the factors' range
+BOUNDS = (0.1, 10.0)  # the factors' range
 MIN_POINTS_FOR_TWO = 3  # trials needed to fit compute and communication apart
 MIN_COMM_SPREAD = 0.05  # the communication share must vary by this much across trials to be told apart
 

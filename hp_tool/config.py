@@ -199,6 +199,8 @@ class TrainSettings:
     zero_stages: Optional[List[int]] = None  # 0-3; null (or offload null) = one saver per layout (candidates.py)
     offload: Optional[List[str]] = None  # none | optimizer | optimizer_and_params; null = only if nothing else fits
     memory_margin: float = 0.05  # fraction of GPU memory kept free when pruning
+    search_strategy: str = "adaptive"  # adaptive | exhaustive (hp_tool/adaptive.py)
+    skip_margin: float = 0.25  # adaptive: skip candidates calibrated this much slower than the best measured
     tensor_parallel_sizes: Optional[List[int]] = None
     pipeline_parallel_sizes: Optional[List[int]] = None
     micro_batch_sizes: Optional[List[int]] = None
@@ -226,6 +228,11 @@ class TrainSettings:
             raise ConfigError(f"{p}.engines", self.engines, "the deepspeed engine was asked for but DeepSpeed "
                               "is not installed", 'pip install "hp_tool[deepspeed]" (or pip install deepspeed), '
                               "or search engines=[torch]")
+        require(self.search_strategy in ("adaptive", "exhaustive"), f"{p}.search_strategy", self.search_strategy,
+                "unknown search strategy", "use adaptive (learn from each trial, skip the hopeless) or exhaustive "
+                "(launch every selected candidate)")
+        require(self.skip_margin >= 0, f"{p}.skip_margin", self.skip_margin, "must be >= 0",
+                "e.g. 0.25 skips candidates predicted more than 25% slower than the best measured trial")
         require(0 <= self.memory_margin < 1, f"{p}.memory_margin", self.memory_margin,
                 "must be a fraction in [0, 1)", "e.g. 0.05 keeps 5% of GPU memory free")
         lo, hi = self.min_model_parallel_size, self.max_model_parallel_size

@@ -56,7 +56,8 @@ def plan_jobs(plan: Plan) -> list[JobSpec]:
 
 def launch(app: AppConfig, kind: str, results_dir: Path, ledger_dir: Path, jobs: list[JobSpec],
            on_end: Optional[Callable[[JobSpec, dict], None]] = None, max_parallel: Optional[int] = None,
-           what: str = "trials") -> Optional[Launcher]:
+           what: str = "trials", gate: Optional[Callable[[JobSpec], Optional[tuple[str, str]]]] = None
+           ) -> Optional[Launcher]:
     """Submit, resume, detach or cancel ``jobs``; returns the launcher once every job has ended, None when
     the command only detached or cancelled. Raises KeyboardInterrupt after telling how to resume.
     On SLURM the caller has run ``preflight`` before writing any file."""
@@ -65,7 +66,7 @@ def launch(app: AppConfig, kind: str, results_dir: Path, ledger_dir: Path, jobs:
                           "drop detach=true, or use cluster=bcm")
     log.info("Launching %d %s with the %s executor", len(jobs), what, kind)
     progress = Progress()
-    launcher = Launcher(app, ledger_dir, jobs, kind, progress, search_id(results_dir), on_end)
+    launcher = Launcher(app, ledger_dir, jobs, kind, progress, search_id(results_dir), on_end, gate)
     launcher.resume()
     if app.cancel:
         n = launcher.cancel_all()
@@ -96,6 +97,38 @@ def _trial_logger(app: AppConfig, specs: dict[str, TrialSpec]):
     return lambda job, result: tracking.log_trial(specs[job.name], job.out, result, app.wandb)
 
 
+def adaptive_gate(results_dir: Path, skip_margin: float) -> Callable[[JobSpec], Optional[tuple[str, str]]]:
+    """The adaptive search's verdict on a trial about to be submitted (hp_tool/adaptive.py), from every
+    candidate's predictions and the trials ended so far, as the collector tables them (full-run step times
+    extrapolated as the ranking does)."""
+    from hp_tool.adaptive import Option, Outcome, verdicts
+    from hp_tool.results.collect import RANK_COLUMN, SELECTED, collect_trials, full_run_for
+
+    full = full_run_for(results_dir)
+
+    def gate(job: JobSpec) -> Optional[tuple[str, str]]:
+        df = collect_trials(results_dir, full=full)
+        rows = df[df["plan_status"] == SELECTED]
+        options = [Option(r.trial_id, r.tp, r.pp, r.predicted_compute_s, r.predicted_comm_s, r.predicted_memory_gb)
+                   for r in rows.itertuples()]
+        ended = rows[((rows["status"] == "ok") & rows[RANK_COLUMN].notna()) | (rows["status"] == "oom")]
+        outcomes = [Outcome(r.trial_id, r.status, getattr(r, RANK_COLUMN)) for r in ended.itertuples()]
+        return verdicts(options, outcomes, skip_margin).get(job.name)
+
+    return gate
+
+
+def ordered_for_adaptive(plan: Plan, jobs: list[JobSpec]) -> list[JobSpec]:
+    """``jobs`` most promising first, spread over the TP/PP regimes (adaptive.launch_order)."""
+    from hp_tool.adaptive import Option, launch_order
+    from hp_tool.planner import candidate_trial_id
+
+    options = [Option(candidate_trial_id(plan.model, c), c.tp, c.pp, c.compute_time_s, c.comm_time_s, c.memory_gb)
+               for c in plan.candidates if c.status == "selected"]
+    rank = {name: i for i, name in enumerate(launch_order(options))}
+    return sorted(jobs, key=lambda j: rank.get(j.name, len(rank)))
+
+
 def run_training_search(app: AppConfig, plan: Plan, kind: str) -> int:
     """Launch (or resume) the plan's trials with the ``kind`` of executor (`slurm` or `local`, from
     executors.resolve_kind), wait for all, then write the final results.
@@ -106,8 +139,14 @@ def run_training_search(app: AppConfig, plan: Plan, kind: str) -> int:
         tracking.check_wandb(app.wandb)
     jobs = plan_jobs(plan)
     specs = {s.trial_id: s for s in plan.specs}
+    ts = app.search_config.train_settings
+    gate = None
+    if ts.search_strategy == "adaptive":
+        jobs = ordered_for_adaptive(plan, jobs)
+        gate = adaptive_gate(plan.results_dir, ts.skip_margin)
     try:
-        launcher = launch(app, kind, plan.results_dir, plan.results_dir, jobs, _trial_logger(app, specs))
+        launcher = launch(app, kind, plan.results_dir, plan.results_dir, jobs, _trial_logger(app, specs),
+                          gate=gate)
     except KeyboardInterrupt:
         return INTERRUPTED
     if launcher is None:

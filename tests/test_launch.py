@@ -92,7 +92,8 @@ def test_job_failure_result_follows_the_contract(tmp_path):
 def test_local_search_end_to_end_and_rerun_submits_nothing(tmp_path):
     """README's main command, shortened to 2 trials; then the same command again."""
     cmd = [sys.executable, str(REPO / "main.py"), "search_config=gpt3/tiny", "cluster=local",
-           "search_config.train_settings.limit_search_runs=2", f"base_results_dir={tmp_path / 'res'}"]
+           "search_config.train_settings.limit_search_runs=2", "search_config.train_settings.search_strategy=exhaustive",
+           f"base_results_dir={tmp_path / 'res'}"]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = tmp_path / "res" / "gpt3" / "tiny"
@@ -112,3 +113,40 @@ def test_local_search_end_to_end_and_rerun_submits_nothing(tmp_path):
     assert (ran["traced_memory_gb"] > 0).all() and (ran["peak_tensor_memory_gb"] > 0).all()
     overhead = 0.5  # gpu=cpu preset: the traced figure includes it, the measured tensor peak does not
     assert ((ran["traced_memory_gb"] - overhead) / ran["peak_tensor_memory_gb"]).between(0.97, 1.03).all()
+
+
+def test_adaptive_search_skips_with_reasons_resumes_without_reruns_and_exhaustive_runs_the_rest(tmp_path):
+    """skip_margin=0: once the first trial is measured, every candidate the calibrated model puts slower
+    than it is skipped, with both numbers; the same command again runs nothing; exhaustive then runs the
+    skipped ones (a skip is a decision, not a result)."""
+    # the cpu preset's peak set near what these processes reach, so the calibration stays well inside its bounds
+    base = [sys.executable, str(REPO / "main.py"), "search_config=gpt3/tiny", "cluster=local", "memory_check=analytic",
+            "gpu.peak_tflops.fp32=0.15",
+            "search_config.train_settings.limit_search_runs=3", "search_config.train_settings.max_steps_per_run=6",
+            f"base_results_dir={tmp_path / 'res'}"]
+    adaptive = [*base, "search_config.train_settings.skip_margin=0"]
+    out = tmp_path / "res" / "gpt3" / "tiny"
+
+    def statuses():
+        rows = pd.read_csv(out / "final_results" / "all_trials_1nodes.csv")
+        return rows[rows["plan_status"] == "selected"].set_index("trial_id")
+
+    proc = subprocess.run(adaptive, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    first = statuses()
+    assert sorted(first["status"]) == ["ok", "skipped", "skipped"]
+    skipped = first[first["status"] == "skipped"]
+    assert skipped["reason"].str.contains("skip_margin=0 slower than the best measured").all()
+    assert skipped["calibrated_step_time_s"].gt(first.loc[first["status"] == "ok", "full_run_step_time_s"].iloc[0]).all()
+    assert not any((out / "training_logs" / t / "metrics.jsonl").exists() for t in skipped.index)  # never ran
+    assert "Adaptive search: 1 trials ran" in proc.stdout
+    assert len(Ledger(out).submissions()) == 1
+
+    again = subprocess.run(adaptive, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert len(Ledger(out).submissions()) == 1 and statuses()["status"].equals(first["status"])
+
+    every = subprocess.run([*base, "search_config.train_settings.search_strategy=exhaustive"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=600)
+    assert every.returncode == 0, every.stderr[-3000:]
+    assert len(Ledger(out).submissions()) == 3 and set(statuses()["status"]) == {"ok"}

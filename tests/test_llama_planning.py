@@ -131,7 +131,8 @@ def test_tp_not_dividing_the_kv_heads_names_both_numbers(tmp_path):
 
 def test_llama_tiny_search_end_to_end_and_the_optimal_config_trains(tmp_path):
     cmd = [sys.executable, str(REPO / "main.py"), "search_config=llama/tiny", "cluster=local",
-           f"{TS}.limit_search_runs=3", f"{TS}.max_steps_per_run=6", f"base_results_dir={tmp_path / 'res'}"]
+           f"{TS}.limit_search_runs=3", f"{TS}.max_steps_per_run=6", f"{TS}.search_strategy=exhaustive",
+           f"base_results_dir={tmp_path / 'res'}"]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = tmp_path / "res" / "llama" / "tiny"

@@ -154,7 +154,8 @@ def test_decoder_length_belongs_to_encoder_decoders_only(tmp_path):
 @pytest.mark.parametrize("family, runs", [("t5", 3), ("mt5", 2)])
 def test_tiny_search_end_to_end_and_the_optimal_config_trains(tmp_path, family, runs):
     cmd = [sys.executable, str(REPO / "main.py"), f"search_config={family}/tiny", "cluster=local",
-           f"{TS}.limit_search_runs={runs}", f"{TS}.max_steps_per_run=6", f"base_results_dir={tmp_path / 'res'}"]
+           f"{TS}.limit_search_runs={runs}", f"{TS}.max_steps_per_run=6", f"{TS}.search_strategy=exhaustive",
+           f"base_results_dir={tmp_path / 'res'}"]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = tmp_path / "res" / family / "tiny"

@@ -29,7 +29,7 @@ from hp_tool.launch.executors import job_name, make_executor, timeout_min
 from hp_tool.launch.job import JobSpec
 from hp_tool.launch.ledger import Entry, Ledger
 from hp_tool.launch.monitor import Progress
-from hp_tool.trial.result import FAILURE_DIR, METRICS_FILE, RESULT_FILE
+from hp_tool.trial.result import FAILURE_DIR, METRICS_FILE, NOT_LAUNCHED, RESULT_FILE
 
 log = logging.getLogger(__name__)
 
@@ -112,11 +112,15 @@ def complete_interrupted_submission(folder: Path, job_id: str) -> bool:
 class Launcher:
     """Launch ``jobs`` with the ``kind`` of executor (`slurm` or `local`); the ledger lives in ``ledger_dir``.
     ``on_end(job, result)`` runs after each job ends; its failures are logged and listed in
-    ``hook_failures``, never stopping the search."""
+    ``hook_failures``, never stopping the search. ``gate(job)``, asked just before each submission, may
+    return (status, reason) instead: the job is not submitted and that verdict is its result (the adaptive
+    search's skipped and pruned_after_oom; a resumed search asks again)."""
 
     def __init__(self, app: AppConfig, ledger_dir: Path, jobs: list[JobSpec], kind: str, progress: Progress,
-                 search_id: str, on_end: Optional[Callable[[JobSpec, dict], None]] = None):
+                 search_id: str, on_end: Optional[Callable[[JobSpec, dict], None]] = None,
+                 gate: Optional[Callable[[JobSpec], Optional[tuple[str, str]]]] = None):
         self.app, self.kind, self.progress = app, kind, progress
+        self.gate = gate
         self.jobs = jobs
         self.ledger = Ledger(ledger_dir)
         self.search_id = search_id
@@ -144,7 +148,7 @@ class Launcher:
             if entry is not None and entry.fingerprint != job.fingerprint:
                 self._cancel_superseded(job, entry)
                 entry = None
-            if result is not None:
+            if result is not None and result.get("status") not in NOT_LAUNCHED:
                 self.progress.update(job.name, result.get("status", "failed"), result)
                 continue
             attached = self._reattach(job, entry)
@@ -197,6 +201,14 @@ class Launcher:
                      folder=str(job.folder), tasks=job.tasks, reason=reason)
 
     def submit(self, job: JobSpec) -> None:
+        verdict = self.gate(job) if self.gate is not None else None
+        if verdict is not None:
+            status, reason = verdict
+            log.info("%s: %s (%s)", job.name, status, reason)
+            self._ended(job, None, jobmod.write_job_failure(job, status, reason))
+            return
+        if (jobmod.read_result(job.out) or {}).get("status") in NOT_LAUNCHED:
+            set_aside(job.out)  # an earlier search's verdict, decided otherwise now
         self.ledger.append(self._entry(job, "submitting"))
         executor = make_executor(self.kind, job, self.app.cluster, self.search_id)
         try:

@@ -39,7 +39,8 @@ NOT_RUN = "not_run"
 NOT_IN_PLAN = "not_in_plan"
 SELECTED = "selected"
 # Order of unranked rows in the table: trials that ran, then those that never did, then the plan's verdicts.
-STATUS_ORDER = ("ok", "timeout", "oom", "failed", "cancelled", "unschedulable", STALE, NOT_RUN, "over_limit",
+STATUS_ORDER = ("ok", "timeout", "oom", "failed", "cancelled", "unschedulable", "skipped", "pruned_after_oom",
+                STALE, NOT_RUN, "over_limit",
                 "pruned", "invalid")
 PLAN_INTS = ("tp", "pp", "dp", "mbs", "act_ckpt_layers", "zero_stage", "global_batch_size", "num_nodes",
              "trial_num_nodes", "trial_dp", "trial_global_batch_size", "predicted_rank")

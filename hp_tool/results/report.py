@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 import logging
 from pathlib import Path
+from typing import Optional
 
 import pandas as pd
 
@@ -26,6 +27,7 @@ from hp_tool.results.full_run import FullRun
 from hp_tool.results.optimal import ds_config_path, format_usd, optimal_path, write_optimal_config
 from hp_tool.results.plots import write_plots
 from hp_tool.sizing import format_days
+from hp_tool.trial.result import NOT_LAUNCHED
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,25 @@ def report_paths(results_dir: Path, full: FullRun) -> dict[str, Path]:
 def _status_counts(df: pd.DataFrame) -> str:
     counts = df["status"].value_counts()
     return ", ".join(f"{counts[s]} {s}" for s in sorted(counts.index))
+
+
+def search_cost_line(selected: pd.DataFrame) -> Optional[str]:
+    """GPU-hours the trials spent (start to end, times their processes), and what launching every selected
+    candidate would have spent at the same mean per trial; None when nothing was skipped or pruned."""
+    not_launched = selected["status"].isin(NOT_LAUNCHED)
+    if not not_launched.any():
+        return None
+    start = pd.to_datetime(selected["start_time"], errors="coerce", utc=True)
+    end = pd.to_datetime(selected["end_time"], errors="coerce", utc=True)
+    hours = (end - start).dt.total_seconds() / 3600 * selected["trial_world_size"]
+    ran = int(hours.notna().sum())
+    spent = float(hours.sum())
+    if not ran:
+        return None
+    whole = spent / ran * (ran + int(not_launched.sum()))
+    return (f"Adaptive search: {ran} trials ran for {spent:.3g} GPU-hours; {int(not_launched.sum())} not launched "
+            f"({_status_counts(selected[not_launched])}); launching every selected candidate would have spent "
+            f"about {whole:.3g} GPU-hours ({spent / whole:.0%} of it spent).")
 
 
 def _layout(row: pd.Series) -> str:
@@ -111,6 +132,9 @@ def render_summary(df: pd.DataFrame, top_n: int, full: FullRun, paths: dict[str,
     selected = df[df["plan_status"] == SELECTED]
     console.print(f"{len(ranked)} of {len(selected)} selected trials succeeded ({_status_counts(selected)}); "
                   f"every candidate with its reason: {paths['all']}")
+    cost = search_cost_line(selected)
+    if cost:
+        console.print(cost)
     if ranked.empty:
         pending = " No selected trial has left any output yet." if (selected["status"] == NOT_RUN).all() else ""
         console.print(f"No trial succeeded, so there is no recommendation.{pending} Read the status and reason "

@@ -47,7 +47,10 @@ RESULT_FIELDS = (
     "peak_memory_reserved_gb", "peak_tensor_memory_gb", "world_size", "device", "backend", "first_losses", "final_loss",
     "versions", "start_time", "end_time",
 )
-STATUSES = ("ok", "oom", "timeout", "failed", "cancelled", "unschedulable")  # the last: set by the launcher
+SKIPPED, PRUNED_AFTER_OOM = "skipped", "pruned_after_oom"  # the adaptive search's verdicts (hp_tool/adaptive.py)
+NOT_LAUNCHED = (SKIPPED, PRUNED_AFTER_OOM)  # a result of these ran nothing; a resumed search decides again
+# unschedulable and the verdicts are set by the launcher
+STATUSES = ("ok", "oom", "timeout", "failed", "cancelled", "unschedulable", SKIPPED, PRUNED_AFTER_OOM)
 STOP_REASONS = ("max_steps", "time_budget", "stable", "signal")
 FIRST_LOSSES = 5  # losses of the first steps kept in result.json (layout-equivalence checks)
 TRACEBACK_TAIL_CHARS = 2000

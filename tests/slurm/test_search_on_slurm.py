@@ -57,7 +57,8 @@ def results(tmp_path):
 
 def test_whole_tiny_search_on_slurm_to_ranked_csv(tmp_path):
     p = prefix()
-    proc = run_main(tmp_path, p, "search_config.train_settings.limit_search_runs=2")
+    proc = run_main(tmp_path, p, "search_config.train_settings.limit_search_runs=2",
+                    "search_config.train_settings.search_strategy=exhaustive")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = pd.read_csv(results(tmp_path) / "final_results" / "final_summary_1nodes.csv")
     assert len(summary) == 2
@@ -99,7 +100,7 @@ def test_cancelled_search_gives_cancelled_rows(tmp_path):
 
 def test_killed_orchestrator_resumes_without_duplicates(tmp_path):
     p = prefix()
-    args = ("search_config.train_settings.limit_search_runs=3",)
+    args = ("search_config.train_settings.limit_search_runs=3", "search_config.train_settings.search_strategy=exhaustive")
     cmd = [sys.executable, str(REPO / "main.py"), "search_config=gpt3/tiny", "cluster=bcm",
            "cluster.partition=debug", f"cluster.job_name_prefix={p}", f"base_results_dir={tmp_path / 'res'}", *args]
     orchestrator = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -119,7 +119,7 @@ def test_a_submission_cut_between_sbatch_and_submitits_pickle_rename_still_runs(
     that waits 60 s for that file and fails. The state such a kill leaves is made here exactly (jobs held
     back by the blocker, so none starts early), then the same command resumes."""
     p = f"t{uuid.uuid4().hex[:6]}:"
-    args = (f"{TS}.limit_search_runs=2", f"{TS}.max_steps_per_run=4")
+    args = (f"{TS}.limit_search_runs=2", f"{TS}.max_steps_per_run=4", f"{TS}.search_strategy=exhaustive")
     detached = subprocess.run(orchestrator(tmp_path, p, *args, "detach=true"), cwd=tmp_path, capture_output=True,
                               text=True, timeout=120)
     assert detached.returncode == 0, detached.stderr[-3000:]
