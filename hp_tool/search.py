@@ -107,6 +107,13 @@ def adaptive_gate(results_dir: Path, skip_margin: float) -> Callable[[JobSpec], 
     full = full_run_for(results_dir)
 
     def gate(job: JobSpec) -> Optional[tuple[str, str]]:
+        try:
+            return decide(job)
+        except Exception as exc:  # noqa: BLE001 - a decision that cannot be made launches the trial
+            log.warning("%s: adaptive decision failed (%s: %s); launching it", job.name, type(exc).__name__, exc)
+            return None
+
+    def decide(job: JobSpec) -> Optional[tuple[str, str]]:
         df = collect_trials(results_dir, full=full)
         rows = df[df["plan_status"] == SELECTED]
         options = [Option(r.trial_id, r.tp, r.pp, r.predicted_compute_s, r.predicted_comm_s, r.predicted_memory_gb)
@@ -121,10 +128,11 @@ def adaptive_gate(results_dir: Path, skip_margin: float) -> Callable[[JobSpec], 
 def ordered_for_adaptive(plan: Plan, jobs: list[JobSpec]) -> list[JobSpec]:
     """``jobs`` most promising first, spread over the TP/PP regimes (adaptive.launch_order)."""
     from hp_tool.adaptive import Option, launch_order
+    from hp_tool.candidates import SELECTED
     from hp_tool.planner import candidate_trial_id
 
     options = [Option(candidate_trial_id(plan.model, c), c.tp, c.pp, c.compute_time_s, c.comm_time_s, c.memory_gb)
-               for c in plan.candidates if c.status == "selected"]
+               for c in plan.candidates if c.status == SELECTED]
     rank = {name: i for i, name in enumerate(launch_order(options))}
     return sorted(jobs, key=lambda j: rank.get(j.name, len(rank)))
 

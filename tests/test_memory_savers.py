@@ -195,7 +195,8 @@ def test_tiny_search_over_both_engines_and_two_stages_runs_and_ranks(tmp_path):
                     "search_config.train_settings.pipeline_parallel_sizes=[1]",
                     "search_config.train_settings.micro_batch_sizes=[2]",
                     "search_config.train_settings.act_ckpt_layers=[0]",
-                 "search_config.train_settings.max_steps_per_run=8", timeout=900)
+                    "search_config.train_settings.max_steps_per_run=8",
+                    "search_config.train_settings.search_strategy=exhaustive", timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     final = tmp_path / "res" / "llama" / "tiny" / "final_results"
     rows = read_rows(final / "final_summary_1nodes.csv")

@@ -105,7 +105,8 @@ def test_set_aside_moves_only_result_files(tmp_path):
 
 
 def test_two_orchestrators_started_together_submit_each_trial_once_and_a_third_is_refused(tmp_path):
-    args = (*ONE_LAYOUT[:1], f"{TS}.pipeline_parallel_sizes=[1,2]", *ONE_LAYOUT[2:], "wait_for_lock=true")
+    args = (*ONE_LAYOUT[:1], f"{TS}.pipeline_parallel_sizes=[1,2]", *ONE_LAYOUT[2:], f"{TS}.search_strategy=exhaustive",
+            "wait_for_lock=true")
     first, waiting = (subprocess.Popen(main_cmd(tmp_path, *args), cwd=tmp_path, stdout=subprocess.PIPE,
                                        stderr=subprocess.PIPE, text=True) for _ in range(2))
     lock = out_dir(tmp_path) / LOCK_FILE
