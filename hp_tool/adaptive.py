@@ -10,7 +10,8 @@ seconds of its full-run step, its predicted memory) and the trials that have end
   * ``pruned_after_oom``: a trial of the same TP and PP ran out of memory, and this candidate is
     predicted to need at least as much;
   * ``skipped``: its calibrated prediction (:mod:`hp_tool.calibration`, refitted on every ended trial)
-    is slower than the best measured trial by more than ``skip_margin``.
+    is slower than the best measured trial by more than ``skip_margin``; except the best-predicted
+    candidate of a (TP, PP) regime no trial has measured yet, which is launched to calibrate on it.
   Each reason carries the numbers the decision used.
 """
 
@@ -73,6 +74,11 @@ def verdicts(options: Sequence[Option], outcomes: Sequence[Outcome], skip_margin
                                 for r in ok])
     best = min(ok, key=lambda r: r.step_s) if ok else None
     ooms = [by_name[r.name] for r in outcomes if r.status == "oom" and r.name in by_name]
+    measured_regimes = {(by_name[r.name].tp, by_name[r.name].pp) for r in outcomes if r.name in by_name}
+    scouts = {}  # each unmeasured regime's best-predicted candidate
+    for o in sorted(options, key=lambda o: (o.predicted_s, o.name)):
+        if (o.tp, o.pp) not in measured_regimes:
+            scouts.setdefault((o.tp, o.pp), o.name)
     out: dict[str, tuple[str, str]] = {}
     for o in options:
         if o.name in ended:
@@ -83,7 +89,7 @@ def verdicts(options: Sequence[Option], outcomes: Sequence[Outcome], skip_margin
                            f"{oom.name} (same TP {o.tp}, PP {o.pp}) ran out of memory at a predicted "
                            f"{oom.memory_gb:.2f} GB per GPU; this one is predicted to need {o.memory_gb:.2f} GB")
             continue
-        if best is None:
+        if best is None or scouts.get((o.tp, o.pp)) == o.name:
             continue
         calibrated = factors.predict(o.compute_s, o.comm_s)
         if calibrated > best.step_s * (1 + skip_margin):

@@ -37,3 +37,11 @@ def test_an_oom_prunes_untried_candidates_of_its_regime_predicted_to_need_as_muc
 
 def test_nothing_is_decided_before_any_trial_ends():
     assert verdicts(grid(), [], skip_margin=0.0) == {}
+
+
+def test_each_unmeasured_regime_gets_its_best_candidate_launched_before_anything_is_skipped():
+    # only (2, 1) measured, 3x slower than predicted: (1, 2) and (4, 1) are calibrated hopeless, but their
+    # best candidates still run once so the calibration sees their communication
+    got = verdicts(grid(), [Outcome("a", "ok", 3.3)], skip_margin=0.0)
+    assert set(got) == {"b", "c", "e"}
+    assert all(status == SKIPPED for status, _ in got.values())
