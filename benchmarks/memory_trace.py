@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hp_tool.estimate.layout import Hardware, Layout
+from hp_tool.estimate.layout import Hardware
 from hp_tool.estimate.memory import estimate_memory
 from hp_tool.trial.memtrace import traced_peak_bytes
 from hp_tool.trial.spec import (ModelSpec, ParallelSpec, ResourcesSpec, RunSpec, TrainingSpec, TrialSpec,
@@ -65,9 +65,7 @@ def measure(spec: TrialSpec) -> float:
 
 
 def analytic(spec: TrialSpec) -> float:
-    p = spec.parallel
-    layout = Layout(p.tp, p.pp, p.dp, p.mbs, p.act_ckpt_layers, spec.training.global_batch_size, p.zero_stage)
-    return estimate_memory(spec.model.shape(), layout, CPU).total_gb
+    return estimate_memory(spec.model.shape(), spec.layout(), CPU).total_gb
 
 
 def trace_175b_grid(workers: int) -> None:

@@ -20,7 +20,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from hp_tool.architectures import layer_parameters
-from hp_tool.estimate.layout import Hardware, Layout
+from hp_tool.estimate.layout import Hardware
 from hp_tool.estimate.memory import compute_copy_bytes, model_state_bytes, stage_activation_bytes, stage_parameters
 from hp_tool.trial.spec import TrialSpec
 
@@ -51,15 +51,9 @@ def target_hardware(spec: TrialSpec, device_type: str) -> Hardware:
                     inter_node_bandwidth_gbps=1, memory_overhead_gb=0.0, precision=precision)
 
 
-def layout_of(spec: TrialSpec) -> Layout:
-    p = spec.parallel
-    return Layout(p.tp, p.pp, p.dp, p.mbs, p.act_ckpt_layers, spec.training.global_batch_size, p.zero_stage,
-                  p.offload, p.engine)
-
-
 def analytic_terms(spec: TrialSpec, device_type: str, stage: int = 0) -> tuple[float, float]:
     """(states, kept by one micro-batch) of ``stage`` by the analytic model, bytes."""
-    shape, layout, hw = spec.model.shape(), layout_of(spec), target_hardware(spec, device_type)
+    shape, layout, hw = spec.model.shape(), spec.layout(), target_hardware(spec, device_type)
     params = stage_parameters(shape, layout.tp, layout.pp)[stage]
     gathered = max(layer_parameters(shape), layer_parameters(shape, encoder=True)) / layout.tp
     states = model_state_bytes(params, layout.dp, layout.zero_stage, layout.offload, layout.engine)

@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 
 from hp_tool.architectures import ENCODER_DECODER, FAMILIES, Shape, pipeline_problem
 from hp_tool.errors import ConfigError, require
+from hp_tool.estimate.layout import Layout
 from hp_tool.fingerprint import fingerprint_of
 from hp_tool.fsutil import atomic_write_text
 from hp_tool.sharding import ENGINES, OFFLOADS, ZERO_STAGES, combination_problem, family_problem, layout_suffix
@@ -262,6 +263,12 @@ class TrialSpec:
     def grad_accum_steps(self) -> int:
         """Micro-batches per optimizer step on each data-parallel replica."""
         return self.training.global_batch_size // (self.parallel.mbs * self.parallel.dp)
+
+    def layout(self) -> Layout:
+        """The layout this trial runs, as the analytic memory and speed models take it."""
+        p = self.parallel
+        return Layout(p.tp, p.pp, p.dp, p.mbs, p.act_ckpt_layers, self.training.global_batch_size, p.zero_stage,
+                      p.offload, p.engine)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
