@@ -97,42 +97,65 @@ def _trial_logger(app: AppConfig, specs: dict[str, TrialSpec]):
     return lambda job, result: tracking.log_trial(specs[job.name], job.out, result, app.wandb)
 
 
-def adaptive_gate(results_dir: Path, skip_margin: float) -> Callable[[JobSpec], Optional[tuple[str, str]]]:
-    """The adaptive search's verdict on a trial about to be submitted (hp_tool/adaptive.py), from every
-    candidate's predictions and the trials ended so far, as the collector tables them (full-run step times
-    extrapolated as the ranking does)."""
-    from hp_tool.adaptive import Option, Outcome, verdicts
-    from hp_tool.results.collect import RANK_COLUMN, SELECTED, collect_trials, full_run_for
+def _chain(*hooks: Optional[Callable[[JobSpec, dict], None]]) -> Callable[[JobSpec, dict], None]:
+    """One after-job hook that calls each of ``hooks`` (None: skipped) in turn."""
+    def on_end(job: JobSpec, result: dict) -> None:
+        for hook in hooks:
+            if hook is not None:
+                hook(job, result)
+    return on_end
 
-    full = full_run_for(results_dir)
 
-    def gate(job: JobSpec) -> Optional[tuple[str, str]]:
+def plan_options(plan: Plan) -> list:
+    """The adaptive search's view of the plan's selected candidates (hp_tool/adaptive.py's Option)."""
+    from hp_tool.adaptive import Option
+    from hp_tool.candidates import SELECTED
+    from hp_tool.planner import candidate_trial_id
+
+    return [Option(candidate_trial_id(plan.model, c), c.tp, c.pp, c.compute_time_s, c.comm_time_s, c.memory_gb)
+            for c in plan.candidates if c.status == SELECTED]
+
+
+class AdaptiveGate:
+    """The adaptive search's verdict on a trial about to be submitted (the Launcher's ``gate``), from the
+    plan's predictions and the trials ended so far as the collector tables them (full-run step times
+    extrapolated as the ranking does). The verdicts are decided again only after a trial ends ok or out
+    of memory (``ended``, called after each job), the only outcomes they depend on."""
+
+    def __init__(self, options: list, results_dir: Path, skip_margin: float):
+        from hp_tool.results.collect import full_run_for
+
+        self.options, self.results_dir, self.skip_margin = options, results_dir, skip_margin
+        self.full = full_run_for(results_dir)
+        self._verdicts: Optional[dict[str, tuple[str, str]]] = None
+
+    def __call__(self, job: JobSpec) -> Optional[tuple[str, str]]:
         try:
-            return decide(job)
+            if self._verdicts is None:
+                self._verdicts = self._decide()
+            return self._verdicts.get(job.name)
         except Exception as exc:  # noqa: BLE001 - a decision that cannot be made launches the trial
             log.warning("%s: adaptive decision failed (%s: %s); launching it", job.name, type(exc).__name__, exc)
             return None
 
-    def decide(job: JobSpec) -> Optional[tuple[str, str]]:
-        df = collect_trials(results_dir, full=full)
-        rows = df[df["plan_status"] == SELECTED]
-        options = [Option(r.trial_id, r.tp, r.pp, r.predicted_compute_s, r.predicted_comm_s, r.predicted_memory_gb)
-                   for r in rows.itertuples()]
-        ended = rows[((rows["status"] == "ok") & rows[RANK_COLUMN].notna()) | (rows["status"] == "oom")]
+    def ended(self, job: JobSpec, result: dict) -> None:
+        if result.get("status") in ("ok", "oom"):
+            self._verdicts = None
+
+    def _decide(self) -> dict[str, tuple[str, str]]:
+        from hp_tool.adaptive import Outcome, verdicts
+        from hp_tool.results.collect import RANK_COLUMN, collect_trials
+
+        df = collect_trials(self.results_dir, full=self.full)
+        ended = df[((df["status"] == "ok") & df[RANK_COLUMN].notna()) | (df["status"] == "oom")]
         outcomes = [Outcome(r.trial_id, r.status, getattr(r, RANK_COLUMN)) for r in ended.itertuples()]
-        return verdicts(options, outcomes, skip_margin).get(job.name)
-
-    return gate
+        return verdicts(self.options, outcomes, self.skip_margin)
 
 
-def ordered_for_adaptive(plan: Plan, jobs: list[JobSpec]) -> list[JobSpec]:
+def ordered_for_adaptive(options: list, jobs: list[JobSpec]) -> list[JobSpec]:
     """``jobs`` most promising first, spread over the TP/PP regimes (adaptive.launch_order)."""
-    from hp_tool.adaptive import Option, launch_order
-    from hp_tool.candidates import SELECTED
-    from hp_tool.planner import candidate_trial_id
+    from hp_tool.adaptive import launch_order
 
-    options = [Option(candidate_trial_id(plan.model, c), c.tp, c.pp, c.compute_time_s, c.comm_time_s, c.memory_gb)
-               for c in plan.candidates if c.status == SELECTED]
     rank = {name: i for i, name in enumerate(launch_order(options))}
     return sorted(jobs, key=lambda j: rank.get(j.name, len(rank)))
 
@@ -148,13 +171,14 @@ def run_training_search(app: AppConfig, plan: Plan, kind: str) -> int:
     jobs = plan_jobs(plan)
     specs = {s.trial_id: s for s in plan.specs}
     ts = app.search_config.train_settings
-    gate = None
+    on_end, gate = _trial_logger(app, specs), None
     if ts.search_strategy == "adaptive":
-        jobs = ordered_for_adaptive(plan, jobs)
-        gate = adaptive_gate(plan.results_dir, ts.skip_margin)
+        options = plan_options(plan)
+        jobs = ordered_for_adaptive(options, jobs)
+        gate = AdaptiveGate(options, plan.results_dir, ts.skip_margin)
+        on_end = _chain(gate.ended, on_end)
     try:
-        launcher = launch(app, kind, plan.results_dir, plan.results_dir, jobs, _trial_logger(app, specs),
-                          gate=gate)
+        launcher = launch(app, kind, plan.results_dir, plan.results_dir, jobs, on_end, gate=gate)
     except KeyboardInterrupt:
         return INTERRUPTED
     if launcher is None:
