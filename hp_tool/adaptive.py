@@ -12,6 +12,9 @@ seconds of its full-run step, its predicted memory) and the trials that have end
   * ``skipped``: its calibrated prediction (:mod:`hp_tool.calibration`, refitted on every ended trial)
     is slower than the best measured trial by more than ``skip_margin``; except the best-predicted
     candidate of a (TP, PP) regime no trial has measured yet, which is launched to calibrate on it.
+- ``losing``: a running trial whose median step after warm-up (``LOSING_MIN_STEPS`` timed steps at
+  least), extrapolated to the full run, is slower than the best measured trial by more than
+  ``skip_margin`` is stopped early (stop reason ``losing``, status ok, its measurement kept).
   Each reason carries the numbers the decision used.
 """
 
@@ -21,11 +24,12 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from hp_tool.calibration import StepPoint, fit_step_factors
-from hp_tool.trial.result import PRUNED_AFTER_OOM, SKIPPED
+from hp_tool.trial.result import LOSING, PRUNED_AFTER_OOM, SKIPPED
 
 OK = "ok"
 STRATEGIES = ("adaptive", "exhaustive")
 DEFAULT_SKIP_MARGIN = 0.25  # benchmarks/search_cost.py
+LOSING_MIN_STEPS = 5  # timed steps a running trial needs before it is judged (the trial's stable_window)
 
 
 @dataclass(frozen=True)
@@ -98,3 +102,19 @@ def verdicts(options: Sequence[Option], outcomes: Sequence[Outcome], skip_margin
                            f"more than skip_margin={skip_margin:g} slower than the best measured, {best.name} "
                            f"at {best.step_s:.4g} s (calibrated on {factors.points} trials)")
     return out
+
+
+def losing(name: str, measured_s: float, timed_steps: int, full_run_s: Optional[float],
+           outcomes: Sequence[Outcome], skip_margin: float) -> Optional[tuple[str, str]]:
+    """(LOSING, reason) when the running trial ``name``, ``measured_s`` per step over ``timed_steps``
+    timed steps so far (``full_run_s`` extrapolated to the full run), is more than ``skip_margin`` slower
+    than the best measured of ``outcomes``; else None."""
+    ok = [r for r in outcomes if r.status == OK and r.step_s and r.name != name]
+    if timed_steps < LOSING_MIN_STEPS or full_run_s is None or not ok:
+        return None
+    best = min(ok, key=lambda r: r.step_s)
+    if full_run_s <= best.step_s * (1 + skip_margin):
+        return None
+    return (LOSING, f"stopped early: its median step after warm-up, {measured_s:.4g} s over {timed_steps} timed "
+                    f"steps ({full_run_s:.4g} s for the full run), is more than skip_margin={skip_margin:g} "
+                    f"slower than the best measured, {best.name} at {best.step_s:.4g} s")

@@ -188,6 +188,7 @@ class TrainSettings:
     output_top_n: int = 10
     max_steps_per_run: int = 50
     max_minutes_per_run: float = 20.0
+    stable_cv: float = 0.05  # a trial stops once 5 timed steps vary less than this; 0 runs max_steps_per_run
     tflops_per_gpu: Optional[float] = None  # achieved TFLOPS per GPU for sizing; null = SIZING_MFU x peak
     num_tokens_in_b: float = 300.0
     vocab_size: int = 51200
@@ -200,7 +201,8 @@ class TrainSettings:
     offload: Optional[List[str]] = None  # none | optimizer | optimizer_and_params; null = only if nothing else fits
     memory_margin: float = 0.05  # fraction of GPU memory kept free when pruning
     search_strategy: str = "adaptive"  # adaptive | exhaustive (hp_tool/adaptive.py)
-    skip_margin: float = 0.25  # adaptive: skip candidates calibrated this much slower than the best measured
+    skip_margin: float = 0.25  # adaptive: skip candidates calibrated this much slower than the best measured,
+    # and stop a running trial measured this much slower
     tensor_parallel_sizes: Optional[List[int]] = None
     pipeline_parallel_sizes: Optional[List[int]] = None
     micro_batch_sizes: Optional[List[int]] = None

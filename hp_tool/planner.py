@@ -141,7 +141,7 @@ def candidate_spec(base: TrialSpec, c: Candidate, model: ModelChoice, app: AppCo
         resources=dataclasses.replace(base.resources, num_nodes=c.trial_nodes,
                                       gpus_per_node=c.trial_gpus_per_node),
         run=RunSpec(mode="benchmark", max_minutes=ts.max_minutes_per_run, max_steps=ts.max_steps_per_run,
-                    output_dir=str((results_dir / "training_logs" / trial_id).resolve())),
+                    stable_cv=ts.stable_cv, output_dir=str((results_dir / "training_logs" / trial_id).resolve())),
         full_run=FullRunSpec(base.full_run.num_nodes, c.dp, gbs, ts.num_tokens_in_b, base.full_run.max_steps),
         estimates=EstimatesSpec(round(c.memory_gb, 4), round(c.step_time_s, 6),
                                 round(c.tokens_per_s_per_gpu, 3), round(c.model_tflops_per_gpu, 4),

@@ -56,8 +56,8 @@ def plan_jobs(plan: Plan) -> list[JobSpec]:
 
 def launch(app: AppConfig, kind: str, results_dir: Path, ledger_dir: Path, jobs: list[JobSpec],
            on_end: Optional[Callable[[JobSpec, dict], None]] = None, max_parallel: Optional[int] = None,
-           what: str = "trials", gate: Optional[Callable[[JobSpec], Optional[tuple[str, str]]]] = None
-           ) -> Optional[Launcher]:
+           what: str = "trials", gate: Optional[Callable[[JobSpec], Optional[tuple[str, str]]]] = None,
+           watch: Optional[Callable[[JobSpec, float], Optional[tuple[str, str]]]] = None) -> Optional[Launcher]:
     """Submit, resume, detach or cancel ``jobs``; returns the launcher once every job has ended, None when
     the command only detached or cancelled. Raises KeyboardInterrupt after telling how to resume.
     On SLURM the caller has run ``preflight`` before writing any file."""
@@ -66,7 +66,7 @@ def launch(app: AppConfig, kind: str, results_dir: Path, ledger_dir: Path, jobs:
                           "drop detach=true, or use cluster=bcm")
     log.info("Launching %d %s with the %s executor", len(jobs), what, kind)
     progress = Progress()
-    launcher = Launcher(app, ledger_dir, jobs, kind, progress, search_id(results_dir), on_end, gate)
+    launcher = Launcher(app, ledger_dir, jobs, kind, progress, search_id(results_dir), on_end, gate, watch)
     launcher.resume()
     if app.cancel:
         n = launcher.cancel_all()
@@ -117,39 +117,72 @@ def plan_options(plan: Plan) -> list:
 
 
 class AdaptiveGate:
-    """The adaptive search's verdict on a trial about to be submitted (the Launcher's ``gate``), from the
-    plan's predictions and the trials ended so far as the collector tables them (full-run step times
-    extrapolated as the ranking does). The verdicts are decided again only after a trial ends ok or out
-    of memory (``ended``, called after each job), the only outcomes they depend on."""
+    """The adaptive search's decisions as the Launcher asks for them: its ``gate`` (a verdict on a trial
+    about to be submitted) and its ``watch`` (stop a running trial that is losing), from the plan's
+    predictions and the trials ended so far as the collector tables them (full-run step times
+    extrapolated as the ranking does). The ended trials are read again only after a trial ends ok or out
+    of memory (``ended``, called after each job), the only outcomes the decisions depend on. A decision
+    that cannot be made launches the trial, or lets it run."""
 
     def __init__(self, options: list, results_dir: Path, skip_margin: float):
-        from hp_tool.results.collect import full_run_for
+        from hp_tool.results.collect import full_run_for, read_plan
 
         self.options, self.results_dir, self.skip_margin = options, results_dir, skip_margin
         self.full = full_run_for(results_dir)
-        self._verdicts: Optional[dict[str, tuple[str, str]]] = None
+        self.plan_rows = {row["trial_id"]: row for row in read_plan(results_dir)}
+        self._decided: Optional[tuple[list, dict[str, tuple[str, str]]]] = None  # (outcomes, verdicts)
+        self._metrics_size: dict[str, int] = {}  # a running trial's metrics.jsonl size when last judged
 
     def __call__(self, job: JobSpec) -> Optional[tuple[str, str]]:
         try:
-            if self._verdicts is None:
-                self._verdicts = self._decide()
-            return self._verdicts.get(job.name)
+            return self._decisions()[1].get(job.name)
         except Exception as exc:  # noqa: BLE001 - a decision that cannot be made launches the trial
             log.warning("%s: adaptive decision failed (%s: %s); launching it", job.name, type(exc).__name__, exc)
             return None
 
+    def watch(self, job: JobSpec, submitted: float) -> Optional[tuple[str, str]]:
+        try:
+            return self._losing(job, submitted)
+        except Exception as exc:  # noqa: BLE001 - a decision that cannot be made lets the trial run
+            log.warning("%s: early-stop decision failed (%s: %s); it runs on", job.name, type(exc).__name__, exc)
+            return None
+
     def ended(self, job: JobSpec, result: dict) -> None:
         if result.get("status") in ("ok", "oom"):
-            self._verdicts = None
+            self._decided = None
 
-    def _decide(self) -> dict[str, tuple[str, str]]:
+    def _decisions(self) -> tuple[list, dict[str, tuple[str, str]]]:
         from hp_tool.adaptive import Outcome, verdicts
         from hp_tool.results.collect import RANK_COLUMN, collect_trials
 
-        df = collect_trials(self.results_dir, full=self.full)
-        ended = df[((df["status"] == "ok") & df[RANK_COLUMN].notna()) | (df["status"] == "oom")]
-        outcomes = [Outcome(r.trial_id, r.status, getattr(r, RANK_COLUMN)) for r in ended.itertuples()]
-        return verdicts(self.options, outcomes, self.skip_margin)
+        if self._decided is None:
+            df = collect_trials(self.results_dir, full=self.full)
+            ended = df[((df["status"] == "ok") & df[RANK_COLUMN].notna()) | (df["status"] == "oom")]
+            outcomes = [Outcome(r.trial_id, r.status, getattr(r, RANK_COLUMN)) for r in ended.itertuples()]
+            self._decided = outcomes, verdicts(self.options, outcomes, self.skip_margin)
+        return self._decided
+
+    def _losing(self, job: JobSpec, submitted: float) -> Optional[tuple[str, str]]:
+        from hp_tool.adaptive import losing
+        from hp_tool.results.collect import full_run_columns
+        from hp_tool.results.trial_files import number, read_metrics, timing_of
+        from hp_tool.trial.result import METRICS_FILE
+
+        path = Path(job.out) / METRICS_FILE
+        size = path.stat().st_size if path.is_file() else 0
+        if size == self._metrics_size.get(job.name, 0):
+            return None  # no new step since it was last judged
+        self._metrics_size[job.name] = size
+        steps, _ = read_metrics(path)
+        fresh = [s for s in steps if (number(s.get("time")) or 0) >= submitted]  # not an earlier run's
+        timing = timing_of(fresh)
+        measured = timing["step_time_s_median"]
+        if measured is None:
+            return None
+        row = dict(self.plan_rows[job.name], measured_step_time_s=measured)
+        full_run_s = full_run_columns(row, self.full).get("full_run_step_time_s")
+        return losing(job.name, measured, timing["steps_measured"], full_run_s, self._decisions()[0],
+                      self.skip_margin)
 
 
 def ordered_for_adaptive(options: list, jobs: list[JobSpec]) -> list[JobSpec]:
@@ -178,7 +211,8 @@ def run_training_search(app: AppConfig, plan: Plan, kind: str) -> int:
         gate = AdaptiveGate(options, plan.results_dir, ts.skip_margin)
         on_end = _chain(gate.ended, on_end)
     try:
-        launcher = launch(app, kind, plan.results_dir, plan.results_dir, jobs, on_end, gate=gate)
+        launcher = launch(app, kind, plan.results_dir, plan.results_dir, jobs, on_end, gate=gate,
+                          watch=None if gate is None else gate.watch)
     except KeyboardInterrupt:
         return INTERRUPTED
     if launcher is None:

@@ -1,8 +1,10 @@
-"""The adaptive search's decisions on constructed cases: launch order, skipping, pruning after an OOM."""
+"""The adaptive search's decisions on constructed cases: launch order, skipping, pruning after an OOM,
+stopping a losing trial."""
 
 from __future__ import annotations
 
-from hp_tool.adaptive import PRUNED_AFTER_OOM, SKIPPED, Option, Outcome, launch_order, verdicts
+from hp_tool.adaptive import (LOSING, LOSING_MIN_STEPS, PRUNED_AFTER_OOM, SKIPPED, Option, Outcome, launch_order,
+                              losing, verdicts)
 
 
 def grid() -> list[Option]:
@@ -45,3 +47,17 @@ def test_each_unmeasured_regime_gets_its_best_candidate_launched_before_anything
     got = verdicts(grid(), [Outcome("a", "ok", 3.3)], skip_margin=0.0)
     assert set(got) == {"b", "c", "e"}
     assert all(status == SKIPPED for status, _ in got.values())
+
+
+def test_a_running_trial_slower_than_the_best_by_the_margin_is_stopped_with_its_numbers():
+    ended = [Outcome("a", "ok", 2.0), Outcome("d", "ok", 1.6), Outcome("b", "oom")]
+    # measured 0.5 s per step on the trial's processes, 2.1 s for the full run: 31% behind d's 1.6 s
+    stop = losing("e", 0.5, LOSING_MIN_STEPS, 2.1, ended, skip_margin=0.25)
+    assert stop is not None and stop[0] == LOSING
+    assert "0.5 s over 5 timed steps (2.1 s for the full run)" in stop[1]
+    assert "skip_margin=0.25 slower than the best measured, d at 1.6 s" in stop[1]
+    assert losing("e", 0.5, LOSING_MIN_STEPS, 2.1, ended, skip_margin=0.4) is None  # within 40%
+    assert losing("e", 0.5, LOSING_MIN_STEPS - 1, 2.1, ended, skip_margin=0.25) is None  # too few steps yet
+    assert losing("e", 0.5, LOSING_MIN_STEPS, 2.1, [Outcome("b", "oom")], skip_margin=0.0) is None  # no best
+    # a trial is not measured against itself (its own earlier result, e.g. a resumed search)
+    assert losing("d", 0.5, LOSING_MIN_STEPS, 2.1, ended, skip_margin=0.0)[1].endswith("a at 2 s")

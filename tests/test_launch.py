@@ -150,3 +150,34 @@ def test_adaptive_search_skips_with_reasons_resumes_without_reruns_and_exhaustiv
                            capture_output=True, text=True, timeout=600)
     assert every.returncode == 0, every.stderr[-3000:]
     assert len(Ledger(out).submissions()) == 3 and set(statuses()["status"]) == {"ok"}
+
+
+def test_adaptive_search_stops_a_losing_trial_early_keeps_its_measurement_and_resumes_without_reruns(tmp_path):
+    """Two candidates, TP1 and TP2 (about 10x slower on CPU processes, gloo all-reduces per layer), run one
+    at a time with the stable-time stop off: TP1 runs first and sets the best; TP2, its regime's only
+    candidate, is launched to measure it, and stopped after a few timed steps as losing, status ok."""
+    steps = 200
+    cmd = [sys.executable, str(REPO / "main.py"), "search_config=gpt3/tiny", "cluster=local", "memory_check=analytic",
+           "search_config.train_settings.tensor_parallel_sizes=[1,2]",
+           "search_config.train_settings.pipeline_parallel_sizes=[1]",
+           "search_config.train_settings.micro_batch_sizes=[4]", "search_config.train_settings.act_ckpt_layers=[0]",
+           f"search_config.train_settings.max_steps_per_run={steps}", "search_config.train_settings.stable_cv=0",
+           f"base_results_dir={tmp_path / 'res'}"]
+    out = tmp_path / "res" / "gpt3" / "tiny"
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = pd.read_csv(out / "final_results" / "all_trials_1nodes.csv").set_index("tp")
+    fast, slow = rows.loc[1], rows.loc[2]
+    assert fast["status"] == "ok" and fast["stop_reason"] == "max_steps" and fast["steps_run"] == steps
+    assert slow["status"] == "ok" and slow["stop_reason"] == "losing"
+    assert 3 + 5 <= slow["steps_run"] < steps  # warm-up and the steps the verdict needs, then stopped
+    assert slow["full_run_step_time_s"] > 1.25 * fast["full_run_step_time_s"] and slow["rank"] == 2
+    assert "skip_margin=0.25 slower than the best measured, " in slow["reason"]
+    assert f"{fast['trial_id']} at {fast['full_run_step_time_s']:.4g} s" in slow["reason"]
+    assert "2 trials ran (1 stopped early as losing)" in proc.stdout and "not launched" not in proc.stdout
+
+    again = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert len(Ledger(out).submissions()) == 2  # resumed: the stopped trial's measurement stands
+    rows_again = pd.read_csv(out / "final_results" / "all_trials_1nodes.csv").set_index("tp")
+    assert rows_again.loc[2, "steps_run"] == slow["steps_run"] and rows_again.loc[2, "stop_reason"] == "losing"

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from hp_tool.trial.result import METRIC_FIELDS, RESULT_FIELDS, STATUSES, STOP_REASONS
+from hp_tool.trial.result import LOSING, METRIC_FIELDS, RESULT_FIELDS, STATUSES, STOP_REASONS, request_stop
 from hp_tool.trial.train import run_trial
 from trial_helpers import REPO, read_metrics, read_result, tiny_spec, write_spec
 
@@ -93,6 +93,26 @@ def test_sigterm_writes_results_and_exits_cleanly(tmp_path):
     result = read_result(tmp_path / "out")
     assert result["status"] == "ok" and result["stop_reason"] == "signal"
     assert result["steps_measured"] >= 2
+
+
+def test_a_stop_request_ends_the_trial_as_losing_with_its_measurement_and_reason(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    request_stop(out, LOSING, "left by an earlier run")  # not for this run: cleared at its start
+    proc = _start(tmp_path, tiny_spec("gpt3", max_steps=100_000, warmup_steps=1))
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 60
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 4):
+        time.sleep(0.2)
+    assert proc.poll() is None, "the earlier run's request stopped this one"
+    request_stop(out, LOSING, "0.5 s per step, more than skip_margin=0.25 slower than the best measured")
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, output[-3000:]
+    result = read_result(out)
+    assert result["status"] == "ok" and result["stop_reason"] == "losing"
+    assert result["reason"] == "0.5 s per step, more than skip_margin=0.25 slower than the best measured"
+    assert result["steps_measured"] >= 3 and result["step_time_s_median"] > 0
+    assert result["steps_run"] == len(read_metrics(out)) < 100_000
 
 
 def test_memory_cap_produces_oom(tmp_path):

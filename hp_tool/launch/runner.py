@@ -29,13 +29,14 @@ from hp_tool.launch.executors import job_name, make_executor, timeout_min
 from hp_tool.launch.job import JobSpec
 from hp_tool.launch.ledger import Entry, Ledger
 from hp_tool.launch.monitor import Progress
-from hp_tool.trial.result import FAILURE_DIR, METRICS_FILE, NOT_LAUNCHED, RESULT_FILE
+from hp_tool.trial.result import (FAILURE_DIR, METRICS_FILE, NOT_LAUNCHED, RESULT_FILE, STOP_REQUEST_FILE,
+                                  request_stop)
 
 log = logging.getLogger(__name__)
 
 GRACE_S = 300.0  # past a job's time limit (from its start) before it is cancelled and recorded as timeout
 POLL_MIN_S, POLL_MAX_S = 1.0, 15.0
-RESULT_FILES = (RESULT_FILE, METRICS_FILE, FAILURE_DIR)  # what a stale result consists of
+RESULT_FILES = (RESULT_FILE, METRICS_FILE, FAILURE_DIR, STOP_REQUEST_FILE)  # what a stale result consists of
 
 
 class PidJob:
@@ -70,6 +71,7 @@ class Active:
     handle: Any  # submitit Job, or PidJob
     submitted: float
     running_since: Optional[float] = None
+    stop_requested: bool = False
 
     @property
     def job_id(self) -> str:
@@ -114,13 +116,17 @@ class Launcher:
     ``on_end(job, result)`` runs after each job ends; its failures are logged and listed in
     ``hook_failures``, never stopping the search. ``gate(job)``, asked just before each submission, may
     return (status, reason) instead: the job is not submitted and that verdict is its result (the adaptive
-    search's skipped and pruned_after_oom; a resumed search asks again)."""
+    search's skipped and pruned_after_oom; a resumed search asks again). ``watch(job, submitted)``, asked
+    about each running job as it is polled, may return (stop_reason, reason): the job is asked to stop after
+    its current step (trial.result.request_stop) and ends with its measurement (the adaptive search's
+    losing trials); ``submitted``: when the job was submitted (older metrics belong to an earlier run)."""
 
     def __init__(self, app: AppConfig, ledger_dir: Path, jobs: list[JobSpec], kind: str, progress: Progress,
                  search_id: str, on_end: Optional[Callable[[JobSpec, dict], None]] = None,
-                 gate: Optional[Callable[[JobSpec], Optional[tuple[str, str]]]] = None):
+                 gate: Optional[Callable[[JobSpec], Optional[tuple[str, str]]]] = None,
+                 watch: Optional[Callable[[JobSpec, float], Optional[tuple[str, str]]]] = None):
         self.app, self.kind, self.progress = app, kind, progress
-        self.gate = gate
+        self.gate, self.watch = gate, watch
         self.jobs = jobs
         self.ledger = Ledger(ledger_dir)
         self.search_id = search_id
@@ -259,11 +265,24 @@ class Launcher:
                 a.running_since = time.time()
                 self.progress.update(a.job.name, "running")
                 changed = True
+            if a.running_since and self.watch is not None and not a.stop_requested:
+                changed |= self._ask_to_stop(a)
             if a.running_since and time.time() - a.running_since > timeout_min(a.job) * 60 + GRACE_S:
                 log.warning("%s outlived its limit by %.0f s: cancelling", a.job.name, GRACE_S)
                 self._stop(a, "timeout", "job did not end within its time limit plus grace")
                 changed = True
         return changed
+
+    def _ask_to_stop(self, a: Active) -> bool:
+        """Ask ``watch`` about a running job; leave it a stop request if it says so."""
+        verdict = self.watch(a.job, a.submitted)
+        if verdict is None:
+            return False
+        stop_reason, reason = verdict
+        log.info("%s: asking it to stop after its current step (%s: %s)", a.job.name, stop_reason, reason)
+        request_stop(Path(a.job.out), stop_reason, reason)
+        a.stop_requested = True
+        return True
 
     def _drop_unschedulable(self) -> bool:
         """Cancel queued jobs SLURM can never start (or that waited past cluster.max_queue_minutes)."""

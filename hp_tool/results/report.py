@@ -27,7 +27,7 @@ from hp_tool.results.full_run import FullRun
 from hp_tool.results.optimal import ds_config_path, format_usd, optimal_path, write_optimal_config
 from hp_tool.results.plots import write_plots
 from hp_tool.sizing import format_days
-from hp_tool.trial.result import NOT_LAUNCHED
+from hp_tool.trial.result import LOSING, NOT_LAUNCHED
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +65,13 @@ def _status_counts(df: pd.DataFrame) -> str:
 
 
 def search_cost_line(selected: pd.DataFrame) -> Optional[str]:
-    """GPU-hours the trials spent (start to end, times their processes), and what launching every selected
-    candidate would have spent at the same mean per trial; None when nothing was skipped or pruned."""
+    """GPU-hours the trials spent (start to end, times their processes), and about what launching every
+    selected candidate and running each to its own stop would have spent: a trial stopped early as losing
+    scaled to the mean steps of the trials that ran to their stop, one not launched at their mean hours.
+    None when nothing was skipped, pruned or stopped early."""
     not_launched = selected["status"].isin(NOT_LAUNCHED)
-    if not not_launched.any():
+    stopped = selected["stop_reason"] == LOSING
+    if not (not_launched.any() or stopped.any()):
         return None
     start = pd.to_datetime(selected["start_time"], errors="coerce", utc=True)
     end = pd.to_datetime(selected["end_time"], errors="coerce", utc=True)
@@ -77,10 +80,19 @@ def search_cost_line(selected: pd.DataFrame) -> Optional[str]:
     spent = float(hours.sum())
     if not ran:
         return None
-    whole = spent / ran * (ran + int(not_launched.sum()))
-    return (f"Adaptive search: {ran} trials ran for {spent:.3g} GPU-hours; {int(not_launched.sum())} not launched "
-            f"({_status_counts(selected[not_launched])}); launching every selected candidate would have spent "
-            f"about {whole:.3g} GPU-hours ({spent / whole:.0%} of it spent).")
+    whole = hours.notna() & ~stopped
+    if whole.any():
+        steps = float(selected.loc[whole, "steps_run"].mean())
+        scaled = hours[stopped] * steps / selected.loc[stopped, "steps_run"]
+        estimate = float(hours[whole].sum() + scaled.sum() + hours[whole].mean() * int(not_launched.sum()))
+    else:
+        estimate = spent / ran * (ran + int(not_launched.sum()))
+    early = f" ({int(stopped.sum())} stopped early as losing)" if stopped.any() else ""
+    skipped = (f"; {int(not_launched.sum())} not launched ({_status_counts(selected[not_launched])})"
+               if not_launched.any() else "")
+    return (f"Adaptive search: {ran} trials ran{early} for {spent:.3g} GPU-hours{skipped}; launching every selected "
+            f"candidate and running each to its stop would have spent about {estimate:.3g} GPU-hours "
+            f"({spent / estimate:.0%} of it spent).")
 
 
 def _layout(row: pd.Series) -> str:

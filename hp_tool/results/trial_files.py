@@ -120,14 +120,15 @@ def read_metrics(path: Path) -> tuple[list[dict], int]:
 
 
 def _fill_timing(result: dict, steps: list[dict]) -> None:
-    timing = _timing(steps)
+    timing = timing_of(steps)
     for key in TIMING_FIELDS:
         if result.get(key) is None:
             result[key] = timing[key]
 
 
-def _timing(steps: list[dict]) -> dict:
-    """Step-time statistics (seconds) over the timed steps; peak memory (GB) over all steps."""
+def timing_of(steps: list[dict]) -> dict:
+    """Step-time statistics (seconds) over the timed steps; peak memory (GB) over all steps (metrics.jsonl
+    rows, as ``read_metrics`` returns them)."""
     timed = [float(s["step_time_s"]) for s in steps if s.get("timed") is True]
     memory = [m for m in (number(s.get("memory_gb")) for s in steps) if m is not None]
     losses = [x for x in (number(s.get("loss")) for s in steps) if x is not None]
@@ -145,7 +146,7 @@ def result_from_metrics(trial_id: str, steps: list[dict], bad_lines: int,
     """A result for a trial killed before it wrote result.json: status timeout when its log spans
     most of the time box (``time_box_s``, seconds), else failed; timing from the timed steps."""
     result = _blank(trial_id)
-    result.update(_timing(steps))
+    result.update(timing_of(steps))
     times = [t for t in (number(s.get("time")) for s in steps) if t is not None]
     span_s = (max(times) - min(times) + float(steps[0]["step_time_s"])) if times else 0.0
     timed_out = time_box_s is not None and span_s >= TIMEOUT_SPAN_FRACTION * time_box_s

@@ -2,8 +2,9 @@
 
 A trial stops at whichever comes first: ``run.max_steps``; the time budget (``run.max_minutes`` minus a
 margin for start-up and write-out, and never starting a step that would overrun it); a stable step time
-(the last ``run.stable_window`` timed steps with a coefficient of variation below ``run.stable_cv``); or a
-signal (SIGUSR2/SIGTERM, sent by SLURM and submitit before their limit).
+(the last ``run.stable_window`` timed steps with a coefficient of variation below ``run.stable_cv``); a
+signal (SIGUSR2/SIGTERM, sent by SLURM and submitit before their limit); or the search's request
+(``stop_request.json``: the adaptive search stops a losing trial).
 """
 
 from __future__ import annotations
@@ -61,10 +62,13 @@ class StopRule:
     warmup: int
 
     def reason(self, steps_done: int, elapsed_s: float, last_step_s: float,
-               timed: list[float], signalled: bool) -> Optional[str]:
-        """The stop reason after ``steps_done`` steps ("max_steps", "time_budget", "stable", "signal")."""
+               timed: list[float], signalled: bool, requested: Optional[str] = None) -> Optional[str]:
+        """The stop reason after ``steps_done`` steps ("max_steps", "time_budget", "stable", "signal", or
+        ``requested``: the stop reason of the search's request, honoured once a step is timed)."""
         if signalled:
             return "signal"
+        if requested is not None and timed:
+            return requested
         if steps_done >= self.run.max_steps:
             return "max_steps"
         if elapsed_s + last_step_s > self.budget_s:

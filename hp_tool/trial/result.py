@@ -11,9 +11,10 @@ the single place they are defined. Values that could not be measured are JSON ``
 ``result.json`` (written atomically by rank 0; by a failing rank too, so a status is always left):
     fingerprint: TrialSpec.fingerprint() of the spec that ran (the collector ranks only matching ones);
     status: ok (at least one timed step), timeout (time budget or signal before any timed step),
-    oom, failed, cancelled; reason; stop_reason: max_steps, time_budget, stable, signal, or null on
-    failure; step-time statistics over the timed steps (seconds); throughput of one optimizer step of
-    the spec's global batch on the spec's layout; peak memory per GPU (max over ranks, GB); versions;
+    oom, failed, cancelled; reason; stop_reason: max_steps, time_budget, stable, signal, losing (the
+    search asked it to stop: ``stop_request.json``, its reason kept as the result's), or null on failure;
+    step-time statistics over the timed steps (seconds); throughput of one optimizer step of the spec's
+    global batch on the spec's layout; peak memory per GPU (max over ranks, GB); versions;
     start and end times (ISO 8601 UTC).
 """
 
@@ -38,6 +39,7 @@ from hp_tool.trial.spec import TrialSpec
 METRICS_FILE = "metrics.jsonl"
 RESULT_FILE = "result.json"
 FAILURE_DIR = "rank_failures"  # per-rank failure notes, read by rank 0 to name the root cause
+STOP_REQUEST_FILE = "stop_request.json"  # the search asks a running trial to stop after its current step
 
 METRIC_FIELDS = ("step", "step_time_s", "loss", "grad_norm", "lr", "tokens", "memory_gb", "timed", "time")
 RESULT_FIELDS = (
@@ -51,7 +53,9 @@ SKIPPED, PRUNED_AFTER_OOM = "skipped", "pruned_after_oom"  # the adaptive search
 NOT_LAUNCHED = (SKIPPED, PRUNED_AFTER_OOM)  # a result of these ran nothing; a resumed search decides again
 # unschedulable and the verdicts are set by the launcher
 STATUSES = ("ok", "oom", "timeout", "failed", "cancelled", "unschedulable", SKIPPED, PRUNED_AFTER_OOM)
-STOP_REASONS = ("max_steps", "time_budget", "stable", "signal")
+LOSING = "losing"  # stopped early by the adaptive search: slower than the best measured trial by a clear margin
+STOP_REASONS = ("max_steps", "time_budget", "stable", "signal", LOSING)
+REQUESTED_STOPS = (LOSING,)  # stop reasons a stop request may carry
 FIRST_LOSSES = 5  # losses of the first steps kept in result.json (layout-equivalence checks)
 TRACEBACK_TAIL_CHARS = 2000
 
@@ -128,6 +132,25 @@ def write_result(output_dir: Path, result: dict) -> Path:
     if missing:
         raise ValueError(f"result is missing contract fields {sorted(missing)}")
     return atomic_write_json(output_dir / RESULT_FILE, {k: result[k] for k in RESULT_FIELDS})
+
+
+def request_stop(output_dir: Path, stop_reason: str, reason: str) -> Path:
+    """Ask the trial writing to ``output_dir`` to stop after its current step, as ``stop_reason``
+    (one of REQUESTED_STOPS), its measurement kept; ``reason`` becomes the result's."""
+    if stop_reason not in REQUESTED_STOPS:
+        raise ValueError(f"stop_reason {stop_reason!r} is not one of {REQUESTED_STOPS}")
+    return atomic_write_json(Path(output_dir) / STOP_REQUEST_FILE, {"stop_reason": stop_reason, "reason": reason})
+
+
+def read_stop_request(output_dir: Path) -> Optional[dict]:
+    """The stop request left for this trial ({"stop_reason", "reason"}), or None (also when unreadable)."""
+    try:
+        data = json.loads((Path(output_dir) / STOP_REQUEST_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("stop_reason") not in REQUESTED_STOPS:
+        return None
+    return data
 
 
 def write_rank_failure(output_dir: Path, rank: int, failure: dict, unix_s: float) -> None:

@@ -65,9 +65,9 @@ def _reduce(values: list[float], op, device: torch.device) -> list[float]:
 
 
 def _stop_code(rule: measure.StopRule, steps: int, elapsed: float, last: float, timed: list,
-               signalled: bool, device: torch.device) -> Optional[str]:
+               signalled: bool, requested: Optional[str], device: torch.device) -> Optional[str]:
     """Rank 0's stop decision, broadcast so that every rank leaves the loop after the same step."""
-    reason = rule.reason(steps, elapsed, last, timed, signalled)
+    reason = rule.reason(steps, elapsed, last, timed, signalled, requested)
     if not dist.is_initialized():
         return reason
     choices = (None,) + res.STOP_REASONS
@@ -83,7 +83,7 @@ def run_loop(engine: Engine, out: Path, t_start: float, flag: measure.SignalFlag
     share = 1.0 / (spec.parallel.dp * spec.parallel.tp)  # last-stage ranks each add their share
     tokens = spec.training.global_batch_size * spec.model.seq_length
     writer = measure.MetricsWriter(out / res.METRICS_FILE, enabled=rank0)
-    timed, losses, step, reason = [], [], 0, None
+    timed, losses, step, reason, request = [], [], 0, None, None
     tensor_peak = _TensorPeakSteps(engine, min(2, rule.warmup))
     try:
         while reason is None:
@@ -104,12 +104,14 @@ def run_loop(engine: Engine, out: Path, t_start: float, flag: measure.SignalFlag
                           "lr": lr_at(step - 1, spec.training), "tokens": tokens,
                           "memory_gb": measure.peak_memory_gb(device)[0], "timed": is_timed,
                           "time": time.time()})
+            request = res.read_stop_request(out) if rank0 else None
             reason = _stop_code(rule, step, measure.now_s() - t_start, step_s, timed, signals > 0,
-                                device)
+                                request and request["stop_reason"], device)
     finally:
         writer.close()
     return {"steps_run": step, "timed": timed, "losses": losses, "stop_reason": reason,
-            "tensor_peak_bytes": tensor_peak.peak}
+            "tensor_peak_bytes": tensor_peak.peak,
+            "request_reason": request.get("reason") if request and reason == request["stop_reason"] else None}
 
 
 class _TensorPeakSteps:
@@ -146,7 +148,7 @@ def _finish(spec: TrialSpec, result: dict, outcome: dict, device: torch.device, 
     measured = stats["count"] > 0
     result.update(
         status="ok" if measured else "timeout",
-        reason=None if measured else f"stopped by {outcome['stop_reason']} before any timed step",
+        reason=outcome["request_reason"] if measured else f"stopped by {outcome['stop_reason']} before any timed step",
         stop_reason=outcome["stop_reason"], steps_run=outcome["steps_run"],
         steps_measured=stats["count"], step_time_s_median=stats["median"],
         step_time_s_mean=stats["mean"], step_time_s_std=stats["std"],
@@ -195,6 +197,8 @@ def run_trial(spec_path: str | os.PathLike, output_dir: Optional[str] = None) ->
     out = output_dir_for(spec, output_dir)
     out.mkdir(parents=True, exist_ok=True)
     env = tdist.read_env()
+    if env.rank == 0:
+        (out / res.STOP_REQUEST_FILE).unlink(missing_ok=True)  # an earlier run's: not this one's
     device = tdist.select_device(env)
     result = res.empty_result(spec.trial_id, spec.fingerprint())
     result.update(world_size=env.world_size, device=device.type,
