@@ -1,6 +1,7 @@
-"""GPU-hours a search spends and how good its pick is, by strategy, on simulated landscapes at scale.
+"""GPU-hours a search spends and how good its pick is, by strategy: on simulated landscapes at scale, and
+on a real CPU landscape.
 
-    python benchmarks/search_cost.py [--search gpt3/175b] [--seeds 20] [--margins 0.1,0.25,0.5]
+    python benchmarks/search_cost.py [--search gpt3/175b] [--seeds 20] [--margins 0.1,0.25,0.5] [--real]
 
 The candidates and their predictions come from the real planner (``make_plan``, analytic memory) for the
 search config on its cluster, every fitting candidate selected. For each seed a hidden truth is drawn from
@@ -14,10 +15,19 @@ Strategies:
 - ``exhaustive``: hp_tool without adaptation, the top ``limit`` candidates by raw prediction, 20 steps;
 - ``adaptive(m)``: hp_tool's adaptive search (``hp_tool.adaptive``) in waves of ``--parallel`` trials over
   the same candidates: launch order spread over TP/PP regimes, skipping what the calibrated model puts
-  more than ``m`` behind the best measured, pruning a regime's larger candidates after an OOM.
+  more than ``m`` behind the best measured, pruning a regime's larger candidates after an OOM, and
+  stopping a trial whose step is more than ``m`` behind the best of the earlier waves after its warm-up
+  and ``LOSING_MIN_STEPS`` timed steps.
 
 Prints one line per strategy: median and worst GPU-hours as a fraction of ``nemo``'s, and the pick's true
 step time over the true best (median, worst). Targets: median pick <= 1.03x best at <= 25% of nemo.
+
+``--real`` also searches the real CPU landscape of ``gpt3/tiny`` (12 candidates, TP, PP and micro-batch
+on two CPU processes) with ``main.py`` once per strategy, trials of at most ``--real-steps`` steps:
+``nemo`` (exhaustive, the stable-time stop off: every trial runs all its steps), ``exhaustive`` (every
+candidate, the stable-time stop on) and ``adaptive`` (the default). Its truth is ``nemo``'s measured
+landscape: each strategy's pick is scored by nemo's full-run step time of the same candidate. The
+GPU-hours are process-hours of the trials (start to end), as the search's summary counts them.
 """
 
 from __future__ import annotations
@@ -27,14 +37,18 @@ import logging
 import math
 import random
 import statistics
+import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from hp_tool.adaptive import Option, Outcome, launch_order, verdicts
+from hp_tool.adaptive import LOSING_MIN_STEPS, Option, Outcome, launch_order, verdicts
 
 STARTUP_H = 3 / 60
 OOM_H = 1 / 60
+STEPS, WARMUP = 20, 3  # hp_tool's trial steps, of which untimed
+REPO = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
@@ -77,7 +91,7 @@ def draw_truth(cands: list[Candidate], usable_gb: float, rng: random.Random) -> 
     return Truth(step, oom)
 
 
-def trial_hours(c: Candidate, truth: Truth, steps: int) -> float:
+def trial_hours(c: Candidate, truth: Truth, steps: float) -> float:
     if c.option.name in truth.oom:
         return c.gpus * (STARTUP_H + OOM_H)
     return c.gpus * (STARTUP_H + steps * truth.step_s[c.option.name] / 3600)
@@ -99,15 +113,51 @@ def adaptive(cands: list[Candidate], truth: Truth, margin: float, parallel: int)
         decided = verdicts(options, outcomes, margin)
         queue = [n for n in queue if n not in decided]
         wave, queue = queue[:parallel], queue[parallel:]
+        best = min(measured.values(), default=None)  # the best of the earlier waves
         for name in wave:
             c = by_name[name]
-            hours += trial_hours(c, truth, 20)
+            losing = best is not None and name not in truth.oom and truth.step_s[name] > best * (1 + margin)
+            hours += trial_hours(c, truth, WARMUP + LOSING_MIN_STEPS if losing else STEPS)
             if name in truth.oom:
                 outcomes.append(Outcome(name, "oom"))
             else:
                 measured[name] = truth.step_s[name]
                 outcomes.append(Outcome(name, "ok", truth.step_s[name]))
     return hours, measured
+
+
+def real_landscape(steps: int) -> None:
+    """Part (b): gpt3/tiny searched for real once per strategy (see the module docstring)."""
+    from hp_tool.results.collect import RANK_COLUMN, SELECTED, collect_trials
+    from hp_tool.results.report import trial_gpu_hours
+
+    strategies = {
+        "nemo": ["search_strategy=exhaustive", "stable_cv=0"],
+        "exhaustive": ["search_strategy=exhaustive"],
+        "adaptive(0.25)": ["search_strategy=adaptive", "skip_margin=0.25"],
+    }
+    tables = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, settings in strategies.items():
+            cmd = [sys.executable, str(REPO / "main.py"), "search_config=gpt3/tiny", "cluster=local",
+                   "memory_check=analytic", f"base_results_dir={tmp}/{name}",
+                   f"search_config.train_settings.max_steps_per_run={steps}",
+                   *(f"search_config.train_settings.{s}" for s in settings)]
+            subprocess.run(cmd, cwd=tmp, check=True, capture_output=True, text=True)
+            df = collect_trials(Path(tmp) / name / "gpt3" / "tiny")
+            tables[name] = df[df["plan_status"] == SELECTED]
+    nemo = tables["nemo"]
+    truth = nemo[nemo["rank"].notna()].set_index("trial_id")[RANK_COLUMN]
+    nemo_h = float(trial_gpu_hours(nemo).sum())
+    print(f"gpt3/tiny on CPU processes (real): {len(nemo)} candidates, {len(truth)} measured by nemo, best "
+          f"{truth.idxmin()} at {truth.min():.4g} s per step")
+    for name, table in tables.items():
+        ranked = table[table["rank"].notna()].sort_values("rank")
+        pick = ranked["trial_id"].iloc[0]
+        ran = int(trial_gpu_hours(table).notna().sum())
+        stopped = int((table["stop_reason"] == "losing").sum())
+        print(f"  {name:16} GPU-hours vs nemo: {float(trial_gpu_hours(table).sum()) / nemo_h:6.1%} ({ran} trials ran, "
+              f"{stopped} stopped early);  pick {pick} / true best: {truth.get(pick, math.nan) / truth.min():.3f}x")
 
 
 def main() -> None:
@@ -117,6 +167,8 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=30, help="the exhaustive search's limit_search_runs")
     parser.add_argument("--parallel", type=int, default=8, help="trials per wave (cluster.max_parallel_runs)")
     parser.add_argument("--margins", default="0.1,0.25,0.5")
+    parser.add_argument("--real", action="store_true", help="also search gpt3/tiny's real CPU landscape")
+    parser.add_argument("--real-steps", type=int, default=50, help="steps per trial of the real searches")
     args = parser.parse_args()
     logging.disable(logging.WARNING)
     cands, usable = candidates(args.search, 10_000)
@@ -129,7 +181,7 @@ def main() -> None:
             continue
         best = min(fits)
         nemo_h, _ = run(cands, truth, 50)
-        results = {"exhaustive": run(cands[:args.limit], truth, 20)}
+        results = {"exhaustive": run(cands[:args.limit], truth, STEPS)}
         for m in margins:
             results[f"adaptive({m:g})"] = adaptive(cands[:args.limit], truth, m, args.parallel)
         results["nemo"] = (nemo_h, {n: s for n, s in truth.step_s.items() if n not in truth.oom})
@@ -142,6 +194,8 @@ def main() -> None:
         cost, pick = [r[0] for r in rows], [r[1] for r in rows]
         print(f"  {name:16} GPU-hours vs nemo: median {statistics.median(cost):6.1%}, worst {max(cost):6.1%};  "
               f"pick / true best: median {statistics.median(pick):.3f}x, worst {max(pick):.3f}x")
+    if args.real:
+        real_landscape(args.real_steps)
 
 
 if __name__ == "__main__":

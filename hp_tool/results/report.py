@@ -64,6 +64,13 @@ def _status_counts(df: pd.DataFrame) -> str:
     return ", ".join(f"{counts[s]} {s}" for s in sorted(counts.index))
 
 
+def trial_gpu_hours(trials: pd.DataFrame) -> pd.Series:
+    """GPU-hours each trial held its processes, start to end (NaN for a trial that never ran)."""
+    start = pd.to_datetime(trials["start_time"], errors="coerce", utc=True)
+    end = pd.to_datetime(trials["end_time"], errors="coerce", utc=True)
+    return (end - start).dt.total_seconds() / 3600 * trials["trial_world_size"]
+
+
 def search_cost_line(selected: pd.DataFrame) -> Optional[str]:
     """GPU-hours the trials spent (start to end, times their processes), and about what launching every
     selected candidate and running each to its own stop would have spent: a trial stopped early as losing
@@ -73,9 +80,7 @@ def search_cost_line(selected: pd.DataFrame) -> Optional[str]:
     stopped = selected["stop_reason"] == LOSING
     if not (not_launched.any() or stopped.any()):
         return None
-    start = pd.to_datetime(selected["start_time"], errors="coerce", utc=True)
-    end = pd.to_datetime(selected["end_time"], errors="coerce", utc=True)
-    hours = (end - start).dt.total_seconds() / 3600 * selected["trial_world_size"]
+    hours = trial_gpu_hours(selected)
     ran = int(hours.notna().sum())
     spent = float(hours.sum())
     if not ran:
