@@ -13,7 +13,7 @@ import pytest
 from hp_tool.architectures import Shape
 from hp_tool.estimate.layout import Hardware, Layout
 from hp_tool.estimate.memory import estimate_memory
-from hp_tool.estimate.speed import MAX_EFFICIENCY, estimate_step_time, matmul_efficiency
+from hp_tool.estimate.speed import MAX_EFFICIENCY, dp_collectives, estimate_step_time, matmul_efficiency
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "published_runs.py"
 GPT_20B = Shape("gpt3", 44, 6144, 48, 48, 4 * 6144, 51200, 2048)
@@ -60,3 +60,21 @@ def test_published_runs_median_error_and_rank_correlation_meet_the_targets():
     errors = [abs(p - m) / m for p, m in zip(predicted, measured)]
     assert statistics.median(errors) <= 0.10
     assert bench.spearman(measured, predicted) >= 0.9
+
+
+def test_sharded_data_parallel_collectives_follow_each_engine_per_micro_batch():
+    m = 6  # micro-batches per replica
+    lay = lambda z, engine, ckpt=0, pp=1: Layout(1, pp, 4, 2, ckpt, 2 * 4 * m, z, "none", engine)  # noqa: E731
+    every = GPT_20B.pipeline_layers
+    assert dp_collectives(GPT_20B, lay(0, "torch")) == dp_collectives(GPT_20B, lay(1, "deepspeed")) == 2
+    assert dp_collectives(GPT_20B, lay(2, "torch")) == 2 * m  # FSDP2: a gather and a reduce-scatter each
+    assert dp_collectives(GPT_20B, lay(2, "deepspeed")) == m + 1  # a reduce-scatter each, one gather
+    assert dp_collectives(GPT_20B, lay(3, "torch")) == dp_collectives(GPT_20B, lay(3, "torch", every)) == 3 * m
+    # DeepSpeed gathers a checkpointed layer again for its recompute forward
+    assert dp_collectives(GPT_20B, lay(3, "deepspeed", every // 2)) == pytest.approx(3.5 * m)
+    assert dp_collectives(GPT_20B, lay(3, "deepspeed", every)) == 4 * m
+    # under PP the torch schedule keeps the stage gathered through the step: one gather, one reduction
+    assert dp_collectives(GPT_20B, lay(3, "torch", pp=4)) == 2
+    hw = Hardware(8, 80, 312, 300, 25, 0.0)
+    exposed = [estimate_step_time(GPT_20B, lay(3, "deepspeed", k), hw, 4).dp_comm_s for k in (0, every)]
+    assert exposed[1] > exposed[0]

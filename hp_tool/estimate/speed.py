@@ -7,10 +7,11 @@ bubble    = compute · (PP − 1) / (v · m) for m micro-batches per replica and
 TP comm   = ring all-reduces of the layer activations, 2 in forward and 2 in backward per layer, plus
             2 per recomputed layer;
 PP comm   = point-to-point activations and gradients between stages, v times as many when interleaved;
-DP comm   = gradient reduction (ZeRO 0-2: one all-reduce's volume, as reduce-scatter + all-gather) and,
-            at ZeRO-3, the parameter all-gathers of forward and backward (1.5x); up to DP_OVERLAP of it
-            hides behind the compute it can overlap (backward for stages 0-2, forward and backward for
-            stage 3), so it is exposed in full once it outruns that compute;
+DP comm   = the engine's collectives over the stage's parameters (``dp_collectives``: an all-reduce of the
+            gradients per step at ZeRO 0-1; at ZeRO-2 and 3 gathers and reduce-scatters per micro-batch,
+            ZeRO-3 gathering in forward, in backward and, under DeepSpeed, again for the recompute);
+            up to DP_OVERLAP of it hides behind the compute it can overlap (backward for stages 0-2,
+            forward and backward for stage 3), so it is exposed in full once it outruns that compute;
 offload   = host-device PCIe traffic of the offloaded shard (gradients down, updated weights up, and
             with parameter offload the weights up for every micro-batch's forward and backward) plus
             the optimizer step on the CPU (CPU_ADAM_PARAMS_PER_S per node, shared by its GPUs).
@@ -31,7 +32,6 @@ MAX_EFFICIENCY = 0.7  # the fraction of peak large dense matmuls approach (best 
 WIDTH_HALF = 384.0  # hidden columns per TP rank at which efficiency is half its saturation
 TOKENS_HALF = 128.0  # tokens per micro-batch at which efficiency is half its saturation
 DP_OVERLAP = 0.5  # at most this fraction of data-parallel communication hides behind compute
-DP_VOLUME = {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.5}  # ZeRO stage -> data-parallel traffic, in all-reduces
 CPU_ADAM_PARAMS_PER_S = 4e9  # parameters per second a node's CPUs update with Adam (DeepSpeed CPU-Adam,
 #                              about 1B parameters in 0.25 s on a 2-socket server; Ren et al. 2021)
 
@@ -85,14 +85,38 @@ def compute_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
     return flops / (gpus * hw.peak_tflops * 1e12 * matmul_efficiency(shape, layout))
 
 
+def dp_collectives(shape: Shape, layout: Layout) -> float:
+    """Data-parallel collectives of one step, each an all-gather or a reduce-scatter of the stage's
+    parameters (an all-reduce is two), as the trial engines run them with m micro-batches per replica:
+
+    - ZeRO 0-1: one all-reduce of the gradients per step (2): DDP skips the reduction on all but the last
+      micro-batch, DeepSpeed reduces at the accumulation boundary;
+    - PP over the torch engine's FSDP2: the schedule gathers the stage once and reduces once per step (2);
+    - ZeRO-2: torch (FSDP2 keeping the gathered weights from forward to backward) gathers in each forward
+      and reduce-scatters in each backward (2m); DeepSpeed reduce-scatters in each backward and gathers
+      the updated weights once (m + 1);
+    - ZeRO-3: a gather in forward and one in backward, a reduce-scatter in backward (3m); DeepSpeed
+      gathers a checkpointed layer once more for its recompute forward (+ m times the checkpointed share
+      of the layers), where FSDP2 recomputes inside the backward's gather."""
+    m = layout.num_microbatches
+    if layout.zero_stage <= 1 or (layout.engine == "torch" and layout.pp > 1):
+        return 2.0
+    if layout.zero_stage == 2:
+        return 2.0 * m if layout.engine == "torch" else m + 1.0
+    per_stage = shape.pipeline_layers // layout.pp
+    recompute = min(layout.act_ckpt_layers, per_stage) / per_stage if layout.engine == "deepspeed" else 0.0
+    return (3.0 + recompute) * m
+
+
 def dp_comm_s(shape: Shape, layout: Layout, hw: Hardware, num_nodes: int) -> float:
     """Exposed data-parallel communication per step for the layout's ZeRO stage, over the node
     interconnect when the job spans nodes (see the module docstring)."""
     if layout.dp == 1:
         return 0.0
     bandwidth = hw.inter_node_bandwidth_gbps if num_nodes > 1 else hw.intra_node_bandwidth_gbps
-    comm = DP_VOLUME[layout.zero_stage] * _ring_allreduce_s(2 * _local_parameters(shape, layout), layout.dp,
-                                                            bandwidth)
+    # a ring all-reduce moves two collectives' volume
+    comm = dp_collectives(shape, layout) / 2 * _ring_allreduce_s(2 * _local_parameters(shape, layout), layout.dp,
+                                                                 bandwidth)
     overlappable = compute_s(shape, layout, hw) * (1.0 if layout.zero_stage >= 3 else 2 / 3)
     return comm - min(DP_OVERLAP * comm, overlappable)
 
