@@ -74,8 +74,8 @@ def verdicts(options: Sequence[Option], outcomes: Sequence[Outcome], skip_margin
     by_name = {o.name: o for o in options}
     ended = {r.name for r in outcomes}
     ok = [r for r in outcomes if r.status == OK and r.step_s and r.name in by_name]
-    factors = fit_step_factors([StepPoint(by_name[r.name].compute_s, by_name[r.name].comm_s, r.step_s)
-                                for r in ok])
+    factors = fit_step_factors([StepPoint(by_name[r.name].compute_s, by_name[r.name].comm_s, r.step_s,
+                                          (by_name[r.name].tp, by_name[r.name].pp)) for r in ok])
     best = min(ok, key=lambda r: r.step_s) if ok else None
     ooms = [by_name[r.name] for r in outcomes if r.status == "oom" and r.name in by_name]
     measured_regimes = {(by_name[r.name].tp, by_name[r.name].pp) for r in outcomes if r.name in by_name}
@@ -95,7 +95,7 @@ def verdicts(options: Sequence[Option], outcomes: Sequence[Outcome], skip_margin
             continue
         if best is None or scouts.get((o.tp, o.pp)) == o.name:
             continue
-        calibrated = factors.predict(o.compute_s, o.comm_s)
+        calibrated = factors.predict(o.compute_s, o.comm_s, (o.tp, o.pp))
         if calibrated > best.step_s * (1 + skip_margin):
             out[o.name] = (SKIPPED,
                            f"calibrated prediction {calibrated:.4g} s per step (raw {o.predicted_s:.4g} s) is "

@@ -11,15 +11,22 @@ robustly (least absolute log error, so one straggler does not pull the fit) and 
 [1/10, 10] (beyond, a trial says more about a fault than about the cluster; the CPU preset's rough peak
 sits near the top). With fewer
 than three trials, or when the trials' communication parts barely differ from their compute parts in
-proportion, the two cannot be told apart and one common factor is fitted. ``fit_memory_offset`` is the
-median of measured minus predicted peak memory: the overhead the preset's constant misses.
+proportion, the two cannot be told apart and one common factor is fitted.
+
+What the two factors leave unexplained differs most between layout regimes (the TP and PP degrees: which
+collectives run, how the pipeline fills), and least between the candidates of one regime, which differ
+in micro-batch and checkpointing. So each regime with measured trials also gets its residual, the median
+of measured over the factors' prediction (bounded the same way), applied to its other candidates: they
+are predicted relative to their measured neighbours, the unmeasured regimes by the factors alone.
+``fit_memory_offset`` is the median of measured minus predicted peak memory: the overhead the preset's
+constant misses.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 BOUNDS = (0.1, 10.0)  # the factors' range
@@ -27,13 +34,18 @@ MIN_POINTS_FOR_TWO = 3  # trials needed to fit compute and communication apart
 MIN_COMM_SPREAD = 0.05  # the communication share must vary by this much across trials to be told apart
 
 
+Regime = tuple  # a layout regime: (TP, PP)
+
+
 @dataclass(frozen=True)
 class StepPoint:
-    """One measured trial: its predicted compute and communication seconds and its measured step."""
+    """One measured trial: its predicted compute and communication seconds, its measured step, and its
+    layout regime (None: no residual)."""
 
     compute_s: float
     comm_s: float
     measured_s: float
+    regime: Optional[Regime] = None
 
 
 @dataclass(frozen=True)
@@ -42,9 +54,10 @@ class StepFactors:
     comm: float = 1.0
     points: int = 0  # trials the fit used; 0: no calibration (factors 1)
     common: bool = True  # one factor fitted for both parts
+    residuals: dict = field(default_factory=dict)  # regime -> measured / factors' prediction, median
 
-    def predict(self, compute_s: float, comm_s: float) -> float:
-        return self.compute * compute_s + self.comm * comm_s
+    def predict(self, compute_s: float, comm_s: float, regime: Optional[Regime] = None) -> float:
+        return (self.compute * compute_s + self.comm * comm_s) * self.residuals.get(regime, 1.0)
 
 
 def _loss(points: Sequence[StepPoint], a: float, b: float) -> float:
@@ -74,9 +87,16 @@ def fit_step_factors(points: Sequence[StepPoint]) -> StepFactors:
     shares = [p.comm_s / (p.compute_s + p.comm_s) for p in points]
     if len(points) >= MIN_POINTS_FOR_TWO and max(shares) - min(shares) >= MIN_COMM_SPREAD:
         a, b = _search(lambda a, b: _loss(points, a, b), 2)
-        return StepFactors(a, b, len(points), common=False)
-    (a,) = _search(lambda a: _loss(points, a, a), 1)
-    return StepFactors(a, a, len(points), common=True)
+        common = False
+    else:
+        (a,) = _search(lambda a: _loss(points, a, a), 1)
+        b, common = a, True
+    ratios: dict = {}
+    for p in points:
+        if p.regime is not None:
+            ratios.setdefault(p.regime, []).append(p.measured_s / (a * p.compute_s + b * p.comm_s))
+    residuals = {r: min(BOUNDS[1], max(BOUNDS[0], statistics.median(v))) for r, v in ratios.items()}
+    return StepFactors(a, b, len(points), common, residuals)
 
 
 def fit_memory_offset(predicted_gb: Sequence[float], measured_gb: Sequence[float]) -> Optional[float]:

@@ -49,6 +49,16 @@ def test_factors_stay_within_bounds():
     assert factors.compute == pytest.approx(BOUNDS[1])
 
 
+def test_a_measured_regime_predicts_its_other_candidates_relative_to_its_trials():
+    # (2, 1) runs 3x slower than (1, 1) for the same predicted work: the factors cannot explain both,
+    # each regime's residual places its candidates by its own measurement
+    factors = fit_step_factors([StepPoint(1.0, 0.0, 2.0, (1, 1)), StepPoint(1.0, 0.0, 6.0, (2, 1))])
+    assert factors.predict(2.0, 0.0, (2, 1)) == pytest.approx(12.0)  # twice the work of the 6 s trial
+    assert factors.predict(0.5, 0.0, (1, 1)) == pytest.approx(1.0)  # half the work of the 2 s trial
+    assert 2.0 <= factors.predict(1.0, 0.0, (4, 1)) <= 6.0  # an unmeasured regime: the factors alone
+    assert factors.predict(1.0, 0.0) == factors.predict(1.0, 0.0, (4, 1))
+
+
 def test_memory_offset_is_the_median_gap():
     assert fit_memory_offset([10.0, 20.0, 30.0], [11.0, 23.0, 30.5]) == pytest.approx(1.0)
     assert fit_memory_offset([], []) is None

@@ -234,16 +234,19 @@ def calibrate(df: pd.DataFrame) -> pd.DataFrame:
     give (:mod:`hp_tool.calibration`): ``calibrated_step_time_s`` beside the raw ``predicted_step_time_s``,
     ``calibrated_memory_gb`` beside ``predicted_memory_gb``; the raw figures where nothing was measured."""
     ok = df[(df["status"] == OK) & df[RANK_COLUMN].notna() & df["predicted_compute_s"].notna()]
-    factors = fit_step_factors([StepPoint(r.predicted_compute_s, r.predicted_comm_s, r.full_run_step_time_s)
-                                for r in ok.itertuples()])
-    df["calibrated_step_time_s"] = factors.compute * df["predicted_compute_s"] + factors.comm * df["predicted_comm_s"]
+    factors = fit_step_factors([StepPoint(r.predicted_compute_s, r.predicted_comm_s, r.full_run_step_time_s,
+                                          (r.tp, r.pp)) for r in ok.itertuples()])
+    df["calibrated_step_time_s"] = [factors.predict(c, m, (tp, pp)) for c, m, tp, pp in
+                                    zip(df["predicted_compute_s"], df["predicted_comm_s"], df["tp"], df["pp"])]
     df["calibrated_step_time_error_pct"] = 100 * (df[RANK_COLUMN] / df["calibrated_step_time_s"] - 1)
     measured = df[(df["status"] == OK) & df["peak_memory_gb"].notna() & df["predicted_memory_gb"].notna()]
     offset = fit_memory_offset(list(measured["predicted_memory_gb"]), list(measured["peak_memory_gb"]))
     df["calibrated_memory_gb"] = df["predicted_memory_gb"] + (offset or 0.0)
     if factors.points:
-        log.info("Calibrated on %d trials: compute x%.3g, communication x%.3g%s, memory %+.3g GB", factors.points,
-                 factors.compute, factors.comm, " (one common factor)" if factors.common else "", offset or 0.0)
+        residuals = ", ".join(f"TP{tp} PP{pp} x{r:.3g}" for (tp, pp), r in sorted(factors.residuals.items()))
+        log.info("Calibrated on %d trials: compute x%.3g, communication x%.3g%s, per regime %s, memory %+.3g GB",
+                 factors.points, factors.compute, factors.comm, " (one common factor)" if factors.common else "",
+                 residuals, offset or 0.0)
     return df
 
 
