@@ -126,6 +126,11 @@ def adaptive(cands: list[Candidate], truth: Truth, margin: float, parallel: int)
     return hours, measured
 
 
+def folder(strategy: str) -> str:
+    """A results folder name for ``strategy`` that a Hydra override takes as is."""
+    return "".join(ch if ch.isalnum() else "_" for ch in strategy)
+
+
 def real_landscape(steps: int) -> None:
     """Part (b): gpt3/tiny searched for real once per strategy (see the module docstring)."""
     from hp_tool.results.collect import RANK_COLUMN, SELECTED, collect_trials
@@ -140,11 +145,13 @@ def real_landscape(steps: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name, settings in strategies.items():
             cmd = [sys.executable, str(REPO / "main.py"), "search_config=gpt3/tiny", "cluster=local",
-                   "memory_check=analytic", f"base_results_dir={tmp}/{name}",
+                   "memory_check=analytic", f"base_results_dir={tmp}/{folder(name)}",
                    f"search_config.train_settings.max_steps_per_run={steps}",
                    *(f"search_config.train_settings.{s}" for s in settings)]
-            subprocess.run(cmd, cwd=tmp, check=True, capture_output=True, text=True)
-            df = collect_trials(Path(tmp) / name / "gpt3" / "tiny")
+            proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise SystemExit(f"{name}: main.py failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+            df = collect_trials(Path(tmp) / folder(name) / "gpt3" / "tiny")
             tables[name] = df[df["plan_status"] == SELECTED]
     nemo = tables["nemo"]
     truth = nemo[nemo["rank"].notna()].set_index("trial_id")[RANK_COLUMN]
@@ -164,13 +171,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--search", default="gpt3/175b")
     parser.add_argument("--seeds", type=int, default=20)
+    parser.add_argument("--skip-simulation", action="store_true", help="with --real: only the real landscape")
     parser.add_argument("--limit", type=int, default=30, help="the exhaustive search's limit_search_runs")
     parser.add_argument("--parallel", type=int, default=8, help="trials per wave (cluster.max_parallel_runs)")
     parser.add_argument("--margins", default="0.1,0.25,0.5")
     parser.add_argument("--real", action="store_true", help="also search gpt3/tiny's real CPU landscape")
-    parser.add_argument("--real-steps", type=int, default=50, help="steps per trial of the real searches")
+    parser.add_argument("--real-steps", type=int, default=30, help="steps per trial of the real searches")
     args = parser.parse_args()
     logging.disable(logging.WARNING)
+    if args.real and args.skip_simulation:
+        real_landscape(args.real_steps)
+        return
     cands, usable = candidates(args.search, 10_000)
     margins = [float(m) for m in args.margins.split(",")]
     stats: dict[str, list[tuple[float, float]]] = {}
