@@ -43,7 +43,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from hp_tool.adaptive import LOSING_MIN_STEPS, Option, Outcome, launch_order, verdicts
+from hp_tool.adaptive import LOSING_MIN_STEPS, Option, Outcome, launch_order, losing, verdicts
 
 STARTUP_H = 3 / 60
 OOM_H = 1 / 60
@@ -113,11 +113,12 @@ def adaptive(cands: list[Candidate], truth: Truth, margin: float, parallel: int)
         decided = verdicts(options, outcomes, margin)
         queue = [n for n in queue if n not in decided]
         wave, queue = queue[:parallel], queue[parallel:]
-        best = min(measured.values(), default=None)  # the best of the earlier waves
+        earlier = list(outcomes)  # a trial is judged against the waves before its own
         for name in wave:
             c = by_name[name]
-            losing = best is not None and name not in truth.oom and truth.step_s[name] > best * (1 + margin)
-            hours += trial_hours(c, truth, WARMUP + LOSING_MIN_STEPS if losing else STEPS)
+            stopped = name not in truth.oom and losing(name, truth.step_s[name], LOSING_MIN_STEPS,
+                                                       truth.step_s[name], earlier, margin) is not None
+            hours += trial_hours(c, truth, WARMUP + LOSING_MIN_STEPS if stopped else STEPS)
             if name in truth.oom:
                 outcomes.append(Outcome(name, "oom"))
             else:

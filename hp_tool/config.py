@@ -19,6 +19,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
+from hp_tool.adaptive import DEFAULT_SKIP_MARGIN, STRATEGIES
 from hp_tool.architectures import ENCODER_DECODER, PLANNER_FAMILIES
 from hp_tool.errors import ConfigError, require
 from hp_tool.sharding import ENGINES, OFFLOADS, ZERO_STAGES
@@ -200,8 +201,8 @@ class TrainSettings:
     zero_stages: Optional[List[int]] = None  # 0-3; null (or offload null) = one saver per layout (candidates.py)
     offload: Optional[List[str]] = None  # none | optimizer | optimizer_and_params; null = only if nothing else fits
     memory_margin: float = 0.05  # fraction of GPU memory kept free when pruning
-    search_strategy: str = "adaptive"  # adaptive | exhaustive (hp_tool/adaptive.py)
-    skip_margin: float = 0.25  # adaptive: skip candidates calibrated this much slower than the best measured,
+    search_strategy: str = STRATEGIES[0]  # adaptive | exhaustive (hp_tool/adaptive.py)
+    skip_margin: float = DEFAULT_SKIP_MARGIN  # adaptive: skip candidates calibrated this much slower than the best measured,
     # and stop a running trial measured this much slower
     tensor_parallel_sizes: Optional[List[int]] = None
     pipeline_parallel_sizes: Optional[List[int]] = None
@@ -230,7 +231,7 @@ class TrainSettings:
             raise ConfigError(f"{p}.engines", self.engines, "the deepspeed engine was asked for but DeepSpeed "
                               "is not installed", 'pip install "hp_tool[deepspeed]" (or pip install deepspeed), '
                               "or search engines=[torch]")
-        require(self.search_strategy in ("adaptive", "exhaustive"), f"{p}.search_strategy", self.search_strategy,
+        require(self.search_strategy in STRATEGIES, f"{p}.search_strategy", self.search_strategy,
                 "unknown search strategy", "use adaptive (learn from each trial, skip the hopeless) or exhaustive "
                 "(launch every selected candidate)")
         require(self.skip_margin >= 0, f"{p}.skip_margin", self.skip_margin, "must be >= 0",
