@@ -98,6 +98,36 @@ def pipeline_problem(shape: Shape, pp: int) -> Optional[str]:
     return None
 
 
+def interleave_problem(shape: Shape, pp: int, virtual_stages: int, act_ckpt_layers: int,
+                       microbatches: int) -> Optional[tuple[str, str]]:
+    """(what is at fault: "virtual_stages", "act_ckpt_layers" or "microbatches", why) when interleaved 1F1B
+    cannot run ``virtual_stages`` model chunks per pipeline rank, else None. The one rule for the planner
+    and the TrialSpec. Chunk k of rank r is virtual stage r + k·PP; each holds layers/(PP·v) layers and
+    recomputes act_ckpt_layers/v of them; torch's ScheduleInterleaved1F1B splits the step's micro-batches
+    into rounds of about PP and needs the rounds to divide them."""
+    v = virtual_stages
+    if v < 1:
+        return "virtual_stages", f"{v} virtual stages per pipeline rank: at least 1"
+    if v == 1:
+        return None
+    if pp == 1:
+        return "virtual_stages", f"{v} virtual stages interleave a pipeline, and PP=1 has none"
+    if shape.encoder_decoder:
+        return "virtual_stages", (f"interleaved pipelining runs decoder-only models; {shape.family} splits its "
+                                  "encoder and decoder over the stages")
+    per_stage = shape.pipeline_layers // pp
+    if per_stage % v:
+        return "virtual_stages", f"{v} virtual stages do not divide the {per_stage} layers per pipeline stage"
+    if act_ckpt_layers % v:
+        return "act_ckpt_layers", (f"{act_ckpt_layers} checkpointed layers per stage do not split over {v} "
+                                   f"virtual stages (each chunk recomputes the same number)")
+    rounds = max(1, microbatches // pp)
+    if microbatches % rounds:
+        return "microbatches", (f"interleaved 1F1B runs {microbatches} micro-batches per step in {rounds} "
+                                f"rounds (micro-batches // PP), which must divide them")
+    return None
+
+
 def stage_layer_counts(shape: Shape, pp: int, stage: int) -> tuple[int, int]:
     """(encoder layers, decoder layers) on pipeline ``stage`` of ``pp``; a decoder-only model's layers
     count as decoder layers."""

@@ -1,5 +1,5 @@
-"""Candidate grid: product of engine x TP x PP x MBS x checkpointed layers x (ZeRO stage, offload)
--> validity -> estimates -> prune -> order.
+"""Candidate grid: product of engine x TP x PP x virtual stages x MBS x checkpointed layers x (ZeRO stage,
+offload) -> validity -> estimates -> prune -> order.
 
 Pure planning: no I/O, no torch. Every candidate ends with a status and, unless selected, the reason:
 ``invalid`` (the layout cannot exist on this model and cluster, or the engine cannot run the
@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from hp_tool.architectures import Shape, pipeline_problem
+from hp_tool.architectures import Shape, interleave_problem, pipeline_problem
 from hp_tool.base_config import TS, Cluster
 from hp_tool.config import TrainSettings
 from hp_tool.estimate.layout import Layout
@@ -45,6 +45,7 @@ class Candidate:
     engine: str = "torch"
     zero_stage: int = 3
     offload: str = "none"
+    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved 1F1B when > 1)
     dp: int = 0  # data-parallel replicas of the full run
     status: str = SELECTED
     reason: str = ""
@@ -80,6 +81,7 @@ class Grid:
     engines: list[str] = dataclasses.field(default_factory=lambda: ["torch"])
     savers: list[tuple[int, str]] = dataclasses.field(default_factory=lambda: [(3, "none")])  # (stage, offload)
     heuristic_savers: bool = False  # search one saver per layout (zero_stages/offload null)
+    virtual: Optional[list[int]] = None  # virtual stages per pipeline rank; None: heuristic per PP
 
 
 def grid_table(shape: Shape) -> list:
@@ -123,16 +125,32 @@ def build_grid(ts: TrainSettings, shape: Shape, size_b: float, host_ram_known: b
         engines=list(ts.engines or ["torch"]),
         savers=savers,
         heuristic_savers=heuristic,
+        virtual=None if ts.virtual_pipeline_sizes is None else list(ts.virtual_pipeline_sizes),
     )
 
 
-def act_ckpt_values(grid: Grid, shape: Shape, pp: int) -> list[int]:
+def virtual_stage_values(grid: Grid, shape: Shape, pp: int) -> list[int]:
+    """The grid's virtual stages per pipeline rank for ``pp``: the user's list (only 1 without a pipeline),
+    or NeMo's choice: 1, and for a decoder-only model with PP > 2 also 2 and one layer per chunk
+    (num_layers / PP), those that divide the layers per stage."""
+    if grid.virtual is not None:
+        return [v for v in grid.virtual if v == 1 or pp > 1] or [1]
+    if shape.encoder_decoder or pp <= 2 or pipeline_problem(shape, pp) is not None:
+        return [1]
+    per_stage = shape.pipeline_layers // pp
+    return sorted({v for v in (1, 2, per_stage) if per_stage % v == 0})
+
+
+def act_ckpt_values(grid: Grid, shape: Shape, pp: int, virtual_stages: int = 1) -> list[int]:
     """The grid's checkpointed layers per stage: the user's list, or 0 to the stage's layers (both stacks'
-    for an encoder-decoder) in the size's step divided by PP."""
+    for an encoder-decoder) in the size's step divided by PP, interleaved in multiples of the virtual
+    stages (each chunk recomputes the same number)."""
     if grid.act_ckpt is not None:
         return grid.act_ckpt
     per_stage = shape.pipeline_layers // pp if pipeline_problem(shape, pp) is None else 0
-    return list(range(0, per_stage + 1, max(1, grid.act_ckpt_step // pp)))
+    step = max(1, grid.act_ckpt_step // pp)
+    step = -(-step // virtual_stages) * virtual_stages
+    return list(range(0, per_stage + 1, step))
 
 
 def invalid_reason(shape: Shape, c: Candidate, gbs: int, cluster: Cluster,
@@ -162,11 +180,17 @@ def invalid_reason(shape: Shape, c: Candidate, gbs: int, cluster: Cluster,
         return bad_engine
     if gbs % (c.mbs * c.dp):
         return "global_batch_size", f"GBS={gbs} not divisible by MBS*DP={c.mbs}*{c.dp}"
+    bad_interleave = interleave_problem(shape, c.pp, c.virtual_stages, c.act_ckpt_layers, gbs // (c.mbs * c.dp))
+    if bad_interleave:
+        what, why = bad_interleave
+        return {"virtual_stages": "virtual_pipeline_sizes", "act_ckpt_layers": "act_ckpt_layers",
+                "microbatches": "global_batch_size"}[what], why
     return None
 
 
 def _layout(c: Candidate, dp: int, gbs: int) -> Layout:
-    return Layout(c.tp, c.pp, dp, c.mbs, c.act_ckpt_layers, gbs, c.zero_stage, c.offload, c.engine)
+    return Layout(c.tp, c.pp, dp, c.mbs, c.act_ckpt_layers, gbs, c.zero_stage, c.offload, c.engine,
+                  virtual_stages=c.virtual_stages)
 
 
 def trial_node_counts(mp: int, gpn: int, num_nodes: int) -> list[int]:
@@ -237,10 +261,10 @@ def _fit(shape: Shape, c: Candidate, gbs: int, cluster: Cluster, ts: TrainSettin
 
 
 def _layout_candidates(shape: Shape, grid: Grid, ts: TrainSettings, cluster: Cluster, gbs: int, engine: str,
-                       tp: int, pp: int, mbs: int, ac: int) -> list[Candidate]:
+                       tp: int, pp: int, mbs: int, ac: int, vp: int = 1) -> list[Candidate]:
     """The candidates of one layout over the grid's memory savers (see the module docstring)."""
     def make(stage: int, offload: str) -> Candidate:
-        return Candidate(tp, pp, mbs, ac, engine, stage, offload, dp=max(1, cluster.gpus // (tp * pp)))
+        return Candidate(tp, pp, mbs, ac, engine, stage, offload, vp, dp=max(1, cluster.gpus // (tp * pp)))
 
     first = make(*grid.savers[0])
     bad = invalid_reason(shape, first, gbs, cluster, grid.mp_range)
@@ -276,8 +300,9 @@ def plan_candidates(shape: Shape, size_b: float, ts: TrainSettings, cluster: Clu
     grid = grid or build_grid(ts, shape, size_b, cluster.hw.host_ram_gb is not None)
     out: list[Candidate] = []
     for engine, tp, pp, mbs in itertools.product(grid.engines, grid.tp, grid.pp, grid.mbs):
-        for ac in act_ckpt_values(grid, shape, pp):
-            out += _layout_candidates(shape, grid, ts, cluster, gbs, engine, tp, pp, mbs, ac)
+        for vp in virtual_stage_values(grid, shape, pp):
+            for ac in act_ckpt_values(grid, shape, pp, vp):
+                out += _layout_candidates(shape, grid, ts, cluster, gbs, engine, tp, pp, mbs, ac, vp)
     rank_candidates(out, ts.limit_search_runs)
     return out
 
@@ -285,8 +310,8 @@ def plan_candidates(shape: Shape, size_b: float, ts: TrainSettings, cluster: Clu
 def rank_candidates(cands: list[Candidate], limit: int) -> None:
     """Rank the selected candidates, predicted fastest first; those beyond ``limit`` become over_limit."""
     fitting = [c for c in cands if c.status == SELECTED]
-    fitting.sort(key=lambda c: (c.step_time_s, c.memory_gb, c.tp, c.pp, c.mbs, c.act_ckpt_layers, c.engine,
-                                c.zero_stage, c.offload))
+    fitting.sort(key=lambda c: (c.step_time_s, c.memory_gb, c.tp, c.pp, c.virtual_stages, c.mbs, c.act_ckpt_layers,
+                                c.engine, c.zero_stage, c.offload))
     for i, c in enumerate(fitting, start=1):
         c.rank = i
         if i > limit:

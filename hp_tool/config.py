@@ -206,6 +206,8 @@ class TrainSettings:
     # and stop a running trial measured this much slower
     tensor_parallel_sizes: Optional[List[int]] = None
     pipeline_parallel_sizes: Optional[List[int]] = None
+    virtual_pipeline_sizes: Optional[List[int]] = None  # model chunks per pipeline rank (interleaved 1F1B when > 1);
+    # null = NeMo's rule: 1, and for decoder-only models with PP > 2 also 2 and num_layers / PP
     micro_batch_sizes: Optional[List[int]] = None
     act_ckpt_layers: Optional[List[int]] = None  # layers per pipeline stage recomputed
     min_model_parallel_size: Optional[int] = None
@@ -220,7 +222,8 @@ class TrainSettings:
                             "max_model_parallel_size"))
         _seq_and_vocab(p, self.seq_length, self.vocab_size)
         _length(f"{p}.decoder_seq_length", self.decoder_seq_length, "decoder length", "128 (or null for 128)")
-        _positive_list(self, p, ("tensor_parallel_sizes", "pipeline_parallel_sizes", "micro_batch_sizes"))
+        _positive_list(self, p, ("tensor_parallel_sizes", "pipeline_parallel_sizes", "virtual_pipeline_sizes",
+                                 "micro_batch_sizes"))
         _positive_list(self, p, ("act_ckpt_layers",), allow_zero=True)
         require(self.precision in PRECISIONS, f"{p}.precision", self.precision,
                 "unknown precision", "use bf16, fp16 or fp32")

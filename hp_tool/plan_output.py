@@ -18,7 +18,7 @@ from hp_tool.trial.spec import dump_spec
 log = logging.getLogger(__name__)
 
 PLAN_COLUMNS = (
-    "trial_id", "model_family", "model_size_b", "tp", "pp", "dp", "mbs", "act_ckpt_layers",
+    "trial_id", "model_family", "model_size_b", "tp", "pp", "virtual_stages", "dp", "mbs", "act_ckpt_layers",
     "engine", "zero_stage", "offload", "global_batch_size", "num_nodes", "trial_num_nodes", "trial_dp", "trial_global_batch_size",
     "fingerprint", "predicted_memory_gb", "traced_memory_gb", "memory_check",
     "predicted_full_memory_gb", "predicted_host_memory_gb", "predicted_step_time_s", "predicted_compute_s",
@@ -47,7 +47,8 @@ def plan_rows(plan: Plan) -> Iterable[dict[str, Any]]:
         yield {
             "trial_id": trial_id,
             "model_family": m.shape.family, "model_size_b": round(m.num_parameters / 1e9, 6),
-            "tp": c.tp, "pp": c.pp, "dp": c.dp, "mbs": c.mbs, "act_ckpt_layers": c.act_ckpt_layers,
+            "tp": c.tp, "pp": c.pp, "virtual_stages": c.virtual_stages, "dp": c.dp, "mbs": c.mbs,
+            "act_ckpt_layers": c.act_ckpt_layers,
             "engine": c.engine, "zero_stage": c.zero_stage, "offload": c.offload,
             "global_batch_size": full.global_batch_size, "num_nodes": full.num_nodes,
             "trial_num_nodes": spec.resources.num_nodes if spec else c.trial_nodes or None,

@@ -24,6 +24,8 @@ FIXES = {
     "act_ckpt_layers": "use values between 0 and the layers per pipeline stage (num_layers / PP; T5/mT5: "
                        "2 x num_layers / PP)",
     "engines": "use engines=[torch]",
+    "virtual_pipeline_sizes": "use virtual stages that divide the layers per pipeline stage (num_layers / PP), "
+                              "1 without a pipeline or for T5/mT5",
     "num_nodes": "use a GPU count divisible by TP*PP",
     "max_model_parallel_size": "widen min_model_parallel_size / max_model_parallel_size",
 }
@@ -123,7 +125,7 @@ def _require_selection(candidates: list[Candidate], ts, cluster: Cluster) -> Non
 
 def candidate_trial_id(model: ModelChoice, c: Candidate) -> str:
     return make_trial_id(model.shape.family, model.label, c.tp, c.pp, c.mbs, c.act_ckpt_layers, c.engine,
-                         c.zero_stage, c.offload)
+                         c.zero_stage, c.offload, c.virtual_stages)
 
 
 def candidate_spec(base: TrialSpec, c: Candidate, model: ModelChoice, app: AppConfig,
@@ -136,7 +138,7 @@ def candidate_spec(base: TrialSpec, c: Candidate, model: ModelChoice, app: AppCo
         base,
         trial_id=trial_id,
         parallel=ParallelSpec(c.tp, c.pp, c.trial_dp, c.mbs, c.act_ckpt_layers,
-                              base.parallel.pipeline_schedule, c.engine, c.zero_stage, c.offload),
+                              base.parallel.pipeline_schedule, c.engine, c.zero_stage, c.offload, c.virtual_stages),
         training=dataclasses.replace(base.training, global_batch_size=c.trial_global_batch_size),
         resources=dataclasses.replace(base.resources, num_nodes=c.trial_nodes,
                                       gpus_per_node=c.trial_gpus_per_node),

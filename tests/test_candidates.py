@@ -38,7 +38,8 @@ def test_selected_candidates_are_valid_fit_and_ordered(tmp_path, name):
     times = [c.step_time_s for c in ranks]
     assert times == sorted(times)
     assert [s.trial_id for s in p.specs] == [
-        f"gpt3_{p.model.label}_tp{c.tp}_pp{c.pp}_mbs{c.mbs}_ac{c.act_ckpt_layers}_torch_z{c.zero_stage}_"
+        f"gpt3_{p.model.label}_tp{c.tp}_pp{c.pp}{f'_vp{c.virtual_stages}' if c.virtual_stages > 1 else ''}"
+        f"_mbs{c.mbs}_ac{c.act_ckpt_layers}_torch_z{c.zero_stage}_"
         f"{dict(none='noff', optimizer_and_params='offall')[c.offload]}" for c in ranks]
     for c in p.candidates:
         if c.status != SELECTED:
@@ -134,9 +135,56 @@ def test_trial_runs_on_fewest_whole_nodes_it_fits_on(tmp_path):
             if (nodes * 8) % mp == 0 or nodes == fewest:
                 dp = nodes * 8 // mp
                 lay = Layout(c.tp, c.pp, dp, c.mbs, c.act_ckpt_layers, c.trial_global_batch_size // c.trial_dp * dp,
-                             c.zero_stage, c.offload, c.engine)
+                             c.zero_stage, c.offload, c.engine, virtual_stages=c.virtual_stages)
                 assert estimate_memory(p.model.shape, lay, p.cluster.hw).total_gb > usable
         grown += spec.resources.num_nodes > fewest
         assert spec.full_run.num_nodes == 128
         per_replica_full = spec.full_run.global_batch_size // spec.full_run.dp
         assert spec.training.global_batch_size // spec.parallel.dp == per_replica_full
+
+
+def test_interleaving_follows_nemo_for_pp_above_2_and_the_user_list_otherwise(tmp_path):
+    """Heuristic (virtual_pipeline_sizes null): PP <= 2 runs one chunk per rank; a decoder-only PP > 2 also
+    searches 2 and one layer per chunk (NeMo's num_layers / PP); checkpointed layers come in multiples of
+    the chunks. The user's list is searched as given, invalid values kept with their reason."""
+    p = plan(tmp_path, "search_config=gpt3/20b")  # 44 layers
+    by_pp = {}
+    for c in p.candidates:
+        by_pp.setdefault(c.pp, set()).add(c.virtual_stages)
+    assert all(vs == {1} for pp, vs in by_pp.items() if pp <= 2)
+    assert by_pp[4] == {1, 11}  # 11 layers per stage: 2 does not divide them
+    assert all(c.act_ckpt_layers % c.virtual_stages == 0 for c in p.candidates)
+    chosen = plan(tmp_path, "search_config=gpt3/5b",  # 24 layers
+                  "search_config.train_settings.pipeline_parallel_sizes=[1,2,4]",
+                  "search_config.train_settings.virtual_pipeline_sizes=[1,2,4]",
+                  "search_config.train_settings.act_ckpt_layers=[0,3]")
+    assert {c.virtual_stages for c in chosen.candidates if c.pp == 1} == {1}
+    assert {c.virtual_stages for c in chosen.candidates if c.pp == 4} == {1, 2, 4}
+    pp4 = [c for c in chosen.candidates if c.pp == 4 and c.virtual_stages == 4 and c.tp == 1 and c.mbs <= 2]
+    assert pp4 and all(c.status == INVALID and c.reason_key.endswith("virtual_pipeline_sizes")
+                       and "do not divide the 6 layers per pipeline stage" in c.reason for c in pp4)
+    odd = [c for c in chosen.candidates if c.pp == 2 and c.virtual_stages == 2 and c.act_ckpt_layers == 3
+           and c.tp == 1 and c.mbs <= 2]
+    assert odd and all(c.status == INVALID and c.reason_key.endswith("act_ckpt_layers") for c in odd)
+    runnable = [c for c in chosen.candidates if c.virtual_stages == 2 and c.status == SELECTED]
+    assert runnable
+    specs = {s.trial_id: s for s in chosen.specs}
+    for c in runnable:
+        spec = specs.get(f"gpt3_5b_tp{c.tp}_pp{c.pp}_vp2_mbs{c.mbs}_ac{c.act_ckpt_layers}_torch_z{c.zero_stage}_"
+                         f"{dict(none='noff', optimizer_and_params='offall')[c.offload]}")
+        if spec is not None:  # within limit_search_runs: the trial runs the interleaved layout
+            assert spec.parallel.virtual_stages == 2 and spec.layout().virtual_stages == 2
+
+
+def test_interleaving_lowers_the_predicted_bubble_and_raises_first_stage_memory(tmp_path):
+    p = plan(tmp_path, "search_config=gpt3/5b", "search_config.train_settings.pipeline_parallel_sizes=[4]",
+             "search_config.train_settings.virtual_pipeline_sizes=[1,2]",
+             "search_config.train_settings.tensor_parallel_sizes=[1]",
+             "search_config.train_settings.micro_batch_sizes=[1]",
+             "search_config.train_settings.act_ckpt_layers=[0]", "search_config.train_settings.zero_stages=[1]",
+             "search_config.train_settings.offload=[none]")
+    (plain,) = [c for c in p.candidates if c.virtual_stages == 1]
+    (inter,) = [c for c in p.candidates if c.virtual_stages == 2]
+    assert inter.compute_time_s < plain.compute_time_s  # bubble / v
+    assert inter.comm_time_s > plain.comm_time_s  # v times the stage crossings
+    assert inter.full_memory_gb > plain.full_memory_gb  # the warm-up runs further ahead

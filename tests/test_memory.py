@@ -78,3 +78,30 @@ def test_logits_term_uses_the_vocabulary():
     shape, _ = gpt3_shape(1, 51200, 2048)
     est = estimate_memory(shape, Layout(1, 1, 8, 2, 0, 256), HW)
     assert est.logits_gb == pytest.approx(2 * 2048 * 51200 * (2 + 8) / 1e9)
+
+
+@pytest.mark.parametrize("pp, v, m", [(2, 2, 4), (4, 2, 8), (4, 3, 4), (4, 2, 6), (4, 2, 2), (8, 4, 16), (3, 2, 1)])
+def test_micro_batches_in_flight_follow_torchs_interleaved_schedule(pp, v, m):
+    """The count the analytic model and the tracer use is the most chunk forwards whose backward has not
+    run, in the action order ScheduleInterleaved1F1B itself computes for each rank, over v."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+
+    from hp_tool.estimate.layout import microbatches_in_flight
+
+    rounds = max(1, m // pp)
+    for rank in range(pp):
+        torch_schedule = SimpleNamespace(n_local_stages=v, microbatches_per_round=m // rounds, pp_group_size=pp,
+                                         _n_microbatches=m)
+        live = most = 0
+        for action in ScheduleInterleaved1F1B._calculate_single_rank_operations(torch_schedule, rank):
+            if action is None:
+                continue
+            live += {_ComputationType.FORWARD: 1, _ComputationType.FULL_BACKWARD: -1}.get(action.computation_type, 0)
+            most = max(most, live)
+        layout = Layout(1, pp, 1, 1, 0, m, virtual_stages=v)
+        assert microbatches_in_flight(layout, rank) == pytest.approx(most / v)
+    if m % pp == 0 and m >= 2 * pp:  # Korthikanti et al.'s first-stage factor (full rounds, warm-up not capped)
+        assert microbatches_in_flight(Layout(1, pp, 1, 1, 0, m, virtual_stages=v), 0) == \
+            pytest.approx(pp * (1 + (pp - 1) / (pp * v)))

@@ -56,6 +56,9 @@ def launch(tmp_path, family, **layout):
     ("llama", {"tp": 2, "dp": 2}),
     ("gpt3", {"tp": 2, "pp": 2}),
     ("llama", {"tp": 2, "pp": 2}),
+    # interleaved 1F1B, one layer per chunk: the tied embedding (rank 0's first chunk) and head (rank 1's last)
+    ("gpt3", {"pp": 2, "vp": 2}),
+    ("llama", {"pp": 2, "vp": 2, "act_ckpt": 2, "dp": 2, "zero_stage": 3}),  # a chunk each, FSDP2 per chunk
     # memory savers: the torch engine's ZeRO-1 and FSDP2 offload, DeepSpeed's ZeRO stages, offload, AutoTP
     ("gpt3", {"dp": 2, "zero_stage": 1}),
     ("llama", {"dp": 2, "zero_stage": 3, "offload": "optimizer_and_params"}),

@@ -139,3 +139,17 @@ def test_throughput_and_failures():
 def test_loss_is_mean_token_cross_entropy():
     logits = torch.zeros(2, 3, 4)
     assert loss_fn(logits, torch.zeros(2, 3, dtype=torch.long)).item() == pytest.approx(1.3862944)
+
+
+@pytest.mark.parametrize("change, key", [
+    ({"pp": 1, "dp": 2, "vp": 2}, "parallel.virtual_stages"),  # no pipeline to interleave
+    ({"pp": 2, "vp": 4}, "parallel.virtual_stages"),  # 2 layers per stage
+    ({"pp": 2, "vp": 2, "act_ckpt": 1}, "parallel.act_ckpt_layers"),  # one chunk would recompute, one not
+    ({"pp": 2, "vp": 2, "gbs": 10}, "training.global_batch_size"),  # 5 micro-batches in rounds of 2
+])
+def test_a_layout_interleaved_1f1b_cannot_run_is_refused_with_its_key(change, key):
+    from hp_tool.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        tiny_spec("gpt3", **change)
+    assert err.value.key == key

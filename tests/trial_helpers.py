@@ -29,12 +29,12 @@ def tiny_spec(family: str = "gpt3", tp: int = 1, pp: int = 1, dp: int = 1, mbs: 
                       decoder_seq_length=32 if encdec else None)
     parallel = ParallelSpec(tp=tp, pp=pp, dp=dp, mbs=mbs, act_ckpt_layers=act_ckpt,
                             engine=run.pop("engine", "torch"), zero_stage=run.pop("zero_stage", 3),
-                            offload=run.pop("offload", "none"))
+                            offload=run.pop("offload", "none"), virtual_stages=run.pop("vp", 1))
     training = TrainingSpec(global_batch_size=gbs, lr=1e-3, min_lr=1e-4, warmup_steps=1,
                             max_steps=100, seed=1234)
     run_spec = RunSpec(max_steps=max_steps, warmup_steps=run.pop("warmup_steps", 1),
                        stable_cv=run.pop("stable_cv", 0.0), **run)
-    trial_id = f"{family}_tiny_tp{tp}_pp{pp}_dp{dp}_mbs{mbs}_ac{act_ckpt}"
+    trial_id = f"{family}_tiny_tp{tp}_pp{pp}_vp{parallel.virtual_stages}_dp{dp}_mbs{mbs}_ac{act_ckpt}"
     return TrialSpec(trial_id=trial_id, model=model, parallel=parallel, training=training,
                      resources=ResourcesSpec(num_nodes=1, gpus_per_node=tp * pp * dp,
                                              peak_tflops_per_gpu=1.0),

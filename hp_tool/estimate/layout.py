@@ -36,6 +36,24 @@ class Layout:
         return self.tp * self.pp
 
 
+def microbatches_in_flight(layout: Layout, stage: int) -> float:
+    """Micro-batches whose activations pipeline rank ``stage`` holds at once, in units of one micro-batch
+    through all the rank's layers, as torch.distributed.pipelining's schedules run them. One without PP.
+    1F1B: PP - stage, at most the step's micro-batches. Interleaved 1F1B over v chunks per rank: the warm-up
+    runs (v - 1)·r + 2·(PP - 1 - stage) chunk forwards ahead (r micro-batches per round: PP when the step
+    has at least PP), at most all m·v, and the steady state's next forward one more; each chunk holds 1/v
+    of the rank's layers. On the first rank with m >= PP that is PP·(1 + (PP - 1)/(PP·v)) (Korthikanti et
+    al. 2022, §4.2.3)."""
+    pp, m, v = layout.pp, layout.num_microbatches, layout.virtual_stages
+    if pp == 1:
+        return 1.0
+    if v == 1:
+        return float(min(pp - stage, m))
+    per_round = m // max(1, m // pp)
+    warmup = min((v - 1) * per_round + 2 * (pp - 1 - stage), m * v)
+    return min(warmup + 1, m * v) / v
+
+
 @dataclass(frozen=True)
 class Hardware:
     """What the cluster offers per GPU; bandwidths in GB/s per GPU, peak in TFLOPS."""

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from hp_tool.architectures import (Shape, checkpointed_layer_counts, count_parameters, layer_parameters,
                                    stage_layer_counts, stage_layer_parameters, vocab_parallel_parameters)
-from hp_tool.estimate.layout import GB, Hardware, Layout
+from hp_tool.estimate.layout import GB, Hardware, Layout, microbatches_in_flight
 
 MODEL_STATE_BYTES = 16  # 2 (16-bit weights) + 2 (16-bit grads) + 12 (fp32 master, Adam m, v)
 # Host bytes per parameter shard that offload keeps in RAM: fp32 master, m, v and the fp32 gradient (16),
@@ -241,17 +241,6 @@ def stage_activation_bytes(shape: Shape, layout: Layout, hw: Hardware, stage: in
     return stored, buffer
 
 
-def in_flight(layout: Layout, stage: int) -> float:
-    """Micro-batches whose activations ``stage`` holds at once, in units of one micro-batch through all
-    its layers: PP - stage under 1F1B (at most the step's micro-batches); interleaved over v virtual
-    stages, the first rank's warm-up runs further ahead, 1 + (PP - 1)/(PP·v) times more (Korthikanti et
-    al. 2022, §4.2.3)."""
-    count = float(min(layout.pp - stage, layout.num_microbatches))
-    if layout.virtual_stages > 1:
-        count *= 1 + (layout.pp - 1) / (layout.pp * layout.virtual_stages)
-    return count
-
-
 def estimate_memory(shape: Shape, layout: Layout, hw: Hardware) -> MemoryEstimate:
     """Peak memory per GPU on the most loaded pipeline stage. Stage i of 1F1B holds up to PP - i
     micro-batches' activations in flight (the first stage the most); the first stage holds the embedding,
@@ -264,7 +253,7 @@ def estimate_memory(shape: Shape, layout: Layout, hw: Hardware) -> MemoryEstimat
     best_total = -1.0
     for stage, params in enumerate(stage_parameters(shape, tp, pp)):
         per_microbatch, buffer = stage_activation_bytes(shape, layout, hw, stage)
-        activations = in_flight(layout, stage) * per_microbatch + buffer
+        activations = microbatches_in_flight(layout, stage) * per_microbatch + buffer
         stage_logits = logits if stage == pp - 1 else 0.0
         states = (model_state_bytes(params, layout.dp, layout.zero_stage, layout.offload, layout.engine)
                   + compute_copy_bytes(params, gathered_layer, layout, hw))

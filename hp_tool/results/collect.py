@@ -42,15 +42,15 @@ SELECTED = "selected"
 STATUS_ORDER = ("ok", "timeout", "oom", "failed", "cancelled", "unschedulable", "skipped", "pruned_after_oom",
                 STALE, NOT_RUN, "over_limit",
                 "pruned", "invalid")
-PLAN_INTS = ("tp", "pp", "dp", "mbs", "act_ckpt_layers", "zero_stage", "global_batch_size", "num_nodes",
+PLAN_INTS = ("tp", "pp", "virtual_stages", "dp", "mbs", "act_ckpt_layers", "zero_stage", "global_batch_size", "num_nodes",
              "trial_num_nodes", "trial_dp", "trial_global_batch_size", "predicted_rank")
 PLAN_TEXT = ("trial_id", "model_family", "engine", "offload", "plan_status", "reason", "fingerprint", "memory_check")
 
 # Every column of the table, in the order the CSVs use; units in the names.
 TABLE_COLUMNS = (
     "rank", "trial_id", "status", "reason", "plan_status", "model_family", "model_size_b",
-    "tp", "pp", "dp", "mbs", "act_ckpt_layers", "engine", "zero_stage", "offload", "global_batch_size",
-    "num_nodes", "num_gpus", "trial_num_nodes", "trial_dp", "trial_global_batch_size", "trial_world_size",
+    "tp", "pp", "virtual_stages", "dp", "mbs", "act_ckpt_layers", "engine", "zero_stage", "offload",
+    "global_batch_size", "num_nodes", "num_gpus", "trial_num_nodes", "trial_dp", "trial_global_batch_size", "trial_world_size",
     "full_run_step_time_s", "predicted_step_time_s", "step_time_error_pct", "calibrated_step_time_s",
     "calibrated_step_time_error_pct", "predicted_compute_s", "predicted_comm_s", "measured_step_time_s",
     "measured_step_time_mean_s", "measured_step_time_std_s", "steps_run", "steps_measured",
@@ -64,7 +64,7 @@ TABLE_COLUMNS = (
     "gpu_hour_price_usd", "predicted_rank", "stop_reason", "final_loss", "device", "start_time", "end_time",
     "fingerprint",
 )
-INT_COLUMNS = ("rank", "tp", "pp", "dp", "mbs", "act_ckpt_layers", "zero_stage", "global_batch_size", "num_nodes",
+INT_COLUMNS = ("rank", "tp", "pp", "virtual_stages", "dp", "mbs", "act_ckpt_layers", "zero_stage", "global_batch_size", "num_nodes",
                "num_gpus", "trial_num_nodes", "trial_dp", "trial_global_batch_size", "trial_world_size", "steps_run",
                "steps_measured", "predicted_rank")
 TEXT_COLUMNS = ("trial_id", "status", "reason", "plan_status", "model_family", "engine", "offload",
@@ -189,7 +189,7 @@ def full_run_columns(row: dict, full: FullRun) -> dict:
     # What the trial ran, as its spec says (plan.csv copies it from candidate_configs/<trial_id>.yaml).
     stage = row.get("zero_stage")
     savers = {"zero_stage": 3 if stage is None else stage, "offload": row.get("offload") or "none",
-              "engine": row.get("engine") or "torch"}
+              "engine": row.get("engine") or "torch", "virtual_stages": row.get("virtual_stages") or 1}
     trial = Layout(tp, pp, trial_dp, mbs, ckpt, row["trial_global_batch_size"], **savers)
     whole = Layout(tp, pp, dp, mbs, ckpt, gbs, **savers)
     step_s = extrapolate_step_time_s(measured, full.shape, trial, whole, full.hw,

@@ -77,7 +77,10 @@ def _header(spec: TrialSpec, best: pd.Series, n_ranked: int, ds_name: str) -> st
     return (
         f"# Optimal training config: {spec.trial_id}, fastest of {n_ranked} successful trial(s).\n"
         f"# Full run: {spec.resources.num_nodes} node(s) x {spec.resources.gpus_per_node} GPUs, "
-        f"TP={spec.parallel.tp} PP={spec.parallel.pp} DP={spec.parallel.dp} MBS={spec.parallel.mbs} "
+        f"TP={spec.parallel.tp} PP={spec.parallel.pp}"
+        + (f" (interleaved, {spec.parallel.virtual_stages} virtual stages per rank)"
+           if spec.parallel.virtual_stages > 1 else "")
+        + f" DP={spec.parallel.dp} MBS={spec.parallel.mbs} "
         f"act_ckpt_layers={spec.parallel.act_ckpt_layers}, global batch {spec.training.global_batch_size}, "
         f"{spec.parallel.engine} engine, ZeRO-{spec.parallel.zero_stage}, offload {spec.parallel.offload}.\n"
         f"# Measured {best['measured_step_time_s']:.6g} s per step in the trial; full run "

@@ -105,7 +105,9 @@ def _layout(row: pd.Series) -> str:
             else "no activation checkpointing")
     saver = f"{row['engine']} engine, ZeRO-{row['zero_stage']}" + (
         f", offload {row['offload']}" if row["offload"] not in (None, "none") else "")
-    return f"TP={row['tp']}, PP={row['pp']}, DP={row['dp']}, MBS={row['mbs']}, {ckpt}, {saver}"
+    v = row.get("virtual_stages")
+    interleaved = f" interleaved over {int(v)} virtual stages" if not pd.isna(v) and v > 1 else ""
+    return f"TP={row['tp']}, PP={row['pp']}{interleaved}, DP={row['dp']}, MBS={row['mbs']}, {ckpt}, {saver}"
 
 
 def _memory_note(ranked: pd.DataFrame) -> str:

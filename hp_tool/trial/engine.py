@@ -1,7 +1,8 @@
 """One rank's training engine: its model stage, optimizer, pipeline schedule and data, and one step.
 
-Build order: mesh -> this rank's pipeline stage on meta -> TP, activation checkpointing, DP (still on
-meta) -> materialise only the local shards -> deterministic init -> optimizer. One optimizer step runs
+Build order: mesh -> this rank's pipeline stage on meta (its v chunks under interleaved 1F1B) -> TP,
+activation checkpointing, DP per chunk (still on meta) -> materialise only the local shards ->
+deterministic init -> optimizer. One optimizer step runs
 ``grad_accum_steps`` micro-batches (through the pipeline schedule when PP > 1), syncs tied gradients
 across the first and last stages, clips with the model-wide norm and steps AdamW.
 """
@@ -9,6 +10,7 @@ across the first and last stages, clips with the model-wide norm and steps AdamW
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -21,7 +23,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from hp_tool.trial import optim
 from hp_tool.trial.data import TokenBatches
 from hp_tool.trial.dist import DistEnv, build_mesh
-from hp_tool.trial.models import StageModule, build_stage, loss_parallel_context, make_loss_fn
+from hp_tool.trial.models import (InterleavedStages, StageModule, build_rank_stages, loss_parallel_context,
+                                  make_loss_fn)
 from hp_tool.trial.parallel import (build_schedule, needs_grad_sync_control, parallelize_stage,
                                     set_grad_sync)
 from hp_tool.trial.spec import TrialSpec
@@ -41,7 +44,7 @@ class Engine:
     env: DistEnv
     device: torch.device
     mesh: Optional[DeviceMesh]
-    stage: StageModule
+    stage: StageModule  # or InterleavedStages: the rank's chunks under interleaved 1F1B
     optimizer: torch.optim.Optimizer
     batches: TokenBatches
     schedule: object = None  # torch.distributed.pipelining schedule when pp > 1
@@ -106,8 +109,11 @@ def build_engine(spec: TrialSpec, env: DistEnv, device: torch.device) -> Engine:
     mesh = build_mesh(par, env, device)
     pp_rank = mesh["pp"].get_local_rank() if mesh is not None else 0
     dp_rank = mesh["dp"].get_local_rank() if mesh is not None else 0
-    stage = build_stage(spec.model, par.pp, pp_rank)
-    parallelize_stage(stage, par, mesh, compute_dtype(spec, device), device)
+    chunks = build_rank_stages(spec.model, par.pp, pp_rank, par.virtual_stages)
+    chunk_par = dataclasses.replace(par, act_ckpt_layers=par.act_ckpt_layers // par.virtual_stages)
+    for chunk in chunks:
+        parallelize_stage(chunk, chunk_par, mesh, compute_dtype(spec, device), device)
+    stage = chunks[0] if len(chunks) == 1 else InterleavedStages(chunks)
     numel = materialize(stage, device, spec.training.seed, spec.model.init_method_std)
     log.info("rank %d: stage %d holds %d parameter elements", env.rank, pp_rank, numel)
     dp_group = group_of(mesh, par, "dp")
@@ -116,7 +122,7 @@ def build_engine(spec: TrialSpec, env: DistEnv, device: torch.device) -> Engine:
     engine = Engine(spec, env, device, mesh, stage, optimizer,
                     TokenBatches(spec, dp_rank, device), pp_rank=pp_rank, local_numel=numel)
     if par.pp > 1:
-        engine.schedule = build_schedule(stage, par, mesh, pp_rank, spec.grad_accum_steps, device,
+        engine.schedule = build_schedule(chunks, par, mesh, pp_rank, spec.grad_accum_steps, device,
                                          make_loss_fn(engine.tp_mesh))
         if stage.tied:
             engine.tied_group = _tied_group(mesh, par.pp)

@@ -44,6 +44,7 @@ import torch
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
+from hp_tool.estimate.layout import microbatches_in_flight
 from hp_tool.trial.spec import TrialSpec
 
 GB = 1e9
@@ -194,20 +195,56 @@ def _fake_group(world: int):
     dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
 
 
-def in_flight(spec: TrialSpec, stage_index: int) -> int:
-    """Micro-batches whose activations 1F1B keeps at once on stage ``stage_index``: PP - stage, at most the
-    step's micro-batches; one without PP."""
-    if spec.parallel.pp == 1:
-        return 1
-    return min(spec.parallel.pp - stage_index, spec.grad_accum_steps)
+def in_flight(spec: TrialSpec, stage_index: int) -> float:
+    """Micro-batches whose activations the schedule keeps at once on a rank of stage ``stage_index``, in
+    units of one micro-batch through all the rank's layers (``estimate.layout.microbatches_in_flight``, the
+    analytic model's count): 1F1B's PP - stage, at most the step's micro-batches; one without PP; a
+    fraction under interleaved 1F1B."""
+    k = microbatches_in_flight(spec.layout(), stage_index)
+    return int(k) if k.is_integer() else k
+
+
+def with_interleave_buffers(spec: TrialSpec, stage_index: int, device_type: str, trace: StageTrace) -> StageTrace:
+    """``trace`` of the rank's layers as one stage (``traced_spec``) plus what interleaved 1F1B holds
+    besides, one hidden-state tensor [mbs, seq, hidden] each (measured per rank in real runs,
+    tests/test_memtrace.py): every chunk's receive buffers, one per micro-batch for the whole run
+    (activations unless the chunk is the model's first, gradients unless its last; the trace counts one
+    chunk's), and every tensor the step sends (outputs forward, input gradients backward), which
+    ScheduleInterleaved1F1B's runtime keeps until it waits for the sends at the step's end. Counted at the
+    step's peak (the in-flight activations the trace holds there are partly freed by the step's end, so
+    this errs high by a few of them). Unchanged without interleaving."""
+    par, m = spec.parallel, spec.grad_accum_steps
+    v = par.virtual_stages
+    if v == 1:
+        return trace
+    from hp_tool.trial.engine import compute_dtype
+
+    dtype = compute_dtype(spec, torch.device(device_type)) or torch.float32
+    hidden = par.mbs * spec.model.seq_length * spec.model.hidden_size * dtype.itemsize
+    first, last = stage_index == 0, stage_index == par.pp - 1
+    recv = (v - 1) * m * 2  # the other chunks' activation and gradient buffers
+    sends = (v * m - (m if last else 0)) + (v * m - (m if first else 0))
+    return StageTrace(trace.train_bytes + (recv + sends) * hidden, trace.first_step_bytes + recv * hidden,
+                      trace.state_bytes + recv * hidden, trace.step_transient_bytes)
+
+
+def traced_spec(spec: TrialSpec) -> TrialSpec:
+    """The spec whose stage the tracer builds: under interleaved 1F1B, the rank's v chunks traced as one
+    stage of all its layers (same parameters, states and per-layer activations; the schedule's count in
+    flight, ``in_flight``, comes from the spec itself)."""
+    if spec.parallel.virtual_stages == 1:
+        return spec
+    return dataclasses.replace(spec, parallel=dataclasses.replace(spec.parallel, virtual_stages=1))
 
 
 def trace_stage(spec: TrialSpec, stage_index: int = 0, device_type: str = "cpu") -> StageTrace:
     """Trace one rank of pipeline stage ``stage_index`` of ``spec`` as it is (every layer of the stage, the
     schedule's micro-batches in flight), as the trial runs it on ``device_type`` ("cuda": the precision's
     autocast and FSDP2 parameter dtype)."""
-    (trace,) = _trace_stage(spec, stage_index, device_type, (in_flight(spec, stage_index),))
-    return trace
+    counts, weights = _in_flight_counts(spec, stage_index) if spec.parallel.virtual_stages > 1 else \
+        ((in_flight(spec, stage_index),), (1,))
+    traced = combine(list(zip(_trace_stage(traced_spec(spec), stage_index, device_type, counts), weights, strict=True)))
+    return with_interleave_buffers(spec, stage_index, device_type, traced)
 
 
 # This process's traces by (spec fingerprint, stage, device, counts in flight): candidates that differ only
@@ -446,7 +483,7 @@ def _increment_donor(spec: TrialSpec, stage_index: int) -> Optional[int]:
     flight) this stage can use, tracing only its one-unit fixed part: the first stage's for the last stage
     of a decoder-only pipeline; T5/mT5's decoder's first stage for the last. None: trace its own."""
     pp = spec.parallel.pp
-    if pp < 2 or stage_index != pp - 1:
+    if pp < 2 or stage_index != pp - 1 or spec.parallel.virtual_stages > 1:  # interleaved: K > 1 there
         return None
     donor = pp // 2 if spec.model.decoder_seq_length else 0
     return donor if donor != stage_index else None
@@ -461,6 +498,8 @@ def _in_flight_counts(spec: TrialSpec, stage_index: int, with_one: bool = False
     increments at one in flight)."""
     k = in_flight(spec, stage_index)
     steady = spec.grad_accum_steps > k
+    if isinstance(k, float):  # interleaved: a fraction of the rank's layers, between traced counts
+        return (1, 2), (2 - k, k - 1)
     if steady and (k > 2 or (with_one and k == 2)):
         return (1, 2), (2 - k, k - 1)
     if with_one and k > 1:
@@ -506,12 +545,13 @@ def extrapolated_stages(spec: TrialSpec, device_type: str = "cpu",
     traced with their own layers, as fast as extrapolating them."""
     units, per_unit, _ = stage_units(spec)
     stages = traced_stages(spec)
+    traced = traced_spec(spec)  # what is built; the counts in flight come from ``spec``
     out: dict[int, StageTrace] = {}
     if units <= max(2, whole_units):
         for stage in stages:
             counts, weights = _in_flight_counts(spec, stage)
-            out[stage] = combine(list(zip(_trace_stage(spec, stage, device_type, counts), weights, strict=True)))
-        return out
+            out[stage] = combine(list(zip(_trace_stage(traced, stage, device_type, counts), weights, strict=True)))
+        return {stage: with_interleave_buffers(spec, stage, device_type, t) for stage, t in out.items()}
     j = spec.parallel.act_ckpt_layers / per_unit
     mixed = j not in (0, units)
     unit_weights = {"A": 2 - units, "B": units - 1 - (j if mixed else 0), "C": j}
@@ -520,17 +560,17 @@ def extrapolated_stages(spec: TrialSpec, device_type: str = "cpu",
     for stage in stages:  # donors come first
         donor = _increment_donor(spec, stage)
         if donor is not None:
-            (a,) = _trace_stage(_with_units(spec, 1, per_unit if j == units else 0), stage, device_type, (1,))
+            (a,) = _trace_stage(_with_units(traced, 1, per_unit if j == units else 0), stage, device_type, (1,))
             terms = [(a, 1.0), (lent[donor]["A"], unit_weights["A"] - 1)]
             out[stage] = combine(terms + [(t, unit_weights[key]) for key, t in lent[donor].items() if key != "A"])
             continue
         counts, weights = _in_flight_counts(spec, stage, with_one=stage in lenders)
-        traces = _unit_traces(spec, stage, device_type, counts, mixed)
+        traces = _unit_traces(traced, stage, device_type, counts, mixed)
         if stage in lenders:
             lent[stage] = {key: ts[counts.index(1)] for key, ts in traces.items()}
         out[stage] = combine([(t, unit_weights[key] * w) for key, ts in traces.items()
                               for t, w in zip(ts, weights, strict=True)])
-    return out
+    return {stage: with_interleave_buffers(spec, stage, device_type, t) for stage, t in out.items()}
 
 
 def traced_stages(spec: TrialSpec) -> list[int]:

@@ -13,6 +13,7 @@ layout; weight initialisation relies on that to make every layout the same model
 from __future__ import annotations
 
 import logging
+import re
 from typing import Optional
 
 import torch
@@ -187,9 +188,56 @@ def build_stage(model: ModelSpec, pp: int, stage: int) -> StageModule:
                          norm if last else None, lm_head)
 
 
+class InterleavedStages(nn.Module):
+    """The model chunks one pipeline rank runs under interleaved 1F1B: chunk k is virtual stage
+    rank + k·PP of PP·v, each a stage module of its own (``build_stage`` over PP·v stages), so the rank's
+    first chunk holds the embedding on rank 0 and its last the head on rank PP - 1. The optimizer, the
+    gradient clipping, the weight initialisation and the memory tracker see one module; the schedule gets
+    ``chunks``."""
+
+    def __init__(self, chunks: list[StageModule]):
+        super().__init__()
+        self.chunks = nn.ModuleList(chunks)
+        self.tied = chunks[0].tied
+
+    @property
+    def embed_tokens(self) -> Optional[nn.Module]:
+        return self.chunks[0].embed_tokens
+
+    @property
+    def lm_head(self) -> Optional[nn.Module]:
+        return self.chunks[-1].lm_head
+
+    @property
+    def is_first(self) -> bool:
+        return self.chunks[0].is_first
+
+    @property
+    def is_last(self) -> bool:
+        return self.chunks[-1].is_last
+
+    def retie(self) -> None:
+        for chunk in self.chunks:
+            chunk.retie()
+
+    def reset_buffers(self, device: torch.device) -> None:
+        for chunk in self.chunks:
+            chunk.reset_buffers(device)
+
+
+def build_rank_stages(model: ModelSpec, pp: int, pp_rank: int, virtual_stages: int = 1) -> list[StageModule]:
+    """The stage modules pipeline rank ``pp_rank`` runs, on meta: its one stage, or with ``virtual_stages``
+    v > 1 its v chunks, virtual stages ``pp_rank + k·pp`` of ``pp·v``."""
+    return [build_stage(model, pp * virtual_stages, pp_rank + k * pp) for k in range(virtual_stages)]
+
+
+_CHUNK_PREFIX = re.compile(r"^chunks\.\d+\.")
+
+
 def canonical_name(name: str, tied: bool) -> str:
-    """A parameter's layout-independent name: wrapper prefixes removed, a tied head named as the embedding."""
-    name = name.replace("_checkpoint_wrapped_module.", "").replace("module.", "")
+    """A parameter's layout-independent name: wrapper and chunk prefixes removed, a tied head named as the
+    embedding."""
+    name = _CHUNK_PREFIX.sub("", name.replace("_checkpoint_wrapped_module.", "").replace("module.", ""))
     if tied and name == "lm_head.weight":
         return "embed_tokens.weight"
     return name

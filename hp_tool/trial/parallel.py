@@ -163,20 +163,27 @@ def parallelize_stage(stage: StageModule, par: ParallelSpec, mesh: Optional[Devi
         apply_data_parallel(stage, mesh["dp"], par.zero_stage, par.offload, param_dtype, device)
 
 
-def build_schedule(stage: StageModule, par: ParallelSpec, mesh: DeviceMesh, stage_index: int,
+def build_schedule(chunks: list[StageModule], par: ParallelSpec, mesh: DeviceMesh, pp_rank: int,
                    n_microbatches: int, device: torch.device, loss_fn=loss_fn):
-    """The pipeline schedule (1F1B, or GPipe) driving this rank's stage over the ``pp`` mesh."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    """The pipeline schedule driving this rank's stage modules over the ``pp`` mesh: 1F1B (or GPipe) for
+    one stage, interleaved 1F1B for ``par.virtual_stages`` chunks (chunk k is virtual stage
+    pp_rank + k·PP)."""
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                              ScheduleInterleaved1F1B)
 
-    pipe_stage = PipelineStage(stage, stage_index, par.pp, device, group=mesh["pp"].get_group())
+    group, total = mesh["pp"].get_group(), par.pp * len(chunks)
+    stages = [PipelineStage(chunk, pp_rank + k * par.pp, total, device, group=group)
+              for k, chunk in enumerate(chunks)]
+    # scale_grads divides by the micro-batch count: gradients are the mean over micro-batches, as
+    # with plain gradient accumulation.
+    if len(stages) > 1:
+        return ScheduleInterleaved1F1B(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
     schedule_cls = Schedule1F1B if par.pipeline_schedule == "1F1B" else ScheduleGPipe
     if schedule_cls is Schedule1F1B and n_microbatches < par.pp:
         log.warning("1F1B needs at least pp=%d micro-batches per step, the spec gives %d; using GPipe",
                     par.pp, n_microbatches)
         schedule_cls = ScheduleGPipe
-    # scale_grads divides by the micro-batch count: gradients are the mean over micro-batches, as
-    # with plain gradient accumulation.
-    return schedule_cls(pipe_stage, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
+    return schedule_cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
 
 
 def needs_grad_sync_control(par: ParallelSpec) -> bool:

@@ -16,7 +16,7 @@ from typing import Any, List, Optional
 
 from omegaconf import OmegaConf
 
-from hp_tool.architectures import ENCODER_DECODER, FAMILIES, Shape, pipeline_problem
+from hp_tool.architectures import ENCODER_DECODER, FAMILIES, Shape, interleave_problem, pipeline_problem
 from hp_tool.errors import ConfigError, require
 from hp_tool.estimate.layout import Layout
 from hp_tool.fingerprint import fingerprint_of
@@ -90,9 +90,10 @@ class ParallelSpec:
     engine: str = "torch"  # torch (TP/PP/FSDP2) | deepspeed (ZeRO, AutoTP)
     zero_stage: int = 3  # 0 DDP | 1 optimizer sharded | 2 + gradients | 3 + parameters (hp_tool/sharding.py)
     offload: str = "none"  # none | optimizer | optimizer_and_params (to host RAM)
+    virtual_stages: int = 1  # model chunks per pipeline rank: interleaved 1F1B when > 1 (torch engine)
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "mbs"):
+        for name in ("tp", "pp", "dp", "mbs", "virtual_stages"):
             require(getattr(self, name) >= 1, f"parallel.{name}", getattr(self, name),
                     "must be at least 1", "set a positive integer")
         require(self.act_ckpt_layers >= 0, "parallel.act_ckpt_layers", self.act_ckpt_layers,
@@ -251,6 +252,14 @@ class TrialSpec:
         require(p.act_ckpt_layers <= per_stage, "parallel.act_ckpt_layers",
                 p.act_ckpt_layers, f"exceeds the {per_stage} layers of a pipeline stage",
                 f"use at most {per_stage}")
+        bad_interleave = interleave_problem(shape, p.pp, p.virtual_stages, p.act_ckpt_layers, self.grad_accum_steps)
+        if bad_interleave is not None:
+            what, why = bad_interleave
+            key, value = {"virtual_stages": ("parallel.virtual_stages", p.virtual_stages),
+                          "act_ckpt_layers": ("parallel.act_ckpt_layers", p.act_ckpt_layers),
+                          "microbatches": ("training.global_batch_size", self.training.global_batch_size)}[what]
+            raise ConfigError(key, value, why, "use 1 virtual stage, or a layout interleaved 1F1B can run "
+                              "(virtual stages dividing the layers per stage and the checkpointed layers)")
         bad_engine = family_problem(m.family, p.engine)
         require(bad_engine is None, "parallel.engine", p.engine, bad_engine and bad_engine[1] or "",
                 "use engine torch")
@@ -268,7 +277,7 @@ class TrialSpec:
         """The layout this trial runs, as the analytic memory and speed models take it."""
         p = self.parallel
         return Layout(p.tp, p.pp, p.dp, p.mbs, p.act_ckpt_layers, self.training.global_batch_size, p.zero_stage,
-                      p.offload, p.engine)
+                      p.offload, p.engine, virtual_stages=p.virtual_stages)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -301,8 +310,10 @@ def dump_spec(spec: TrialSpec, path: str | os.PathLike) -> Path:
 
 
 def make_trial_id(family: str, size_label: str, tp: int, pp: int, mbs: int, act_ckpt_layers: int,
-                  engine: str = "torch", zero_stage: int = 3, offload: str = "none") -> str:
+                  engine: str = "torch", zero_stage: int = 3, offload: str = "none", virtual_stages: int = 1) -> str:
     """The one place a trial id is built; every file name derives from it. It names every searched
-    dimension, e.g. gpt3_5b_tp2_pp1_mbs4_ac0_torch_z3_noff."""
-    return (f"{family}_{size_label}_tp{tp}_pp{pp}_mbs{mbs}_ac{act_ckpt_layers}_"
+    dimension, e.g. gpt3_5b_tp2_pp1_mbs4_ac0_torch_z3_noff; interleaved layouts add their virtual stages
+    after PP (gpt3_5b_tp1_pp4_vp2_mbs1_ac0_torch_z3_noff)."""
+    vp = f"_vp{virtual_stages}" if virtual_stages > 1 else ""
+    return (f"{family}_{size_label}_tp{tp}_pp{pp}{vp}_mbs{mbs}_ac{act_ckpt_layers}_"
             f"{layout_suffix(engine, zero_stage, offload)}")
