@@ -72,3 +72,18 @@ class Hardware:
     @property
     def bytes_per_value(self) -> int:
         return BYTES_PER_VALUE[self.precision]
+
+
+def interleave_held_tensors(layout: Layout, stage: int) -> tuple[int, int]:
+    """Hidden-state tensors [mbs, seq, hidden] that interleaved 1F1B holds on pipeline rank ``stage`` beyond
+    what one stage of the rank's layers holds under 1F1B: (receive buffers the other v - 1 chunks keep for
+    the whole run, one per micro-batch for activations and one for gradients; the tensors the step sends,
+    outputs forward unless the chunk is the model's last and input gradients backward unless its first,
+    which torch's interleaved runtime keeps until it waits for the sends at the step's end). (0, 0) without
+    interleaving. Measured per rank in real runs (tests/test_memtrace.py)."""
+    v, m, pp = layout.virtual_stages, layout.num_microbatches, layout.pp
+    if v == 1:
+        return 0, 0
+    recv = 2 * (v - 1) * m
+    sends = (v * m - (m if stage == pp - 1 else 0)) + (v * m - (m if stage == 0 else 0))
+    return recv, sends

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from hp_tool.architectures import (Shape, checkpointed_layer_counts, count_parameters, layer_parameters,
                                    stage_layer_counts, stage_layer_parameters, vocab_parallel_parameters)
-from hp_tool.estimate.layout import GB, Hardware, Layout, microbatches_in_flight
+from hp_tool.estimate.layout import GB, Hardware, Layout, interleave_held_tensors, microbatches_in_flight
 
 MODEL_STATE_BYTES = 16  # 2 (16-bit weights) + 2 (16-bit grads) + 12 (fp32 master, Adam m, v)
 # Host bytes per parameter shard that offload keeps in RAM: fp32 master, m, v and the fp32 gradient (16),
@@ -243,8 +243,9 @@ def stage_activation_bytes(shape: Shape, layout: Layout, hw: Hardware, stage: in
 
 def estimate_memory(shape: Shape, layout: Layout, hw: Hardware) -> MemoryEstimate:
     """Peak memory per GPU on the most loaded pipeline stage. Stage i of 1F1B holds up to PP - i
-    micro-batches' activations in flight (the first stage the most); the first stage holds the embedding,
-    the last the head and the logits."""
+    micro-batches' activations in flight (the first stage the most; interleaved 1F1B more, and the receive
+    buffers and sends its runtime holds: ``microbatches_in_flight``, ``interleave_held_tensors``); the first
+    stage holds the embedding, the last the head and the logits."""
     tp, pp = layout.tp, layout.pp
     bpv = hw.bytes_per_value
     logits = layout.mbs * shape.target_length * shape.vocab_size * (bpv + 8) / tp  # vocab-parallel logits
@@ -254,6 +255,8 @@ def estimate_memory(shape: Shape, layout: Layout, hw: Hardware) -> MemoryEstimat
     for stage, params in enumerate(stage_parameters(shape, tp, pp)):
         per_microbatch, buffer = stage_activation_bytes(shape, layout, hw, stage)
         activations = microbatches_in_flight(layout, stage) * per_microbatch + buffer
+        activations += sum(interleave_held_tensors(layout, stage)) * layout.mbs * shape.seq_length * \
+            shape.hidden_size * bpv
         stage_logits = logits if stage == pp - 1 else 0.0
         states = (model_state_bytes(params, layout.dp, layout.zero_stage, layout.offload, layout.engine)
                   + compute_copy_bytes(params, gathered_layer, layout, hw))

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from hp_tool.estimate.layout import microbatches_in_flight
+from hp_tool.estimate.layout import interleave_held_tensors, microbatches_in_flight
 from hp_tool.trial.spec import TrialSpec
 
 GB = 1e9
@@ -205,25 +205,18 @@ def in_flight(spec: TrialSpec, stage_index: int) -> float:
 
 
 def with_interleave_buffers(spec: TrialSpec, stage_index: int, device_type: str, trace: StageTrace) -> StageTrace:
-    """``trace`` of the rank's layers as one stage (``traced_spec``) plus what interleaved 1F1B holds
-    besides, one hidden-state tensor [mbs, seq, hidden] each (measured per rank in real runs,
-    tests/test_memtrace.py): every chunk's receive buffers, one per micro-batch for the whole run
-    (activations unless the chunk is the model's first, gradients unless its last; the trace counts one
-    chunk's), and every tensor the step sends (outputs forward, input gradients backward), which
-    ScheduleInterleaved1F1B's runtime keeps until it waits for the sends at the step's end. Counted at the
-    step's peak (the in-flight activations the trace holds there are partly freed by the step's end, so
-    this errs high by a few of them). Unchanged without interleaving."""
-    par, m = spec.parallel, spec.grad_accum_steps
-    v = par.virtual_stages
-    if v == 1:
+    """``trace`` of the rank's layers as one stage (``traced_spec``) plus the hidden-state tensors
+    interleaved 1F1B holds besides (``estimate.layout.interleave_held_tensors``, the analytic model's
+    count): the receive buffers in every phase, the held sends at the step's peak (the in-flight
+    activations the trace holds there are partly freed by the step's end, so this errs high by a few of
+    them). Unchanged without interleaving."""
+    recv, sends = interleave_held_tensors(spec.layout(), stage_index)
+    if recv + sends == 0:
         return trace
     from hp_tool.trial.engine import compute_dtype
 
     dtype = compute_dtype(spec, torch.device(device_type)) or torch.float32
-    hidden = par.mbs * spec.model.seq_length * spec.model.hidden_size * dtype.itemsize
-    first, last = stage_index == 0, stage_index == par.pp - 1
-    recv = (v - 1) * m * 2  # the other chunks' activation and gradient buffers
-    sends = (v * m - (m if last else 0)) + (v * m - (m if first else 0))
+    hidden = spec.parallel.mbs * spec.model.seq_length * spec.model.hidden_size * dtype.itemsize
     return StageTrace(trace.train_bytes + (recv + sends) * hidden, trace.first_step_bytes + recv * hidden,
                       trace.state_bytes + recv * hidden, trace.step_transient_bytes)
 
