@@ -535,16 +535,24 @@ def extrapolated_stages(spec: TrialSpec, device_type: str = "cpu",
     (the receive buffers, one per micro-batch of the step, are there at any count). One build traces both
     counts. The last stage (K = 1) traces only its own A and takes the increments at one in flight from
     the stage with its kind of layers (``_increment_donor``). Stages of up to ``whole_units`` units are
-    traced with their own layers, as fast as extrapolating them."""
+    traced with their own layers, as fast as extrapolating them. Interleaved layouts: the rank's layers built
+    as one stage (``traced_spec``) at the schedule's count in flight, plus what interleaving holds besides
+    (``with_interleave_buffers``)."""
+    traced = _extrapolated_layers(spec, traced_spec(spec), device_type, whole_units)
+    return {stage: with_interleave_buffers(spec, stage, device_type, t) for stage, t in traced.items()}
+
+
+def _extrapolated_layers(spec: TrialSpec, traced: TrialSpec, device_type: str,
+                         whole_units: int) -> dict[int, StageTrace]:
+    """``extrapolated_stages`` of the stage ``traced`` builds, at ``spec``'s counts in flight."""
     units, per_unit, _ = stage_units(spec)
     stages = traced_stages(spec)
-    traced = traced_spec(spec)  # what is built; the counts in flight come from ``spec``
     out: dict[int, StageTrace] = {}
     if units <= max(2, whole_units):
         for stage in stages:
             counts, weights = _in_flight_counts(spec, stage)
             out[stage] = combine(list(zip(_trace_stage(traced, stage, device_type, counts), weights, strict=True)))
-        return {stage: with_interleave_buffers(spec, stage, device_type, t) for stage, t in out.items()}
+        return out
     j = spec.parallel.act_ckpt_layers / per_unit
     mixed = j not in (0, units)
     unit_weights = {"A": 2 - units, "B": units - 1 - (j if mixed else 0), "C": j}
@@ -563,7 +571,7 @@ def extrapolated_stages(spec: TrialSpec, device_type: str = "cpu",
             lent[stage] = {key: ts[counts.index(1)] for key, ts in traces.items()}
         out[stage] = combine([(t, unit_weights[key] * w) for key, ts in traces.items()
                               for t, w in zip(ts, weights, strict=True)])
-    return {stage: with_interleave_buffers(spec, stage, device_type, t) for stage, t in out.items()}
+    return out
 
 
 def traced_stages(spec: TrialSpec) -> list[int]:
