@@ -1,0 +1,222 @@
+"""Structure of the hp_tool package, measured from its source: where model-family knowledge lives, the
+import graph's cycles, function-level imports, the types that describe a parallel layout, and the
+busiest module's internal imports.
+
+    python benchmarks/architecture_metrics.py [--list]
+
+Family branches: comparisons of a family name (``family ==``/``!=``/``in``, a family literal such as
+"llama" compared to anything, or a use of an encoder-decoder name list) outside the registry folders
+``hp_tool/families/`` and ``hp_tool/trial/families/``. Import cycles: strongly connected components of
+the graph of every internal import, module-level and function-level (a function-level import that dodges
+a cycle is still the cycle). Layout types: classes that carry both a ``tp`` and a ``pp`` field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import re
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "hp_tool"
+REGISTRY_DIRS = (PKG / "families", PKG / "trial" / "families")
+FAMILY_NAMES = ("gpt3", "llama", "t5", "mt5")
+FAMILY_BRANCH = re.compile(r"\bfamily\b[\w.\]\)]*\s*(==|!=|\bin\b|\bnot in\b)|ENCODER_DECODER|"
+                           r"(==|!=)\s*[\"'](" + "|".join(FAMILY_NAMES) + r")[\"']|"
+                           r"[\"'](" + "|".join(FAMILY_NAMES) + r")[\"']\s*(==|!=|\bin\b)")
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def sources() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PKG.rglob("*.py")) if "conf" not in p.relative_to(PKG).parts[:1]}
+
+
+def resolve(mod: str, node: ast.ImportFrom | ast.Import, known: set[str], is_pkg: bool) -> list[str]:
+    """Internal modules an import statement names."""
+    names = []
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    else:
+        base = node.module or ""
+        if node.level:
+            parts = mod.split(".")
+            parts = parts if is_pkg else parts[:-1]
+            parts = parts[: len(parts) - node.level + 1]
+            base = ".".join(parts + ([base] if base else []))
+        subs = [f"{base}.{a.name}" if base else a.name for a in node.names]
+        names = [n for n in subs if n in known] or [base]
+    out = []
+    for name in names:
+        while name and name not in known:
+            name = name.rpartition(".")[0]
+        if name and name != mod:
+            out.append(name)
+    return sorted(set(out))
+
+
+def import_graph(mods: dict[str, Path]) -> tuple[dict[str, set[str]], int, dict[str, int]]:
+    """(module -> internal modules it imports, function-level import count, files with them)."""
+    known = set(mods)
+    graph: dict[str, set[str]] = defaultdict(set)
+    nested, nested_files = 0, defaultdict(int)
+    for mod, path in mods.items():
+        tree = ast.parse(path.read_text())
+        is_pkg = path.name == "__init__.py"
+        top = set(id(n) for n in tree.body)
+        type_checking = set()
+        for n in ast.walk(tree):
+            if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test):
+                type_checking.update(id(c) for c in ast.walk(n))
+        for n in ast.walk(tree):
+            if not isinstance(n, (ast.Import, ast.ImportFrom)) or id(n) in type_checking:
+                continue
+            targets = resolve(mod, n, known, is_pkg)
+            graph[mod].update(targets)
+            if id(n) not in top and targets:
+                nested += 1
+                nested_files[mod] += 1
+    return graph, nested, dict(nested_files)
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan), ignoring package __init__
+    re-export edges from a package to its own submodules."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+    counter = [0]
+    sys.setrecursionlimit(10000)
+
+    def edges(v):
+        return [w for w in graph.get(v, ()) if not w.startswith(v + ".")]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in edges(v):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in list(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def family_branches(mods: dict[str, Path]) -> list[str]:
+    hits = []
+    for mod, path in mods.items():
+        if any(path.is_relative_to(d) for d in REGISTRY_DIRS):
+            continue
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if FAMILY_BRANCH.search(code) and not code.strip().startswith(("\"", "'")):
+                hits.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
+    return hits
+
+
+# Floors of the package, bottom first: a module may import its own floor and those below. The trial engine
+# sits on top with the entry points: only the launcher's job, the memory-check workers, the inference
+# worker and benchmarks reach into it.
+FLOORS = (
+    ("vocabulary and contracts", ("hp_tool.errors", "hp_tool.fsutil", "hp_tool.fingerprint", "hp_tool.vocab",
+                                  "hp_tool.cost", "hp_tool.tables")),
+    ("model facts", ("hp_tool.throughput", "hp_tool.families", "hp_tool.architectures", "hp_tool.sizing", "hp_tool.sharding",
+                     "hp_tool.layout", "hp_tool.estimate")),
+    ("contracts", ("hp_tool.contracts", "hp_tool.config", "hp_tool.wandb_key")),
+    ("planning", ("hp_tool.candidates", "hp_tool.planner", "hp_tool.base_config", "hp_tool.calibration",
+                  "hp_tool.adaptive", "hp_tool.inference.grid", "hp_tool.plan_output")),
+    ("results and launching", ("hp_tool.results", "hp_tool.launch", "hp_tool.inference.report",
+                               "hp_tool.compare")),
+    ("orchestration", ("hp_tool.tracking", "hp_tool.memory_check", "hp_tool.search", "hp_tool.session",
+                       "hp_tool.inference.search", "hp_tool.inference")),
+    ("engine and entry", ("hp_tool.trial", "hp_tool.inference.worker", "hp_tool.cli", "hp_tool.__main__",
+                          "hp_tool")),
+)
+
+
+def floor_of(mod: str) -> int:
+    best, floor = -1, len(FLOORS)
+    for i, (_, prefixes) in enumerate(FLOORS):
+        for p in prefixes:
+            if (mod == p or mod.startswith(p + ".")) and len(p) > best:
+                best, floor = len(p), i
+    return floor
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Imports from a module to one on a higher floor (a lower module depending on its reader)."""
+    return sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps
+                  if floor_of(d) > floor_of(m) and not d.startswith(m + "."))
+
+
+def layout_types(mods: dict[str, Path]) -> list[str]:
+    found = []
+    for mod, path in mods.items():
+        for n in ast.walk(ast.parse(path.read_text())):
+            if isinstance(n, ast.ClassDef):
+                fields = {t.target.id for t in n.body if isinstance(t, ast.AnnAssign) and isinstance(t.target, ast.Name)}
+                if {"tp", "pp"} <= fields:
+                    found.append(f"{mod}.{n.name}")
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--list", action="store_true", help="print every site, cycle and type")
+    args = parser.parse_args()
+    mods = sources()
+    graph, nested, nested_files = import_graph(mods)
+    branches = family_branches(mods)
+    cyc = cycles(graph)
+    layouts = layout_types(mods)
+    busiest = max(graph, key=lambda m: len(graph[m]))
+    spec_mod = next((m for m in mods if m.endswith(".spec") or m.endswith("trial_spec")), None)
+    print(f"modules: {len(mods)}, lines: {sum(len(p.read_text().splitlines()) for p in mods.values())}")
+    print(f"family-branch sites outside the registry folders: {len(branches)} in "
+          f"{len({b.split(':')[0] for b in branches})} files")
+    print(f"import cycles (module-level and function-level edges): {len(cyc)}")
+    ups = upward_imports(graph)
+    print(f"imports running back up the floors: {len(ups)}")
+    print(f"function-level imports of hp_tool modules: {nested} in {len(nested_files)} files")
+    print(f"types describing a parallel layout (fields tp and pp): {len(layouts)}")
+    print(f"busiest module: {busiest} with {len(graph[busiest])} internal imports")
+    importers = [m for m, deps in graph.items() if any(d.endswith(".spec") for d in deps)]
+    print(f"modules importing a *.spec module: {len(importers)}")
+    engine_users = sorted(m for m, deps in graph.items() if not m.startswith("hp_tool.trial")
+                          and any(d.startswith("hp_tool.trial") for d in deps))
+    print(f"modules outside hp_tool.trial importing it: {len(engine_users)}")
+    if args.list:
+        print("\n".join(["", "family branches:"] + branches))
+        print("\n".join(["", "cycles:"] + [" <-> ".join(c) for c in cyc]))
+        print("\n".join(["", "layout types:"] + layouts))
+        print("\n".join(["", "imports running back up:"] + ups))
+        print("\n".join(["", "function-level imports per file:"] + [f"{m}: {n}" for m, n in sorted(nested_files.items())]))
+        print("\n".join(["", "importers of hp_tool.trial outside it:"] + engine_users))
+
+
+if __name__ == "__main__":
+    main()
