@@ -24,7 +24,7 @@ from hp_tool.plan_output import PLAN_COLUMNS, write_plan
 from hp_tool.planner import make_plan
 from hp_tool.results.collect import collect_trials, full_run_for, successful
 from hp_tool.results.report import ALL_TRIALS_COLUMNS, csv_text, write_reports
-from hp_tool.trial.result import RESULT_FIELDS
+from hp_tool.contracts.result import RESULT_FIELDS
 
 N_TRIALS = 1000
 TARGET_S = 2.0

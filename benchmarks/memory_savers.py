@@ -19,8 +19,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from hp_tool.sharding import ENGINES, OFFLOADS, ZERO_STAGES, combination_problem, layout_suffix
-from hp_tool.trial.spec import (ModelSpec, ParallelSpec, ResourcesSpec, RunSpec, TrainingSpec, TrialSpec,
+from hp_tool.sharding import combination_problem, layout_suffix
+from hp_tool.vocab import ENGINES, OFFLOADS, ZERO_STAGES
+from hp_tool.contracts.spec import (ModelSpec, ParallelSpec, ResourcesSpec, RunSpec, TrainingSpec, TrialSpec,
                                 dump_spec)
 
 

@@ -20,7 +20,7 @@ import warnings
 from hp_tool.estimate.memory import estimate_memory
 from hp_tool.trial.memterms import target_hardware, unit_terms, with_layout
 from hp_tool.trial.memtrace import trace_stage
-from hp_tool.trial.spec import ModelSpec, ParallelSpec, ResourcesSpec, RunSpec, TrainingSpec, TrialSpec
+from hp_tool.contracts.spec import ModelSpec, ParallelSpec, ResourcesSpec, RunSpec, TrainingSpec, TrialSpec
 
 LAYOUTS = [{}, {"dp": 2, "zero_stage": 0}, {"dp": 2, "zero_stage": 1}, {"dp": 2, "zero_stage": 2},
            {"dp": 2, "zero_stage": 3}, {"tp": 2}, {"tp": 2, "act_ckpt_layers": 8},

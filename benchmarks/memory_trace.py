@@ -27,7 +27,7 @@ from pathlib import Path
 from hp_tool.estimate.layout import Hardware
 from hp_tool.estimate.memory import estimate_memory
 from hp_tool.trial.memtrace import traced_peak_bytes
-from hp_tool.trial.spec import (ModelSpec, ParallelSpec, ResourcesSpec, RunSpec, TrainingSpec, TrialSpec,
+from hp_tool.contracts.spec import (ModelSpec, ParallelSpec, ResourcesSpec, RunSpec, TrainingSpec, TrialSpec,
                                 dump_spec)
 
 LAYOUTS = [{}, {"dp": 2}, {"dp": 2, "act_ckpt": 4}, {"tp": 2}, {"tp": 2, "dp": 2}, {"pp": 2},

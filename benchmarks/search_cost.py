@@ -68,7 +68,7 @@ def candidates(search: str, limit: int) -> tuple[list[Candidate], float]:
     from hp_tool.cli import compose
     from hp_tool.config import to_app_config
     from hp_tool.planner import make_plan
-    from hp_tool.candidates import SELECTED
+    from hp_tool.vocab import SELECTED
 
     cfg, name = compose([f"search_config={search}", "memory_check=analytic",
                          f"search_config.train_settings.limit_search_runs={limit}"])

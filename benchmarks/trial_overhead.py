@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from hp_tool.trial.models import hf_config
-from hp_tool.trial.spec import (ModelSpec, ParallelSpec, ResourcesSpec, RunSpec, TrainingSpec,
+from hp_tool.contracts.spec import (ModelSpec, ParallelSpec, ResourcesSpec, RunSpec, TrainingSpec,
                                 TrialSpec, dump_spec)
 from hp_tool.trial.train import run_trial
 

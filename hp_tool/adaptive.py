@@ -24,11 +24,9 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from hp_tool.calibration import StepPoint, fit_step_factors
-from hp_tool.trial.result import LOSING, PRUNED_AFTER_OOM, SKIPPED
+from hp_tool.vocab import LOSING, PRUNED_AFTER_OOM, SKIPPED
 
 OK = "ok"
-STRATEGIES = ("adaptive", "exhaustive")
-DEFAULT_SKIP_MARGIN = 0.25  # benchmarks/search_cost.py
 LOSING_MIN_STEPS = 5  # timed steps a running trial needs before it is judged (the trial's stable_window)
 
 

@@ -18,7 +18,7 @@ from hp_tool.estimate.layout import Hardware
 from hp_tool.sizing import days_to_train, format_days, recommend_model_size_b, size_label
 from hp_tool.tables import (GPT3_GBS_TP_PP, LLAMA_GBS_TP_PP, T5_DECODER_SEQ, T5_GBS_TP_PP, T5_REFERENCE_SEQ,
                             lookup)
-from hp_tool.trial.spec import (FullRunSpec, ModelSpec, ParallelSpec, ResourcesSpec, RunSpec, TrainingSpec,
+from hp_tool.contracts.spec import (FullRunSpec, ModelSpec, ParallelSpec, ResourcesSpec, RunSpec, TrainingSpec,
                                 TrialSpec, make_trial_id)
 
 TS = "search_config.train_settings"

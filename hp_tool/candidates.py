@@ -30,10 +30,10 @@ from hp_tool.estimate.layout import Layout
 from hp_tool.estimate.memory import estimate_memory, host_memory_gb
 from hp_tool.estimate.speed import estimate_step_time
 from hp_tool.tables import ACT_CKPT_STEP, GPT3_GRID, LLAMA_GRID, T5_GRID, lookup
-from hp_tool.sharding import OFFLOADS, SAVING_ORDER, ZERO_STAGES, combination_problem, family_problem
+from hp_tool.sharding import SAVING_ORDER, combination_problem, family_problem
+from hp_tool.vocab import INVALID, OFFLOADS, OVER_LIMIT, PRUNED, SELECTED, ZERO_STAGES
 from hp_tool.throughput import throughput
 
-SELECTED, PRUNED, INVALID, OVER_LIMIT = "selected", "pruned", "invalid", "over_limit"
 
 
 @dataclass(slots=True)

@@ -24,10 +24,10 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from hp_tool.fsutil import atomic_write_text
+from hp_tool.vocab import COMPARISON_FILE
 
 log = logging.getLogger(__name__)
 
-COMPARISON_FILE = "comparison.csv"
 COLUMNS = (
     "rank", "job", "search_config", "gpu", "num_nodes", "num_gpus", "model_size_b", "status",
     "best_trial_id", "tp", "pp", "dp", "mbs", "act_ckpt_layers", "predicted_memory_gb", "gpu_memory_gb",

@@ -19,13 +19,11 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from hp_tool.adaptive import DEFAULT_SKIP_MARGIN, STRATEGIES
 from hp_tool.architectures import ENCODER_DECODER, PLANNER_FAMILIES
 from hp_tool.errors import ConfigError, require
-from hp_tool.sharding import ENGINES, OFFLOADS, ZERO_STAGES
-from hp_tool.trial.spec import PRECISIONS
+from hp_tool.vocab import CLUSTER_TYPES, ENGINES, MEMORY_CHECKS, OFFLOADS, PRECISIONS, STRATEGIES, ZERO_STAGES
 
-CLUSTER_TYPES = ("local", "bcm", "auto")
+DEFAULT_SKIP_MARGIN = 0.25  # train_settings.skip_margin; chosen by benchmarks/search_cost.py
 SIZING_MFU = 140 / 312  # tflops_per_gpu default: the MFU of NeMo's 140 TFLOPS on a 312-TFLOPS A100 (45%)
 MAX_SEQ_LENGTH = 1 << 20
 MAX_VOCAB = 1 << 22
@@ -308,7 +306,6 @@ class AppConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def __post_init__(self) -> None:
-        from hp_tool.memory_check import MEMORY_CHECKS
 
         require(self.memory_check is None or self.memory_check in MEMORY_CHECKS, "memory_check",
                 self.memory_check, "is not a memory check",

@@ -27,13 +27,12 @@ from pathlib import Path
 from typing import Optional
 
 from hp_tool.fingerprint import fingerprint_of
-from hp_tool.trial.spec import TrialSpec
+from hp_tool.contracts.spec import TrialSpec
+from hp_tool.vocab import TRACE_CACHE_FILE
 
 log = logging.getLogger(__name__)
 
-MEMORY_CHECKS = ("traced", "analytic")
 TRACE_VERSION = 2  # bump when the trace counts differently: cached traces of another version are redone
-CACHE_FILE = "memory_traces.json"  # in candidate_configs/
 
 
 @dataclass(frozen=True)
@@ -141,7 +140,7 @@ class Tracer:
 
     @classmethod
     def load(cls, device_type: str, folder: Path, workers: Optional[int] = None) -> "Tracer":
-        path = Path(folder) / CACHE_FILE
+        path = Path(folder) / TRACE_CACHE_FILE
         cache = {}
         if path.is_file():
             try:

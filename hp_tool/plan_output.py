@@ -8,12 +8,14 @@ import logging
 from pathlib import Path
 from typing import Any, Iterable
 
-from hp_tool.candidates import PRUNED, SELECTED, Candidate
+from hp_tool.vocab import PRUNED, SELECTED
+from hp_tool.candidates import Candidate
 from hp_tool.cost import cost_columns
 from hp_tool.fsutil import atomic_write_text
 from hp_tool.planner import Plan, candidate_trial_id
 from hp_tool.sizing import SECONDS_PER_DAY
-from hp_tool.trial.spec import dump_spec
+from hp_tool.contracts.spec import dump_spec
+from hp_tool.vocab import TRACE_CACHE_FILE
 
 log = logging.getLogger(__name__)
 
@@ -88,9 +90,7 @@ def write_plan(plan: Plan) -> Path:
     for spec in plan.specs:
         dump_spec(spec, cand_dir / f"{spec.trial_id}.yaml")
     if plan.tracer is not None:
-        from hp_tool.memory_check import CACHE_FILE
-
-        atomic_write_text(cand_dir / CACHE_FILE, plan.tracer.text())
+        atomic_write_text(cand_dir / TRACE_CACHE_FILE, plan.tracer.text())
     atomic_write_text(cand_dir / "plan.csv", plan_csv_text(plan))
     log.info("Wrote the plan to %s (%d trial configs)", cand_dir, len(plan.specs))
     return cand_dir

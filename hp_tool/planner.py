@@ -11,10 +11,11 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from hp_tool.base_config import Cluster, ModelChoice, base_spec, choose_model, days_for, resolve_cluster
-from hp_tool.candidates import INVALID, OVER_LIMIT, PRUNED, SELECTED, Candidate, plan_candidates, rank_candidates
+from hp_tool.vocab import INVALID, OVER_LIMIT, PRUNED, SELECTED
+from hp_tool.candidates import Candidate, plan_candidates, rank_candidates
 from hp_tool.config import AppConfig
 from hp_tool.errors import ConfigError
-from hp_tool.trial.spec import EstimatesSpec, FullRunSpec, ParallelSpec, RunSpec, TrialSpec, make_trial_id
+from hp_tool.contracts.spec import EstimatesSpec, FullRunSpec, ParallelSpec, RunSpec, TrialSpec, make_trial_id
 
 FIXES = {
     "tensor_parallel_sizes": "use TP values that divide the (key/value) head count and fit in one node",

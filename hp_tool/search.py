@@ -21,8 +21,8 @@ from hp_tool.launch.monitor import Progress
 from hp_tool.launch.runner import Launcher
 from hp_tool.launch.slurm import check_slurm_target
 from hp_tool.planner import Plan
-from hp_tool.trial.result import empty_result
-from hp_tool.trial.spec import TrialSpec
+from hp_tool.contracts.result import empty_result
+from hp_tool.contracts.spec import TrialSpec
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ def _chain(*hooks: Optional[Callable[[JobSpec, dict], None]]) -> Callable[[JobSp
 def plan_options(plan: Plan) -> list:
     """The adaptive search's view of the plan's selected candidates (hp_tool/adaptive.py's Option)."""
     from hp_tool.adaptive import Option
-    from hp_tool.candidates import SELECTED
+    from hp_tool.vocab import SELECTED
     from hp_tool.planner import candidate_trial_id
 
     return [Option(candidate_trial_id(plan.model, c), c.tp, c.pp, c.compute_time_s, c.comm_time_s, c.memory_gb)
@@ -166,7 +166,7 @@ class AdaptiveGate:
         from hp_tool.adaptive import losing
         from hp_tool.results.collect import full_run_columns
         from hp_tool.results.trial_files import number, read_metrics, timing_of
-        from hp_tool.trial.result import METRICS_FILE
+        from hp_tool.vocab import METRICS_FILE
 
         path = Path(job.out) / METRICS_FILE
         size = path.stat().st_size if path.is_file() else 0

@@ -19,13 +19,8 @@ from __future__ import annotations
 from typing import Optional
 
 from hp_tool.architectures import ENCODER_DECODER
+from hp_tool.vocab import ENGINE_CODES, OFFLOAD_CODES
 
-ENGINES = ("torch", "deepspeed")
-ZERO_STAGES = (0, 1, 2, 3)
-OFFLOADS = ("none", "optimizer", "optimizer_and_params")
-
-ENGINE_CODES = {"torch": "torch", "deepspeed": "ds"}
-OFFLOAD_CODES = {"none": "noff", "optimizer": "offopt", "optimizer_and_params": "offall"}
 
 # The memory savers from lightest to heaviest, as the heuristic (zero_stages / offload null) tries them;
 # a lighter one is never predicted slower (candidates.py picks one per layout).

@@ -20,8 +20,8 @@ from hp_tool.config import WandbConfig
 from hp_tool.errors import ConfigError
 from hp_tool.results.trial_files import number, read_metrics
 from hp_tool.sizing import size_label
-from hp_tool.trial.result import METRICS_FILE
-from hp_tool.trial.spec import TrialSpec
+from hp_tool.vocab import METRICS_FILE
+from hp_tool.contracts.spec import TrialSpec
 from hp_tool.wandb_key import check_key_file, offline, read_api_key
 
 log = logging.getLogger(__name__)

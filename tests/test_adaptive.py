@@ -3,7 +3,8 @@ stopping a losing trial."""
 
 from __future__ import annotations
 
-from hp_tool.adaptive import (LOSING, LOSING_MIN_STEPS, PRUNED_AFTER_OOM, SKIPPED, Option, Outcome, launch_order,
+from hp_tool.vocab import LOSING, PRUNED_AFTER_OOM, SKIPPED
+from hp_tool.adaptive import (LOSING_MIN_STEPS, Option, Outcome, launch_order,
                               losing, verdicts)
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from hp_tool.candidates import INVALID, OVER_LIMIT, PRUNED, SELECTED
+from hp_tool.vocab import INVALID, OVER_LIMIT, PRUNED, SELECTED
 from hp_tool.cli import compose
 from hp_tool.config import to_app_config
 from hp_tool.errors import ConfigError

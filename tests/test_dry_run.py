@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hp_tool.trial.spec import load_spec
+from hp_tool.contracts.spec import load_spec
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -13,7 +13,7 @@ from hp_tool.errors import ConfigError
 from hp_tool.inference.grid import (InferenceJobConfig, dump_job_config, kv_cache_bytes, load_job_config,
                                     make_config_id)
 from hp_tool.inference.search import plan_inference
-from hp_tool.trial.spec import ModelSpec
+from hp_tool.contracts.spec import ModelSpec
 
 IS = "search_config.inference_settings"
 

@@ -16,7 +16,7 @@ from hp_tool.inference.grid import InferenceJobConfig, dump_job_config
 from hp_tool.inference.report import RESULT_FIELDS
 from hp_tool.inference.worker import build_server, generate, make_prompt, run_inference
 from hp_tool.trial.dist import DistEnv
-from hp_tool.trial.spec import ModelSpec
+from hp_tool.contracts.spec import ModelSpec
 
 TINY = ModelSpec("gpt3", 4, 64, 4, 4, 256, 512, 128, init_method_std=0.08)
 LLAMA_TINY = ModelSpec("llama", 4, 64, 4, 2, 176, 512, 128, init_method_std=0.2)  # GQA: 2 kv heads

@@ -15,7 +15,7 @@ from hp_tool.launch.job import classify_slurm_end, write_job_failure
 from hp_tool.launch.ledger import Entry, Ledger
 from hp_tool.planner import make_plan
 from hp_tool.search import trial_job_spec
-from hp_tool.trial.result import RESULT_FIELDS
+from hp_tool.contracts.result import RESULT_FIELDS
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hp_tool.candidates import PRUNED, SELECTED
+from hp_tool.vocab import PRUNED, SELECTED
 from hp_tool.cli import compose
 from hp_tool.config import memory_check_mode, to_app_config
 from hp_tool.errors import ConfigError

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from hp_tool.architectures import count_parameters, layer_parameters
-from hp_tool.candidates import INVALID, PRUNED, SELECTED
+from hp_tool.vocab import INVALID, PRUNED, SELECTED
 from hp_tool.cli import compose
 from hp_tool.config import to_app_config
 from hp_tool.errors import ConfigError
@@ -164,7 +164,7 @@ for cfg, dp in json.load(open(sys.argv[1])):
 
 
 def test_ds_config_is_a_plain_deepspeed_config_deepspeed_parses(tmp_path):
-    from hp_tool.trial.ds_config import ds_config
+    from hp_tool.contracts.ds_config import ds_config
 
     p = plan(tmp_path, "search_config=llama/llama2_7b_a10g")
     cases = []

@@ -13,8 +13,8 @@ from hp_tool.config import AppConfig, to_app_config
 from hp_tool.fsutil import atomic_write_json
 from hp_tool.plan_output import write_plan
 from hp_tool.planner import Plan, make_plan
-from hp_tool.trial.result import RESULT_FIELDS, throughput
-from hp_tool.trial.spec import load_spec
+from hp_tool.contracts.result import RESULT_FIELDS, throughput
+from hp_tool.contracts.spec import load_spec
 
 
 def planned(tmp_path: Path, *overrides: str) -> tuple[AppConfig, Path, Plan]:

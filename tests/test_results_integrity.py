@@ -15,12 +15,12 @@ from hp_tool.cli import compose
 from hp_tool.config import to_app_config
 from hp_tool.inference import search as inference
 from hp_tool.launch.ledger import Ledger
-from hp_tool.launch.lock import LOCK_FILE
+from hp_tool.vocab import LOCK_FILE
 from hp_tool.launch.monitor import Progress
 from hp_tool.launch.runner import Launcher, set_aside
 from hp_tool.results.collect import collect_trials
 from hp_tool.search import plan_jobs
-from hp_tool.trial.spec import load_spec
+from hp_tool.contracts.spec import load_spec
 from test_results_helpers import planned, selected_ids, trial_dir, write_ok
 
 REPO = Path(__file__).resolve().parent.parent

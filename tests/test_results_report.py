@@ -9,7 +9,7 @@ from test_results_helpers import planned, selected_ids, write_failed, write_metr
 
 from hp_tool.results.collect import RANK_COLUMN, TABLE_COLUMNS
 from hp_tool.results.report import ALL_TRIALS_COLUMNS, SUMMARY_COLUMNS, finalize
-from hp_tool.trial.spec import load_spec
+from hp_tool.contracts.spec import load_spec
 
 UNIT_HINTS = ("_s", "_gb", "_pct", "_usd", "tokens", "tflops", "days", "_b", "mfu", "loss", "rank")
 MISSING_WORDS = {"None", "none", "nan", "NaN", "<NA>", "NA", "null"}

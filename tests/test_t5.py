@@ -19,7 +19,7 @@ from hp_tool.estimate.layout import Hardware, Layout
 from hp_tool.estimate.memory import estimate_memory, stage_activation_bytes
 from hp_tool.planner import make_plan
 from hp_tool.sizing import recommend_model_size_b
-from hp_tool.trial.spec import load_spec
+from hp_tool.contracts.spec import load_spec
 
 REPO = Path(__file__).resolve().parent.parent
 TS = "search_config.train_settings"
@@ -85,7 +85,7 @@ def test_mt5_unknown_size_recommends_the_size_of_the_087_factor(tmp_path):
 @pytest.mark.parametrize("family", ["t5", "mt5"])
 def test_parameter_count_is_the_real_models(family):
     from hp_tool.trial.encdec import build_full_encdec_on_meta
-    from hp_tool.trial.spec import ModelSpec
+    from hp_tool.contracts.spec import ModelSpec
 
     model = ModelSpec(family=family, num_layers=24, hidden_size=4096, num_attention_heads=64, num_kv_heads=64,
                       ffn_hidden_size=10240, vocab_size=250000 if family == "mt5" else 29000, seq_length=512,
@@ -190,7 +190,7 @@ def test_encoder_decoder_stage_matches_the_transformers_model():
     from transformers import MT5ForConditionalGeneration, T5ForConditionalGeneration
 
     from hp_tool.trial.encdec import build_encdec_stage, t5_config
-    from hp_tool.trial.spec import ModelSpec
+    from hp_tool.contracts.spec import ModelSpec
     from hp_tool.trial.weights import materialize
 
     for family, cls in (("t5", T5ForConditionalGeneration), ("mt5", MT5ForConditionalGeneration)):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from hp_tool.trial.result import METRIC_FIELDS, RESULT_FIELDS
+from hp_tool.contracts.result import METRIC_FIELDS, RESULT_FIELDS
 from hp_tool.trial.train import run_trial
 from trial_helpers import read_metrics, read_result, tiny_spec, torchrun, write_spec
 

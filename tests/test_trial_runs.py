@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from hp_tool.trial.result import LOSING, METRIC_FIELDS, RESULT_FIELDS, STATUSES, STOP_REASONS, request_stop
+from hp_tool.vocab import LOSING, STATUSES, STOP_REASONS
+from hp_tool.contracts.result import METRIC_FIELDS, RESULT_FIELDS, request_stop
 from hp_tool.trial.train import run_trial
 from trial_helpers import REPO, read_metrics, read_result, tiny_spec, write_spec
 

@@ -12,8 +12,8 @@ from hp_tool.trial import measure
 from hp_tool.trial.data import TokenBatches
 from hp_tool.trial.models import build_full_model_on_meta, build_stage, loss_fn
 from hp_tool.trial.optim import lr_at
-from hp_tool.trial.result import RESULT_FIELDS, describe_failure, empty_result, throughput
-from hp_tool.trial.spec import ModelSpec, RunSpec, TrainingSpec
+from hp_tool.contracts.result import RESULT_FIELDS, describe_failure, empty_result, throughput
+from hp_tool.contracts.spec import ModelSpec, RunSpec, TrainingSpec
 from hp_tool.trial.weights import init_weights
 from trial_helpers import tiny_spec
 

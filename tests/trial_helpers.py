@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hp_tool.trial.spec import (ModelSpec, ParallelSpec, ResourcesSpec, RunSpec, TrainingSpec,
+from hp_tool.contracts.spec import (ModelSpec, ParallelSpec, ResourcesSpec, RunSpec, TrainingSpec,
                                 TrialSpec, dump_spec)
 
 REPO = Path(__file__).resolve().parents[1]

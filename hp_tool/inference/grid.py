@@ -19,7 +19,7 @@ from hp_tool.errors import ConfigError, require
 from hp_tool.estimate.layout import GB, Hardware
 from hp_tool.fingerprint import fingerprint_of
 from hp_tool.fsutil import atomic_write_text
-from hp_tool.trial.spec import ModelSpec
+from hp_tool.contracts.spec import ModelSpec
 
 IS = "search_config.inference_settings"
 FP32_BYTES, HALF_BYTES = 4, 2

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from hp_tool.fsutil import atomic_write_json, atomic_write_text
 from hp_tool.launch.job import read_result  # noqa: F401  (one reader of result.json for every job)
-from hp_tool.trial.result import blank_result
+from hp_tool.contracts.result import blank_result
 
 log = logging.getLogger(__name__)
 

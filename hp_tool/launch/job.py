@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from hp_tool.fsutil import atomic_write_json
-from hp_tool.trial.result import METRICS_FILE, RESULT_FILE
+from hp_tool.vocab import METRICS_FILE, RESULT_FILE
 
 # SLURM end states -> trial status (a job that ends these ways never wrote result.json itself)
 SLURM_STATUS = {

@@ -16,9 +16,8 @@ from pathlib import Path
 from typing import Optional
 
 from hp_tool.fsutil import atomic_write_text
+from hp_tool.vocab import LEDGER_FILE, SEARCH_ID_FILE
 
-LEDGER_FILE = "jobs.jsonl"
-SEARCH_ID_FILE = "search_id"
 
 
 def search_id(results_dir: Path) -> str:

@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Optional
 
 from hp_tool.errors import ConfigError
+from hp_tool.vocab import LOCK_FILE
 
 log = logging.getLogger(__name__)
 
-LOCK_FILE = ".hp_tool.lock"
 
 
 class ResultsLock:

@@ -29,8 +29,8 @@ from hp_tool.launch.executors import job_name, make_executor, timeout_min
 from hp_tool.launch.job import JobSpec
 from hp_tool.launch.ledger import Entry, Ledger
 from hp_tool.launch.monitor import Progress
-from hp_tool.trial.result import (FAILURE_DIR, METRICS_FILE, NOT_LAUNCHED, RESULT_FILE, STOP_REQUEST_FILE,
-                                  request_stop)
+from hp_tool.vocab import FAILURE_DIR, METRICS_FILE, NOT_LAUNCHED, RESULT_FILE, STOP_REQUEST_FILE
+from hp_tool.contracts.result import request_stop
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class Launcher:
     return (status, reason) instead: the job is not submitted and that verdict is its result (the adaptive
     search's skipped and pruned_after_oom; a resumed search asks again). ``watch(job, submitted)``, asked
     about each running job as it is polled, may return (stop_reason, reason): the job is asked to stop after
-    its current step (trial.result.request_stop) and ends with its measurement (the adaptive search's
+    its current step (contracts.result.request_stop) and ends with its measurement (the adaptive search's
     losing trials); ``submitted``: when the job was submitted (older metrics belong to an earlier run)."""
 
     def __init__(self, app: AppConfig, ledger_dir: Path, jobs: list[JobSpec], kind: str, progress: Progress,

@@ -10,7 +10,7 @@ from typing import Optional
 from hp_tool.architectures import Shape
 from hp_tool.errors import ConfigError
 from hp_tool.estimate.layout import Hardware
-from hp_tool.trial.spec import TrialSpec, load_spec
+from hp_tool.contracts.spec import TrialSpec, load_spec
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from hp_tool.fsutil import atomic_write_text
 from hp_tool.results.full_run import FullRun
 from hp_tool.sizing import format_days
 from hp_tool.throughput import throughput
-from hp_tool.trial.ds_config import ds_config
-from hp_tool.trial.spec import EstimatesSpec, TrialSpec, load_spec
+from hp_tool.contracts.ds_config import ds_config
+from hp_tool.contracts.spec import EstimatesSpec, TrialSpec, load_spec
 
 # The job's time limit gets this margin over the estimated duration (restarts, evaluation, slow nodes).
 RUN_TIME_MARGIN = 1.25

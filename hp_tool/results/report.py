@@ -27,7 +27,7 @@ from hp_tool.results.full_run import FullRun
 from hp_tool.results.optimal import ds_config_path, format_usd, optimal_path, write_optimal_config
 from hp_tool.results.plots import write_plots
 from hp_tool.sizing import format_days
-from hp_tool.trial.result import LOSING, NOT_LAUNCHED
+from hp_tool.vocab import LOSING, NOT_LAUNCHED
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Read one trial's outputs (``result.json``, else ``metrics.jsonl``) into a result dict.
 
 Whatever is on disk, the answer is a dict with every field of the result contract
-(:data:`hp_tool.trial.result.RESULT_FIELDS`) and a status: a corrupt or partial ``result.json``
+(:data:`hp_tool.contracts.result.RESULT_FIELDS`) and a status: a corrupt or partial ``result.json``
 becomes ``failed`` with the reason, a trial killed before writing one is derived from its logged steps,
 and a trial with no files at all is ``None`` (the caller marks it ``not_run``).
 """
@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from hp_tool.fingerprint import STALE, stale_reason
-from hp_tool.trial.result import (FIRST_LOSSES, METRICS_FILE, RESULT_FIELDS, RESULT_FILE, STATUSES, blank_result,
-                                  step_stats)
+from hp_tool.vocab import METRICS_FILE, RESULT_FILE, STATUSES
+from hp_tool.contracts.result import FIRST_LOSSES, RESULT_FIELDS, blank_result, step_stats
 
 OK = "ok"
 # A killed trial whose log spans this fraction of its time box most likely hit the limit.

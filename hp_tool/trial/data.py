@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from hp_tool.errors import require
-from hp_tool.trial.spec import TrialSpec
+from hp_tool.contracts.spec import TrialSpec
 
 log = logging.getLogger(__name__)
 

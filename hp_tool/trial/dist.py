@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from hp_tool.errors import require
-from hp_tool.trial.spec import ParallelSpec
+from hp_tool.contracts.spec import ParallelSpec
 
 log = logging.getLogger(__name__)
 

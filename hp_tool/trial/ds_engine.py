@@ -5,7 +5,7 @@ Build: the stage of the whole model (no pipeline parallelism) on meta -> activat
 first k layers -> materialise on this rank's device -> the deterministic layout-independent init
 (:mod:`hp_tool.trial.weights`), so a DeepSpeed trial starts from the torch engine's weights -> with TP,
 DeepSpeed's AutoTP shards the linear layers -> ``deepspeed.initialize`` with the config of
-:func:`hp_tool.trial.ds_config.ds_config` and hp_tool's own optimizer: torch AdamW with the torch
+:func:`hp_tool.contracts.ds_config.ds_config` and hp_tool's own optimizer: torch AdamW with the torch
 engine's parameter groups, or DeepSpeed's CPU Adam (AdamW mode) when the optimizer is offloaded, which is
 what DeepSpeed runs there in production. One optimizer step: ``backward`` and ``step`` per micro-batch
 (DeepSpeed divides by the accumulation steps and steps the optimizer on the last one, clipping first);
@@ -22,10 +22,10 @@ import torch
 from hp_tool.trial import optim
 from hp_tool.trial.data import TokenBatches
 from hp_tool.trial.dist import DistEnv
-from hp_tool.trial.ds_config import ds_config
+from hp_tool.contracts.ds_config import ds_config
 from hp_tool.trial.models import build_stage, loss_fn
 from hp_tool.trial.parallel import apply_activation_checkpointing
-from hp_tool.trial.spec import TrialSpec
+from hp_tool.contracts.spec import TrialSpec
 from hp_tool.trial.weights import materialize
 
 log = logging.getLogger(__name__)

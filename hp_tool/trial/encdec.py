@@ -29,7 +29,7 @@ from torch import nn
 
 from hp_tool.architectures import RELATIVE_ATTENTION_BUCKETS, checkpointed_layer_counts, stage_layer_counts
 from hp_tool.trial.models import StageModule
-from hp_tool.trial.spec import ModelSpec
+from hp_tool.contracts.spec import ModelSpec
 
 MAX_DISTANCE = 128  # T5's relative_attention_max_distance
 BIAS_PATH = "layer.0.SelfAttention.relative_attention_bias"  # a stack's first block's position table

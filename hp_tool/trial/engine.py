@@ -27,7 +27,7 @@ from hp_tool.trial.models import (InterleavedStages, StageModule, build_rank_sta
                                   make_loss_fn)
 from hp_tool.trial.parallel import (build_schedule, needs_grad_sync_control, parallelize_stage,
                                     set_grad_sync)
-from hp_tool.trial.spec import TrialSpec
+from hp_tool.contracts.spec import TrialSpec
 from hp_tool.trial.weights import materialize
 
 log = logging.getLogger(__name__)

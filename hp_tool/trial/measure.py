@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from hp_tool.trial.spec import RunSpec
+from hp_tool.contracts.spec import RunSpec
 
 log = logging.getLogger(__name__)
 

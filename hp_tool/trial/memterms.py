@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from hp_tool.architectures import layer_parameters
 from hp_tool.estimate.layout import Hardware
 from hp_tool.estimate.memory import compute_copy_bytes, model_state_bytes, stage_activation_bytes, stage_parameters
-from hp_tool.trial.spec import TrialSpec
+from hp_tool.contracts.spec import TrialSpec
 
 
 @dataclass(frozen=True)

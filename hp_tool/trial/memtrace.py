@@ -45,7 +45,7 @@ from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from hp_tool.estimate.layout import interleave_held_tensors, microbatches_in_flight
-from hp_tool.trial.spec import TrialSpec
+from hp_tool.contracts.spec import TrialSpec
 
 GB = 1e9
 WHOLE_UNITS = 4  # a stage of this many units (see stage_units) or fewer is traced whole, not extrapolated

@@ -22,7 +22,7 @@ from torch import nn
 
 from hp_tool.architectures import ENCODER_DECODER, ENGINE_FAMILIES
 from hp_tool.errors import require
-from hp_tool.trial.spec import ModelSpec
+from hp_tool.contracts.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 

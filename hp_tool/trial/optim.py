@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
-from hp_tool.trial.spec import TrainingSpec
+from hp_tool.contracts.spec import TrainingSpec
 
 
 def lr_at(step: int, t: TrainingSpec) -> float:

@@ -27,10 +27,11 @@ import torch
 import torch.distributed as dist
 
 from hp_tool.trial import dist as tdist
-from hp_tool.trial import measure, result as res
+from hp_tool.contracts import result as res
+from hp_tool.trial import measure
 from hp_tool.trial.engine import Engine, build_engine, train_step
 from hp_tool.trial.optim import lr_at
-from hp_tool.trial.spec import TrialSpec, load_spec
+from hp_tool.contracts.spec import TrialSpec, load_spec
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from hp_tool.trial.spec import load_spec
+from hp_tool.contracts.spec import load_spec
 
 pytestmark = pytest.mark.slurm
 
@@ -45,7 +45,7 @@ def tiny_full_config(tmp_path) -> tuple:
     from hp_tool.cli import compose
     from hp_tool.config import to_app_config
     from hp_tool.planner import make_plan
-    from hp_tool.trial.spec import dump_spec
+    from hp_tool.contracts.spec import dump_spec
 
     cfg, name = compose(["search_config=gpt3/tiny"])
     base = make_plan(to_app_config(cfg), name, tmp_path / "plan").base

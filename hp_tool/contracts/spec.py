@@ -21,12 +21,9 @@ from hp_tool.errors import ConfigError, require
 from hp_tool.estimate.layout import Layout
 from hp_tool.fingerprint import fingerprint_of
 from hp_tool.fsutil import atomic_write_text
-from hp_tool.sharding import ENGINES, OFFLOADS, ZERO_STAGES, combination_problem, family_problem, layout_suffix
+from hp_tool.sharding import combination_problem, family_problem, layout_suffix
+from hp_tool.vocab import DATA_SOURCES, ENGINES, OFFLOADS, PRECISIONS, RUN_MODES, SCHEDULES, ZERO_STAGES
 
-PRECISIONS = ("bf16", "fp16", "fp32")
-SCHEDULES = ("1F1B", "GPipe")
-RUN_MODES = ("benchmark", "full")
-DATA_SOURCES = ("synthetic", "file")
 
 
 @dataclass

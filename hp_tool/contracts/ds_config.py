@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hp_tool.trial.spec import TrialSpec
+from hp_tool.contracts.spec import TrialSpec
 
 
 def ds_config(spec: TrialSpec, with_optimizer: bool = True, pin_memory: bool = True) -> dict[str, Any]:

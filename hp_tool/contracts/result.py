@@ -34,12 +34,9 @@ from typing import Any, Callable, Optional
 
 from hp_tool.fsutil import atomic_write_json
 from hp_tool.throughput import throughput as step_throughput
-from hp_tool.trial.spec import TrialSpec
-
-METRICS_FILE = "metrics.jsonl"
-RESULT_FILE = "result.json"
-FAILURE_DIR = "rank_failures"  # per-rank failure notes, read by rank 0 to name the root cause
-STOP_REQUEST_FILE = "stop_request.json"  # the search asks a running trial to stop after its current step
+from hp_tool.contracts.spec import TrialSpec
+from hp_tool.vocab import (FAILURE_DIR, LOSING, METRICS_FILE, NOT_LAUNCHED, PRUNED_AFTER_OOM, REQUESTED_STOPS, RESULT_FILE,
+                           SKIPPED, STATUSES, STOP_REASONS, STOP_REQUEST_FILE)
 
 METRIC_FIELDS = ("step", "step_time_s", "loss", "grad_norm", "lr", "tokens", "memory_gb", "timed", "time")
 RESULT_FIELDS = (
@@ -49,13 +46,6 @@ RESULT_FIELDS = (
     "peak_memory_reserved_gb", "peak_tensor_memory_gb", "world_size", "device", "backend", "first_losses", "final_loss",
     "versions", "start_time", "end_time",
 )
-SKIPPED, PRUNED_AFTER_OOM = "skipped", "pruned_after_oom"  # the adaptive search's verdicts (hp_tool/adaptive.py)
-NOT_LAUNCHED = (SKIPPED, PRUNED_AFTER_OOM)  # a result of these ran nothing; a resumed search decides again
-# unschedulable and the verdicts are set by the launcher
-STATUSES = ("ok", "oom", "timeout", "failed", "cancelled", "unschedulable", SKIPPED, PRUNED_AFTER_OOM)
-LOSING = "losing"  # stopped early by the adaptive search: slower than the best measured trial by a clear margin
-STOP_REASONS = ("max_steps", "time_budget", "stable", "signal", LOSING)
-REQUESTED_STOPS = (LOSING,)  # stop reasons a stop request may carry
 FIRST_LOSSES = 5  # losses of the first steps kept in result.json (layout-equivalence checks)
 TRACEBACK_TAIL_CHARS = 2000
 

@@ -1,0 +1,42 @@
+"""The vocabulary every layer shares: each enumeration, status and file name hp_tool writes or reads,
+defined once. Pure constants; everything else imports them from here."""
+
+from __future__ import annotations
+
+# ---- training and layout choices (config keys, the trial spec, trial ids) ----
+PRECISIONS = ("bf16", "fp16", "fp32")
+SCHEDULES = ("1F1B", "GPipe")
+RUN_MODES = ("benchmark", "full")
+DATA_SOURCES = ("synthetic", "file")
+ENGINES = ("torch", "deepspeed")
+ZERO_STAGES = (0, 1, 2, 3)
+OFFLOADS = ("none", "optimizer", "optimizer_and_params")
+ENGINE_CODES = {"torch": "torch", "deepspeed": "ds"}  # how a trial id spells an engine
+OFFLOAD_CODES = {"none": "noff", "optimizer": "offopt", "optimizer_and_params": "offall"}
+
+# ---- the search ----
+STRATEGIES = ("adaptive", "exhaustive")  # adaptive: most promising first, hopeless skipped; exhaustive: all
+MEMORY_CHECKS = ("traced", "analytic")  # how the plan prunes on memory
+CLUSTER_TYPES = ("local", "bcm", "auto")
+
+# ---- trial outcomes ----
+SKIPPED, PRUNED_AFTER_OOM = "skipped", "pruned_after_oom"  # the adaptive search's verdicts (hp_tool/adaptive.py)
+NOT_LAUNCHED = (SKIPPED, PRUNED_AFTER_OOM)  # a result of these ran nothing; a resumed search decides again
+# unschedulable and the verdicts are set by the launcher
+STATUSES = ("ok", "oom", "timeout", "failed", "cancelled", "unschedulable", SKIPPED, PRUNED_AFTER_OOM)
+LOSING = "losing"  # stopped early by the adaptive search: slower than the best measured trial by a clear margin
+STOP_REASONS = ("max_steps", "time_budget", "stable", "signal", LOSING)
+REQUESTED_STOPS = (LOSING,)  # stop reasons a stop request may carry
+SELECTED, PRUNED, INVALID, OVER_LIMIT = "selected", "pruned", "invalid", "over_limit"
+PLAN_STATUSES = (SELECTED, PRUNED, INVALID, OVER_LIMIT)  # plan.csv's plan_status
+
+# ---- file names ----
+METRICS_FILE = "metrics.jsonl"
+RESULT_FILE = "result.json"
+FAILURE_DIR = "rank_failures"  # per-rank failure notes, read by rank 0 to name the root cause
+STOP_REQUEST_FILE = "stop_request.json"  # the search asks a running trial to stop after its current step
+LEDGER_FILE = "jobs.jsonl"
+SEARCH_ID_FILE = "search_id"
+LOCK_FILE = ".hp_tool.lock"
+TRACE_CACHE_FILE = "memory_traces.json"  # in candidate_configs/
+COMPARISON_FILE = "comparison.csv"
