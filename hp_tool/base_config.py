@@ -7,25 +7,19 @@ and the table's starting TP/PP for the whole cluster, on the torch engine with F
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from hp_tool.architectures import (ENCODER_DECODER, Shape, count_parameters, llama_ffn, lr_for, pipeline_problem,
-                                   shape_for_size)
+from hp_tool.architectures import Shape, count_parameters, lr_for, pipeline_problem, shape_for_size
 from hp_tool.config import SIZING_MFU, AppConfig, TrainSettings
 from hp_tool.errors import ConfigError, require
 from hp_tool.estimate.layout import Hardware
 from hp_tool.sizing import days_to_train, format_days, recommend_model_size_b, size_label
-from hp_tool.tables import (GPT3_GBS_TP_PP, LLAMA_GBS_TP_PP, T5_DECODER_SEQ, T5_GBS_TP_PP, T5_REFERENCE_SEQ,
-                            lookup)
+from hp_tool.families import family
+from hp_tool.tables import lookup
 from hp_tool.contracts.spec import (FullRunSpec, ModelSpec, ParallelSpec, ResourcesSpec, RunSpec, TrainingSpec,
                                 TrialSpec, make_trial_id)
 
 TS = "search_config.train_settings"
-REFERENCE_SEQ = 2048  # the GPT-3 GBS table is for this sequence length
-T5_KV_CHANNELS = 64  # T5/mT5 per-head width of an explicit shape without model.kv_channels
-T5_INIT_STD = 0.015  # NeMo's T5/mT5 init_method_std
-T5_WARMUP_RATIO = 0.01  # NeMo's T5/mT5 warm-up, a fraction of the run's steps
 
 
 @dataclass(frozen=True)
@@ -82,12 +76,12 @@ def choose_model(app: AppConfig, cluster: Cluster) -> ModelChoice:
     """The model to search for: an explicit shape, the given size, or the size the budget affords."""
     sc = app.search_config
     ts, ov = sc.train_settings, sc.model
-    encdec = sc.model_family in ENCODER_DECODER
-    decoder_seq = (ts.decoder_seq_length or T5_DECODER_SEQ) if encdec else None
+    facts = family(sc.model_family, "search_config.model_family")
+    decoder_seq = (ts.decoder_seq_length or facts.default_decoder_seq) if facts.encoder_decoder else None
     if ov.given:
         heads = ov.num_attention_heads
-        ffn = ov.ffn_hidden_size or _default_ffn(sc.model_family, ov.hidden_size)
-        kv = ov.kv_channels or (T5_KV_CHANNELS if encdec else None)
+        ffn = ov.ffn_hidden_size or facts.default_ffn(ov.hidden_size)
+        kv = ov.kv_channels or facts.default_kv_channels
         shape = Shape(sc.model_family, ov.num_layers, ov.hidden_size, heads, ov.num_kv_heads or heads,
                       ffn, ts.vocab_size, ts.seq_length, kv, decoder_seq)
         _check_shape(shape)
@@ -108,14 +102,6 @@ def choose_model(app: AppConfig, cluster: Cluster) -> ModelChoice:
     return ModelChoice(shape, size, count_parameters(shape), lr, recommended, size_label(size * 1e9))
 
 
-def _default_ffn(family: str, hidden: int) -> int:
-    """FFN width of an explicit shape without model.ffn_hidden_size: Llama's rule, 2.5·h for T5/mT5
-    (NeMo's 2048 -> 5120, 4096 -> 10240), 4·h for GPT-3."""
-    if family == "llama":
-        return llama_ffn(hidden, 1.0, 256)
-    return int(2.5 * hidden) if family in ENCODER_DECODER else 4 * hidden
-
-
 def _check_shape(shape: Shape) -> None:
     require(shape.kv_channels is not None or shape.hidden_size % shape.num_attention_heads == 0,
             "search_config.model.hidden_size", shape.hidden_size,
@@ -123,35 +109,26 @@ def _check_shape(shape: Shape) -> None:
             "use a multiple of the head count, or set search_config.model.kv_channels")
 
 
-def _gbs_tp_pp(family: str, size_b: float) -> tuple[int, int, int]:
-    """(GPT-3: sequences at seq 2048 | T5: sequences at seq 512 | Llama: tokens, per global batch),
+def _gbs_tp_pp(family_name: str, size_b: float) -> tuple[int, int, int]:
+    """(the family's table batch: sequences at its reference length or tokens, per global batch),
     starting TP, starting PP."""
-    if family == "llama":
-        table = LLAMA_GBS_TP_PP
-    else:
-        table = T5_GBS_TP_PP if family in ENCODER_DECODER else GPT3_GBS_TP_PP
-    return lookup(table, size_b, inclusive=True)
+    return lookup(family(family_name).gbs_tp_pp, size_b, inclusive=True)
 
 
-def global_batch_size(family: str, ts: TrainSettings, size_b: float) -> int:
-    """Table GBS for the family and size: GPT-3's (T5's) sequences halved for each doubling of the
-    sequence length beyond 2048 (512); Llama's tokens per batch divided by the sequence length."""
+def global_batch_size(family_name: str, ts: TrainSettings, size_b: float) -> int:
+    """The family's table GBS for the size at the run's sequence length (GPT-3's and T5's sequences halved
+    for each doubling of the length beyond 2048 and 512; Llama's tokens per batch over the length)."""
     if ts.global_batch_size is not None:
         return ts.global_batch_size
-    batch = _gbs_tp_pp(family, size_b)[0]
-    if family == "llama":
-        return max(1, batch // ts.seq_length)
-    reference = T5_REFERENCE_SEQ if family in ENCODER_DECODER else REFERENCE_SEQ
-    return max(1, int(batch * reference / ts.seq_length))
+    return family(family_name).global_batch(_gbs_tp_pp(family_name, size_b)[0], ts.seq_length)
 
 
-def schedule(family: str, tokens_b: float, seq: int, gbs: int) -> tuple[int, int, int]:
-    """(max_steps, warmup_steps, constant_steps) of the full run: NeMo's GPT-3 schedule (0.15% warm-up,
-    16.6% constant), T5/mT5's (1% warm-up, no constant phase)."""
+def schedule(family_name: str, tokens_b: float, seq: int, gbs: int) -> tuple[int, int, int]:
+    """(max_steps, warmup_steps, constant_steps) of the full run at the family's warm-up and constant
+    fractions (NeMo's GPT-3: 0.15% warm-up, 16.6% constant; T5/mT5: 1% warm-up, no constant phase)."""
+    facts = family(family_name)
     max_steps = max(1, int(tokens_b * 1e9 / (seq * gbs)))
-    if family in ENCODER_DECODER:
-        return max_steps, int(T5_WARMUP_RATIO * max_steps), 0
-    return max_steps, int(0.0015 * max_steps), int(0.166 * max_steps)
+    return max_steps, int(facts.warmup_ratio * max_steps), int(facts.constant_ratio * max_steps)
 
 
 def base_spec(app: AppConfig, model: ModelChoice, cluster: Cluster) -> TrialSpec:
@@ -193,11 +170,9 @@ def model_spec(s: Shape, num_parameters: int) -> ModelSpec:
 
 
 def init_std(shape: Shape) -> float:
-    """Weight init std: GPT-3 0.64/sqrt(h) (NeMo); Llama 0.02 (Meta's and transformers' default); T5/mT5
-    0.015 (NeMo)."""
-    if shape.encoder_decoder:
-        return T5_INIT_STD
-    return 0.02 if shape.family == "llama" else round(0.64 / math.sqrt(shape.hidden_size), 6)
+    """Weight init std, the family's: GPT-3 0.64/sqrt(h) (NeMo); Llama 0.02 (Meta's and transformers'
+    default); T5/mT5 0.015 (NeMo)."""
+    return shape.facts.init_std(shape)
 
 
 def _fit_base_layout(s: Shape, tp: int, pp: int, gpus: int, gpn: int) -> tuple[int, int]:

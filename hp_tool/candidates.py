@@ -29,7 +29,7 @@ from hp_tool.config import TrainSettings
 from hp_tool.estimate.layout import Layout
 from hp_tool.estimate.memory import estimate_memory, host_memory_gb
 from hp_tool.estimate.speed import estimate_step_time
-from hp_tool.tables import ACT_CKPT_STEP, GPT3_GRID, LLAMA_GRID, T5_GRID, lookup
+from hp_tool.tables import ACT_CKPT_STEP, lookup
 from hp_tool.sharding import SAVING_ORDER, combination_problem, family_problem
 from hp_tool.vocab import INVALID, OFFLOADS, OVER_LIMIT, PRUNED, SELECTED, ZERO_STAGES
 from hp_tool.throughput import throughput
@@ -87,12 +87,7 @@ class Grid:
 def grid_table(shape: Shape) -> list:
     """The family's heuristic grid table: GPT-3's (seq 2048); T5's for T5 and mT5 (seq 512); Llama's for
     the shortest tabled sequence length at least the model's (the longest one beyond)."""
-    if shape.encoder_decoder:
-        return T5_GRID
-    if shape.family != "llama":
-        return GPT3_GRID
-    lengths = sorted(LLAMA_GRID)
-    return LLAMA_GRID[next((n for n in lengths if n >= shape.seq_length), lengths[-1])]
+    return shape.facts.grid_table(shape)
 
 
 def memory_savers(ts: TrainSettings, host_ram_known: bool) -> tuple[list[tuple[int, str]], bool]:

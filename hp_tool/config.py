@@ -19,7 +19,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from hp_tool.architectures import ENCODER_DECODER, PLANNER_FAMILIES
+from hp_tool.families import family, family_names
 from hp_tool.errors import ConfigError, require
 from hp_tool.vocab import CLUSTER_TYPES, ENGINES, MEMORY_CHECKS, OFFLOADS, PRECISIONS, STRATEGIES, ZERO_STAGES
 
@@ -277,12 +277,14 @@ class SearchConfig:
     inference_settings: InferenceSettings = field(default_factory=InferenceSettings)
 
     def __post_init__(self) -> None:
-        require(self.model_family in PLANNER_FAMILIES, "search_config.model_family", self.model_family,
-                "no planner for this family yet", f"use one of {list(PLANNER_FAMILIES)}")
+        planned = family_names(planner_only=True)
+        require(self.model_family in planned, "search_config.model_family", self.model_family,
+                "no planner for this family yet", f"use one of {list(planned)}")
         decoder_seq = self.train_settings.decoder_seq_length
-        require(decoder_seq is None or self.model_family in ENCODER_DECODER,
+        encdec = [n for n in planned if family(n).encoder_decoder]
+        require(decoder_seq is None or family(self.model_family).encoder_decoder,
                 "search_config.train_settings.decoder_seq_length", decoder_seq,
-                f"only encoder-decoder families ({list(ENCODER_DECODER)}) have a decoder length",
+                f"only encoder-decoder families ({encdec}) have a decoder length",
                 f"remove it (null): a {self.model_family} model has one sequence, train_settings.seq_length")
         context, seq = self.model.context_length, self.train_settings.seq_length
         require(context is None or seq <= context, "search_config.train_settings.seq_length", seq,
@@ -306,16 +308,16 @@ class AppConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def __post_init__(self) -> None:
-
         require(self.memory_check is None or self.memory_check in MEMORY_CHECKS, "memory_check",
                 self.memory_check, "is not a memory check",
                 f"use one of {list(MEMORY_CHECKS)} (traced: the engine's model under fake tensors; analytic: "
                 "the formula), or null for traced when trials launch and analytic for dry runs")
-        family = self.search_config.model_family
-        require(not (self.run_inference_hp_search and family in ENCODER_DECODER), "run_inference_hp_search",
-                self.run_inference_hp_search, f"the inference search covers decoder-only families; "
-                f"{family} is an encoder-decoder", "set run_inference_hp_search=false (the training search "
-                "runs for it), or search a gpt3 or llama config")
+        name = self.search_config.model_family
+        covered = [n for n in family_names() if family(n).inference]
+        require(not self.run_inference_hp_search or family(name).inference, "run_inference_hp_search",
+                self.run_inference_hp_search, f"the inference search covers decoder-only families ({covered}), not {name}",
+                f"set run_inference_hp_search=false (the training search runs for it), or search a config of "
+                f"{' or '.join(covered)}")
         offload = self.search_config.train_settings.offload or []
         asked = [o for o in offload if o != "none"]
         require(not asked or self.gpu.host_ram_gb is not None, "gpu.host_ram_gb", self.gpu.host_ram_gb,

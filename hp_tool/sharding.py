@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from hp_tool.architectures import ENCODER_DECODER
+from hp_tool.families import family
 from hp_tool.vocab import ENGINE_CODES, OFFLOAD_CODES
 
 
@@ -33,11 +33,12 @@ def layout_suffix(engine: str, zero_stage: int, offload: str) -> str:
     return f"{ENGINE_CODES[engine]}_z{zero_stage}_{OFFLOAD_CODES[offload]}"
 
 
-def family_problem(family: str, engine: str) -> Optional[tuple[str, str]]:
-    """(the train_settings key at fault, why) when ``engine`` cannot train a ``family`` model, else None."""
-    if engine == "deepspeed" and family in ENCODER_DECODER:
-        return "engines", (f"hp_tool trains encoder-decoder models ({family}) on the torch engine only "
-                           "(TP, PP over both stacks, FSDP2 for ZeRO 0-3 and offload)")
+def family_problem(family_name: str, engine: str) -> Optional[tuple[str, str]]:
+    """(the train_settings key at fault, why) when ``engine`` cannot train a ``family_name`` model, else
+    None: the family's record lists the engines that train it."""
+    facts = family(family_name)
+    if engine not in facts.engines:
+        return "engines", facts.engines_note or f"{engine} does not train {family_name} models"
     return None
 
 

@@ -6,12 +6,15 @@ Training compute is taken as 8·N·T FLOPs: 6 for forward and backward, 2 for fu
 
 from __future__ import annotations
 
+from hp_tool.families import family
+
 SECONDS_PER_DAY = 86400
 
 
-def _family_factors(family: str) -> tuple[float, float]:
-    """(p, q): mT5 gets a smaller model for the budget and takes longer per parameter."""
-    return (0.87, 1.15) if family == "mt5" else (1.0, 1.0)
+def _family_factors(family_name: str) -> tuple[float, float]:
+    """(p, q): the family's size-for-budget and time-per-parameter factors (mT5 gets a smaller model for the
+    budget and takes longer per parameter)."""
+    return family(family_name).size_factors
 
 
 def recommend_model_size_b(family: str, days: float, gpus: int, tflops_per_gpu: float,

@@ -10,15 +10,14 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from hp_tool.architectures import (Shape, count_parameters, llama_ffn, llama_shape, model_flops_per_step,
-                                   vocab_parallel_parameters)
+from hp_tool.architectures import Shape, count_parameters, model_flops_per_step, vocab_parallel_parameters
 from hp_tool.base_config import base_spec, choose_model, resolve_cluster
 from hp_tool.vocab import PRUNED, SELECTED
 from hp_tool.candidates import plan_candidates
 from hp_tool.cli import available_search_configs, compose
 from hp_tool.config import to_app_config
 from hp_tool.errors import ConfigError
-from hp_tool.estimate.memory import llama_activation_bytes_per_layer
+from hp_tool.families.llama import llama_activation_bytes_per_layer, llama_ffn, llama_shape
 from hp_tool.planner import make_plan
 from hp_tool.contracts.spec import load_spec
 

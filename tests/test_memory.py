@@ -4,9 +4,9 @@ import functools
 
 import pytest
 
-from hp_tool.architectures import gpt3_shape
+from hp_tool.families.gpt3 import activation_bytes_per_layer, gpt3_shape
 from hp_tool.estimate.layout import Hardware, Layout
-from hp_tool.estimate.memory import activation_bytes_per_layer, estimate_memory
+from hp_tool.estimate.memory import estimate_memory
 from hp_tool.estimate.memory import model_state_bytes as _model_state_bytes
 
 GIB, MIB = 2**30, 2**20

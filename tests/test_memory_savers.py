@@ -20,7 +20,7 @@ from hp_tool.estimate.layout import GB, Hardware, Layout
 from hp_tool.estimate.memory import (CHECKPOINT_GATHER_BYTES, HOST_PROCESS_OVERHEAD_GB, estimate_memory,
                                      host_memory_gb, stage_parameters)
 from hp_tool.estimate.speed import estimate_step_time
-from hp_tool.architectures import llama_shape
+from hp_tool.families.llama import llama_shape
 from hp_tool.planner import make_plan
 
 REPO = Path(__file__).resolve().parent.parent

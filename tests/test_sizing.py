@@ -2,7 +2,8 @@
 
 import pytest
 
-from hp_tool.architectures import count_parameters, gpt3_shape, gpt_parameters, model_flops_per_step
+from hp_tool.architectures import count_parameters, model_flops_per_step
+from hp_tool.families.gpt3 import gpt3_shape, gpt_parameters
 from hp_tool.base_config import schedule
 from hp_tool.sizing import days_to_train, format_days, recommend_model_size_b, size_label
 

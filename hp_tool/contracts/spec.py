@@ -16,7 +16,8 @@ from typing import Any, List, Optional
 
 from omegaconf import OmegaConf
 
-from hp_tool.architectures import ENCODER_DECODER, FAMILIES, Shape, interleave_problem, pipeline_problem
+from hp_tool.architectures import Shape, interleave_problem, pipeline_problem
+from hp_tool.families import family
 from hp_tool.errors import ConfigError, require
 from hp_tool.estimate.layout import Layout
 from hp_tool.fingerprint import fingerprint_of
@@ -31,7 +32,7 @@ class ModelSpec:
     """Shape of the transformer; weights are always random. T5/mT5: num_layers per stack, seq_length the
     encoder's and decoder_seq_length the decoder's."""
 
-    family: str = "gpt3"  # one of FAMILIES
+    family: str = "gpt3"  # a registered family (hp_tool/families/)
     num_layers: int = 12
     hidden_size: int = 768
     num_attention_heads: int = 12
@@ -51,8 +52,7 @@ class ModelSpec:
                      self.kv_channels, self.decoder_seq_length)
 
     def __post_init__(self) -> None:
-        require(self.family in FAMILIES, "model.family", self.family, "unknown model family",
-                f"use one of {list(FAMILIES)}")
+        facts = family(self.family)  # an unknown family fails here, naming model.family
         for name in ("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads",
                      "ffn_hidden_size", "vocab_size", "seq_length"):
             require(getattr(self, name) > 0, f"model.{name}", getattr(self, name),
@@ -63,8 +63,7 @@ class ModelSpec:
                 "choose hidden_size as a multiple of the head count, or set model.kv_channels")
         require(self.kv_channels is None or self.kv_channels > 0, "model.kv_channels", self.kv_channels,
                 "must be positive", "set the per-head width, or null for hidden_size / num_attention_heads")
-        encdec = self.family in ENCODER_DECODER
-        require((self.decoder_seq_length is not None) == encdec, "model.decoder_seq_length",
+        require((self.decoder_seq_length is not None) == facts.encoder_decoder, "model.decoder_seq_length",
                 self.decoder_seq_length, "is set exactly for encoder-decoder families",
                 "give a positive decoder length for t5/mt5, null for decoder-only families")
         require(self.decoder_seq_length is None or self.decoder_seq_length > 0, "model.decoder_seq_length",

@@ -34,101 +34,12 @@ CHECKPOINT_GATHER_BYTES = 4  # per parameter of the whole model: a full fp32 che
 HOST_PROCESS_OVERHEAD_GB = 3.0  # host RAM of one training process (torch, CUDA libraries, data); calibrate
 
 
-def activation_bytes_per_layer(seq: int, mbs: int, hidden: int, heads: int, tp: int = 1,
-                               sequence_parallel: bool = False, store_scores: bool = True,
-                               bytes_per_value: int = 2, dropout: bool = True) -> float:
-    """Bytes one transformer layer keeps for backward (Korthikanti et al. 2022), one micro-batch.
-
-    ``store_scores=False`` drops the 5·a·s/h term: flash attention, or selective recompute.
-    ``dropout=False`` drops the dropout masks (2·sbh, and a·s²·b of the 5·a·s/h): the trial engine's
-    models run without dropout, so they keep 32·sbh (tests/test_memory_check.py checks it against the trace).
-    The paper's numbers are for 16-bit values; ``bytes_per_value=4`` scales them for fp32.
-    """
-    sbh = seq * mbs * hidden
-    scores = (5 if dropout else 2) * heads * seq / hidden if store_scores else 0.0
-    replicated = 10 if dropout else 8  # layer-norm inputs 4, projection inputs 4, dropout masks 2
-    if sequence_parallel:
-        per_value = (replicated + 24 + scores) / tp
-    else:
-        per_value = replicated + 24 / tp + scores / tp
-    return sbh * per_value * bytes_per_value / 2
-
-
-def llama_activation_bytes_per_layer(shape: Shape, mbs: int, tp: int = 1, sequence_parallel: bool = False,
-                                     bytes_per_value: int = 2) -> float:
-    """Bytes one Llama layer (RMSNorm, GQA with RoPE, SwiGLU) keeps for backward, one micro-batch.
-
-    Derived tensor by tensor as Korthikanti et al. do for GPT, for the engine's modules (transformers'
-    LlamaDecoderLayer, SDPA flash/efficient attention, no dropout, no biases). s = sequence, b = micro-batch,
-    h = hidden, k = kv heads x head dim, f = FFN width, a = heads, p = bytes per value (2 for bf16):
-
-      attention RMSNorm: its input upcast to fp32 (LlamaRMSNorm computes in fp32), the
-      normalised value cast back                                                        (4 + p)·sbh
-      q, k, v projections: their input (the norm's output)                             p·sbh
-      RoPE: nothing (cos/sin are shared buffers); q and k after RoPE are SDPA's inputs
-      SDPA: q, k, v and its output (also o_proj's input), fp32 log-sum-exp per head    p·(2sbh + 2sbk) + 4·abs
-      MLP RMSNorm: as the attention's                                                  (4 + p)·sbh
-      gate and up projections: their input                                             p·sbh
-      SiLU(gate) * up: gate output, up output, SiLU output, product (down's input)     4p·sbf
-
-    Under TP the projections' outputs and the attention are split over heads (divide by TP); the norms and
-    their outputs are whole on every TP rank unless sequence parallelism splits them along s. Attention
-    scores are never stored (flash kernels); the residual adds keep nothing.
-    """
-    s, b, h, f, a = shape.seq_length, mbs, shape.hidden_size, shape.ffn_hidden_size, shape.num_attention_heads
-    k = shape.num_kv_heads * shape.head_dim
-    p = bytes_per_value
-    sp = tp if sequence_parallel else 1
-    norms = 2 * (4 + 2 * p) * s * b * h / sp
-    attention = (p * (2 * s * b * h + 2 * s * b * k) + 4 * a * b * s) / tp
-    mlp = 4 * p * s * b * f / tp
-    return norms + attention + mlp
-
-
-def t5_activation_bytes_per_layer(shape: Shape, mbs: int, encoder: bool, tp: int = 1,
-                                  sequence_parallel: bool = False, bytes_per_value: int = 2) -> float:
-    """Bytes one T5/mT5 layer keeps for backward, one micro-batch, derived tensor by tensor for the engine's
-    modules (transformers' T5Block with eager attention, relative position bias added to the scores,
-    tanh-GeLU gated FFN, no dropout). s = the layer's own length (encoder or decoder), e = the encoder's,
-    b = micro-batch, h = hidden, A = heads x kv channels, a = heads, f = FFN width, p = bytes per value:
-
-      each RMS norm (T5LayerNorm): fp32 copy of its input, its input (16-bit only: in fp32 the copy
-      is the input), the normalised value and its output (the next projections' input)  (4 + 3p)·sbh
-      self-attention: q, k, v, the attention output (o's input)                         4p·sbA
-      scores: the softmax output in the compute dtype (PV's input)                      p·abs²
-      gated FFN: wi_0's output (GeLU input), GeLU output, wi_1's output, product        4p·sbf
-      decoder cross-attention (decoder layers only): its norm, q and its output over s,
-      k and v over the encoder's e tokens, scores over s x e                            (4 + 3p)·sbh + 2p·sbA
-                                                                                        + 2p·ebA + p·abse
-
-    The encoder output that every decoder layer's k/v projection reads is counted once per stage
-    (``estimate_memory``). Projections, attention and FFN split over TP; norms are whole on every TP rank
-    unless sequence parallelism splits them."""
-    p, b, h, f, a = bytes_per_value, mbs, shape.hidden_size, shape.ffn_hidden_size, shape.num_attention_heads
-    big_a = shape.attention_dim
-    s = shape.seq_length if encoder else shape.decoder_seq_length
-    sp = tp if sequence_parallel else 1
-    norm = (4 + 2 * p + (p if p < 4 else 0)) * s * b * h / sp
-    self_attention = (4 * p * s * b * big_a + p * a * b * s * s) / tp
-    ffn = 4 * p * s * b * f / tp
-    total = 2 * norm + self_attention + ffn
-    if not encoder:
-        e = shape.seq_length
-        total += norm + (2 * p * s * b * big_a + 2 * p * e * b * big_a + p * a * b * s * e) / tp
-    return total
-
-
 def layer_activation_bytes(shape: Shape, mbs: int, tp: int, sequence_parallel: bool, hw: Hardware,
                            encoder: bool = False) -> float:
     """One layer's stored activations for the family (an encoder layer when ``encoder``), one micro-batch,
     bytes."""
-    if shape.encoder_decoder:
-        return t5_activation_bytes_per_layer(shape, mbs, encoder, tp, sequence_parallel, hw.bytes_per_value)
-    if shape.family == "llama":
-        return llama_activation_bytes_per_layer(shape, mbs, tp, sequence_parallel, hw.bytes_per_value)
-    return activation_bytes_per_layer(shape.seq_length, mbs, shape.hidden_size, shape.num_attention_heads, tp,
-                                      sequence_parallel, not hw.flash_attention, hw.bytes_per_value,
-                                      dropout=False)
+    return shape.facts.activation_bytes(shape, mbs, tp, sequence_parallel, hw.bytes_per_value,
+                                        hw.flash_attention, encoder)
 
 
 def model_state_bytes(params: float, dp: int, zero_stage: int = 3, offload: str = "none",

@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hp_tool.architectures import RELATIVE_ATTENTION_BUCKETS, checkpointed_layer_counts, stage_layer_counts
+from hp_tool.architectures import checkpointed_layer_counts, stage_layer_counts
+from hp_tool.families.t5 import RELATIVE_ATTENTION_BUCKETS
 from hp_tool.trial.models import StageModule
 from hp_tool.contracts.spec import ModelSpec
 

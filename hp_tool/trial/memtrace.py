@@ -324,7 +324,7 @@ def _fake_batch(spec: TrialSpec, stage_index: int, dtype: Optional[torch.dtype])
         return (hidden(m.seq_length),), labels
     inputs = (hidden(m.seq_length), hidden(target))
     if stage_index != par.pp // 2:  # the stage before ended the encoder: no table follows
-        from hp_tool.architectures import RELATIVE_ATTENTION_BUCKETS
+        from hp_tool.families.t5 import RELATIVE_ATTENTION_BUCKETS
 
         table = torch.empty(RELATIVE_ATTENTION_BUCKETS, m.num_attention_heads // par.tp,
                             dtype=dtype or torch.float32, requires_grad=True)

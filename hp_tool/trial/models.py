@@ -20,7 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hp_tool.architectures import ENCODER_DECODER, ENGINE_FAMILIES
+from hp_tool.families import family, family_names
+
+ENGINE_FAMILIES = family_names()
+ENCODER_DECODER = tuple(n for n in ENGINE_FAMILIES if family(n).encoder_decoder)
 from hp_tool.errors import require
 from hp_tool.contracts.spec import ModelSpec
 

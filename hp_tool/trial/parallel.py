@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from hp_tool.architectures import ENCODER_DECODER
+from hp_tool.trial.models import ENCODER_DECODER
 from hp_tool.errors import require
 from hp_tool.trial.models import StageModule, loss_fn
 from hp_tool.contracts.spec import ParallelSpec

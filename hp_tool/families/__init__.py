@@ -1,0 +1,20 @@
+"""Model families: one file each, registered here. Pure, no torch.
+
+    registry.py  the ``Family`` record and the lookup (``family(name)``, ``family_names()``)
+    shape.py     ``Shape``, a family-neutral transformer shape, and NeMo's layer-count search
+    decoder.py   formulas every decoder-only family shares (matmul FLOPs per layer)
+    gpt3.py      GPT-3 (NeMo's sizes, learned positions, tied head)
+    llama.py     Llama-style (grouped-query attention, SwiGLU, RMSNorm, RoPE, untied head)
+    t5.py        T5 and mT5 (encoder-decoder, NeMo's sizes)
+
+A new family is one file here that builds a ``Family``, one torch file in ``hp_tool/trial/families/`` and
+its YAML presets under ``hp_tool/conf/search_config/``.
+"""
+
+from hp_tool.families import gpt3, llama, t5
+from hp_tool.families.registry import Family, family, family_names, register
+
+for _record in (gpt3.FAMILY, llama.FAMILY, t5.T5, t5.MT5):
+    register(_record)
+
+__all__ = ["Family", "family", "family_names"]

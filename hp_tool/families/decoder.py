@@ -1,0 +1,23 @@
+"""Formulas every decoder-only family shares. Pure."""
+
+from __future__ import annotations
+
+from hp_tool.families.shape import Shape
+
+
+def decoder_layer_flops(shape: Shape, encoder: bool = False) -> float:
+    """Forward matmul FLOPs of one decoder-only layer for one sample (attention over the full sequence):
+    q/k/v (k/v at the key/value heads' width), scores and their product with v, the output projection and
+    the (gated) MLP. ``encoder`` is unused: a decoder-only model has one stack."""
+    h, f, s = shape.hidden_size, shape.ffn_hidden_size, shape.seq_length
+    qkv = 2 * h * (h + 2 * shape.kv_dim)
+    attention = 2 * 2 * s * h  # Q·Kᵀ and scores·V
+    out_proj = 2 * h * h
+    mlp = (3 if shape.gated_mlp else 2) * 2 * h * f
+    return s * (qkv + attention + out_proj + mlp)
+
+
+def decoder_parameters(shape: Shape) -> int:
+    """Parameters of a whole decoder-only model: its layers, embedding and head."""
+    f = shape.facts
+    return shape.num_layers * f.layer_parameters(shape, False) + f.embedding_parameters(shape) + f.head_parameters(shape)

@@ -1,0 +1,152 @@
+"""Llama-style models: grouped-query attention, SwiGLU, RMSNorm, RoPE, no biases, untied embeddings.
+
+Shapes for sizes without a published one come from Meta's released configs; the batch is Llama 2's 4M
+tokens; the grid extends NeMo's GPT tables by sequence length.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from hp_tool.families.decoder import decoder_layer_flops, decoder_parameters
+from hp_tool.families.registry import Family
+from hp_tool.families.shape import Shape, num_layers_for
+from hp_tool.tables import Table, lookup, span
+
+# Shape for a size without a published one: size < bound -> (hidden, heads, kv heads, FFN multiplier,
+# FFN multiple_of, lr). Sources: Meta's released configs (params.json: dim, n_heads, n_kv_heads,
+# ffn_dim_multiplier, multiple_of) of Llama 3.2 1B/3B, Llama 3 8B/70B, Llama 3.1 405B, Llama-2 13B's width
+# and Llama-1 33B's width with grouped-query attention; learning rates from the Llama 2 paper (Table 1:
+# 3e-4 up to 13B, 1.5e-4 for 34B and 70B) and Llama 3.1 405B (8e-5).
+LLAMA_SHAPE: Table[tuple[int, int, int, float, int, float]] = [
+    (1.5, (2048, 32, 8, 1.5, 256, 3e-4)),
+    (4.5, (3072, 24, 8, 1.0, 256, 3e-4)),
+    (10, (4096, 32, 8, 1.3, 256, 3e-4)),
+    (20, (5120, 40, 8, 1.0, 256, 3e-4)),
+    (45, (6656, 52, 4, 1.0, 256, 1.5e-4)),
+    (150, (8192, 64, 8, 1.3, 4096, 1.5e-4)),
+    (500, (16384, 128, 8, 1.2, 4096, 8e-5)),
+]
+
+# Training batch and the base layout: size <= bound -> (tokens per global batch, TP, PP).
+# Llama 2 trained every size on 4M-token batches (paper, section 2.2); smaller models take fewer tokens.
+LLAMA_GBS_TP_PP: Table[tuple[int, int, int]] = [
+    (1.5, (2**20, 1, 1)),
+    (4.5, (2**21, 1, 1)),
+    (10, (2**22, 2, 1)),
+    (20, (2**22, 4, 1)),
+    (45, (2**22, 8, 2)),
+    (150, (2**22, 8, 4)),
+    (500, (2**24, 8, 16)),
+]
+
+# Candidate grid, 80 GB, by sequence length: size <= bound -> (TP, PP, MBS, (min, max) of TP*PP).
+# Rows up to 95B (seq 4096) and 45B (seq 8192) are NeMo's GPT tables for those lengths (REFERENCE 9);
+# NeMo stops there and falls back to TP<=8, PP=1 with no memory check, which proposes TP1 PP1 for a 70B
+# at seq 8192. The last rows extend them to deeper pipelines; the memory model prunes what cannot fit.
+LLAMA_GRID = {
+    4096: [
+        (4, ([1, 2, 4], [1], [1, 2, 4, 8], (1, 8))),
+        (8, ([1, 2, 4], span(1, 2), [1, 2, 4], (1, 8))),
+        (13, ([2, 4], span(1, 2), [1, 2, 4], (2, 8))),
+        (23, ([4, 8], span(1, 2), [1, 2], (4, 16))),
+        (45, ([4, 8], span(2, 4), [1, 2], (8, 32))),
+        (95, ([4, 8], span(1, 8), [1, 2], (8, 64))),
+        (500, ([8], span(4, 32), [1, 2], (32, 256))),
+    ],
+    8192: [
+        (1, ([1, 2], span(1, 2), [1, 2, 4], (1, 8))),
+        (4, ([1, 2, 4], span(1, 2), [1, 2, 4], (1, 8))),
+        (13, ([2, 4], span(1, 2), [1, 2], (2, 8))),
+        (23, ([4, 8], span(1, 4), [1], (8, 32))),
+        (45, ([4, 8], span(4, 8), [1], (32, 64))),
+        (500, ([8], span(4, 16), [1], (32, 128))),
+    ],
+}
+
+
+def llama_ffn(hidden: int, multiplier: float, multiple_of: int) -> int:
+    """Llama's FFN width (Meta's model code): int(8h/3), times ``multiplier``, rounded up to a multiple of
+    ``multiple_of``. Llama-2 7B: 11008; Llama-3 8B (1.3, 256): 14336; Llama-2/3 70B (1.3, 4096): 28672."""
+    width = int(multiplier * int(8 * hidden / 3))
+    return multiple_of * -(-width // multiple_of)
+
+
+def llama_shape(size_b: float, vocab: int, seq: int, decoder_seq: Optional[int] = None) -> tuple[Shape, float]:
+    """Llama shape and learning rate for ``size_b`` billion parameters: width, heads, kv heads and FFN from
+    the table for the size (LLAMA_SHAPE), then the layer count that gives the size."""
+    hidden, heads, kv, multiplier, multiple_of, lr = lookup(LLAMA_SHAPE, size_b)
+    ffn = llama_ffn(hidden, multiplier, multiple_of)
+
+    def parameters(layers: int) -> int:
+        return decoder_parameters(Shape("llama", layers, hidden, heads, kv, ffn, vocab, seq))
+
+    layers = num_layers_for(size_b, parameters, f"Llama with hidden size {hidden}")
+    return Shape("llama", layers, hidden, heads, kv, ffn, vocab, seq), lr
+
+
+def layer_parameters(shape: Shape, encoder: bool = False) -> int:
+    """One layer: q (h·h), k and v (h·kv each), o, three SwiGLU matrices, two RMSNorm weights; no biases."""
+    h, f = shape.hidden_size, shape.ffn_hidden_size
+    return h * (h + 2 * shape.kv_dim) + h * h + 3 * h * f + 2 * h
+
+
+def llama_activation_bytes_per_layer(shape: Shape, mbs: int, tp: int = 1, sequence_parallel: bool = False,
+                                     bytes_per_value: int = 2) -> float:
+    """Bytes one Llama layer (RMSNorm, GQA with RoPE, SwiGLU) keeps for backward, one micro-batch.
+
+    Derived tensor by tensor as Korthikanti et al. do for GPT, for the engine's modules (transformers'
+    LlamaDecoderLayer, SDPA flash/efficient attention, no dropout, no biases). s = sequence, b = micro-batch,
+    h = hidden, k = kv heads x head dim, f = FFN width, a = heads, p = bytes per value (2 for bf16):
+
+      attention RMSNorm: its input upcast to fp32 (LlamaRMSNorm computes in fp32), the
+      normalised value cast back                                                        (4 + p)·sbh
+      q, k, v projections: their input (the norm's output)                             p·sbh
+      RoPE: nothing (cos/sin are shared buffers); q and k after RoPE are SDPA's inputs
+      SDPA: q, k, v and its output (also o_proj's input), fp32 log-sum-exp per head    p·(2sbh + 2sbk) + 4·abs
+      MLP RMSNorm: as the attention's                                                  (4 + p)·sbh
+      gate and up projections: their input                                             p·sbh
+      SiLU(gate) * up: gate output, up output, SiLU output, product (down's input)     4p·sbf
+
+    Under TP the projections' outputs and the attention are split over heads (divide by TP); the norms and
+    their outputs are whole on every TP rank unless sequence parallelism splits them along s. Attention
+    scores are never stored (flash kernels); the residual adds keep nothing.
+    """
+    s, b, h, f, a = shape.seq_length, mbs, shape.hidden_size, shape.ffn_hidden_size, shape.num_attention_heads
+    k = shape.kv_dim
+    p = bytes_per_value
+    sp = tp if sequence_parallel else 1
+    norms = 2 * (4 + 2 * p) * s * b * h / sp
+    attention = (p * (2 * s * b * h + 2 * s * b * k) + 4 * a * b * s) / tp
+    mlp = 4 * p * s * b * f / tp
+    return norms + attention + mlp
+
+
+def grid_table(shape: Shape) -> Table:
+    """The grid for the shortest tabled sequence length at least the model's (the longest one beyond)."""
+    lengths = sorted(LLAMA_GRID)
+    return LLAMA_GRID[next((n for n in lengths if n >= shape.seq_length), lengths[-1])]
+
+
+FAMILY = Family(
+    name="llama",
+    description="Llama-style: grouped-query attention, SwiGLU, RMSNorm, RoPE, untied embeddings",
+    encoder_decoder=False,
+    gated_mlp=True,
+    tied_head=False,
+    shape_for_size=llama_shape,
+    lr_for=lambda size_b: lookup(LLAMA_SHAPE, size_b)[5],
+    default_ffn=lambda hidden: llama_ffn(hidden, 1.0, 256),
+    init_std=lambda shape: 0.02,  # Meta's and transformers' default
+    layer_parameters=layer_parameters,
+    embedding_parameters=lambda shape: shape.vocab_size * shape.hidden_size,
+    head_parameters=lambda shape: shape.hidden_size + shape.vocab_size * shape.hidden_size,  # norm + lm_head
+    layer_forward_flops=decoder_layer_flops,
+    activation_bytes=lambda shape, mbs, tp, sp, p, flash, encoder=False: llama_activation_bytes_per_layer(
+        shape, mbs, tp, sp, p),
+    gbs_tp_pp=LLAMA_GBS_TP_PP,
+    global_batch=lambda tokens, seq: max(1, tokens // seq),  # the table's tokens per batch
+    warmup_ratio=0.0015,
+    constant_ratio=0.166,
+    grid_table=grid_table,
+)

@@ -1,0 +1,83 @@
+"""The ``Family`` record: everything hp_tool knows about a model family, as data and pure functions, and
+the registry the rest of the code looks families up in. Pure, no torch.
+
+A family is one file in this folder that builds its record (``gpt3.py``, ``llama.py``, ``t5.py`` with mT5);
+``hp_tool/families/__init__.py`` registers them. The planner, the estimates, the base config and the
+TrialSpec ask the record instead of comparing family names; the trial engine's torch half of a family
+lives in ``hp_tool/trial/families/``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Optional
+
+from hp_tool.errors import ConfigError
+from hp_tool.tables import Table
+from hp_tool.vocab import ENGINES
+
+if TYPE_CHECKING:
+    from hp_tool.families.shape import Shape
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family's facts. Counts are per token or per sample as each field says; bytes are bytes."""
+
+    name: str
+    description: str
+    # -- architecture --
+    encoder_decoder: bool  # two stacks: num_layers per stack, an encoder and a decoder length
+    gated_mlp: bool  # SwiGLU / gated GeLU: three FFN matrices instead of two
+    tied_head: bool  # the output projection is the input embedding's matrix
+    # -- shapes and training defaults --
+    shape_for_size: Callable[[float, int, int, Optional[int]], "tuple[Shape, float]"]  # (size_b, vocab, seq, decoder seq) -> (shape, lr)
+    lr_for: Callable[[float], float]  # learning rate for a size in billions (explicit shapes too)
+    default_ffn: Callable[[int], int]  # FFN width of an explicit shape without one, from the hidden size
+    init_std: Callable[["Shape"], float]  # weight initialisation std
+    # -- parameter, FLOP and activation counts --
+    layer_parameters: Callable[["Shape", bool], int]  # one layer (of the encoder stack when True)
+    embedding_parameters: Callable[["Shape"], int]  # input side: word (and position) tables
+    head_parameters: Callable[["Shape"], int]  # final norms and an untied output projection
+    layer_forward_flops: Callable[["Shape", bool], float]  # one layer's forward matmul FLOPs per sample
+    # (shape, micro-batch, TP, sequence parallel, bytes per value, flash attention, encoder layer) -> bytes
+    # one layer keeps for backward, one micro-batch
+    activation_bytes: Callable[["Shape", int, int, bool, int, bool, bool], float]
+    # -- batch, schedule and grid tables (NeMo's where it has them) --
+    gbs_tp_pp: Table  # size <= bound -> (table batch, starting TP, starting PP) for the base config
+    global_batch: Callable[[int, int], int]  # (the table's batch, sequence length) -> sequences per step
+    warmup_ratio: float  # warm-up steps as a fraction of the run's
+    constant_ratio: float  # constant-LR steps as a fraction of the run's
+    grid_table: Callable[["Shape"], Table]  # size <= bound -> (TP, PP, MBS, (min, max) of TP*PP)
+    # -- what hp_tool runs for it --
+    size_factors: tuple[float, float] = (1.0, 1.0)  # (size for the budget, days per parameter) factors
+    default_kv_channels: Optional[int] = None  # per-head width of an explicit shape without one
+    default_decoder_seq: Optional[int] = None  # decoder length when train_settings gives none
+    engines: tuple[str, ...] = ENGINES  # trial engines that train it
+    engines_note: str = ""  # why the others do not
+    inference: bool = True  # the inference search covers it
+    planner: bool = True  # sized and searched from a budget
+
+
+_FAMILIES: dict[str, Family] = {}
+
+
+def register(record: Family) -> Family:
+    """Add a family to the registry (once per name)."""
+    if record.name in _FAMILIES:
+        raise ValueError(f"model family {record.name!r} is registered twice")
+    _FAMILIES[record.name] = record
+    return record
+
+
+def family_names(planner_only: bool = False) -> tuple[str, ...]:
+    """The registered families' names (those the planner sizes, with ``planner_only``)."""
+    return tuple(n for n, f in _FAMILIES.items() if f.planner or not planner_only)
+
+
+def family(name: str, key: str = "model.family") -> Family:
+    """The record of ``name``; an unknown name is a ConfigError naming ``key``."""
+    try:
+        return _FAMILIES[name]
+    except KeyError:
+        raise ConfigError(key, name, "unknown model family", f"use one of {list(_FAMILIES)}") from None
