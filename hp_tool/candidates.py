@@ -23,14 +23,14 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from hp_tool.architectures import Shape, interleave_problem, pipeline_problem
+from hp_tool.architectures import Shape, pipeline_problem
 from hp_tool.base_config import TS, Cluster
 from hp_tool.config import TrainSettings
 from hp_tool.estimate.layout import Layout
 from hp_tool.estimate.memory import estimate_memory, host_memory_gb
 from hp_tool.estimate.speed import estimate_step_time
 from hp_tool.tables import ACT_CKPT_STEP, lookup
-from hp_tool.sharding import SAVING_ORDER, combination_problem, family_problem
+from hp_tool.sharding import SAVING_ORDER
 from hp_tool.vocab import INVALID, OFFLOADS, OVER_LIMIT, PRUNED, SELECTED, ZERO_STAGES
 from hp_tool.throughput import throughput
 
@@ -38,15 +38,10 @@ from hp_tool.throughput import throughput
 
 @dataclass(slots=True)
 class Candidate:
-    tp: int
-    pp: int
-    mbs: int
-    act_ckpt_layers: int
-    engine: str = "torch"
-    zero_stage: int = 3
-    offload: str = "none"
-    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved 1F1B when > 1)
-    dp: int = 0  # data-parallel replicas of the full run
+    """A layout of the full run (``full``) with the planner's verdict and predictions, and the benchmark
+    trial that stands for it (its nodes, data parallelism and batch)."""
+
+    full: Layout  # the full run's layout: its data-parallel replicas and global batch
     status: str = SELECTED
     reason: str = ""
     reason_key: str = ""  # the config key a rejection is about
@@ -68,6 +63,24 @@ class Candidate:
 
     def reject(self, status: str, key: str, reason: str) -> None:
         self.status, self.reason_key, self.reason = status, key, reason
+
+    def layout(self, dp: int, global_batch_size: int) -> Layout:
+        """This layout with ``dp`` data-parallel replicas sharing ``global_batch_size`` sequences."""
+        return dataclasses.replace(self.full, dp=dp, global_batch_size=global_batch_size)
+
+    def trial_layout(self) -> Layout:
+        """The layout the benchmark trial runs."""
+        return self.layout(self.trial_dp, self.trial_global_batch_size)
+
+    tp = property(lambda self: self.full.tp)
+    pp = property(lambda self: self.full.pp)
+    dp = property(lambda self: self.full.dp)
+    mbs = property(lambda self: self.full.mbs)
+    act_ckpt_layers = property(lambda self: self.full.act_ckpt_layers)
+    engine = property(lambda self: self.full.engine)
+    zero_stage = property(lambda self: self.full.zero_stage)
+    offload = property(lambda self: self.full.offload)
+    virtual_stages = property(lambda self: self.full.virtual_stages)
 
 
 @dataclass(frozen=True)
@@ -148,44 +161,26 @@ def act_ckpt_values(grid: Grid, shape: Shape, pp: int, virtual_stages: int = 1) 
     return list(range(0, per_stage + 1, step))
 
 
-def invalid_reason(shape: Shape, c: Candidate, gbs: int, cluster: Cluster,
-                   mp_range: tuple[int, int]) -> Optional[tuple[str, str]]:
-    """(config key, reason) when the layout cannot exist, else None."""
-    gpn, gpus = cluster.hw.gpus_per_node, cluster.gpus
+# train_settings keys of the Layout fields a problem can name
+FIELD_KEYS = {"tp": "tensor_parallel_sizes", "pp": "pipeline_parallel_sizes", "act_ckpt_layers": "act_ckpt_layers",
+              "virtual_stages": "virtual_pipeline_sizes", "engine": "engines", "zero_stage": "zero_stages",
+              "offload": "offload", "global_batch_size": "global_batch_size"}
+
+
+def invalid_reason(shape: Shape, c: Candidate, cluster: Cluster, mp_range: tuple[int, int]) -> Optional[tuple[str, str]]:
+    """(train_settings key, reason) when the layout cannot exist on the cluster, else None: the Layout's own
+    rules (but the memory savers', judged per saver) and the cluster's (TP*PP dividing its GPUs, within
+    the grid's model-parallel range)."""
+    problems = [p for p in c.full.problems(shape, cluster.hw.gpus_per_node) if p.rule != "savers"]
+    for p in problems:
+        if p.field in ("tp", "pp"):
+            return FIELD_KEYS[p.field], p.reason
     mp = c.tp * c.pp
-    if shape.num_attention_heads % c.tp:
-        return "tensor_parallel_sizes", f"TP={c.tp} does not divide the {shape.num_attention_heads} heads"
-    if shape.num_kv_heads % c.tp:
-        return "tensor_parallel_sizes", (f"TP={c.tp} does not divide the {shape.num_kv_heads} key/value heads "
-                                         f"({shape.num_attention_heads} query heads)")
-    if c.tp > gpn:
-        return "tensor_parallel_sizes", f"TP={c.tp} spans nodes ({gpn} GPUs per node)"
-    bad_pp = pipeline_problem(shape, c.pp)
-    if bad_pp:
-        return "pipeline_parallel_sizes", bad_pp
-    if gpus % mp:
-        return "num_nodes", f"TP*PP={mp} does not divide the {gpus} GPUs"
+    if cluster.gpus % mp:
+        return "num_nodes", f"TP*PP={mp} does not divide the {cluster.gpus} GPUs"
     if not mp_range[0] <= mp <= mp_range[1]:
         return "max_model_parallel_size", f"TP*PP={mp} outside model-parallel range {list(mp_range)}"
-    if c.act_ckpt_layers > shape.pipeline_layers // c.pp:
-        return "act_ckpt_layers", (f"{c.act_ckpt_layers} checkpointed layers exceed the "
-                                   f"{shape.pipeline_layers // c.pp} layers per stage")
-    bad_engine = family_problem(shape.family, c.engine)
-    if bad_engine:
-        return bad_engine
-    if gbs % (c.mbs * c.dp):
-        return "global_batch_size", f"GBS={gbs} not divisible by MBS*DP={c.mbs}*{c.dp}"
-    bad_interleave = interleave_problem(shape, c.pp, c.virtual_stages, c.act_ckpt_layers, gbs // (c.mbs * c.dp))
-    if bad_interleave:
-        what, why = bad_interleave
-        return {"virtual_stages": "virtual_pipeline_sizes", "act_ckpt_layers": "act_ckpt_layers",
-                "microbatches": "global_batch_size"}[what], why
-    return None
-
-
-def _layout(c: Candidate, dp: int, gbs: int) -> Layout:
-    return Layout(c.tp, c.pp, dp, c.mbs, c.act_ckpt_layers, gbs, c.zero_stage, c.offload, c.engine,
-                  virtual_stages=c.virtual_stages)
+    return (FIELD_KEYS[problems[0].field], problems[0].reason) if problems else None
 
 
 def trial_node_counts(mp: int, gpn: int, num_nodes: int) -> list[int]:
@@ -204,7 +199,7 @@ def _set_trial(c: Candidate, gbs: int, gpn: int, nodes: int) -> Layout:
     c.trial_dp = max(1, (nodes * gpn) // mp)
     c.trial_gpus_per_node = mp * c.trial_dp // nodes
     c.trial_global_batch_size = gbs // c.dp * c.trial_dp
-    return _layout(c, c.trial_dp, c.trial_global_batch_size)
+    return c.trial_layout()
 
 
 def estimate(shape: Shape, c: Candidate, gbs: int, cluster: Cluster, usable_gb: float) -> None:
@@ -214,7 +209,7 @@ def estimate(shape: Shape, c: Candidate, gbs: int, cluster: Cluster, usable_gb: 
     per GPU (a sharded stage may need more ranks than one model replica to fit; the full run's nodes
     at most)."""
     hw = cluster.hw
-    full = _layout(c, c.dp, gbs)
+    full = c.full
     c.full_memory_gb = estimate_memory(shape, full, hw).total_gb
 
     def trial_fits(nodes: int) -> bool:
@@ -259,19 +254,20 @@ def _layout_candidates(shape: Shape, grid: Grid, ts: TrainSettings, cluster: Clu
                        tp: int, pp: int, mbs: int, ac: int, vp: int = 1) -> list[Candidate]:
     """The candidates of one layout over the grid's memory savers (see the module docstring)."""
     def make(stage: int, offload: str) -> Candidate:
-        return Candidate(tp, pp, mbs, ac, engine, stage, offload, vp, dp=max(1, cluster.gpus // (tp * pp)))
+        dp = max(1, cluster.gpus // (tp * pp))
+        return Candidate(Layout(tp, pp, dp, mbs, ac, gbs, stage, offload, engine, virtual_stages=vp))
 
     first = make(*grid.savers[0])
-    bad = invalid_reason(shape, first, gbs, cluster, grid.mp_range)
+    bad = invalid_reason(shape, first, cluster, grid.mp_range)
     if bad:  # the layout itself cannot exist: one row says so
         first.reject(INVALID, f"{TS}.{bad[0]}", bad[1])
         return [first]
     out, unrunnable = [], []
     for stage, offload in grid.savers:
         c = make(stage, offload)
-        bad = combination_problem(engine, stage, offload, tp, pp)
+        bad = [p for p in c.full.problems(shape) if p.rule == "savers"]
         if bad:
-            c.reject(INVALID, f"{TS}.{bad[0]}", bad[1])
+            c.reject(INVALID, f"{TS}.{FIELD_KEYS[bad[0].field]}", bad[0].reason)
             (unrunnable if grid.heuristic_savers else out).append(c)
             continue
         _fit(shape, c, gbs, cluster, ts)

@@ -138,8 +138,7 @@ def candidate_spec(base: TrialSpec, c: Candidate, model: ModelChoice, app: AppCo
     return dataclasses.replace(
         base,
         trial_id=trial_id,
-        parallel=ParallelSpec(c.tp, c.pp, c.trial_dp, c.mbs, c.act_ckpt_layers,
-                              base.parallel.pipeline_schedule, c.engine, c.zero_stage, c.offload, c.virtual_stages),
+        parallel=ParallelSpec.of(c.trial_layout(), base.parallel.pipeline_schedule),
         training=dataclasses.replace(base.training, global_batch_size=c.trial_global_batch_size),
         resources=dataclasses.replace(base.resources, num_nodes=c.trial_nodes,
                                       gpus_per_node=c.trial_gpus_per_node),

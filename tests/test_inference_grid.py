@@ -45,7 +45,7 @@ def test_invalid_layouts_keep_their_reason(tmp_path):
     verdicts = {(c.tp, c.pp): (c.status, c.reason) for c in plan.candidates}
     assert verdicts[(1, 1)] == ("valid", None)
     assert verdicts[(1, 2)] == ("valid", None)
-    assert verdicts[(3, 1)][0] == "invalid" and "does not divide the 4 attention heads" in verdicts[(3, 1)][1]
+    assert verdicts[(3, 1)][0] == "invalid" and "does not divide the 4 heads" in verdicts[(3, 1)][1]
     assert set(plan.configs) == {"gpt3_241k_tp1_pp1_bs1", "gpt3_241k_tp1_pp2_bs1"}
 
 

@@ -16,13 +16,13 @@ from typing import Any, List, Optional
 
 from omegaconf import OmegaConf
 
-from hp_tool.architectures import Shape, interleave_problem, pipeline_problem
+from hp_tool.architectures import Shape
 from hp_tool.families import family
 from hp_tool.errors import ConfigError, require
 from hp_tool.estimate.layout import Layout
 from hp_tool.fingerprint import fingerprint_of
 from hp_tool.fsutil import atomic_write_text
-from hp_tool.sharding import combination_problem, family_problem, layout_suffix
+from hp_tool.sharding import combination_problem, layout_suffix
 from hp_tool.vocab import DATA_SOURCES, ENGINES, OFFLOADS, PRECISIONS, RUN_MODES, SCHEDULES, ZERO_STAGES
 
 
@@ -73,6 +73,20 @@ class ModelSpec:
                 "use a divisor of the head count")
 
 
+# how to mend a spec whose layout breaks a rule (estimate.layout.Layout.problems), by rule
+SPEC_FIXES = {
+    "heads": "use a TP that divides the kv head count",
+    "node": "keep TP within one node",
+    "pipeline": "use a PP that splits the layers evenly (T5/mT5: 1, or even with PP/2 dividing num_layers)",
+    "checkpointing": "use at most the layers of a pipeline stage",
+    "family": "use engine torch",
+    "batch": "use a multiple of mbs*dp",
+    "interleave": ("use 1 virtual stage, or a layout interleaved 1F1B can run (virtual stages dividing the "
+                   "layers per stage and the checkpointed layers)"),
+    "savers": "choose a combination the engine supports (hp_tool/sharding.py)",
+}
+
+
 @dataclass
 class ParallelSpec:
     """Parallel layout: world size = tp * pp * dp."""
@@ -107,6 +121,17 @@ class ParallelSpec:
             raise ConfigError("parallel", f"engine={self.engine} zero_stage={self.zero_stage} "
                               f"offload={self.offload} tp={self.tp} pp={self.pp}", bad[1],
                               "choose a combination the engine supports (hp_tool/sharding.py)")
+
+    def layout(self, global_batch_size: int) -> Layout:
+        """This section as a Layout, the global batch added."""
+        return Layout(self.tp, self.pp, self.dp, self.mbs, self.act_ckpt_layers, global_batch_size, self.zero_stage,
+                      self.offload, self.engine, virtual_stages=self.virtual_stages)
+
+    @classmethod
+    def of(cls, layout: Layout, pipeline_schedule: str = "1F1B") -> "ParallelSpec":
+        """A Layout's YAML form (its global batch goes to the training section)."""
+        return cls(layout.tp, layout.pp, layout.dp, layout.mbs, layout.act_ckpt_layers, pipeline_schedule,
+                   layout.engine, layout.zero_stage, layout.offload, layout.virtual_stages)
 
 
 @dataclass
@@ -237,32 +262,10 @@ class TrialSpec:
                 f"tp*pp*dp={p.tp * p.pp * p.dp} differs from the world size "
                 f"num_nodes*gpus_per_node={r.num_nodes}*{r.gpus_per_node}={world}",
                 "make the parallel degrees multiply to the number of processes")
-        require(m.num_attention_heads % p.tp == 0 and m.num_kv_heads % p.tp == 0, "parallel.tp", p.tp,
-                f"does not divide the heads ({m.num_attention_heads} query, {m.num_kv_heads} kv)",
-                "use a divisor of the kv head count")
-        shape = m.shape()
-        bad_pp = pipeline_problem(shape, p.pp)
-        require(bad_pp is None, "parallel.pp", p.pp, bad_pp or "",
-                "use a PP that splits the layers evenly (T5/mT5: 1, or even with PP/2 dividing num_layers)")
-        per_stage = shape.pipeline_layers // p.pp
-        require(p.act_ckpt_layers <= per_stage, "parallel.act_ckpt_layers",
-                p.act_ckpt_layers, f"exceeds the {per_stage} layers of a pipeline stage",
-                f"use at most {per_stage}")
-        bad_interleave = interleave_problem(shape, p.pp, p.virtual_stages, p.act_ckpt_layers, self.grad_accum_steps)
-        if bad_interleave is not None:
-            what, why = bad_interleave
-            key, value = {"virtual_stages": ("parallel.virtual_stages", p.virtual_stages),
-                          "act_ckpt_layers": ("parallel.act_ckpt_layers", p.act_ckpt_layers),
-                          "microbatches": ("training.global_batch_size", self.training.global_batch_size)}[what]
-            raise ConfigError(key, value, why, "use 1 virtual stage, or a layout interleaved 1F1B can run "
-                              "(virtual stages dividing the layers per stage and the checkpointed layers)")
-        bad_engine = family_problem(m.family, p.engine)
-        require(bad_engine is None, "parallel.engine", p.engine, bad_engine and bad_engine[1] or "",
-                "use engine torch")
-        replica_batch = p.mbs * p.dp
-        require(self.training.global_batch_size % replica_batch == 0, "training.global_batch_size",
-                self.training.global_batch_size, f"not divisible by mbs*dp={replica_batch}",
-                "use a multiple of mbs*dp")
+        layout = self.layout()
+        for problem in layout.problems(m.shape()):
+            key = "training.global_batch_size" if problem.field == "global_batch_size" else f"parallel.{problem.field}"
+            raise ConfigError(key, getattr(layout, problem.field), problem.reason, SPEC_FIXES[problem.rule])
 
     @property
     def grad_accum_steps(self) -> int:
@@ -270,10 +273,8 @@ class TrialSpec:
         return self.training.global_batch_size // (self.parallel.mbs * self.parallel.dp)
 
     def layout(self) -> Layout:
-        """The layout this trial runs, as the analytic memory and speed models take it."""
-        p = self.parallel
-        return Layout(p.tp, p.pp, p.dp, p.mbs, p.act_ckpt_layers, self.training.global_batch_size, p.zero_stage,
-                      p.offload, p.engine, virtual_stages=p.virtual_stages)
+        """The layout this trial runs (its parallel section with the global batch)."""
+        return self.parallel.layout(self.training.global_batch_size)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

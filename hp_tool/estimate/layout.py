@@ -1,9 +1,22 @@
-"""Inputs shared by the memory and speed models: a candidate's layout and the cluster's hardware."""
+"""A parallel layout with every rule on whether it can run, and the cluster's hardware: the inputs the
+memory and speed models share.
+
+``Layout`` is the one type for a layout: the planner's candidates wrap one, the TrialSpec's parallel section
+is its YAML form (``TrialSpec.layout()``), the collector and the inference grid build one. Its
+``problems()`` holds every validity rule; each ``Problem`` names the Layout field at fault, and each caller
+maps fields to its own config keys.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+from hp_tool.architectures import interleave_problem, pipeline_problem
+from hp_tool.sharding import combination_problem, family_problem
+
+if TYPE_CHECKING:
+    from hp_tool.families.shape import Shape
 
 GB = 1e9  # hp_tool reports memory in GB of 1e9 bytes, as GPU vendors label their memory
 
@@ -34,6 +47,60 @@ class Layout:
     @property
     def model_parallel(self) -> int:
         return self.tp * self.pp
+
+    def problems(self, shape: "Shape", gpus_per_node: Optional[int] = None) -> list["Problem"]:
+        """Every reason this layout cannot run ``shape``, most basic first; empty when it can. With
+        ``gpus_per_node``, TP must stay within a node. Rules: heads and kv heads divisible by TP, TP within a
+        node, the pipeline split, checkpointed layers within a stage, the family's engines, the global batch
+        over MBS x DP, interleaving, and engine x ZeRO stage x offload (``rule`` "savers")."""
+        out: list[Problem] = []
+        heads, kv = shape.num_attention_heads, shape.num_kv_heads
+        if heads % self.tp:
+            out.append(Problem("tp", "heads", f"TP={self.tp} does not divide the {heads} heads"))
+        elif kv % self.tp:
+            out.append(Problem("tp", "heads", f"TP={self.tp} does not divide the {kv} key/value heads "
+                                              f"({heads} query heads)"))
+        if gpus_per_node is not None and self.tp > gpus_per_node:
+            out.append(Problem("tp", "node", f"TP={self.tp} spans nodes ({gpus_per_node} GPUs per node)"))
+        bad_pp = pipeline_problem(shape, self.pp)
+        if bad_pp:
+            out.append(Problem("pp", "pipeline", bad_pp))
+        else:
+            per_stage = shape.pipeline_layers // self.pp
+            if self.act_ckpt_layers > per_stage:
+                out.append(Problem("act_ckpt_layers", "checkpointing", f"{self.act_ckpt_layers} checkpointed "
+                                   f"layers exceed the {per_stage} layers per stage"))
+        bad_engine = family_problem(shape.family, self.engine)
+        if bad_engine:
+            out.append(Problem("engine", "family", bad_engine[1]))
+        replica = self.mbs * self.dp
+        if self.global_batch_size % replica:
+            out.append(Problem("global_batch_size", "batch", f"GBS={self.global_batch_size} not divisible by "
+                                                             f"MBS*DP={self.mbs}*{self.dp}"))
+        else:
+            bad = interleave_problem(shape, self.pp, self.virtual_stages, self.act_ckpt_layers,
+                                     self.num_microbatches)
+            if bad:
+                what, why = bad
+                out.append(Problem("global_batch_size" if what == "microbatches" else what, "interleave", why))
+        bad_savers = combination_problem(self.engine, self.zero_stage, self.offload, self.tp, self.pp)
+        if bad_savers:
+            key, why = bad_savers
+            out.append(Problem(SAVER_FIELDS[key], "savers", why))
+        return out
+
+
+# combination_problem names train_settings keys; the Layout's fields they are about
+SAVER_FIELDS = {"offload": "offload", "zero_stages": "zero_stage", "engines": "engine"}
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Why a layout cannot run: the Layout field at fault, the rule, and the reason in words."""
+
+    field: str  # tp, pp, act_ckpt_layers, virtual_stages, engine, zero_stage, offload, global_batch_size
+    rule: str  # heads, node, pipeline, checkpointing, family, batch, interleave, savers
+    reason: str
 
 
 def microbatches_in_flight(layout: Layout, stage: int) -> float:

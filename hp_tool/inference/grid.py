@@ -16,7 +16,7 @@ from typing import Optional
 from hp_tool.architectures import Shape, layer_parameters, vocab_parallel_parameters
 from hp_tool.config import InferenceSettings
 from hp_tool.errors import ConfigError, require
-from hp_tool.estimate.layout import GB, Hardware
+from hp_tool.estimate.layout import GB, Hardware, Layout
 from hp_tool.fingerprint import fingerprint_of
 from hp_tool.fsutil import atomic_write_text
 from hp_tool.contracts.spec import ModelSpec
@@ -53,13 +53,11 @@ def inference_shape(shape: Shape, settings: InferenceSettings) -> Shape:
 
 
 def layout_problem(shape: Shape, tp: int, pp: int, gpus_per_node: int) -> Optional[str]:
-    """Why a TP x PP layout cannot serve this model on one node, or None when it can."""
-    if shape.num_attention_heads % tp:
-        return f"TP={tp} does not divide the {shape.num_attention_heads} attention heads"
-    if shape.num_kv_heads % tp:
-        return f"TP={tp} does not divide the {shape.num_kv_heads} key/value heads"
-    if shape.num_layers % pp:
-        return f"PP={pp} does not divide the {shape.num_layers} layers"
+    """Why a TP x PP layout cannot serve this model on one node, or None when it can: the training layout's
+    rules (heads and kv heads over TP, the pipeline split), then the server's own (one node)."""
+    problems = Layout(tp, pp, 1, 1, 0, 1).problems(shape)
+    if problems:
+        return problems[0].reason
     if tp * pp > gpus_per_node:
         return f"TP*PP={tp * pp} exceeds the {gpus_per_node} GPUs of one node"
     return None
