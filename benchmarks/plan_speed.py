@@ -19,7 +19,7 @@ from hp_tool.base_config import base_spec, choose_model, resolve_cluster
 from hp_tool.candidates import Grid, plan_candidates
 from hp_tool.cli import compose
 from hp_tool.config import to_app_config
-from hp_tool.plan_output import plan_csv_text, write_plan
+from hp_tool.plan_output import funnel_line, plan_csv_text, write_plan
 from hp_tool.planner import make_plan
 
 
@@ -39,6 +39,7 @@ def main() -> None:
     t1 = time.perf_counter()
     n = len(candidates)
     print(f"candidates: {n} ({dict(Counter(c.status for c in candidates))})")
+    print(funnel_line(candidates))
     print(f"grid + validity + memory/step-time estimates + pruning + ranking: {t1 - t0:.3f} s "
           f"({n / (t1 - t0):,.0f} candidates/s; target < 1 s)")
 

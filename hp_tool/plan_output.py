@@ -8,14 +8,13 @@ import logging
 from pathlib import Path
 from typing import Any, Iterable
 
-from hp_tool.vocab import PRUNED, SELECTED
 from hp_tool.candidates import Candidate
 from hp_tool.cost import cost_columns
 from hp_tool.fsutil import atomic_write_text
 from hp_tool.planner import Plan, candidate_trial_id
 from hp_tool.sizing import SECONDS_PER_DAY
 from hp_tool.contracts.spec import dump_spec
-from hp_tool.vocab import TRACE_CACHE_FILE
+from hp_tool.vocab import INVALID, OVER_LIMIT, PRUNED, SELECTED, TRACE_CACHE_FILE
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +102,24 @@ def _counts(cands: list[Candidate]) -> str:
     return ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
 
 
+def funnel_line(cands: list[Candidate]) -> str:
+    """What each stage of planning removed: validity (by config key), the GPU-memory and host-RAM prunes,
+    the run limit; and how many candidates the memory and step-time models estimated."""
+    invalid: dict[str, int] = {}
+    for c in cands:
+        if c.status == INVALID:
+            key = c.reason_key.rsplit(".", 1)[-1]
+            invalid[key] = invalid.get(key, 0) + 1
+    estimated = sum(c.step_time_s is not None for c in cands)
+    gpu = sum(c.status == PRUNED and c.reason_key == "gpu.memory_gb" for c in cands)
+    host = sum(c.status == PRUNED and c.reason_key == "gpu.host_ram_gb" for c in cands)
+    rules = ", ".join(f"{n} {k}" for k, n in sorted(invalid.items(), key=lambda kv: -kv[1]))
+    return (f"Plan: {len(cands)} candidates; {sum(invalid.values())} invalid" + (f" ({rules})" if rules else "")
+            + f"; {estimated} estimated; {gpu} pruned on GPU memory, {host} on host RAM; "
+            f"{sum(c.status == OVER_LIMIT for c in cands)} over the run limit; "
+            f"{sum(c.status == SELECTED for c in cands)} selected.")
+
+
 def _memory_line(plan: Plan) -> str:
     """How the candidates' memory was checked: the analytic formula, or traced (how many, how long)."""
     if plan.tracer is None:
@@ -138,6 +155,7 @@ def render_plan(plan: Plan, max_rows: int = 25) -> str:
     console = Console(file=io.StringIO(), width=190, force_terminal=False)
     console.print(plan.sentence, soft_wrap=True)
     console.print(table)
+    console.print(funnel_line(plan.candidates), soft_wrap=True)
     console.print(_memory_line(plan), soft_wrap=True)
     hidden = len(plan.specs) - max_rows
     if hidden > 0:

@@ -6,7 +6,8 @@ length and ``decoder_seq_length`` the decoder's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from functools import cached_property
 from typing import Callable, Iterator, Optional
 
 from hp_tool.families.registry import Family, family
@@ -28,10 +29,14 @@ class Shape:
     kv_channels: Optional[int] = None  # per-head width when it is not hidden / heads (T5: 64)
     decoder_seq_length: Optional[int] = None  # encoder-decoder only: the decoder's (target) length
 
-    @property
+    @cached_property
     def facts(self) -> Family:
-        """The family's record (hp_tool/families/)."""
+        """The family's record (hp_tool/families/); cached, as the planner asks it millions of times."""
         return family(self.family)
+
+    def __getstate__(self) -> dict:
+        """The fields only: the cached record holds functions, and a pickle carries the family's name."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @property
     def head_dim(self) -> int:
@@ -47,7 +52,7 @@ class Shape:
         """Width of the key (and the value) projection: kv heads x head dim."""
         return self.num_kv_heads * self.head_dim
 
-    @property
+    @cached_property
     def encoder_decoder(self) -> bool:
         return self.facts.encoder_decoder
 
@@ -55,7 +60,7 @@ class Shape:
     def gated_mlp(self) -> bool:
         return self.facts.gated_mlp
 
-    @property
+    @cached_property
     def pipeline_layers(self) -> int:
         """Layers the pipeline splits: both stacks for an encoder-decoder."""
         return 2 * self.num_layers if self.encoder_decoder else self.num_layers
