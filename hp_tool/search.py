@@ -57,11 +57,12 @@ def run_training_search(app: AppConfig, plan: Plan, kind: str) -> int:
     tracking.check_wandb(app.wandb)
     jobs = plan_jobs(plan)
     ts = app.search_config.train_settings
-    session = LaunchSession(app, kind, plan.results_dir, plan.results_dir,
-                            on_end=_trial_logger(app, {s.trial_id: s for s in plan.specs}))
+    on_end, gate = _trial_logger(app, {s.trial_id: s for s in plan.specs}), None
     if ts.search_strategy == "adaptive":
         jobs, gate = adaptive_launch(plan, jobs, ts.skip_margin)
-        session.gate, session.watch, session.on_end = gate, gate.watch, chain(gate.ended, session.on_end)
+        on_end = chain(gate.ended, on_end)
+    session = LaunchSession(app, kind, plan.results_dir, plan.results_dir, on_end=on_end, gate=gate,
+                            watch=None if gate is None else gate.watch)
     code = session.launch(jobs)
     if code is not None:
         return code

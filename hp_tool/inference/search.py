@@ -158,8 +158,8 @@ def _summary_to_wandb(app: AppConfig, frame, root: Path, search_name: str) -> No
 def run_inference_search(app: AppConfig, search_name: str, results_dir: Path,
                          kind: Optional[str] = None) -> int:
     """Plan, launch (or resume, detach, cancel), collect and rank the inference search; 0 when a config
-    ran (or the command only detached or cancelled), else 1. ConfigError (before anything is written)
-    when nothing valid is left."""
+    ran (or the command only detached or cancelled), INTERRUPTED after Ctrl-C, else 1. ConfigError
+    (before anything is written) when nothing valid is left."""
     plan = plan_inference(app, results_dir)
     jobs = [inference_job_spec(cfg, plan.config_path(cid)) for cid, cfg in plan.configs.items()]
     kind = executor_kind(app, jobs, kind)  # before any file: a config SLURM can never start
