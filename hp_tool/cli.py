@@ -14,12 +14,19 @@ from pathlib import Path
 from typing import Any, Optional
 
 import hydra
+from hydra import compose as hydra_compose
+from hydra import initialize_config_module
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, open_dict
 
-from hp_tool.config import GROUPS, AppConfig, check_override_keys, to_app_config
+from hp_tool.compare import comparison_row, error_row
+from hp_tool.config import GROUPS, AppConfig, check_override_keys, memory_check_mode, to_app_config
 from hp_tool.errors import ConfigError
+from hp_tool.memory_check import Tracer, trace_device
+from hp_tool.plan_output import render_plan, write_plan
+from hp_tool.planner import Plan, make_plan
+from hp_tool.launch.lock import ResultsLock
 from hp_tool.wandb_key import check_key_file
 
 log = logging.getLogger("hp_tool")
@@ -30,9 +37,6 @@ CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 def compose(overrides: list[str] = ()) -> tuple[DictConfig, str]:
     """The config `main.py` would see for these command-line overrides, and the search_config name."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_module
-
     with initialize_config_module(config_module=CONF_MODULE, version_base="1.3"):
         cfg = hydra_compose("config", overrides=list(overrides), return_hydra_config=True)
     name = cfg.hydra.runtime.choices["search_config"]
@@ -56,40 +60,30 @@ def _log_to_file(out: Path) -> logging.Handler:
     return handler
 
 
-def _tracer(app: AppConfig, out: Path):
+def _tracer(app: AppConfig, out: Path) -> Optional[Tracer]:
     """The memory tracer of memory_check=traced (with the traces an earlier run of this search kept), else
     None: the analytic check, and no torch import."""
-    from hp_tool.config import memory_check_mode
-
     if memory_check_mode(app) != "traced":
         return None
-    from hp_tool.memory_check import Tracer, trace_device
-
     return Tracer.load(trace_device(app.gpu.name), out / "candidate_configs")
 
 
-def _launch_kind(app: AppConfig, plan) -> Optional[str]:
+def _launch_kind(app: AppConfig, plan: Plan) -> Optional[str]:
     """The executor the plan's trials would run on (None: no training trial launches); on SLURM, the
     partition and account are checked to hold each trial before any file is written."""
     if app.dry_run or not app.run_training_hp_search:
         return None
-    from hp_tool.launch.executors import resolve_kind
+    # Imported here, as the searches below are: a dry run never loads the launch and results stack
+    # (submitit, pandas, matplotlib), which would more than double its start-up time.
+    from hp_tool.search import training_kind
 
-    kind = resolve_kind(app, [(s.resources.num_nodes, s.resources.gpus_per_node) for s in plan.specs])
-    if kind == "slurm":
-        from hp_tool.search import plan_jobs, preflight
-
-        preflight(app, plan_jobs(plan))
-    return kind
+    return training_kind(app, plan)
 
 
 def run(app: AppConfig, search_name: str, out: Optional[Path] = None, plans: Optional[list] = None) -> int:
     """Plan (and unless dry_run, search) into ``out`` (default: results_dir). Returns the exit code;
     the plan is appended to ``plans`` when given. Bad input raises ConfigError before anything is written;
     so does a results folder that another orchestrator holds (unless wait_for_lock)."""
-    from hp_tool.launch.lock import ResultsLock
-    from hp_tool.planner import make_plan
-
     out = out or results_dir(app, search_name)
     check_key_file(app.wandb)
     plan = make_plan(app, search_name, out)
@@ -104,10 +98,8 @@ def run(app: AppConfig, search_name: str, out: Optional[Path] = None, plans: Opt
         return _write_and_search(app, plan, search_name, out, kind)
 
 
-def _write_and_search(app: AppConfig, plan, search_name: str, out: Path, kind: Optional[str]) -> int:
+def _write_and_search(app: AppConfig, plan: Plan, search_name: str, out: Path, kind: Optional[str]) -> int:
     """Under the results folder's lock: write the plan, then search (unless dry_run)."""
-    from hp_tool.plan_output import render_plan, write_plan
-
     handler = _log_to_file(out)
     try:
         write_plan(plan)
@@ -117,11 +109,11 @@ def _write_and_search(app: AppConfig, plan, search_name: str, out: Path, kind: O
             return 0
         code = 0
         if app.run_training_hp_search:
-            from hp_tool.search import run_training_search
+            from hp_tool.search import run_training_search  # not on the dry-run path (see _launch_kind)
 
             code = run_training_search(app, plan, kind)
         if app.run_inference_hp_search:
-            from hp_tool.inference.search import run_inference_search
+            from hp_tool.inference.search import run_inference_search  # not on the dry-run path either
 
             code = max(code, run_inference_search(app, search_name, out))
         return code
@@ -132,8 +124,6 @@ def _write_and_search(app: AppConfig, plan, search_name: str, out: Path, kind: O
 
 def _multirun_job(app: AppConfig, search_name: str) -> dict[str, Any]:
     """One job of a multirun: its plan under the job's own folder, and its row of the comparison."""
-    from hp_tool.compare import comparison_row, error_row
-
     out = Path(HydraConfig.get().runtime.output_dir) / search_name
     plans: list = []
     try:

@@ -22,8 +22,11 @@ from typing import Any, Optional
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
+from rich.console import Console
+from rich.table import Table
 
 from hp_tool.fsutil import atomic_write_text
+from hp_tool.plan_output import plan_rows
 from hp_tool.vocab import COMPARISON_FILE
 
 log = logging.getLogger(__name__)
@@ -49,8 +52,6 @@ def _common(app, search_name: str, job: int) -> dict[str, Any]:
 
 def comparison_row(plan, app, job: int, exit_code: int) -> dict[str, Any]:
     """The job's predicted fastest layout, read from the same rows as its plan.csv."""
-    from hp_tool.plan_output import plan_rows
-
     best = next(r for r in plan_rows(plan) if r["predicted_rank"] == 1)
     row = _common(app, plan.search_name, job)
     row.update({k: best[k] for k in PLAN_FIELDS})
@@ -90,9 +91,6 @@ def comparison_csv(rows: list[dict[str, Any]]) -> str:
 
 
 def render(rows: list[dict[str, Any]]) -> str:
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table(title="Comparison (cheapest full run first)")
     for col in ("rank", "gpu", "search_config", "GPUs", "best layout", "mem GB", "step s", "days",
                 "$/GPU-h", "$ per run", "$/M tokens"):

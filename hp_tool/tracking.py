@@ -1,8 +1,10 @@
 """Weights & Biases: one run per trial (its metrics.jsonl, spec and result) and one for the summary.
 
-Imported only when ``wandb.enable=true``. The API key is the first line of ``wandb.api_key_file``; it is
-handed to wandb inside this process only, through ``wandb.Settings(api_key=...)`` (``wandb.login(key=...)``
-would also save it to ~/.netrc), and is never printed, logged or written anywhere. With
+``wandb`` itself, an optional dependency, is imported only when ``wandb.enable=true`` (``_import_wandb``).
+The searches call this module after each job and with the ranked table the collector returns; nothing
+below them imports it. The API key is the first line of ``wandb.api_key_file``; it is handed to wandb
+inside this process only, through ``wandb.Settings(api_key=...)`` (``wandb.login(key=...)`` would also
+save it to ~/.netrc), and is never printed, logged or written anywhere. With
 ``WANDB_MODE=offline`` no key is needed: runs are written under ``WANDB_DIR`` (default: the trial's
 output directory, or the results directory) for a later ``wandb sync``.
 """

@@ -8,7 +8,8 @@ import pytest
 from test_results_helpers import planned, selected_ids, write_failed, write_metrics, write_ok
 
 from hp_tool.results.collect import RANK_COLUMN, TABLE_COLUMNS
-from hp_tool.results.report import ALL_TRIALS_COLUMNS, SUMMARY_COLUMNS, finalize
+from hp_tool.results.report import ALL_TRIALS_COLUMNS, SUMMARY_COLUMNS
+from hp_tool.search import finalize
 from hp_tool.contracts.spec import load_spec
 
 UNIT_HINTS = ("_s", "_gb", "_pct", "_usd", "tokens", "tflops", "days", "_b", "mfu", "loss", "rank")

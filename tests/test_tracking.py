@@ -10,7 +10,7 @@ from test_results_helpers import planned, selected_ids, write_metrics, write_ok
 
 from hp_tool.config import WandbConfig
 from hp_tool.errors import ConfigError
-from hp_tool.results.report import finalize
+from hp_tool.search import finalize
 from hp_tool.contracts.spec import load_spec
 
 KEY = "0123456789abcdef0123456789abcdef01234567"  # a made-up 40-character key

@@ -2,9 +2,9 @@
 
     run_inference_search(app, search_name, results_dir)
 
-Jobs go through the training search's launcher (hp_tool/search.py ``launch``): one job of TP*PP tasks
-per config, with the same ledger (``inference/jobs.jsonl``), re-attach, resume, detach, cancel, SLURM
-checks, time limits from the job's start and W&B. ``inference/candidate_configs/plan.csv`` lists every
+Jobs go through the launch session the training search uses too (hp_tool/session.py): one job of TP*PP
+tasks per config, with the same ledger (``inference/jobs.jsonl``), re-attach, resume, detach, cancel,
+Ctrl-C, SLURM checks and time limits from the job's start; each ended config and the summary go to W&B. ``inference/candidate_configs/plan.csv`` lists every
 layout with its verdict and fingerprint; a result of another configuration is shown ``stale``.
 """
 
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from hp_tool import tracking  # wandb itself is imported only when enabled (tracking._import_wandb)
 from hp_tool.base_config import choose_model, model_spec, resolve_cluster
 from hp_tool.config import AppConfig
 from hp_tool.fingerprint import STALE, stale_reason
@@ -25,9 +26,8 @@ from hp_tool.fsutil import atomic_write_text
 from hp_tool.inference import report
 from hp_tool.inference.grid import (FP32_BYTES, HALF_BYTES, InferenceCandidate, InferenceJobConfig,
                                     dump_job_config, plan_grid)
-from hp_tool.launch.executors import resolve_kind
 from hp_tool.launch.job import JobSpec
-from hp_tool.search import INTERRUPTED, launch, preflight
+from hp_tool.session import Hook, LaunchSession, executor_kind
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ NOT_RUN = "not_run"
 
 def inference_job(config_path: str) -> dict:
     """The submitted function; imports torch only inside the job, never in the orchestrator."""
-    from hp_tool.inference.worker import inference_job as run
+    from hp_tool.inference.worker import inference_job as run  # here: the worker imports torch
 
     return run(config_path)
 
@@ -137,19 +137,17 @@ def write_configs(plan: InferencePlan) -> None:
     atomic_write_text(plan.root / "candidate_configs" / "plan.csv", plan_csv_text(plan))
 
 
-def _logger(app: AppConfig, plan: InferencePlan):
+def _logger(app: AppConfig, plan: InferencePlan) -> Optional[Hook]:
+    """After-job hook logging each ended config as a W&B run; None when W&B is off."""
     if not app.wandb.enable:
         return None
-    from hp_tool import tracking
-
     return lambda job, result: tracking.log_run(job.name, f"{job.name.rsplit('_tp', 1)[0]}_inference",
                                                 plan.configs[job.name].to_dict(), job.out, result, app.wandb,
                                                 job_type="inference")
 
 
 def _summary_to_wandb(app: AppConfig, frame, root: Path, search_name: str) -> None:
-    from hp_tool import tracking
-
+    """One W&B run holding the ranked frame; a failure is logged, the files stand."""
     try:
         tracking.log_summary(frame, app.wandb, root, f"{search_name.replace('/', '_')}_inference_summary")
     except Exception as exc:  # noqa: BLE001 - the files are the result; W&B is a copy of them
@@ -160,21 +158,17 @@ def _summary_to_wandb(app: AppConfig, frame, root: Path, search_name: str) -> No
 def run_inference_search(app: AppConfig, search_name: str, results_dir: Path,
                          kind: Optional[str] = None) -> int:
     """Plan, launch (or resume, detach, cancel), collect and rank the inference search; 0 when a config
-    ran (or the command only detached or cancelled), else 1. ConfigError (before anything is written)
-    when nothing valid is left."""
+    ran (or the command only detached or cancelled), INTERRUPTED after Ctrl-C, else 1. ConfigError
+    (before anything is written) when nothing valid is left."""
     plan = plan_inference(app, results_dir)
-    kind = kind or resolve_kind(app, [(1, c.tp * c.pp) for c in plan.configs.values()])
     jobs = [inference_job_spec(cfg, plan.config_path(cid)) for cid, cfg in plan.configs.items()]
-    if kind == "slurm":
-        preflight(app, jobs)  # before any file: a config SLURM can never start
+    kind = executor_kind(app, jobs, kind)  # before any file: a config SLURM can never start
     write_configs(plan)
-    try:
-        launcher = launch(app, kind, Path(results_dir), plan.root, jobs, _logger(app, plan),
-                          max_parallel=1 if kind == "local" else None, what="inference configs")
-    except KeyboardInterrupt:
-        return INTERRUPTED
-    if launcher is None:
-        return 0
+    session = LaunchSession(app, kind, Path(results_dir), plan.root, what="inference configs",
+                            max_parallel=1 if kind == "local" else None, on_end=_logger(app, plan))
+    code = session.launch(jobs)
+    if code is not None:
+        return code
     frame = write_summary(app, plan, results_dir)
     if app.wandb.enable:
         _summary_to_wandb(app, frame, plan.root, search_name)

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import io
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import pandas as pd
+from rich.console import Console
+from rich.table import Table
 
 from hp_tool.config import AppConfig
 from hp_tool.fsutil import atomic_write_text
@@ -143,9 +146,6 @@ def recommendation(ranked: pd.DataFrame, full: FullRun, optimal: Path) -> str:
 
 def render_summary(df: pd.DataFrame, top_n: int, full: FullRun, paths: dict[str, Path]) -> str:
     """The printed summary: counts, the top-N table and the recommendation (or why there is none)."""
-    from rich.console import Console
-    from rich.table import Table
-
     console = Console(file=io.StringIO(), width=160, force_terminal=False)
     ranked = successful(df)
     selected = df[df["plan_status"] == SELECTED]
@@ -199,32 +199,29 @@ def write_reports(results_dir: Path, df: pd.DataFrame, full: FullRun, top_n: int
     return paths
 
 
-def finalize(results_dir: Path, app: AppConfig) -> int:
-    """Collect every trial, write final_results/*, print the summary and log it to W&B when enabled.
+@dataclass
+class FinalResults:
+    """What collecting a training search gave: the ranked table, the full run it was ranked for and the
+    files written. The caller logs the table to W&B when enabled (tracking.log_summary)."""
 
-    Returns 0 when at least one trial succeeded, else 1.
-    """
+    table: pd.DataFrame  # every candidate, ranked (collect.collect_trials)
+    full: FullRun
+    paths: dict[str, Path]  # report_paths, plus the plots
+
+    def exit_code(self) -> int:
+        """0 when at least one trial succeeded; else 1, and the log says why none did."""
+        if successful(self.table).empty:
+            log.error("No trial succeeded (%s); see %s", _status_counts(self.table), self.paths["all"])
+            return 1
+        return 0
+
+
+def collect_and_report(results_dir: Path, app: AppConfig) -> FinalResults:
+    """Collect every trial, write final_results/* and print the summary; returns the ranked table."""
     results_dir = Path(results_dir)
     ts = app.search_config.train_settings
     full = full_run_for(results_dir)
     df = collect_trials(results_dir, time_box_s=ts.max_minutes_per_run * 60, full=full)
     paths = write_reports(results_dir, df, full, ts.output_top_n)
     print(render_summary(df, ts.output_top_n, full, paths), flush=True)
-    if app.wandb.enable:
-        _log_summary_to_wandb(df, app, results_dir, full)
-    ok = successful(df)
-    if ok.empty:
-        log.error("No trial succeeded (%s); see %s", _status_counts(df), paths["all"])
-        return 1
-    return 0
-
-
-def _log_summary_to_wandb(df: pd.DataFrame, app: AppConfig, results_dir: Path, full: FullRun) -> None:
-    from hp_tool import tracking
-
-    name = f"{full.base.model.family}_{full.label}_{full.num_nodes}nodes_summary"
-    try:
-        tracking.log_summary(df, app.wandb, results_dir, name)
-    except Exception as exc:  # noqa: BLE001 - the files above are the result; W&B is a copy of them
-        log.error("Logging the summary to W&B failed (%s: %s); the files in %s are complete",
-                  type(exc).__name__, exc, results_dir / FINAL_DIR)
+    return FinalResults(df, full, paths)
