@@ -151,7 +151,7 @@ FLOORS = (
                   "hp_tool.adaptive", "hp_tool.inference.grid", "hp_tool.plan_output")),
     ("results and launching", ("hp_tool.results", "hp_tool.launch", "hp_tool.inference.report",
                                "hp_tool.compare")),
-    ("orchestration", ("hp_tool.tracking", "hp_tool.memory_check", "hp_tool.search", "hp_tool.session",
+    ("orchestration", ("hp_tool.tracking", "hp_tool.memory_check", "hp_tool.search", "hp_tool.session", "hp_tool.adaptive_gate",
                        "hp_tool.inference.search", "hp_tool.inference")),
     ("engine and entry", ("hp_tool.trial", "hp_tool.inference.worker", "hp_tool.cli", "hp_tool.__main__",
                           "hp_tool")),
