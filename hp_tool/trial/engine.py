@@ -23,8 +23,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from hp_tool.trial import optim
 from hp_tool.trial.data import TokenBatches
 from hp_tool.trial.dist import DistEnv, build_mesh
-from hp_tool.trial.models import (InterleavedStages, StageModule, build_rank_stages, loss_parallel_context,
-                                  make_loss_fn)
+from hp_tool.trial.models import build_rank_stages, loss_parallel_context, make_loss_fn
+from hp_tool.trial.stage import InterleavedStages, StageModule
 from hp_tool.trial.parallel import (build_schedule, needs_grad_sync_control, parallelize_stage,
                                     set_grad_sync)
 from hp_tool.contracts.spec import TrialSpec
