@@ -76,7 +76,7 @@ class DeepSpeedEngine:
     @classmethod
     def build(cls, spec: TrialSpec, env: DistEnv, device: torch.device) -> "DeepSpeedEngine":
         """This rank's DeepSpeed engine; DeepSpeed (an optional dependency) is imported only here."""
-        import deepspeed
+        import deepspeed  # optional dependency: a torch-engine trial never imports it
 
         par = spec.parallel
         stage = build_stage(spec.model, 1, 0)
