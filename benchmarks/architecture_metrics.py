@@ -142,7 +142,7 @@ def family_branches(mods: dict[str, Path]) -> list[str]:
 # sits on top with the entry points: only the launcher's job, the memory-check workers, the inference
 # worker and benchmarks reach into it.
 FLOORS = (
-    ("vocabulary and contracts", ("hp_tool.errors", "hp_tool.fsutil", "hp_tool.fingerprint", "hp_tool.vocab",
+    ("vocabulary and contracts", ("hp_tool.errors", "hp_tool.registry", "hp_tool.fsutil", "hp_tool.fingerprint", "hp_tool.vocab",
                                   "hp_tool.cost", "hp_tool.tables")),
     ("model facts", ("hp_tool.throughput", "hp_tool.families", "hp_tool.architectures", "hp_tool.sizing", "hp_tool.sharding",
                      "hp_tool.layout", "hp_tool.estimate")),

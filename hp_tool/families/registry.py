@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional
 
-from hp_tool.errors import ConfigError
+from hp_tool.registry import Registry
 from hp_tool.tables import Table
 from hp_tool.vocab import ENGINES
 
@@ -59,15 +59,12 @@ class Family:
     planner: bool = True  # sized and searched from a budget
 
 
-_FAMILIES: dict[str, Family] = {}
+_FAMILIES: Registry[Family] = Registry("model family")
 
 
 def register(record: Family) -> Family:
     """Add a family to the registry (once per name)."""
-    if record.name in _FAMILIES:
-        raise ValueError(f"model family {record.name!r} is registered twice")
-    _FAMILIES[record.name] = record
-    return record
+    return _FAMILIES.add(record.name, record)
 
 
 def family_names(planner_only: bool = False) -> tuple[str, ...]:
@@ -77,7 +74,4 @@ def family_names(planner_only: bool = False) -> tuple[str, ...]:
 
 def family(name: str, key: str = "model.family") -> Family:
     """The record of ``name``; an unknown name is a ConfigError naming ``key``."""
-    try:
-        return _FAMILIES[name]
-    except KeyError:
-        raise ConfigError(key, name, "unknown model family", f"use one of {list(_FAMILIES)}") from None
+    return _FAMILIES.get(name, key, "unknown model family")

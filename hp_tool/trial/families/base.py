@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from hp_tool.contracts.spec import ModelSpec, TrialSpec
-from hp_tool.errors import ConfigError
+from hp_tool.registry import Registry
 from hp_tool.trial.stage import StageModule
 
 TPStyle = Literal["colwise", "rowwise"]
@@ -52,26 +52,20 @@ class TorchFamily:
     where the layers a stage holds change kind, so the tracer traces those stages."""
 
 
-_FAMILIES: dict[str, TorchFamily] = {}
+_FAMILIES: Registry[TorchFamily] = Registry("torch family")
 
 
 def register(family: TorchFamily) -> TorchFamily:
     """Make ``family`` known to the engine under its name; a name registered twice is a programming error."""
-    if family.name in _FAMILIES:
-        raise ValueError(f"torch family {family.name!r} is registered twice")
-    _FAMILIES[family.name] = family
-    return family
+    return _FAMILIES.add(family.name, family)
 
 
 def known_families() -> tuple[str, ...]:
     """The families the trial engine can train, in registration order."""
-    return tuple(_FAMILIES)
+    return tuple(name for name, _ in _FAMILIES.items())
 
 
 def torch_family(name: str) -> TorchFamily:
     """The record of family ``name``; ConfigError (key ``model.family``) naming the known ones otherwise."""
-    found = _FAMILIES.get(name)
-    if found is None:
-        raise ConfigError("model.family", name, "the trial engine has no model class for this family",
-                          f"use one of {list(_FAMILIES)}, or add hp_tool/trial/families/<family>.py registering it")
-    return found
+    return _FAMILIES.get(name, "model.family", "the trial engine has no model class for this family",
+                         ", or add hp_tool/trial/families/<family>.py registering it")
