@@ -216,9 +216,13 @@ def estimate(shape: Shape, c: Candidate, gbs: int, cluster: Cluster, usable_gb: 
         return estimate_memory(shape, _set_trial(c, gbs, hw.gpus_per_node, nodes), hw).total_gb <= usable_gb
 
     # Memory per GPU never grows with more data-parallel shards, so bisect for the first count that fits
-    # (the largest when none does).
+    # (the largest when none does). The largest is the full run's own nodes: when the full run does not
+    # fit, no trial does, and the bisection is skipped.
     counts = trial_node_counts(c.tp * c.pp, hw.gpus_per_node, cluster.num_nodes)
-    nodes = counts[min(bisect.bisect_left(counts, True, key=trial_fits), len(counts) - 1)]
+    if c.full_memory_gb > usable_gb:
+        nodes = counts[-1]
+    else:
+        nodes = counts[min(bisect.bisect_left(counts, True, key=trial_fits), len(counts) - 1)]
     trial = _set_trial(c, gbs, hw.gpus_per_node, nodes)
     c.memory_gb = estimate_memory(shape, trial, hw).total_gb
     c.host_memory_gb = max(host_memory_gb(shape, trial, c.trial_gpus_per_node, gather_checkpoint=False),

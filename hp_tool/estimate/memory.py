@@ -18,6 +18,7 @@ estimate counts them the same way.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from hp_tool.architectures import (Shape, checkpointed_layer_counts, count_parameters, layer_parameters,
@@ -94,14 +95,16 @@ def compute_copy_bytes(params: float, gathered_layer: float, layout: Layout, hw:
     return bpv * params if bpv < 4 else 0.0
 
 
-def stage_parameters(shape: Shape, tp: int, pp: int) -> list[float]:
+@functools.lru_cache(maxsize=4096)
+def stage_parameters(shape: Shape, tp: int, pp: int) -> tuple[float, ...]:
     """Parameters one GPU holds on each pipeline stage (after TP): its layers, the embedding on the first
-    stage, the head on the last."""
+    stage, the head on the last. Cached: the planner asks it for every micro-batch, saver and trial size
+    of a TP x PP."""
     embed_p, head_p = vocab_parallel_parameters(shape, tp, pp)
     out = [stage_layer_parameters(shape, pp, stage) / tp for stage in range(pp)]
     out[0] += embed_p
     out[-1] += head_p
-    return out
+    return tuple(out)
 
 
 def host_memory_gb(shape: Shape, layout: Layout, gpus_on_node: int, gather_checkpoint: bool) -> float:
