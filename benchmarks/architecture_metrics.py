@@ -8,7 +8,7 @@ Family branches: comparisons of a family name (``family ==``/``!=``/``in``, a fa
 "llama" compared to anything, or a use of an encoder-decoder name list) outside the registry folders
 ``hp_tool/families/`` and ``hp_tool/trial/families/``. Import cycles: strongly connected components of
 the graph of every internal import, module-level and function-level (a function-level import that dodges
-a cycle is still the cycle). Layout types: classes that carry both a ``tp`` and a ``pp`` field.
+a cycle is still the cycle). Layout types: classes that carry both a ``tp`` and a ``pp`` integer field.
 """
 
 from __future__ import annotations
@@ -185,7 +185,8 @@ def layout_types(mods: dict[str, Path]) -> list[str]:
     for mod, path in mods.items():
         for n in ast.walk(ast.parse(path.read_text())):
             if isinstance(n, ast.ClassDef):
-                fields = {t.target.id for t in n.body if isinstance(t, ast.AnnAssign) and isinstance(t.target, ast.Name)}
+                fields = {t.target.id for t in n.body if isinstance(t, ast.AnnAssign) and isinstance(t.target, ast.Name)
+                          and ast.unparse(t.annotation) == "int"}
                 if {"tp", "pp"} <= fields:
                     found.append(f"{mod}.{n.name}")
     return found
@@ -209,7 +210,7 @@ def main() -> None:
     ups = upward_imports(graph)
     print(f"imports running back up the floors: {len(ups)}")
     print(f"function-level imports of hp_tool modules: {nested} in {len(nested_files)} files")
-    print(f"types describing a parallel layout (fields tp and pp): {len(layouts)}")
+    print(f"types describing a parallel layout (int fields tp and pp): {len(layouts)}")
     print(f"busiest module: {busiest} with {len(graph[busiest])} internal imports")
     importers = [m for m, deps in graph.items() if any(d.endswith(".spec") for d in deps)]
     print(f"modules importing a *.spec module: {len(importers)}")
