@@ -15,7 +15,6 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
@@ -80,6 +79,10 @@ class ShardedAdamW:
     share storage with them, and receives their (already reduced and clipped) local gradients."""
 
     def __init__(self, module: nn.Module, t: TrainingSpec, device: torch.device, dp_group: dist.ProcessGroup):
+        # imported here: torch.distributed.optim TorchScript-compiles its functional optimizers on import
+        # (a second of start-up and a deprecation warning each), which only a ZeRO-1 trial needs
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
         self.params = [p for p in module.parameters() if p.requires_grad]
         # the DTensor's own local tensor (a leaf sharing its storage; to_local() would return a view)
         self.local = {id(p): p._local_tensor if isinstance(p, DTensor) else p for p in self.params}

@@ -67,6 +67,7 @@ class Initialise:
     std: float
 
     def __call__(self, stage: nn.Module) -> int:
+        """Allocate and initialise ``stage``'s local shards; returns their element count."""
         return materialize(stage, self.device, self.seed, self.std)
 
 
@@ -79,6 +80,7 @@ class FakeMaterialise:
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
 
     def __call__(self, stage: nn.Module) -> int:
+        """Give ``stage`` fake local shards; returns their element count."""
         with self.mode:
             stage.to_empty(device=self.device)
             stage.retie()

@@ -19,7 +19,8 @@ from hp_tool.trial.engines.base import Engine, maybe_inject_failure
 from hp_tool.trial.engines.ds_engine import DeepSpeedEngine
 from hp_tool.trial.engines.torch_engine import TorchEngine
 
-ENGINES: dict[str, type] = {"torch": TorchEngine, "deepspeed": DeepSpeedEngine}
+# The registry: the engine named by a spec's parallel.engine builds each rank.
+ENGINES: dict[str, type[Engine]] = {"torch": TorchEngine, "deepspeed": DeepSpeedEngine}
 
 
 def build_engine(spec: TrialSpec, env: DistEnv, device: torch.device) -> Engine:

@@ -96,6 +96,7 @@ class TorchEngine:
         return loss
 
     def _autocast(self):
+        """The precision's autocast on GPU; a no-op in fp32."""
         dtype = compute_dtype(self.spec, self.device)
         if dtype is None:
             return contextlib.nullcontext()

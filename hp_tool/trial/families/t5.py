@@ -50,6 +50,8 @@ def shard_heads(block: nn.Module, tp: int) -> None:
 
 
 def _config_builder(config_cls: type):
+    """The ``TorchFamily.config`` of a family whose config class is ``config_cls`` (T5Config, MT5Config)."""
+
     def config(model: ModelSpec):
         """The transformers config for a T5/mT5 spec: dropout off, eager attention (relative bias added to
         the scores), no KV cache, tied head, T5 v1.1's gated GeLU (tanh)."""
