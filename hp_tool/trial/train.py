@@ -234,5 +234,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 0 if result["status"] in ("ok", "timeout", "cancelled") else 1
 
 
+def exit_now(code: int) -> None:
+    """End a torchrun rank without interpreter finalization, once its results are on disk and its streams
+    flushed: tearing down torch's distributed objects in the interpreter's module order sometimes aborts a
+    rank after a finished trial ('terminate called without an active exception')."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())
