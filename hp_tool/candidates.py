@@ -191,18 +191,18 @@ def trial_node_counts(mp: int, gpn: int, num_nodes: int) -> list[int]:
     return [fewest] + more
 
 
-def _set_trial(c: Candidate, gbs: int, gpn: int, nodes: int) -> Layout:
+def _set_trial(c: Candidate, gpn: int, nodes: int) -> Layout:
     """The benchmark on ``nodes`` nodes, data parallelism filling them; each replica does the full run's
     per-replica work, so the step time carries over."""
     mp = c.tp * c.pp
     c.trial_nodes = nodes
     c.trial_dp = max(1, (nodes * gpn) // mp)
     c.trial_gpus_per_node = mp * c.trial_dp // nodes
-    c.trial_global_batch_size = gbs // c.dp * c.trial_dp
+    c.trial_global_batch_size = c.full.global_batch_size // c.dp * c.trial_dp
     return c.trial_layout()
 
 
-def estimate(shape: Shape, c: Candidate, gbs: int, cluster: Cluster, usable_gb: float) -> None:
+def estimate(shape: Shape, c: Candidate, cluster: Cluster, usable_gb: float) -> None:
     """Fill the candidate's predicted memory (trial and full run), host RAM and full-run step time.
 
     The trial runs on the fewest whole nodes whose data-parallel shards make it fit in ``usable_gb``
@@ -213,7 +213,7 @@ def estimate(shape: Shape, c: Candidate, gbs: int, cluster: Cluster, usable_gb: 
     c.full_memory_gb = estimate_memory(shape, full, hw).total_gb
 
     def trial_fits(nodes: int) -> bool:
-        return estimate_memory(shape, _set_trial(c, gbs, hw.gpus_per_node, nodes), hw).total_gb <= usable_gb
+        return estimate_memory(shape, _set_trial(c, hw.gpus_per_node, nodes), hw).total_gb <= usable_gb
 
     # Memory per GPU never grows with more data-parallel shards, so bisect for the first count that fits
     # (the largest when none does). The largest is the full run's own nodes: when the full run does not
@@ -223,7 +223,7 @@ def estimate(shape: Shape, c: Candidate, gbs: int, cluster: Cluster, usable_gb: 
         nodes = counts[-1]
     else:
         nodes = counts[min(bisect.bisect_left(counts, True, key=trial_fits), len(counts) - 1)]
-    trial = _set_trial(c, gbs, hw.gpus_per_node, nodes)
+    trial = _set_trial(c, hw.gpus_per_node, nodes)
     c.memory_gb = estimate_memory(shape, trial, hw).total_gb
     c.host_memory_gb = max(host_memory_gb(shape, trial, c.trial_gpus_per_node, gather_checkpoint=False),
                            host_memory_gb(shape, full, hw.gpus_per_node, gather_checkpoint=True))
@@ -231,15 +231,15 @@ def estimate(shape: Shape, c: Candidate, gbs: int, cluster: Cluster, usable_gb: 
     step = c.step_time_s = split.total_s
     c.compute_time_s = split.compute_s + split.bubble_s
     c.comm_time_s = step - c.compute_time_s
-    rate = throughput(shape, gbs, step, cluster.gpus, hw.peak_tflops)
+    rate = throughput(shape, c.full.global_batch_size, step, cluster.gpus, hw.peak_tflops)
     c.tokens_per_s_per_gpu, c.model_tflops_per_gpu = rate["tokens_per_s_per_gpu"], rate["model_tflops_per_gpu"]
 
 
-def _fit(shape: Shape, c: Candidate, gbs: int, cluster: Cluster, ts: TrainSettings) -> None:
+def _fit(shape: Shape, c: Candidate, cluster: Cluster, ts: TrainSettings) -> None:
     """Estimate a valid candidate and prune it when over GPU memory, then when over host RAM."""
     hw = cluster.hw
     usable = hw.gpu_memory_gb * (1 - ts.memory_margin)
-    estimate(shape, c, gbs, cluster, usable)
+    estimate(shape, c, cluster, usable)
     need = max(c.memory_gb, c.full_memory_gb)
     if need > usable:
         c.reject(PRUNED, "gpu.memory_gb",
@@ -269,12 +269,12 @@ def _layout_candidates(shape: Shape, grid: Grid, ts: TrainSettings, cluster: Clu
     out, unrunnable = [], []
     for stage, offload in grid.savers:
         c = make(stage, offload)
-        bad = [p for p in c.full.problems(shape) if p.rule == "savers"]
+        bad = c.full.saver_problem()
         if bad:
-            c.reject(INVALID, f"{TS}.{FIELD_KEYS[bad[0].field]}", bad[0].reason)
+            c.reject(INVALID, f"{TS}.{FIELD_KEYS[bad.field]}", bad.reason)
             (unrunnable if grid.heuristic_savers else out).append(c)
             continue
-        _fit(shape, c, gbs, cluster, ts)
+        _fit(shape, c, cluster, ts)
         out.append(c)
         if grid.heuristic_savers and c.status == SELECTED and c.offload == "none" and \
                 c.trial_nodes == trial_node_counts(tp * pp, cluster.hw.gpus_per_node, cluster.num_nodes)[0]:

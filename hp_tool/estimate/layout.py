@@ -83,11 +83,16 @@ class Layout:
             if bad:
                 what, why = bad
                 out.append(Problem("global_batch_size" if what == "microbatches" else what, "interleave", why))
-        bad_savers = combination_problem(self.engine, self.zero_stage, self.offload, self.tp, self.pp)
+        bad_savers = self.saver_problem()
         if bad_savers:
-            key, why = bad_savers
-            out.append(Problem(SAVER_FIELDS[key], "savers", why))
+            out.append(bad_savers)
         return out
+
+    def saver_problem(self) -> Optional["Problem"]:
+        """Why this engine cannot run this ZeRO stage and offload at this TP/PP (rule "savers"), or None;
+        the last of ``problems()``, which a planner judging one saver at a time asks alone."""
+        bad = combination_problem(self.engine, self.zero_stage, self.offload, self.tp, self.pp)
+        return None if bad is None else Problem(SAVER_FIELDS[bad[0]], "savers", bad[1])
 
 
 # combination_problem names train_settings keys; the Layout's fields they are about
