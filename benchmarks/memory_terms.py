@@ -19,7 +19,7 @@ import warnings
 
 from hp_tool.estimate.memory import estimate_memory
 from hp_tool.trial.memterms import target_hardware, unit_terms, with_layout
-from hp_tool.trial.memtrace import trace_stage
+from hp_tool.trial.trace.replay import trace_stage
 from hp_tool.contracts.spec import ModelSpec, ParallelSpec, ResourcesSpec, RunSpec, TrainingSpec, TrialSpec
 
 LAYOUTS = [{}, {"dp": 2, "zero_stage": 0}, {"dp": 2, "zero_stage": 1}, {"dp": 2, "zero_stage": 2},

@@ -6,7 +6,7 @@ For a Llama-shaped and a GPT-3-shaped model (4 layers, hidden 128, seq 128, voca
 micro-batch 2, fp32) and each layout (single process, FSDP2 DP2 with and without checkpointing, TP2,
 TP2 x DP2, PP2 with and without checkpointing), prints the measured peak tensor GB per rank of a real
 trial on CPU processes (gloo; the trial's ``peak_tensor_memory_gb``), the traced peak
-(``hp_tool.trial.memtrace.traced_peak_bytes``: the busiest rank, one process, fake process group) and the
+(``hp_tool.trial.trace.extrapolate.traced_peak_bytes``: the busiest rank, one process, fake process group) and the
 analytic estimate's tensor part (``hp_tool.estimate.memory.estimate_memory`` less its overhead), each with
 its ratio to the measured figure; then the traced memory check of the gpt3/175b plan (1024 GPUs): time
 per candidate and in all, and the analytic and traced figure of each candidate.
@@ -26,7 +26,7 @@ from pathlib import Path
 
 from hp_tool.estimate.layout import Hardware
 from hp_tool.estimate.memory import estimate_memory
-from hp_tool.trial.memtrace import traced_peak_bytes
+from hp_tool.trial.trace.extrapolate import traced_peak_bytes
 from hp_tool.contracts.spec import (ModelSpec, ParallelSpec, ResourcesSpec, RunSpec, TrainingSpec, TrialSpec,
                                 dump_spec)
 

@@ -1,7 +1,7 @@
 """The memory check before launch: trace each candidate's per-rank peak under fake tensors, in parallel.
 
 ``memory_check=traced`` (the default when trials launch) traces every candidate the planner would launch
-with ``hp_tool.trial.memtrace.traced_peak_bytes`` (the engine's own stage and parallelize code on a fake
+with ``hp_tool.trial.trace.extrapolate.traced_peak_bytes`` (the engine's own rank-build code on a fake
 process group, no real memory) in worker processes over the machine's cores; the planner
 prunes on the traced figure plus the gpu preset's ``memory_overhead_gb``. ``analytic`` (the default of a
 dry run) keeps the instant formula of hp_tool/estimate/memory.py and never imports torch.
@@ -75,9 +75,7 @@ def _worker_init() -> None:
     import transformers.models.opt.modeling_opt  # noqa: F401
     import transformers.models.t5.modeling_t5  # noqa: F401
 
-    import hp_tool.trial.memtrace  # noqa: F401
-    import hp_tool.trial.models  # noqa: F401
-    import hp_tool.trial.parallel  # noqa: F401
+    import hp_tool.trial.trace.extrapolate  # noqa: F401 - with it the engine's models, families and parallel
 
     torch.set_num_threads(1)
     logging.getLogger("torch").setLevel(logging.ERROR)
@@ -87,7 +85,8 @@ def trace_one(spec: TrialSpec, device_type: str) -> TraceOutcome:
     """Trace one candidate (in a worker process); a failure becomes the reason, never an exception."""
     import warnings
 
-    from hp_tool.trial.memtrace import GB, traced_peak_bytes
+    from hp_tool.trial.trace.extrapolate import traced_peak_bytes
+    from hp_tool.trial.trace.inflight import GB
 
     start = time.monotonic()
     try:
@@ -103,8 +102,8 @@ def trace_one(spec: TrialSpec, device_type: str) -> TraceOutcome:
 
 def trace_siblings(specs: list[TrialSpec], device_type: str) -> list[TraceOutcome]:
     """Trace candidates that differ only in their checkpointed layers, in one worker: none checkpointed,
-    then all, then some, so each reuses the builds the ones before made (memtrace._TRACES)."""
-    from hp_tool.trial.memtrace import stage_units
+    then all, then some, so each reuses the builds the ones before made (trace.replay._TRACES)."""
+    from hp_tool.trial.trace.extrapolate import stage_units
 
     def order(spec: TrialSpec) -> tuple[bool, int]:
         units, per_unit, _ = stage_units(spec)

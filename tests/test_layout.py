@@ -1,6 +1,6 @@
 """One Layout, one set of rules, one family registry: every validity rule names the Layout field at fault,
 and the planner, the TrialSpec and the inference grid read them; every family hp_tool plans has a pure
-record, and planning compares no family names."""
+record and a torch half, and nothing else compares family names."""
 
 import dataclasses
 import re
@@ -77,16 +77,20 @@ def test_an_unknown_family_names_the_key_and_the_known_ones():
     assert exc.value.key == "model.family" and all(n in str(exc.value) for n in ("gpt3", "llama", "t5", "mt5"))
 
 
-def test_no_family_name_is_compared_in_planning():
-    """The planner's side has no family-name branch and no import running back up (the trial engine's
-    torch half is not yet registered per family: its branches are the ones left)."""
-    out = subprocess.run([sys.executable, "benchmarks/architecture_metrics.py", "--list"], capture_output=True,
-                         text=True, check=True, cwd=ROOT).stdout
-    branches = out.split("family branches:")[1].split("\n\n")[0].split("\n")
-    sites = [b for b in branches if b.strip()]
-    assert sites and all(b.startswith("hp_tool/trial/") for b in sites)
-    assert "imports running back up the floors: 0" in out
+def test_every_planned_family_has_a_torch_half():
+    code = ("from hp_tool.families import family_names; from hp_tool.trial.families import known_families; "
+            "print(sorted(family_names(planner_only=True)) == sorted(known_families()))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "True"
     assert set(family_names()) == {"gpt3", "llama", "t5", "mt5"}
+
+
+def test_no_family_name_is_compared_outside_the_registry_folders():
+    out = subprocess.run([sys.executable, "benchmarks/architecture_metrics.py"], capture_output=True, text=True,
+                         check=True, cwd=ROOT).stdout
+    assert "family-branch sites outside the registry folders: 0 in 0 files" in out
+    assert "import cycles (module-level and function-level edges): 0" in out
+    assert "imports running back up the floors: 0" in out
 
 
 def test_the_plan_reports_what_each_stage_removed(tmp_path):

@@ -20,7 +20,8 @@ from hp_tool.errors import ConfigError
 from hp_tool.memory_check import Tracer
 from hp_tool.planner import candidate_trial_id, make_plan
 from hp_tool.trial.memterms import unit_terms, with_layout
-from hp_tool.trial.memtrace import extrapolated_stages, trace_stage, traced_stages
+from hp_tool.trial.trace.extrapolate import extrapolated_stages, traced_stages
+from hp_tool.trial.trace.replay import trace_stage
 from trial_helpers import tiny_spec
 
 REPO = Path(__file__).resolve().parent.parent

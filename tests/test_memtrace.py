@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from hp_tool.trial.memtrace import trace_stage
+from hp_tool.trial.trace.replay import trace_stage
 from hp_tool.contracts.spec import ModelSpec, ParallelSpec, ResourcesSpec, TrainingSpec, TrialSpec
 from hp_tool.trial.train import run_trial
 from trial_helpers import read_result, tiny_spec, torchrun, write_spec

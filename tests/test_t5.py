@@ -84,13 +84,13 @@ def test_mt5_unknown_size_recommends_the_size_of_the_087_factor(tmp_path):
 
 @pytest.mark.parametrize("family", ["t5", "mt5"])
 def test_parameter_count_is_the_real_models(family):
-    from hp_tool.trial.encdec import build_full_encdec_on_meta
+    from hp_tool.trial.models import build_full_model_on_meta
     from hp_tool.contracts.spec import ModelSpec
 
     model = ModelSpec(family=family, num_layers=24, hidden_size=4096, num_attention_heads=64, num_kv_heads=64,
                       ffn_hidden_size=10240, vocab_size=250000 if family == "mt5" else 29000, seq_length=512,
                       kv_channels=64, decoder_seq_length=128)
-    real = sum(p.numel() for p in build_full_encdec_on_meta(model).parameters())  # tied weights once
+    real = sum(p.numel() for p in build_full_model_on_meta(model).parameters())  # tied weights once
     assert count_parameters(model.shape()) == real
 
 
@@ -189,7 +189,7 @@ def test_encoder_decoder_stage_matches_the_transformers_model():
     """The pipeline-ready stage computes what T5ForConditionalGeneration / MT5ForConditionalGeneration do."""
     from transformers import MT5ForConditionalGeneration, T5ForConditionalGeneration
 
-    from hp_tool.trial.encdec import build_encdec_stage, t5_config
+    from hp_tool.trial.models import build_stage, hf_config
     from hp_tool.contracts.spec import ModelSpec
     from hp_tool.trial.weights import materialize
 
@@ -197,9 +197,9 @@ def test_encoder_decoder_stage_matches_the_transformers_model():
         model = ModelSpec(family=family, num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=4,
                           ffn_hidden_size=128, vocab_size=512, seq_length=16, kv_channels=16,
                           decoder_seq_length=8)
-        stage = build_encdec_stage(model, 1, 0)
+        stage = build_stage(model, 1, 0)
         materialize(stage, torch.device("cpu"), 1234, 0.015)
-        reference = cls(t5_config(model))
+        reference = cls(hf_config(model))
         state = {}
         for name in reference.state_dict():
             parts = name.split(".")

@@ -32,7 +32,8 @@ from hp_tool.inference.report import empty_result, latency_stats, write_result
 from hp_tool.trial import dist as tdist
 from hp_tool.contracts import result as res
 from hp_tool.trial.measure import now_s, synchronize
-from hp_tool.trial.models import CausalLMStage, build_stage
+from hp_tool.trial.causal import CausalLMStage
+from hp_tool.trial.models import build_stage
 from hp_tool.trial.parallel import apply_tensor_parallel
 from hp_tool.trial.weights import materialize
 

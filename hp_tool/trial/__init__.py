@@ -1,13 +1,25 @@
 """The trial engine: one real, time-boxed training run of a candidate layout.
 
-    train.py     entry points: ``python -m hp_tool.trial.train SPEC.yaml``, ``run_trial(path)``; the loop
-    engine.py    one rank's model stage, optimizer, schedule and data; one optimizer step
-    models.py    transformers model on meta, cut into this rank's pipeline stage
-    parallel.py  TP (parallelize_module), activation checkpointing, FSDP2 / replicate, pipeline schedule
-    weights.py   layout-independent deterministic initialisation of the local shards
-    optim.py     AdamW groups per mesh, learning-rate schedule, mesh-aware gradient clipping
-    data.py      synthetic or memory-mapped tokens, the same global batch for every layout
-    measure.py   timing, memory, stop rule, signals, metrics.jsonl
+    train.py       entry points: ``python -m hp_tool.trial.train SPEC.yaml``, ``run_trial(path)``; the loop
+    engines/       the ``Engine`` protocol and its implementations, keyed by ``parallel.engine``:
+                   ``TorchEngine`` (torch_engine.py) and ``DeepSpeedEngine`` (ds_engine.py); one step each
+    rank.py        one rank's model and optimizer, built one way for the torch engine and the tracer:
+                   stage on meta, TP, checkpointing, DP per chunk, then a materialiser (real or fake)
+    families/      one file per model family registering its ``TorchFamily`` record (config, model class,
+                   stage cut, TP plan, head counts, the tracer's inputs); ``torch_family(name)``
+    models.py      the spec's family's transformers model on meta, cut into this rank's stage(s); the loss
+    stage.py       ``StageModule`` (what every stage shares), ``InterleavedStages``, parameter names
+    causal.py      a decoder-only causal LM stage (GPT-3/OPT, Llama)
+    encdec.py      an encoder-decoder stage (T5, mT5): both stacks, position tables carried between stages
+    parallel.py    TP (parallelize_module), activation checkpointing, FSDP2 / replicate, pipeline schedule
+    weights.py     layout-independent deterministic initialisation of the local shards
+    optim.py       AdamW groups per mesh, learning-rate schedule, mesh-aware gradient clipping, ZeRO-1
+    data.py        synthetic or memory-mapped tokens, the same global batch for every layout
+    dist.py        process environment, device, process group and the (pp, dp, tp) mesh
+    measure.py     timing, memory, stop rule, signals, metrics.jsonl
+    trace/         peak tensor memory: measured (``TensorPeak``) and traced before launch under fake tensors
+    memterms.py    the analytic memory model's per-layer terms beside the traced ones
+    ds_ops.py      builds DeepSpeed's C++ ops ahead of the trials (``python -m hp_tool.trial.ds_ops``)
 
 The contracts it reads and writes (TrialSpec, result.json, metrics.jsonl, the DeepSpeed config) live in
 ``hp_tool/contracts/``, below every reader. Importing this package does not import torch; only the engine

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from hp_tool.errors import require
 from hp_tool.contracts.spec import ParallelSpec
@@ -97,8 +97,6 @@ def build_mesh(par: ParallelSpec, env: DistEnv, device: torch.device) -> Optiona
             f"pp={par.pp} dp={par.dp} tp={par.tp}",
             f"the degrees multiply to {par.pp * par.dp * par.tp} but {env.world_size} processes "
             "were started", "launch pp*dp*tp processes (e.g. torchrun --nproc-per-node)")
-    from torch.distributed.device_mesh import init_device_mesh
-
     return init_device_mesh(device.type, (par.pp, par.dp, par.tp), mesh_dim_names=("pp", "dp", "tp"))
 
 

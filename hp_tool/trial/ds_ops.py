@@ -16,7 +16,7 @@ import time
 
 def build_cpu_adam() -> float:
     """Build (or load the cached) CPU Adam op; returns the seconds it took."""
-    from deepspeed.ops.op_builder import CPUAdamBuilder
+    from deepspeed.ops.op_builder import CPUAdamBuilder  # DeepSpeed is optional: imported only to build its ops
 
     start = time.monotonic()
     CPUAdamBuilder().load()
@@ -25,7 +25,7 @@ def build_cpu_adam() -> float:
 
 def build_shm_comm() -> float:
     """Build (or load) the op DeepSpeed's CPU accelerator loads when it sets up communication."""
-    from deepspeed.accelerator import get_accelerator
+    from deepspeed.accelerator import get_accelerator  # DeepSpeed is optional: imported only to build its ops
 
     start = time.monotonic()
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")

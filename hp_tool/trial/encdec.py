@@ -1,5 +1,5 @@
-"""The trial's encoder-decoder model: transformers' ``T5ForConditionalGeneration`` (T5) or
-``MT5ForConditionalGeneration`` (mT5) built from a spec's shape, cut into one pipeline stage.
+"""An encoder-decoder model (T5, mT5: transformers' ``T5ForConditionalGeneration`` or
+``MT5ForConditionalGeneration``, see :mod:`hp_tool.trial.families.t5`) cut into one pipeline stage.
 
 The model is built whole on the meta device and this rank's stage keeps only its own blocks: the pipeline
 splits the 2·L blocks (the encoder's L, then the decoder's L, indexed 0..2L-1 whatever the layout), so the
@@ -26,44 +26,20 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.models.t5.modeling_t5 import T5Attention
 
 from hp_tool.architectures import checkpointed_layer_counts, stage_layer_counts
 from hp_tool.families.t5 import RELATIVE_ATTENTION_BUCKETS
-from hp_tool.trial.models import StageModule
-from hp_tool.contracts.spec import ModelSpec
+from hp_tool.contracts.spec import ModelSpec, TrialSpec
+from hp_tool.trial.stage import StageModule
 
 MAX_DISTANCE = 128  # T5's relative_attention_max_distance
 BIAS_PATH = "layer.0.SelfAttention.relative_attention_bias"  # a stack's first block's position table
 
 
-def t5_config(model: ModelSpec):
-    """The transformers config for a T5/mT5 spec: dropout off, eager attention, no KV cache, tied head."""
-    from transformers import MT5Config, T5Config
-
-    config_cls = MT5Config if model.family == "mt5" else T5Config
-    return config_cls(
-        vocab_size=model.vocab_size, d_model=model.hidden_size, d_kv=model.kv_channels or
-        model.hidden_size // model.num_attention_heads, d_ff=model.ffn_hidden_size,
-        num_layers=model.num_layers, num_decoder_layers=model.num_layers, num_heads=model.num_attention_heads,
-        relative_attention_num_buckets=RELATIVE_ATTENTION_BUCKETS, relative_attention_max_distance=MAX_DISTANCE,
-        dropout_rate=0.0, feed_forward_proj="gated-gelu_pytorch_tanh", tie_word_embeddings=True,
-        use_cache=False, attn_implementation="eager",
-    )
-
-
-def build_full_encdec_on_meta(model: ModelSpec) -> nn.Module:
-    from transformers import MT5ForConditionalGeneration, T5ForConditionalGeneration
-
-    cls = MT5ForConditionalGeneration if model.family == "mt5" else T5ForConditionalGeneration
-    with torch.device("meta"):
-        return cls(t5_config(model))
-
-
 def position_bias(table: torch.Tensor, query: int, key: int, bidirectional: bool) -> torch.Tensor:
     """T5's ``[1, heads, query, key]`` relative position bias from a stack's ``[buckets, heads]`` table
     (transformers' own bucketing, so the numbers are the model's)."""
-    from transformers.models.t5.modeling_t5 import T5Attention
-
     context = torch.arange(query, dtype=torch.long, device=table.device)[:, None]
     memory = torch.arange(key, dtype=torch.long, device=table.device)[None, :]
     buckets = T5Attention._relative_position_bucket(memory - context, bidirectional=bidirectional,
@@ -161,9 +137,9 @@ def _unwrapped(module: nn.Module) -> nn.Module:
     return getattr(module, "_checkpoint_wrapped_module", module)
 
 
-def build_encdec_stage(model: ModelSpec, pp: int, stage: int) -> EncDecStage:
-    """Pipeline stage ``stage`` of ``pp`` on the meta device; the other stages' modules are dropped."""
-    full = build_full_encdec_on_meta(model)
+def cut_encdec_stage(model: ModelSpec, full: nn.Module, pp: int, stage: int) -> EncDecStage:
+    """Pipeline stage ``stage`` of ``pp`` from a whole T5/mT5 model on meta (``full``); the other stages'
+    modules are dropped."""
     config = full.config
     n_layers = model.num_layers
     n_enc, n_dec = stage_layer_counts(model.shape(), pp, stage)
@@ -178,3 +154,26 @@ def build_encdec_stage(model: ModelSpec, pp: int, stage: int) -> EncDecStage:
     return EncDecStage(model.family, config, model, pp, stage, layers, full.shared if first else None,
                        full.encoder.final_layer_norm if ends_encoder else None,
                        full.decoder.final_layer_norm if last else None, lm_head)
+
+
+def encdec_fake_batch(spec: TrialSpec, stage_index: int, dtype: Optional[torch.dtype]):
+    """One micro-batch of a stage's inputs for the memory tracer, (inputs, labels): encoder and decoder
+    token ids on the first stage, else what the previous stage sends (the encoder's and the decoder's hidden
+    states, and the stack's position table unless the previous stage ended the encoder, see
+    ``EncDecStage.forward``); ``dtype``: the compute dtype, None for fp32. Values do not matter: the tracer
+    runs under fake tensors."""
+    m, par = spec.model, spec.parallel
+    mbs, target = par.mbs, m.decoder_seq_length
+    labels = torch.randint(0, m.vocab_size, (mbs, target))
+    if stage_index == 0:
+        return (torch.randint(0, m.vocab_size, (mbs, m.seq_length)), labels), labels
+
+    def hidden(length: int) -> torch.Tensor:
+        return torch.empty(mbs, length, m.hidden_size, dtype=dtype or torch.float32, requires_grad=True)
+
+    inputs = (hidden(m.seq_length), hidden(target))
+    if stage_index != par.pp // 2:  # the stage before ended the encoder: no table follows
+        table = torch.empty(RELATIVE_ATTENTION_BUCKETS, m.num_attention_heads // par.tp,
+                            dtype=dtype or torch.float32, requires_grad=True)
+        inputs += (table,)
+    return inputs, labels

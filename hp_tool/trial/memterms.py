@@ -1,9 +1,9 @@
 """The analytic memory model's per-layer terms beside the traced engine's: where the formula and the
 engine disagree.
 
-A "unit" is what a stage gains per layer of the model (``memtrace.stage_units``: one layer; on T5's single
+A "unit" is what a stage gains per layer of the model (``trace.extrapolate.stage_units``: one layer; on T5's single
 stage an encoder and a decoder layer). For a layout, one stage is traced with one and with two units
-(``memtrace.states_and_kept_bytes``); the differences are the traced per-unit terms:
+(``trace.replay.states_and_kept_bytes``); the differences are the traced per-unit terms:
 
 - ``state``: parameters, gradients and optimizer states (``estimate.memory.model_state_bytes``);
 - ``kept``: what one micro-batch's forward keeps until its backward, the activations plus the weights'
@@ -23,6 +23,8 @@ from hp_tool.architectures import layer_parameters
 from hp_tool.estimate.layout import Hardware
 from hp_tool.estimate.memory import compute_copy_bytes, model_state_bytes, stage_activation_bytes, stage_parameters
 from hp_tool.contracts.spec import TrialSpec
+from hp_tool.trial.trace.extrapolate import stage_units, with_units
+from hp_tool.trial.trace.replay import states_and_kept_bytes
 
 
 @dataclass(frozen=True)
@@ -63,11 +65,9 @@ def analytic_terms(spec: TrialSpec, device_type: str, stage: int = 0) -> tuple[f
 
 def unit_terms(spec: TrialSpec, device_type: str = "cpu") -> UnitTerms:
     """Traced and analytic per-unit terms of stage 0 of ``spec`` (its layers all checkpointed or none)."""
-    from hp_tool.trial.memtrace import _with_units, stage_units, states_and_kept_bytes
-
     units, per_unit, _ = stage_units(spec)
     ckpt = 1 if spec.parallel.act_ckpt_layers else 0
-    specs = [_with_units(spec, n, ckpt * n * per_unit) for n in (1, 2)]
+    specs = [with_units(spec, n, ckpt * n * per_unit) for n in (1, 2)]
     (s1, k1), (s2, k2) = (states_and_kept_bytes(s, 0, device_type) for s in specs)
     (as1, ak1), (as2, ak2) = (analytic_terms(s, device_type) for s in specs)
     return UnitTerms(s2 - s1, k2 - k1, as2 - as1, ak2 - ak1)

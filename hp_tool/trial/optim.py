@@ -79,6 +79,8 @@ class ShardedAdamW:
     share storage with them, and receives their (already reduced and clipped) local gradients."""
 
     def __init__(self, module: nn.Module, t: TrainingSpec, device: torch.device, dp_group: dist.ProcessGroup):
+        # imported here: torch.distributed.optim TorchScript-compiles its functional optimizers on import
+        # (a second of start-up and a deprecation warning each), which only a ZeRO-1 trial needs
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         self.params = [p for p in module.parameters() if p.requires_grad]

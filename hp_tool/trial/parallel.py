@@ -8,7 +8,8 @@ materialised afterwards, so each rank only ever allocates its own shard.
 
 Tensor parallelism follows Megatron: q/k/v and the MLP's up (and gate) projections are split by
 columns, the attention output and MLP down projections by rows, so each layer needs one all-reduce in
-forward and one in backward. The input embedding and the output head are split along the vocabulary
+forward and one in backward; which modules those are in a family's layer is its record's
+(``TorchFamily.layer_plan``, :mod:`hp_tool.trial.families`). The input embedding and the output head are split along the vocabulary
 (vocab-parallel; the logits stay sharded into the loss); norms and learned positions are replicated.
 """
 
@@ -20,61 +21,28 @@ from typing import Optional
 
 import torch
 from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from hp_tool.trial.models import ENCODER_DECODER
-from hp_tool.errors import require
-from hp_tool.trial.models import StageModule, loss_fn
 from hp_tool.contracts.spec import ParallelSpec
+from hp_tool.errors import require
+from hp_tool.trial.families import torch_family
+from hp_tool.trial.models import loss_fn
+from hp_tool.trial.stage import StageModule
 
 log = logging.getLogger(__name__)
 
-# Per family: module names (relative to a layer) split by columns and by rows. T5/mT5 blocks: self-attention
-# (and the decoder's cross-attention) q/k/v by columns and o by rows, both gated-FFN inputs by columns and
-# the output by rows; the stacks' relative-position embeddings split along heads (their columns) as q is.
-_T5_ATTENTION = (("SelfAttention.q", "SelfAttention.k", "SelfAttention.v"), ("SelfAttention.o",))
-_T5_CROSS = (("EncDecAttention.q", "EncDecAttention.k", "EncDecAttention.v"), ("EncDecAttention.o",))
-_T5_FFN = (("DenseReluDense.wi_0", "DenseReluDense.wi_1"), ("DenseReluDense.wo",))
-TP_PLANS = {
-    "gpt3": (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "fc1"),
-             ("self_attn.out_proj", "fc2")),
-    "llama": (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
-               "mlp.up_proj"),
-              ("self_attn.o_proj", "mlp.down_proj")),
-    "t5_encoder": tuple(tuple(f"layer.{i}.{name}" for i, part in enumerate((_T5_ATTENTION, _T5_FFN))
-                              for name in part[side]) for side in (0, 1)),
-    "t5_decoder": tuple(tuple(f"layer.{i}.{name}" for i, part in enumerate((_T5_ATTENTION, _T5_CROSS, _T5_FFN))
-                              for name in part[side]) for side in (0, 1)),
-}
+_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 
 
-def layer_tp_plan(stage, layer: nn.Module) -> dict:
-    """The ``parallelize_module`` plan of one layer of ``stage``."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    if stage.family in ENCODER_DECODER:
-        key = "t5_decoder" if layer.is_decoder else "t5_encoder"
-    else:
-        key = stage.family
-    colwise, rowwise = TP_PLANS[key]
-    plan = {name: ColwiseParallel() for name in colwise}
-    plan.update({name: RowwiseParallel() for name in rowwise})
-    if key.startswith("t5") and layer.layer[0].SelfAttention.has_relative_attention_bias:
-        from hp_tool.trial.encdec import BIAS_PATH
-
-        plan[BIAS_PATH] = ColwiseParallel()  # Shard(1) of [buckets, heads]: this rank's heads, as q's
-    return plan
-
-
-def _shard_head_counts(layer: nn.Module, tp: int) -> None:
-    """After the split each rank holds heads/tp of each attention's heads (OPT's num_heads; T5's n_heads
-    and inner_dim, used to shape the cross-attention's zero bias)."""
-    for module in layer.modules():
-        if hasattr(module, "num_heads") and hasattr(module, "out_proj"):
-            module.num_heads //= tp
-        if hasattr(module, "n_heads") and hasattr(module, "inner_dim"):
-            module.n_heads //= tp
-            module.inner_dim //= tp
+def layer_tp_plan(stage: StageModule, layer: nn.Module) -> dict:
+    """The ``parallelize_module`` plan of one layer of ``stage``: its family's (``TorchFamily.layer_plan``)."""
+    return {name: _STYLES[style]() for name, style in torch_family(stage.family).layer_plan(layer).items()}
 
 
 def apply_tensor_parallel(stage: StageModule, tp_mesh: DeviceMesh, vocab_parallel: bool = True) -> None:
@@ -85,14 +53,10 @@ def apply_tensor_parallel(stage: StageModule, tp_mesh: DeviceMesh, vocab_paralle
     joins them) and the head's output columns, so each rank computes logits for its slice of the
     vocabulary only; the loss is then computed on the sharded logits (models.make_loss_fn, inside
     ``loss_parallel``). A tied head shares the embedding's vocabulary-sharded weight."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
-
-    tp = tp_mesh.size()
+    tp, family = tp_mesh.size(), torch_family(stage.family)
     for layer in stage.layers.values():
         parallelize_module(layer, tp_mesh, layer_tp_plan(stage, layer))
-        _shard_head_counts(layer, tp)
+        family.shard_heads(layer, tp)
     if not vocab_parallel:
         return
     vocab_plan = {}
@@ -108,9 +72,6 @@ def apply_tensor_parallel(stage: StageModule, tp_mesh: DeviceMesh, vocab_paralle
 
 def apply_activation_checkpointing(stage: StageModule, num_layers: int) -> None:
     """Recompute the activations of the first ``num_layers`` layers of this stage in backward."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        CheckpointImpl, checkpoint_wrapper)
-
     for key in stage.checkpoint_keys(num_layers):
         stage.layers[key] = checkpoint_wrapper(stage.layers[key],
                                                checkpoint_impl=CheckpointImpl.NO_REENTRANT)
@@ -126,14 +87,10 @@ def apply_data_parallel(stage: StageModule, dp_mesh: DeviceMesh, zero_stage: int
     ``param_dtype`` (bf16 on GPU) makes FSDP gather and compute in that dtype while the optimizer keeps
     fp32 master weights; gradients are reduced in fp32.
     """
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-
     # OPT's layer returns a view; harmless here because the stage never modifies a layer output in place.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     if zero_stage <= 1:
-        from torch.distributed._composable.replicate_with_fsdp import replicate
-
         replicate(stage, mesh=dp_mesh, mp_policy=mp)
         return
     extra = {}
@@ -168,9 +125,6 @@ def build_schedule(chunks: list[StageModule], par: ParallelSpec, mesh: DeviceMes
     """The pipeline schedule driving this rank's stage modules over the ``pp`` mesh: 1F1B (or GPipe) for
     one stage, interleaved 1F1B for ``par.virtual_stages`` chunks (chunk k is virtual stage
     pp_rank + k·PP)."""
-    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                              ScheduleInterleaved1F1B)
-
     group, total = mesh["pp"].get_group(), par.pp * len(chunks)
     stages = [PipelineStage(chunk, pp_rank + k * par.pp, total, device, group=group)
               for k, chunk in enumerate(chunks)]

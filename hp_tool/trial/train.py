@@ -26,16 +26,15 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from hp_tool.trial import dist as tdist
 from hp_tool.contracts import result as res
-from hp_tool.trial import measure
-from hp_tool.trial.engine import Engine, build_engine, train_step
-from hp_tool.trial.optim import lr_at
 from hp_tool.contracts.spec import TrialSpec, load_spec
+from hp_tool.trial import dist as tdist
+from hp_tool.trial import measure
+from hp_tool.trial.engines import Engine, build_engine, train_step
+from hp_tool.trial.optim import lr_at
+from hp_tool.trial.trace.peak import TensorPeak
 
 log = logging.getLogger(__name__)
-
-
 
 def output_dir_for(spec: TrialSpec, output_dir: Optional[str]) -> Path:
     """``output_dir`` if given, else spec.run.output_dir, else ./training_logs/<trial_id>."""
@@ -116,11 +115,11 @@ def run_loop(engine: Engine, out: Path, t_start: float, flag: measure.SignalFlag
 
 
 class _TensorPeakSteps:
-    """Peak tensor bytes of this rank over the first untimed steps (memtrace.TensorPeak, the count the
-    pre-launch trace makes); the torch engine only, and none when no step is untimed."""
+    """Peak tensor bytes of this rank over the first untimed steps (``TensorPeak``, the count the pre-launch
+    trace makes); only for an engine that ``measures_tensor_peak``, and none when no step is untimed."""
 
     def __init__(self, engine: Engine, steps: int):
-        self.engine, self.steps, self.peak = engine, steps if engine.ds is None else 0, None
+        self.engine, self.steps, self.peak = engine, steps if engine.measures_tensor_peak else 0, None
         self.tracker = None
 
     @contextlib.contextmanager
@@ -128,8 +127,6 @@ class _TensorPeakSteps:
         if step >= self.steps:
             yield
             return
-        from hp_tool.trial.memtrace import TensorPeak
-
         if self.tracker is None:
             self.tracker = TensorPeak()
             self.tracker.track(self.engine.stage, self.engine.optimizer)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from hp_tool.trial.models import canonical_name
+from hp_tool.trial.stage import canonical_name
 
 
 def _param_seed(seed: int, name: str) -> int:

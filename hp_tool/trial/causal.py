@@ -1,0 +1,117 @@
+"""A decoder-only causal LM cut into one pipeline stage (GPT-3 as OPT, Llama; see :mod:`hp_tool.trial.families`).
+
+The whole transformers model is built on the meta device, which allocates no memory whatever its size;
+this rank's pipeline stage keeps only its own layers (plus the embeddings on the first stage and the final
+norm and head on the last) and the rest is dropped before anything is materialised. Weights are filled
+later by :mod:`hp_tool.trial.weights`, after the tensor and data-parallel wrappers have decided which shard
+each rank holds.
+
+Layers are kept under their global index (``layers.7``), so a parameter's name is the same whatever the
+layout; weight initialisation relies on that to make every layout the same model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from hp_tool.contracts.spec import ModelSpec, TrialSpec
+from hp_tool.trial.stage import StageModule
+
+
+@dataclass(frozen=True)
+class CausalParts:
+    """Where one family's transformers model keeps the modules a stage takes (learned positions: OPT only)."""
+
+    layers: nn.ModuleList
+    embed_tokens: nn.Module
+    embed_positions: Optional[nn.Module]
+    norm: nn.Module
+    lm_head: nn.Module
+
+
+def stage_layers(num_layers: int, pp: int, stage: int) -> range:
+    """Global indices of the transformer layers on pipeline ``stage`` (layers split evenly)."""
+    per_stage = num_layers // pp
+    return range(stage * per_stage, (stage + 1) * per_stage)
+
+
+class CausalLMStage(StageModule):
+    """One pipeline stage of a causal LM: [embeddings] -> layers -> [final norm -> head].
+
+    Input: token ids ``[batch, seq]`` on the first stage, hidden states ``[batch, seq, hidden]`` on
+    the others. Output: logits ``[batch, seq, vocab]`` on the last stage, hidden states otherwise.
+    ``rotary`` builds the rotary position embedding from the config (Llama), None for learned positions.
+    """
+
+    def __init__(self, family: str, config, layers: dict[int, nn.Module],
+                 embed_tokens: Optional[nn.Module], embed_positions: Optional[nn.Module],
+                 norm: Optional[nn.Module], lm_head: Optional[nn.Module],
+                 rotary: Optional[Callable[[object], nn.Module]] = None):
+        super().__init__()
+        self.family = family
+        self.config = config
+        self.embed_tokens = embed_tokens
+        self.embed_positions = embed_positions
+        self.layers = nn.ModuleDict({str(i): layer for i, layer in layers.items()})
+        self.norm = norm
+        self.lm_head = lm_head
+        self.rotary_emb: Optional[nn.Module] = None
+        self._rotary = rotary
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+
+    def reset_buffers(self, device: torch.device) -> None:
+        """Rebuild non-parameter buffers (RoPE frequencies) on ``device`` after materialisation."""
+        if self._rotary is not None:
+            self.rotary_emb = self._rotary(self.config).to(device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        seq = x.shape[1]
+        position_ids = torch.arange(seq, device=x.device).unsqueeze(0)
+        h = x
+        if self.embed_tokens is not None:
+            h = self.embed_tokens(x)
+            if self.embed_positions is not None:
+                h = h + self.embed_positions(None, 0, position_ids=position_ids)
+        extra = {}
+        if self.rotary_emb is not None:
+            extra["position_embeddings"] = self.rotary_emb(h, position_ids)
+        for layer in self.layers.values():
+            # No mask: SDPA then runs causal attention (is_causal) with its fastest kernel.
+            h = layer(h, attention_mask=None, position_ids=position_ids, **extra)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.lm_head is not None:
+            h = self.lm_head(h)
+        return h
+
+
+def cut_causal_stage(model: ModelSpec, config, parts: CausalParts, pp: int, stage: int,
+                     rotary: Optional[Callable[[object], nn.Module]] = None) -> CausalLMStage:
+    """Pipeline stage ``stage`` of ``pp`` from a whole model on meta (``parts``); the other stages' modules
+    are dropped."""
+    first, last = stage == 0, stage == pp - 1
+    layers = {i: parts.layers[i] for i in stage_layers(model.num_layers, pp, stage)}
+    lm_head = parts.lm_head if last else None
+    if lm_head is not None and config.tie_word_embeddings and not first:
+        # The tied head lives apart from the embedding on another stage: give it its own weight
+        # (kept equal to the embedding by identical init and summed gradients, see optim.py).
+        lm_head.weight = nn.Parameter(torch.empty_like(lm_head.weight))
+    return CausalLMStage(model.family, config, layers,
+                         parts.embed_tokens if first else None, parts.embed_positions if first else None,
+                         parts.norm if last else None, lm_head, rotary)
+
+
+def causal_fake_batch(spec: TrialSpec, stage_index: int, dtype: Optional[torch.dtype]):
+    """One micro-batch of a stage's inputs for the memory tracer, (inputs, labels): token ids on the first
+    stage, else the hidden states ``[mbs, seq, hidden]`` the previous stage sends (``dtype``: the compute
+    dtype, None for fp32). Values do not matter: the tracer runs under fake tensors."""
+    m, mbs = spec.model, spec.parallel.mbs
+    labels = torch.randint(0, m.vocab_size, (mbs, m.seq_length))
+    if stage_index == 0:
+        return (torch.randint(0, m.vocab_size, (mbs, m.seq_length)),), labels
+    hidden = torch.empty(mbs, m.seq_length, m.hidden_size, dtype=dtype or torch.float32, requires_grad=True)
+    return (hidden,), labels

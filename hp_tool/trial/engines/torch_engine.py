@@ -1,0 +1,143 @@
+"""The torch trial engine: one rank's model stage, optimizer, pipeline schedule and data, and one step.
+
+Build: mesh -> this rank's model through :func:`hp_tool.trial.rank.build_rank_model` (stage on meta, TP,
+activation checkpointing, DP per chunk, then the real materialiser: only the local shards, deterministic
+init) -> optimizer -> with PP the pipeline schedule and the tied embedding/head pair. One optimizer step runs
+``grad_accum_steps`` micro-batches (through the pipeline schedule when PP > 1), syncs tied gradients
+across the first and last stages, clips with the model-wide norm and steps AdamW.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import ClassVar, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from hp_tool.contracts.spec import TrialSpec
+from hp_tool.trial import optim
+from hp_tool.trial.data import TokenBatches
+from hp_tool.trial.dist import DistEnv, build_mesh
+from hp_tool.trial.models import loss_parallel_context, make_loss_fn
+from hp_tool.trial.parallel import build_schedule, needs_grad_sync_control, set_grad_sync
+from hp_tool.trial.rank import (Initialise, build_rank_model, build_rank_optimizer, compute_dtype, group_of,
+                                tp_mesh_of)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TorchEngine:
+    """One rank's torch engine (:class:`hp_tool.trial.engines.base.Engine`)."""
+
+    spec: TrialSpec
+    env: DistEnv
+    device: torch.device
+    mesh: Optional[DeviceMesh]
+    stage: torch.nn.Module  # a StageModule, or InterleavedStages: the rank's chunks under interleaved 1F1B
+    optimizer: torch.optim.Optimizer
+    batches: TokenBatches
+    schedule: object = None  # torch.distributed.pipelining schedule when pp > 1
+    pp_rank: int = 0
+    tied_param: Optional[torch.nn.Parameter] = None  # tied embedding/head copy held by this stage
+    tied_group: Optional[dist.ProcessGroup] = None
+    local_numel: int = 0  # parameter elements materialised on this rank
+    grad_norm: Optional[float] = None  # the last step's whole-model gradient norm before clipping
+    measures_tensor_peak: ClassVar[bool] = True  # the engine the pre-launch trace models
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.spec.parallel.pp - 1
+
+    @property
+    def tp_mesh(self) -> Optional[DeviceMesh]:
+        return tp_mesh_of(self.mesh, self.spec.parallel)
+
+    @property
+    def pp_group(self) -> Optional[dist.ProcessGroup]:
+        return group_of(self.mesh, self.spec.parallel, "pp")
+
+    @classmethod
+    def build(cls, spec: TrialSpec, env: DistEnv, device: torch.device) -> "TorchEngine":
+        """Everything this rank needs to train; allocates only this rank's shard of the model."""
+        par = spec.parallel
+        mesh = build_mesh(par, env, device)
+        pp_rank = mesh["pp"].get_local_rank() if mesh is not None else 0
+        dp_rank = mesh["dp"].get_local_rank() if mesh is not None else 0
+        model = build_rank_model(spec, mesh, pp_rank, Initialise(device, spec.training.seed, spec.model.init_method_std),
+                                 compute_dtype(spec, device))
+        log.info("rank %d: stage %d holds %d parameter elements", env.rank, pp_rank, model.local_numel)
+        optimizer = build_rank_optimizer(spec, model.stage, mesh, device)
+        engine = cls(spec, env, device, mesh, model.stage, optimizer, TokenBatches(spec, dp_rank, device),
+                     pp_rank=pp_rank, local_numel=model.local_numel)
+        if par.pp > 1:
+            engine.schedule = build_schedule(model.chunks, par, mesh, pp_rank, spec.grad_accum_steps, device,
+                                             make_loss_fn(engine.tp_mesh))
+            if model.stage.tied:
+                engine.tied_group = _tied_group(mesh, par.pp)
+                engine.tied_param = model.stage.embed_tokens.weight if model.stage.is_first \
+                    else model.stage.lm_head.weight
+        return engine
+
+    def step(self, step: int) -> Optional[torch.Tensor]:
+        """One optimizer step (``step`` is 0-based); this stage's mean loss (None off the last stage)."""
+        optim.set_lr(self.optimizer, optim.lr_at(step, self.spec.training))
+        loss = self._pipeline(step) if self.schedule is not None else self._accumulate(step)
+        optim.sync_tied_grads(self.tied_param, self.tied_group)
+        skip = frozenset({id(self.tied_param)}) if self.tied_param is not None and self.is_last_stage \
+            else frozenset()
+        norm = optim.clip_grad_norm(self.stage, self.spec.training.grad_clip, self.pp_group, skip, self.device)
+        self.grad_norm = float(norm)
+        optim.optimizer_step(self.optimizer)
+        return loss
+
+    def _autocast(self):
+        """The precision's autocast on GPU; a no-op in fp32."""
+        dtype = compute_dtype(self.spec, self.device)
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=dtype)
+
+    def _accumulate(self, step: int) -> torch.Tensor:
+        """Forward and backward of all micro-batches of one step (no PP); returns their mean loss."""
+        micro = self.batches.micro_batches(step)
+        control_sync = needs_grad_sync_control(self.spec.parallel)
+        compute_loss = make_loss_fn(self.tp_mesh)
+        total = torch.zeros((), device=self.device)
+        for i, (inputs, labels) in enumerate(micro):
+            if control_sync:
+                set_grad_sync(self.stage, i == len(micro) - 1)
+            with loss_parallel_context(self.tp_mesh):
+                with self._autocast():
+                    loss = compute_loss(self.stage(*inputs), labels)
+                (loss / len(micro)).backward()
+            total += loss.detach()
+        return total / len(micro)
+
+    def _pipeline(self, step: int) -> Optional[torch.Tensor]:
+        """One step through the pipeline schedule; the mean micro-batch loss on the last stage, else None."""
+        inputs, labels = self.batches.replica_batch(step)
+        losses: list = []
+        first, last = self.pp_rank == 0, self.is_last_stage
+        args = inputs if first else ()
+        kwargs = {"target": labels, "losses": losses} if last else {}
+        with loss_parallel_context(self.tp_mesh), self._autocast():
+            self.schedule.step(*args, return_outputs=False, **kwargs)
+        return torch.stack(losses).mean().detach() if last else None
+
+
+def _tied_group(mesh: DeviceMesh, pp: int) -> Optional[dist.ProcessGroup]:
+    """The group {first stage, last stage} at this rank's (dp, tp) coordinate; every rank creates all."""
+    ranks = mesh.mesh  # [pp, dp, tp] global ranks
+    mine = None
+    for d in range(ranks.shape[1]):
+        for t in range(ranks.shape[2]):
+            pair = [int(ranks[0, d, t]), int(ranks[pp - 1, d, t])]
+            group = dist.new_group(pair)
+            if dist.get_rank() in pair:
+                mine = group
+    return mine

@@ -1,0 +1,23 @@
+"""The torch half of the model-family registry: one module per family, each registering a
+:class:`~hp_tool.trial.families.base.TorchFamily` (config, model class, stage cut, TP plan, head counts,
+the tracer's fake inputs, stacks). Every module in this folder is imported here, so a new family is one
+file; the engine asks ``torch_family(spec.model.family)`` and never compares family names itself.
+
+    base.py    the record, ``register``, ``torch_family`` (unknown names fail naming the known ones)
+    gpt3.py    GPT-3 as transformers' OPT: learned positions, LayerNorm, GELU MLP with biases, tied head
+    llama.py   Llama: RoPE, RMSNorm, SwiGLU, grouped-query attention, untied head
+    t5.py      T5 and mT5 (each its own config and model class): encoder and decoder stacks
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+from hp_tool.trial.families.base import TorchFamily, known_families, register, torch_family
+
+for _module in pkgutil.iter_modules(__path__):
+    if _module.name != "base":  # each family module registers itself on import
+        importlib.import_module(f"{__name__}.{_module.name}")
+
+__all__ = ["TorchFamily", "known_families", "register", "torch_family"]

@@ -1,0 +1,71 @@
+"""The torch half of a model family: what the trial engine needs to build, shard and trace one family's
+model, as one frozen record per family, and the lookup every engine module goes through.
+
+A family module (``gpt3.py``, ``llama.py``, ``t5.py``) builds its records and calls ``register``; the
+package imports every module in this folder, so adding a family is one file here. Planning facts about a
+family (shapes, parameter and FLOP counts) live on the pure side, in ``hp_tool.architectures``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Literal, Optional
+
+import torch
+from torch import nn
+
+from hp_tool.contracts.spec import ModelSpec, TrialSpec
+from hp_tool.registry import Registry
+from hp_tool.trial.stage import StageModule
+
+TPStyle = Literal["colwise", "rowwise"]
+FakeBatch = tuple[tuple[torch.Tensor, ...], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class TorchFamily:
+    """How the trial engine builds, shards and traces one model family."""
+
+    name: str
+    """``model.family`` in a TrialSpec."""
+    config: Callable[[ModelSpec], object]
+    """The transformers config for a spec's shape: dropout off, no KV cache (every layout computes the same
+    numbers)."""
+    model_class: type
+    """The transformers model class the whole model is built from, on the meta device."""
+    cut_stage: Callable[[ModelSpec, nn.Module, int, int], StageModule]
+    """``(model spec, whole model on meta, pp, stage)`` -> that pipeline stage; the rest is dropped."""
+    layer_plan: Callable[[nn.Module], dict[str, TPStyle]]
+    """Tensor parallelism of one layer (Megatron's): module name (relative to the layer) -> split by
+    columns or by rows, in the order ``parallelize_module`` applies them."""
+    shard_heads: Callable[[nn.Module, int], None]
+    """After a layer's TP split, make its attention modules count the heads one of ``tp`` ranks holds (the
+    attributes transformers reshapes with); a no-op where the modules infer it from the weights."""
+    fake_batch: Callable[[TrialSpec, int, Optional[torch.dtype]], FakeBatch]
+    """``(spec, stage index, compute dtype or None)`` -> one micro-batch of that stage's inputs and the
+    labels, for the memory tracer (fake tensors: shapes and dtypes only)."""
+    stacks: int = 1
+    """Layer stacks a single stage (PP = 1) holds: 1 decoder-only, 2 encoder-decoder. The tracer's unit of
+    depth is one layer per stack (``trace.extrapolate.stage_units``)."""
+    stack_starts: Callable[[int], tuple[int, ...]] = lambda pp: (0,)
+    """``pp`` -> the first pipeline stage of each stack (T5: the encoder's at 0, the decoder's at PP/2):
+    where the layers a stage holds change kind, so the tracer traces those stages."""
+
+
+_FAMILIES: Registry[TorchFamily] = Registry("torch family")
+
+
+def register(family: TorchFamily) -> TorchFamily:
+    """Make ``family`` known to the engine under its name; a name registered twice is a programming error."""
+    return _FAMILIES.add(family.name, family)
+
+
+def known_families() -> tuple[str, ...]:
+    """The families the trial engine can train, in registration order."""
+    return tuple(name for name, _ in _FAMILIES.items())
+
+
+def torch_family(name: str) -> TorchFamily:
+    """The record of family ``name``; ConfigError (key ``model.family``) naming the known ones otherwise."""
+    return _FAMILIES.get(name, "model.family", "the trial engine has no model class for this family",
+                         ", or add hp_tool/trial/families/<family>.py registering it")

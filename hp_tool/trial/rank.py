@@ -1,0 +1,123 @@
+"""One rank's model and optimizer, built the one way both the torch engine and the memory tracer use.
+
+Build order (torchtitan's): this rank's pipeline stage on the meta device (its v chunks under interleaved
+1F1B) -> per chunk TP, activation checkpointing, DDP / FSDP2 (:func:`hp_tool.trial.parallel.parallelize_stage`,
+still on meta) -> a *materialiser* gives the local shards storage: ``Initialise`` allocates them on the
+device and fills the layout-independent weights (a trial), ``FakeMaterialise`` gives them fake tensors
+that allocate nothing (the pre-launch trace, as torchtitan's estimator ran the trainer's own
+``parallelize_fn`` under ``FakeTensorMode``) -> the optimizer over the materialised shards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from hp_tool.contracts.spec import ParallelSpec, TrialSpec
+from hp_tool.trial import optim
+from hp_tool.trial.models import build_rank_stages
+from hp_tool.trial.parallel import parallelize_stage
+from hp_tool.trial.stage import InterleavedStages, StageModule
+from hp_tool.trial.weights import materialize
+
+
+def compute_dtype(spec: TrialSpec, device: torch.device) -> Optional[torch.dtype]:
+    """bf16/fp16 autocast dtype on GPU; None (fp32) on CPU or with precision fp32."""
+    if device.type != "cuda" or spec.training.precision == "fp32":
+        return None
+    return torch.bfloat16 if spec.training.precision == "bf16" else torch.float16
+
+
+def tp_mesh_of(mesh: Optional[DeviceMesh], par: ParallelSpec) -> Optional[DeviceMesh]:
+    """The ``tp`` sub-mesh when the layout splits tensors, else None."""
+    return mesh["tp"] if mesh is not None and par.tp > 1 else None
+
+
+def group_of(mesh: Optional[DeviceMesh], par: ParallelSpec, dim: str) -> Optional[dist.ProcessGroup]:
+    """The process group of mesh dimension ``dim`` ("pp" or "dp") when the layout has more than one rank
+    along it, else None."""
+    return mesh[dim].get_group() if mesh is not None and getattr(par, dim) > 1 else None
+
+
+class Materialiser(Protocol):
+    """Gives a parallelized meta-device stage its (local) storage."""
+
+    device: torch.device
+    """Where the stage's tensors live (FSDP2 pins offloaded buffers only for a GPU)."""
+
+    def __call__(self, stage: nn.Module) -> int:
+        """Materialise ``stage`` in place; returns this rank's parameter element count."""
+
+
+@dataclass(frozen=True)
+class Initialise:
+    """A trial's materialiser: the local shards allocated on ``device`` and filled with the deterministic,
+    layout-independent weights of ``seed`` (:func:`hp_tool.trial.weights.materialize`)."""
+
+    device: torch.device
+    seed: int
+    std: float
+
+    def __call__(self, stage: nn.Module) -> int:
+        """Allocate and initialise ``stage``'s local shards; returns their element count."""
+        return materialize(stage, self.device, self.seed, self.std)
+
+
+class FakeMaterialise:
+    """The tracer's materialiser: the local shards as fake tensors on ``device`` (no memory allocated, no
+    values); ``mode`` is the fake tensor mode the trace then runs in."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def __call__(self, stage: nn.Module) -> int:
+        """Give ``stage`` fake local shards; returns their element count."""
+        with self.mode:
+            stage.to_empty(device=self.device)
+            stage.retie()
+            stage.reset_buffers(self.device)
+        # _local_tensor: the shard's size without dispatching an op on the fake tensors
+        return sum((p._local_tensor if isinstance(p, DTensor) else p).numel() for p in stage.parameters())
+
+
+@dataclass
+class RankModel:
+    """A rank's model as built: ``chunks`` (what the pipeline schedule runs: one stage, or v chunks under
+    interleaved 1F1B), ``stage`` (what the optimizer, clipping and memory tracker see: the one stage or
+    ``InterleavedStages``) and ``local_numel``, its parameter elements on this rank."""
+
+    chunks: list[StageModule]
+    stage: nn.Module
+    local_numel: int
+
+
+def build_rank_model(spec: TrialSpec, mesh: Optional[DeviceMesh], pp_rank: int, materialise: Materialiser,
+                     param_dtype: Optional[torch.dtype]) -> RankModel:
+    """Pipeline rank ``pp_rank``'s model of ``spec``: built on meta, parallelized per chunk (TP, then
+    checkpointing of ``act_ckpt_layers / v`` layers, then DP; ``param_dtype`` is FSDP2's compute dtype),
+    then materialised by ``materialise``."""
+    par = spec.parallel
+    chunks = build_rank_stages(spec.model, par.pp, pp_rank, par.virtual_stages)
+    chunk_par = dataclasses.replace(par, act_ckpt_layers=par.act_ckpt_layers // par.virtual_stages)
+    for chunk in chunks:
+        parallelize_stage(chunk, chunk_par, mesh, param_dtype, materialise.device)
+    stage = chunks[0] if len(chunks) == 1 else InterleavedStages(chunks)
+    return RankModel(chunks, stage, materialise(stage))
+
+
+def build_rank_optimizer(spec: TrialSpec, stage: nn.Module, mesh: Optional[DeviceMesh],
+                         device: torch.device) -> torch.optim.Optimizer:
+    """AdamW over ``stage``'s materialised parameters for the spec's ZeRO stage and offload (ZeRO-1 shards
+    its states over the data-parallel group)."""
+    par = spec.parallel
+    return optim.build_optimizer(stage, spec.training, device, par.zero_stage, group_of(mesh, par, "dp"),
+                                 offload=par.offload != "none")
