@@ -105,7 +105,7 @@ def vocab_parallel_parameters(shape: Shape, tp: int, pp: int) -> tuple[float, fl
     vh = shape.vocab_size * shape.hidden_size
     embed = embedding_parameters(shape) - vh + vh / tp
     head = float(head_parameters(shape))
-    if not shape.facts.tied_head:
+    if not shape.tied_head:
         head += vh / tp - vh
     elif pp > 1:
         head += vh / tp

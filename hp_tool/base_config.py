@@ -7,7 +7,8 @@ and the table's starting TP/PP for the whole cluster, on the torch engine with F
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Optional
 
 from hp_tool.architectures import Shape, count_parameters, lr_for, pipeline_problem, shape_for_size
 from hp_tool.config import SIZING_MFU, AppConfig, TrainSettings
@@ -15,11 +16,17 @@ from hp_tool.errors import ConfigError, require
 from hp_tool.estimate.layout import Hardware
 from hp_tool.sizing import days_to_train, format_days, recommend_model_size_b, size_label
 from hp_tool.families import family
+from hp_tool.hf_config import HFModel, load_hf_model
 from hp_tool.tables import lookup
 from hp_tool.contracts.spec import (FullRunSpec, ModelSpec, ParallelSpec, ResourcesSpec, RunSpec, TrainingSpec,
                                 TrialSpec, make_trial_id)
 
 TS = "search_config.train_settings"
+
+# Fine-tuning a published model (model_family finetune): AdamW at 2e-5 with 3% warm-up, then cosine decay,
+# the full fine-tuning recipe of Stanford Alpaca and of Llama 2's and Mistral's chat fine-tunes.
+FINETUNE_LR = 2e-5
+FINETUNE_WARMUP_RATIO = 0.03
 
 
 @dataclass(frozen=True)
@@ -63,8 +70,20 @@ class ModelChoice:
     lr: float
     recommended: bool
     label: str  # for file names: 5b, 126m, ...
+    hf: Optional[HFModel] = None  # fine-tuning: the Hugging Face config the model comes from
+    seq_lengths: tuple[int, ...] = ()  # fine-tuning: the sequence lengths searched (the shape has the longest)
+
+    def at(self, seq: int) -> Shape:
+        """The model's shape at ``seq`` tokens per sequence."""
+        return replace(self.shape, seq_length=seq)
 
     def sentence(self, days: float, cluster: Cluster, ts: TrainSettings) -> str:
+        if self.hf is not None:
+            return (f"Fine-tuning {self.hf.source} ({self.hf.model_type}, {size_label(self.num_parameters).upper()} "
+                    f"parameters, {self.shape.num_layers} layers x {self.shape.hidden_size} hidden) on "
+                    f"{ts.dataset_tokens_in_m:g}M tokens x {ts.epochs:g} epoch(s) at sequence lengths "
+                    f"{list(self.seq_lengths)} with {cluster.gpus} {cluster.gpu_name} GPUs at "
+                    f"{cluster.sizing_tflops_per_gpu:g} TFLOPS each takes about {format_days(days)}.")
         how = "Recommended model size" if self.recommended else "Model size"
         per_stack = " per stack" if self.shape.encoder_decoder else ""
         return (f"{how}: {size_label(self.num_parameters).upper()} parameters ({self.shape.num_layers} layers{per_stack} x "
@@ -76,6 +95,8 @@ def choose_model(app: AppConfig, cluster: Cluster) -> ModelChoice:
     """The model to search for: an explicit shape, the given size, or the size the budget affords."""
     sc = app.search_config
     ts, ov = sc.train_settings, sc.model
+    if sc.finetune:
+        return finetune_model(ts, ov.hf_config)
     facts = family(sc.model_family, "search_config.model_family")
     decoder_seq = (ts.decoder_seq_length or facts.default_decoder_seq) if facts.encoder_decoder else None
     if ov.given:
@@ -102,6 +123,25 @@ def choose_model(app: AppConfig, cluster: Cluster) -> ModelChoice:
     return ModelChoice(shape, size, count_parameters(shape), lr, recommended, size_label(size * 1e9))
 
 
+def finetune_model(ts: TrainSettings, hf_config: str) -> ModelChoice:
+    """The published model a fine-tuning search takes, from its Hugging Face config, at the longest sequence
+    length searched; each length is checked against the model's positions."""
+    hf = load_hf_model(hf_config)
+    seqs = tuple(sorted(set(ts.seq_lengths or [ts.seq_length])))
+    for seq in seqs:
+        hf.check_seq_length(seq, f"{TS}.seq_lengths" if ts.seq_lengths else f"{TS}.seq_length")
+    shape = hf.shape(seqs[-1])
+    n = count_parameters(shape)
+    return ModelChoice(shape, n / 1e9, n, FINETUNE_LR, False, size_label(n), hf, seqs)
+
+
+def run_tokens_b(sc) -> float:
+    """Tokens the full run trains on, billions: a fine-tuning search's data times its epochs, else
+    num_tokens_in_b."""
+    ts = sc.train_settings
+    return ts.dataset_tokens_in_m * ts.epochs / 1e3 if sc.finetune else ts.num_tokens_in_b
+
+
 def _check_shape(shape: Shape) -> None:
     require(shape.kv_channels is not None or shape.hidden_size % shape.num_attention_heads == 0,
             "search_config.model.hidden_size", shape.hidden_size,
@@ -115,28 +155,36 @@ def _gbs_tp_pp(family_name: str, size_b: float) -> tuple[int, int, int]:
     return lookup(family(family_name).gbs_tp_pp, size_b, inclusive=True)
 
 
-def global_batch_size(family_name: str, ts: TrainSettings, size_b: float) -> int:
+def global_batch_size(family_name: str, ts: TrainSettings, size_b: float, seq: Optional[int] = None,
+                      finetune: bool = False) -> int:
     """The family's table GBS for the size at the run's sequence length (GPT-3's and T5's sequences halved
-    for each doubling of the length beyond 2048 and 512; Llama's tokens per batch over the length)."""
+    for each doubling of the length beyond 2048 and 512; Llama's tokens per batch over the length). A
+    fine-tuning search keeps the tokens per step (``TrainSettings.batch_tokens``) at every length ``seq``."""
+    if finetune:
+        return ts.batch_tokens() // (seq or ts.seq_length)
     if ts.global_batch_size is not None:
         return ts.global_batch_size
     return family(family_name).global_batch(_gbs_tp_pp(family_name, size_b)[0], ts.seq_length)
 
 
-def schedule(family_name: str, tokens_b: float, seq: int, gbs: int) -> tuple[int, int, int]:
+def schedule(family_name: str, tokens_b: float, seq: int, gbs: int, finetune: bool = False) -> tuple[int, int, int]:
     """(max_steps, warmup_steps, constant_steps) of the full run at the family's warm-up and constant
-    fractions (NeMo's GPT-3: 0.15% warm-up, 16.6% constant; T5/mT5: 1% warm-up, no constant phase)."""
+    fractions (NeMo's GPT-3: 0.15% warm-up, 16.6% constant; T5/mT5: 1% warm-up, no constant phase);
+    fine-tuning: 3% warm-up, no constant phase."""
     facts = family(family_name)
     max_steps = max(1, int(tokens_b * 1e9 / (seq * gbs)))
+    if finetune:
+        return max_steps, int(FINETUNE_WARMUP_RATIO * max_steps), 0
     return max_steps, int(facts.warmup_ratio * max_steps), int(facts.constant_ratio * max_steps)
 
 
 def base_spec(app: AppConfig, model: ModelChoice, cluster: Cluster) -> TrialSpec:
     """The runnable full-mode training config for the chosen model on the whole cluster."""
-    ts = app.search_config.train_settings
-    s = model.shape
-    gbs = global_batch_size(s.family, ts, model.size_b)
-    max_steps, warmup, constant = schedule(s.family, ts.num_tokens_in_b, ts.seq_length, gbs)
+    sc = app.search_config
+    ts, s = sc.train_settings, model.shape
+    gbs = global_batch_size(s.family, ts, model.size_b, s.seq_length, sc.finetune)
+    tokens_b = run_tokens_b(sc)
+    max_steps, warmup, constant = schedule(s.family, tokens_b, s.seq_length, gbs, sc.finetune)
     _, tp, pp = _gbs_tp_pp(s.family, model.size_b)
     tp, pp = _fit_base_layout(s, tp, pp, cluster.gpus, cluster.hw.gpus_per_node)
     dp = cluster.gpus // (tp * pp)
@@ -145,8 +193,8 @@ def base_spec(app: AppConfig, model: ModelChoice, cluster: Cluster) -> TrialSpec
             f"use a multiple of {dp}, or change num_nodes")
     hw = cluster.hw
     return TrialSpec(
-        trial_id=make_trial_id(s.family, model.label, tp, pp, 1, 0, "torch", 3),
-        model=model_spec(s, model.num_parameters),
+        trial_id=make_trial_id(s.family, model.label, tp, pp, 1, 0, "torch", 3, seq=model_seq(model, s)),
+        model=model_spec(s, model.num_parameters, model.hf),
         parallel=ParallelSpec(tp=tp, pp=pp, dp=dp, mbs=1, act_ckpt_layers=0, engine="torch", zero_stage=3),
         training=TrainingSpec(global_batch_size=gbs, precision=ts.precision, lr=model.lr,
                               min_lr=round(0.1 * model.lr, 10), warmup_steps=warmup,
@@ -157,16 +205,22 @@ def base_spec(app: AppConfig, model: ModelChoice, cluster: Cluster) -> TrialSpec
                                 pcie_bandwidth_gbps=hw.pcie_bandwidth_gbps),
         run=RunSpec(mode="full", max_minutes=ts.max_training_days * 24 * 60, max_steps=max_steps,
                     stable_cv=0.0),
-        full_run=FullRunSpec(cluster.num_nodes, dp, gbs, ts.num_tokens_in_b, max_steps),
+        full_run=FullRunSpec(cluster.num_nodes, dp, gbs, tokens_b, max_steps),
     )
 
 
-def model_spec(s: Shape, num_parameters: int) -> ModelSpec:
-    """The TrialSpec model section of a shape."""
+def model_seq(model: ModelChoice, shape: Shape) -> Optional[int]:
+    """The sequence length a trial id names: a fine-tuning search's (it searches several), else none."""
+    return shape.seq_length if model.hf is not None else None
+
+
+def model_spec(s: Shape, num_parameters: int, hf: Optional[HFModel] = None) -> ModelSpec:
+    """The TrialSpec model section of a shape (with the Hugging Face config it comes from, if any)."""
     return ModelSpec(s.family, s.num_layers, s.hidden_size, s.num_attention_heads, s.num_kv_heads,
                      s.ffn_hidden_size, s.vocab_size, s.seq_length, init_method_std=init_std(s),
                      num_parameters=num_parameters, kv_channels=s.kv_channels,
-                     decoder_seq_length=s.decoder_seq_length)
+                     decoder_seq_length=s.decoder_seq_length, qkv_bias=s.qkv_bias,
+                     tied_embeddings=s.tied_embeddings, hf_config=None if hf is None else dict(hf.config))
 
 
 def init_std(shape: Shape) -> float:
@@ -187,6 +241,5 @@ def _fit_base_layout(s: Shape, tp: int, pp: int, gpus: int, gpn: int) -> tuple[i
 
 
 def days_for(model: ModelChoice, app: AppConfig, cluster: Cluster) -> float:
-    ts = app.search_config.train_settings
-    return days_to_train(app.search_config.model_family, model.size_b, cluster.gpus,
-                         cluster.sizing_tflops_per_gpu, ts.num_tokens_in_b, ndigits=None)
+    return days_to_train(model.shape.family, model.size_b, cluster.gpus, cluster.sizing_tflops_per_gpu,
+                         run_tokens_b(app.search_config), ndigits=None)

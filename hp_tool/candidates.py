@@ -42,6 +42,7 @@ class Candidate:
     trial that stands for it (its nodes, data parallelism and batch)."""
 
     full: Layout  # the full run's layout: its data-parallel replicas and global batch
+    shape: Optional[Shape] = None  # the model at this candidate's sequence length
     status: str = SELECTED
     reason: str = ""
     reason_key: str = ""  # the config key a rejection is about
@@ -259,7 +260,7 @@ def _layout_candidates(shape: Shape, grid: Grid, ts: TrainSettings, cluster: Clu
     """The candidates of one layout over the grid's memory savers (see the module docstring)."""
     def make(stage: int, offload: str) -> Candidate:
         dp = max(1, cluster.gpus // (tp * pp))
-        return Candidate(Layout(tp, pp, dp, mbs, ac, gbs, stage, offload, engine, virtual_stages=vp))
+        return Candidate(Layout(tp, pp, dp, mbs, ac, gbs, stage, offload, engine, virtual_stages=vp), shape)
 
     first = make(*grid.savers[0])
     bad = invalid_reason(shape, first, cluster, grid.mp_range)
@@ -303,7 +304,12 @@ def plan_candidates(shape: Shape, size_b: float, ts: TrainSettings, cluster: Clu
 
 
 def rank_candidates(cands: list[Candidate], limit: int) -> None:
-    """Rank the selected candidates, predicted fastest first; those beyond ``limit`` become over_limit."""
+    """Rank the fitting candidates (selected or over the limit), predicted fastest first; those beyond
+    ``limit`` become over_limit. Candidates of several sequence lengths do the same tokens per step, so
+    their step times compare."""
+    for c in cands:
+        if c.status == OVER_LIMIT:
+            c.status, c.reason, c.reason_key = SELECTED, "", ""
     fitting = [c for c in cands if c.status == SELECTED]
     fitting.sort(key=lambda c: (c.step_time_s, c.memory_gb, c.tp, c.pp, c.virtual_stages, c.mbs, c.act_ckpt_layers,
                                 c.engine, c.zero_stage, c.offload))

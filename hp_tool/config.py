@@ -21,7 +21,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from hp_tool.families import family, family_names
 from hp_tool.errors import ConfigError, require
-from hp_tool.vocab import CLUSTER_TYPES, ENGINES, MEMORY_CHECKS, OFFLOADS, PRECISIONS, STRATEGIES, ZERO_STAGES
+from hp_tool.vocab import CLUSTER_TYPES, ENGINES, FINETUNE, MEMORY_CHECKS, OFFLOADS, PRECISIONS, STRATEGIES, ZERO_STAGES
 
 DEFAULT_SKIP_MARGIN = 0.25  # train_settings.skip_margin; chosen by benchmarks/search_cost.py
 SIZING_MFU = 140 / 312  # tflops_per_gpu default: the MFU of NeMo's 140 TFLOPS on a 312-TFLOPS A100 (45%)
@@ -156,6 +156,7 @@ class ModelOverrides:
     ffn_hidden_size: Optional[int] = None
     kv_channels: Optional[int] = None  # per-head width; null = hidden / heads (T5/mT5: 64)
     context_length: Optional[int] = None  # the model's longest sequence; null = no limit
+    hf_config: Optional[str] = None  # fine-tuning: the model's Hugging Face config (hp_tool/hf_config.py)
 
     def __post_init__(self) -> None:
         _positive(self, "search_config.model", ("num_layers", "hidden_size", "num_attention_heads",
@@ -210,6 +211,11 @@ class TrainSettings:
     act_ckpt_layers: Optional[List[int]] = None  # layers per pipeline stage recomputed
     min_model_parallel_size: Optional[int] = None
     max_model_parallel_size: Optional[int] = None
+    # fine-tuning (model_family finetune): the data is the budget; the answer is hours and dollars per epoch
+    seq_lengths: Optional[List[int]] = None  # tokens per sequence, searched with micro_batch_sizes; null = [seq_length]
+    global_batch_tokens: Optional[int] = None  # tokens per optimizer step at every sequence length; null = GBS x seq
+    dataset_tokens_in_m: Optional[float] = None  # tokens in one epoch of the data, millions
+    epochs: float = 1.0  # passes over the data
 
     def __post_init__(self) -> None:
         p = "search_config.train_settings"
@@ -217,11 +223,11 @@ class TrainSettings:
                             "max_training_days", "limit_search_runs", "output_top_n",
                             "max_steps_per_run", "max_minutes_per_run", "tflops_per_gpu",
                             "num_tokens_in_b", "global_batch_size", "min_model_parallel_size",
-                            "max_model_parallel_size"))
+                            "max_model_parallel_size", "global_batch_tokens", "dataset_tokens_in_m", "epochs"))
         _seq_and_vocab(p, self.seq_length, self.vocab_size)
         _length(f"{p}.decoder_seq_length", self.decoder_seq_length, "decoder length", "128 (or null for 128)")
         _positive_list(self, p, ("tensor_parallel_sizes", "pipeline_parallel_sizes", "virtual_pipeline_sizes",
-                                 "micro_batch_sizes"))
+                                 "micro_batch_sizes", "seq_lengths"))
         _positive_list(self, p, ("act_ckpt_layers",), allow_zero=True)
         require(self.precision in PRECISIONS, f"{p}.precision", self.precision,
                 "unknown precision", "use bf16, fp16 or fp32")
@@ -242,6 +248,14 @@ class TrainSettings:
         lo, hi = self.min_model_parallel_size, self.max_model_parallel_size
         require(lo is None or hi is None or lo <= hi, f"{p}.min_model_parallel_size", lo,
                 f"exceeds max_model_parallel_size={hi}", "make min <= max")
+
+
+    def batch_tokens(self) -> int:
+        """Tokens per optimizer step of a fine-tuning search, the same at every sequence length searched:
+        ``global_batch_tokens``, else ``global_batch_size`` sequences of ``seq_length`` tokens."""
+        if self.global_batch_tokens is not None:
+            return self.global_batch_tokens
+        return (self.global_batch_size or 0) * self.seq_length
 
 
 @dataclass
@@ -276,13 +290,19 @@ class SearchConfig:
     train_settings: TrainSettings = field(default_factory=TrainSettings)
     inference_settings: InferenceSettings = field(default_factory=InferenceSettings)
 
+    @property
+    def finetune(self) -> bool:
+        """A fine-tuning search: the model is model.hf_config's, the budget the data."""
+        return self.model_family == FINETUNE
+
     def __post_init__(self) -> None:
         planned = family_names(planner_only=True)
-        require(self.model_family in planned, "search_config.model_family", self.model_family,
-                "no planner for this family yet", f"use one of {list(planned)}")
+        require(self.model_family in planned + (FINETUNE,), "search_config.model_family", self.model_family,
+                "no planner for this family yet", f"use one of {list(planned) + [FINETUNE]}")
+        self._check_finetune()
         decoder_seq = self.train_settings.decoder_seq_length
         encdec = [n for n in planned if family(n).encoder_decoder]
-        require(decoder_seq is None or family(self.model_family).encoder_decoder,
+        require(decoder_seq is None or (not self.finetune and family(self.model_family).encoder_decoder),
                 "search_config.train_settings.decoder_seq_length", decoder_seq,
                 f"only encoder-decoder families ({encdec}) have a decoder length",
                 f"remove it (null): a {self.model_family} model has one sequence, train_settings.seq_length")
@@ -290,6 +310,39 @@ class SearchConfig:
         require(context is None or seq <= context, "search_config.train_settings.seq_length", seq,
                 f"is above the model's context of {context} tokens (search_config.model.context_length)",
                 f"use a sequence length of at most {context}")
+
+    def _check_finetune(self) -> None:
+        """Keys that belong to one kind of search only, and the fine-tuning batch rule."""
+        ts, m, p = self.train_settings, self.model, "search_config"
+        if not self.finetune:
+            for key, value in (("model.hf_config", m.hf_config), ("train_settings.seq_lengths", ts.seq_lengths),
+                               ("train_settings.global_batch_tokens", ts.global_batch_tokens),
+                               ("train_settings.dataset_tokens_in_m", ts.dataset_tokens_in_m)):
+                require(value is None, f"{p}.{key}", value, f"belongs to fine-tuning searches, not to a "
+                        f"{self.model_family} pretraining search", "remove it (null), or search a finetune/* config")
+            return
+        require(m.hf_config is not None, f"{p}.model.hf_config", m.hf_config,
+                "the fine-tuning search needs the model's Hugging Face config",
+                "set search_config.model.hf_config=<model directory, config.json or hub id>")
+        require(not m.given and m.ffn_hidden_size is None and m.num_kv_heads is None, f"{p}.model", "explicit shape",
+                "a fine-tuned model's shape comes from its Hugging Face config",
+                "remove the shape keys and set search_config.model.hf_config")
+        require(ts.model_size_in_b is None, f"{p}.train_settings.model_size_in_b", ts.model_size_in_b,
+                "the fine-tuned model's size is its config's", "remove it (null)")
+        require(ts.dataset_tokens_in_m is not None, f"{p}.train_settings.dataset_tokens_in_m", None,
+                "a fine-tuning search needs the data's size", "set dataset_tokens_in_m=<tokens per epoch, millions>")
+        tokens = ts.global_batch_tokens
+        require(tokens is not None or ts.global_batch_size is not None, f"{p}.train_settings.global_batch_tokens",
+                None, "a fine-tuning search needs its batch", "set global_batch_tokens (tokens per optimizer step)")
+        require(tokens is None or ts.global_batch_size is None, f"{p}.train_settings.global_batch_size",
+                ts.global_batch_size, f"was given with global_batch_tokens={tokens}",
+                "give one: tokens per step (the same work at every sequence length) or sequences per step")
+        key = "global_batch_tokens" if tokens is not None else "global_batch_size"
+        tokens = ts.batch_tokens()
+        for seq in ts.seq_lengths or [ts.seq_length]:
+            require(tokens % seq == 0, f"{p}.train_settings.{key}", getattr(ts, key),
+                    f"is not a whole number of {seq}-token sequences",
+                    f"use a multiple of every sequence length searched (e.g. {max(ts.seq_lengths or [seq]) * 64})")
 
 
 @dataclass
@@ -314,7 +367,8 @@ class AppConfig:
                 "the formula), or null for traced when trials launch and analytic for dry runs")
         name = self.search_config.model_family
         covered = [n for n in family_names() if family(n).inference]
-        require(not self.run_inference_hp_search or family(name).inference, "run_inference_hp_search",
+        searched = name != FINETUNE and family(name).inference
+        require(not self.run_inference_hp_search or searched, "run_inference_hp_search",
                 self.run_inference_hp_search, f"the inference search covers decoder-only families ({covered}), not {name}",
                 f"set run_inference_hp_search=false (the training search runs for it), or search a config of "
                 f"{' or '.join(covered)}")

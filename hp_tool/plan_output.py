@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from hp_tool.candidates import Candidate
-from hp_tool.cost import cost_columns
+from hp_tool.cost import cost_columns, epoch_columns
 from hp_tool.fsutil import atomic_write_text
 from hp_tool.planner import Plan, candidate_trial_id
 from hp_tool.sizing import SECONDS_PER_DAY
@@ -26,6 +26,8 @@ PLAN_COLUMNS = (
     "predicted_comm_s", "predicted_tokens_per_s_per_gpu",
     "predicted_model_tflops_per_gpu", "predicted_days_to_train", "predicted_full_run_cost_usd",
     "predicted_cost_usd_per_million_tokens", "predicted_rank", "plan_status", "reason",
+    "seq_length", "predicted_mfu", "predicted_tokens_per_hour", "predicted_hours_per_epoch",
+    "predicted_cost_usd_per_epoch",
 )
 
 
@@ -38,13 +40,16 @@ def plan_rows(plan: Plan) -> Iterable[dict[str, Any]]:
     m, full = plan.model, plan.base.full_run
     price, gpus = plan.cluster.gpu_hour_price, plan.cluster.gpus
     specs = {s.trial_id: s for s in plan.specs}  # what each selected trial runs, as its YAML says
+    epoch_tokens = plan.epoch_tokens
     for c in plan.candidates:
         trial_id = candidate_trial_id(m, c)
         spec = specs.get(trial_id)
         days = None if c.step_time_s is None else full.max_steps * c.step_time_s / SECONDS_PER_DAY
-        cost = {}
+        cost, epoch = {}, {}
         if days is not None and price is not None:
             cost = cost_columns(price, gpus, c.tokens_per_s_per_gpu * gpus, days)
+        if c.step_time_s is not None:
+            epoch = epoch_columns(price, gpus, c.tokens_per_s_per_gpu * gpus, epoch_tokens)
         yield {
             "trial_id": trial_id,
             "model_family": m.shape.family, "model_size_b": round(m.num_parameters / 1e9, 6),
@@ -69,7 +74,14 @@ def plan_rows(plan: Plan) -> Iterable[dict[str, Any]]:
             "predicted_cost_usd_per_million_tokens": _round(cost.get("cost_usd_per_million_tokens"), 6),
             "predicted_rank": c.rank,
             "plan_status": c.status, "reason": c.reason,
+            "seq_length": c.shape.seq_length,
+            "predicted_mfu": None if c.model_tflops_per_gpu is None else round(
+                c.model_tflops_per_gpu / plan.cluster.hw.peak_tflops, 4),
+            "predicted_tokens_per_hour": _round(epoch.get("tokens_per_hour"), 0),
+            "predicted_hours_per_epoch": _round(epoch.get("hours_per_epoch"), 4),
+            "predicted_cost_usd_per_epoch": _round(epoch.get("cost_usd_per_epoch"), 2),
         }
+
 
 
 def plan_csv_text(plan: Plan) -> str:
@@ -136,23 +148,40 @@ def _memory_line(plan: Plan) -> str:
             + (f", {untraced} kept the analytic figure (see memory_check in plan.csv)" if untraced else "") + ".")
 
 
+def _money(x: float | None) -> str:
+    return "-" if x is None else f"{x:,.2f}"
+
+
 def render_plan(plan: Plan, max_rows: int = 25) -> str:
     """The plan as text: the sentence, then the selected candidates, predicted fastest first."""
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"Training candidates for {plan.search_name} ({_counts(plan.candidates)})")
-    for col in ("rank", "trial_id", "TP", "PP", "DP", "MBS", "ckpt", "engine", "ZeRO", "offload", "GPU GB",
-                "traced GB", "host GB", "step s", "tok/s/GPU"):
+    finetune = plan.epoch_tokens is not None
+    columns = ["rank", "trial_id", "TP", "PP", "DP", "MBS", "ckpt", "engine", "ZeRO", "offload", "GPU GB",
+               "traced GB", "host GB", "step s", "tok/s/GPU"]
+    if finetune:  # the fine-tuning table: context length x batch per device -> tokens/hour, MFU, cost
+        columns[2:2] = ["seq"]
+        columns += ["MFU", "M tok/h", "$/M tok", "h/epoch", "$/epoch"]
+    for col in columns:
         table.add_column(col, justify="left" if col in ("trial_id", "engine", "offload") else "right")
+    rows = {r["trial_id"]: r for r in plan_rows(plan) if r["plan_status"] == SELECTED}
     for c, spec in zip(sorted((c for c in plan.candidates if c.status == SELECTED), key=lambda c: c.rank),
                        plan.specs[:max_rows]):
-        table.add_row(str(c.rank), spec.trial_id, str(c.tp), str(c.pp), str(c.dp), str(c.mbs),
-                      str(c.act_ckpt_layers), c.engine, str(c.zero_stage), c.offload,
-                      f"{max(c.memory_gb, c.full_memory_gb):.2f}",
-                      "-" if c.traced_memory_gb is None else f"{c.traced_memory_gb:.2f}", f"{c.host_memory_gb:.1f}",
-                      f"{c.step_time_s:.4g}", f"{c.tokens_per_s_per_gpu:,.0f}")
-    console = Console(file=io.StringIO(), width=190, force_terminal=False)
+        cells = [str(c.rank), spec.trial_id, str(c.tp), str(c.pp), str(c.dp), str(c.mbs),
+                 str(c.act_ckpt_layers), c.engine, str(c.zero_stage), c.offload,
+                 f"{max(c.memory_gb, c.full_memory_gb):.2f}",
+                 "-" if c.traced_memory_gb is None else f"{c.traced_memory_gb:.2f}", f"{c.host_memory_gb:.1f}",
+                 f"{c.step_time_s:.4g}", f"{c.tokens_per_s_per_gpu:,.0f}"]
+        if finetune:
+            r = rows[spec.trial_id]
+            cells[2:2] = [str(c.shape.seq_length)]
+            cells += [f"{r['predicted_mfu']:.2f}", f"{r['predicted_tokens_per_hour'] / 1e6:,.3g}",
+                      _money(r["predicted_cost_usd_per_million_tokens"]), f"{r['predicted_hours_per_epoch']:.3g}",
+                      _money(r["predicted_cost_usd_per_epoch"])]
+        table.add_row(*cells)
+    console = Console(file=io.StringIO(), width=240 if finetune else 190, force_terminal=False)
     console.print(plan.sentence, soft_wrap=True)
     console.print(table)
     console.print(funnel_line(plan.candidates), soft_wrap=True)

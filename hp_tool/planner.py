@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from hp_tool.base_config import Cluster, ModelChoice, base_spec, choose_model, days_for, resolve_cluster
+from hp_tool.base_config import (Cluster, ModelChoice, base_spec, choose_model, days_for, global_batch_size, model_seq,
+                                 model_spec, resolve_cluster, schedule)
 from hp_tool.vocab import INVALID, OVER_LIMIT, PRUNED, SELECTED
 from hp_tool.candidates import Candidate, plan_candidates, rank_candidates
 from hp_tool.config import AppConfig
@@ -44,6 +45,7 @@ class Plan:
     candidates: list[Candidate]
     specs: list[TrialSpec]  # selected candidates, predicted fastest first
     tracer: Optional[Callable] = None  # the memory_check.Tracer that checked the candidates (traced mode)
+    epoch_tokens: Optional[float] = None  # fine-tuning: tokens in one pass over the data
 
 
 def make_plan(app: AppConfig, search_name: str, results_dir: Path, tracer: Optional[Callable] = None) -> Plan:
@@ -54,16 +56,22 @@ def make_plan(app: AppConfig, search_name: str, results_dir: Path, tracer: Optio
     model = choose_model(app, cluster)
     days = days_for(model, app, cluster)
     base = base_spec(app, model, cluster)
-    gbs = base.training.global_batch_size
-    candidates = plan_candidates(model.shape, model.size_b, ts, cluster, gbs)
+    candidates = []
+    for seq in model.seq_lengths or (model.shape.seq_length,):  # several for a fine-tuning search
+        shape = model.at(seq)
+        gbs = global_batch_size(shape.family, ts, model.size_b, seq, app.search_config.finetune)
+        candidates += plan_candidates(shape, model.size_b, ts, cluster, gbs)
+    if len(model.seq_lengths) > 1:
+        rank_candidates(candidates, ts.limit_search_runs)
     if tracer is not None:
         check_traced_memory(candidates, lambda c: candidate_spec(base, c, model, app, results_dir), tracer,
                             ts, cluster)
     _require_selection(candidates, ts, cluster)
     selected = sorted((c for c in candidates if c.status == SELECTED), key=lambda c: c.rank)
     specs = [candidate_spec(base, c, model, app, results_dir) for c in selected]
+    epoch_tokens = ts.dataset_tokens_in_m * 1e6 if app.search_config.finetune else None
     return Plan(search_name, results_dir, model, cluster, days, model.sentence(days, cluster, ts), base,
-                candidates, specs, tracer)
+                candidates, specs, tracer, epoch_tokens)
 
 
 def check_traced_memory(candidates: list[Candidate], spec_of: Callable[[Candidate], TrialSpec],
@@ -94,9 +102,6 @@ def check_traced_memory(candidates: list[Candidate], spec_of: Callable[[Candidat
                      f"{hw.memory_overhead_gb:g} GB overhead) > {usable:.4g} GB usable ({hw.gpu_memory_gb:g} GB - "
                      f"{ts.memory_margin:.0%} margin); the analytic estimate was {c.memory_gb:.4g} GB")
             c.rank = None
-    for c in order:
-        if c.status == OVER_LIMIT:
-            c.status, c.reason, c.reason_key = SELECTED, "", ""
     rank_candidates(candidates, limit)
 
 
@@ -126,7 +131,7 @@ def _require_selection(candidates: list[Candidate], ts, cluster: Cluster) -> Non
 
 def candidate_trial_id(model: ModelChoice, c: Candidate) -> str:
     return make_trial_id(model.shape.family, model.label, c.tp, c.pp, c.mbs, c.act_ckpt_layers, c.engine,
-                         c.zero_stage, c.offload, c.virtual_stages)
+                         c.zero_stage, c.offload, c.virtual_stages, model_seq(model, c.shape))
 
 
 def candidate_spec(base: TrialSpec, c: Candidate, model: ModelChoice, app: AppConfig,
@@ -134,17 +139,21 @@ def candidate_spec(base: TrialSpec, c: Candidate, model: ModelChoice, app: AppCo
     """The benchmark TrialSpec of a selected candidate: its layout on the fewest whole nodes."""
     ts = app.search_config.train_settings
     trial_id = candidate_trial_id(model, c)
-    gbs = base.training.global_batch_size
+    gbs, seq = c.full.global_batch_size, c.shape.seq_length
+    tokens_b = base.full_run.num_tokens_in_b
+    max_steps, warmup, constant = schedule(c.shape.family, tokens_b, seq, gbs, model.hf is not None)
     return dataclasses.replace(
         base,
         trial_id=trial_id,
+        model=model_spec(c.shape, model.num_parameters, model.hf),
         parallel=ParallelSpec.of(c.trial_layout(), base.parallel.pipeline_schedule),
-        training=dataclasses.replace(base.training, global_batch_size=c.trial_global_batch_size),
+        training=dataclasses.replace(base.training, global_batch_size=c.trial_global_batch_size,
+                                     warmup_steps=warmup, constant_steps=constant, max_steps=max_steps),
         resources=dataclasses.replace(base.resources, num_nodes=c.trial_nodes,
                                       gpus_per_node=c.trial_gpus_per_node),
         run=RunSpec(mode="benchmark", max_minutes=ts.max_minutes_per_run, max_steps=ts.max_steps_per_run,
                     stable_cv=ts.stable_cv, output_dir=str((results_dir / "training_logs" / trial_id).resolve())),
-        full_run=FullRunSpec(base.full_run.num_nodes, c.dp, gbs, ts.num_tokens_in_b, base.full_run.max_steps),
+        full_run=FullRunSpec(base.full_run.num_nodes, c.dp, gbs, tokens_b, max_steps),
         estimates=EstimatesSpec(round(c.memory_gb, 4), round(c.step_time_s, 6),
                                 round(c.tokens_per_s_per_gpu, 3), round(c.model_tflops_per_gpu, 4),
                                 None if c.traced_memory_gb is None else round(c.traced_memory_gb, 4)),

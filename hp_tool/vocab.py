@@ -15,6 +15,7 @@ ENGINE_CODES = {"torch": "torch", "deepspeed": "ds"}  # how a trial id spells an
 OFFLOAD_CODES = {"none": "noff", "optimizer": "offopt", "optimizer_and_params": "offall"}
 
 # ---- the search ----
+FINETUNE = "finetune"  # search_config.model_family of a fine-tuning search: the model comes from model.hf_config
 STRATEGIES = ("adaptive", "exhaustive")  # adaptive: most promising first, hopeless skipped; exhaustive: all
 MEMORY_CHECKS = ("traced", "analytic")  # how the plan prunes on memory
 CLUSTER_TYPES = ("local", "bcm", "auto")

@@ -12,7 +12,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from omegaconf import OmegaConf
 
@@ -29,8 +29,9 @@ from hp_tool.vocab import DATA_SOURCES, ENGINES, OFFLOADS, PRECISIONS, RUN_MODES
 
 @dataclass
 class ModelSpec:
-    """Shape of the transformer; weights are always random. T5/mT5: num_layers per stack, seq_length the
-    encoder's and decoder_seq_length the decoder's."""
+    """Shape of the transformer; weights are random. T5/mT5: num_layers per stack, seq_length the encoder's
+    and decoder_seq_length the decoder's. A fine-tuned model carries its Hugging Face config (``hf_config``,
+    the config.json's contents), which the trial builds; the shape fields are read from it."""
 
     family: str = "gpt3"  # a registered family (hp_tool/families/)
     num_layers: int = 12
@@ -44,12 +45,15 @@ class ModelSpec:
     num_parameters: int = 0  # total parameter count of the whole model (all stages, unsharded)
     kv_channels: Optional[int] = None  # per-head width; null = hidden_size / num_attention_heads
     decoder_seq_length: Optional[int] = None  # encoder-decoder families only
+    qkv_bias: bool = False  # q, k and v projections carry biases (Qwen2)
+    tied_embeddings: Optional[bool] = None  # the head is the embedding's matrix; null = the family's rule
+    hf_config: Optional[Dict[str, Any]] = None  # a fine-tuned model's config.json (hp_tool/hf_config.py)
 
     def shape(self) -> Shape:
         """The planner's view of this model (for parameter and FLOP counts)."""
         return Shape(self.family, self.num_layers, self.hidden_size, self.num_attention_heads,
                      self.num_kv_heads, self.ffn_hidden_size, self.vocab_size, self.seq_length,
-                     self.kv_channels, self.decoder_seq_length)
+                     self.kv_channels, self.decoder_seq_length, self.qkv_bias, self.tied_embeddings)
 
     def __post_init__(self) -> None:
         facts = family(self.family)  # an unknown family fails here, naming model.family
@@ -71,6 +75,9 @@ class ModelSpec:
         require(self.num_attention_heads % self.num_kv_heads == 0, "model.num_kv_heads",
                 self.num_kv_heads, f"does not divide num_attention_heads={self.num_attention_heads}",
                 "use a divisor of the head count")
+        model_type = (self.hf_config or {}).get("model_type", self.family)
+        require(model_type == self.family, "model.hf_config.model_type", model_type,
+                f"is not the spec's family {self.family!r}", "give the config of a model of this family")
 
 
 # how to mend a spec whose layout breaks a rule (estimate.layout.Layout.problems), by rule
@@ -307,10 +314,13 @@ def dump_spec(spec: TrialSpec, path: str | os.PathLike) -> Path:
 
 
 def make_trial_id(family: str, size_label: str, tp: int, pp: int, mbs: int, act_ckpt_layers: int,
-                  engine: str = "torch", zero_stage: int = 3, offload: str = "none", virtual_stages: int = 1) -> str:
+                  engine: str = "torch", zero_stage: int = 3, offload: str = "none", virtual_stages: int = 1,
+                  seq: Optional[int] = None) -> str:
     """The one place a trial id is built; every file name derives from it. It names every searched
     dimension, e.g. gpt3_5b_tp2_pp1_mbs4_ac0_torch_z3_noff; interleaved layouts add their virtual stages
-    after PP (gpt3_5b_tp1_pp4_vp2_mbs1_ac0_torch_z3_noff)."""
+    after PP (gpt3_5b_tp1_pp4_vp2_mbs1_ac0_torch_z3_noff); a fine-tuning search its sequence length after
+    the size (llama_6.74b_s2048_tp1_pp1_mbs4_ac32_ds_z3_offopt)."""
     vp = f"_vp{virtual_stages}" if virtual_stages > 1 else ""
-    return (f"{family}_{size_label}_tp{tp}_pp{pp}{vp}_mbs{mbs}_ac{act_ckpt_layers}_"
+    s = f"_s{seq}" if seq is not None else ""
+    return (f"{family}_{size_label}{s}_tp{tp}_pp{pp}{vp}_mbs{mbs}_ac{act_ckpt_layers}_"
             f"{layout_suffix(engine, zero_stage, offload)}")

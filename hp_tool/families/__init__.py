@@ -6,15 +6,17 @@
     gpt3.py      GPT-3 (NeMo's sizes, learned positions, tied head)
     llama.py     Llama-style (grouped-query attention, SwiGLU, RMSNorm, RoPE, untied head)
     t5.py        T5 and mT5 (encoder-decoder, NeMo's sizes)
+    mistral.py   Mistral (Llama's layers, sliding window), from a Hugging Face config only
+    qwen2.py     Qwen2 / Qwen2.5 (Llama's layers with q, k, v biases), from a Hugging Face config only
 
 A new family is one file here that builds a ``Family``, one torch file in ``hp_tool/trial/families/`` and
 its YAML presets under ``hp_tool/conf/search_config/``.
 """
 
-from hp_tool.families import gpt3, llama, t5
-from hp_tool.families.registry import Family, family, family_names, register
+from hp_tool.families import gpt3, llama, mistral, qwen2, t5
+from hp_tool.families.registry import Family, family, family_names, hf_model_types, register
 
-for _record in (gpt3.FAMILY, llama.FAMILY, t5.T5, t5.MT5):
+for _record in (gpt3.FAMILY, llama.FAMILY, t5.T5, t5.MT5, mistral.FAMILY, qwen2.FAMILY):
     register(_record)
 
-__all__ = ["Family", "family", "family_names"]
+__all__ = ["Family", "family", "family_names", "hf_model_types"]

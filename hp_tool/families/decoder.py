@@ -10,9 +10,10 @@ def decoder_layer_flops(shape: Shape, encoder: bool = False) -> float:
     q/k/v (k/v at the key/value heads' width), scores and their product with v, the output projection and
     the (gated) MLP. ``encoder`` is unused: a decoder-only model has one stack."""
     h, f, s = shape.hidden_size, shape.ffn_hidden_size, shape.seq_length
-    qkv = 2 * h * (h + 2 * shape.kv_dim)
-    attention = 2 * 2 * s * h  # Q·Kᵀ and scores·V
-    out_proj = 2 * h * h
+    a = shape.attention_dim
+    qkv = 2 * h * (a + 2 * shape.kv_dim)
+    attention = 2 * 2 * s * a  # Q·Kᵀ and scores·V
+    out_proj = 2 * a * h
     mlp = (3 if shape.gated_mlp else 2) * 2 * h * f
     return s * (qkv + attention + out_proj + mlp)
 

@@ -86,9 +86,12 @@ def llama_shape(size_b: float, vocab: int, seq: int, decoder_seq: Optional[int] 
 
 
 def layer_parameters(shape: Shape, encoder: bool = False) -> int:
-    """One layer: q (h·h), k and v (h·kv each), o, three SwiGLU matrices, two RMSNorm weights; no biases."""
-    h, f = shape.hidden_size, shape.ffn_hidden_size
-    return h * (h + 2 * shape.kv_dim) + h * h + 3 * h * f + 2 * h
+    """One layer: q (h·a, a = heads x head dim, h unless the head dim is set apart), k and v (h·kv each),
+    o (a·h), three SwiGLU matrices, two RMSNorm weights; biases on q, k and v only where the model has
+    them (Qwen2: a + 2·kv)."""
+    h, f, a, k = shape.hidden_size, shape.ffn_hidden_size, shape.attention_dim, shape.kv_dim
+    bias = a + 2 * k if shape.qkv_bias else 0
+    return h * (a + 2 * k) + a * h + 3 * h * f + 2 * h + bias
 
 
 def llama_activation_bytes_per_layer(shape: Shape, mbs: int, tp: int = 1, sequence_parallel: bool = False,
@@ -140,7 +143,8 @@ FAMILY = Family(
     init_std=lambda shape: 0.02,  # Meta's and transformers' default
     layer_parameters=layer_parameters,
     embedding_parameters=lambda shape: shape.vocab_size * shape.hidden_size,
-    head_parameters=lambda shape: shape.hidden_size + shape.vocab_size * shape.hidden_size,  # norm + lm_head
+    # final norm + lm_head (none of its own when a Hugging Face config ties it to the embedding)
+    head_parameters=lambda shape: shape.hidden_size + (0 if shape.tied_head else shape.vocab_size * shape.hidden_size),
     layer_forward_flops=decoder_layer_flops,
     activation_bytes=lambda shape, mbs, tp, sp, p, flash, encoder=False: llama_activation_bytes_per_layer(
         shape, mbs, tp, sp, p),
@@ -149,4 +153,7 @@ FAMILY = Family(
     warmup_ratio=0.0015,
     constant_ratio=0.166,
     grid_table=grid_table,
+    # transformers' Llama: attention_bias puts biases on q, k, v and o (hf_config.py refuses it: o's bias
+    # is not modelled), mlp_bias on the MLP (refused too)
+    hf_qkv_bias=lambda config: False,
 )

@@ -10,7 +10,7 @@ lives in ``hp_tool/trial/families/``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from hp_tool.registry import Registry
 from hp_tool.tables import Table
@@ -57,6 +57,9 @@ class Family:
     engines_note: str = ""  # why the others do not
     inference: bool = True  # the inference search covers it
     planner: bool = True  # sized and searched from a budget
+    # a Hugging Face ``model_type`` hp_tool reads (hp_tool/hf_config.py): the transformers config -> whether
+    # q, k and v carry biases; None: not read from a Hugging Face config
+    hf_qkv_bias: Optional[Callable[[Any], bool]] = None
 
 
 _FAMILIES: Registry[Family] = Registry("model family")
@@ -70,6 +73,11 @@ def register(record: Family) -> Family:
 def family_names(planner_only: bool = False) -> tuple[str, ...]:
     """The registered families' names (those the planner sizes, with ``planner_only``)."""
     return tuple(n for n, f in _FAMILIES.items() if f.planner or not planner_only)
+
+
+def hf_model_types() -> tuple[str, ...]:
+    """The Hugging Face ``model_type`` values hp_tool reads (families with ``hf_qkv_bias``)."""
+    return tuple(n for n, f in _FAMILIES.items() if f.hf_qkv_bias is not None)
 
 
 def family(name: str, key: str = "model.family") -> Family:

@@ -28,6 +28,14 @@ class Shape:
     seq_length: int
     kv_channels: Optional[int] = None  # per-head width when it is not hidden / heads (T5: 64)
     decoder_seq_length: Optional[int] = None  # encoder-decoder only: the decoder's (target) length
+    qkv_bias: bool = False  # q, k and v projections carry biases (Qwen2)
+    tied_embeddings: Optional[bool] = None  # the head is the embedding's matrix; None: the family's rule
+
+    @property
+    def tied_head(self) -> bool:
+        """Whether the output projection is the input embedding's matrix (a Hugging Face config's
+        ``tie_word_embeddings``, else the family's rule)."""
+        return self.facts.tied_head if self.tied_embeddings is None else self.tied_embeddings
 
     @cached_property
     def facts(self) -> Family:

@@ -1,0 +1,139 @@
+"""A Hugging Face model as the fine-tuning search's input: its ``config.json`` found, read with
+``transformers.AutoConfig``, checked, and turned into hp_tool's ``Shape``.
+
+``model.hf_config`` names, in this order of lookup:
+  - a local directory holding ``config.json`` (a checkpoint), or a ``config.json`` file;
+  - a config shipped with hp_tool (``hp_tool/hf_configs/<name>/config.json``: the published models'
+    numbers, so the named presets never need a network);
+  - a hub id (``meta-llama/Llama-2-7b-hf``), resolved from the local Hugging Face cache only.
+
+Every shape fact (layers, hidden, heads, kv heads, head dim, FFN, vocabulary, tied embeddings, q/k/v biases,
+RoPE and its scaling) comes from the config. This is the one file planning reads; everything it raises is a
+``ConfigError`` naming ``search_config.model.hf_config`` (or the sequence length), before anything is
+written.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Optional
+
+from hp_tool.errors import ConfigError, require
+from hp_tool.families import family, hf_model_types
+from hp_tool.families.shape import Shape
+
+KEY = "search_config.model.hf_config"
+SHIPPED = Path(__file__).parent / "hf_configs"
+
+
+def shipped_configs() -> list[str]:
+    """Names of the configs shipped with hp_tool (``model.hf_config=<name>``)."""
+    return sorted(p.parent.name for p in SHIPPED.glob("*/config.json"))
+
+
+@dataclass(frozen=True)
+class HFModel:
+    """What hp_tool reads from a Hugging Face config: the raw ``config.json`` (the trial builds exactly this
+    architecture from it) and the shape facts, with transformers' defaults filled in."""
+
+    source: str  # the model.hf_config value
+    path: str  # the config.json read
+    config: dict[str, Any]  # its contents
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: int
+    tied_embeddings: bool
+    qkv_bias: bool
+    max_positions: int  # max_position_embeddings
+    rope_scaling: Optional[dict]  # None: plain RoPE
+
+    def shape(self, seq_length: int) -> Shape:
+        """The model at ``seq_length`` tokens per sequence (kv_channels only where the head dim is not
+        hidden / heads)."""
+        kv_channels = None if self.head_dim * self.num_attention_heads == self.hidden_size else self.head_dim
+        return Shape(self.model_type, self.num_layers, self.hidden_size, self.num_attention_heads,
+                     self.num_kv_heads, self.ffn_hidden_size, self.vocab_size, seq_length, kv_channels,
+                     qkv_bias=self.qkv_bias, tied_embeddings=self.tied_embeddings)
+
+    def check_seq_length(self, seq: int, key: str) -> None:
+        """A sequence above ``max_position_embeddings`` without RoPE scaling is refused: those positions
+        were never trained, so a run there measures a model that does not exist."""
+        require(seq <= self.max_positions or self.rope_scaling is not None, key, seq,
+                f"is above the model's max_position_embeddings={self.max_positions} and its config has no "
+                "rope_scaling (positions beyond it were never trained)",
+                f"use sequence lengths up to {self.max_positions}, or a config with rope_scaling")
+
+
+def config_path(value: str) -> Path:
+    """The ``config.json`` that ``model.hf_config`` names (see the module docstring)."""
+    given = Path(value).expanduser()
+    if given.is_dir():
+        path = given / "config.json"
+        require(path.is_file(), KEY, value, "the directory has no config.json",
+                "give a Hugging Face model directory (save_pretrained writes config.json), or the file itself")
+        return path
+    if given.is_file():
+        return given
+    shipped = SHIPPED / value / "config.json"
+    if shipped.is_file():
+        return shipped
+    if value.count("/") == 1 and not value.startswith((".", "/", "~")):
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(value, "config.json")
+        if isinstance(cached, str):
+            return Path(cached)
+        raise ConfigError(KEY, value, "this hub id is not in the local Hugging Face cache (hp_tool never "
+                          "downloads)", f"download it first: huggingface-cli download {value} config.json "
+                          "(or the whole checkpoint), or give a local directory")
+    raise ConfigError(KEY, value, "no such directory or file, shipped config or hub id",
+                      f"give a local model directory, a config.json, a hub id in the local cache, or one of "
+                      f"{shipped_configs()}")
+
+
+@lru_cache(maxsize=32)
+def load_hf_model(value: str) -> HFModel:
+    """Read and check the config ``model.hf_config`` names."""
+    require(bool(value), KEY, value, "the fine-tuning search needs the model's Hugging Face config",
+            f"set {KEY}=<model directory, config.json or hub id>, or use a named preset ({shipped_configs()})")
+    path = config_path(value)
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(KEY, value, f"{path} is not a readable JSON config ({exc})",
+                          "point at the model's config.json as save_pretrained writes it") from exc
+    supported = list(hf_model_types())
+    require(isinstance(raw, dict) and raw.get("model_type") in supported, KEY, value,
+            f"model_type {raw.get('model_type') if isinstance(raw, dict) else None!r} is not supported",
+            f"use a config of a supported model_type: {supported}")
+    from transformers import AutoConfig
+
+    try:
+        cfg = AutoConfig.for_model(**raw)
+    except (TypeError, ValueError, KeyError) as exc:
+        raise ConfigError(KEY, value, f"transformers cannot read {path}: {exc}",
+                          "check the config.json against the model's published one") from exc
+    for flag in ("attention_bias", "mlp_bias"):
+        require(not (raw["model_type"] == "llama" and raw.get(flag)), KEY, value,
+                f"{flag}=true: biases on a Llama's output projection and MLP are not modelled",
+                "use a config without them (every published Llama has none)")
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    rope = raw.get("rope_scaling")
+    return HFModel(
+        source=value, path=str(path), config=raw, model_type=raw["model_type"],
+        num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, num_attention_heads=heads,
+        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads, head_dim=head_dim,
+        ffn_hidden_size=cfg.intermediate_size, vocab_size=cfg.vocab_size,
+        tied_embeddings=bool(cfg.tie_word_embeddings), qkv_bias=family(raw["model_type"]).hf_qkv_bias(cfg),
+        max_positions=cfg.max_position_embeddings,
+        rope_scaling=rope if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) != "default" else None,
+    )
