@@ -146,7 +146,7 @@ FLOORS = (
                                   "hp_tool.cost", "hp_tool.tables")),
     ("model facts", ("hp_tool.throughput", "hp_tool.families", "hp_tool.architectures", "hp_tool.sizing", "hp_tool.sharding",
                      "hp_tool.layout", "hp_tool.estimate")),
-    ("contracts", ("hp_tool.contracts", "hp_tool.config", "hp_tool.wandb_key")),
+    ("contracts", ("hp_tool.contracts", "hp_tool.config", "hp_tool.wandb_key", "hp_tool.hf_config")),
     ("planning", ("hp_tool.candidates", "hp_tool.planner", "hp_tool.base_config", "hp_tool.calibration",
                   "hp_tool.adaptive", "hp_tool.inference.grid", "hp_tool.plan_output")),
     ("results and launching", ("hp_tool.results", "hp_tool.launch", "hp_tool.inference.report",

@@ -205,7 +205,7 @@ def base_spec(app: AppConfig, model: ModelChoice, cluster: Cluster) -> TrialSpec
                                 pcie_bandwidth_gbps=hw.pcie_bandwidth_gbps),
         run=RunSpec(mode="full", max_minutes=ts.max_training_days * 24 * 60, max_steps=max_steps,
                     stable_cv=0.0),
-        full_run=FullRunSpec(cluster.num_nodes, dp, gbs, tokens_b, max_steps),
+        full_run=FullRunSpec(cluster.num_nodes, dp, gbs, tokens_b, max_steps, ts.epochs if sc.finetune else None),
     )
 
 

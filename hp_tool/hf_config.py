@@ -121,10 +121,10 @@ def load_hf_model(value: str) -> HFModel:
     except (TypeError, ValueError, KeyError) as exc:
         raise ConfigError(KEY, value, f"transformers cannot read {path}: {exc}",
                           "check the config.json against the model's published one") from exc
-    for flag in ("attention_bias", "mlp_bias"):
-        require(not (raw["model_type"] == "llama" and raw.get(flag)), KEY, value,
-                f"{flag}=true: biases on a Llama's output projection and MLP are not modelled",
-                "use a config without them (every published Llama has none)")
+    facts = family(raw["model_type"])
+    for flag in facts.hf_unmodelled:
+        require(not raw.get(flag), KEY, value, f"{flag}=true describes layers hp_tool does not model for "
+                f"{raw['model_type']}", "use a config without it (the published models of this type have none)")
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     rope = raw.get("rope_scaling")
@@ -133,7 +133,7 @@ def load_hf_model(value: str) -> HFModel:
         num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, num_attention_heads=heads,
         num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads, head_dim=head_dim,
         ffn_hidden_size=cfg.intermediate_size, vocab_size=cfg.vocab_size,
-        tied_embeddings=bool(cfg.tie_word_embeddings), qkv_bias=family(raw["model_type"]).hf_qkv_bias(cfg),
+        tied_embeddings=bool(cfg.tie_word_embeddings), qkv_bias=facts.hf_qkv_bias(cfg),
         max_positions=cfg.max_position_embeddings,
         rope_scaling=rope if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) != "default" else None,
     )

@@ -40,7 +40,7 @@ def plan_rows(plan: Plan) -> Iterable[dict[str, Any]]:
     m, full = plan.model, plan.base.full_run
     price, gpus = plan.cluster.gpu_hour_price, plan.cluster.gpus
     specs = {s.trial_id: s for s in plan.specs}  # what each selected trial runs, as its YAML says
-    epoch_tokens = plan.epoch_tokens
+    epoch_tokens = full.epoch_tokens
     for c in plan.candidates:
         trial_id = candidate_trial_id(m, c)
         spec = specs.get(trial_id)
@@ -56,7 +56,7 @@ def plan_rows(plan: Plan) -> Iterable[dict[str, Any]]:
             "tp": c.tp, "pp": c.pp, "virtual_stages": c.virtual_stages, "dp": c.dp, "mbs": c.mbs,
             "act_ckpt_layers": c.act_ckpt_layers,
             "engine": c.engine, "zero_stage": c.zero_stage, "offload": c.offload,
-            "global_batch_size": full.global_batch_size, "num_nodes": full.num_nodes,
+            "global_batch_size": c.full.global_batch_size, "num_nodes": full.num_nodes,
             "trial_num_nodes": spec.resources.num_nodes if spec else c.trial_nodes or None,
             "trial_dp": spec.parallel.dp if spec else c.trial_dp or None,
             "trial_global_batch_size": spec.training.global_batch_size if spec else None,
@@ -158,7 +158,7 @@ def render_plan(plan: Plan, max_rows: int = 25) -> str:
     from rich.table import Table
 
     table = Table(title=f"Training candidates for {plan.search_name} ({_counts(plan.candidates)})")
-    finetune = plan.epoch_tokens is not None
+    finetune = plan.base.full_run.epoch_tokens is not None
     columns = ["rank", "trial_id", "TP", "PP", "DP", "MBS", "ckpt", "engine", "ZeRO", "offload", "GPU GB",
                "traced GB", "host GB", "step s", "tok/s/GPU"]
     if finetune:  # the fine-tuning table: context length x batch per device -> tokens/hour, MFU, cost

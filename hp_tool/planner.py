@@ -45,7 +45,6 @@ class Plan:
     candidates: list[Candidate]
     specs: list[TrialSpec]  # selected candidates, predicted fastest first
     tracer: Optional[Callable] = None  # the memory_check.Tracer that checked the candidates (traced mode)
-    epoch_tokens: Optional[float] = None  # fine-tuning: tokens in one pass over the data
 
 
 def make_plan(app: AppConfig, search_name: str, results_dir: Path, tracer: Optional[Callable] = None) -> Plan:
@@ -69,9 +68,8 @@ def make_plan(app: AppConfig, search_name: str, results_dir: Path, tracer: Optio
     _require_selection(candidates, ts, cluster)
     selected = sorted((c for c in candidates if c.status == SELECTED), key=lambda c: c.rank)
     specs = [candidate_spec(base, c, model, app, results_dir) for c in selected]
-    epoch_tokens = ts.dataset_tokens_in_m * 1e6 if app.search_config.finetune else None
     return Plan(search_name, results_dir, model, cluster, days, model.sentence(days, cluster, ts), base,
-                candidates, specs, tracer, epoch_tokens)
+                candidates, specs, tracer)
 
 
 def check_traced_memory(candidates: list[Candidate], spec_of: Callable[[Candidate], TrialSpec],
@@ -153,7 +151,7 @@ def candidate_spec(base: TrialSpec, c: Candidate, model: ModelChoice, app: AppCo
                                       gpus_per_node=c.trial_gpus_per_node),
         run=RunSpec(mode="benchmark", max_minutes=ts.max_minutes_per_run, max_steps=ts.max_steps_per_run,
                     stable_cv=ts.stable_cv, output_dir=str((results_dir / "training_logs" / trial_id).resolve())),
-        full_run=FullRunSpec(base.full_run.num_nodes, c.dp, gbs, tokens_b, max_steps),
+        full_run=dataclasses.replace(base.full_run, dp=c.dp, global_batch_size=gbs, max_steps=max_steps),
         estimates=EstimatesSpec(round(c.memory_gb, 4), round(c.step_time_s, 6),
                                 round(c.tokens_per_s_per_gpu, 3), round(c.model_tflops_per_gpu, 4),
                                 None if c.traced_memory_gb is None else round(c.traced_memory_gb, 4)),

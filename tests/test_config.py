@@ -21,10 +21,15 @@ def test_all_gpt3_sizes_are_shipped():
         assert f"gpt3/{size}" in SHIPPED
 
 
+def user_model(name: str) -> list[str]:
+    """finetune/custom takes the user's model on the command line: here the shipped tiny config."""
+    return ["search_config.model.hf_config=tiny"] if name == "finetune/custom" else []
+
+
 @pytest.mark.parametrize("name", SHIPPED)
 @pytest.mark.parametrize("cluster", ["local", "auto", "bcm"])
 def test_every_shipped_config_composes_and_validates(name, cluster):
-    app = load(f"search_config={name}", f"cluster={cluster}", "cluster.partition=batch")
+    app = load(f"search_config={name}", f"cluster={cluster}", "cluster.partition=batch", *user_model(name))
     assert app.search_config.model_family == name.split("/")[0]
     assert app.cluster.type == cluster
 

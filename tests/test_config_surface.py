@@ -82,10 +82,11 @@ def test_faster_gpu_predicts_faster_steps_and_sizing_scales_with_peak(tmp_path):
 
 @pytest.mark.parametrize("name", available_search_configs())
 def test_every_search_config_plans_on_its_default_gpu(tmp_path, name):
-    app, search = load(f"search_config={name}", "cluster=bcm", "cluster.partition=batch")
+    custom = ["search_config.model.hf_config=llama2_7b"] if name == "finetune/custom" else []  # the user's model
+    app, search = load(f"search_config={name}", "cluster=bcm", "cluster.partition=batch", *custom)
     plan = make_plan(app, search, tmp_path)
     assert plan.specs and plan.base.resources.gpu == app.gpu.name
-    own = {"llama/llama2_7b_a10g": "a10g_g5_4xlarge"}  # presets made for one GPU type select it
+    own = {"finetune/llama2_7b_a10g": "a10g_g5_4xlarge"}  # presets made for one GPU type select it
     assert app.gpu.name == own.get(name, "cpu" if name.endswith("tiny") else "a100_80gb")
 
 

@@ -96,7 +96,7 @@ def plan(tmp_path, *overrides):
 
 
 def test_a10g_preset_fits_only_sharded_or_offloaded_layouts_and_says_why_not(tmp_path):
-    p = plan(tmp_path, "search_config=llama/llama2_7b_a10g")
+    p = plan(tmp_path, "search_config=finetune/llama2_7b_a10g")
     selected = [c for c in p.candidates if c.status == SELECTED]
     assert selected and {c.engine for c in selected} <= {"torch", "deepspeed"}
     for c in selected:  # 108 GB of unsharded states on 24 GB cards: only heavy savers fit
@@ -114,7 +114,7 @@ def test_a10g_preset_fits_only_sharded_or_offloaded_layouts_and_says_why_not(tmp
 
 
 def test_host_ram_prunes_offload_with_the_number_and_the_key(tmp_path):
-    p = plan(tmp_path, "search_config=llama/llama2_7b_a10g", "gpu.host_ram_gb=52")
+    p = plan(tmp_path, "search_config=finetune/llama2_7b_a10g", "gpu.host_ram_gb=52")
     host = [c for c in p.candidates if c.reason_key == "gpu.host_ram_gb"]
     assert host and all(c.status == PRUNED and "GB host RAM per node > 49.4 GB usable" in c.reason for c in host)
     assert all(c.host_memory_gb <= 49.4 for c in p.candidates if c.status == SELECTED)
@@ -166,7 +166,7 @@ for cfg, dp in json.load(open(sys.argv[1])):
 def test_ds_config_is_a_plain_deepspeed_config_deepspeed_parses(tmp_path):
     from hp_tool.contracts.ds_config import ds_config
 
-    p = plan(tmp_path, "search_config=llama/llama2_7b_a10g")
+    p = plan(tmp_path, "search_config=finetune/llama2_7b_a10g")
     cases = []
     for spec in p.specs:
         cfg = ds_config(spec)

@@ -236,8 +236,14 @@ class FullRunSpec:
     num_nodes: int = 1
     dp: int = 1
     global_batch_size: int = 8
-    num_tokens_in_b: float = 0.0
+    num_tokens_in_b: float = 0.0  # every epoch's tokens
     max_steps: int = 1
+    epochs: Optional[float] = None  # fine-tuning: passes over the data; None for pretraining
+
+    @property
+    def epoch_tokens(self) -> Optional[float]:
+        """Tokens in one pass over a fine-tuning run's data; None for pretraining."""
+        return None if self.epochs is None else self.num_tokens_in_b * 1e9 / self.epochs
 
 
 @dataclass

@@ -153,7 +153,8 @@ FAMILY = Family(
     warmup_ratio=0.0015,
     constant_ratio=0.166,
     grid_table=grid_table,
-    # transformers' Llama: attention_bias puts biases on q, k, v and o (hf_config.py refuses it: o's bias
-    # is not modelled), mlp_bias on the MLP (refused too)
+    # transformers' Llama: attention_bias puts biases on q, k, v and o, mlp_bias on the MLP; no published
+    # Llama has them, and hp_tool/hf_config.py refuses a config that sets them
     hf_qkv_bias=lambda config: False,
+    hf_unmodelled=("attention_bias", "mlp_bias"),
 )

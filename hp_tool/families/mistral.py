@@ -14,5 +14,6 @@ FAMILY = dataclasses.replace(
     name="mistral",
     description="Mistral: Llama's layers with sliding-window attention (from a Hugging Face config)",
     planner=False,
+    hf_unmodelled=(),
     hf_qkv_bias=lambda config: False,
 )

@@ -13,5 +13,6 @@ FAMILY = dataclasses.replace(
     name="qwen2",
     description="Qwen2 / Qwen2.5: Llama's layers with q, k, v biases (from a Hugging Face config)",
     planner=False,
+    hf_unmodelled=(),
     hf_qkv_bias=lambda config: True,
 )

@@ -60,6 +60,7 @@ class Family:
     # a Hugging Face ``model_type`` hp_tool reads (hp_tool/hf_config.py): the transformers config -> whether
     # q, k and v carry biases; None: not read from a Hugging Face config
     hf_qkv_bias: Optional[Callable[[Any], bool]] = None
+    hf_unmodelled: tuple[str, ...] = ()  # config.json flags that, when true, describe layers hp_tool does not model
 
 
 _FAMILIES: Registry[Family] = Registry("model family")

@@ -22,7 +22,7 @@ from typing import Any, Optional
 import pandas as pd
 
 from hp_tool.calibration import StepPoint, fit_memory_offset, fit_step_factors
-from hp_tool.cost import cost_columns
+from hp_tool.cost import cost_columns, epoch_columns
 from hp_tool.errors import ConfigError
 from hp_tool.estimate.layout import Layout
 from hp_tool.estimate.speed import extrapolate_step_time_s
@@ -42,7 +42,7 @@ SELECTED = "selected"
 STATUS_ORDER = ("ok", "timeout", "oom", "failed", "cancelled", "unschedulable", "skipped", "pruned_after_oom",
                 STALE, NOT_RUN, "over_limit",
                 "pruned", "invalid")
-PLAN_INTS = ("tp", "pp", "virtual_stages", "dp", "mbs", "act_ckpt_layers", "zero_stage", "global_batch_size", "num_nodes",
+PLAN_INTS = ("seq_length", "tp", "pp", "virtual_stages", "dp", "mbs", "act_ckpt_layers", "zero_stage", "global_batch_size", "num_nodes",
              "trial_num_nodes", "trial_dp", "trial_global_batch_size", "predicted_rank")
 PLAN_TEXT = ("trial_id", "model_family", "engine", "offload", "plan_status", "reason", "fingerprint", "memory_check")
 
@@ -62,9 +62,9 @@ TABLE_COLUMNS = (
     "gpu_memory_gb", "peak_memory_pct_of_gpu",
     "days_to_train", "predicted_days_to_train", "full_run_cost_usd", "cost_usd_per_million_tokens",
     "gpu_hour_price_usd", "predicted_rank", "stop_reason", "final_loss", "device", "start_time", "end_time",
-    "fingerprint",
+    "fingerprint", "seq_length", "tokens_per_hour", "hours_per_epoch", "cost_usd_per_epoch",
 )
-INT_COLUMNS = ("rank", "tp", "pp", "virtual_stages", "dp", "mbs", "act_ckpt_layers", "zero_stage", "global_batch_size", "num_nodes",
+INT_COLUMNS = ("seq_length", "rank", "tp", "pp", "virtual_stages", "dp", "mbs", "act_ckpt_layers", "zero_stage", "global_batch_size", "num_nodes",
                "num_gpus", "trial_num_nodes", "trial_dp", "trial_global_batch_size", "trial_world_size", "steps_run",
                "steps_measured", "predicted_rank")
 TEXT_COLUMNS = ("trial_id", "status", "reason", "plan_status", "model_family", "engine", "offload",
@@ -192,24 +192,26 @@ def full_run_columns(row: dict, full: FullRun) -> dict:
               "engine": row.get("engine") or "torch", "virtual_stages": row.get("virtual_stages") or 1}
     trial = Layout(tp, pp, trial_dp, mbs, ckpt, row["trial_global_batch_size"], **savers)
     whole = Layout(tp, pp, dp, mbs, ckpt, gbs, **savers)
-    step_s = extrapolate_step_time_s(measured, full.shape, trial, whole, full.hw,
+    shape = full.shape_at(row.get("seq_length"))  # the trial's sequence length, as plan.csv copies it
+    step_s = extrapolate_step_time_s(measured, shape, trial, whole, full.hw,
                                      row.get("trial_num_nodes") or 1, full.num_nodes)
-    tokens_per_s = throughput(full.shape, gbs, step_s, cols["num_gpus"], full.peak_tflops_per_gpu)["tokens_per_s"]
+    tokens_per_s = throughput(shape, gbs, step_s, cols["num_gpus"], full.peak_tflops_per_gpu)["tokens_per_s"]
     days = full.max_steps * step_s / SECONDS_PER_DAY
     cols.update(full_run_step_time_s=step_s, full_run_tokens_per_s=tokens_per_s,
                 full_run_tokens_per_s_per_gpu=tokens_per_s / cols["num_gpus"], days_to_train=days)
     if row.get("model_tflops_per_gpu") is None:  # derived from metrics.jsonl
-        cols.update(_trial_throughput(trial, measured, full))
+        cols.update(_trial_throughput(trial, measured, full, shape))
     if full.gpu_hour_price is not None:
         cols.update(cost_columns(full.gpu_hour_price, cols["num_gpus"], tokens_per_s, days))
+    cols.update(epoch_columns(full.gpu_hour_price, cols["num_gpus"], tokens_per_s, full.epoch_tokens))
     if row.get("predicted_step_time_s"):
         cols["step_time_error_pct"] = 100 * (step_s / row["predicted_step_time_s"] - 1)
     return cols
 
 
-def _trial_throughput(trial: Layout, step_time_s: float, full: FullRun) -> dict:
+def _trial_throughput(trial: Layout, step_time_s: float, full: FullRun, shape) -> dict:
     """tokens/s and model TFLOPS per GPU and MFU of the trial, by the engine's own definition."""
-    rate = throughput(full.shape, trial.global_batch_size, step_time_s, trial.tp * trial.pp * trial.dp,
+    rate = throughput(shape, trial.global_batch_size, step_time_s, trial.tp * trial.pp * trial.dp,
                       full.peak_tflops_per_gpu)
     return {k: rate[k] for k in ("tokens_per_s_per_gpu", "model_tflops_per_gpu", "mfu")}
 

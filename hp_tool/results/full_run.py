@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -28,6 +28,16 @@ class FullRun:
     @property
     def shape(self) -> Shape:
         return self.base.model.shape()
+
+    def shape_at(self, seq: Optional[int]) -> Shape:
+        """The model at a trial's sequence length (a fine-tuning search searches several; None: the base's)."""
+        shape = self.shape
+        return shape if seq is None or seq == shape.seq_length else replace(shape, seq_length=int(seq))
+
+    @property
+    def epoch_tokens(self) -> Optional[float]:
+        """Tokens in one pass over a fine-tuning run's data; None for pretraining."""
+        return self.base.full_run.epoch_tokens
 
     @property
     def hw(self) -> Hardware:
@@ -70,7 +80,7 @@ def find_base_config(results_dir: Path, trial_ids: tuple[str, ...] = ()) -> Path
     if not found:
         raise ConfigError("results_dir", str(results_dir), f"has no {BASE_PREFIX}<size>.yaml",
                           "run the planner first (python3 main.py search_config=... dry_run=true)")
-    matching = [p for p in found if any(f"_{_label(p)}_tp" in t for t in trial_ids)]
+    matching = [p for p in found if any(f"_{_label(p)}_tp" in t or f"_{_label(p)}_s" in t for t in trial_ids)]
     if len(matching) == 1:
         return matching[0]
     newest = max(matching or found, key=lambda p: p.stat().st_mtime)

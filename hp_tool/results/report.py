@@ -16,7 +16,7 @@ import io
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import pandas as pd
 from rich.console import Console
@@ -45,6 +45,14 @@ SUMMARY_COLUMNS = (
     "peak_memory_gb", "predicted_memory_gb", "peak_memory_pct_of_gpu", "days_to_train",
     "full_run_cost_usd", "cost_usd_per_million_tokens", "status",
 )
+# a fine-tuning search's summary adds the cookbook's columns: context length -> tokens/hour, hours and $ per epoch
+FINETUNE_SUMMARY_COLUMNS = SUMMARY_COLUMNS[:2] + ("seq_length",) + SUMMARY_COLUMNS[2:] + (
+    "tokens_per_hour", "hours_per_epoch", "cost_usd_per_epoch")
+
+
+def summary_columns(full: FullRun) -> tuple[str, ...]:
+    """The summary CSV's columns: the fine-tuning ones when the run is a fine-tuning run."""
+    return SUMMARY_COLUMNS if full.epoch_tokens is None else FINETUNE_SUMMARY_COLUMNS
 
 
 def csv_text(df: pd.DataFrame, columns: tuple[str, ...]) -> str:
@@ -160,17 +168,29 @@ def render_summary(df: pd.DataFrame, top_n: int, full: FullRun, paths: dict[str,
                       f"columns of {paths['all']} and the job logs in training_logs/<trial_id>/.")
         return console.file.getvalue()  # type: ignore[attr-defined]
     table = Table(title=f"Fastest {min(top_n, len(ranked))} of {len(ranked)} on {full.num_nodes} node(s)")
-    headers = ("rank", "trial_id", "TP", "PP", "DP", "MBS", "ckpt", "ZeRO", "step s", "tok/s/GPU", "MFU",
-               "mem GB", "days", "$ / M tok")
+    finetune = full.epoch_tokens is not None
+    headers = ["rank", "trial_id", "TP", "PP", "DP", "MBS", "ckpt", "ZeRO", "step s", "tok/s/GPU", "MFU",
+               "mem GB", "days", "$ / M tok"]
+    if finetune:
+        headers[2:2] = ["seq"]
+        headers += ["M tok/h", "h/epoch", "$/epoch"]
     for h in headers:
         table.add_column(h, justify="left" if h == "trial_id" else "right")
+
+    def cell(x: Any, fmt: str) -> str:
+        return "" if pd.isna(x) else format(x, fmt)
+
     for _, r in ranked.head(top_n).iterrows():
-        per_m = "" if pd.isna(r["cost_usd_per_million_tokens"]) else f"{r['cost_usd_per_million_tokens']:.3g}"
-        mem = "" if pd.isna(r["peak_memory_gb"]) else f"{r['peak_memory_gb']:.2f}"
-        mfu = "" if pd.isna(r["mfu"]) else f"{100 * r['mfu']:.1f}%"
-        table.add_row(str(r["rank"]), r["trial_id"], str(r["tp"]), str(r["pp"]), str(r["dp"]), str(r["mbs"]),
-                      str(r["act_ckpt_layers"]), str(r["zero_stage"]), f"{r[RANK_COLUMN]:.4g}",
-                      f"{r['full_run_tokens_per_s_per_gpu']:,.0f}", mfu, mem, f"{r['days_to_train']:.3g}", per_m)
+        cells = [str(r["rank"]), r["trial_id"], str(r["tp"]), str(r["pp"]), str(r["dp"]), str(r["mbs"]),
+                 str(r["act_ckpt_layers"]), str(r["zero_stage"]), f"{r[RANK_COLUMN]:.4g}",
+                 f"{r['full_run_tokens_per_s_per_gpu']:,.0f}", cell(100 * r["mfu"], ".1f") + ("%" if not pd.isna(r["mfu"]) else ""),
+                 cell(r["peak_memory_gb"], ".2f"), f"{r['days_to_train']:.3g}",
+                 cell(r["cost_usd_per_million_tokens"], ".3g")]
+        if finetune:
+            cells[2:2] = [str(r["seq_length"])]
+            cells += [cell(r["tokens_per_hour"] / 1e6, ",.3g"), cell(r["hours_per_epoch"], ".3g"),
+                      cell(r["cost_usd_per_epoch"], ",.2f")]
+        table.add_row(*cells)
     console.print(table)
     raw, calibrated = ranked["step_time_error_pct"].abs(), ranked["calibrated_step_time_error_pct"].abs()
     if raw.notna().any() and calibrated.notna().any():
@@ -186,7 +206,7 @@ def write_reports(results_dir: Path, df: pd.DataFrame, full: FullRun, top_n: int
     paths = report_paths(results_dir, full)
     ranked = successful(df)
     atomic_write_text(paths["all"], csv_text(df, ALL_TRIALS_COLUMNS))
-    atomic_write_text(paths["summary"], csv_text(ranked.head(top_n), SUMMARY_COLUMNS))
+    atomic_write_text(paths["summary"], csv_text(ranked.head(top_n), summary_columns(full)))
     if ranked.empty:
         for stale in (paths["optimal"], paths["ds_config"]):
             if stale.exists():  # an earlier collection's pick is no longer backed by a success

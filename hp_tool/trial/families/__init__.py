@@ -5,7 +5,10 @@ file; the engine asks ``torch_family(spec.model.family)`` and never compares fam
 
     base.py    the record, ``register``, ``torch_family`` (unknown names fail naming the known ones)
     gpt3.py    GPT-3 as transformers' OPT: learned positions, LayerNorm, GELU MLP with biases, tied head
-    llama.py   Llama: RoPE, RMSNorm, SwiGLU, grouped-query attention, untied head
+    llama.py   Llama: RoPE, RMSNorm, SwiGLU, grouped-query attention, untied head; ``decoder_family`` for
+               models with its module layout
+    mistral.py Mistral (Llama's layout, sliding-window attention), from its Hugging Face config
+    qwen2.py   Qwen2 / Qwen2.5 (Llama's layout, q/k/v biases), from its Hugging Face config
     t5.py      T5 and mT5 (each its own config and model class): encoder and decoder stacks
 """
 

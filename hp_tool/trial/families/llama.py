@@ -1,7 +1,16 @@
 """Llama on the trial engine: transformers' Llama (RoPE, RMSNorm, SwiGLU MLP, grouped-query attention, no
-biases, untied head)."""
+biases, untied head), and ``decoder_family``, which builds the record of any model with Llama's module layout
+(Mistral, Qwen2: ``mistral.py``, ``qwen2.py``).
+
+A fine-tuned model's spec carries its Hugging Face config (``model.hf_config``): the transformers config is
+built from it, so the trial runs exactly the architecture the config describes (RoPE base and scaling, norm
+epsilon, biases, head dim, tied embeddings); the spec's shape fields override the sizes, so the memory tracer
+can build the same model with fewer layers.
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -18,28 +27,42 @@ LAYER_PLAN: dict[str, TPStyle] = {
     "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "self_attn.o_proj": "rowwise", "mlp.down_proj": "rowwise",
 }
 
-
-def config(model: ModelSpec) -> LlamaConfig:
-    """Llama's config for a spec's shape: SDPA attention, no KV cache."""
-    return LlamaConfig(
-        vocab_size=model.vocab_size, hidden_size=model.hidden_size,
-        num_hidden_layers=model.num_layers, num_attention_heads=model.num_attention_heads,
-        num_key_value_heads=model.num_kv_heads, intermediate_size=model.ffn_hidden_size,
-        max_position_embeddings=model.seq_length, rms_norm_eps=1e-5, attention_bias=False,
-        mlp_bias=False, tie_word_embeddings=False, use_cache=False, attn_implementation="sdpa",
-    )
+# config.json keys that describe a checkpoint's file rather than the architecture
+_NOT_ARCHITECTURE = ("model_type", "architectures", "torch_dtype", "dtype", "transformers_version")
 
 
-def cut_stage(model: ModelSpec, full: nn.Module, pp: int, stage: int):
-    """This stage of a ``LlamaForCausalLM`` on meta; RoPE's frequencies are rebuilt after materialising."""
-    body = full.model
-    parts = CausalParts(body.layers, body.embed_tokens, None, body.norm, full.lm_head)
-    return cut_causal_stage(model, full.config, parts, pp, stage, rotary=LlamaRotaryEmbedding)
+def decoder_config(model: ModelSpec, config_class: type) -> Any:
+    """The transformers config for a spec: its Hugging Face config when it has one, else hp_tool's Llama
+    defaults; the spec's sizes on top; SDPA attention, no dropout, no KV cache."""
+    given = {k: v for k, v in (model.hf_config or {}).items() if k not in _NOT_ARCHITECTURE}
+    if not given:
+        given = dict(max_position_embeddings=model.seq_length, rms_norm_eps=1e-5, attention_bias=False,
+                     mlp_bias=False)
+    sizes = dict(vocab_size=model.vocab_size, hidden_size=model.hidden_size, num_hidden_layers=model.num_layers,
+                 num_attention_heads=model.num_attention_heads, num_key_value_heads=model.num_kv_heads,
+                 intermediate_size=model.ffn_hidden_size, tie_word_embeddings=bool(model.tied_embeddings))
+    if model.kv_channels is not None:
+        sizes["head_dim"] = model.kv_channels
+    return config_class(**{**given, **sizes, "use_cache": False, "attention_dropout": 0.0,
+                           "attn_implementation": "sdpa"})
 
 
 def shard_heads(layer: nn.Module, tp: int) -> None:
     """Nothing to do: Llama's attention reshapes with -1 heads, so the split weights set the count."""
 
 
-register(TorchFamily(name="llama", config=config, model_class=LlamaForCausalLM, cut_stage=cut_stage,
-                     layer_plan=lambda layer: LAYER_PLAN, shard_heads=shard_heads, fake_batch=causal_fake_batch))
+def decoder_family(name: str, config_class: type, model_class: type, rotary: type) -> TorchFamily:
+    """The record of a model with Llama's module layout (``model.layers``, ``embed_tokens``, ``norm``,
+    ``lm_head``, the same projections); RoPE's frequencies are rebuilt after materialising."""
+
+    def cut_stage(model: ModelSpec, full: nn.Module, pp: int, stage: int):
+        body = full.model
+        parts = CausalParts(body.layers, body.embed_tokens, None, body.norm, full.lm_head)
+        return cut_causal_stage(model, full.config, parts, pp, stage, rotary=rotary)
+
+    return TorchFamily(name=name, config=lambda model: decoder_config(model, config_class), model_class=model_class,
+                       cut_stage=cut_stage, layer_plan=lambda layer: LAYER_PLAN, shard_heads=shard_heads,
+                       fake_batch=causal_fake_batch)
+
+
+register(decoder_family("llama", LlamaConfig, LlamaForCausalLM, LlamaRotaryEmbedding))

@@ -1,0 +1,185 @@
+"""Fine-tuning a published model: the Hugging Face config as input, the sequence length searched with the
+micro-batch, the per-epoch answer, bad input refused before anything is written, and a real search on CPU."""
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hp_tool.architectures import count_parameters
+from hp_tool.cli import compose
+from hp_tool.config import to_app_config
+from hp_tool.contracts.spec import load_spec
+from hp_tool.errors import ConfigError
+from hp_tool.hf_config import SHIPPED, load_hf_model
+from hp_tool.planner import make_plan
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Published parameter counts (the models' Hugging Face cards / safetensors metadata).
+PUBLISHED = {"llama2_7b": 6_738_415_616, "llama2_13b": 13_015_864_320, "llama2_70b": 68_976_648_192,
+             "llama3_8b": 8_030_261_248, "mistral_7b": 7_241_732_096, "qwen2_5_7b": 7_615_616_512}
+
+
+def transformers_count(config: dict) -> int:
+    """Parameters of transformers' own model for ``config``, built on the meta device (no memory)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_shipped_configs_count_the_published_parameters(name):
+    hf = load_hf_model(name)
+    n = count_parameters(hf.shape(4096))
+    assert n == PUBLISHED[name] == transformers_count(hf.config)
+
+
+def test_shape_facts_come_from_the_config(tmp_path):
+    qwen = load_hf_model("qwen2_5_7b")
+    assert (qwen.model_type, qwen.num_kv_heads, qwen.qkv_bias, qwen.tied_embeddings) == ("qwen2", 4, True, False)
+    # A small Qwen2.5-style model ties its head; a head dim set apart from hidden / heads (as Mistral-Nemo's)
+    config = {"model_type": "qwen2", "hidden_size": 256, "num_hidden_layers": 3, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 96, "intermediate_size": 512, "vocab_size": 1000,
+              "tie_word_embeddings": True, "max_position_embeddings": 2048}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    hf = load_hf_model(str(tmp_path))
+    shape = hf.shape(1024)
+    assert shape.tied_head and shape.qkv_bias and shape.kv_channels == 96 and shape.attention_dim == 384
+    assert count_parameters(shape) == transformers_count(config)
+
+
+def plan(tmp_path, *overrides):
+    cfg, name = compose(list(overrides))
+    return make_plan(to_app_config(cfg), name, tmp_path / name)
+
+
+def test_sequence_lengths_are_searched_at_the_same_tokens_per_step(tmp_path):
+    p = plan(tmp_path, "search_config=finetune/llama2_7b")
+    seqs = {c.shape.seq_length for c in p.candidates}
+    assert seqs == {512, 1024, 2048, 4096}
+    assert {c.full.global_batch_size * c.shape.seq_length for c in p.candidates} == {262144}
+    # every selected trial's YAML runs its own sequence length with the model's Hugging Face config
+    shipped = json.loads((SHIPPED / "llama2_7b" / "config.json").read_text())
+    assert {s.model.seq_length for s in p.specs} >= {512, 1024}
+    for spec in p.specs:
+        assert f"_s{spec.model.seq_length}_" in spec.trial_id and spec.model.hf_config == shipped
+        assert spec.full_run.global_batch_size * spec.model.seq_length == 262144
+        assert spec.full_run.max_steps == int(300e6 / 262144) and spec.full_run.epochs == 3
+    ranks = sorted((c for c in p.candidates if c.rank), key=lambda c: c.rank)
+    assert [c.step_time_s for c in ranks] == sorted(c.step_time_s for c in ranks)
+
+
+def test_the_dry_run_answers_per_epoch(tmp_path):
+    proc = subprocess.run([sys.executable, str(REPO / "main.py"), "search_config=finetune/llama2_7b", "dry_run=true",
+                           f"base_results_dir={tmp_path}", "search_config.train_settings.dataset_tokens_in_m=50"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "Fine-tuning llama2_7b (llama, 6.74B parameters" in proc.stdout and "h/epoch" in proc.stdout
+    rows = list(csv.DictReader(open(tmp_path / "finetune" / "llama2_7b" / "candidate_configs" / "plan.csv")))
+    fitted = [r for r in rows if r["predicted_step_time_s"]]
+    price, gpus = 5.12, 8  # a100_80gb's example price, one node of 8
+    for r in fitted:
+        per_hour = float(r["predicted_tokens_per_s_per_gpu"]) * gpus * 3600
+        assert float(r["predicted_tokens_per_hour"]) == pytest.approx(per_hour, rel=1e-3)
+        hours = 50e6 / per_hour
+        assert float(r["predicted_hours_per_epoch"]) == pytest.approx(hours, rel=1e-3)
+        assert float(r["predicted_cost_usd_per_epoch"]) == pytest.approx(price * gpus * hours, rel=1e-3, abs=0.01)
+        assert 0 < float(r["predicted_mfu"]) < 1
+    base = load_spec(next((tmp_path / "finetune" / "llama2_7b").glob("base_cfg_*.yaml")))
+    assert base.training.lr == pytest.approx(2e-5) and base.full_run.num_tokens_in_b == pytest.approx(0.15)
+
+
+def write_config(folder: Path, **changes) -> Path:
+    config = json.loads((SHIPPED / "tiny" / "config.json").read_text())
+    config.update(changes)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_a_hub_id_resolves_from_the_local_cache_only(tmp_path, monkeypatch):
+    snapshot = tmp_path / "hub" / "models--acme--tiny-llama" / "snapshots" / "abc123"
+    write_config(snapshot)
+    (tmp_path / "hub" / "models--acme--tiny-llama" / "refs").mkdir()
+    (tmp_path / "hub" / "models--acme--tiny-llama" / "refs" / "main").write_text("abc123")
+    code = ("import sys; from hp_tool.hf_config import load_hf_model; from hp_tool.errors import ConfigError\n"
+            "print(load_hf_model('acme/tiny-llama').num_layers)\n"
+            "try: load_hf_model('acme/not-downloaded')\n"
+            "except ConfigError as e: print(e)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
+                         env={**__import__("os").environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stderr
+    first, rest = out.stdout.split("\n", 1)
+    assert first == "4"
+    assert "not in the local Hugging Face cache" in rest and "huggingface-cli download acme/not-downloaded" in rest
+
+
+BAD = [
+    (lambda d: write_config(d, model_type="gpt2"), "search_config.model.hf_config", "is not supported"),
+    (lambda d: d / "missing", "search_config.model.hf_config", "no such directory or file"),
+    (lambda d: (d.mkdir(parents=True), d)[1], "search_config.model.hf_config", "has no config.json"),
+    (lambda d: (d.mkdir(parents=True), (d / "config.json").write_text("{not json"), d)[2],
+     "search_config.model.hf_config", "is not a readable JSON config"),
+    (lambda d: write_config(d, attention_bias=True), "search_config.model.hf_config", "attention_bias=true describes layers"),
+    (lambda d: write_config(d, max_position_embeddings=100), "search_config.train_settings.seq_lengths",
+     "above the model's max_position_embeddings=100"),
+]
+
+
+@pytest.mark.parametrize("make, key, words", BAD)
+def test_bad_model_input_fails_before_anything_is_written(tmp_path, make, key, words):
+    model = make(tmp_path / "model")
+    proc = subprocess.run([sys.executable, str(REPO / "main.py"), "search_config=finetune/custom", "dry_run=true",
+                           f"search_config.model.hf_config={model}", f"base_results_dir={tmp_path / 'res'}",
+                           "search_config.train_settings.seq_lengths=[64,128]"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2 and key in proc.stderr and words in proc.stderr and "Fix:" in proc.stderr
+    assert not (tmp_path / "res").exists()
+
+
+def test_rope_scaling_allows_longer_sequences(tmp_path):
+    model = write_config(tmp_path / "m", max_position_embeddings=100, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    p = plan(tmp_path, "search_config=finetune/custom", f"search_config.model.hf_config={model}",
+             "search_config.train_settings.seq_lengths=[64,128]")
+    assert {s.model.seq_length for s in p.specs} <= {64, 128} and p.specs
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["search_config=finetune/custom"], "search_config.model.hf_config"),
+    (["search_config=gpt3/tiny", "+search_config.model.hf_config=tiny"], "search_config.model.hf_config"),
+    (["search_config=finetune/tiny", "search_config.train_settings.global_batch_tokens=1000"],
+     "search_config.train_settings.global_batch_tokens"),
+    (["search_config=finetune/tiny", "search_config.train_settings.global_batch_size=8"],
+     "search_config.train_settings.global_batch_size"),
+    (["search_config=finetune/tiny", "search_config.model.num_layers=2", "search_config.model.hidden_size=64",
+      "search_config.model.num_attention_heads=4"], "search_config.model"),
+])
+def test_keys_of_the_other_kind_of_search_are_refused(overrides, key):
+    cfg, _ = compose(overrides)
+    with pytest.raises(ConfigError) as err:
+        to_app_config(cfg)
+    assert err.value.key == key
+
+
+def test_tiny_fine_tuning_search_ranks_real_trials_per_epoch(tmp_path):
+    proc = subprocess.run([sys.executable, str(REPO / "main.py"), "search_config=finetune/tiny", "cluster=local",
+                           f"base_results_dir={tmp_path}", "search_config.train_settings.search_strategy=exhaustive",
+                           "search_config.train_settings.limit_search_runs=2",
+                           "search_config.train_settings.max_steps_per_run=6"],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = list(csv.DictReader(open(tmp_path / "finetune" / "tiny" / "final_results" / "final_summary_1nodes.csv")))
+    assert len(rows) == 2 and [r["rank"] for r in rows] == ["1", "2"]
+    for r in rows:
+        assert r["status"] == "ok" and f"_s{r['seq_length']}_" in r["trial_id"]
+        per_hour = float(r["full_run_tokens_per_s_per_gpu"]) * int(r["num_gpus"]) * 3600
+        assert float(r["tokens_per_hour"]) == pytest.approx(per_hour, rel=1e-4)
+        assert float(r["hours_per_epoch"]) == pytest.approx(0.1e6 / per_hour, rel=1e-4)
+        assert int(r["global_batch_size"]) * int(r["seq_length"]) == 1024
