@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from hp_tool.architectures import Shape, count_parameters, lr_for, pipeline_problem, shape_for_size
-from hp_tool.config import SIZING_MFU, AppConfig, TrainSettings
+from hp_tool.config import SIZING_MFU, AppConfig, TrainSettings, training_precision
 from hp_tool.errors import ConfigError, require
 from hp_tool.estimate.layout import Hardware
 from hp_tool.sizing import days_to_train, format_days, recommend_model_size_b, size_label
@@ -46,7 +46,8 @@ class Cluster:
 
 def resolve_cluster(app: AppConfig) -> Cluster:
     ts, gpu = app.search_config.train_settings, app.gpu
-    peak = gpu.peak_tflops_for(ts.precision)
+    precision = training_precision(app)
+    peak = gpu.peak_tflops_for(precision)
     hw = Hardware(
         gpus_per_node=ts.gpus_per_node,
         gpu_memory_gb=gpu.memory_gb,
@@ -54,7 +55,7 @@ def resolve_cluster(app: AppConfig) -> Cluster:
         intra_node_bandwidth_gbps=gpu.intra_node_bandwidth_gbps,
         inter_node_bandwidth_gbps=gpu.inter_node_bandwidth_gbps,
         memory_overhead_gb=gpu.memory_overhead_gb,
-        precision=ts.precision,
+        precision=precision,
         host_ram_gb=gpu.host_ram_gb,
         pcie_bandwidth_gbps=gpu.pcie_bandwidth_gbps,
     )
@@ -196,7 +197,7 @@ def base_spec(app: AppConfig, model: ModelChoice, cluster: Cluster) -> TrialSpec
         trial_id=make_trial_id(s.family, model.label, tp, pp, 1, 0, "torch", 3, seq=model_seq(model, s)),
         model=model_spec(s, model.num_parameters, model.hf),
         parallel=ParallelSpec(tp=tp, pp=pp, dp=dp, mbs=1, act_ckpt_layers=0, engine="torch", zero_stage=3),
-        training=TrainingSpec(global_batch_size=gbs, precision=ts.precision, lr=model.lr,
+        training=TrainingSpec(global_batch_size=gbs, precision=training_precision(app), lr=model.lr,
                               min_lr=round(0.1 * model.lr, 10), warmup_steps=warmup,
                               constant_steps=constant, max_steps=max_steps),
         resources=ResourcesSpec(cluster.num_nodes, hw.gpus_per_node, hw.gpu_memory_gb, hw.peak_tflops,

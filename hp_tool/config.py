@@ -82,7 +82,7 @@ class WandbConfig:
 class PeakTflops:
     """Dense peak per GPU in TFLOPS for each training precision (datasheet figures, without sparsity)."""
 
-    bf16: float = MISSING
+    bf16: Optional[float] = MISSING  # null: the GPU has no bf16 (V100, T4)
     fp16: float = MISSING
     fp32: float = MISSING
 
@@ -111,8 +111,19 @@ class GpuConfig:
                 self.memory_overhead_gb, f"must be at least 0 and below gpu.memory_gb={self.memory_gb}",
                 "measure the framework overhead per GPU, in GB")
 
+    def supports(self, precision: str) -> bool:
+        """Whether this GPU computes in ``precision`` (bf16 | fp16 | fp32): it has a peak for it."""
+        return getattr(self.peak_tflops, precision) is not None
+
+    def default_precision(self) -> str:
+        """The training precision when train_settings.precision is null: bf16 where the GPU has it, else
+        fp16 (with dynamic loss scaling)."""
+        return "bf16" if self.supports("bf16") else "fp16"
+
     def peak_tflops_for(self, precision: str) -> float:
-        """Dense peak TFLOPS per GPU in ``precision`` (bf16 | fp16 | fp32)."""
+        """Dense peak TFLOPS per GPU in ``precision`` (bf16 | fp16 | fp32), one this GPU supports."""
+        require(self.supports(precision), f"gpu.peak_tflops.{precision}", None,
+                f"gpu={self.name} has no {precision}", "use a precision the GPU has (fp16 or fp32)")
         return float(getattr(self.peak_tflops, precision))
 
 
@@ -195,7 +206,7 @@ class TrainSettings:
     seq_length: int = 2048  # T5/mT5: the encoder's length
     decoder_seq_length: Optional[int] = None  # T5/mT5 only: the decoder's length; null = 128
     global_batch_size: Optional[int] = None  # null = table default for the size and seq length
-    precision: str = "bf16"
+    precision: Optional[str] = "bf16"  # bf16 | fp16 | fp32; null = bf16 where the GPU has it, else fp16
     engines: Optional[List[str]] = None  # torch | deepspeed; null = [torch]
     zero_stages: Optional[List[int]] = None  # 0-3; null (or offload null) = one saver per layout (candidates.py)
     offload: Optional[List[str]] = None  # none | optimizer | optimizer_and_params; null = only if nothing else fits
@@ -229,8 +240,8 @@ class TrainSettings:
         _positive_list(self, p, ("tensor_parallel_sizes", "pipeline_parallel_sizes", "virtual_pipeline_sizes",
                                  "micro_batch_sizes", "seq_lengths"))
         _positive_list(self, p, ("act_ckpt_layers",), allow_zero=True)
-        require(self.precision in PRECISIONS, f"{p}.precision", self.precision,
-                "unknown precision", "use bf16, fp16 or fp32")
+        require(self.precision is None or self.precision in PRECISIONS, f"{p}.precision", self.precision,
+                "unknown precision", "use bf16, fp16 or fp32, or null for bf16 where the GPU has it, else fp16")
         _members(self, p, "engines", ENGINES)
         _members(self, p, "zero_stages", ZERO_STAGES)
         _members(self, p, "offload", OFFLOADS)
@@ -372,11 +383,22 @@ class AppConfig:
                 self.run_inference_hp_search, f"the inference search covers decoder-only families ({covered}), not {name}",
                 f"set run_inference_hp_search=false (the training search runs for it), or search a config of "
                 f"{' or '.join(covered)}")
+        precision = self.search_config.train_settings.precision
+        require(precision is None or self.gpu.supports(precision), "search_config.train_settings.precision",
+                precision, f"gpu={self.gpu.name} has no {precision} (gpu.peak_tflops.{precision} is null)",
+                "set search_config.train_settings.precision=fp16 (trained with dynamic loss scaling) or fp32, or null "
+                f"for this GPU's default ({self.gpu.default_precision()})")
         offload = self.search_config.train_settings.offload or []
         asked = [o for o in offload if o != "none"]
         require(not asked or self.gpu.host_ram_gb is not None, "gpu.host_ram_gb", self.gpu.host_ram_gb,
                 f"offload {asked} needs the host RAM per node to plan, and the gpu preset gives none",
                 "set gpu.host_ram_gb=<GB per node>, or search offload=[none]")
+
+
+def training_precision(app: AppConfig) -> str:
+    """The precision the search plans and trains in: search_config.train_settings.precision, or for null
+    the GPU's default (:meth:`GpuConfig.default_precision`: bf16 where it has it, else fp16)."""
+    return app.search_config.train_settings.precision or app.gpu.default_precision()
 
 
 def memory_check_mode(app: AppConfig) -> str:

@@ -19,7 +19,8 @@ from hp_tool.launch.slurm import partition_cpus_per_node
 from hp_tool.planner import make_plan
 
 REPO = Path(__file__).resolve().parent.parent
-GPUS = ("a100_40gb", "a100_80gb", "h100_80gb", "h200", "a10g", "a10g_g5_4xlarge", "l4", "cpu")
+GPUS = ("a100_40gb", "a100_80gb", "h100_80gb", "h200", "a10g", "a10g_g5_4xlarge", "l4", "v100_16gb", "v100_32gb",
+        "t4", "cpu")
 
 
 def main(tmp_path, *args, env=None):
@@ -94,7 +95,9 @@ def test_every_search_config_plans_on_its_default_gpu(tmp_path, name):
 @pytest.mark.parametrize("cluster", ["local", "auto", "bcm"])
 def test_every_gpu_and_cluster_preset_plans(tmp_path, gpu, cluster):
     model = "gpt3/tiny" if gpu == "cpu" else "gpt3/1b"
-    app, search = load(f"search_config={model}", f"gpu={gpu}", f"cluster={cluster}", "cluster.partition=batch")
+    precision = "fp32" if gpu == "cpu" else "null"  # null: bf16, or fp16 on a GPU without bf16
+    app, search = load(f"search_config={model}", f"gpu={gpu}", f"cluster={cluster}", "cluster.partition=batch",
+                       f"search_config.train_settings.precision={precision}")
     assert make_plan(app, search, tmp_path).specs
 
 

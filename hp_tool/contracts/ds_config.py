@@ -3,10 +3,10 @@
 
 The written file is a plain DeepSpeed config (numbers, no "auto"), which ``deepspeed.initialize`` and the
 transformers Trainer (``TrainingArguments(deepspeed=...)`` with matching batch sizes) accept as is: batch
-sizes, gradient accumulation, clipping, precision, the ZeRO stage with its offload, AutoTP, AdamW and a
-warm-up + cosine schedule. hp_tool's own engine passes its optimizer in (``with_optimizer=False``) so the
-learning rate follows the TrialSpec's schedule step by step, including its constant phase, which
-DeepSpeed's WarmupCosineLR lacks.
+sizes, gradient accumulation, clipping, precision (fp16 with dynamic loss scaling), the ZeRO stage with its
+offload, AutoTP, AdamW and a warm-up + cosine schedule. hp_tool's own engine passes its optimizer in
+(``with_optimizer=False``) so the learning rate follows the TrialSpec's schedule step by step, including its
+constant phase, which DeepSpeed's WarmupCosineLR lacks.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ def ds_config(spec: TrialSpec, with_optimizer: bool = True, pin_memory: bool = T
         "gradient_clipping": t.grad_clip,
         "zero_optimization": zero,
         "bf16": {"enabled": t.precision == "bf16"},
-        "fp16": {"enabled": t.precision == "fp16"},
+        # loss_scale 0: DeepSpeed's dynamic loss scaling, which fp16 needs for its narrow range
+        "fp16": {"enabled": True, "loss_scale": 0} if t.precision == "fp16" else {"enabled": False},
         "steps_per_print": max(1, t.max_steps // 100),
         "wall_clock_breakdown": False,
     }

@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 from hp_tool import tracking  # wandb itself is imported only when enabled (tracking._import_wandb)
 from hp_tool.base_config import choose_model, model_spec, resolve_cluster
-from hp_tool.config import AppConfig
+from hp_tool.config import AppConfig, training_precision
 from hp_tool.fingerprint import STALE, stale_reason
 from hp_tool.fsutil import atomic_write_text
 from hp_tool.inference import report
@@ -57,7 +57,8 @@ def plan_inference(app: AppConfig, results_dir: Path) -> InferencePlan:
     cluster = resolve_cluster(app)
     model = choose_model(app, cluster)
     inf, ts = app.search_config.inference_settings, app.search_config.train_settings
-    bytes_per_value = FP32_BYTES if ts.precision == "fp32" else HALF_BYTES
+    precision = training_precision(app)
+    bytes_per_value = FP32_BYTES if precision == "fp32" else HALF_BYTES
     grid = plan_grid(model.shape, model.label, inf, cluster.hw, bytes_per_value)
     spec = dataclasses.replace(model_spec(model.shape, model.num_parameters), vocab_size=inf.vocab_size)
     root = Path(results_dir) / "inference"
@@ -65,7 +66,7 @@ def plan_inference(app: AppConfig, results_dir: Path) -> InferencePlan:
         c.config_id: InferenceJobConfig(
             c.config_id, spec, c.tp, c.pp, c.batch_size, inf.input_seq_len, inf.output_seq_len,
             inf.start_id, inf.end_id, str(root / c.config_id), warmup=WARMUP, repeats=REPEATS,
-            precision=ts.precision, max_minutes=ts.max_minutes_per_run)
+            precision=precision, max_minutes=ts.max_minutes_per_run)
         for c in grid if c.status == "valid"}
     return InferencePlan(grid, configs, root)
 

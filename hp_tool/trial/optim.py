@@ -5,6 +5,11 @@ Fused/foreach kernels need every tensor of one call on the same mesh, so AdamW g
 per (mesh, weight decay) pair. The gradient norm is the norm of the whole model's gradient: DTensor norms
 are reduced over their own mesh (``full_tensor``), replicated ones are counted once, and the squared
 norms of the pipeline stages are summed over the ``pp`` group.
+
+fp16 has too little range for small gradients, so an fp16 trial scales its loss (dynamic loss scaling,
+torch's ``GradScaler`` rule): gradients are unscaled before clipping, a step whose gradients hold an inf
+or NaN on any rank is skipped everywhere and the scale halved; after 2000 clean steps it doubles. bf16
+keeps fp32's range and fp32 is fp32: neither scales.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
@@ -98,9 +104,13 @@ class ShardedAdamW:
     def param_groups(self) -> list[dict]:
         return self.zero.param_groups
 
-    def step(self) -> None:
+    def attach_grads(self) -> None:
+        """Give the local tensors the parameters' (local) gradients, which share their storage."""
         for p in self.params:
             self.local[id(p)].grad = None if p.grad is None else _local(p.grad)
+
+    def step(self) -> None:
+        self.attach_grads()
         self.zero.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -166,10 +176,46 @@ def clip_grad_norm(module: nn.Module, max_norm: float, pp_group: Optional[dist.P
     return total_norm
 
 
-def optimizer_step(optimizer: torch.optim.Optimizer) -> None:
-    """One optimizer step; plain tensors met by DTensors count as replicated."""
+def loss_scaler(device: torch.device, compute_dtype: Optional[torch.dtype]) -> Optional[torch.amp.GradScaler]:
+    """fp16's dynamic loss scaler for a trial computing in ``compute_dtype`` on ``device``; None for bf16
+    and fp32, which need none.
+
+    With a process group it is torch's ``ShardedGradScaler`` over the whole world: it all-reduces the
+    overflow flag, so every data-parallel shard, tensor shard and pipeline stage skips the same steps
+    (FSDP2's DTensor gradients unscale through DTensor's own op, as with the plain ``GradScaler``, which
+    agrees only over each gradient's mesh and so not across pipeline stages)."""
+    if compute_dtype != torch.float16:
+        return None
+    if dist.is_initialized():
+        scaler = ShardedGradScaler(device.type, process_group=dist.group.WORLD)
+    else:
+        scaler = torch.amp.GradScaler(device.type)
+    # The scale is created by the first scale(); a pipeline stage without the loss never calls it, yet
+    # unscales and joins the overflow all-reduce like every rank.
+    scaler.scale(torch.ones((), device=device))
+    return scaler
+
+
+def unscale_grads(optimizer: torch.optim.Optimizer, scaler: Optional[torch.amp.GradScaler]) -> None:
+    """Divide the gradients by the loss scale and note whether any is inf or NaN, before clipping reads
+    them; nothing without a scaler."""
+    if scaler is None:
+        return
+    if isinstance(optimizer, ShardedAdamW):  # its local tensors get their gradients only at step()
+        optimizer.attach_grads()
     with implicit_replication():
-        optimizer.step()
+        scaler.unscale_(optimizer)
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, scaler: Optional[torch.amp.GradScaler] = None) -> None:
+    """One optimizer step; plain tensors met by DTensors count as replicated. With a loss scaler the step
+    is skipped when the gradients overflowed, and the scale is updated (halved after a skip)."""
+    with implicit_replication():
+        if scaler is None:
+            optimizer.step()
+        else:
+            scaler.step(optimizer)
+            scaler.update()
     optimizer.zero_grad(set_to_none=True)
 
 

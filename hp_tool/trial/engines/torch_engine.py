@@ -4,7 +4,9 @@ Build: mesh -> this rank's model through :func:`hp_tool.trial.rank.build_rank_mo
 activation checkpointing, DP per chunk, then the real materialiser: only the local shards, deterministic
 init) -> optimizer -> with PP the pipeline schedule and the tied embedding/head pair. One optimizer step runs
 ``grad_accum_steps`` micro-batches (through the pipeline schedule when PP > 1), syncs tied gradients
-across the first and last stages, clips with the model-wide norm and steps AdamW.
+across the first and last stages, clips with the model-wide norm and steps AdamW. In fp16 on GPU the loss is
+scaled before each backward and the gradients unscaled before clipping; a step whose gradients overflowed
+is skipped (:func:`hp_tool.trial.optim.loss_scaler`).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class TorchEngine:
     tied_group: Optional[dist.ProcessGroup] = None
     local_numel: int = 0  # parameter elements materialised on this rank
     grad_norm: Optional[float] = None  # the last step's whole-model gradient norm before clipping
+    scaler: Optional[torch.amp.GradScaler] = None  # fp16's dynamic loss scaler; None in bf16 and fp32
     measures_tensor_peak: ClassVar[bool] = True  # the engine the pre-launch trace models
 
     @property
@@ -73,10 +76,11 @@ class TorchEngine:
         log.info("rank %d: stage %d holds %d parameter elements", env.rank, pp_rank, model.local_numel)
         optimizer = build_rank_optimizer(spec, model.stage, mesh, device)
         engine = cls(spec, env, device, mesh, model.stage, optimizer, TokenBatches(spec, dp_rank, device),
-                     pp_rank=pp_rank, local_numel=model.local_numel)
+                     pp_rank=pp_rank, local_numel=model.local_numel,
+                     scaler=optim.loss_scaler(device, compute_dtype(spec, device)))
         if par.pp > 1:
             engine.schedule = build_schedule(model.chunks, par, mesh, pp_rank, spec.grad_accum_steps, device,
-                                             make_loss_fn(engine.tp_mesh))
+                                             engine._scaled(make_loss_fn(engine.tp_mesh)))
             if model.stage.tied:
                 engine.tied_group = _tied_group(mesh, par.pp)
                 engine.tied_param = model.stage.embed_tokens.weight if model.stage.is_first \
@@ -88,12 +92,23 @@ class TorchEngine:
         optim.set_lr(self.optimizer, optim.lr_at(step, self.spec.training))
         loss = self._pipeline(step) if self.schedule is not None else self._accumulate(step)
         optim.sync_tied_grads(self.tied_param, self.tied_group)
+        optim.unscale_grads(self.optimizer, self.scaler)
         skip = frozenset({id(self.tied_param)}) if self.tied_param is not None and self.is_last_stage \
             else frozenset()
         norm = optim.clip_grad_norm(self.stage, self.spec.training.grad_clip, self.pp_group, skip, self.device)
-        self.grad_norm = float(norm)
-        optim.optimizer_step(self.optimizer)
+        self.grad_norm = float(norm)  # inf or NaN on a step the loss scaler skips
+        optim.optimizer_step(self.optimizer, self.scaler)
         return loss
+
+    def _scaled(self, compute_loss):
+        """``compute_loss`` multiplied by the loss scale (fp16), for a backward the pipeline schedule runs."""
+        if self.scaler is None:
+            return compute_loss
+        return lambda output, target: self.scaler.scale(compute_loss(output, target))
+
+    def _unscaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """A loss the scaled loss function returned, divided by the loss scale again."""
+        return loss if self.scaler is None else loss / self.scaler.get_scale()
 
     def _autocast(self):
         """The precision's autocast on GPU; a no-op in fp32."""
@@ -114,7 +129,8 @@ class TorchEngine:
             with loss_parallel_context(self.tp_mesh):
                 with self._autocast():
                     loss = compute_loss(self.stage(*inputs), labels)
-                (loss / len(micro)).backward()
+                share = loss / len(micro)
+                (share if self.scaler is None else self.scaler.scale(share)).backward()
             total += loss.detach()
         return total / len(micro)
 
@@ -127,7 +143,7 @@ class TorchEngine:
         kwargs = {"target": labels, "losses": losses} if last else {}
         with loss_parallel_context(self.tp_mesh), self._autocast():
             self.schedule.step(*args, return_outputs=False, **kwargs)
-        return torch.stack(losses).mean().detach() if last else None
+        return self._unscaled(torch.stack(losses).mean().detach()) if last else None
 
 
 def _tied_group(mesh: DeviceMesh, pp: int) -> Optional[dist.ProcessGroup]:
