@@ -48,6 +48,7 @@ class ModelSpec:
     qkv_bias: bool = False  # q, k and v projections carry biases (Qwen2)
     tied_embeddings: Optional[bool] = None  # the head is the embedding's matrix; null = the family's rule
     hf_config: Optional[Dict[str, Any]] = None  # a fine-tuned model's config.json (hp_tool/hf_config.py)
+    checkpoint: Optional[str] = None  # a Hugging Face model directory whose weights the run starts from
 
     def shape(self) -> Shape:
         """The planner's view of this model (for parameter and FLOP counts)."""

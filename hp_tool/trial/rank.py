@@ -26,7 +26,8 @@ from hp_tool.trial import optim
 from hp_tool.trial.models import build_rank_stages
 from hp_tool.trial.parallel import parallelize_stage
 from hp_tool.trial.stage import InterleavedStages, StageModule
-from hp_tool.trial.weights import materialize
+from hp_tool.trial.checkpoint import weight_source
+from hp_tool.trial.weights import Source, materialize
 
 
 def compute_dtype(spec: TrialSpec, device: torch.device) -> Optional[torch.dtype]:
@@ -60,15 +61,22 @@ class Materialiser(Protocol):
 @dataclass(frozen=True)
 class Initialise:
     """A trial's materialiser: the local shards allocated on ``device`` and filled with the deterministic,
-    layout-independent weights of ``seed`` (:func:`hp_tool.trial.weights.materialize`)."""
+    layout-independent weights of ``seed``, or with a checkpoint's (``source``, :mod:`hp_tool.trial.checkpoint`)
+    (:func:`hp_tool.trial.weights.materialize`)."""
 
     device: torch.device
     seed: int
     std: float
+    source: Optional[Source] = None
+
+    @classmethod
+    def of(cls, spec: TrialSpec, device: torch.device) -> "Initialise":
+        """The spec's weights: its checkpoint's when it names one, else its seed's."""
+        return cls(device, spec.training.seed, spec.model.init_method_std, weight_source(spec.model))
 
     def __call__(self, stage: nn.Module) -> int:
-        """Allocate and initialise ``stage``'s local shards; returns their element count."""
-        return materialize(stage, self.device, self.seed, self.std)
+        """Allocate and fill ``stage``'s local shards; returns their element count."""
+        return materialize(stage, self.device, self.seed, self.std, self.source)
 
 
 class FakeMaterialise:

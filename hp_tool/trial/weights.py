@@ -12,6 +12,7 @@ norm weights 1.
 from __future__ import annotations
 
 import zlib
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -36,28 +37,36 @@ def _full_value(name: str, shape: torch.Size, std: float, seed: int,
     return torch.empty(shape, device=device).normal_(0.0, std, generator=generator)
 
 
+Source = Callable[[str, torch.Size], torch.Tensor]  # (canonical name, shape) -> the full tensor
+
+
 @torch.no_grad()
-def init_weights(module: nn.Module, seed: int, std: float, tied: bool) -> int:
-    """Fill every (materialised) parameter of ``module`` in place; returns the local element count."""
+def init_weights(module: nn.Module, seed: int, std: float, tied: bool, source: Optional[Source] = None) -> int:
+    """Fill every (materialised) parameter of ``module`` in place, from ``source`` (a checkpoint,
+    :mod:`hp_tool.trial.checkpoint`) or the seeded initial values; returns the local element count."""
     local_numel = 0
     for raw_name, param in module.named_parameters():
         name = canonical_name(raw_name, tied)
-        if isinstance(param, DTensor):
+        if source is not None:
+            full = source(name, param.shape).to(param.device)
+        else:
             full = _full_value(name, param.shape, std, seed, param.device)
+        if isinstance(param, DTensor):
             shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
             local = param.to_local()
             local.copy_(shard.to_local().to(local.dtype))
         else:
             local = param
-            local.copy_(_full_value(name, param.shape, std, seed, param.device).to(param.dtype))
+            local.copy_(full.to(param.dtype))
         local_numel += local.numel()
     return local_numel
 
 
-def materialize(stage, device: torch.device, seed: int, std: float) -> int:
+def materialize(stage, device: torch.device, seed: int, std: float, source: Optional[Source] = None) -> int:
     """Allocate a meta-device stage's (local shards of) parameters on ``device``, re-tie its head, rebuild
-    its buffers and fill the weights with ``init_weights``; returns the local element count."""
+    its buffers and fill the weights with ``init_weights`` (from ``source`` when given); returns the local
+    element count."""
     stage.to_empty(device=device)
     stage.retie()
     stage.reset_buffers(device)
-    return init_weights(stage, seed, std, stage.tied)
+    return init_weights(stage, seed, std, stage.tied, source)

@@ -27,7 +27,7 @@ from hp_tool.trial.data import TokenBatches
 from hp_tool.trial.dist import DistEnv
 from hp_tool.trial.models import build_stage, loss_fn
 from hp_tool.trial.parallel import apply_activation_checkpointing
-from hp_tool.trial.weights import materialize
+from hp_tool.trial.rank import Initialise
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class DeepSpeedEngine:
         stage = build_stage(spec.model, 1, 0)
         if par.act_ckpt_layers > 0:
             apply_activation_checkpointing(stage, par.act_ckpt_layers)
-        materialize(stage, device, spec.training.seed, spec.model.init_method_std)
+        Initialise.of(spec, device)(stage)
         if par.tp > 1:
             stage = deepspeed.tp_model_init(stage, tp_size=par.tp, dtype=torch.float32 if device.type != "cuda"
                                             else {"bf16": torch.bfloat16, "fp16": torch.float16}.get(

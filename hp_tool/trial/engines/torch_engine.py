@@ -71,7 +71,7 @@ class TorchEngine:
         mesh = build_mesh(par, env, device)
         pp_rank = mesh["pp"].get_local_rank() if mesh is not None else 0
         dp_rank = mesh["dp"].get_local_rank() if mesh is not None else 0
-        model = build_rank_model(spec, mesh, pp_rank, Initialise(device, spec.training.seed, spec.model.init_method_std),
+        model = build_rank_model(spec, mesh, pp_rank, Initialise.of(spec, device),
                                  compute_dtype(spec, device))
         log.info("rank %d: stage %d holds %d parameter elements", env.rank, pp_rank, model.local_numel)
         optimizer = build_rank_optimizer(spec, model.stage, mesh, device)

@@ -47,6 +47,9 @@ class TorchFamily:
     stacks: int = 1
     """Layer stacks a single stage (PP = 1) holds: 1 decoder-only, 2 encoder-decoder. The tracer's unit of
     depth is one layer per stack (``trace.extrapolate.stage_units``)."""
+    hf_key: Optional[Callable[[str], str]] = None
+    """A canonical parameter name -> its key in a Hugging Face checkpoint (``hp_tool.trial.checkpoint``);
+    None: this family loads no checkpoint."""
     stack_starts: Callable[[int], tuple[int, ...]] = lambda pp: (0,)
     """``pp`` -> the first pipeline stage of each stack (T5: the encoder's at 0, the decoder's at PP/2):
     where the layers a stage holds change kind, so the tracer traces those stages."""

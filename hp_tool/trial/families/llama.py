@@ -51,6 +51,12 @@ def shard_heads(layer: nn.Module, tp: int) -> None:
     """Nothing to do: Llama's attention reshapes with -1 heads, so the split weights set the count."""
 
 
+def hf_key(name: str) -> str:
+    """A canonical parameter name's key in a Hugging Face checkpoint of Llama's layout: the body under
+    ``model.``, the head as it is."""
+    return name if name.startswith("lm_head.") else f"model.{name}"
+
+
 def decoder_family(name: str, config_class: type, model_class: type, rotary: type) -> TorchFamily:
     """The record of a model with Llama's module layout (``model.layers``, ``embed_tokens``, ``norm``,
     ``lm_head``, the same projections); RoPE's frequencies are rebuilt after materialising."""
@@ -62,7 +68,7 @@ def decoder_family(name: str, config_class: type, model_class: type, rotary: typ
 
     return TorchFamily(name=name, config=lambda model: decoder_config(model, config_class), model_class=model_class,
                        cut_stage=cut_stage, layer_plan=lambda layer: LAYER_PLAN, shard_heads=shard_heads,
-                       fake_batch=causal_fake_batch)
+                       fake_batch=causal_fake_batch, hf_key=hf_key)
 
 
 register(decoder_family("llama", LlamaConfig, LlamaForCausalLM, LlamaRotaryEmbedding))

@@ -1,0 +1,112 @@
+"""A Hugging Face checkpoint's weights into the trial's model, and the trial's model back out as one.
+
+Loading reads tensors by name from the checkpoint's safetensors files (``model.safetensors``, or the shards
+that ``model.safetensors.index.json`` lists), one whole tensor at a time, and each rank keeps its own shard
+(``hp_tool.trial.weights.init_weights`` with this as the source): meta-device init + per-tensor load, so a
+process holds at most one full tensor of host memory beyond its shards (the largest: the embedding).
+A parameter's layout-independent name (``layers.3.self_attn.q_proj.weight``) maps to the checkpoint's key
+by the family's ``hf_key`` (``hp_tool.trial.families``).
+
+Saving gathers the full state dict (every shard, every pipeline stage) on rank 0, which writes
+``model.safetensors`` and ``config.json`` in the format ``AutoModelForCausalLM.from_pretrained`` loads.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cached_property
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from hp_tool.contracts.spec import ModelSpec
+from hp_tool.errors import ConfigError, require
+from hp_tool.trial.families import torch_family
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+class CheckpointReader:
+    """Lazy, by-name access to a Hugging Face checkpoint's tensors (safetensors only)."""
+
+    def __init__(self, folder: str | Path, key: str = "model.checkpoint"):
+        self.folder = Path(folder).expanduser()
+        self.key = key
+        index, single = self.folder / INDEX, self.folder / SINGLE
+        if index.is_file():
+            self.files = {name: self.folder / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+        elif single.is_file():
+            self.files = {name: single for name in self._keys(single)}
+        else:
+            raise ConfigError(key, str(folder), f"has no {SINGLE} or {INDEX}",
+                              "give a Hugging Face model directory saved with safetensors (save_pretrained)")
+
+    @staticmethod
+    def _keys(path: Path) -> list[str]:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as fh:
+            return list(fh.keys())
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The stored shape of tensor ``name`` (read from the file's header, no data)."""
+        from safetensors import safe_open
+
+        with safe_open(str(self._file(name)), framework="pt") as fh:
+            return tuple(fh.get_slice(name).get_shape())
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """Tensor ``name`` as stored (its own dtype), on the CPU."""
+        from safetensors import safe_open
+
+        with safe_open(str(self._file(name)), framework="pt") as fh:
+            return fh.get_tensor(name)
+
+    def _file(self, name: str) -> Path:
+        require(name in self.files, self.key, str(self.folder), f"has no tensor {name!r}",
+                "give the checkpoint of the model the config describes")
+        return self.files[name]
+
+    @cached_property
+    def names(self) -> set[str]:
+        return set(self.files)
+
+
+def check_checkpoint(model: ModelSpec, folder: str | Path, key: str = "model.checkpoint") -> None:
+    """Every parameter of the model the spec describes is in the checkpoint at its shape; raises a
+    ConfigError naming the first that is missing or differs (a checkpoint of another model)."""
+    from hp_tool.trial.models import build_full_model_on_meta
+
+    reader = CheckpointReader(folder, key)
+    whole = build_full_model_on_meta(model)
+    for name, param in whole.named_parameters():
+        stored = name if name in reader.names else None
+        if stored is None and name == "lm_head.weight" and whole.config.tie_word_embeddings:
+            continue  # tied: the embedding's matrix
+        require(stored is not None, key, str(folder), f"has no tensor {name!r}",
+                "give the checkpoint of the model model.hf_config describes")
+        require(reader.shape(name) == tuple(param.shape), key, str(folder),
+                f"{name} is {list(reader.shape(name))} in the checkpoint but {list(param.shape)} in its config",
+                "give the checkpoint and the config.json of the same model")
+
+
+def weight_source(model: ModelSpec) -> Optional[Callable[[str, torch.Size], torch.Tensor]]:
+    """``(canonical name, shape) -> full fp32 tensor`` from the spec's checkpoint; None without one."""
+    if not model.checkpoint:
+        return None
+    hf_key = torch_family(model.family).hf_key
+    require(hf_key is not None, "model.checkpoint", model.checkpoint,
+            f"loading a checkpoint is not supported for the {model.family} family",
+            "fine-tune a Hugging Face model (search_config=finetune/...), or remove model.checkpoint")
+    reader = CheckpointReader(model.checkpoint)
+
+    def source(name: str, shape: torch.Size) -> torch.Tensor:
+        value = reader.tensor(hf_key(name))
+        require(tuple(value.shape) == tuple(shape), "model.checkpoint", model.checkpoint,
+                f"{hf_key(name)} is {list(value.shape)} in the checkpoint but {list(shape)} in the model",
+                "give the checkpoint and the config.json of the same model")
+        return value.float()
+
+    return source

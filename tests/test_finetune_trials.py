@@ -1,0 +1,99 @@
+"""Trials of a Hugging Face model start from its checkpoint: with the same weights, the trial's first loss is
+transformers' own model's loss on the same batch, in every layout the grid produces (2 CPU processes, gloo;
+GPUs are not here, so every layout runs in fp32)."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hp_tool.contracts.spec import ModelSpec
+from hp_tool.errors import ConfigError
+from trial_helpers import read_metrics, read_result, tiny_spec, torchrun, write_spec
+
+SHAPE = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=176, vocab_size=512, max_position_embeddings=256)
+
+
+def make_checkpoint(folder, model_type: str = "llama", tie: bool = False) -> dict:
+    """A randomly initialised transformers model saved as a Hugging Face checkpoint: matrices 5x
+    transformers' init (so the logits are far from uniform), norm weights and biases perturbed, so a
+    parameter loaded into the wrong place changes the loss."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(7)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, tie_word_embeddings=tie, **SHAPE))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.add_(0.1 * torch.randn_like(p))
+            else:
+                p.mul_(5.0)
+    model.save_pretrained(folder)
+    return json.loads((folder / "config.json").read_text())
+
+
+def spec_for(folder, config: dict, **layout):
+    spec = tiny_spec("llama", max_steps=1, **layout)
+    m = spec.model
+    model = ModelSpec(config["model_type"], m.num_layers, m.hidden_size, m.num_attention_heads, m.num_kv_heads,
+                      m.ffn_hidden_size, m.vocab_size, m.seq_length, qkv_bias=config["model_type"] == "qwen2",
+                      tied_embeddings=config["tie_word_embeddings"], hf_config=config, checkpoint=str(folder))
+    return dataclasses.replace(spec, model=model, trial_id=spec.trial_id.replace("llama", config["model_type"]))
+
+
+def reference_loss(folder, spec) -> float:
+    """transformers' own model, loaded from the checkpoint, on the trial's first global batch."""
+    from transformers import AutoModelForCausalLM
+
+    from hp_tool.trial.data import TokenBatches
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    whole = dataclasses.replace(spec, parallel=dataclasses.replace(spec.parallel, tp=1, pp=1, dp=1, engine="torch",
+                                                                   zero_stage=0, offload="none", virtual_stages=1),
+                                resources=dataclasses.replace(spec.resources, num_nodes=1, gpus_per_node=1))
+    (ids,), labels = TokenBatches(whole, 0, torch.device("cpu")).replica_batch(0)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    return float(F.cross_entropy(logits.flatten(0, 1), labels.flatten()))
+
+
+LAYOUTS = [
+    ("llama", False, dict(dp=2, zero_stage=0)),  # DDP
+    ("llama", False, dict(dp=2, zero_stage=3)),  # FSDP2
+    ("llama", False, dict(dp=2, engine="deepspeed", zero_stage=1)),
+    ("llama", False, dict(dp=2, engine="deepspeed", zero_stage=3)),
+    ("qwen2", False, dict(tp=2, zero_stage=0)),  # TP splits the q/k/v biases with their columns
+    ("qwen2", True, dict(pp=2, zero_stage=0)),  # a tied head on the last stage, apart from the embedding
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type, tie, layout", LAYOUTS)
+def test_first_loss_equals_transformers_on_the_checkpoint(tmp_path, model_type, tie, layout):
+    config = make_checkpoint(tmp_path / "model", model_type, tie)
+    spec = spec_for(tmp_path / "model", config, **layout)
+    proc = torchrun(write_spec(spec, tmp_path), tmp_path / "out", 2)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert read_result(tmp_path / "out")["status"] == "ok"
+    first = read_metrics(tmp_path / "out")[0]["loss"]
+    expected = reference_loss(tmp_path / "model", spec)
+    assert first == pytest.approx(expected, rel=1e-4)
+    assert expected > 6.238 + 0.2  # random labels: sharp logits cost more than ln 512, so these are the checkpoint's
+
+
+def test_a_checkpoint_of_another_model_is_named(tmp_path):
+    from hp_tool.trial.checkpoint import check_checkpoint
+
+    config = make_checkpoint(tmp_path / "model")
+    spec = spec_for(tmp_path / "model", config)
+    check_checkpoint(spec.model, tmp_path / "model")  # the right one passes
+    wider = dataclasses.replace(spec.model, ffn_hidden_size=192, hf_config={**config, "intermediate_size": 192})
+    with pytest.raises(ConfigError) as err:
+        check_checkpoint(wider, tmp_path / "model")
+    assert err.value.key == "model.checkpoint" and "[176, 64] in the checkpoint but [192, 64]" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        check_checkpoint(spec.model, tmp_path)
+    assert "has no model.safetensors" in str(err.value)
