@@ -75,6 +75,7 @@ LAYOUTS = [
 def test_first_loss_equals_transformers_on_the_checkpoint(tmp_path, model_type, tie, layout):
     config = make_checkpoint(tmp_path / "model", model_type, tie)
     spec = spec_for(tmp_path / "model", config, **layout)
+    spec = dataclasses.replace(spec, run=dataclasses.replace(spec.run, save_dir=str(tmp_path / "saved")))
     proc = torchrun(write_spec(spec, tmp_path), tmp_path / "out", 2)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert read_result(tmp_path / "out")["status"] == "ok"
@@ -82,6 +83,22 @@ def test_first_loss_equals_transformers_on_the_checkpoint(tmp_path, model_type, 
     expected = reference_loss(tmp_path / "model", spec)
     assert first == pytest.approx(expected, rel=1e-4)
     assert expected > 6.238 + 0.2  # random labels: sharp logits cost more than ln 512, so these are the checkpoint's
+    assert_saved_after_one_step(tmp_path / "model", tmp_path / "saved")
+
+
+def assert_saved_after_one_step(original, saved):
+    """The run's saved checkpoint loads in transformers with every tensor, each moved by one AdamW step
+    (at most lr = 1e-3 per element, plus weight decay) from the checkpoint it started from."""
+    from transformers import AutoModelForCausalLM
+
+    before = AutoModelForCausalLM.from_pretrained(original, dtype=torch.float32).state_dict()
+    model, info = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    for name, value in after.items():
+        step = (value - before[name]).abs().max().item()
+        assert 0 < step < 2e-3, (name, step)
 
 
 def test_a_checkpoint_of_another_model_is_named(tmp_path):

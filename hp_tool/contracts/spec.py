@@ -218,6 +218,7 @@ class RunSpec:
     stable_cv: float = 0.05  # ... have a coefficient of variation below this (0 disables)
     memory_cap_gb: Optional[float] = None  # CPU only: per-process address-space cap (RLIMIT_AS)
     output_dir: Optional[str] = None  # where metrics.jsonl and result.json go
+    save_dir: Optional[str] = None  # a full run saves a Hugging Face checkpoint of its model here at the end
 
     def __post_init__(self) -> None:
         require(self.mode in RUN_MODES, "run.mode", self.mode, "unknown run mode",

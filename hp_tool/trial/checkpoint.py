@@ -110,3 +110,27 @@ def weight_source(model: ModelSpec) -> Optional[Callable[[str, torch.Size], torc
         return value.float()
 
     return source
+
+
+def save_checkpoint(state: dict[str, torch.Tensor], model: ModelSpec, folder: str | Path) -> Path:
+    """Write ``state`` (canonical names -> full tensors, :meth:`Engine.full_state_dict`) as a Hugging Face
+    checkpoint: ``model.safetensors`` in the dtype the config names (fp32 without one) and ``config.json``.
+    A tied head is the embedding's matrix and is not stored twice."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    hf_key = torch_family(model.family).hf_key
+    require(hf_key is not None and model.hf_config is not None, "run.save_dir", str(folder),
+            f"saving a Hugging Face checkpoint needs a model from a Hugging Face config, not {model.family}",
+            "fine-tune a Hugging Face model (search_config=finetune/...), or remove run.save_dir")
+    config = AutoConfig.for_model(**model.hf_config)
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(
+        str(model.hf_config.get("torch_dtype") or model.hf_config.get("dtype")), torch.float32)
+    tensors = {hf_key(name): t.to(dtype).contiguous() for name, t in sorted(state.items())}
+    if config.tie_word_embeddings:
+        tensors.pop(hf_key("lm_head.weight"), None)
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / SINGLE), metadata={"format": "pt"})
+    config.save_pretrained(out)
+    return out

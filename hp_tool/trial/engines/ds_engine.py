@@ -14,6 +14,7 @@ the learning rate of the TrialSpec's schedule is set on the optimizer's groups b
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import ClassVar, Optional
@@ -27,7 +28,9 @@ from hp_tool.trial.data import TokenBatches
 from hp_tool.trial.dist import DistEnv
 from hp_tool.trial.models import build_stage, loss_fn
 from hp_tool.trial.parallel import apply_activation_checkpointing
+from hp_tool.errors import require
 from hp_tool.trial.rank import Initialise
+from hp_tool.trial.stage import canonical_name
 
 log = logging.getLogger(__name__)
 
@@ -111,3 +114,18 @@ class DeepSpeedEngine:
         norm = ds.get_global_grad_norm()  # None at ZeRO-0, which keeps no norm
         self.grad_norm = None if norm is None else float(norm)
         return total / len(micro)  # under AutoTP every TP rank holds the same loss
+
+    def full_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
+        """Every parameter, whole (ZeRO-3's partitions gathered on every rank), on rank 0."""
+        import deepspeed
+
+        require(self.spec.parallel.tp == 1, "parallel.tp", self.spec.parallel.tp,
+                "saving a model split by DeepSpeed's AutoTP is not supported",
+                "save from a layout without TP (the torch engine saves TP layouts)")
+        params = [p for _, p in self.stage.named_parameters()]
+        gather = (deepspeed.zero.GatheredParameters(params, modifier_rank=None) if self.spec.parallel.zero_stage == 3
+                  else contextlib.nullcontext())
+        with gather:
+            state = {canonical_name(n, self.stage.tied): p.detach().float().cpu().clone()
+                     for n, p in self.stage.named_parameters()}
+        return state if self.env.rank == 0 else None

@@ -19,12 +19,14 @@ from typing import ClassVar, Optional
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from hp_tool.contracts.spec import TrialSpec
 from hp_tool.trial import optim
 from hp_tool.trial.data import TokenBatches
 from hp_tool.trial.dist import DistEnv, build_mesh
 from hp_tool.trial.models import loss_parallel_context, make_loss_fn
+from hp_tool.trial.stage import canonical_name
 from hp_tool.trial.parallel import build_schedule, needs_grad_sync_control, set_grad_sync
 from hp_tool.trial.rank import (Initialise, build_rank_model, build_rank_optimizer, compute_dtype, group_of,
                                 tp_mesh_of)
@@ -144,6 +146,20 @@ class TorchEngine:
         with loss_parallel_context(self.tp_mesh), self._autocast():
             self.schedule.step(*args, return_outputs=False, **kwargs)
         return self._unscaled(torch.stack(losses).mean().detach()) if last else None
+
+    def full_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
+        """Every parameter, unsharded (each DTensor gathered over its mesh), from one rank per pipeline stage
+        (data- and tensor-parallel rank 0) to rank 0."""
+        mine = {}
+        for name, param in self.stage.named_parameters():
+            full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
+            mine[canonical_name(name, self.stage.tied)] = full.float().cpu()
+        if self.mesh is None:
+            return mine
+        keeps = self.mesh["dp"].get_local_rank() == 0 and self.mesh["tp"].get_local_rank() == 0
+        parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(mine if keeps else {}, parts, dst=0)
+        return None if parts is None else {k: v for part in parts for k, v in part.items()}
 
 
 def _tied_group(mesh: DeviceMesh, pp: int) -> Optional[dist.ProcessGroup]:
