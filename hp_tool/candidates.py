@@ -27,7 +27,7 @@ from hp_tool.architectures import Shape, pipeline_problem
 from hp_tool.base_config import TS, Cluster
 from hp_tool.config import TrainSettings
 from hp_tool.estimate.layout import Layout
-from hp_tool.estimate.memory import estimate_memory, host_memory_gb
+from hp_tool.estimate.memory import estimate_memory, host_phases_gb
 from hp_tool.estimate.speed import estimate_step_time
 from hp_tool.tables import ACT_CKPT_STEP, lookup
 from hp_tool.sharding import SAVING_ORDER
@@ -53,6 +53,7 @@ class Candidate:
     memory_gb: Optional[float] = None  # predicted peak per GPU in the trial
     full_memory_gb: Optional[float] = None  # predicted peak per GPU in the full run
     host_memory_gb: Optional[float] = None  # predicted host RAM of the busiest node (trial or full run)
+    rank0_host_memory_gb: Optional[float] = None  # predicted host RAM of rank 0's node saving the full run's model
     traced_memory_gb: Optional[float] = None  # traced peak per GPU in the trial (tensors + overhead)
     memory_check: str = "analytic"  # what the fit was judged on: traced, or analytic (and why not traced)
     step_time_s: Optional[float] = None  # predicted optimizer step of the full run
@@ -226,8 +227,9 @@ def estimate(shape: Shape, c: Candidate, cluster: Cluster, usable_gb: float) -> 
         nodes = counts[min(bisect.bisect_left(counts, True, key=trial_fits), len(counts) - 1)]
     trial = _set_trial(c, hw.gpus_per_node, nodes)
     c.memory_gb = estimate_memory(shape, trial, hw).total_gb
-    c.host_memory_gb = max(host_memory_gb(shape, trial, c.trial_gpus_per_node, gather_checkpoint=False),
-                           host_memory_gb(shape, full, hw.gpus_per_node, gather_checkpoint=True))
+    full_host = host_phases_gb(shape, full, hw.gpus_per_node)
+    c.host_memory_gb = max(host_phases_gb(shape, trial, c.trial_gpus_per_node).node_gb, full_host.node_gb)
+    c.rank0_host_memory_gb = full_host.save_rank0_gb
     split = estimate_step_time(shape, full, hw, cluster.num_nodes)
     step = c.step_time_s = split.total_s
     c.compute_time_s = split.compute_s + split.bubble_s

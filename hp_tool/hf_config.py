@@ -61,7 +61,7 @@ class HFModel:
         kv_channels = None if self.head_dim * self.num_attention_heads == self.hidden_size else self.head_dim
         return Shape(self.model_type, self.num_layers, self.hidden_size, self.num_attention_heads,
                      self.num_kv_heads, self.ffn_hidden_size, self.vocab_size, seq_length, kv_channels,
-                     qkv_bias=self.qkv_bias, tied_embeddings=self.tied_embeddings)
+                     qkv_bias=self.qkv_bias, tied_embeddings=self.tied_embeddings, pretrained=True)
 
     def check_seq_length(self, seq: int, key: str) -> None:
         """A sequence above ``max_position_embeddings`` without RoPE scaling is refused: those positions

@@ -27,7 +27,7 @@ PLAN_COLUMNS = (
     "predicted_model_tflops_per_gpu", "predicted_days_to_train", "predicted_full_run_cost_usd",
     "predicted_cost_usd_per_million_tokens", "predicted_rank", "plan_status", "reason",
     "seq_length", "predicted_mfu", "predicted_tokens_per_hour", "predicted_hours_per_epoch",
-    "predicted_cost_usd_per_epoch",
+    "predicted_cost_usd_per_epoch", "predicted_rank0_host_memory_gb",
 )
 
 
@@ -80,6 +80,7 @@ def plan_rows(plan: Plan) -> Iterable[dict[str, Any]]:
             "predicted_tokens_per_hour": _round(epoch.get("tokens_per_hour"), 0),
             "predicted_hours_per_epoch": _round(epoch.get("hours_per_epoch"), 4),
             "predicted_cost_usd_per_epoch": _round(epoch.get("cost_usd_per_epoch"), 2),
+            "predicted_rank0_host_memory_gb": _round(c.rank0_host_memory_gb, 2),
         }
 
 
@@ -130,6 +131,21 @@ def funnel_line(cands: list[Candidate]) -> str:
             + f"; {estimated} estimated; {gpu} pruned on GPU memory, {host} on host RAM; "
             f"{sum(c.status == OVER_LIMIT for c in cands)} over the run limit; "
             f"{sum(c.status == SELECTED for c in cands)} selected.")
+
+
+def _rank0_line(plan: Plan) -> str:
+    """When saving the model (gathered on rank 0) needs more host RAM than a node has: what rank 0 needs.
+    Such layouts stay selected; the other nodes need only what they train with."""
+    host = plan.cluster.hw.host_ram_gb
+    selected = [c for c in plan.candidates if c.status == SELECTED]
+    short = [c for c in selected if host is not None and c.rank0_host_memory_gb > host]
+    if not short:
+        return ""
+    need = max(c.rank0_host_memory_gb for c in short)
+    return (f"Saving: rank 0 gathers the whole model to write the checkpoint and needs up to {need:.0f} GB of host "
+            f"RAM ({len(short)} of {len(selected)} selected layouts; see predicted_rank0_host_memory_gb), more than "
+            f"the {host:g} GB of gpu.host_ram_gb: run rank 0 on a node with at least {need:.0f} GB, the others on "
+            "nodes of the preset.")
 
 
 def _memory_line(plan: Plan) -> str:
@@ -185,6 +201,9 @@ def render_plan(plan: Plan, max_rows: int = 25) -> str:
     console.print(plan.sentence, soft_wrap=True)
     console.print(table)
     console.print(funnel_line(plan.candidates), soft_wrap=True)
+    save = _rank0_line(plan)
+    if save:
+        console.print(save, soft_wrap=True)
     console.print(_memory_line(plan), soft_wrap=True)
     hidden = len(plan.specs) - max_rows
     if hidden > 0:

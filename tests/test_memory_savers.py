@@ -2,6 +2,7 @@
 computations, host RAM pruning, the small-GPU preset's dry run, bad input, the DeepSpeed config, and a tiny
 search whose grid spans both engines and two stages, end to end."""
 
+import dataclasses
 import csv
 import json
 import os
@@ -18,7 +19,7 @@ from hp_tool.config import to_app_config
 from hp_tool.errors import ConfigError
 from hp_tool.estimate.layout import GB, Hardware, Layout
 from hp_tool.estimate.memory import (CHECKPOINT_GATHER_BYTES, HOST_PROCESS_OVERHEAD_GB, estimate_memory,
-                                     host_memory_gb, stage_parameters)
+                                     host_phases_gb, stage_parameters)
 from hp_tool.estimate.speed import estimate_step_time
 from hp_tool.families.llama import llama_shape
 from hp_tool.planner import make_plan
@@ -64,17 +65,26 @@ def test_offload_moves_states_to_host_ram_by_hand_computed_figures():
     gpu = estimate_memory(SHAPE, lay(3, "optimizer"), HW).model_states_gb
     assert gpu == pytest.approx((4 * psi / 8 + 2 * 2 * layer_parameters(SHAPE)) / GB)
     assert estimate_memory(SHAPE, lay(2, "optimizer"), HW).model_states_gb == pytest.approx((2 * psi + 2 * psi / 8) / GB)
-    # host RAM per node: 8 GPUs x (18 bytes per parameter of the shard + one process) + rank 0's gather 4·M
-    full = host_memory_gb(SHAPE, lay(3, "optimizer_and_params"), 8, gather_checkpoint=True)
+    # host RAM per node: 8 GPUs x (18 bytes per parameter of the shard + one process); rank 0's node adds
+    # the gathered fp32 model 4·M while saving; a pretraining run loads no checkpoint
+    full = host_phases_gb(SHAPE, lay(3, "optimizer_and_params"), 8)
     m = count_parameters(SHAPE)
-    assert full == pytest.approx((8 * (18 * psi / 8) + CHECKPOINT_GATHER_BYTES * m) / GB + 8 * HOST_PROCESS_OVERHEAD_GB)
-    assert host_memory_gb(SHAPE, lay(3, "optimizer"), 8, False) == pytest.approx(
+    assert full.train_gb == pytest.approx(8 * (18 * psi / 8) / GB + 8 * HOST_PROCESS_OVERHEAD_GB) == full.load_gb
+    assert full.save_rank0_gb == pytest.approx(full.train_gb + CHECKPOINT_GATHER_BYTES * m / GB)
+    assert host_phases_gb(SHAPE, lay(3, "optimizer"), 8).node_gb == pytest.approx(
         16 * psi / GB + 8 * HOST_PROCESS_OVERHEAD_GB)
-    torch_offload = host_memory_gb(SHAPE, lay(3, "optimizer_and_params", "torch"), 8, False)
+    torch_offload = host_phases_gb(SHAPE, lay(3, "optimizer_and_params", "torch"), 8).node_gb
     assert torch_offload == pytest.approx(16 * psi / GB + 8 * HOST_PROCESS_OVERHEAD_GB)
     # REFERENCE §5 check value: 70B, 8-way, 8 GPUs per machine -> 18·M/N·K = 1.26 TB
     assert 18 * 70e9 / 8 * 8 / 1e12 == pytest.approx(1.26)
-    assert host_memory_gb(SHAPE, lay(3), 8, False) == pytest.approx(8 * HOST_PROCESS_OVERHEAD_GB)
+    assert host_phases_gb(SHAPE, lay(3), 8).node_gb == pytest.approx(8 * HOST_PROCESS_OVERHEAD_GB)
+    # a pretrained model loads tensor by tensor (6 bytes per element of the largest, per process) and
+    # rank 0 gathers it in its 16-bit dtype
+    pre = dataclasses.replace(SHAPE, pretrained=True)
+    phases = host_phases_gb(pre, lay(3), 8)
+    big = max(SHAPE.vocab_size, SHAPE.ffn_hidden_size) * SHAPE.hidden_size
+    assert phases.load_gb == pytest.approx(phases.train_gb + 8 * 6 * big / GB)
+    assert phases.save_rank0_gb == pytest.approx(phases.train_gb + 2 * m / GB)
 
 
 def test_speed_model_charges_stage_3_gathers_and_offload_traffic():

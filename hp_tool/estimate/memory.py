@@ -32,6 +32,11 @@ MODEL_STATE_BYTES = 16  # 2 (16-bit weights) + 2 (16-bit grads) + 12 (fp32 maste
 HOST_OFFLOAD_BYTES = {("deepspeed", "optimizer"): 16, ("deepspeed", "optimizer_and_params"): 18,
                       ("torch", "optimizer_and_params"): 16}
 CHECKPOINT_GATHER_BYTES = 4  # per parameter of the whole model: a full fp32 checkpoint gathered on rank 0
+# a published model is gathered in its 16-bit dtype to be written (hp_tool/trial/checkpoint.py)
+PRETRAINED_GATHER_BYTES = 2
+# Loading a checkpoint (meta-device init, then tensor by tensor): a process holds one full tensor as stored
+# (16-bit) and as the fp32 value its shard is cut from, 2 + 4 bytes per element of the largest tensor.
+LOAD_COPY_BYTES = 6
 HOST_PROCESS_OVERHEAD_GB = 3.0  # host RAM of one training process (torch, CUDA libraries, data); calibrate
 
 
@@ -107,15 +112,37 @@ def stage_parameters(shape: Shape, tp: int, pp: int) -> tuple[float, ...]:
     return tuple(out)
 
 
-def host_memory_gb(shape: Shape, layout: Layout, gpus_on_node: int, gather_checkpoint: bool) -> float:
-    """Host RAM of the busiest node, GB: each GPU's process (HOST_PROCESS_OVERHEAD_GB) with its offloaded
-    shard (HOST_OFFLOAD_BYTES per parameter of it), plus, when ``gather_checkpoint``, a full fp32 copy
-    of the model gathered on rank 0 to save a checkpoint (4·M, REFERENCE §5)."""
+@dataclass(frozen=True)
+class HostPhases:
+    """Host RAM of a node in each phase of a run, GB."""
+
+    load_gb: float  # every node while the checkpoint loads (as train_gb when the run loads none)
+    train_gb: float  # every node while training: the processes and their offloaded shards
+    save_rank0_gb: float  # rank 0's node while it gathers and writes the whole model
+
+    @property
+    def node_gb(self) -> float:
+        """What every node needs: the larger of loading and training."""
+        return max(self.load_gb, self.train_gb)
+
+
+def largest_tensor(shape: Shape) -> int:
+    """Elements of the model's largest single tensor: the vocabulary matrix or an MLP matrix."""
+    return max(shape.vocab_size, shape.ffn_hidden_size) * shape.hidden_size
+
+
+def host_phases_gb(shape: Shape, layout: Layout, gpus_on_node: int) -> HostPhases:
+    """Host RAM per phase of a node with ``gpus_on_node`` processes of ``layout``, GB:
+    train: each process (HOST_PROCESS_OVERHEAD_GB) with its offloaded shard (HOST_OFFLOAD_BYTES per
+    parameter of it); load (a pretrained model, read tensor by tensor): each process also holds one full
+    tensor (LOAD_COPY_BYTES per element of the largest); save on rank 0: the whole model gathered in fp32
+    (4·M, REFERENCE §5), a pretrained model in its 16-bit dtype (2·M)."""
     per_param = HOST_OFFLOAD_BYTES.get((layout.engine, layout.offload), 0)
     shard = max(stage_parameters(shape, layout.tp, layout.pp)) / max(1, layout.dp)
-    per_gpu = per_param * shard + HOST_PROCESS_OVERHEAD_GB * GB
-    gather = CHECKPOINT_GATHER_BYTES * count_parameters(shape) if gather_checkpoint else 0.0
-    return (gpus_on_node * per_gpu + gather) / GB
+    train = gpus_on_node * (per_param * shard + HOST_PROCESS_OVERHEAD_GB * GB)
+    load = train + (gpus_on_node * LOAD_COPY_BYTES * largest_tensor(shape) if shape.pretrained else 0.0)
+    save = train + (PRETRAINED_GATHER_BYTES if shape.pretrained else CHECKPOINT_GATHER_BYTES) * count_parameters(shape)
+    return HostPhases(load / GB, train / GB, save / GB)
 
 
 @dataclass(frozen=True)

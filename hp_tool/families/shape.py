@@ -30,6 +30,7 @@ class Shape:
     decoder_seq_length: Optional[int] = None  # encoder-decoder only: the decoder's (target) length
     qkv_bias: bool = False  # q, k and v projections carry biases (Qwen2)
     tied_embeddings: Optional[bool] = None  # the head is the embedding's matrix; None: the family's rule
+    pretrained: bool = False  # a published model (a Hugging Face config): the run loads and saves its checkpoint
 
     @property
     def tied_head(self) -> bool:

@@ -7,8 +7,9 @@ process holds at most one full tensor of host memory beyond its shards (the larg
 A parameter's layout-independent name (``layers.3.self_attn.q_proj.weight``) maps to the checkpoint's key
 by the family's ``hf_key`` (``hp_tool.trial.families``).
 
-Saving gathers the full state dict (every shard, every pipeline stage) on rank 0, which writes
-``model.safetensors`` and ``config.json`` in the format ``AutoModelForCausalLM.from_pretrained`` loads.
+Saving gathers the full state dict (every shard, every pipeline stage), cast to the config's dtype, on
+rank 0 (2 bytes per parameter of host RAM for a 16-bit model), which writes ``model.safetensors`` and
+``config.json`` in the format ``AutoModelForCausalLM.from_pretrained`` loads.
 """
 
 from __future__ import annotations
@@ -112,10 +113,16 @@ def weight_source(model: ModelSpec) -> Optional[Callable[[str, torch.Size], torc
     return source
 
 
+def save_dtype(model: ModelSpec) -> torch.dtype:
+    """The dtype a fine-tuned model is saved in: its config's (``torch_dtype``), fp32 without one."""
+    named = str((model.hf_config or {}).get("torch_dtype") or (model.hf_config or {}).get("dtype"))
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(named, torch.float32)
+
+
 def save_checkpoint(state: dict[str, torch.Tensor], model: ModelSpec, folder: str | Path) -> Path:
-    """Write ``state`` (canonical names -> full tensors, :meth:`Engine.full_state_dict`) as a Hugging Face
-    checkpoint: ``model.safetensors`` in the dtype the config names (fp32 without one) and ``config.json``.
-    A tied head is the embedding's matrix and is not stored twice."""
+    """Write ``state`` (canonical names -> full tensors in ``save_dtype``, :meth:`Engine.full_state_dict`)
+    as a Hugging Face checkpoint: ``model.safetensors`` and ``config.json``. A tied head is the embedding's
+    matrix and is not stored twice."""
     from safetensors.torch import save_file
     from transformers import AutoConfig
 
@@ -124,9 +131,7 @@ def save_checkpoint(state: dict[str, torch.Tensor], model: ModelSpec, folder: st
             f"saving a Hugging Face checkpoint needs a model from a Hugging Face config, not {model.family}",
             "fine-tune a Hugging Face model (search_config=finetune/...), or remove run.save_dir")
     config = AutoConfig.for_model(**model.hf_config)
-    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(
-        str(model.hf_config.get("torch_dtype") or model.hf_config.get("dtype")), torch.float32)
-    tensors = {hf_key(name): t.to(dtype).contiguous() for name, t in sorted(state.items())}
+    tensors = {hf_key(name): t.contiguous() for name, t in sorted(state.items())}
     if config.tie_word_embeddings:
         tensors.pop(hf_key("lm_head.weight"), None)
     out = Path(folder)

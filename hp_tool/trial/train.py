@@ -30,7 +30,7 @@ from hp_tool.contracts import result as res
 from hp_tool.contracts.spec import TrialSpec, load_spec
 from hp_tool.trial import dist as tdist
 from hp_tool.trial import measure
-from hp_tool.trial.checkpoint import save_checkpoint
+from hp_tool.trial.checkpoint import save_checkpoint, save_dtype
 from hp_tool.trial.engines import Engine, build_engine, train_step
 from hp_tool.trial.optim import lr_at
 from hp_tool.trial.trace.peak import TensorPeak
@@ -210,7 +210,7 @@ def run_trial(spec_path: str | os.PathLike, output_dir: Optional[str] = None) ->
         engine = build_engine(spec, env, device)
         outcome = run_loop(engine, out, t_start, flag)
         if spec.run.save_dir:
-            state = engine.full_state_dict()  # collective
+            state = engine.full_state_dict(save_dtype(spec.model))  # collective
             if env.rank == 0:
                 save_checkpoint(state, spec.model, spec.run.save_dir)
                 log.info("saved the model to %s (AutoModelForCausalLM.from_pretrained loads it)", spec.run.save_dir)

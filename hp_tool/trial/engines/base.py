@@ -49,9 +49,9 @@ class Engine(Protocol):
         """One optimizer step (``step`` is 0-based); this rank's mean micro-batch loss, None off the last
         stage."""
 
-    def full_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
-        """Every parameter of the whole model, unsharded, by canonical name (fp32, CPU) on rank 0; None on
-        the other ranks. Collective: every rank calls it."""
+    def full_state_dict(self, dtype: torch.dtype = torch.float32) -> Optional[dict[str, torch.Tensor]]:
+        """Every parameter of the whole model, unsharded and cast to ``dtype``, by canonical name (CPU) on
+        rank 0; None on the other ranks. Collective: every rank calls it."""
 
 
 def maybe_inject_failure(env: DistEnv, step: int) -> None:

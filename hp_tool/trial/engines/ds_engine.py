@@ -115,8 +115,9 @@ class DeepSpeedEngine:
         self.grad_norm = None if norm is None else float(norm)
         return total / len(micro)  # under AutoTP every TP rank holds the same loss
 
-    def full_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
-        """Every parameter, whole (ZeRO-3's partitions gathered on every rank), on rank 0."""
+    def full_state_dict(self, dtype: torch.dtype = torch.float32) -> Optional[dict[str, torch.Tensor]]:
+        """Every parameter, whole (ZeRO-3's partitions gathered on every rank) and cast to ``dtype``, on
+        rank 0."""
         import deepspeed
 
         require(self.spec.parallel.tp == 1, "parallel.tp", self.spec.parallel.tp,
@@ -126,6 +127,6 @@ class DeepSpeedEngine:
         gather = (deepspeed.zero.GatheredParameters(params, modifier_rank=None) if self.spec.parallel.zero_stage == 3
                   else contextlib.nullcontext())
         with gather:
-            state = {canonical_name(n, self.stage.tied): p.detach().float().cpu().clone()
+            state = {canonical_name(n, self.stage.tied): p.detach().to(dtype).cpu().clone()
                      for n, p in self.stage.named_parameters()}
         return state if self.env.rank == 0 else None

@@ -147,13 +147,13 @@ class TorchEngine:
             self.schedule.step(*args, return_outputs=False, **kwargs)
         return self._unscaled(torch.stack(losses).mean().detach()) if last else None
 
-    def full_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
-        """Every parameter, unsharded (each DTensor gathered over its mesh), from one rank per pipeline stage
-        (data- and tensor-parallel rank 0) to rank 0."""
+    def full_state_dict(self, dtype: torch.dtype = torch.float32) -> Optional[dict[str, torch.Tensor]]:
+        """Every parameter, unsharded (each DTensor gathered over its mesh) and cast to ``dtype``, from one
+        rank per pipeline stage (data- and tensor-parallel rank 0) to rank 0."""
         mine = {}
         for name, param in self.stage.named_parameters():
             full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
-            mine[canonical_name(name, self.stage.tied)] = full.float().cpu()
+            mine[canonical_name(name, self.stage.tied)] = full.to(dtype).cpu()
         if self.mesh is None:
             return mine
         keeps = self.mesh["dp"].get_local_rank() == 0 and self.mesh["tp"].get_local_rank() == 0
