@@ -83,6 +83,7 @@ class Candidate:
     zero_stage = property(lambda self: self.full.zero_stage)
     offload = property(lambda self: self.full.offload)
     virtual_stages = property(lambda self: self.full.virtual_stages)
+    optimizer = property(lambda self: self.full.optimizer)
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,7 @@ class Grid:
     savers: list[tuple[int, str]] = dataclasses.field(default_factory=lambda: [(3, "none")])  # (stage, offload)
     heuristic_savers: bool = False  # search one saver per layout (zero_stages/offload null)
     virtual: Optional[list[int]] = None  # virtual stages per pipeline rank; None: heuristic per PP
+    optimizers: list[str] = dataclasses.field(default_factory=lambda: ["adamw"])
 
 
 def grid_table(shape: Shape) -> list:
@@ -136,6 +138,7 @@ def build_grid(ts: TrainSettings, shape: Shape, size_b: float, host_ram_known: b
         savers=savers,
         heuristic_savers=heuristic,
         virtual=None if ts.virtual_pipeline_sizes is None else list(ts.virtual_pipeline_sizes),
+        optimizers=list(ts.optimizers or ["adamw"]),
     )
 
 
@@ -166,7 +169,7 @@ def act_ckpt_values(grid: Grid, shape: Shape, pp: int, virtual_stages: int = 1) 
 # train_settings keys of the Layout fields a problem can name
 FIELD_KEYS = {"tp": "tensor_parallel_sizes", "pp": "pipeline_parallel_sizes", "act_ckpt_layers": "act_ckpt_layers",
               "virtual_stages": "virtual_pipeline_sizes", "engine": "engines", "zero_stage": "zero_stages",
-              "offload": "offload", "global_batch_size": "global_batch_size"}
+              "offload": "offload", "global_batch_size": "global_batch_size", "optimizer": "optimizers"}
 
 
 def invalid_reason(shape: Shape, c: Candidate, cluster: Cluster, mp_range: tuple[int, int]) -> Optional[tuple[str, str]]:
@@ -258,11 +261,12 @@ def _fit(shape: Shape, c: Candidate, cluster: Cluster, ts: TrainSettings) -> Non
 
 
 def _layout_candidates(shape: Shape, grid: Grid, ts: TrainSettings, cluster: Cluster, gbs: int, engine: str,
-                       tp: int, pp: int, mbs: int, ac: int, vp: int = 1) -> list[Candidate]:
+                       tp: int, pp: int, mbs: int, ac: int, vp: int = 1, optimizer: str = "adamw") -> list[Candidate]:
     """The candidates of one layout over the grid's memory savers (see the module docstring)."""
     def make(stage: int, offload: str) -> Candidate:
         dp = max(1, cluster.gpus // (tp * pp))
-        return Candidate(Layout(tp, pp, dp, mbs, ac, gbs, stage, offload, engine, virtual_stages=vp), shape)
+        return Candidate(Layout(tp, pp, dp, mbs, ac, gbs, stage, offload, engine, virtual_stages=vp,
+                                optimizer=optimizer), shape)
 
     first = make(*grid.savers[0])
     bad = invalid_reason(shape, first, cluster, grid.mp_range)
@@ -272,7 +276,7 @@ def _layout_candidates(shape: Shape, grid: Grid, ts: TrainSettings, cluster: Clu
     out, unrunnable = [], []
     for stage, offload in grid.savers:
         c = make(stage, offload)
-        bad = c.full.saver_problem()
+        bad = c.full.saver_problem() or c.full.optimizer_problem()
         if bad:
             c.reject(INVALID, f"{TS}.{FIELD_KEYS[bad.field]}", bad.reason)
             (unrunnable if grid.heuristic_savers else out).append(c)
@@ -297,10 +301,10 @@ def plan_candidates(shape: Shape, size_b: float, ts: TrainSettings, cluster: Clu
     ranked fastest first."""
     grid = grid or build_grid(ts, shape, size_b, cluster.hw.host_ram_gb is not None)
     out: list[Candidate] = []
-    for engine, tp, pp, mbs in itertools.product(grid.engines, grid.tp, grid.pp, grid.mbs):
+    for opt, engine, tp, pp, mbs in itertools.product(grid.optimizers, grid.engines, grid.tp, grid.pp, grid.mbs):
         for vp in virtual_stage_values(grid, shape, pp):
             for ac in act_ckpt_values(grid, shape, pp, vp):
-                out += _layout_candidates(shape, grid, ts, cluster, gbs, engine, tp, pp, mbs, ac, vp)
+                out += _layout_candidates(shape, grid, ts, cluster, gbs, engine, tp, pp, mbs, ac, vp, opt)
     rank_candidates(out, ts.limit_search_runs)
     return out
 

@@ -21,7 +21,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from hp_tool.families import family, family_names
 from hp_tool.errors import ConfigError, require
-from hp_tool.vocab import CLUSTER_TYPES, ENGINES, FINETUNE, MEMORY_CHECKS, OFFLOADS, PRECISIONS, STRATEGIES, ZERO_STAGES
+from hp_tool.vocab import CLUSTER_TYPES, ENGINES, FINETUNE, MEMORY_CHECKS, OPTIMIZERS, OFFLOADS, PRECISIONS, STRATEGIES, ZERO_STAGES
 
 DEFAULT_SKIP_MARGIN = 0.25  # train_settings.skip_margin; chosen by benchmarks/search_cost.py
 SIZING_MFU = 140 / 312  # tflops_per_gpu default: the MFU of NeMo's 140 TFLOPS on a 312-TFLOPS A100 (45%)
@@ -222,6 +222,7 @@ class TrainSettings:
     act_ckpt_layers: Optional[List[int]] = None  # layers per pipeline stage recomputed
     min_model_parallel_size: Optional[int] = None
     max_model_parallel_size: Optional[int] = None
+    optimizers: Optional[List[str]] = None  # adamw | sgd | sgd_momentum (0.9) | adamw_8bit (CUDA); null = [adamw]
     # fine-tuning (model_family finetune): the data is the budget; the answer is hours and dollars per epoch
     seq_lengths: Optional[List[int]] = None  # tokens per sequence, searched with micro_batch_sizes; null = [seq_length]
     global_batch_tokens: Optional[int] = None  # tokens per optimizer step at every sequence length; null = GBS x seq
@@ -245,6 +246,7 @@ class TrainSettings:
         _members(self, p, "engines", ENGINES)
         _members(self, p, "zero_stages", ZERO_STAGES)
         _members(self, p, "offload", OFFLOADS)
+        _members(self, p, "optimizers", OPTIMIZERS)
         if "deepspeed" in (self.engines or ()) and importlib.util.find_spec("deepspeed") is None:
             raise ConfigError(f"{p}.engines", self.engines, "the deepspeed engine was asked for but DeepSpeed "
                               "is not installed", 'pip install "hp_tool[deepspeed]" (or pip install deepspeed), '
@@ -388,6 +390,10 @@ class AppConfig:
                 precision, f"gpu={self.gpu.name} has no {precision} (gpu.peak_tflops.{precision} is null)",
                 "set search_config.train_settings.precision=fp16 (trained with dynamic loss scaling) or fp32, or null "
                 f"for this GPU's default ({self.gpu.default_precision()})")
+        optimizers = self.search_config.train_settings.optimizers or []
+        require("adamw_8bit" not in optimizers or self.gpu.name != "cpu", "search_config.train_settings.optimizers",
+                optimizers, "adamw_8bit is bitsandbytes' 8-bit AdamW, which runs on CUDA GPUs only, and gpu=cpu",
+                "search adamw, sgd or sgd_momentum on CPU, or plan for a GPU preset")
         offload = self.search_config.train_settings.offload or []
         asked = [o for o in offload if o != "none"]
         require(not asked or self.gpu.host_ram_gb is not None, "gpu.host_ram_gb", self.gpu.host_ram_gb,

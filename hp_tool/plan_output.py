@@ -27,7 +27,7 @@ PLAN_COLUMNS = (
     "predicted_model_tflops_per_gpu", "predicted_days_to_train", "predicted_full_run_cost_usd",
     "predicted_cost_usd_per_million_tokens", "predicted_rank", "plan_status", "reason",
     "seq_length", "predicted_mfu", "predicted_tokens_per_hour", "predicted_hours_per_epoch",
-    "predicted_cost_usd_per_epoch", "predicted_rank0_host_memory_gb",
+    "predicted_cost_usd_per_epoch", "predicted_rank0_host_memory_gb", "optimizer",
 )
 
 
@@ -81,6 +81,7 @@ def plan_rows(plan: Plan) -> Iterable[dict[str, Any]]:
             "predicted_hours_per_epoch": _round(epoch.get("hours_per_epoch"), 4),
             "predicted_cost_usd_per_epoch": _round(epoch.get("cost_usd_per_epoch"), 2),
             "predicted_rank0_host_memory_gb": _round(c.rank0_host_memory_gb, 2),
+            "optimizer": c.optimizer,
         }
 
 
@@ -179,6 +180,7 @@ def render_plan(plan: Plan, max_rows: int = 25) -> str:
                "traced GB", "host GB", "step s", "tok/s/GPU"]
     if finetune:  # the fine-tuning table: context length x batch per device -> tokens/hour, MFU, cost
         columns[2:2] = ["seq"]
+        columns[11:11] = ["optimizer"]
         columns += ["MFU", "M tok/h", "$/M tok", "h/epoch", "$/epoch"]
     for col in columns:
         table.add_column(col, justify="left" if col in ("trial_id", "engine", "offload") else "right")
@@ -193,6 +195,7 @@ def render_plan(plan: Plan, max_rows: int = 25) -> str:
         if finetune:
             r = rows[spec.trial_id]
             cells[2:2] = [str(c.shape.seq_length)]
+            cells[11:11] = [c.optimizer]
             cells += [f"{r['predicted_mfu']:.2f}", f"{r['predicted_tokens_per_hour'] / 1e6:,.3g}",
                       _money(r["predicted_cost_usd_per_million_tokens"]), f"{r['predicted_hours_per_epoch']:.3g}",
                       _money(r["predicted_cost_usd_per_epoch"])]

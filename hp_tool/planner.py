@@ -29,6 +29,7 @@ FIXES = {
     "virtual_pipeline_sizes": "use virtual stages that divide the layers per pipeline stage (num_layers / PP), "
                               "1 without a pipeline or for T5/mT5",
     "num_nodes": "use a GPU count divisible by TP*PP",
+    "optimizers": "use adamw with offload, or the other optimizers without it",
     "max_model_parallel_size": "widen min_model_parallel_size / max_model_parallel_size",
 }
 
@@ -129,7 +130,7 @@ def _require_selection(candidates: list[Candidate], ts, cluster: Cluster) -> Non
 
 def candidate_trial_id(model: ModelChoice, c: Candidate) -> str:
     return make_trial_id(model.shape.family, model.label, c.tp, c.pp, c.mbs, c.act_ckpt_layers, c.engine,
-                         c.zero_stage, c.offload, c.virtual_stages, model_seq(model, c.shape))
+                         c.zero_stage, c.offload, c.virtual_stages, model_seq(model, c.shape), c.optimizer)
 
 
 def candidate_spec(base: TrialSpec, c: Candidate, model: ModelChoice, app: AppConfig,
@@ -146,7 +147,8 @@ def candidate_spec(base: TrialSpec, c: Candidate, model: ModelChoice, app: AppCo
         model=model_spec(c.shape, model.num_parameters, model.hf),
         parallel=ParallelSpec.of(c.trial_layout(), base.parallel.pipeline_schedule),
         training=dataclasses.replace(base.training, global_batch_size=c.trial_global_batch_size,
-                                     warmup_steps=warmup, constant_steps=constant, max_steps=max_steps),
+                                     warmup_steps=warmup, constant_steps=constant, max_steps=max_steps,
+                                     optimizer=c.optimizer),
         resources=dataclasses.replace(base.resources, num_nodes=c.trial_nodes,
                                       gpus_per_node=c.trial_gpus_per_node),
         run=RunSpec(mode="benchmark", max_minutes=ts.max_minutes_per_run, max_steps=ts.max_steps_per_run,

@@ -42,6 +42,21 @@ def family_problem(family_name: str, engine: str) -> Optional[tuple[str, str]]:
     return None
 
 
+def optimizer_problem(optimizer: str, engine: str, zero_stage: int, offload: str) -> Optional[str]:
+    """Why an engine cannot run ``optimizer`` with this ZeRO stage and offload, or None: offloaded states
+    are stepped by DeepSpeed's CPU Adam (deepspeed) or on the host (torch), where bitsandbytes' 8-bit
+    AdamW does not run; the torch engine's ZeRO-1 shards AdamW and SGD (torch's ZeroRedundancyOptimizer)."""
+    if optimizer == "adamw":
+        return None
+    if offload != "none" and (engine == "deepspeed" or optimizer == "adamw_8bit"):
+        where = "DeepSpeed steps offloaded states with its CPU Adam" if engine == "deepspeed" else \
+            "bitsandbytes' 8-bit AdamW runs on the GPU only"
+        return f"{optimizer} with offload {offload}: {where}"
+    if engine == "torch" and zero_stage == 1 and optimizer == "adamw_8bit":
+        return "the torch engine's ZeRO-1 shards AdamW and SGD, not bitsandbytes' 8-bit AdamW"
+    return None
+
+
 def combination_problem(engine: str, zero_stage: int, offload: str, tp: int, pp: int) -> Optional[tuple[str, str]]:
     """(the train_settings key at fault, why) when engine x stage x offload x TP/PP cannot run, else None."""
     if offload != "none" and zero_stage == 0:

@@ -205,3 +205,38 @@ def test_rank0_saving_needs_more_host_ram_than_a_small_node_and_stays_selected(t
     text = render_plan(p)
     need = max(c.rank0_host_memory_gb for c in selected)
     assert f"needs up to {need:.0f} GB of host RAM" in text and "run rank 0 on a node with at least" in text
+
+
+def test_optimizers_are_searched_with_their_own_state_bytes(tmp_path):
+    from hp_tool.estimate.memory import model_state_bytes, stage_parameters
+
+    p = plan(tmp_path, "search_config=finetune/llama2_7b_a10g", "search_config.train_settings.optimizers=[adamw,sgd,sgd_momentum]")
+    by = {}
+    for c in p.candidates:
+        by.setdefault((c.shape.seq_length, c.tp, c.pp, c.mbs, c.act_ckpt_layers, c.engine, c.zero_stage, c.offload), {})[
+            c.optimizer] = c
+    # torch engine, FSDP2 over 6 GPUs, nothing offloaded: Adam's 8 bytes of moments per parameter, momentum's
+    # 4, plain SGD's none, all sharded 6 ways
+    same = [v for k, v in by.items() if k[5:] == ("torch", 3, "none") and len(v) == 3 and k[2] == 1]
+    assert same
+    psi = stage_parameters(same[0]["adamw"].shape, 1, 1)[0]
+    for trio in same:
+        a, m, s = (trio[o].full_memory_gb for o in ("adamw", "sgd_momentum", "sgd"))  # the full run, DP=6
+        assert a - m == pytest.approx(4 * psi / 6 / 1e9, rel=1e-6) and m - s == pytest.approx(4 * psi / 6 / 1e9, rel=1e-6)
+    assert model_state_bytes(100, 1, 0, engine="deepspeed", optimizer="sgd") == 8 * 100  # 2 + 2 + fp32 master
+    assert model_state_bytes(100, 1, 0, engine="deepspeed", optimizer="adamw_8bit") == 10 * 100
+    assert model_state_bytes(100, 1, 0, engine="torch", optimizer="adamw") == 16 * 100
+    # DeepSpeed steps offloaded states with its CPU Adam: SGD with offload is an invalid row with the reason
+    bad = [c for c in p.candidates if c.engine == "deepspeed" and c.offload != "none" and c.optimizer != "adamw"]
+    assert bad and all(c.status == "invalid" for c in bad)
+    runnable = [c for c in bad if c.zero_stage == 3 and c.pp == 1 and c.act_ckpt_layers == 0]  # DeepSpeed runs these savers
+    assert runnable and all(c.reason_key.endswith("optimizers") and "CPU Adam" in c.reason for c in runnable)
+    ids = {s.trial_id.rsplit("_", 1)[-1] for s in p.specs if s.training.optimizer == "sgd_momentum"}
+    assert ids <= {"sgdm"} and all(s.training.optimizer in ("adamw", "sgd", "sgd_momentum") for s in p.specs)
+
+
+def test_8bit_adam_needs_a_gpu():
+    cfg, _ = compose(["search_config=finetune/tiny", "search_config.train_settings.optimizers=[adamw_8bit]"])
+    with pytest.raises(ConfigError) as err:
+        to_app_config(cfg)
+    assert err.value.key == "search_config.train_settings.optimizers" and "CUDA GPUs only" in str(err.value)

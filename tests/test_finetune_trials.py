@@ -114,3 +114,20 @@ def test_a_checkpoint_of_another_model_is_named(tmp_path):
     with pytest.raises(ConfigError) as err:
         check_checkpoint(spec.model, tmp_path)
     assert "has no model.safetensors" in str(err.value)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [dict(dp=2, zero_stage=1), dict(dp=2, engine="deepspeed", zero_stage=2)])
+def test_sgd_with_momentum_trains_in_the_sharded_layouts(tmp_path, layout):
+    """SGD (momentum 0.9) through torch's ZeRO-1 (ZeroRedundancyOptimizer) and DeepSpeed ZeRO-2: the first
+    loss is the model's, later steps follow SGD, not AdamW."""
+    losses = {}
+    for optimizer in ("adamw", "sgd_momentum"):
+        spec = tiny_spec("llama", max_steps=3, **layout)
+        spec = dataclasses.replace(spec, training=dataclasses.replace(spec.training, optimizer=optimizer))
+        out = tmp_path / optimizer
+        proc = torchrun(write_spec(spec, tmp_path / optimizer if out.mkdir() is None else out), out / "run", 2)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        losses[optimizer] = [m["loss"] for m in read_metrics(out / "run")]
+    assert losses["adamw"][0] == pytest.approx(losses["sgd_momentum"][0], rel=1e-6)
+    assert abs(losses["adamw"][2] - losses["sgd_momentum"][2]) > 1e-4

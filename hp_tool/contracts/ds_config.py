@@ -39,9 +39,12 @@ def ds_config(spec: TrialSpec, with_optimizer: bool = True, pin_memory: bool = T
     }
     if p.tp > 1:
         config["tensor_parallel"] = {"autotp_size": p.tp}
-    if with_optimizer:
+    if t.optimizer != "adamw":  # SGD and 8-bit AdamW are client optimizers DeepSpeed's ZeRO has not vetted
+        config["zero_allow_untested_optimizer"] = True
+    if with_optimizer and t.optimizer == "adamw":  # others: the client's (transformers' `optim`) optimizer
         config["optimizer"] = {"type": "AdamW", "params": {
             "lr": t.lr, "betas": list(t.betas), "eps": 1e-8, "weight_decay": t.weight_decay}}
+    if with_optimizer:
         config["scheduler"] = {"type": "WarmupCosineLR", "params": {
             "total_num_steps": t.max_steps, "warmup_num_steps": t.warmup_steps,
             "warmup_min_ratio": 0.0, "cos_min_ratio": t.min_lr / t.lr if t.lr else 0.0}}

@@ -23,7 +23,7 @@ from hp_tool.estimate.layout import Layout
 from hp_tool.fingerprint import fingerprint_of
 from hp_tool.fsutil import atomic_write_text
 from hp_tool.sharding import combination_problem, layout_suffix
-from hp_tool.vocab import DATA_SOURCES, ENGINES, OFFLOADS, PRECISIONS, RUN_MODES, SCHEDULES, ZERO_STAGES
+from hp_tool.vocab import DATA_SOURCES, ENGINES, OFFLOADS, OPTIMIZER_CODES, OPTIMIZERS, PRECISIONS, RUN_MODES, SCHEDULES, ZERO_STAGES
 
 
 
@@ -92,6 +92,7 @@ SPEC_FIXES = {
     "interleave": ("use 1 virtual stage, or a layout interleaved 1F1B can run (virtual stages dividing the "
                    "layers per stage and the checkpointed layers)"),
     "savers": "choose a combination the engine supports (hp_tool/sharding.py)",
+    "optimizer": "use adamw, or the optimizer without offload (hp_tool/sharding.py optimizer_problem)",
 }
 
 
@@ -130,10 +131,10 @@ class ParallelSpec:
                               f"offload={self.offload} tp={self.tp} pp={self.pp}", bad[1],
                               "choose a combination the engine supports (hp_tool/sharding.py)")
 
-    def layout(self, global_batch_size: int) -> Layout:
-        """This section as a Layout, the global batch added."""
+    def layout(self, global_batch_size: int, optimizer: str = "adamw") -> Layout:
+        """This section as a Layout, the global batch (and the training section's optimizer) added."""
         return Layout(self.tp, self.pp, self.dp, self.mbs, self.act_ckpt_layers, global_batch_size, self.zero_stage,
-                      self.offload, self.engine, virtual_stages=self.virtual_stages)
+                      self.offload, self.engine, virtual_stages=self.virtual_stages, optimizer=optimizer)
 
     @classmethod
     def of(cls, layout: Layout, pipeline_schedule: str = "1F1B") -> "ParallelSpec":
@@ -180,8 +181,8 @@ class TrainingSpec:
                 "must be positive", "set a positive integer")
         require(self.precision in PRECISIONS, "training.precision", self.precision,
                 "unknown precision", f"use one of {list(PRECISIONS)}")
-        require(self.optimizer == "adamw", "training.optimizer", self.optimizer,
-                "unsupported optimizer", "use adamw")
+        require(self.optimizer in OPTIMIZERS, "training.optimizer", self.optimizer,
+                "unsupported optimizer", f"use one of {list(OPTIMIZERS)}")
         require(self.max_steps >= 1, "training.max_steps", self.max_steps, "must be positive",
                 "set the number of optimizer steps of the full run")
 
@@ -289,7 +290,7 @@ class TrialSpec:
 
     def layout(self) -> Layout:
         """The layout this trial runs (its parallel section with the global batch)."""
-        return self.parallel.layout(self.training.global_batch_size)
+        return self.parallel.layout(self.training.global_batch_size, self.training.optimizer)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -323,12 +324,13 @@ def dump_spec(spec: TrialSpec, path: str | os.PathLike) -> Path:
 
 def make_trial_id(family: str, size_label: str, tp: int, pp: int, mbs: int, act_ckpt_layers: int,
                   engine: str = "torch", zero_stage: int = 3, offload: str = "none", virtual_stages: int = 1,
-                  seq: Optional[int] = None) -> str:
+                  seq: Optional[int] = None, optimizer: str = "adamw") -> str:
     """The one place a trial id is built; every file name derives from it. It names every searched
     dimension, e.g. gpt3_5b_tp2_pp1_mbs4_ac0_torch_z3_noff; interleaved layouts add their virtual stages
     after PP (gpt3_5b_tp1_pp4_vp2_mbs1_ac0_torch_z3_noff); a fine-tuning search its sequence length after
-    the size (llama_6.74b_s2048_tp1_pp1_mbs4_ac32_ds_z3_offopt)."""
+    the size (llama_6.74b_s2048_tp1_pp1_mbs4_ac32_ds_z3_offopt); an optimizer other than AdamW its code at
+    the end (..._torch_z3_noff_sgdm)."""
     vp = f"_vp{virtual_stages}" if virtual_stages > 1 else ""
     s = f"_s{seq}" if seq is not None else ""
     return (f"{family}_{size_label}{s}_tp{tp}_pp{pp}{vp}_mbs{mbs}_ac{act_ckpt_layers}_"
-            f"{layout_suffix(engine, zero_stage, offload)}")
+            f"{layout_suffix(engine, zero_stage, offload)}{OPTIMIZER_CODES[optimizer]}")

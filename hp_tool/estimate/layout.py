@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 from hp_tool.architectures import interleave_problem, pipeline_problem
-from hp_tool.sharding import combination_problem, family_problem
+from hp_tool.sharding import combination_problem, family_problem, optimizer_problem
 
 if TYPE_CHECKING:
     from hp_tool.families.shape import Shape
@@ -38,6 +38,7 @@ class Layout:
     engine: str = "torch"  # torch | deepspeed
     sequence_parallel: bool = False
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved 1F1B when > 1)
+    optimizer: str = "adamw"  # adamw | sgd | sgd_momentum | adamw_8bit (hp_tool/vocab.py OPTIMIZERS)
 
     @property
     def num_microbatches(self) -> int:
@@ -86,7 +87,16 @@ class Layout:
         bad_savers = self.saver_problem()
         if bad_savers:
             out.append(bad_savers)
+        bad_optimizer = self.optimizer_problem()
+        if bad_optimizer:
+            out.append(bad_optimizer)
         return out
+
+    def optimizer_problem(self) -> Optional["Problem"]:
+        """Why the engine cannot step this optimizer at this ZeRO stage and offload (rule "optimizer"), or
+        None; judged per saver like ``saver_problem``."""
+        bad = optimizer_problem(self.optimizer, self.engine, self.zero_stage, self.offload)
+        return None if bad is None else Problem("optimizer", "optimizer", bad)
 
     def saver_problem(self) -> Optional["Problem"]:
         """Why this engine cannot run this ZeRO stage and offload at this TP/PP (rule "savers"), or None;

@@ -26,6 +26,9 @@ from hp_tool.architectures import (Shape, checkpointed_layer_counts, count_param
 from hp_tool.estimate.layout import GB, Hardware, Layout, interleave_held_tensors, microbatches_in_flight
 
 MODEL_STATE_BYTES = 16  # 2 (16-bit weights) + 2 (16-bit grads) + 12 (fp32 master, Adam m, v)
+# Optimizer states per trainable parameter beyond the fp32 master (REFERENCE §13): Adam's m and v in fp32 (8),
+# none for SGD without momentum, the momentum buffer (4), bitsandbytes' 8-bit m and v (2, block scales aside).
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "sgd": 0, "sgd_momentum": 4, "adamw_8bit": 2}
 # Host bytes per parameter shard that offload keeps in RAM: fp32 master, m, v and the fp32 gradient (16),
 # DeepSpeed's parameter offload adds the 16-bit parameter (18: REFERENCE §5, "18·M/N·K"); FSDP2's
 # CPUOffloadPolicy keeps the fp32 parameter as the master, so 16 either way.
@@ -49,27 +52,30 @@ def layer_activation_bytes(shape: Shape, mbs: int, tp: int, sequence_parallel: b
 
 
 def model_state_bytes(params: float, dp: int, zero_stage: int = 3, offload: str = "none",
-                      engine: str = "torch") -> float:
+                      engine: str = "torch", optimizer: str = "adamw") -> float:
     """GPU bytes of the weights, gradients and optimizer states of ``params`` local parameters.
 
     ``deepspeed``: 16-bit weights (2) and gradients (2), fp32 master and Adam moments (12); ZeRO-1 divides
     the 12 over the ``dp`` ranks, ZeRO-2 also the gradients, ZeRO-3 also the weights (REFERENCE §5: 16Ψ,
-    4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N). ``torch``: the parameters are the fp32 master (4), gradients fp32
+    4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N; the 12 is the master's 4 plus ``OPTIMIZER_STATE_BYTES[optimizer]``,
+    8 for Adam). ``torch``: the parameters are the fp32 master (4), gradients fp32
     (4), Adam moments (8); ZeRO-1 (optim.ShardedAdamW) divides the moments, ZeRO-2 and 3 (FSDP2 shards the
-    parameters either way) all three: 16Ψ, 8Ψ + 8Ψ/N, 16Ψ/N, 16Ψ/N. The 16-bit compute copy is
+    parameters either way) all three: 16Ψ, 8Ψ + 8Ψ/N, 16Ψ/N, 16Ψ/N (the moments' 8 is
+    ``OPTIMIZER_STATE_BYTES[optimizer]``). The 16-bit compute copy is
     ``compute_copy_bytes``. Offload leaves the optimizer part (and with optimizer_and_params the weights
     and gradients too) in host RAM."""
     n = max(1, dp)
     on_gpu = offload != "optimizer_and_params"
+    states = OPTIMIZER_STATE_BYTES[optimizer]
     if engine == "deepspeed":
-        weights, grads, optimizer = 2.0, 2.0, 12.0
+        weights, grads, opt_bytes = 2.0, 2.0, 4.0 + states
         weights_div, grads_div = (n if zero_stage >= 3 else 1), (n if zero_stage >= 2 else 1)
     else:
-        weights, grads, optimizer = 4.0, 4.0, 8.0
+        weights, grads, opt_bytes = 4.0, 4.0, float(states)
         weights_div = grads_div = n if zero_stage >= 2 else 1
     gpu_weights = weights * params / weights_div if on_gpu else 0.0
     gpu_grads = grads * params / grads_div if on_gpu else 0.0
-    gpu_optimizer = optimizer * params / (n if zero_stage >= 1 else 1) if offload == "none" else 0.0
+    gpu_optimizer = opt_bytes * params / (n if zero_stage >= 1 else 1) if offload == "none" else 0.0
     return gpu_weights + gpu_grads + gpu_optimizer
 
 
@@ -134,10 +140,12 @@ def largest_tensor(shape: Shape) -> int:
 def host_phases_gb(shape: Shape, layout: Layout, gpus_on_node: int) -> HostPhases:
     """Host RAM per phase of a node with ``gpus_on_node`` processes of ``layout``, GB:
     train: each process (HOST_PROCESS_OVERHEAD_GB) with its offloaded shard (HOST_OFFLOAD_BYTES per
-    parameter of it); load (a pretrained model, read tensor by tensor): each process also holds one full
+    parameter of it, for Adam; another optimizer's own states in place of Adam's 8 bytes); load (a pretrained model, read tensor by tensor): each process also holds one full
     tensor (LOAD_COPY_BYTES per element of the largest); save on rank 0: the whole model gathered in fp32
     (4·M, REFERENCE §5), a pretrained model in its 16-bit dtype (2·M)."""
     per_param = HOST_OFFLOAD_BYTES.get((layout.engine, layout.offload), 0)
+    if per_param:  # the offloaded optimizer's own states in place of Adam's 8 bytes
+        per_param += OPTIMIZER_STATE_BYTES[layout.optimizer] - OPTIMIZER_STATE_BYTES["adamw"]
     shard = max(stage_parameters(shape, layout.tp, layout.pp)) / max(1, layout.dp)
     train = gpus_on_node * (per_param * shard + HOST_PROCESS_OVERHEAD_GB * GB)
     load = train + (gpus_on_node * LOAD_COPY_BYTES * largest_tensor(shape) if shape.pretrained else 0.0)
@@ -199,7 +207,8 @@ def estimate_memory(shape: Shape, layout: Layout, hw: Hardware) -> MemoryEstimat
         activations += sum(interleave_held_tensors(layout, stage)) * layout.mbs * shape.seq_length * \
             shape.hidden_size * bpv
         stage_logits = logits if stage == pp - 1 else 0.0
-        states = (model_state_bytes(params, layout.dp, layout.zero_stage, layout.offload, layout.engine)
+        states = (model_state_bytes(params, layout.dp, layout.zero_stage, layout.offload, layout.engine,
+                                    layout.optimizer)
                   + compute_copy_bytes(params, gathered_layer, layout, hw))
         total = states + activations + stage_logits
         if total > best_total:

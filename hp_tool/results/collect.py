@@ -44,7 +44,8 @@ STATUS_ORDER = ("ok", "timeout", "oom", "failed", "cancelled", "unschedulable", 
                 "pruned", "invalid")
 PLAN_INTS = ("seq_length", "tp", "pp", "virtual_stages", "dp", "mbs", "act_ckpt_layers", "zero_stage", "global_batch_size", "num_nodes",
              "trial_num_nodes", "trial_dp", "trial_global_batch_size", "predicted_rank")
-PLAN_TEXT = ("trial_id", "model_family", "engine", "offload", "plan_status", "reason", "fingerprint", "memory_check")
+PLAN_TEXT = ("trial_id", "model_family", "engine", "offload", "plan_status", "reason", "fingerprint", "memory_check",
+             "optimizer")
 
 # Every column of the table, in the order the CSVs use; units in the names.
 TABLE_COLUMNS = (
@@ -62,12 +63,12 @@ TABLE_COLUMNS = (
     "gpu_memory_gb", "peak_memory_pct_of_gpu",
     "days_to_train", "predicted_days_to_train", "full_run_cost_usd", "cost_usd_per_million_tokens",
     "gpu_hour_price_usd", "predicted_rank", "stop_reason", "final_loss", "device", "start_time", "end_time",
-    "fingerprint", "seq_length", "tokens_per_hour", "hours_per_epoch", "cost_usd_per_epoch",
+    "fingerprint", "seq_length", "tokens_per_hour", "hours_per_epoch", "cost_usd_per_epoch", "optimizer",
 )
 INT_COLUMNS = ("seq_length", "rank", "tp", "pp", "virtual_stages", "dp", "mbs", "act_ckpt_layers", "zero_stage", "global_batch_size", "num_nodes",
                "num_gpus", "trial_num_nodes", "trial_dp", "trial_global_batch_size", "trial_world_size", "steps_run",
                "steps_measured", "predicted_rank")
-TEXT_COLUMNS = ("trial_id", "status", "reason", "plan_status", "model_family", "engine", "offload",
+TEXT_COLUMNS = ("trial_id", "status", "reason", "plan_status", "model_family", "engine", "offload", "optimizer",
                 "memory_check", "stop_reason", "device",
                 "start_time", "end_time", "fingerprint")
 FLOAT_COLUMNS = tuple(c for c in TABLE_COLUMNS if c not in INT_COLUMNS + TEXT_COLUMNS)

@@ -58,7 +58,8 @@ def analytic_terms(spec: TrialSpec, device_type: str, stage: int = 0) -> tuple[f
     shape, layout, hw = spec.model.shape(), spec.layout(), target_hardware(spec, device_type)
     params = stage_parameters(shape, layout.tp, layout.pp)[stage]
     gathered = max(layer_parameters(shape), layer_parameters(shape, encoder=True)) / layout.tp
-    states = model_state_bytes(params, layout.dp, layout.zero_stage, layout.offload, layout.engine)
+    states = model_state_bytes(params, layout.dp, layout.zero_stage, layout.offload, layout.engine,
+                               layout.optimizer)
     kept = stage_activation_bytes(shape, layout, hw, stage)[0] + compute_copy_bytes(params, gathered, layout, hw)
     return states, kept
 

@@ -56,15 +56,30 @@ def param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
             for (_, decay), params in groups.items()]
 
 
-def _kernel(device: torch.device) -> dict:
-    """AdamW's implementation for tensors on ``device``: fused on GPU, foreach elsewhere."""
-    fused = device.type == "cuda"
+def _kernel(device: torch.device, fused_ok: bool = True) -> dict:
+    """The optimizer's implementation for tensors on ``device``: fused on GPU, foreach elsewhere."""
+    fused = fused_ok and device.type == "cuda"
     return {"fused": fused, "foreach": None if fused else True}
 
 
-def _adamw(groups: list[dict], t: TrainingSpec, device: torch.device) -> torch.optim.AdamW:
-    return torch.optim.AdamW(groups, lr=lr_at(0, t), betas=tuple(t.betas), weight_decay=t.weight_decay,
-                             **_kernel(device))
+SGD_MOMENTUM = {"sgd": 0.0, "sgd_momentum": 0.9}
+
+
+def _optimizer_class(t: TrainingSpec, device: torch.device) -> tuple[type, dict]:
+    """The spec's optimizer: (class, keyword arguments besides the parameters, lr and weight decay)."""
+    if t.optimizer in SGD_MOMENTUM:
+        return torch.optim.SGD, {"momentum": SGD_MOMENTUM[t.optimizer], **_kernel(device, fused_ok=False)}
+    if t.optimizer == "adamw_8bit":
+        import bitsandbytes  # optional, CUDA only: the planner allows adamw_8bit only on a GPU preset
+
+        return bitsandbytes.optim.AdamW8bit, {"betas": tuple(t.betas)}
+    return torch.optim.AdamW, {"betas": tuple(t.betas), **_kernel(device)}
+
+
+def _make_optimizer(groups: list[dict], t: TrainingSpec, device: torch.device) -> torch.optim.Optimizer:
+    """The spec's optimizer (AdamW unless it names another) over ``groups``."""
+    cls, kwargs = _optimizer_class(t, device)
+    return cls(groups, lr=lr_at(0, t), weight_decay=t.weight_decay, **kwargs)
 
 
 def build_optimizer(module: nn.Module, t: TrainingSpec, device: torch.device, zero_stage: int = 0,
@@ -73,7 +88,7 @@ def build_optimizer(module: nn.Module, t: TrainingSpec, device: torch.device, ze
     at ZeRO stage 1 with more than one data-parallel rank sharded by ``ShardedAdamW``."""
     if zero_stage == 1 and dp_group is not None and dist.get_world_size(dp_group) > 1:
         return ShardedAdamW(module, t, device, dp_group)
-    return _adamw(param_groups(module, t.weight_decay), t, torch.device("cpu") if offload else device)
+    return _make_optimizer(param_groups(module, t.weight_decay), t, torch.device("cpu") if offload else device)
 
 
 class ShardedAdamW:
@@ -94,9 +109,10 @@ class ShardedAdamW:
         self.local = {id(p): p._local_tensor if isinstance(p, DTensor) else p for p in self.params}
         groups = [{"params": [self.local[id(p)] for p in g["params"]], "weight_decay": g["weight_decay"]}
                   for g in param_groups(module, t.weight_decay)]
-        self.zero = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
-                                            process_group=dp_group, lr=lr_at(0, t), betas=tuple(t.betas),
-                                            weight_decay=groups[0]["weight_decay"], **_kernel(device))
+        cls, kwargs = _optimizer_class(t, device)
+        self.zero = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=cls,
+                                            process_group=dp_group, lr=lr_at(0, t),
+                                            weight_decay=groups[0]["weight_decay"], **kwargs)
         for group in groups[1:]:
             self.zero.add_param_group(group)
 
