@@ -2,6 +2,10 @@
 
     python3 main.py -m gpu=a10g,a100_80gb,h100_80gb search_config=gpt3/8b dry_run=true
 
+A fine-tuning search (``search_config=finetune/...``) adds the sequence length, engine, ZeRO stage, offload,
+optimizer, MFU, tokens per hour and hours and dollars per epoch of each GPU type's fastest layout: which GPU
+type is cheapest for a model.
+
 Each job plans as usual into ``<sweep dir>/<job number>/<search_config>/``; each row is the job's
 predicted fastest layout from its plan (the rank-1 row of its plan.csv) with the days to train and the
 cost (hp_tool/cost.py). After the last job, ``<sweep dir>/comparison.csv`` holds the rows, cheapest
@@ -36,11 +40,14 @@ COLUMNS = (
     "best_trial_id", "tp", "pp", "dp", "mbs", "act_ckpt_layers", "predicted_memory_gb", "gpu_memory_gb",
     "predicted_step_time_s", "predicted_tokens_per_s_per_gpu", "predicted_days_to_train",
     "gpu_hour_price_usd", "predicted_full_run_cost_usd", "predicted_cost_usd_per_million_tokens",
-    "results_dir", "reason",
+    "results_dir", "reason", "engine", "zero_stage", "offload", "optimizer", "seq_length", "predicted_mfu",
+    "predicted_tokens_per_hour", "predicted_hours_per_epoch", "predicted_cost_usd_per_epoch",
 )
 PLAN_FIELDS = ("model_size_b", "tp", "pp", "dp", "mbs", "act_ckpt_layers", "predicted_memory_gb",
                "predicted_step_time_s", "predicted_tokens_per_s_per_gpu", "predicted_days_to_train",
-               "predicted_full_run_cost_usd", "predicted_cost_usd_per_million_tokens")
+               "predicted_full_run_cost_usd", "predicted_cost_usd_per_million_tokens", "engine", "zero_stage",
+               "offload", "optimizer", "seq_length", "predicted_mfu", "predicted_tokens_per_hour",
+               "predicted_hours_per_epoch", "predicted_cost_usd_per_epoch")
 
 
 def _common(app, search_name: str, job: int) -> dict[str, Any]:
@@ -101,6 +108,8 @@ def render(rows: list[dict[str, Any]]) -> str:
                           "", "", "", _fmt(r.get("gpu_hour_price_usd"), "{:g}"), "", "")
             continue
         layout = f"TP{r['tp']} PP{r['pp']} DP{r['dp']} MBS{r['mbs']} ckpt{r['act_ckpt_layers']}"
+        if r.get("predicted_hours_per_epoch") is not None:  # fine-tuning: the sequence length and savers too
+            layout = f"seq {r['seq_length']} {layout} {r['engine']} Z{r['zero_stage']} {r['offload']}"
         table.add_row(str(r["rank"]), r["gpu"], r["search_config"], str(r["num_gpus"]), layout,
                       _fmt(r["predicted_memory_gb"], "{:.1f}"), _fmt(r["predicted_step_time_s"], "{:.3g}"),
                       _fmt(r["predicted_days_to_train"], "{:.2f}"), _fmt(r.get("gpu_hour_price_usd"), "{:g}"),

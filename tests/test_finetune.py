@@ -240,3 +240,21 @@ def test_8bit_adam_needs_a_gpu():
     with pytest.raises(ConfigError) as err:
         to_app_config(cfg)
     assert err.value.key == "search_config.train_settings.optimizers" and "CUDA GPUs only" in str(err.value)
+
+
+def test_gpu_types_compared_for_a_fine_tune(tmp_path):
+    proc = subprocess.run([sys.executable, str(REPO / "main.py"), "-m", "search_config=finetune/llama2_7b",
+                           "gpu=a100_80gb,l4", "dry_run=true", f"base_results_dir={tmp_path}",
+                           "search_config.train_settings.seq_lengths=[2048]"],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = list(csv.DictReader(open(next(tmp_path.glob("multirun/*/comparison.csv")))))
+    assert {r["gpu"] for r in rows} == {"a100_80gb", "l4"} and all(r["status"] == "ok" for r in rows)
+    costs = [float(r["predicted_full_run_cost_usd"]) for r in rows]
+    assert costs == sorted(costs) and rows[0]["rank"] == "1"
+    for r in rows:
+        assert r["seq_length"] == "2048" and r["engine"] and r["optimizer"] == "adamw"
+        hours = float(r["predicted_hours_per_epoch"])
+        assert hours == pytest.approx(100e6 / float(r["predicted_tokens_per_hour"]), rel=1e-3)
+        assert float(r["predicted_cost_usd_per_epoch"]) == pytest.approx(
+            hours * float(r["gpu_hour_price_usd"]) * int(r["num_gpus"]), rel=1e-3, abs=0.01)
