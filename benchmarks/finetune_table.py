@@ -1,0 +1,89 @@
+"""The fine-tuning table: Llama-2 7B fully fine-tuned on 8 x A100 80 GB at context 512..4096, predicted by the
+dry run beside the measured row of a Ray/DeepSpeed fine-tuning cookbook (REFERENCE §13), then the verdicts
+for the small GPUs people fine-tune on (6 x A10G 24 GB nodes, 4 x V100 32 GB).
+
+    python3 benchmarks/finetune_table.py
+
+For each context the cookbook's own layout (DeepSpeed ZeRO-3, activation checkpointing on every layer, its
+batch per device, one micro-batch per step) is planned alone, so its prediction compares with the
+measurement; "best" is the plan's fastest layout at that context when every layout of the finetune preset is
+searched. MFU is printed in both conventions: the cookbook's (6 x parameters x tokens / s / 312 TFLOPS) and
+hp_tool's (matmul FLOPs incl. attention, recomputation not counted). $/M tokens = the node's $40.77/h over
+tokens per hour (the cookbook's own $ column follows another convention; REFERENCE §13).
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hp_tool.cli import compose  # noqa: E402
+from hp_tool.config import to_app_config  # noqa: E402
+from hp_tool.planner import make_plan  # noqa: E402
+from hp_tool.vocab import SELECTED  # noqa: E402
+
+N_7B = 6_738_415_616
+NODE_PRICE = 40.77  # USD per hour for 8 x A100 80 GB (the cookbook's on-demand figure)
+# context, batch per device, measured tokens/hour (millions), measured MFU (REFERENCE §13)
+MEASURED = [(512, 64, 101.47, 0.47), (1024, 32, 103.7, 0.48), (2048, 8, 99.75, 0.47), (4096, 4, 102.58, 0.48)]
+
+
+def plan(*overrides: str):
+    cfg, name = compose(["search_config=finetune/llama2_7b", *overrides])
+    with tempfile.TemporaryDirectory() as tmp:
+        return make_plan(to_app_config(cfg), name, Path(tmp))
+
+
+def fastest(p):
+    return min((c for c in p.candidates if c.status == SELECTED), key=lambda c: c.rank)
+
+
+def layout(c) -> str:
+    return (f"TP{c.tp} PP{c.pp} DP{c.dp} MBS{c.mbs} ckpt{c.act_ckpt_layers} {c.engine} Z{c.zero_stage} "
+            f"{c.offload}")
+
+
+def main() -> None:
+    ts = "search_config.train_settings"
+    print("Llama-2 7B full fine-tuning, 8 x A100 80 GB (gpu=a100_80gb), bf16")
+    print(f"{'ctx':>5} {'bs/dev':>6} | {'measured M tok/h':>16} {'MFU':>5} {'$/M':>6} | {'predicted M tok/h':>17} "
+          f"{'err':>6} {'MFU 6N':>6} {'MFU hp':>6} {'$/M':>6} {'GB':>5} | best layout at this context (M tok/h)")
+    errors = []
+    for ctx, bs, tok_h, mfu in MEASURED:
+        p = plan(f"{ts}.seq_lengths=[{ctx}]", f"{ts}.global_batch_tokens={8 * bs * ctx}", f"{ts}.engines=[deepspeed]",
+                 f"{ts}.zero_stages=[3]", f"{ts}.offload=[none]", f"{ts}.tensor_parallel_sizes=[1]",
+                 f"{ts}.pipeline_parallel_sizes=[1]", f"{ts}.micro_batch_sizes=[{bs}]", f"{ts}.act_ckpt_layers=[32]")
+        c = next(c for c in p.candidates if c.step_time_s is not None)
+        per_gpu = c.tokens_per_s_per_gpu
+        pred = per_gpu * 8 * 3600 / 1e6
+        errors.append(pred / tok_h - 1)
+        best = fastest(plan(f"{ts}.seq_lengths=[{ctx}]"))
+        fits = "fits" if c.status in (SELECTED, "over_limit") else f"{c.status}: {c.reason[:40]}"
+        print(f"{ctx:>5} {bs:>6} | {tok_h:>16.2f} {mfu:>5.2f} {NODE_PRICE / tok_h:>6.3f} | {pred:>17.1f} "
+              f"{100 * errors[-1]:>+5.0f}% {6 * N_7B * per_gpu / 312e12:>6.2f} "
+              f"{c.model_tflops_per_gpu / 312:>6.2f} {NODE_PRICE / pred:>6.3f} {c.full_memory_gb:>5.1f} | "
+              f"{layout(best)} ({best.tokens_per_s_per_gpu * 8 * 3600 / 1e6:.1f}) [{fits}]")
+    print(f"tokens/hour error over the four contexts: median {100 * sorted(errors)[1]:+.0f}% .. "
+          f"{100 * sorted(errors)[2]:+.0f}%, max |{100 * max(map(abs, errors)):.0f}%|")
+    print()
+    print("Verdicts on small GPUs (every layout of the preset; full fine-tuning, AdamW):")
+    for gpu, extra in (("a10g_g5_4xlarge", [f"{ts}.num_nodes=6", f"{ts}.gpus_per_node=1", f"{ts}.global_batch_tokens=393216"]),
+                       ("v100_32gb", [f"{ts}.gpus_per_node=4"])):
+        try:
+            p = plan(f"gpu={gpu}", *extra)
+        except Exception as exc:  # nothing fits: the plan's error names the smallest layout
+            print(f"  {gpu}: nothing fits ({exc})")
+            continue
+        best = fastest(p)
+        print(f"  {gpu} x {p.cluster.gpus}: fastest {layout(best)} at seq {best.shape.seq_length}, "
+              f"{best.tokens_per_s_per_gpu * p.cluster.gpus * 3600 / 1e6:.1f} M tok/h, "
+              f"{max(best.memory_gb, best.full_memory_gb):.1f} GB per GPU, {best.host_memory_gb:.0f} GB host RAM per node; "
+              f"{sum(c.status == SELECTED for c in p.candidates)} layouts selected, "
+              f"{sum(c.status == 'pruned' for c in p.candidates)} pruned")
+
+
+if __name__ == "__main__":
+    main()
