@@ -29,6 +29,8 @@ from typing import Optional
 
 from hp_tool.contracts.spec import DataSpec, TrialSpec, dump_spec, load_spec
 from hp_tool.errors import ConfigError, require
+from hp_tool.results.optimal import train_sbatch_command
+from hp_tool.trial.checkpoint import check_checkpoint
 
 log = logging.getLogger("hp_tool.train")
 
@@ -79,8 +81,6 @@ def tokenize(jsonl: Path, checkpoint: str, vocab_size: int):
 def prepare(config: Path, overrides: dict[str, str]) -> tuple[TrialSpec, Path]:
     """The run's spec: the config with the checkpoint, the tokenized data and the save folder; checked
     before anything is written, then written to ``<output_dir>/run_spec.yaml``."""
-    from hp_tool.trial.checkpoint import check_checkpoint
-
     require(config.is_file(), "config", str(config), "no such file", "give the optimal_config_*.yaml of a search")
     spec = load_spec(config)
     require(spec.model.hf_config is not None, "config", str(config),
@@ -110,8 +110,6 @@ def prepare(config: Path, overrides: dict[str, str]) -> tuple[TrialSpec, Path]:
 
 def launch(spec: TrialSpec, spec_path: Path, nproc: Optional[int]) -> int:
     """Train on this machine with torchrun, or print the sbatch line for a multi-node config."""
-    from hp_tool.results.optimal import train_sbatch_command
-
     r = spec.resources
     if r.num_nodes > 1:
         print(f"This config trains on {r.num_nodes} nodes; submit it with:\n  {train_sbatch_command(spec, str(spec_path))}")

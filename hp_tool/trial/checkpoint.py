@@ -24,6 +24,7 @@ import torch
 from hp_tool.contracts.spec import ModelSpec
 from hp_tool.errors import ConfigError, require
 from hp_tool.trial.families import torch_family
+from hp_tool.trial.models import build_full_model_on_meta
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -78,8 +79,6 @@ class CheckpointReader:
 def check_checkpoint(model: ModelSpec, folder: str | Path, key: str = "model.checkpoint") -> None:
     """Every parameter of the model the spec describes is in the checkpoint at its shape; raises a
     ConfigError naming the first that is missing or differs (a checkpoint of another model)."""
-    from hp_tool.trial.models import build_full_model_on_meta
-
     reader = CheckpointReader(folder, key)
     whole = build_full_model_on_meta(model)
     for name, param in whole.named_parameters():
