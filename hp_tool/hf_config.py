@@ -54,6 +54,7 @@ class HFModel:
     qkv_bias: bool
     max_positions: int  # max_position_embeddings
     rope_scaling: Optional[dict]  # None: plain RoPE
+    sliding_window: Optional[int] = None  # attention window in tokens (Mistral); None: full causal attention
 
     def shape(self, seq_length: int) -> Shape:
         """The model at ``seq_length`` tokens per sequence (kv_channels only where the head dim is not
@@ -70,6 +71,10 @@ class HFModel:
                 f"is above the model's max_position_embeddings={self.max_positions} and its config has no "
                 "rope_scaling (positions beyond it were never trained)",
                 f"use sequence lengths up to {self.max_positions}, or a config with rope_scaling")
+        require(self.sliding_window is None or seq <= self.sliding_window, key, seq,
+                f"is above the model's sliding attention window of {self.sliding_window} tokens, which the trials "
+                "do not model (they run full causal attention, which costs more and computes other numbers)",
+                f"use sequence lengths up to {self.sliding_window}")
 
 
 def config_path(value: str) -> Path:
@@ -136,4 +141,5 @@ def load_hf_model(value: str) -> HFModel:
         tied_embeddings=bool(cfg.tie_word_embeddings), qkv_bias=facts.hf_qkv_bias(cfg),
         max_positions=cfg.max_position_embeddings,
         rope_scaling=rope if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) != "default" else None,
+        sliding_window=getattr(cfg, "sliding_window", None),  # transformers sets it only where it is used
     )

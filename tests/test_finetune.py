@@ -144,6 +144,17 @@ def test_bad_model_input_fails_before_anything_is_written(tmp_path, make, key, w
     assert not (tmp_path / "res").exists()
 
 
+def test_a_sequence_beyond_mistrals_sliding_window_is_refused(tmp_path):
+    p = plan(tmp_path, "search_config=finetune/mistral_7b", "search_config.train_settings.seq_lengths=[4096]")
+    assert p.specs
+    cfg, _ = compose(["search_config=finetune/mistral_7b", "search_config.train_settings.seq_lengths=[4096,8192]",
+                      "search_config.train_settings.global_batch_tokens=262144"])
+    with pytest.raises(ConfigError) as err:
+        make_plan(to_app_config(cfg), "finetune/mistral_7b", tmp_path / "x")
+    assert err.value.key == "search_config.train_settings.seq_lengths" and "sliding attention window of 4096" in str(err.value)
+    assert not (tmp_path / "x").exists()
+
+
 def test_rope_scaling_allows_longer_sequences(tmp_path):
     model = write_config(tmp_path / "m", max_position_embeddings=100, rope_scaling={"rope_type": "linear", "factor": 2.0})
     p = plan(tmp_path, "search_config=finetune/custom", f"search_config.model.hf_config={model}",
