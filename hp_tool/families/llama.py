@@ -6,6 +6,7 @@ tokens; the grid extends NeMo's GPT tables by sequence length.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 from hp_tool.families.decoder import decoder_layer_flops, decoder_parameters
@@ -158,3 +159,10 @@ FAMILY = Family(
     hf_qkv_bias=lambda config: False,
     hf_unmodelled=("attention_bias", "mlp_bias"),
 )
+
+
+def hf_variant(name: str, description: str, qkv_bias: bool) -> Family:
+    """A model with Llama's layers that hp_tool reads from its Hugging Face config only (never sized from a
+    budget): Llama's record under another ``model_type``, with or without q, k and v biases."""
+    return dataclasses.replace(FAMILY, name=name, description=description, planner=False, hf_unmodelled=(),
+                               hf_qkv_bias=lambda config: qkv_bias)
