@@ -67,6 +67,7 @@ LAYOUTS = [
     ("llama", False, dict(dp=2, engine="deepspeed", zero_stage=3)),
     ("qwen2", False, dict(tp=2, zero_stage=0)),  # TP splits the q/k/v biases with their columns
     ("qwen2", True, dict(pp=2, zero_stage=0)),  # a tied head on the last stage, apart from the embedding
+    ("mistral", False, dict(tp=2, engine="deepspeed", zero_stage=1)),  # DeepSpeed's AutoTP
 ]
 
 

@@ -14,7 +14,6 @@ the learning rate of the TrialSpec's schedule is set on the optimizer's groups b
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from dataclasses import dataclass
 from typing import ClassVar, Optional
@@ -28,7 +27,6 @@ from hp_tool.trial.data import TokenBatches
 from hp_tool.trial.dist import DistEnv
 from hp_tool.trial.models import build_stage, loss_fn
 from hp_tool.trial.parallel import apply_activation_checkpointing
-from hp_tool.errors import require
 from hp_tool.trial.rank import Initialise
 from hp_tool.trial.stage import canonical_name
 
@@ -116,17 +114,15 @@ class DeepSpeedEngine:
         return total / len(micro)  # under AutoTP every TP rank holds the same loss
 
     def full_state_dict(self, dtype: torch.dtype = torch.float32) -> Optional[dict[str, torch.Tensor]]:
-        """Every parameter, whole (ZeRO-3's partitions gathered on every rank) and cast to ``dtype``, on
-        rank 0."""
-        import deepspeed
-
-        require(self.spec.parallel.tp == 1, "parallel.tp", self.spec.parallel.tp,
-                "saving a model split by DeepSpeed's AutoTP is not supported",
-                "save from a layout without TP (the torch engine saves TP layouts)")
-        params = [p for _, p in self.stage.named_parameters()]
-        gather = (deepspeed.zero.GatheredParameters(params, modifier_rank=None) if self.spec.parallel.zero_stage == 3
-                  else contextlib.nullcontext())
-        with gather:
-            state = {canonical_name(n, self.stage.tied): p.detach().to(dtype).cpu().clone()
-                     for n, p in self.stage.named_parameters()}
-        return state if self.env.rank == 0 else None
+        """Every parameter, whole and cast to ``dtype``, on rank 0: DeepSpeed's own consolidation where the
+        weights are split (ZeRO-3 partitions, AutoTP shards), else the module's parameters as they are."""
+        names = {n for n, _ in self.stage.named_parameters(remove_duplicate=False)}
+        par = self.spec.parallel
+        if par.zero_stage == 3 or par.tp > 1:
+            state = self.ds._consolidated_16bit_state_dict()  # collective; None off rank 0
+        else:
+            state = dict(self.stage.named_parameters()) if self.env.rank == 0 else None
+        if state is None:
+            return None
+        return {canonical_name(n, self.stage.tied): t.detach().to(dtype).cpu().clone()
+                for n, t in state.items() if n in names}
