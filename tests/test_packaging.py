@@ -39,6 +39,7 @@ def test_non_editable_install_runs_hp_tool_from_another_directory(tmp_path):
     files = subprocess.run([str(py), "-m", "pip", "show", "-f", "hp_tool"], cwd=elsewhere,
                            capture_output=True, text=True, check=True).stdout
     assert "hp_tool/conf/gpu/h100_80gb.yaml" in files and "hp_tool/conf/search_config/gpt3/5b.yaml" in files
+    assert "hp_tool/hf_configs/llama2_7b/config.json" in files  # the fine-tuning presets' models
     assert not any(line.strip() == "main.py" for line in files.splitlines())
 
     proc = subprocess.run([str(hp_tool), "search_config=gpt3/5b", "dry_run=true"], cwd=elsewhere,
@@ -46,6 +47,9 @@ def test_non_editable_install_runs_hp_tool_from_another_directory(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Model size: 5.05B parameters" in proc.stdout
     assert (elsewhere / "results" / "gpt3" / "5b" / "candidate_configs" / "plan.csv").is_file()
+    tune = subprocess.run([str(hp_tool), "search_config=finetune/llama2_7b", "dry_run=true"], cwd=elsewhere,
+                          capture_output=True, text=True, timeout=300)
+    assert tune.returncode == 0 and "Fine-tuning llama2_7b (llama, 6.74B parameters" in tune.stdout, tune.stderr[-3000:]
     module = subprocess.run([str(py), "-m", "hp_tool", "search_config=gpt3/nope"], cwd=elsewhere,
                             capture_output=True, text=True, timeout=300)
     assert module.returncode == 2 and "gpt3/5b" in module.stderr  # lists the installed presets
