@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from hp_tool.estimate.methods import head_training_flops, layer_training_flops
 from hp_tool.families import family
 from hp_tool.families.shape import Shape
 
@@ -130,15 +131,16 @@ def layer_forward_flops_per_sample(shape: Shape, encoder: bool = False) -> float
 
 
 def model_flops_per_step(shape: Shape, global_batch_size: int) -> float:
-    """Model FLOPs of one training step (forward + backward = 3x forward), recomputation excluded.
+    """Model FLOPs of one training step (forward + backward = 3x forward for full training; what a LoRA or
+    QLoRA step computes otherwise: estimate/methods.py), recomputation excluded.
 
     For GPT with ffn = 4h this equals 72·B·s·L·h²·(1 + s/(6h) + V/(12·L·h)).
     """
-    layers = shape.num_layers * layer_forward_flops_per_sample(shape)
+    layers = shape.num_layers * layer_training_flops(shape, layer_forward_flops_per_sample(shape))
     if shape.encoder_decoder:
-        layers += shape.num_layers * layer_forward_flops_per_sample(shape, encoder=True)
-    logits = 2 * shape.target_length * shape.hidden_size * shape.vocab_size
-    return 3.0 * global_batch_size * (layers + logits)
+        layers += shape.num_layers * layer_training_flops(shape, layer_forward_flops_per_sample(shape, encoder=True))
+    logits = head_training_flops(shape, 2 * shape.target_length * shape.hidden_size * shape.vocab_size)
+    return global_batch_size * (layers + logits)
 
 
 def recompute_flops_per_step(shape: Shape, global_batch_size: int, act_ckpt_layers: int, pp: int) -> float:

@@ -11,14 +11,15 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from hp_tool.architectures import Shape, count_parameters, lr_for, pipeline_problem, shape_for_size
-from hp_tool.config import SIZING_MFU, AppConfig, TrainSettings, training_precision
+from hp_tool.config import SIZING_MFU, AppConfig, LoraSettings, TrainSettings, training_precision
+from hp_tool.estimate.methods import linear_shapes
 from hp_tool.errors import ConfigError, require
 from hp_tool.estimate.layout import Hardware
 from hp_tool.sizing import days_to_train, format_days, recommend_model_size_b, size_label
 from hp_tool.families import family
 from hp_tool.hf_config import HFModel, load_hf_model
 from hp_tool.tables import lookup
-from hp_tool.contracts.spec import (FullRunSpec, ModelSpec, ParallelSpec, ResourcesSpec, RunSpec, TrainingSpec,
+from hp_tool.contracts.spec import (FullRunSpec, LoraSpec, ModelSpec, ParallelSpec, ResourcesSpec, RunSpec, TrainingSpec,
                                 TrialSpec, make_trial_id)
 
 TS = "search_config.train_settings"
@@ -73,10 +74,15 @@ class ModelChoice:
     label: str  # for file names: 5b, 126m, ...
     hf: Optional[HFModel] = None  # fine-tuning: the Hugging Face config the model comes from
     seq_lengths: tuple[int, ...] = ()  # fine-tuning: the sequence lengths searched (the shape has the longest)
+    methods: tuple[str, ...] = ("full",)  # fine-tuning: the methods searched
+    lora: Optional[LoraSettings] = None  # the adapters of lora and qlora
 
-    def at(self, seq: int) -> Shape:
-        """The model's shape at ``seq`` tokens per sequence."""
-        return replace(self.shape, seq_length=seq)
+    def at(self, seq: int, method: str = "full") -> Shape:
+        """The model's shape at ``seq`` tokens per sequence, trained by ``method`` (its adapters, if any)."""
+        if method == "full":
+            return replace(self.shape, seq_length=seq)
+        return replace(self.shape, seq_length=seq, method=method, lora_rank=self.lora.rank,
+                       lora_targets=lora_targets(self.shape, self.lora))
 
     def sentence(self, days: float, cluster: Cluster, ts: TrainSettings) -> str:
         if self.hf is not None:
@@ -133,7 +139,24 @@ def finetune_model(ts: TrainSettings, hf_config: str) -> ModelChoice:
         hf.check_seq_length(seq, f"{TS}.seq_lengths" if ts.seq_lengths else f"{TS}.seq_length")
     shape = hf.shape(seqs[-1])
     n = count_parameters(shape)
-    return ModelChoice(shape, n / 1e9, n, FINETUNE_LR, False, size_label(n), hf, seqs)
+    methods = tuple(ts.methods or ["full"])
+    if set(methods) - {"full"}:
+        lora_targets(shape, ts.lora)  # checked before anything is written
+    return ModelChoice(shape, n / 1e9, n, FINETUNE_LR, False, size_label(n), hf, seqs, methods, ts.lora)
+
+
+def lora_targets(shape: Shape, lora: LoraSettings) -> tuple[str, ...]:
+    """The linear modules the adapters go on (null: every linear of a layer), checked against the model:
+    an unknown name, or a rank above a target's narrower side, is a ConfigError naming the key."""
+    linears = linear_shapes(shape)
+    targets = tuple(lora.target_modules or linears)
+    unknown = [t for t in targets if t not in linears]
+    require(not unknown, f"{TS}.lora.target_modules", list(targets), f"{unknown} are not linear modules of a "
+            f"{shape.family} layer", f"use some of {list(linears)}, or null for all of them")
+    narrowest = min(min(linears[t]) for t in targets)
+    require(lora.rank <= narrowest, f"{TS}.lora.rank", lora.rank, f"exceeds the narrowest adapted width "
+            f"({narrowest}): a low-rank update cannot be wider than the matrix", f"use a rank below {narrowest}")
+    return targets
 
 
 def run_tokens_b(sc) -> float:
@@ -215,13 +238,17 @@ def model_seq(model: ModelChoice, shape: Shape) -> Optional[int]:
     return shape.seq_length if model.hf is not None else None
 
 
-def model_spec(s: Shape, num_parameters: int, hf: Optional[HFModel] = None) -> ModelSpec:
-    """The TrialSpec model section of a shape (with the Hugging Face config it comes from, if any)."""
+def model_spec(s: Shape, num_parameters: int, hf: Optional[HFModel] = None,
+               lora: Optional[LoraSettings] = None) -> ModelSpec:
+    """The TrialSpec model section of a shape (with the Hugging Face config it comes from and the method's
+    adapters, if any)."""
+    adapters = None if s.method == "full" else LoraSpec(s.lora_rank, lora.alpha, lora.dropout, list(s.lora_targets))
     return ModelSpec(s.family, s.num_layers, s.hidden_size, s.num_attention_heads, s.num_kv_heads,
                      s.ffn_hidden_size, s.vocab_size, s.seq_length, init_method_std=init_std(s),
                      num_parameters=num_parameters, kv_channels=s.kv_channels,
                      decoder_seq_length=s.decoder_seq_length, qkv_bias=s.qkv_bias,
-                     tied_embeddings=s.tied_embeddings, hf_config=None if hf is None else dict(hf.config))
+                     tied_embeddings=s.tied_embeddings, hf_config=None if hf is None else dict(hf.config),
+                     method=s.method, lora=adapters)
 
 
 def init_std(shape: Shape) -> float:

@@ -169,7 +169,7 @@ def act_ckpt_values(grid: Grid, shape: Shape, pp: int, virtual_stages: int = 1) 
 # train_settings keys of the Layout fields a problem can name
 FIELD_KEYS = {"tp": "tensor_parallel_sizes", "pp": "pipeline_parallel_sizes", "act_ckpt_layers": "act_ckpt_layers",
               "virtual_stages": "virtual_pipeline_sizes", "engine": "engines", "zero_stage": "zero_stages",
-              "offload": "offload", "global_batch_size": "global_batch_size", "optimizer": "optimizers"}
+              "offload": "offload", "global_batch_size": "global_batch_size", "optimizer": "optimizers", "method": "methods"}
 
 
 def invalid_reason(shape: Shape, c: Candidate, cluster: Cluster, mp_range: tuple[int, int]) -> Optional[tuple[str, str]]:

@@ -21,7 +21,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from hp_tool.families import family, family_names
 from hp_tool.errors import ConfigError, require
-from hp_tool.vocab import CLUSTER_TYPES, ENGINES, FINETUNE, MEMORY_CHECKS, OPTIMIZERS, OFFLOADS, PRECISIONS, STRATEGIES, ZERO_STAGES
+from hp_tool.vocab import CLUSTER_TYPES, ENGINES, FINETUNE, MEMORY_CHECKS, METHODS, OPTIMIZERS, OFFLOADS, PRECISIONS, STRATEGIES, ZERO_STAGES
 
 DEFAULT_SKIP_MARGIN = 0.25  # train_settings.skip_margin; chosen by benchmarks/search_cost.py
 SIZING_MFU = 140 / 312  # tflops_per_gpu default: the MFU of NeMo's 140 TFLOPS on a 312-TFLOPS A100 (45%)
@@ -157,6 +157,23 @@ class ClusterConfig:
 
 
 @dataclass
+class LoraSettings:
+    """The adapters of the lora and qlora methods (peft's LoraConfig)."""
+
+    rank: int = 16  # r: the adapters' inner width
+    alpha: float = 32.0  # the update is scaled by alpha / r
+    dropout: float = 0.05  # dropout on the adapters' input
+    target_modules: Optional[List[str]] = None  # a layer's linear modules to adapt; null = every one
+
+    def __post_init__(self) -> None:
+        p = "search_config.train_settings.lora"
+        require(self.rank >= 1, f"{p}.rank", self.rank, "must be at least 1",
+                "use a rank such as 8, 16 or 64 (LoRA with rank 0 trains nothing)")
+        require(self.alpha > 0, f"{p}.alpha", self.alpha, "must be positive", "use e.g. 2 x rank")
+        require(0 <= self.dropout < 1, f"{p}.dropout", self.dropout, "must be in [0, 1)", "use e.g. 0.05")
+
+
+@dataclass
 class ModelOverrides:
     """Explicit shape; null = from the family's table for the model size."""
 
@@ -223,6 +240,8 @@ class TrainSettings:
     min_model_parallel_size: Optional[int] = None
     max_model_parallel_size: Optional[int] = None
     optimizers: Optional[List[str]] = None  # adamw | sgd | sgd_momentum (0.9) | adamw_8bit (CUDA); null = [adamw]
+    methods: Optional[List[str]] = None  # fine-tuning: full | lora | qlora; null = [full]
+    lora: LoraSettings = field(default_factory=LoraSettings)  # the adapters of lora and qlora
     # fine-tuning (model_family finetune): the data is the budget; the answer is hours and dollars per epoch
     seq_lengths: Optional[List[int]] = None  # tokens per sequence, searched with micro_batch_sizes; null = [seq_length]
     global_batch_tokens: Optional[int] = None  # tokens per optimizer step at every sequence length; null = GBS x seq
@@ -247,6 +266,10 @@ class TrainSettings:
         _members(self, p, "zero_stages", ZERO_STAGES)
         _members(self, p, "offload", OFFLOADS)
         _members(self, p, "optimizers", OPTIMIZERS)
+        _members(self, p, "methods", METHODS)
+        require(not ("qlora" in (self.methods or []) and self.precision == "fp32"), f"{p}.precision", self.precision,
+                "QLoRA computes on a dequantised 16-bit copy of its 4-bit weights, not in fp32",
+                "use bf16 or fp16 (null: the GPU's), or search methods [full, lora]")
         if "deepspeed" in (self.engines or ()) and importlib.util.find_spec("deepspeed") is None:
             raise ConfigError(f"{p}.engines", self.engines, "the deepspeed engine was asked for but DeepSpeed "
                               "is not installed", 'pip install "hp_tool[deepspeed]" (or pip install deepspeed), '
@@ -330,7 +353,8 @@ class SearchConfig:
         if not self.finetune:
             for key, value in (("model.hf_config", m.hf_config), ("train_settings.seq_lengths", ts.seq_lengths),
                                ("train_settings.global_batch_tokens", ts.global_batch_tokens),
-                               ("train_settings.dataset_tokens_in_m", ts.dataset_tokens_in_m)):
+                               ("train_settings.dataset_tokens_in_m", ts.dataset_tokens_in_m),
+                               ("train_settings.methods", ts.methods)):
                 require(value is None, f"{p}.{key}", value, f"belongs to fine-tuning searches, not to a "
                         f"{self.model_family} pretraining search", "remove it (null), or search a finetune/* config")
             return

@@ -30,6 +30,7 @@ FIXES = {
                               "1 without a pipeline or for T5/mT5",
     "num_nodes": "use a GPU count divisible by TP*PP",
     "optimizers": "use adamw with offload, or the other optimizers without it",
+    "methods": "use TP=1 for lora and qlora, and the torch engine with ZeRO 0-1 for qlora",
     "max_model_parallel_size": "widen min_model_parallel_size / max_model_parallel_size",
 }
 
@@ -58,10 +59,10 @@ def make_plan(app: AppConfig, search_name: str, results_dir: Path, tracer: Optio
     base = base_spec(app, model, cluster)
     candidates = []
     for seq in model.seq_lengths or (model.shape.seq_length,):  # several for a fine-tuning search
-        shape = model.at(seq)
-        gbs = global_batch_size(shape.family, ts, model.size_b, seq, app.search_config.finetune)
-        candidates += plan_candidates(shape, model.size_b, ts, cluster, gbs)
-    if len(model.seq_lengths) > 1:
+        gbs = global_batch_size(model.shape.family, ts, model.size_b, seq, app.search_config.finetune)
+        for method in model.methods:
+            candidates += plan_candidates(model.at(seq, method), model.size_b, ts, cluster, gbs)
+    if len(model.seq_lengths) > 1 or len(model.methods) > 1:
         rank_candidates(candidates, ts.limit_search_runs)
     if tracer is not None:
         check_traced_memory(candidates, lambda c: candidate_spec(base, c, model, app, results_dir), tracer,
@@ -130,7 +131,8 @@ def _require_selection(candidates: list[Candidate], ts, cluster: Cluster) -> Non
 
 def candidate_trial_id(model: ModelChoice, c: Candidate) -> str:
     return make_trial_id(model.shape.family, model.label, c.tp, c.pp, c.mbs, c.act_ckpt_layers, c.engine,
-                         c.zero_stage, c.offload, c.virtual_stages, model_seq(model, c.shape), c.optimizer)
+                         c.zero_stage, c.offload, c.virtual_stages, model_seq(model, c.shape), c.optimizer,
+                         c.shape.method, c.shape.lora_rank)
 
 
 def candidate_spec(base: TrialSpec, c: Candidate, model: ModelChoice, app: AppConfig,
@@ -144,7 +146,7 @@ def candidate_spec(base: TrialSpec, c: Candidate, model: ModelChoice, app: AppCo
     return dataclasses.replace(
         base,
         trial_id=trial_id,
-        model=model_spec(c.shape, model.num_parameters, model.hf),
+        model=model_spec(c.shape, model.num_parameters, model.hf, model.lora),
         parallel=ParallelSpec.of(c.trial_layout(), base.parallel.pipeline_schedule),
         training=dataclasses.replace(base.training, global_batch_size=c.trial_global_batch_size,
                                      warmup_steps=warmup, constant_steps=constant, max_steps=max_steps,

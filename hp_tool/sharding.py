@@ -42,6 +42,20 @@ def family_problem(family_name: str, engine: str) -> Optional[tuple[str, str]]:
     return None
 
 
+def method_problem(method: str, engine: str, tp: int, zero_stage: int, offload: str) -> Optional[str]:
+    """Why a layout cannot train with ``method``, or None: the torch engine's TP plan splits nn.Linear
+    modules, which peft's LoRA layers wrap; bitsandbytes' 4-bit weights (QLoRA) are not sharded by FSDP2 or
+    DeepSpeed and stay on the GPU."""
+    if method == "full":
+        return None
+    if tp > 1 and engine == "torch":
+        return f"{method} with TP={tp}: the torch engine's TP plan splits nn.Linear modules, which peft's LoRA layers wrap"
+    if method == "qlora" and (engine != "torch" or zero_stage > 1 or offload != "none"):
+        return ("qlora runs on the torch engine with ZeRO 0-1 and no offload: bitsandbytes' 4-bit weights are "
+                "not sharded by FSDP2 or DeepSpeed")
+    return None
+
+
 def optimizer_problem(optimizer: str, engine: str, zero_stage: int, offload: str) -> Optional[str]:
     """Why an engine cannot run ``optimizer`` with this ZeRO stage and offload, or None: offloaded states
     are stepped by DeepSpeed's CPU Adam (deepspeed) or on the host (torch), where bitsandbytes' 8-bit

@@ -12,6 +12,8 @@ ENGINES = ("torch", "deepspeed")
 ZERO_STAGES = (0, 1, 2, 3)
 # adamw; sgd (momentum 0); sgd_momentum (0.9); adamw_8bit (bitsandbytes' 8-bit states, CUDA only)
 OPTIMIZERS = ("adamw", "sgd", "sgd_momentum", "adamw_8bit")
+# full: every weight trains; lora: frozen base, trainable low-rank adapters (peft); qlora: the same over a 4-bit base
+METHODS = ("full", "lora", "qlora")
 OPTIMIZER_CODES = {"adamw": "", "sgd": "_sgd", "sgd_momentum": "_sgdm", "adamw_8bit": "_adam8"}  # in a trial id
 OFFLOADS = ("none", "optimizer", "optimizer_and_params")
 ENGINE_CODES = {"torch": "torch", "deepspeed": "ds"}  # how a trial id spells an engine

@@ -23,8 +23,23 @@ from hp_tool.estimate.layout import Layout
 from hp_tool.fingerprint import fingerprint_of
 from hp_tool.fsutil import atomic_write_text
 from hp_tool.sharding import combination_problem, layout_suffix
-from hp_tool.vocab import DATA_SOURCES, ENGINES, OFFLOADS, OPTIMIZER_CODES, OPTIMIZERS, PRECISIONS, RUN_MODES, SCHEDULES, ZERO_STAGES
+from hp_tool.vocab import DATA_SOURCES, ENGINES, METHODS, OFFLOADS, OPTIMIZER_CODES, OPTIMIZERS, PRECISIONS, RUN_MODES, SCHEDULES, ZERO_STAGES
 
+
+
+@dataclass
+class LoraSpec:
+    """The adapters of the lora and qlora methods (peft's LoraConfig)."""
+
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.05
+    target_modules: List[str] = field(default_factory=list)  # a layer's linear modules, by name
+
+    def __post_init__(self) -> None:
+        require(self.rank >= 1, "model.lora.rank", self.rank, "must be at least 1", "use a rank such as 16")
+        require(bool(self.target_modules), "model.lora.target_modules", self.target_modules, "is empty",
+                "name the linear modules to adapt, e.g. [q_proj, v_proj]")
 
 
 @dataclass
@@ -49,12 +64,18 @@ class ModelSpec:
     tied_embeddings: Optional[bool] = None  # the head is the embedding's matrix; null = the family's rule
     hf_config: Optional[Dict[str, Any]] = None  # a fine-tuned model's config.json (hp_tool/hf_config.py)
     checkpoint: Optional[str] = None  # a Hugging Face model directory whose weights the run starts from
+    method: str = "full"  # full | lora | qlora: what trains (hp_tool/estimate/methods.py)
+    lora: Optional[LoraSpec] = None  # the adapters, for lora and qlora
 
     def shape(self) -> Shape:
         """The planner's view of this model (for parameter and FLOP counts)."""
+        adapters = self.lora if self.method != "full" else None
         return Shape(self.family, self.num_layers, self.hidden_size, self.num_attention_heads,
                      self.num_kv_heads, self.ffn_hidden_size, self.vocab_size, self.seq_length,
-                     self.kv_channels, self.decoder_seq_length, self.qkv_bias, self.tied_embeddings)
+                     self.kv_channels, self.decoder_seq_length, self.qkv_bias, self.tied_embeddings,
+                     pretrained=self.hf_config is not None, method=self.method,
+                     lora_rank=adapters.rank if adapters else 0,
+                     lora_targets=tuple(adapters.target_modules) if adapters else ())
 
     def __post_init__(self) -> None:
         facts = family(self.family)  # an unknown family fails here, naming model.family
@@ -76,6 +97,10 @@ class ModelSpec:
         require(self.num_attention_heads % self.num_kv_heads == 0, "model.num_kv_heads",
                 self.num_kv_heads, f"does not divide num_attention_heads={self.num_attention_heads}",
                 "use a divisor of the head count")
+        require(self.method in METHODS, "model.method", self.method, "unknown method", f"use one of {list(METHODS)}")
+        require((self.lora is not None) == (self.method != "full"), "model.lora", self.lora,
+                f"is given exactly for the adapter methods (lora, qlora), and the method is {self.method}",
+                "give model.lora for lora and qlora, null for full")
         model_type = (self.hf_config or {}).get("model_type", self.family)
         require(model_type == self.family, "model.hf_config.model_type", model_type,
                 f"is not the spec's family {self.family!r}", "give the config of a model of this family")
@@ -93,6 +118,7 @@ SPEC_FIXES = {
                    "layers per stage and the checkpointed layers)"),
     "savers": "choose a combination the engine supports (hp_tool/sharding.py)",
     "optimizer": "use adamw, or the optimizer without offload (hp_tool/sharding.py optimizer_problem)",
+    "method": "use a layout the method runs on (hp_tool/sharding.py method_problem)",
 }
 
 
@@ -324,13 +350,15 @@ def dump_spec(spec: TrialSpec, path: str | os.PathLike) -> Path:
 
 def make_trial_id(family: str, size_label: str, tp: int, pp: int, mbs: int, act_ckpt_layers: int,
                   engine: str = "torch", zero_stage: int = 3, offload: str = "none", virtual_stages: int = 1,
-                  seq: Optional[int] = None, optimizer: str = "adamw") -> str:
+                  seq: Optional[int] = None, optimizer: str = "adamw", method: str = "full",
+                  lora_rank: int = 0) -> str:
     """The one place a trial id is built; every file name derives from it. It names every searched
     dimension, e.g. gpt3_5b_tp2_pp1_mbs4_ac0_torch_z3_noff; interleaved layouts add their virtual stages
     after PP (gpt3_5b_tp1_pp4_vp2_mbs1_ac0_torch_z3_noff); a fine-tuning search its sequence length after
     the size (llama_6.74b_s2048_tp1_pp1_mbs4_ac32_ds_z3_offopt); an optimizer other than AdamW its code at
-    the end (..._torch_z3_noff_sgdm)."""
+    the end (..._torch_z3_noff_sgdm); an adapter method its name and rank after the sequence length
+    (llama_6.74b_s2048_lora16_tp1_...)."""
     vp = f"_vp{virtual_stages}" if virtual_stages > 1 else ""
-    s = f"_s{seq}" if seq is not None else ""
+    s = (f"_s{seq}" if seq is not None else "") + (f"_{method}{lora_rank}" if method != "full" else "")
     return (f"{family}_{size_label}{s}_tp{tp}_pp{pp}{vp}_mbs{mbs}_ac{act_ckpt_layers}_"
             f"{layout_suffix(engine, zero_stage, offload)}{OPTIMIZER_CODES[optimizer]}")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 from hp_tool.architectures import interleave_problem, pipeline_problem
-from hp_tool.sharding import combination_problem, family_problem, optimizer_problem
+from hp_tool.sharding import combination_problem, family_problem, method_problem, optimizer_problem
 
 if TYPE_CHECKING:
     from hp_tool.families.shape import Shape
@@ -90,6 +90,9 @@ class Layout:
         bad_optimizer = self.optimizer_problem()
         if bad_optimizer:
             out.append(bad_optimizer)
+        bad_method = method_problem(shape.method, self.engine, self.tp, self.zero_stage, self.offload)
+        if bad_method:
+            out.append(Problem("method", "method", bad_method))
         return out
 
     def optimizer_problem(self) -> Optional["Problem"]:

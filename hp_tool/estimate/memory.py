@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from hp_tool.architectures import (Shape, checkpointed_layer_counts, count_parameters, layer_parameters,
                                    stage_layer_counts, stage_layer_parameters, vocab_parallel_parameters)
 from hp_tool.estimate.layout import GB, Hardware, Layout, interleave_held_tensors, microbatches_in_flight
+from hp_tool.estimate.methods import (ADAPTED, NF4_BITS, adapter_parameters_per_layer, linear_parameters_per_layer,
+                                      linear_shapes)
 
 MODEL_STATE_BYTES = 16  # 2 (16-bit weights) + 2 (16-bit grads) + 12 (fp32 master, Adam m, v)
 # Optimizer states per trainable parameter beyond the fp32 master (REFERENCE §13): Adam's m and v in fp32 (8),
@@ -147,7 +149,12 @@ def host_phases_gb(shape: Shape, layout: Layout, gpus_on_node: int) -> HostPhase
     if per_param:  # the offloaded optimizer's own states in place of Adam's 8 bytes
         per_param += OPTIMIZER_STATE_BYTES[layout.optimizer] - OPTIMIZER_STATE_BYTES["adamw"]
     shard = max(stage_parameters(shape, layout.tp, layout.pp)) / max(1, layout.dp)
-    train = gpus_on_node * (per_param * shard + HOST_PROCESS_OVERHEAD_GB * GB)
+    offloaded = per_param * shard
+    if shape.method in ADAPTED and per_param:  # the adapters' states; parameter offload moves the frozen base too
+        adapters = shape.num_layers / layout.pp * adapter_parameters_per_layer(shape) / layout.tp / max(1, layout.dp)
+        base = shard * (2 if layout.offload == "optimizer_and_params" else 0)
+        offloaded = per_param * adapters + base
+    train = gpus_on_node * (offloaded + HOST_PROCESS_OVERHEAD_GB * GB)
     load = train + (gpus_on_node * LOAD_COPY_BYTES * largest_tensor(shape) if shape.pretrained else 0.0)
     save = train + (PRETRAINED_GATHER_BYTES if shape.pretrained else CHECKPOINT_GATHER_BYTES) * count_parameters(shape)
     return HostPhases(load / GB, train / GB, save / GB)
@@ -190,6 +197,34 @@ def stage_activation_bytes(shape: Shape, layout: Layout, hw: Hardware, stage: in
     return stored, buffer
 
 
+def stage_state_bytes(shape: Shape, layout: Layout, hw: Hardware, params: float, stage: int,
+                      gathered_layer: float) -> float:
+    """GPU bytes of pipeline ``stage``'s weights, gradients, optimizer states and compute copies (``params``
+    parameters on this GPU after TP).
+
+    Full training: ``model_state_bytes`` + ``compute_copy_bytes``. LoRA / QLoRA (estimate/methods.py): the
+    frozen base in the compute dtype (QLoRA: its layers' linear weights in NF4_BITS per parameter) with no
+    gradient or optimizer state, sharded by ZeRO-3 / FSDP2 and moved to the host by parameter offload as
+    for full training (a gathered layer and the prefetched one when sharded); QLoRA's transient dequantised
+    copy of the layer's largest weight; the adapters' own states as full training's."""
+    if shape.method not in ADAPTED:
+        return (model_state_bytes(params, layout.dp, layout.zero_stage, layout.offload, layout.engine,
+                                  layout.optimizer) + compute_copy_bytes(params, gathered_layer, layout, hw))
+    bpv = hw.bytes_per_value
+    layers = sum(stage_layer_counts(shape, layout.pp, stage))
+    adapters = layers * adapter_parameters_per_layer(shape) / layout.tp
+    base, dequantised = params * bpv, 0.0
+    if shape.method == "qlora":
+        quantised = layers * linear_parameters_per_layer(shape) / layout.tp
+        base = (params - quantised) * bpv + quantised * NF4_BITS / 8
+        dequantised = max(i * o for i, o in linear_shapes(shape).values()) / layout.tp * bpv
+    sharded = layout.zero_stage >= 3 and (layout.dp > 1 or layout.offload == "optimizer_and_params")
+    on_gpu = 0.0 if layout.offload == "optimizer_and_params" else base / (layout.dp if sharded else 1)
+    gathered = 2 * bpv * gathered_layer if sharded else 0.0
+    return on_gpu + gathered + dequantised + model_state_bytes(
+        adapters, layout.dp, layout.zero_stage, layout.offload, layout.engine, layout.optimizer)
+
+
 def estimate_memory(shape: Shape, layout: Layout, hw: Hardware) -> MemoryEstimate:
     """Peak memory per GPU on the most loaded pipeline stage. Stage i of 1F1B holds up to PP - i
     micro-batches' activations in flight (the first stage the most; interleaved 1F1B more, and the receive
@@ -207,9 +242,7 @@ def estimate_memory(shape: Shape, layout: Layout, hw: Hardware) -> MemoryEstimat
         activations += sum(interleave_held_tensors(layout, stage)) * layout.mbs * shape.seq_length * \
             shape.hidden_size * bpv
         stage_logits = logits if stage == pp - 1 else 0.0
-        states = (model_state_bytes(params, layout.dp, layout.zero_stage, layout.offload, layout.engine,
-                                    layout.optimizer)
-                  + compute_copy_bytes(params, gathered_layer, layout, hw))
+        states = stage_state_bytes(shape, layout, hw, params, stage, gathered_layer)
         total = states + activations + stage_logits
         if total > best_total:
             best_total = total

@@ -27,6 +27,7 @@ from hp_tool.architectures import (Shape, checkpointed_layer_counts, model_flops
                                    recompute_flops_per_step, stage_layer_counts, stage_layer_parameters,
                                    vocab_parallel_parameters)
 from hp_tool.estimate.layout import GB, Hardware, Layout
+from hp_tool.estimate.methods import ADAPTED, adapter_parameters_per_layer
 
 MAX_EFFICIENCY = 0.7  # the fraction of peak large dense matmuls approach (best published runs: 0.5-0.65)
 WIDTH_HALF = 384.0  # hidden columns per TP rank at which efficiency is half its saturation
@@ -115,8 +116,13 @@ def dp_comm_s(shape: Shape, layout: Layout, hw: Hardware, num_nodes: int) -> flo
         return 0.0
     bandwidth = hw.inter_node_bandwidth_gbps if num_nodes > 1 else hw.intra_node_bandwidth_gbps
     # a ring all-reduce moves two collectives' volume
-    comm = dp_collectives(shape, layout) / 2 * _ring_allreduce_s(2 * _local_parameters(shape, layout), layout.dp,
-                                                                 bandwidth)
+    collectives, params = dp_collectives(shape, layout), _local_parameters(shape, layout)
+    volume = collectives * params
+    if shape.method in ADAPTED:  # gradients of the adapters only; ZeRO-3 still gathers the frozen base
+        adapters = shape.pipeline_layers / layout.pp * adapter_parameters_per_layer(shape) / layout.tp
+        m = layout.num_microbatches
+        volume = ((collectives - m) * params + m * adapters) if layout.zero_stage >= 3 else collectives * adapters
+    comm = volume / 2 * _ring_allreduce_s(2.0, layout.dp, bandwidth)
     overlappable = compute_s(shape, layout, hw) * (1.0 if layout.zero_stage >= 3 else 2 / 3)
     return comm - min(DP_OVERLAP * comm, overlappable)
 

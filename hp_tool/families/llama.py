@@ -158,6 +158,11 @@ FAMILY = Family(
     # Llama has them, and hp_tool/hf_config.py refuses a config that sets them
     hf_qkv_bias=lambda config: False,
     hf_unmodelled=("attention_bias", "mlp_bias"),
+    linear_shapes=lambda s: {
+        "q_proj": (s.hidden_size, s.attention_dim), "k_proj": (s.hidden_size, s.kv_dim),
+        "v_proj": (s.hidden_size, s.kv_dim), "o_proj": (s.attention_dim, s.hidden_size),
+        "gate_proj": (s.hidden_size, s.ffn_hidden_size), "up_proj": (s.hidden_size, s.ffn_hidden_size),
+        "down_proj": (s.ffn_hidden_size, s.hidden_size)},
 )
 
 

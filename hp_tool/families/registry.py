@@ -61,6 +61,8 @@ class Family:
     # q, k and v carry biases; None: not read from a Hugging Face config
     hf_qkv_bias: Optional[Callable[[Any], bool]] = None
     hf_unmodelled: tuple[str, ...] = ()  # config.json flags that, when true, describe layers hp_tool does not model
+    # a layer's linear modules by name -> (in features, out features): what LoRA adapts; None: no adapters
+    linear_shapes: Optional[Callable[["Shape"], dict[str, tuple[int, int]]]] = None
 
 
 _FAMILIES: Registry[Family] = Registry("model family")

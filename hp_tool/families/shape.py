@@ -31,6 +31,9 @@ class Shape:
     qkv_bias: bool = False  # q, k and v projections carry biases (Qwen2)
     tied_embeddings: Optional[bool] = None  # the head is the embedding's matrix; None: the family's rule
     pretrained: bool = False  # a published model (a Hugging Face config): the run loads and saves its checkpoint
+    method: str = "full"  # what trains: full | lora | qlora (frozen base, low-rank adapters: estimate/methods.py)
+    lora_rank: int = 0  # the adapters' rank (lora, qlora)
+    lora_targets: tuple[str, ...] = ()  # the linear modules adapted in every layer (lora, qlora)
 
     @property
     def tied_head(self) -> bool:
