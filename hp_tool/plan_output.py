@@ -10,6 +10,7 @@ from typing import Any, Iterable
 
 from hp_tool.candidates import Candidate
 from hp_tool.cost import cost_columns, epoch_columns
+from hp_tool.estimate.methods import trainable_parameters
 from hp_tool.fsutil import atomic_write_text
 from hp_tool.planner import Plan, candidate_trial_id
 from hp_tool.sizing import SECONDS_PER_DAY
@@ -27,7 +28,8 @@ PLAN_COLUMNS = (
     "predicted_model_tflops_per_gpu", "predicted_days_to_train", "predicted_full_run_cost_usd",
     "predicted_cost_usd_per_million_tokens", "predicted_rank", "plan_status", "reason",
     "seq_length", "predicted_mfu", "predicted_tokens_per_hour", "predicted_hours_per_epoch",
-    "predicted_cost_usd_per_epoch", "predicted_rank0_host_memory_gb", "optimizer",
+    "predicted_cost_usd_per_epoch", "predicted_rank0_host_memory_gb", "optimizer", "method", "lora_rank",
+    "trainable_parameters",
 )
 
 
@@ -82,6 +84,8 @@ def plan_rows(plan: Plan) -> Iterable[dict[str, Any]]:
             "predicted_cost_usd_per_epoch": _round(epoch.get("cost_usd_per_epoch"), 2),
             "predicted_rank0_host_memory_gb": _round(c.rank0_host_memory_gb, 2),
             "optimizer": c.optimizer,
+            "method": c.shape.method, "lora_rank": c.shape.lora_rank or None,
+            "trainable_parameters": trainable_parameters(c.shape, m.num_parameters),
         }
 
 

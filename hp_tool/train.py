@@ -133,8 +133,11 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         AutoTokenizer.from_pretrained(spec.model.checkpoint).save_pretrained(spec.run.save_dir)
         result = json.loads((Path(spec.run.output_dir) / "result.json").read_text())
-        print(f"Trained {result['steps_run']} steps (final loss {result['final_loss']:.4f}); saved the model to "
-              f"{spec.run.save_dir}: AutoModelForCausalLM.from_pretrained({spec.run.save_dir!r}) loads it.")
+        loads = (f"AutoModelForCausalLM.from_pretrained({spec.run.save_dir!r})" if spec.model.method == "full" else
+                 f"PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({spec.model.checkpoint!r}), "
+                 f"{spec.run.save_dir!r})")
+        print(f"Trained {result['steps_run']} steps (final loss {result['final_loss']:.4f}); saved the "
+              f"{'model' if spec.model.method == 'full' else 'adapters'} to {spec.run.save_dir}: {loads} loads it.")
     return code
 
 

@@ -203,25 +203,28 @@ def stage_state_bytes(shape: Shape, layout: Layout, hw: Hardware, params: float,
     parameters on this GPU after TP).
 
     Full training: ``model_state_bytes`` + ``compute_copy_bytes``. LoRA / QLoRA (estimate/methods.py): the
-    frozen base in the compute dtype (QLoRA: its layers' linear weights in NF4_BITS per parameter) with no
-    gradient or optimizer state, sharded by ZeRO-3 / FSDP2 and moved to the host by parameter offload as
-    for full training (a gathered layer and the prefetched one when sharded); QLoRA's transient dequantised
-    copy of the layer's largest weight; the adapters' own states as full training's."""
+    frozen base as the engine holds it (torch: fp32, DeepSpeed: 16-bit; QLoRA: its layers' linear weights in
+    NF4_BITS per parameter) with no gradient or optimizer state, sharded by ZeRO-3 / FSDP2 and moved to the
+    host by parameter offload as for full training, with full training's compute copies; QLoRA's transient
+    dequantised copy of the layer's largest weight; the adapters' own states as full training's."""
     if shape.method not in ADAPTED:
         return (model_state_bytes(params, layout.dp, layout.zero_stage, layout.offload, layout.engine,
                                   layout.optimizer) + compute_copy_bytes(params, gathered_layer, layout, hw))
     bpv = hw.bytes_per_value
     layers = sum(stage_layer_counts(shape, layout.pp, stage))
     adapters = layers * adapter_parameters_per_layer(shape) / layout.tp
-    base, dequantised = params * bpv, 0.0
+    # the frozen base as the engines hold it: the torch engine in fp32 with its compute copies, as full
+    # training's parameters; DeepSpeed in 16 bits
+    weight_bytes = 4.0 if layout.engine == "torch" else float(bpv)
+    base, dequantised = params * weight_bytes, 0.0
     if shape.method == "qlora":
         quantised = layers * linear_parameters_per_layer(shape) / layout.tp
-        base = (params - quantised) * bpv + quantised * NF4_BITS / 8
+        base = (params - quantised) * weight_bytes + quantised * NF4_BITS / 8
         dequantised = max(i * o for i, o in linear_shapes(shape).values()) / layout.tp * bpv
     sharded = layout.zero_stage >= 3 and (layout.dp > 1 or layout.offload == "optimizer_and_params")
     on_gpu = 0.0 if layout.offload == "optimizer_and_params" else base / (layout.dp if sharded else 1)
-    gathered = 2 * bpv * gathered_layer if sharded else 0.0
-    return on_gpu + gathered + dequantised + model_state_bytes(
+    copies = compute_copy_bytes(params, gathered_layer, layout, hw)
+    return on_gpu + copies + dequantised + model_state_bytes(
         adapters, layout.dp, layout.zero_stage, layout.offload, layout.engine, layout.optimizer)
 
 

@@ -42,10 +42,10 @@ SELECTED = "selected"
 STATUS_ORDER = ("ok", "timeout", "oom", "failed", "cancelled", "unschedulable", "skipped", "pruned_after_oom",
                 STALE, NOT_RUN, "over_limit",
                 "pruned", "invalid")
-PLAN_INTS = ("seq_length", "tp", "pp", "virtual_stages", "dp", "mbs", "act_ckpt_layers", "zero_stage", "global_batch_size", "num_nodes",
+PLAN_INTS = ("seq_length", "lora_rank", "trainable_parameters", "tp", "pp", "virtual_stages", "dp", "mbs", "act_ckpt_layers", "zero_stage", "global_batch_size", "num_nodes",
              "trial_num_nodes", "trial_dp", "trial_global_batch_size", "predicted_rank")
 PLAN_TEXT = ("trial_id", "model_family", "engine", "offload", "plan_status", "reason", "fingerprint", "memory_check",
-             "optimizer")
+             "optimizer", "method")
 
 # Every column of the table, in the order the CSVs use; units in the names.
 TABLE_COLUMNS = (
@@ -64,11 +64,12 @@ TABLE_COLUMNS = (
     "days_to_train", "predicted_days_to_train", "full_run_cost_usd", "cost_usd_per_million_tokens",
     "gpu_hour_price_usd", "predicted_rank", "stop_reason", "final_loss", "device", "start_time", "end_time",
     "fingerprint", "seq_length", "tokens_per_hour", "hours_per_epoch", "cost_usd_per_epoch", "optimizer",
+    "method", "lora_rank", "trainable_parameters",
 )
-INT_COLUMNS = ("seq_length", "rank", "tp", "pp", "virtual_stages", "dp", "mbs", "act_ckpt_layers", "zero_stage", "global_batch_size", "num_nodes",
+INT_COLUMNS = ("seq_length", "lora_rank", "trainable_parameters", "rank", "tp", "pp", "virtual_stages", "dp", "mbs", "act_ckpt_layers", "zero_stage", "global_batch_size", "num_nodes",
                "num_gpus", "trial_num_nodes", "trial_dp", "trial_global_batch_size", "trial_world_size", "steps_run",
                "steps_measured", "predicted_rank")
-TEXT_COLUMNS = ("trial_id", "status", "reason", "plan_status", "model_family", "engine", "offload", "optimizer",
+TEXT_COLUMNS = ("trial_id", "status", "reason", "plan_status", "model_family", "engine", "offload", "optimizer", "method",
                 "memory_check", "stop_reason", "device",
                 "start_time", "end_time", "fingerprint")
 FLOAT_COLUMNS = tuple(c for c in TABLE_COLUMNS if c not in INT_COLUMNS + TEXT_COLUMNS)
@@ -193,7 +194,7 @@ def full_run_columns(row: dict, full: FullRun) -> dict:
               "engine": row.get("engine") or "torch", "virtual_stages": row.get("virtual_stages") or 1}
     trial = Layout(tp, pp, trial_dp, mbs, ckpt, row["trial_global_batch_size"], **savers)
     whole = Layout(tp, pp, dp, mbs, ckpt, gbs, **savers)
-    shape = full.shape_at(row.get("seq_length"))  # the trial's sequence length, as plan.csv copies it
+    shape = full.trial_shape(row)  # the trial's sequence length and method, as its spec says
     step_s = extrapolate_step_time_s(measured, shape, trial, whole, full.hw,
                                      row.get("trial_num_nodes") or 1, full.num_nodes)
     tokens_per_s = throughput(shape, gbs, step_s, cols["num_gpus"], full.peak_tflops_per_gpu)["tokens_per_s"]

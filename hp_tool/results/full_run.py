@@ -34,6 +34,13 @@ class FullRun:
         shape = self.shape
         return shape if seq is None or seq == shape.seq_length else replace(shape, seq_length=int(seq))
 
+    def trial_shape(self, row: dict) -> Shape:
+        """The model a table row's trial trained: at its sequence length, and for an adapter method as its
+        own spec says (``candidate_configs/<trial_id>.yaml``: the adapters)."""
+        if (row.get("method") or "full") == "full":
+            return self.shape_at(row.get("seq_length"))
+        return load_spec(self.path.parent / "candidate_configs" / f"{row['trial_id']}.yaml").model.shape()
+
     @property
     def epoch_tokens(self) -> Optional[float]:
         """Tokens in one pass over a fine-tuning run's data; None for pretraining."""

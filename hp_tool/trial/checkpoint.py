@@ -24,6 +24,7 @@ import torch
 from hp_tool.contracts.spec import ModelSpec
 from hp_tool.errors import ConfigError, require
 from hp_tool.trial.families import torch_family
+from hp_tool.trial.methods import is_adapter
 from hp_tool.trial.models import build_full_model_on_meta
 
 INDEX = "model.safetensors.index.json"
@@ -112,6 +113,23 @@ def weight_source(model: ModelSpec) -> Optional[Callable[[str, torch.Size], torc
     return source
 
 
+def save_adapter(state: dict[str, torch.Tensor], model: ModelSpec, folder: str | Path, hf_key) -> Path:
+    """Write a LoRA run's adapters in peft's format (``adapter_model.safetensors`` and
+    ``adapter_config.json``), which ``PeftModel.from_pretrained(<the base model>, folder)`` loads."""
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    tensors = {f"base_model.model.{hf_key(name.replace('.default.', '.'))}": t.contiguous()
+               for name, t in sorted(state.items()) if is_adapter(name)}
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    lora = model.lora
+    LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules),
+               bias="none", task_type="CAUSAL_LM", base_model_name_or_path=model.checkpoint).save_pretrained(str(out))
+    return out
+
+
 def save_dtype(model: ModelSpec) -> torch.dtype:
     """The dtype a fine-tuned model is saved in: its config's (``torch_dtype``), fp32 without one."""
     named = str((model.hf_config or {}).get("torch_dtype") or (model.hf_config or {}).get("dtype"))
@@ -129,6 +147,8 @@ def save_checkpoint(state: dict[str, torch.Tensor], model: ModelSpec, folder: st
     require(hf_key is not None and model.hf_config is not None, "run.save_dir", str(folder),
             f"saving a Hugging Face checkpoint needs a model from a Hugging Face config, not {model.family}",
             "fine-tune a Hugging Face model (search_config=finetune/...), or remove run.save_dir")
+    if model.method != "full":
+        return save_adapter(state, model, folder, hf_key)
     config = AutoConfig.for_model(**model.hf_config)
     tensors = {hf_key(name): t.contiguous() for name, t in sorted(state.items())}
     if config.tie_word_embeddings:

@@ -18,6 +18,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from hp_tool.contracts.spec import ModelSpec
 from hp_tool.trial.families import torch_family
+from hp_tool.trial.methods import apply_method
 from hp_tool.trial.stage import StageModule
 
 
@@ -37,7 +38,7 @@ def build_full_model_on_meta(model: ModelSpec) -> nn.Module:
 def build_stage(model: ModelSpec, pp: int, stage: int) -> StageModule:
     """Pipeline stage ``stage`` of ``pp`` on the meta device; the other stages' modules are dropped.
     A :class:`hp_tool.trial.causal.CausalLMStage`, or for T5/mT5 an :class:`hp_tool.trial.encdec.EncDecStage`."""
-    return torch_family(model.family).cut_stage(model, build_full_model_on_meta(model), pp, stage)
+    return apply_method(torch_family(model.family).cut_stage(model, build_full_model_on_meta(model), pp, stage), model)
 
 
 def build_rank_stages(model: ModelSpec, pp: int, pp_rank: int, virtual_stages: int = 1) -> list[StageModule]:

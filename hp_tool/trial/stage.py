@@ -95,7 +95,8 @@ _CHUNK_PREFIX = re.compile(r"^chunks\.\d+\.")
 def canonical_name(name: str, tied: bool) -> str:
     """A parameter's layout-independent name: wrapper and chunk prefixes removed, a tied head named as the
     embedding."""
-    name = _CHUNK_PREFIX.sub("", name.replace("_checkpoint_wrapped_module.", "").replace("module.", ""))
+    name = _CHUNK_PREFIX.sub("", name.replace("_checkpoint_wrapped_module.", "").replace("module.", "")
+                             .replace(".base_layer.", "."))
     if tied and name == "lm_head.weight":
         return "embed_tokens.weight"
     return name

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from hp_tool.trial.methods import is_adapter
 from hp_tool.trial.stage import canonical_name
 
 
@@ -29,7 +30,7 @@ def _param_seed(seed: int, name: str) -> int:
 def _full_value(name: str, shape: torch.Size, std: float, seed: int,
                 device: torch.device) -> torch.Tensor:
     """The full (unsharded) fp32 initial value of parameter ``name``."""
-    if name.endswith(".bias"):
+    if name.endswith(".bias") or ".lora_B." in name:  # LoRA's B starts at zero: the base model's output
         return torch.zeros(shape, device=device)
     if len(shape) == 1:  # LayerNorm / RMSNorm weight
         return torch.ones(shape, device=device)
@@ -47,7 +48,7 @@ def init_weights(module: nn.Module, seed: int, std: float, tied: bool, source: O
     local_numel = 0
     for raw_name, param in module.named_parameters():
         name = canonical_name(raw_name, tied)
-        if source is not None:
+        if source is not None and not is_adapter(name):  # adapters are not in the base checkpoint
             full = source(name, param.shape).to(param.device)
         else:
             full = _full_value(name, param.shape, std, seed, param.device)
