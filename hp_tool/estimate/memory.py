@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from hp_tool.architectures import (Shape, checkpointed_layer_counts, count_parameters, layer_parameters,
                                    stage_layer_counts, stage_layer_parameters, vocab_parallel_parameters)
 from hp_tool.estimate.layout import GB, Hardware, Layout, interleave_held_tensors, microbatches_in_flight
-from hp_tool.estimate.methods import (ADAPTED, NF4_BITS, adapter_parameters_per_layer, linear_parameters_per_layer,
-                                      linear_shapes)
+from hp_tool.estimate.methods import (ADAPTED, NF4_BITS, activation_delta_bytes, adapter_parameters_per_layer,
+                                      linear_parameters_per_layer, linear_shapes)
 
 MODEL_STATE_BYTES = 16  # 2 (16-bit weights) + 2 (16-bit grads) + 12 (fp32 master, Adam m, v)
 # Optimizer states per trainable parameter beyond the fp32 master (REFERENCE §13): Adam's m and v in fp32 (8),
@@ -49,8 +49,9 @@ def layer_activation_bytes(shape: Shape, mbs: int, tp: int, sequence_parallel: b
                            encoder: bool = False) -> float:
     """One layer's stored activations for the family (an encoder layer when ``encoder``), one micro-batch,
     bytes."""
-    return shape.facts.activation_bytes(shape, mbs, tp, sequence_parallel, hw.bytes_per_value,
-                                        hw.flash_attention, encoder)
+    return (shape.facts.activation_bytes(shape, mbs, tp, sequence_parallel, hw.bytes_per_value,
+                                         hw.flash_attention, encoder)
+            + activation_delta_bytes(shape, mbs, tp, sequence_parallel, hw.bytes_per_value))
 
 
 def model_state_bytes(params: float, dp: int, zero_stage: int = 3, offload: str = "none",
@@ -197,6 +198,17 @@ def stage_activation_bytes(shape: Shape, layout: Layout, hw: Hardware, stage: in
     return stored, buffer
 
 
+def stage_adapter_parameters(shape: Shape, layout: Layout, stage: int) -> float:
+    """Adapter parameters one GPU holds on pipeline ``stage`` (0 for full training)."""
+    return sum(stage_layer_counts(shape, layout.pp, stage)) * adapter_parameters_per_layer(shape) / layout.tp
+
+
+def stage_compute_copy_bytes(shape: Shape, layout: Layout, hw: Hardware, params: float, stage: int,
+                             gathered_layer: float) -> float:
+    """``compute_copy_bytes`` of the stage's parameters, its adapters included."""
+    return compute_copy_bytes(params + stage_adapter_parameters(shape, layout, stage), gathered_layer, layout, hw)
+
+
 def stage_state_bytes(shape: Shape, layout: Layout, hw: Hardware, params: float, stage: int,
                       gathered_layer: float) -> float:
     """GPU bytes of pipeline ``stage``'s weights, gradients, optimizer states and compute copies (``params``
@@ -207,12 +219,13 @@ def stage_state_bytes(shape: Shape, layout: Layout, hw: Hardware, params: float,
     NF4_BITS per parameter) with no gradient or optimizer state, sharded by ZeRO-3 / FSDP2 and moved to the
     host by parameter offload as for full training, with full training's compute copies; QLoRA's transient
     dequantised copy of the layer's largest weight; the adapters' own states as full training's."""
+    copies = stage_compute_copy_bytes(shape, layout, hw, params, stage, gathered_layer)
     if shape.method not in ADAPTED:
-        return (model_state_bytes(params, layout.dp, layout.zero_stage, layout.offload, layout.engine,
-                                  layout.optimizer) + compute_copy_bytes(params, gathered_layer, layout, hw))
+        return model_state_bytes(params, layout.dp, layout.zero_stage, layout.offload, layout.engine,
+                                 layout.optimizer) + copies
     bpv = hw.bytes_per_value
     layers = sum(stage_layer_counts(shape, layout.pp, stage))
-    adapters = layers * adapter_parameters_per_layer(shape) / layout.tp
+    adapters = stage_adapter_parameters(shape, layout, stage)
     # the frozen base as the engines hold it: the torch engine in fp32 with its compute copies, as full
     # training's parameters; DeepSpeed in 16 bits
     weight_bytes = 4.0 if layout.engine == "torch" else float(bpv)
@@ -223,7 +236,6 @@ def stage_state_bytes(shape: Shape, layout: Layout, hw: Hardware, params: float,
         dequantised = max(i * o for i, o in linear_shapes(shape).values()) / layout.tp * bpv
     sharded = layout.zero_stage >= 3 and (layout.dp > 1 or layout.offload == "optimizer_and_params")
     on_gpu = 0.0 if layout.offload == "optimizer_and_params" else base / (layout.dp if sharded else 1)
-    copies = compute_copy_bytes(params, gathered_layer, layout, hw)
     return on_gpu + copies + dequantised + model_state_bytes(
         adapters, layout.dp, layout.zero_stage, layout.offload, layout.engine, layout.optimizer)
 

@@ -64,6 +64,18 @@ def layer_training_flops(shape: Shape, forward: float) -> float:
     return forward + (forward - core) + 2 * core + 3 * adapters
 
 
+def activation_delta_bytes(shape: Shape, mbs: int, tp: int, sequence_parallel: bool, bytes_per_value: int) -> float:
+    """What an adapter method changes in one layer's saved activations, one micro-batch: each adapter keeps
+    its A's output (r values a token) for B's gradient; the layer's two norms, their weights frozen, no
+    longer keep their normalised output (kept for the weights' gradients only). 0 for full training."""
+    if shape.method not in ADAPTED:
+        return 0.0
+    tokens = mbs * shape.seq_length
+    adapters = tokens * shape.lora_rank * len(shape.lora_targets) * bytes_per_value
+    norms = 2 * tokens * shape.hidden_size * bytes_per_value / (tp if sequence_parallel else 1)
+    return adapters - norms
+
+
 def head_training_flops(shape: Shape, forward: float) -> float:
     """Forward + backward FLOPs of the output head (``forward`` per sample): 3x trained, 2x frozen."""
     return (2.0 if shape.method in ADAPTED else 3.0) * forward

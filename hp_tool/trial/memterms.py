@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 from hp_tool.architectures import layer_parameters
 from hp_tool.estimate.layout import Hardware
-from hp_tool.estimate.memory import compute_copy_bytes, model_state_bytes, stage_activation_bytes, stage_parameters
+from hp_tool.estimate.memory import (stage_activation_bytes, stage_compute_copy_bytes, stage_parameters,
+                                     stage_state_bytes)
 from hp_tool.contracts.spec import TrialSpec
 from hp_tool.trial.trace.extrapolate import stage_units, with_units
 from hp_tool.trial.trace.replay import states_and_kept_bytes
@@ -58,9 +59,9 @@ def analytic_terms(spec: TrialSpec, device_type: str, stage: int = 0) -> tuple[f
     shape, layout, hw = spec.model.shape(), spec.layout(), target_hardware(spec, device_type)
     params = stage_parameters(shape, layout.tp, layout.pp)[stage]
     gathered = max(layer_parameters(shape), layer_parameters(shape, encoder=True)) / layout.tp
-    states = model_state_bytes(params, layout.dp, layout.zero_stage, layout.offload, layout.engine,
-                               layout.optimizer)
-    kept = stage_activation_bytes(shape, layout, hw, stage)[0] + compute_copy_bytes(params, gathered, layout, hw)
+    copies = stage_compute_copy_bytes(shape, layout, hw, params, stage, gathered)  # counted with what the step keeps
+    states = stage_state_bytes(shape, layout, hw, params, stage, gathered) - copies
+    kept = stage_activation_bytes(shape, layout, hw, stage)[0] + copies
     return states, kept
 
 
