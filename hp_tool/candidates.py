@@ -172,11 +172,14 @@ FIELD_KEYS = {"tp": "tensor_parallel_sizes", "pp": "pipeline_parallel_sizes", "a
               "offload": "offload", "global_batch_size": "global_batch_size", "optimizer": "optimizers", "method": "methods"}
 
 
+PER_SAVER_RULES = ("savers", "optimizer", "method")  # rules judged per (ZeRO stage, offload), not per layout
+
+
 def invalid_reason(shape: Shape, c: Candidate, cluster: Cluster, mp_range: tuple[int, int]) -> Optional[tuple[str, str]]:
     """(train_settings key, reason) when the layout cannot exist on the cluster, else None: the Layout's own
     rules (but the memory savers', judged per saver) and the cluster's (TP*PP dividing its GPUs, within
     the grid's model-parallel range)."""
-    problems = [p for p in c.full.problems(shape, cluster.hw.gpus_per_node) if p.rule != "savers"]
+    problems = [p for p in c.full.problems(shape, cluster.hw.gpus_per_node) if p.rule not in PER_SAVER_RULES]
     for p in problems:
         if p.field in ("tp", "pp"):
             return FIELD_KEYS[p.field], p.reason
@@ -276,7 +279,7 @@ def _layout_candidates(shape: Shape, grid: Grid, ts: TrainSettings, cluster: Clu
     out, unrunnable = [], []
     for stage, offload in grid.savers:
         c = make(stage, offload)
-        bad = c.full.saver_problem() or c.full.optimizer_problem()
+        bad = c.full.saver_problem() or c.full.optimizer_problem() or c.full.method_problem(shape)
         if bad:
             c.reject(INVALID, f"{TS}.{FIELD_KEYS[bad.field]}", bad.reason)
             (unrunnable if grid.heuristic_savers else out).append(c)

@@ -414,6 +414,11 @@ class AppConfig:
                 precision, f"gpu={self.gpu.name} has no {precision} (gpu.peak_tflops.{precision} is null)",
                 "set search_config.train_settings.precision=fp16 (trained with dynamic loss scaling) or fp32, or null "
                 f"for this GPU's default ({self.gpu.default_precision()})")
+        methods = self.search_config.train_settings.methods or []
+        require("qlora" not in methods or self.dry_run or not self.run_training_hp_search,
+                "search_config.train_settings.methods", methods,
+                "qlora is planned (memory and speed) but its trials, bitsandbytes' 4-bit layers in the trial engine, "
+                "are not built yet", "plan it with dry_run=true, or search methods [full, lora]")
         optimizers = self.search_config.train_settings.optimizers or []
         require("adamw_8bit" not in optimizers or self.gpu.name != "cpu", "search_config.train_settings.optimizers",
                 optimizers, "adamw_8bit is bitsandbytes' 8-bit AdamW, which runs on CUDA GPUs only, and gpu=cpu",

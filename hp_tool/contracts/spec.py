@@ -306,8 +306,10 @@ class TrialSpec:
                 "make the parallel degrees multiply to the number of processes")
         layout = self.layout()
         for problem in layout.problems(m.shape()):
-            key = "training.global_batch_size" if problem.field == "global_batch_size" else f"parallel.{problem.field}"
-            raise ConfigError(key, getattr(layout, problem.field), problem.reason, SPEC_FIXES[problem.rule])
+            key = {"global_batch_size": "training.global_batch_size", "optimizer": "training.optimizer",
+                   "method": "model.method"}.get(problem.field, f"parallel.{problem.field}")
+            value = m.method if problem.field == "method" else getattr(layout, problem.field)
+            raise ConfigError(key, value, problem.reason, SPEC_FIXES[problem.rule])
 
     @property
     def grad_accum_steps(self) -> int:

@@ -90,10 +90,15 @@ class Layout:
         bad_optimizer = self.optimizer_problem()
         if bad_optimizer:
             out.append(bad_optimizer)
-        bad_method = method_problem(shape.method, self.engine, self.tp, self.zero_stage, self.offload)
+        bad_method = self.method_problem(shape)
         if bad_method:
-            out.append(Problem("method", "method", bad_method))
+            out.append(bad_method)
         return out
+
+    def method_problem(self, shape: "Shape") -> Optional["Problem"]:
+        """Why this layout cannot train ``shape`` by its method (rule "method"), or None; judged per saver."""
+        bad = method_problem(shape.method, self.engine, self.tp, self.zero_stage, self.offload)
+        return None if bad is None else Problem("method", "method", bad)
 
     def optimizer_problem(self) -> Optional["Problem"]:
         """Why the engine cannot step this optimizer at this ZeRO stage and offload (rule "optimizer"), or

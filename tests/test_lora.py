@@ -1,0 +1,198 @@
+"""LoRA (and QLoRA's plan) as searched methods: adapter counts equal peft's, memory per method against the
+trace, the same first losses in every layout, a search over methods and the adapters saved in peft's
+format. Trials run on 2 CPU processes (gloo, fp32); QLoRA's 4-bit trials are not built yet."""
+
+import csv
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hp_tool.architectures import count_parameters
+from hp_tool.cli import compose
+from hp_tool.config import to_app_config
+from hp_tool.contracts.spec import LoraSpec
+from hp_tool.errors import ConfigError
+from hp_tool.estimate.methods import trainable_parameters
+from hp_tool.hf_config import load_hf_model
+from hp_tool.planner import make_plan
+from trial_helpers import read_metrics, tiny_spec, torchrun, write_spec
+
+REPO = Path(__file__).resolve().parent.parent
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def peft_count(config: dict, rank: int, targets) -> int:
+    """Trainable parameters peft reports for LoRA on transformers' own model (built on the meta device)."""
+    import peft
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+    model = peft.get_peft_model(model, peft.LoraConfig(r=rank, target_modules=list(targets)))
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("name, rank, targets", [("llama2_7b", 8, ("q_proj", "v_proj")), ("tiny", 4, ALL),
+                                                 ("qwen2_5_7b", 16, ALL), ("mistral_7b", 64, ("o_proj", "down_proj"))])
+def test_adapter_counts_equal_pefts(name, rank, targets):
+    hf = load_hf_model(name)
+    shape = dataclasses.replace(hf.shape(512), method="lora", lora_rank=rank, lora_targets=targets)
+    n = trainable_parameters(shape, count_parameters(shape))
+    assert n == peft_count(hf.config, rank, targets)
+    if name == "llama2_7b":
+        assert n == 4_194_304  # peft's printout for Llama-2 7B, r=8 on q_proj and v_proj (REFERENCE §13)
+
+
+def plan(tmp_path, *overrides):
+    cfg, name = compose(list(overrides))
+    return make_plan(to_app_config(cfg), name, tmp_path / name)
+
+
+def test_per_gpu_memory_orders_full_over_lora_over_qlora(tmp_path):
+    """Llama-2 7B on one A10G 24 GB per node: full fine-tuning fits only sharded or offloaded, LoRA fits on
+    one GPU unsharded, QLoRA in less."""
+    p = plan(tmp_path, "search_config=finetune/llama2_7b_a10g", "search_config.train_settings.methods=[full,lora,qlora]",
+             "dry_run=true",
+             "search_config.train_settings.precision=bf16", "search_config.train_settings.seq_lengths=[2048]")
+    same = {}
+    for c in p.candidates:
+        if c.full_memory_gb is not None:
+            same.setdefault((c.engine, c.pp, c.mbs, c.act_ckpt_layers, c.zero_stage, c.offload), {})[c.shape.method] = c
+    trios = [v for k, v in same.items() if len(v) == 3]
+    assert trios
+    for trio in trios:
+        assert trio["full"].full_memory_gb > trio["lora"].full_memory_gb > trio["qlora"].full_memory_gb
+    lora_alone = [c for c in p.candidates if c.shape.method == "lora" and c.status in ("selected", "over_limit")
+                  and c.zero_stage == 0 and c.offload == "none"]
+    assert lora_alone and not any(c.shape.method == "full" and c.zero_stage == 0 and c.status == "selected"
+                                  for c in p.candidates)
+    from hp_tool.plan_output import plan_rows
+
+    by_method = {r["method"]: r for r in plan_rows(p)}
+    assert by_method["lora"]["trainable_parameters"] < by_method["full"]["trainable_parameters"] == 6_738_415_616
+    assert by_method["qlora"]["lora_rank"] == 16 and by_method["full"]["lora_rank"] is None
+
+
+@pytest.mark.parametrize("layout", [{}, {"dp": 2, "zero_stage": 0}, {"dp": 2, "zero_stage": 1}, {"dp": 2, "zero_stage": 3}],
+                         ids=["one", "ddp", "zero1", "fsdp2"])
+def test_lora_memory_model_matches_the_trace(layout):
+    from hp_tool.estimate.memory import estimate_memory
+    from hp_tool.trial.memterms import target_hardware, with_layout
+    from hp_tool.trial.trace.replay import trace_stage
+
+    spec = with_layout(tiny_spec("llama", gbs=16), **layout)
+    model = dataclasses.replace(spec.model, num_layers=8, hidden_size=256, ffn_hidden_size=704, seq_length=256,
+                                method="lora", lora=LoraSpec(rank=8, alpha=16, dropout=0.0, target_modules=list(ALL)))
+    spec = dataclasses.replace(spec, model=model)
+    traced = trace_stage(spec, 0, "cpu").peak_bytes
+    e = estimate_memory(spec.model.shape(), spec.layout(), target_hardware(spec, "cpu"))
+    assert (e.total_gb - e.overhead_gb) * 1e9 == pytest.approx(traced, rel=0.03)
+
+
+def lora_spec(**layout):
+    spec = tiny_spec("llama", max_steps=3, **layout)
+    lora = LoraSpec(rank=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])
+    return dataclasses.replace(spec, model=dataclasses.replace(spec.model, method="lora", lora=lora))
+
+
+@pytest.mark.slow
+def test_lora_trains_the_same_in_every_layout(tmp_path):
+    losses = {}
+    for name, layout in [("one", {}), ("ddp", dict(dp=2, zero_stage=0)), ("fsdp2", dict(dp=2, zero_stage=3)),
+                         ("pp", dict(pp=2, zero_stage=0)), ("ds_z2", dict(dp=2, engine="deepspeed", zero_stage=2)),
+                         ("ds_z3", dict(dp=2, engine="deepspeed", zero_stage=3))]:
+        spec = lora_spec(**layout)
+        (tmp_path / name).mkdir()
+        p = spec.parallel
+        proc = torchrun(write_spec(spec, tmp_path / name), tmp_path / name / "out", p.tp * p.pp * p.dp)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        losses[name] = [m["loss"] for m in read_metrics(tmp_path / name / "out")]
+    for name, run in losses.items():
+        assert run == pytest.approx(losses["one"], rel=1e-4), name
+    assert losses["one"][2] != losses["one"][0]  # the adapters trained
+
+
+def test_adapters_save_in_pefts_format(tmp_path):
+    from test_finetune_trials import make_checkpoint, spec_for
+
+    config = make_checkpoint(tmp_path / "model")
+    spec = spec_for(tmp_path / "model", config, dp=2, zero_stage=3)
+    lora = LoraSpec(rank=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj"])
+    spec = dataclasses.replace(spec, model=dataclasses.replace(spec.model, method="lora", lora=lora),
+                               training=dataclasses.replace(spec.training, lr=1e-2),
+                               run=dataclasses.replace(spec.run, max_steps=2, save_dir=str(tmp_path / "adapter")))
+    proc = torchrun(write_spec(spec, tmp_path), tmp_path / "out", 2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32)
+    before = {k: v.clone() for k, v in base.state_dict().items()}
+    tuned = PeftModel.from_pretrained(base, tmp_path / "adapter")
+    adapters = {n: p for n, p in tuned.named_parameters() if "lora_" in n}
+    assert len(adapters) == 2 * 2 * 4  # A and B of q_proj and v_proj in 4 layers
+    assert all(p.abs().max() > 0 for n, p in adapters.items() if "lora_B" in n)  # B trained away from zero
+    merged = tuned.merge_and_unload().state_dict()
+    moved = [k for k in before if not torch.equal(before[k], merged[k])]
+    assert moved and all("q_proj" in k or "v_proj" in k for k in moved)  # only the adapted weights change
+
+
+BAD = [
+    ("search_config.train_settings.lora.rank=0", "search_config.train_settings.lora.rank", "at least 1"),
+    ("search_config.train_settings.lora.rank=40", "search_config.train_settings.lora.rank", "narrowest adapted width (32)"),
+    ("search_config.train_settings.lora.target_modules=[q_proj,wq]", "search_config.train_settings.lora.target_modules",
+     "['wq'] are not linear modules"),
+    ("search_config.train_settings.methods=[qlora]", "search_config.train_settings.precision", "not in fp32"),
+]
+
+
+@pytest.mark.parametrize("override, key, words", BAD)
+def test_bad_method_input_fails_before_anything_is_written(tmp_path, override, key, words):
+    proc = subprocess.run([sys.executable, str(REPO / "main.py"), "search_config=finetune/tiny", "dry_run=true",
+                           f"base_results_dir={tmp_path / 'res'}", "search_config.train_settings.methods=[full,lora]",
+                           override], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2 and key in proc.stderr and words in proc.stderr and "Fix:" in proc.stderr
+    assert not (tmp_path / "res").exists()
+
+
+def test_qlora_is_planned_but_not_launched():
+    cfg, _ = compose(["search_config=finetune/tiny", "search_config.train_settings.methods=[lora,qlora]",
+                      "search_config.train_settings.precision=bf16"])
+    with pytest.raises(ConfigError) as err:
+        to_app_config(cfg)
+    assert err.value.key == "search_config.train_settings.methods" and "dry_run=true" in str(err.value)
+    cfg, _ = compose(["search_config=finetune/tiny", "search_config.train_settings.methods=[lora,qlora]",
+                      "search_config.train_settings.precision=bf16", "dry_run=true"])
+    assert to_app_config(cfg).dry_run
+
+
+@pytest.mark.slow
+def test_tiny_search_ranks_full_and_lora_trials(tmp_path):
+    proc = subprocess.run([sys.executable, str(REPO / "main.py"), "search_config=finetune/tiny", "cluster=local",
+                           f"base_results_dir={tmp_path}", "search_config.train_settings.methods=[full,lora]",
+                           "search_config.train_settings.seq_lengths=[64]", "search_config.train_settings.tensor_parallel_sizes=[1]",
+                           "search_config.train_settings.micro_batch_sizes=[4]", "search_config.train_settings.act_ckpt_layers=[0]",
+                           "search_config.train_settings.search_strategy=exhaustive",
+                           "search_config.train_settings.max_steps_per_run=6"],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = list(csv.DictReader(open(tmp_path / "finetune" / "tiny" / "final_results" / "all_trials_1nodes.csv")))
+    ranked = [r for r in rows if r["rank"]]
+    assert {r["method"] for r in ranked} == {"full", "lora"} and all(r["status"] == "ok" for r in ranked)
+    lora = next(r for r in ranked if r["method"] == "lora")
+    # rank 16 on the 7 linears of 4 layers: 16 x (in + out) summed = 16 x 1168 per layer
+    assert "_lora16_" in lora["trial_id"] and int(lora["trainable_parameters"]) == 4 * 16 * 1168
+    # MFU counts what each method computes (estimate/methods.py): model FLOPs per token as the planner's
+    from hp_tool.architectures import model_flops_per_step
+    from hp_tool.contracts.spec import load_spec
+
+    full = next(r for r in ranked if r["method"] == "full")
+    per_token = {r["method"]: float(r["model_tflops_per_gpu"]) / float(r["tokens_per_s_per_gpu"]) for r in (full, lora)}
+    shapes = {r["method"]: load_spec(tmp_path / "finetune" / "tiny" / "candidate_configs" / f"{r['trial_id']}.yaml"
+                                     ).model.shape() for r in (full, lora)}
+    expected = model_flops_per_step(shapes["lora"], 1) / model_flops_per_step(shapes["full"], 1)
+    assert per_token["lora"] / per_token["full"] == pytest.approx(expected, rel=1e-3) and expected != 1
