@@ -85,5 +85,38 @@ def main() -> None:
               f"{sum(c.status == 'pruned' for c in p.candidates)} pruned")
 
 
+
+
+def methods_table() -> None:
+    """Full fine-tuning, LoRA (r=16 on every linear) and QLoRA of Llama-2 7B and 13B on one A10G, one L4
+    and 4 x V100 32 GB: each method's verdict, predicted peak memory per GPU, step time and $/M tokens at
+    context 2048 (QLoRA: planned; its trials are not built yet)."""
+    ts = "search_config.train_settings"
+    print()
+    print("Methods (context 2048, 64K tokens per step): fit, GB per GPU, step s, $/M tokens of each method's fastest layout")
+    targets = [("a10g", ["search_config.train_settings.gpus_per_node=1"]), ("l4", [f"{ts}.gpus_per_node=1"]),
+               ("v100_32gb", [f"{ts}.gpus_per_node=4"])]
+    for model in ("llama2_7b", "llama2_13b"):
+        for gpu, extra in targets:
+            cells = []
+            for method in ("full", "lora", "qlora"):
+                try:
+                    cfg, name = compose([f"search_config=finetune/{model}", f"gpu={gpu}", "dry_run=true", *extra,
+                                         f"{ts}.methods=[{method}]", f"{ts}.seq_lengths=[2048]",
+                                         f"{ts}.global_batch_tokens=65536", f"{ts}.precision=null"])
+                    with tempfile.TemporaryDirectory() as tmp:
+                        p = make_plan(to_app_config(cfg), name, Path(tmp))
+                    best = fastest(p)
+                    gpus = p.cluster.gpus
+                    per_m = (p.cluster.gpu_hour_price * gpus / (best.tokens_per_s_per_gpu * gpus * 3600 / 1e6)
+                             if p.cluster.gpu_hour_price else float("nan"))
+                    cells.append(f"{method}: fits {max(best.memory_gb, best.full_memory_gb):.1f} GB "
+                                 f"{best.step_time_s:.2f} s ${per_m:.2f}")
+                except Exception as exc:  # nothing fits
+                    cells.append(f"{method}: no fit ({str(exc).split(':')[0]})")
+            print(f"  {model:>10} on {gpu:>9}: " + " | ".join(cells))
+
+
 if __name__ == "__main__":
     main()
+    methods_table()

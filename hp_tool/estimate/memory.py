@@ -205,8 +205,13 @@ def stage_adapter_parameters(shape: Shape, layout: Layout, stage: int) -> float:
 
 def stage_compute_copy_bytes(shape: Shape, layout: Layout, hw: Hardware, params: float, stage: int,
                              gathered_layer: float) -> float:
-    """``compute_copy_bytes`` of the stage's parameters, its adapters included."""
-    return compute_copy_bytes(params + stage_adapter_parameters(shape, layout, stage), gathered_layer, layout, hw)
+    """``compute_copy_bytes`` of the stage's parameters, its adapters included; QLoRA's 4-bit weights are
+    dequantised one layer at a time instead (``stage_state_bytes``)."""
+    quantised = 0.0
+    if shape.method == "qlora":
+        quantised = sum(stage_layer_counts(shape, layout.pp, stage)) * linear_parameters_per_layer(shape) / layout.tp
+    return compute_copy_bytes(params - quantised + stage_adapter_parameters(shape, layout, stage), gathered_layer,
+                              layout, hw)
 
 
 def stage_state_bytes(shape: Shape, layout: Layout, hw: Hardware, params: float, stage: int,
