@@ -267,6 +267,9 @@ class TrainSettings:
         _members(self, p, "offload", OFFLOADS)
         _members(self, p, "optimizers", OPTIMIZERS)
         _members(self, p, "methods", METHODS)
+        if set(self.methods or ()) & {"lora", "qlora"} and importlib.util.find_spec("peft") is None:
+            raise ConfigError(f"{p}.methods", self.methods, "the adapter methods need peft, which is not installed",
+                              'pip install "hp_tool[finetune]" (or pip install peft), or search methods [full]')
         require(not ("qlora" in (self.methods or []) and self.precision == "fp32"), f"{p}.precision", self.precision,
                 "QLoRA computes on a dequantised 16-bit copy of its 4-bit weights, not in fp32",
                 "use bf16 or fp16 (null: the GPU's), or search methods [full, lora]")
