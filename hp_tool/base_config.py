@@ -59,6 +59,7 @@ def resolve_cluster(app: AppConfig) -> Cluster:
         precision=precision,
         host_ram_gb=gpu.host_ram_gb,
         pcie_bandwidth_gbps=gpu.pcie_bandwidth_gbps,
+        memory_bandwidth_gbps=gpu.memory_bandwidth_gbps or Hardware.memory_bandwidth_gbps,
     )
     sizing = ts.tflops_per_gpu if ts.tflops_per_gpu is not None else round(SIZING_MFU * peak, 1)
     return Cluster(ts.num_nodes, hw, gpu.price_per_gpu_hour, gpu.name, sizing)

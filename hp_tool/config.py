@@ -98,6 +98,7 @@ class GpuConfig:
     inter_node_bandwidth_gbps: float = MISSING  # GB/s per GPU across nodes
     host_ram_gb: Optional[float] = None  # host RAM per node, GB; null = unknown (no offload planning)
     pcie_bandwidth_gbps: float = MISSING  # GB/s per GPU and direction between host and GPU (offload)
+    memory_bandwidth_gbps: Optional[float] = None  # GB/s of GPU memory; null = unknown (QLoRA cannot be priced)
     memory_overhead_gb: float = MISSING  # calibrated per-GPU framework overhead (context, buffers), GB
     price_per_gpu_hour: Optional[float] = None  # USD; the shipped values are examples
 
@@ -105,7 +106,7 @@ class GpuConfig:
         if self.name == MISSING:  # the schema's placeholder, before a preset is merged in
             return
         _positive(self, "gpu", ("memory_gb", "intra_node_bandwidth_gbps", "inter_node_bandwidth_gbps",
-                                "host_ram_gb", "pcie_bandwidth_gbps", "price_per_gpu_hour"))
+                                "host_ram_gb", "pcie_bandwidth_gbps", "price_per_gpu_hour", "memory_bandwidth_gbps"))
         _positive(self.peak_tflops, "gpu.peak_tflops", PRECISIONS)
         require(0 <= self.memory_overhead_gb < self.memory_gb, "gpu.memory_overhead_gb",
                 self.memory_overhead_gb, f"must be at least 0 and below gpu.memory_gb={self.memory_gb}",
@@ -418,6 +419,9 @@ class AppConfig:
                 "set search_config.train_settings.precision=fp16 (trained with dynamic loss scaling) or fp32, or null "
                 f"for this GPU's default ({self.gpu.default_precision()})")
         methods = self.search_config.train_settings.methods or []
+        require("qlora" not in methods or self.gpu.memory_bandwidth_gbps is not None, "gpu.memory_bandwidth_gbps",
+                None, "QLoRA's dequantisation time needs the GPU's memory bandwidth, and the gpu preset gives none",
+                "set gpu.memory_bandwidth_gbps=<GB/s, from the datasheet>")
         require("qlora" not in methods or self.dry_run or not self.run_training_hp_search,
                 "search_config.train_settings.methods", methods,
                 "qlora is planned (memory and speed) but its trials, bitsandbytes' 4-bit layers in the trial engine, "

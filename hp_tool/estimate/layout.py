@@ -157,6 +157,7 @@ class Hardware:
     precision: str = "bf16"
     host_ram_gb: Optional[float] = None  # host RAM per node; None = unknown (offload cannot be planned)
     pcie_bandwidth_gbps: float = 25.0  # GB/s per GPU and direction between host and GPU (offload traffic)
+    memory_bandwidth_gbps: float = 2000.0  # GB/s of GPU memory (QLoRA's dequantisation)
     flash_attention: bool = True  # attention scores are not stored (SDPA / flash kernels)
 
     @property

@@ -27,7 +27,7 @@ from hp_tool.architectures import (Shape, checkpointed_layer_counts, model_flops
                                    recompute_flops_per_step, stage_layer_counts, stage_layer_parameters,
                                    vocab_parallel_parameters)
 from hp_tool.estimate.layout import GB, Hardware, Layout
-from hp_tool.estimate.methods import ADAPTED, adapter_parameters_per_layer
+from hp_tool.estimate.methods import ADAPTED, NF4_BITS, adapter_parameters_per_layer, linear_parameters_per_layer
 
 MAX_EFFICIENCY = 0.7  # the fraction of peak large dense matmuls approach (best published runs: 0.5-0.65)
 WIDTH_HALF = 384.0  # hidden columns per TP rank at which efficiency is half its saturation
@@ -47,10 +47,12 @@ class StepTimeEstimate:
     pp_comm_s: float
     dp_comm_s: float
     offload_s: float = 0.0
+    dequant_s: float = 0.0  # QLoRA: 4-bit weights dequantised for every forward, backward and recompute
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.bubble_s + self.tp_comm_s + self.pp_comm_s + self.dp_comm_s + self.offload_s
+        return (self.compute_s + self.bubble_s + self.tp_comm_s + self.pp_comm_s + self.dp_comm_s + self.offload_s
+                + self.dequant_s)
 
 
 def matmul_efficiency(shape: Shape, layout: Layout) -> float:
@@ -175,7 +177,19 @@ def estimate_step_time(shape: Shape, layout: Layout, hw: Hardware, num_nodes: in
         pp_comm = 2 * crossings * boundary_bytes / layout.tp / (pp_bw * GB)
 
     return StepTimeEstimate(compute, bubble, tp_comm, pp_comm, dp_comm_s(shape, layout, hw, num_nodes),
-                            offload_s(shape, layout, hw))
+                            offload_s(shape, layout, hw), dequant_s(shape, layout, hw))
+
+
+def dequant_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
+    """QLoRA's dequantisation per step: every micro-batch's forward and backward (and the recompute of a
+    checkpointed layer) read each 4-bit weight of the stage's layers and write its 16-bit copy, bound by
+    the GPU's memory bandwidth. 0 for the other methods."""
+    if shape.method != "qlora":
+        return 0.0
+    per_stage = shape.pipeline_layers / layout.pp
+    passes = 2 * per_stage + min(layout.act_ckpt_layers, per_stage)  # layers dequantised per micro-batch
+    nbytes = passes * linear_parameters_per_layer(shape) / layout.tp * (NF4_BITS / 8 + hw.bytes_per_value)
+    return layout.num_microbatches * nbytes / (hw.memory_bandwidth_gbps * GB)
 
 
 def extrapolate_step_time_s(measured_step_time_s: float, shape: Shape, trial: Layout, full: Layout,
