@@ -90,7 +90,7 @@ def main() -> None:
 def methods_table() -> None:
     """Full fine-tuning, LoRA (r=16 on every linear) and QLoRA of Llama-2 7B and 13B on one A10G, one L4
     and 4 x V100 32 GB: each method's verdict, predicted peak memory per GPU, step time and $/M tokens at
-    context 2048 (QLoRA: planned; its trials are not built yet)."""
+    context 2048."""
     ts = "search_config.train_settings"
     print()
     print("Methods (context 2048, 64K tokens per step): fit, GB per GPU, step s, $/M tokens of each method's fastest layout")

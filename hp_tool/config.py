@@ -271,6 +271,10 @@ class TrainSettings:
         if set(self.methods or ()) & {"lora", "qlora"} and importlib.util.find_spec("peft") is None:
             raise ConfigError(f"{p}.methods", self.methods, "the adapter methods need peft, which is not installed",
                               'pip install "hp_tool[finetune]" (or pip install peft), or search methods [full]')
+        if "qlora" in (self.methods or ()) and importlib.util.find_spec("bitsandbytes") is None:
+            raise ConfigError(f"{p}.methods", self.methods, "qlora's 4-bit NF4 weights need bitsandbytes (0.45 or "
+                              "later, which also runs on CPU), which is not installed",
+                              'pip install "hp_tool[finetune]" (or pip install bitsandbytes), or search methods [full, lora]')
         require(not ("qlora" in (self.methods or []) and self.precision == "fp32"), f"{p}.precision", self.precision,
                 "QLoRA computes on a dequantised 16-bit copy of its 4-bit weights, not in fp32",
                 "use bf16 or fp16 (null: the GPU's), or search methods [full, lora]")
@@ -422,10 +426,6 @@ class AppConfig:
         require("qlora" not in methods or self.gpu.memory_bandwidth_gbps is not None, "gpu.memory_bandwidth_gbps",
                 None, "QLoRA's dequantisation time needs the GPU's memory bandwidth, and the gpu preset gives none",
                 "set gpu.memory_bandwidth_gbps=<GB/s, from the datasheet>")
-        require("qlora" not in methods or self.dry_run or not self.run_training_hp_search,
-                "search_config.train_settings.methods", methods,
-                "qlora is planned (memory and speed) but its trials, bitsandbytes' 4-bit layers in the trial engine, "
-                "are not built yet", "plan it with dry_run=true, or search methods [full, lora]")
         optimizers = self.search_config.train_settings.optimizers or []
         require("adamw_8bit" not in optimizers or self.gpu.name != "cpu", "search_config.train_settings.optimizers",
                 optimizers, "adamw_8bit is bitsandbytes' 8-bit AdamW, which runs on CUDA GPUs only, and gpu=cpu",

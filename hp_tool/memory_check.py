@@ -56,6 +56,8 @@ def untraceable(spec: TrialSpec) -> Optional[str]:
         return f"the {spec.parallel.engine} engine is not traced"
     if spec.parallel.offload != "none":
         return "offloaded states live in host RAM, which a trace cannot tell from GPU memory"
+    if spec.model.method == "qlora":
+        return "qlora's 4-bit weights (bitsandbytes) do not run under fake tensors"
     return None
 
 

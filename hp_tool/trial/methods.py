@@ -2,11 +2,16 @@
 (``inject_adapter_in_model`` on the stage's layers; the base frozen). The adapters' A matrices get the
 layout-independent seeded initialisation, their B matrices zeros, so a trial starts from the base model's
 loss whatever the layout (hp_tool/trial/weights.py).
+
+QLoRA: the target linears become bitsandbytes' ``Linear4bit`` (NF4, double quantisation) before the adapters
+go on; their weights are filled like any other and quantised once materialised (``quantise_base``).
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from hp_tool.contracts.spec import ModelSpec
 from hp_tool.errors import require
@@ -24,14 +29,43 @@ def apply_method(stage: nn.Module, model: ModelSpec) -> nn.Module:
     target modules of every layer, every other parameter frozen."""
     if model.method == "full":
         return stage
-    require(model.method == "lora", "model.method", model.method,
-            "the trial engine trains full and lora (qlora's 4-bit base is planned, not yet run)",
-            "search methods [full, lora]")
     from peft import LoraConfig, inject_adapter_in_model  # optional: only adapter methods import peft
 
     lora = model.lora
+    if model.method == "qlora":
+        _four_bit_linears(stage, set(lora.target_modules))
     inject_adapter_in_model(LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                                        target_modules=list(lora.target_modules), bias="none"), stage)
     for name, param in stage.named_parameters():
         param.requires_grad_(is_adapter(name))
     return stage
+
+
+def _four_bit_linears(stage: nn.Module, targets: set[str]) -> None:
+    """Replace every target ``nn.Linear`` of ``stage`` (on meta) by bitsandbytes' NF4 ``Linear4bit`` with
+    double quantisation, computing in the dtype of its input."""
+    import bitsandbytes as bnb  # optional: QLoRA only
+
+    for name, module in list(stage.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if child_name in targets and type(child) is nn.Linear:
+                four = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                         quant_type="nf4", compress_statistics=True, device="meta")
+                setattr(module, child_name, four)
+
+
+def quantise_base(stage: nn.Module, device) -> None:
+    """Quantise the materialised weights of every ``Linear4bit`` of ``stage`` to NF4 on ``device``."""
+    import bitsandbytes as bnb
+
+    for module in stage.modules():
+        if isinstance(module, bnb.nn.Linear4bit) and not getattr(module.weight, "bnb_quantized", False):
+            weight = module.weight  # a replicated DTensor under data parallelism: its local tensor is whole
+            data = weight.to_local() if isinstance(weight, DTensor) else weight.data
+            module.weight = bnb.nn.Params4bit(data.detach().to(torch.float16).clone(), requires_grad=False,
+                                              quant_type="nf4", compress_statistics=True).to(device)
+
+
+def four_bit_weights(stage: nn.Module) -> set[nn.Parameter]:
+    """The weights of ``stage``'s 4-bit linears (QLoRA), which data parallelism leaves alone."""
+    return {m.weight for m in stage.modules() if type(m).__name__ == "Linear4bit"}

@@ -32,6 +32,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from hp_tool.contracts.spec import ParallelSpec
 from hp_tool.errors import require
 from hp_tool.trial.families import torch_family
+from hp_tool.trial.methods import four_bit_weights
 from hp_tool.trial.models import loss_fn
 from hp_tool.trial.stage import StageModule
 
@@ -91,7 +92,9 @@ def apply_data_parallel(stage: StageModule, dp_mesh: DeviceMesh, zero_stage: int
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     if zero_stage <= 1:
-        replicate(stage, mesh=dp_mesh, mp_policy=mp)
+        # QLoRA's 4-bit weights stay plain tensors (bitsandbytes' Params4bit): frozen, identical on every
+        # replica, never reduced
+        replicate(stage, mesh=dp_mesh, mp_policy=mp, ignored_params=four_bit_weights(stage) or None)
         return
     extra = {}
     if offload != "none":

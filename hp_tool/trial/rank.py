@@ -27,6 +27,7 @@ from hp_tool.trial.models import build_rank_stages
 from hp_tool.trial.parallel import parallelize_stage
 from hp_tool.trial.stage import InterleavedStages, StageModule
 from hp_tool.trial.checkpoint import weight_source
+from hp_tool.trial.methods import quantise_base
 from hp_tool.trial.weights import Source, materialize
 
 
@@ -68,15 +69,21 @@ class Initialise:
     seed: int
     std: float
     source: Optional[Source] = None
+    method: str = "full"
 
     @classmethod
     def of(cls, spec: TrialSpec, device: torch.device) -> "Initialise":
         """The spec's weights: its checkpoint's when it names one, else its seed's."""
-        return cls(device, spec.training.seed, spec.model.init_method_std, weight_source(spec.model))
+        return cls(device, spec.training.seed, spec.model.init_method_std, weight_source(spec.model),
+                   spec.model.method)
 
     def __call__(self, stage: nn.Module) -> int:
-        """Allocate and fill ``stage``'s local shards; returns their element count."""
-        return materialize(stage, self.device, self.seed, self.std, self.source)
+        """Allocate and fill ``stage``'s local shards (QLoRA: then quantise its 4-bit layers); returns their
+        element count."""
+        numel = materialize(stage, self.device, self.seed, self.std, self.source)
+        if self.method == "qlora":
+            quantise_base(stage, self.device)
+        return numel
 
 
 class FakeMaterialise:

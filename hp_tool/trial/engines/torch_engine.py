@@ -152,6 +152,8 @@ class TorchEngine:
         rank per pipeline stage (data- and tensor-parallel rank 0) to rank 0."""
         mine = {}
         for name, param in self.stage.named_parameters():
+            if not param.is_floating_point():  # QLoRA's packed 4-bit weights: saved as the base checkpoint is
+                continue
             full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
             mine[canonical_name(name, self.stage.tied)] = full.to(dtype).cpu()
         if self.mesh is None:
