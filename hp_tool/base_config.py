@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from hp_tool.architectures import Shape, count_parameters, lr_for, pipeline_problem, shape_for_size
-from hp_tool.config import SIZING_MFU, AppConfig, LoraSettings, TrainSettings, training_precision
+from hp_tool.config import SIZING_MFU, AppConfig, LoraSettings, TrainSettings, searched_methods, training_precision
 from hp_tool.estimate.methods import linear_shapes
 from hp_tool.errors import ConfigError, require
 from hp_tool.estimate.layout import Hardware
@@ -104,7 +104,7 @@ def choose_model(app: AppConfig, cluster: Cluster) -> ModelChoice:
     sc = app.search_config
     ts, ov = sc.train_settings, sc.model
     if sc.finetune:
-        return finetune_model(ts, ov.hf_config)
+        return finetune_model(ts, ov.hf_config, searched_methods(app))
     facts = family(sc.model_family, "search_config.model_family")
     decoder_seq = (ts.decoder_seq_length or facts.default_decoder_seq) if facts.encoder_decoder else None
     if ov.given:
@@ -131,16 +131,15 @@ def choose_model(app: AppConfig, cluster: Cluster) -> ModelChoice:
     return ModelChoice(shape, size, count_parameters(shape), lr, recommended, size_label(size * 1e9))
 
 
-def finetune_model(ts: TrainSettings, hf_config: str) -> ModelChoice:
+def finetune_model(ts: TrainSettings, hf_config: str, methods: tuple[str, ...] = ("full",)) -> ModelChoice:
     """The published model a fine-tuning search takes, from its Hugging Face config, at the longest sequence
-    length searched; each length is checked against the model's positions."""
+    length searched (each checked against the model's positions), trained by ``methods``."""
     hf = load_hf_model(hf_config)
     seqs = tuple(sorted(set(ts.seq_lengths or [ts.seq_length])))
     for seq in seqs:
         hf.check_seq_length(seq, f"{TS}.seq_lengths" if ts.seq_lengths else f"{TS}.seq_length")
     shape = hf.shape(seqs[-1])
     n = count_parameters(shape)
-    methods = tuple(ts.methods or ["full"])
     if set(methods) - {"full"}:
         lora_targets(shape, ts.lora)  # checked before anything is written
     return ModelChoice(shape, n / 1e9, n, FINETUNE_LR, False, size_label(n), hf, seqs, methods, ts.lora)

@@ -437,6 +437,22 @@ class AppConfig:
                 "set gpu.host_ram_gb=<GB per node>, or search offload=[none]")
 
 
+def searched_methods(app: AppConfig) -> tuple[str, ...]:
+    """The fine-tuning methods a search compares: train_settings.methods, or for null every one the target
+    runs: full; lora where peft is installed; qlora where bitsandbytes is, in 16-bit precision, on a GPU
+    preset whose memory bandwidth prices its dequantisation."""
+    ts = app.search_config.train_settings
+    if ts.methods is not None:
+        return tuple(ts.methods)
+    out = ["full"]
+    if importlib.util.find_spec("peft") is not None:
+        out.append("lora")
+        if (importlib.util.find_spec("bitsandbytes") is not None and training_precision(app) != "fp32"
+                and app.gpu.memory_bandwidth_gbps is not None):
+            out.append("qlora")
+    return tuple(out)
+
+
 def training_precision(app: AppConfig) -> str:
     """The precision the search plans and trains in: search_config.train_settings.precision, or for null
     the GPU's default (:meth:`GpuConfig.default_precision`: bf16 where it has it, else fp16)."""
