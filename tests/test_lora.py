@@ -218,3 +218,20 @@ def test_tiny_search_ranks_trials_of_the_three_methods(tmp_path):
                                      ).model.shape() for r in (full, lora)}
     expected = model_flops_per_step(shapes["lora"], 1) / model_flops_per_step(shapes["full"], 1)
     assert per_token["lora"] / per_token["full"] == pytest.approx(expected, rel=1e-3) and expected != 1
+
+
+def test_nf4_bits_per_parameter_match_bitsandbytes_storage():
+    """4 bits per value, an 8-bit absmax per block of 64, one fp32 constant (and its offset) per 256 blocks:
+    the analytic 4.127 bits against what bitsandbytes really stores for a quantised weight."""
+    import bitsandbytes as bnb
+
+    from hp_tool.estimate.methods import NF4_BITS
+
+    n_out, n_in = 512, 2048
+    weight = bnb.nn.Params4bit(torch.randn(n_out, n_in, dtype=torch.float16), requires_grad=False, quant_type="nf4",
+                               compress_statistics=True).to("cpu")
+    state = weight.quant_state
+    stored = weight.numel() * weight.element_size() + state.absmax.numel() * state.absmax.element_size()
+    stored += state.state2.absmax.numel() * state.state2.absmax.element_size()  # the second level's fp32 scales
+    bits = 8 * stored / (n_out * n_in)
+    assert NF4_BITS == pytest.approx(4.127, abs=1e-3) and bits == pytest.approx(NF4_BITS, rel=0.002)
