@@ -202,6 +202,8 @@ def test_tiny_search_ranks_trials_of_the_three_methods(tmp_path):
                            "search_config.train_settings.max_steps_per_run=6"],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = list(csv.DictReader(open(tmp_path / "finetune" / "tiny" / "final_results" / "final_summary_1nodes.csv")))
+    assert {r["method"] for r in summary} == {"full", "lora", "qlora"} and all(r["trainable_parameters"] for r in summary)
     rows = list(csv.DictReader(open(tmp_path / "finetune" / "tiny" / "final_results" / "all_trials_1nodes.csv")))
     ranked = [r for r in rows if r["rank"]]
     assert {r["method"] for r in ranked} == {"full", "lora", "qlora"} and all(r["status"] == "ok" for r in ranked)

@@ -46,7 +46,8 @@ SUMMARY_COLUMNS = (
     "full_run_cost_usd", "cost_usd_per_million_tokens", "status",
 )
 # a fine-tuning search's summary adds the cookbook's columns: context length -> tokens/hour, hours and $ per epoch
-FINETUNE_SUMMARY_COLUMNS = SUMMARY_COLUMNS[:2] + ("seq_length",) + SUMMARY_COLUMNS[2:] + (
+FINETUNE_SUMMARY_COLUMNS = SUMMARY_COLUMNS[:2] + ("seq_length", "method", "lora_rank", "trainable_parameters",
+                                                  "optimizer") + SUMMARY_COLUMNS[2:] + (
     "tokens_per_hour", "hours_per_epoch", "cost_usd_per_epoch")
 
 
