@@ -98,18 +98,26 @@ def lora_spec(**layout):
     return dataclasses.replace(spec, model=dataclasses.replace(spec.model, method="lora", lora=lora))
 
 
-@pytest.mark.slow
-def test_lora_trains_the_same_in_every_layout(tmp_path):
+def losses_by_layout(tmp_path, method: str, layouts) -> dict[str, list[float]]:
+    """The per-step losses of the tiny adapter spec trained by ``method`` in each named layout."""
     losses = {}
-    for name, layout in [("one", {}), ("ddp", dict(dp=2, zero_stage=0)), ("fsdp2", dict(dp=2, zero_stage=3)),
-                         ("pp", dict(pp=2, zero_stage=0)), ("ds_z2", dict(dp=2, engine="deepspeed", zero_stage=2)),
-                         ("ds_z3", dict(dp=2, engine="deepspeed", zero_stage=3))]:
+    for name, layout in layouts:
         spec = lora_spec(**layout)
+        spec = dataclasses.replace(spec, model=dataclasses.replace(spec.model, method=method))
         (tmp_path / name).mkdir()
         p = spec.parallel
         proc = torchrun(write_spec(spec, tmp_path / name), tmp_path / name / "out", p.tp * p.pp * p.dp)
         assert proc.returncode == 0, proc.stderr[-3000:]
         losses[name] = [m["loss"] for m in read_metrics(tmp_path / name / "out")]
+    return losses
+
+
+@pytest.mark.slow
+def test_lora_trains_the_same_in_every_layout(tmp_path):
+    losses = losses_by_layout(tmp_path, "lora", [
+        ("one", {}), ("ddp", dict(dp=2, zero_stage=0)), ("fsdp2", dict(dp=2, zero_stage=3)),
+        ("pp", dict(pp=2, zero_stage=0)), ("ds_z2", dict(dp=2, engine="deepspeed", zero_stage=2)),
+        ("ds_z3", dict(dp=2, engine="deepspeed", zero_stage=3))])
     for name, run in losses.items():
         assert run == pytest.approx(losses["one"], rel=1e-4), name
     assert losses["one"][2] != losses["one"][0]  # the adapters trained
@@ -163,16 +171,9 @@ def test_qlora_trains_the_same_in_its_layouts(tmp_path):
     """QLoRA through bitsandbytes' NF4 Linear4bit (its CPU path): the 4-bit base gives the same losses in every
     layout it runs (one process, DDP, ZeRO-1, PP; quantisation is deterministic, so rel 1e-4 holds as for
     LoRA), close to but not LoRA's own (the base is quantised: within 1%)."""
-    losses = {}
-    for name, layout in [("one", dict(zero_stage=0)), ("ddp", dict(dp=2, zero_stage=0)),
-                         ("zero1", dict(dp=2, zero_stage=1)), ("pp", dict(pp=2, zero_stage=0))]:
-        spec = lora_spec(**layout)
-        spec = dataclasses.replace(spec, model=dataclasses.replace(spec.model, method="qlora"))
-        (tmp_path / name).mkdir()
-        p = spec.parallel
-        proc = torchrun(write_spec(spec, tmp_path / name), tmp_path / name / "out", p.tp * p.pp * p.dp)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        losses[name] = [m["loss"] for m in read_metrics(tmp_path / name / "out")]
+    losses = losses_by_layout(tmp_path, "qlora", [
+        ("one", dict(zero_stage=0)), ("ddp", dict(dp=2, zero_stage=0)), ("zero1", dict(dp=2, zero_stage=1)),
+        ("pp", dict(pp=2, zero_stage=0))])
     for name, run in losses.items():
         assert run == pytest.approx(losses["one"], rel=1e-4), name
     (tmp_path / "lora").mkdir()

@@ -14,7 +14,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hp_tool.contracts.spec import ModelSpec
-from hp_tool.errors import require
 
 ADAPTER_MARK = ".lora_"  # in the name of every adapter parameter (lora_A, lora_B)
 
