@@ -42,17 +42,47 @@ def family_problem(family_name: str, engine: str) -> Optional[tuple[str, str]]:
     return None
 
 
-def method_problem(method: str, engine: str, tp: int, zero_stage: int, offload: str) -> Optional[str]:
+def method_problem(method: str, engine: str, tp: int, zero_stage: int, offload: str,
+                   moe: bool = False) -> Optional[str]:
     """Why a layout cannot train with ``method``, or None: the torch engine's TP plan splits nn.Linear
     modules, which peft's LoRA layers wrap; bitsandbytes' 4-bit weights (QLoRA) are not sharded by FSDP2 or
-    DeepSpeed and stay on the GPU."""
+    DeepSpeed and stay on the GPU; bitsandbytes quantises nn.Linear modules only, and a mixture of experts'
+    experts are 3-D parameters."""
     if method == "full":
         return None
+    if moe and method == "qlora":
+        return ("qlora on a mixture of experts: bitsandbytes quantises nn.Linear modules, and the experts (most "
+                "of the weights) are 3-D parameters it would leave in 16 bits")
     if tp > 1 and engine == "torch":
         return f"{method} with TP={tp}: the torch engine's TP plan splits nn.Linear modules, which peft's LoRA layers wrap"
     if method == "qlora" and (engine != "torch" or zero_stage > 1 or offload != "none"):
         return ("qlora runs on the torch engine with ZeRO 0-1 and no offload: bitsandbytes' 4-bit weights are "
                 "not sharded by FSDP2 or DeepSpeed")
+    return None
+
+
+def expert_problem(num_experts: int, ep: int, dp: int, tp: int, engine: str, zero_stage: int,
+                   offload: str) -> Optional[str]:
+    """Why a layout cannot split a model's experts over ``ep`` ranks, or None. EP takes whole experts
+    (it divides their count) from the data-parallel ranks (it divides DP); only the torch engine shards
+    experts (transformers' expert-parallel all-to-all dispatch), with TP 1, ZeRO 0, 2 or 3 and no offload:
+    ZeRO-1's optimizer sharding and FSDP2's offload span the whole DP group, whose ranks hold different
+    experts."""
+    if ep == 1:
+        return None
+    if not num_experts:
+        return f"EP={ep} on a dense model (no experts to split): use EP 1"
+    if num_experts % ep:
+        return f"EP={ep} does not divide the {num_experts} experts"
+    if dp % ep:
+        return f"EP={ep} does not divide the DP={dp} ranks it spans"
+    if engine != "torch":
+        return f"EP={ep} on engine {engine}: only the torch engine splits experts (DeepSpeed shards them with ZeRO as any weight, at EP 1)"
+    if tp > 1:
+        return f"EP={ep} with TP={tp}: the torch engine splits experts over data-parallel ranks with TP 1 only"
+    if zero_stage == 1 or offload != "none":
+        return (f"EP={ep} with ZeRO {zero_stage} and offload {offload}: the torch engine splits experts with ZeRO 0, "
+                "2 or 3 and no offload (ZeRO-1 and offload span the DP group, whose ranks hold different experts)")
     return None
 
 

@@ -66,6 +66,11 @@ class ModelSpec:
     checkpoint: Optional[str] = None  # a Hugging Face model directory whose weights the run starts from
     method: str = "full"  # full | lora | qlora: what trains (hp_tool/estimate/methods.py)
     lora: Optional[LoraSpec] = None  # the adapters, for lora and qlora
+    # mixture of experts: each layer's MLP is num_experts experts of ffn_hidden_size, top_k per token, and
+    # (Qwen2-MoE) an always-active shared expert of shared_expert_ffn_hidden_size; 0 experts = dense
+    num_experts: int = 0
+    top_k: int = 0
+    shared_expert_ffn_hidden_size: int = 0
 
     def shape(self) -> Shape:
         """The planner's view of this model (for parameter and FLOP counts)."""
@@ -75,7 +80,9 @@ class ModelSpec:
                      self.kv_channels, self.decoder_seq_length, self.qkv_bias, self.tied_embeddings,
                      pretrained=self.hf_config is not None, method=self.method,
                      lora_rank=adapters.rank if adapters else 0,
-                     lora_targets=tuple(adapters.target_modules) if adapters else ())
+                     lora_targets=tuple(adapters.target_modules) if adapters else (),
+                     num_experts=self.num_experts, top_k=self.top_k,
+                     shared_expert_ffn=self.shared_expert_ffn_hidden_size)
 
     def __post_init__(self) -> None:
         facts = family(self.family)  # an unknown family fails here, naming model.family
@@ -101,6 +108,12 @@ class ModelSpec:
         require((self.lora is not None) == (self.method != "full"), "model.lora", self.lora,
                 f"is given exactly for the adapter methods (lora, qlora), and the method is {self.method}",
                 "give model.lora for lora and qlora, null for full")
+        require(facts.moe == (self.num_experts > 0), "model.num_experts", self.num_experts,
+                f"family {self.family} is {'a mixture of experts' if facts.moe else 'dense'}",
+                "give the experts of an MoE family (e.g. 8), 0 for a dense one")
+        require(0 < self.top_k <= self.num_experts if facts.moe else self.top_k == 0, "model.top_k", self.top_k,
+                f"must be between 1 and num_experts={self.num_experts} for an MoE model, 0 for a dense one",
+                "set the experts each token is routed to (Mixtral: 2)")
         model_type = (self.hf_config or {}).get("model_type", self.family)
         require(model_type == self.family, "model.hf_config.model_type", model_type,
                 f"is not the spec's family {self.family!r}", "give the config of a model of this family")
@@ -119,6 +132,7 @@ SPEC_FIXES = {
     "savers": "choose a combination the engine supports (hp_tool/sharding.py)",
     "optimizer": "use adamw, or the optimizer without offload (hp_tool/sharding.py optimizer_problem)",
     "method": "use a layout the method runs on (hp_tool/sharding.py method_problem)",
+    "experts": "use an expert-parallel size the model and engine run (hp_tool/sharding.py expert_problem)",
 }
 
 
@@ -136,9 +150,10 @@ class ParallelSpec:
     zero_stage: int = 3  # 0 DDP | 1 optimizer sharded | 2 + gradients | 3 + parameters (hp_tool/sharding.py)
     offload: str = "none"  # none | optimizer | optimizer_and_params (to host RAM)
     virtual_stages: int = 1  # model chunks per pipeline rank: interleaved 1F1B when > 1 (torch engine)
+    ep: int = 1  # expert parallel: MoE experts split over ep of the dp ranks (ep divides dp)
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "mbs", "virtual_stages"):
+        for name in ("tp", "pp", "dp", "mbs", "virtual_stages", "ep"):
             require(getattr(self, name) >= 1, f"parallel.{name}", getattr(self, name),
                     "must be at least 1", "set a positive integer")
         require(self.act_ckpt_layers >= 0, "parallel.act_ckpt_layers", self.act_ckpt_layers,
@@ -160,13 +175,14 @@ class ParallelSpec:
     def layout(self, global_batch_size: int, optimizer: str = "adamw") -> Layout:
         """This section as a Layout, the global batch (and the training section's optimizer) added."""
         return Layout(self.tp, self.pp, self.dp, self.mbs, self.act_ckpt_layers, global_batch_size, self.zero_stage,
-                      self.offload, self.engine, virtual_stages=self.virtual_stages, optimizer=optimizer)
+                      self.offload, self.engine, virtual_stages=self.virtual_stages, optimizer=optimizer,
+                      ep=self.ep)
 
     @classmethod
     def of(cls, layout: Layout, pipeline_schedule: str = "1F1B") -> "ParallelSpec":
         """A Layout's YAML form (its global batch goes to the training section)."""
         return cls(layout.tp, layout.pp, layout.dp, layout.mbs, layout.act_ckpt_layers, pipeline_schedule,
-                   layout.engine, layout.zero_stage, layout.offload, layout.virtual_stages)
+                   layout.engine, layout.zero_stage, layout.offload, layout.virtual_stages, layout.ep)
 
 
 @dataclass

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 from hp_tool.architectures import interleave_problem, pipeline_problem
-from hp_tool.sharding import combination_problem, family_problem, method_problem, optimizer_problem
+from hp_tool.sharding import (combination_problem, expert_problem, family_problem, method_problem,
+                              optimizer_problem)
 
 if TYPE_CHECKING:
     from hp_tool.families.shape import Shape
@@ -39,6 +40,12 @@ class Layout:
     sequence_parallel: bool = False
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved 1F1B when > 1)
     optimizer: str = "adamw"  # adamw | sgd | sgd_momentum | adamw_8bit (hp_tool/vocab.py OPTIMIZERS)
+    ep: int = 1  # expert parallel: an MoE model's experts split over ep of the dp ranks
+
+    @property
+    def edp(self) -> int:
+        """Data-parallel ranks holding each expert: DP / EP (the group ZeRO shards the experts over)."""
+        return max(1, self.dp // self.ep)
 
     @property
     def num_microbatches(self) -> int:
@@ -93,11 +100,15 @@ class Layout:
         bad_method = self.method_problem(shape)
         if bad_method:
             out.append(bad_method)
+        bad_experts = expert_problem(shape.num_experts, self.ep, self.dp, self.tp, self.engine, self.zero_stage,
+                                     self.offload)
+        if bad_experts:
+            out.append(Problem("ep", "experts", bad_experts))
         return out
 
     def method_problem(self, shape: "Shape") -> Optional["Problem"]:
         """Why this layout cannot train ``shape`` by its method (rule "method"), or None; judged per saver."""
-        bad = method_problem(shape.method, self.engine, self.tp, self.zero_stage, self.offload)
+        bad = method_problem(shape.method, self.engine, self.tp, self.zero_stage, self.offload, shape.moe)
         return None if bad is None else Problem("method", "method", bad)
 
     def optimizer_problem(self) -> Optional["Problem"]:
@@ -121,8 +132,8 @@ SAVER_FIELDS = {"offload": "offload", "zero_stages": "zero_stage", "engines": "e
 class Problem:
     """Why a layout cannot run: the Layout field at fault, the rule, and the reason in words."""
 
-    field: str  # tp, pp, act_ckpt_layers, virtual_stages, engine, zero_stage, offload, global_batch_size
-    rule: str  # heads, node, pipeline, checkpointing, family, batch, interleave, savers
+    field: str  # tp, pp, act_ckpt_layers, virtual_stages, engine, zero_stage, offload, global_batch_size, ep
+    rule: str  # heads, node, pipeline, checkpointing, family, batch, interleave, savers, experts
     reason: str
 
 

@@ -63,6 +63,7 @@ class Family:
     hf_unmodelled: tuple[str, ...] = ()  # config.json flags that, when true, describe layers hp_tool does not model
     # a layer's linear modules by name -> (in features, out features): what LoRA adapts; None: no adapters
     linear_shapes: Optional[Callable[["Shape"], dict[str, tuple[int, int]]]] = None
+    moe: bool = False  # a mixture of experts (hp_tool/families/moe.py): Shape.num_experts routed experts per layer
 
 
 _FAMILIES: Registry[Family] = Registry("model family")

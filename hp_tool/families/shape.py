@@ -34,6 +34,14 @@ class Shape:
     method: str = "full"  # what trains: full | lora | qlora (frozen base, low-rank adapters: estimate/methods.py)
     lora_rank: int = 0  # the adapters' rank (lora, qlora)
     lora_targets: tuple[str, ...] = ()  # the linear modules adapted in every layer (lora, qlora)
+    # mixture of experts (hp_tool/families/moe.py): every layer's MLP is num_experts experts of
+    # ffn_hidden_size each, top_k of them run per token; 0 = a dense model
+    num_experts: int = 0
+    top_k: int = 0
+    shared_expert_ffn: int = 0  # an always-active shared expert's FFN width (Qwen2-MoE); 0 = none
+    # tokens the busiest expert receives over the mean (top_k·tokens/experts): the memory and step-time
+    # models size expert activations and compute at it (train_settings.expert_imbalance)
+    expert_imbalance: float = 1.0
 
     @property
     def tied_head(self) -> bool:
@@ -49,6 +57,11 @@ class Shape:
     def __getstate__(self) -> dict:
         """The fields only: the cached record holds functions, and a pickle carries the family's name."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @property
+    def moe(self) -> bool:
+        """A mixture-of-experts model (routed experts in every layer's MLP)."""
+        return self.num_experts > 0
 
     @property
     def head_dim(self) -> int:
