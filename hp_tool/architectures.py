@@ -124,6 +124,21 @@ def count_parameters(shape: Shape) -> int:
     return stage_layer_parameters(shape, 1, 0) + embedding_parameters(shape) + head_parameters(shape)
 
 
+def expert_parameters(shape: Shape) -> int:
+    """One layer's routed experts' parameters (a mixture of experts; 0 for a dense model): what expert
+    parallelism splits and ZeRO shards over the data-parallel ranks holding the same experts."""
+    return shape.facts.expert_parameters(shape)
+
+
+def active_parameters(shape: Shape) -> int:
+    """Parameters one token runs through: all of them for a dense model; a mixture of experts counts top_k of
+    each layer's experts (Mixtral-8x7B: 12.9B of 46.7B)."""
+    active = shape.facts.active_layer_parameters
+    if active is None:
+        return count_parameters(shape)
+    return shape.pipeline_layers * active(shape) + embedding_parameters(shape) + head_parameters(shape)
+
+
 def layer_forward_flops_per_sample(shape: Shape, encoder: bool = False) -> float:
     """Forward matmul FLOPs of one transformer layer for one sample (attention over the full sequence; of
     the encoder stack when ``encoder``); the family's formula."""

@@ -10,8 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from hp_tool.architectures import Shape, count_parameters, lr_for, pipeline_problem, shape_for_size
-from hp_tool.config import SIZING_MFU, AppConfig, LoraSettings, TrainSettings, searched_methods, training_precision
+from hp_tool.architectures import (Shape, active_parameters, count_parameters, lr_for, pipeline_problem,
+                                   shape_for_size)
+from hp_tool.config import (SIZING_MFU, AppConfig, LoraSettings, ModelOverrides, TrainSettings, searched_methods,
+                            training_precision)
 from hp_tool.estimate.methods import linear_shapes
 from hp_tool.errors import ConfigError, require
 from hp_tool.estimate.layout import Hardware
@@ -68,8 +70,8 @@ def resolve_cluster(app: AppConfig) -> Cluster:
 @dataclass(frozen=True)
 class ModelChoice:
     shape: Shape
-    size_b: float  # requested (or recommended) size in billions
-    num_parameters: int  # of the shape actually built
+    size_b: float  # requested (or recommended) size in billions; a mixture of experts' active parameters
+    num_parameters: int  # of the shape actually built (a mixture of experts: all its experts)
     lr: float
     recommended: bool
     label: str  # for file names: 5b, 126m, ...
@@ -85,16 +87,25 @@ class ModelChoice:
         return replace(self.shape, seq_length=seq, method=method, lora_rank=self.lora.rank,
                        lora_targets=lora_targets(self.shape, self.lora))
 
+    @property
+    def parameters_text(self) -> str:
+        """"46.7B parameters" (a mixture of experts: ", 12.9B active" and its experts)."""
+        text = f"{size_label(self.num_parameters).upper()} parameters"
+        if self.shape.moe:
+            text += (f", {size_label(active_parameters(self.shape)).upper()} active: top-{self.shape.top_k} of "
+                     f"{self.shape.num_experts} experts")
+        return text
+
     def sentence(self, days: float, cluster: Cluster, ts: TrainSettings) -> str:
         if self.hf is not None:
-            return (f"Fine-tuning {self.hf.source} ({self.hf.model_type}, {size_label(self.num_parameters).upper()} "
-                    f"parameters, {self.shape.num_layers} layers x {self.shape.hidden_size} hidden) on "
+            return (f"Fine-tuning {self.hf.source} ({self.hf.model_type}, {self.parameters_text}, "
+                    f"{self.shape.num_layers} layers x {self.shape.hidden_size} hidden) on "
                     f"{ts.dataset_tokens_in_m:g}M tokens x {ts.epochs:g} epoch(s) at sequence lengths "
                     f"{list(self.seq_lengths)} with {cluster.gpus} {cluster.gpu_name} GPUs at "
                     f"{cluster.sizing_tflops_per_gpu:g} TFLOPS each takes about {format_days(days)}.")
         how = "Recommended model size" if self.recommended else "Model size"
         per_stack = " per stack" if self.shape.encoder_decoder else ""
-        return (f"{how}: {size_label(self.num_parameters).upper()} parameters ({self.shape.num_layers} layers{per_stack} x "
+        return (f"{how}: {self.parameters_text} ({self.shape.num_layers} layers{per_stack} x "
                 f"{self.shape.hidden_size} hidden); training on {ts.num_tokens_in_b:g}B tokens with "
                 f"{cluster.gpus} {cluster.gpu_name} GPUs at {cluster.sizing_tflops_per_gpu:g} TFLOPS each takes about {format_days(days)}.")
 
@@ -105,17 +116,17 @@ def choose_model(app: AppConfig, cluster: Cluster) -> ModelChoice:
     ts, ov = sc.train_settings, sc.model
     if sc.finetune:
         return finetune_model(ts, ov.hf_config, searched_methods(app))
-    facts = family(sc.model_family, "search_config.model_family")
+    experts = _experts(facts := family(sc.model_family, "search_config.model_family"), ov, ts)
     decoder_seq = (ts.decoder_seq_length or facts.default_decoder_seq) if facts.encoder_decoder else None
     if ov.given:
         heads = ov.num_attention_heads
         ffn = ov.ffn_hidden_size or facts.default_ffn(ov.hidden_size)
         kv = ov.kv_channels or facts.default_kv_channels
         shape = Shape(sc.model_family, ov.num_layers, ov.hidden_size, heads, ov.num_kv_heads or heads,
-                      ffn, ts.vocab_size, ts.seq_length, kv, decoder_seq)
+                      ffn, ts.vocab_size, ts.seq_length, kv, decoder_seq, **experts)
         _check_shape(shape)
-        n = count_parameters(shape)
-        return ModelChoice(shape, n / 1e9, n, lr_for(sc.model_family, n / 1e9), False, size_label(n))
+        n, size = count_parameters(shape), active_parameters(shape) / 1e9
+        return ModelChoice(shape, size, n, lr_for(sc.model_family, size), False, size_label(n))
     size, recommended = ts.model_size_in_b, False
     if size is None:
         size = recommend_model_size_b(sc.model_family, ts.max_training_days, cluster.gpus,
@@ -128,7 +139,27 @@ def choose_model(app: AppConfig, cluster: Cluster) -> ModelChoice:
     except ValueError as exc:
         raise ConfigError(f"{TS}.model_size_in_b", size, str(exc),
                           "choose another size or give search_config.model explicitly") from exc
+    shape = replace(shape, **experts)
     return ModelChoice(shape, size, count_parameters(shape), lr, recommended, size_label(size * 1e9))
+
+
+def _experts(facts, ov: ModelOverrides, ts: TrainSettings) -> dict:
+    """A mixture of experts' Shape fields from search_config.model (an explicit shape, or over the sized
+    one) and the planning imbalance; none for a dense family, where giving experts is an error."""
+    if not facts.moe:
+        require(ov.num_experts is None and ov.top_k is None, "search_config.model.num_experts", ov.num_experts,
+                f"model_family {facts.name} is dense", "use model_family moe for a mixture of experts, or null")
+        return {}
+    out = {"expert_imbalance": ts.expert_imbalance}
+    if ov.num_experts is not None:
+        out["num_experts"] = ov.num_experts
+    if ov.top_k is not None:
+        out["top_k"] = ov.top_k
+    if ov.given:
+        require(ov.num_experts is not None and ov.top_k is not None, "search_config.model.num_experts",
+                ov.num_experts, "an explicit mixture-of-experts shape needs its experts and top_k",
+                "set search_config.model.num_experts and top_k (Mixtral: 8 and 2)")
+    return out
 
 
 def finetune_model(ts: TrainSettings, hf_config: str, methods: tuple[str, ...] = ("full",)) -> ModelChoice:
@@ -138,11 +169,14 @@ def finetune_model(ts: TrainSettings, hf_config: str, methods: tuple[str, ...] =
     seqs = tuple(sorted(set(ts.seq_lengths or [ts.seq_length])))
     for seq in seqs:
         hf.check_seq_length(seq, f"{TS}.seq_lengths" if ts.seq_lengths else f"{TS}.seq_length")
-    shape = hf.shape(seqs[-1])
+    shape = hf.shape(seqs[-1], ts.expert_imbalance)
     n = count_parameters(shape)
     if set(methods) - {"full"}:
         lora_targets(shape, ts.lora)  # checked before anything is written
-    return ModelChoice(shape, n / 1e9, n, FINETUNE_LR, False, size_label(n), hf, seqs, methods, ts.lora)
+    # the size the grid tables and the compute take: the parameters a token runs through (a mixture of experts'
+    # active ones)
+    return ModelChoice(shape, active_parameters(shape) / 1e9, n, FINETUNE_LR, False, size_label(n), hf, seqs,
+                       methods, ts.lora)
 
 
 def lora_targets(shape: Shape, lora: LoraSettings) -> tuple[str, ...]:
@@ -217,7 +251,8 @@ def base_spec(app: AppConfig, model: ModelChoice, cluster: Cluster) -> TrialSpec
             f"use a multiple of {dp}, or change num_nodes")
     hw = cluster.hw
     return TrialSpec(
-        trial_id=make_trial_id(s.family, model.label, tp, pp, 1, 0, "torch", 3, seq=model_seq(model, s)),
+        trial_id=make_trial_id(s.family, model.label, tp, pp, 1, 0, "torch", 3, seq=model_seq(model, s),
+                               ep=1 if s.moe else None),
         model=model_spec(s, model.num_parameters, model.hf),
         parallel=ParallelSpec(tp=tp, pp=pp, dp=dp, mbs=1, act_ckpt_layers=0, engine="torch", zero_stage=3),
         training=TrainingSpec(global_batch_size=gbs, precision=training_precision(app), lr=model.lr,
@@ -248,7 +283,8 @@ def model_spec(s: Shape, num_parameters: int, hf: Optional[HFModel] = None,
                      num_parameters=num_parameters, kv_channels=s.kv_channels,
                      decoder_seq_length=s.decoder_seq_length, qkv_bias=s.qkv_bias,
                      tied_embeddings=s.tied_embeddings, hf_config=None if hf is None else dict(hf.config),
-                     method=s.method, lora=adapters)
+                     method=s.method, lora=adapters, num_experts=s.num_experts, top_k=s.top_k,
+                     shared_expert_ffn_hidden_size=s.shared_expert_ffn)
 
 
 def init_std(shape: Shape) -> float:

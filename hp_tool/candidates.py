@@ -84,6 +84,7 @@ class Candidate:
     offload = property(lambda self: self.full.offload)
     virtual_stages = property(lambda self: self.full.virtual_stages)
     optimizer = property(lambda self: self.full.optimizer)
+    ep = property(lambda self: self.full.ep)
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,17 @@ class Grid:
     heuristic_savers: bool = False  # search one saver per layout (zero_stages/offload null)
     virtual: Optional[list[int]] = None  # virtual stages per pipeline rank; None: heuristic per PP
     optimizers: list[str] = dataclasses.field(default_factory=lambda: ["adamw"])
+    ep: list[int] = dataclasses.field(default_factory=lambda: [1])  # expert-parallel sizes (mixture of experts)
+
+
+def expert_parallel_sizes(ts: TrainSettings, shape: Shape, gpus_per_node: int) -> list[int]:
+    """EP sizes to search: the user's list; for a mixture of experts 1 and the powers of two dividing its
+    experts within one node (the all-to-all then stays on NVLink); 1 for a dense model."""
+    if ts.expert_parallel_sizes is not None:
+        return list(ts.expert_parallel_sizes)
+    if not shape.moe:
+        return [1]
+    return [e for e in (1, 2, 4, 8, 16, 32, 64) if shape.num_experts % e == 0 and e <= max(1, gpus_per_node)]
 
 
 def grid_table(shape: Shape) -> list:
@@ -120,7 +132,8 @@ def memory_savers(ts: TrainSettings, host_ram_known: bool) -> tuple[list[tuple[i
     return [(z, o) for z, o in SAVING_ORDER if z in stages and o in offloads], True
 
 
-def build_grid(ts: TrainSettings, shape: Shape, size_b: float, host_ram_known: bool = True) -> Grid:
+def build_grid(ts: TrainSettings, shape: Shape, size_b: float, host_ram_known: bool = True,
+               gpus_per_node: int = 8) -> Grid:
     """Heuristic lists for the family, size and sequence length (NeMo tables) with the user's lists taking
     their place when given."""
     tp, pp, mbs, (lo, hi) = lookup(grid_table(shape), size_b, inclusive=True)
@@ -139,6 +152,7 @@ def build_grid(ts: TrainSettings, shape: Shape, size_b: float, host_ram_known: b
         heuristic_savers=heuristic,
         virtual=None if ts.virtual_pipeline_sizes is None else list(ts.virtual_pipeline_sizes),
         optimizers=list(ts.optimizers or ["adamw"]),
+        ep=expert_parallel_sizes(ts, shape, gpus_per_node),
     )
 
 
@@ -169,10 +183,12 @@ def act_ckpt_values(grid: Grid, shape: Shape, pp: int, virtual_stages: int = 1) 
 # train_settings keys of the Layout fields a problem can name
 FIELD_KEYS = {"tp": "tensor_parallel_sizes", "pp": "pipeline_parallel_sizes", "act_ckpt_layers": "act_ckpt_layers",
               "virtual_stages": "virtual_pipeline_sizes", "engine": "engines", "zero_stage": "zero_stages",
-              "offload": "offload", "global_batch_size": "global_batch_size", "optimizer": "optimizers", "method": "methods"}
+              "offload": "offload", "global_batch_size": "global_batch_size", "optimizer": "optimizers", "method": "methods",
+              "ep": "expert_parallel_sizes"}
 
 
-PER_SAVER_RULES = ("savers", "optimizer", "method")  # rules judged per (ZeRO stage, offload), not per layout
+# rules judged per (ZeRO stage, offload), not per layout
+PER_SAVER_RULES = ("savers", "optimizer", "method", "expert_savers")
 
 
 def invalid_reason(shape: Shape, c: Candidate, cluster: Cluster, mp_range: tuple[int, int]) -> Optional[tuple[str, str]]:
@@ -186,6 +202,9 @@ def invalid_reason(shape: Shape, c: Candidate, cluster: Cluster, mp_range: tuple
     mp = c.tp * c.pp
     if cluster.gpus % mp:
         return "num_nodes", f"TP*PP={mp} does not divide the {cluster.gpus} GPUs"
+    for p in problems:
+        if p.field == "ep":
+            return FIELD_KEYS[p.field], p.reason
     if not mp_range[0] <= mp <= mp_range[1]:
         return "max_model_parallel_size", f"TP*PP={mp} outside model-parallel range {list(mp_range)}"
     return (FIELD_KEYS[problems[0].field], problems[0].reason) if problems else None
@@ -193,7 +212,8 @@ def invalid_reason(shape: Shape, c: Candidate, cluster: Cluster, mp_range: tuple
 
 def trial_node_counts(mp: int, gpn: int, num_nodes: int) -> list[int]:
     """Node counts a benchmark of a TP*PP=mp layout can use, fewest first: whole nodes holding whole
-    model replicas (the fewest is ceil(mp / gpn) nodes), up to the full run's."""
+    model replicas (the fewest is ceil(mp / gpn) nodes), up to the full run's. With expert parallelism ``mp``
+    is TP*PP*EP: the trial needs the EP data-parallel ranks its experts are split over."""
     fewest = math.ceil(mp / gpn)
     more = [k for k in range(fewest + 1, num_nodes + 1) if (k * gpn) % mp == 0]
     return [fewest] + more
@@ -226,7 +246,7 @@ def estimate(shape: Shape, c: Candidate, cluster: Cluster, usable_gb: float) -> 
     # Memory per GPU never grows with more data-parallel shards, so bisect for the first count that fits
     # (the largest when none does). The largest is the full run's own nodes: when the full run does not
     # fit, no trial does, and the bisection is skipped.
-    counts = trial_node_counts(c.tp * c.pp, hw.gpus_per_node, cluster.num_nodes)
+    counts = trial_node_counts(c.tp * c.pp * c.full.ep, hw.gpus_per_node, cluster.num_nodes)
     if c.full_memory_gb > usable_gb:
         nodes = counts[-1]
     else:
@@ -264,12 +284,13 @@ def _fit(shape: Shape, c: Candidate, cluster: Cluster, ts: TrainSettings) -> Non
 
 
 def _layout_candidates(shape: Shape, grid: Grid, ts: TrainSettings, cluster: Cluster, gbs: int, engine: str,
-                       tp: int, pp: int, mbs: int, ac: int, vp: int = 1, optimizer: str = "adamw") -> list[Candidate]:
+                       tp: int, pp: int, mbs: int, ac: int, vp: int = 1, optimizer: str = "adamw",
+                       ep: int = 1) -> list[Candidate]:
     """The candidates of one layout over the grid's memory savers (see the module docstring)."""
     def make(stage: int, offload: str) -> Candidate:
         dp = max(1, cluster.gpus // (tp * pp))
         return Candidate(Layout(tp, pp, dp, mbs, ac, gbs, stage, offload, engine, virtual_stages=vp,
-                                optimizer=optimizer), shape)
+                                optimizer=optimizer, ep=ep), shape)
 
     first = make(*grid.savers[0])
     bad = invalid_reason(shape, first, cluster, grid.mp_range)
@@ -279,7 +300,8 @@ def _layout_candidates(shape: Shape, grid: Grid, ts: TrainSettings, cluster: Clu
     out, unrunnable = [], []
     for stage, offload in grid.savers:
         c = make(stage, offload)
-        bad = c.full.saver_problem() or c.full.optimizer_problem() or c.full.method_problem(shape)
+        bad = c.full.saver_problem() or c.full.optimizer_problem() or c.full.method_problem(shape) or \
+            c.full.expert_saver_problem()
         if bad:
             c.reject(INVALID, f"{TS}.{FIELD_KEYS[bad.field]}", bad.reason)
             (unrunnable if grid.heuristic_savers else out).append(c)
@@ -287,7 +309,7 @@ def _layout_candidates(shape: Shape, grid: Grid, ts: TrainSettings, cluster: Clu
         _fit(shape, c, cluster, ts)
         out.append(c)
         if grid.heuristic_savers and c.status == SELECTED and c.offload == "none" and \
-                c.trial_nodes == trial_node_counts(tp * pp, cluster.hw.gpus_per_node, cluster.num_nodes)[0]:
+                c.trial_nodes == trial_node_counts(tp * pp * ep, cluster.hw.gpus_per_node, cluster.num_nodes)[0]:
             break  # nothing after it can be chosen over it (see the ordering below)
     if not grid.heuristic_savers:
         return out
@@ -302,12 +324,13 @@ def plan_candidates(shape: Shape, size_b: float, ts: TrainSettings, cluster: Clu
                     grid: Optional[Grid] = None) -> list[Candidate]:
     """Every candidate of the grid (default: ``build_grid``), with status and reason; selected ones
     ranked fastest first."""
-    grid = grid or build_grid(ts, shape, size_b, cluster.hw.host_ram_gb is not None)
+    grid = grid or build_grid(ts, shape, size_b, cluster.hw.host_ram_gb is not None, cluster.hw.gpus_per_node)
     out: list[Candidate] = []
-    for opt, engine, tp, pp, mbs in itertools.product(grid.optimizers, grid.engines, grid.tp, grid.pp, grid.mbs):
+    for opt, engine, tp, pp, ep, mbs in itertools.product(grid.optimizers, grid.engines, grid.tp, grid.pp, grid.ep,
+                                                          grid.mbs):
         for vp in virtual_stage_values(grid, shape, pp):
             for ac in act_ckpt_values(grid, shape, pp, vp):
-                out += _layout_candidates(shape, grid, ts, cluster, gbs, engine, tp, pp, mbs, ac, vp, opt)
+                out += _layout_candidates(shape, grid, ts, cluster, gbs, engine, tp, pp, mbs, ac, vp, opt, ep)
     rank_candidates(out, ts.limit_search_runs)
     return out
 
@@ -320,8 +343,8 @@ def rank_candidates(cands: list[Candidate], limit: int) -> None:
         if c.status == OVER_LIMIT:
             c.status, c.reason, c.reason_key = SELECTED, "", ""
     fitting = [c for c in cands if c.status == SELECTED]
-    fitting.sort(key=lambda c: (c.step_time_s, c.memory_gb, c.tp, c.pp, c.virtual_stages, c.mbs, c.act_ckpt_layers,
-                                c.engine, c.zero_stage, c.offload))
+    fitting.sort(key=lambda c: (c.step_time_s, c.memory_gb, c.tp, c.pp, c.ep, c.virtual_stages, c.mbs,
+                                c.act_ckpt_layers, c.engine, c.zero_stage, c.offload))
     for i, c in enumerate(fitting, start=1):
         c.rank = i
         if i > limit:

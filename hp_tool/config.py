@@ -19,6 +19,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
+from hp_tool.families.moe import DEFAULT_EXPERT_IMBALANCE
 from hp_tool.families import family, family_names
 from hp_tool.errors import ConfigError, require
 from hp_tool.vocab import CLUSTER_TYPES, ENGINES, FINETUNE, MEMORY_CHECKS, METHODS, OPTIMIZERS, OFFLOADS, PRECISIONS, STRATEGIES, ZERO_STAGES
@@ -186,11 +187,17 @@ class ModelOverrides:
     kv_channels: Optional[int] = None  # per-head width; null = hidden / heads (T5/mT5: 64)
     context_length: Optional[int] = None  # the model's longest sequence; null = no limit
     hf_config: Optional[str] = None  # fine-tuning: the model's Hugging Face config (hp_tool/hf_config.py)
+    # mixture of experts (model_family moe): routed experts per layer (ffn_hidden_size each), experts per token
+    num_experts: Optional[int] = None
+    top_k: Optional[int] = None
 
     def __post_init__(self) -> None:
         _positive(self, "search_config.model", ("num_layers", "hidden_size", "num_attention_heads",
                                                 "num_kv_heads", "ffn_hidden_size", "kv_channels",
-                                                "context_length"))
+                                                "context_length", "num_experts", "top_k"))
+        require(self.top_k is None or self.num_experts is None or self.top_k <= self.num_experts,
+                "search_config.model.top_k", self.top_k, f"exceeds num_experts={self.num_experts}",
+                f"route each token to at most the {self.num_experts} experts (Mixtral: 2 of 8)")
         heads, kv = self.num_attention_heads, self.num_kv_heads
         require(heads is None or kv is None or heads % kv == 0, "search_config.model.num_kv_heads", kv,
                 f"does not divide num_attention_heads={heads}",
@@ -243,6 +250,11 @@ class TrainSettings:
     optimizers: Optional[List[str]] = None  # adamw | sgd | sgd_momentum (0.9) | adamw_8bit (CUDA); null = [adamw]
     methods: Optional[List[str]] = None  # fine-tuning: full | lora | qlora; null = [full]
     lora: LoraSettings = field(default_factory=LoraSettings)  # the adapters of lora and qlora
+    # mixture of experts: EP sizes searched (null: 1 and the powers of two dividing the experts within a node)
+    expert_parallel_sizes: Optional[List[int]] = None
+    # the busiest expert's tokens over the mean (top_k·tokens/experts) that expert memory and compute are sized
+    # at (hp_tool/families/moe.py DEFAULT_EXPERT_IMBALANCE: Switch Transformer's capacity factor 1.25)
+    expert_imbalance: float = DEFAULT_EXPERT_IMBALANCE
     # fine-tuning (model_family finetune): the data is the budget; the answer is hours and dollars per epoch
     seq_lengths: Optional[List[int]] = None  # tokens per sequence, searched with micro_batch_sizes; null = [seq_length]
     global_batch_tokens: Optional[int] = None  # tokens per optimizer step at every sequence length; null = GBS x seq
@@ -259,7 +271,10 @@ class TrainSettings:
         _seq_and_vocab(p, self.seq_length, self.vocab_size)
         _length(f"{p}.decoder_seq_length", self.decoder_seq_length, "decoder length", "128 (or null for 128)")
         _positive_list(self, p, ("tensor_parallel_sizes", "pipeline_parallel_sizes", "virtual_pipeline_sizes",
-                                 "micro_batch_sizes", "seq_lengths"))
+                                 "micro_batch_sizes", "seq_lengths", "expert_parallel_sizes"))
+        require(self.expert_imbalance >= 1.0, f"{p}.expert_imbalance", self.expert_imbalance,
+                "must be at least 1 (the busiest expert gets at least the mean of the routed tokens)",
+                "use 1.0 for perfectly balanced routing, 1.25 (default) as Switch Transformer's capacity factor")
         _positive_list(self, p, ("act_ckpt_layers",), allow_zero=True)
         require(self.precision is None or self.precision in PRECISIONS, f"{p}.precision", self.precision,
                 "unknown precision", "use bf16, fp16 or fp32, or null for bf16 where the GPU has it, else fp16")

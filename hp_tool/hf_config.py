@@ -55,14 +55,21 @@ class HFModel:
     max_positions: int  # max_position_embeddings
     rope_scaling: Optional[dict]  # None: plain RoPE
     sliding_window: Optional[int] = None  # attention window in tokens (Mistral); None: full causal attention
+    # a mixture of experts: routed experts per layer (ffn_hidden_size is one expert's width), experts per
+    # token, a shared expert's width (Qwen2-MoE); 0 for a dense model
+    num_experts: int = 0
+    top_k: int = 0
+    shared_expert_ffn: int = 0
 
-    def shape(self, seq_length: int) -> Shape:
+    def shape(self, seq_length: int, expert_imbalance: float = 1.0) -> Shape:
         """The model at ``seq_length`` tokens per sequence (kv_channels only where the head dim is not
-        hidden / heads)."""
+        hidden / heads); a mixture of experts planned at ``expert_imbalance``."""
         kv_channels = None if self.head_dim * self.num_attention_heads == self.hidden_size else self.head_dim
         return Shape(self.model_type, self.num_layers, self.hidden_size, self.num_attention_heads,
                      self.num_kv_heads, self.ffn_hidden_size, self.vocab_size, seq_length, kv_channels,
-                     qkv_bias=self.qkv_bias, tied_embeddings=self.tied_embeddings, pretrained=True)
+                     qkv_bias=self.qkv_bias, tied_embeddings=self.tied_embeddings, pretrained=True,
+                     num_experts=self.num_experts, top_k=self.top_k, shared_expert_ffn=self.shared_expert_ffn,
+                     expert_imbalance=expert_imbalance if self.num_experts else 1.0)
 
     def check_seq_length(self, seq: int, key: str) -> None:
         """A sequence above ``max_position_embeddings`` without RoPE scaling is refused: those positions
@@ -133,13 +140,34 @@ def load_hf_model(value: str) -> HFModel:
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     rope = raw.get("rope_scaling")
+    experts = _experts(cfg, facts.moe, value) if facts.moe else {}
     return HFModel(
         source=value, path=str(path), config=raw, model_type=raw["model_type"],
         num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, num_attention_heads=heads,
         num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads, head_dim=head_dim,
-        ffn_hidden_size=cfg.intermediate_size, vocab_size=cfg.vocab_size,
+        ffn_hidden_size=experts.get("ffn", cfg.intermediate_size), vocab_size=cfg.vocab_size,
         tied_embeddings=bool(cfg.tie_word_embeddings), qkv_bias=facts.hf_qkv_bias(cfg),
         max_positions=cfg.max_position_embeddings,
         rope_scaling=rope if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) != "default" else None,
-        sliding_window=getattr(cfg, "sliding_window", None),  # transformers sets it only where it is used
+        # transformers sets it only where it is used (Qwen2-MoE's 0 without use_sliding_window: none)
+        sliding_window=getattr(cfg, "sliding_window", None) or None,
+        num_experts=experts.get("num_experts", 0), top_k=experts.get("top_k", 0),
+        shared_expert_ffn=experts.get("shared", 0),
     )
+
+
+def _experts(cfg: Any, moe: bool, value: str) -> dict[str, int]:
+    """A mixture of experts' routing as transformers names it: Mixtral's ``num_local_experts`` (aliased
+    ``num_experts``) of ``intermediate_size``; Qwen2-MoE's ``num_experts`` of ``moe_intermediate_size`` with a
+    ``shared_expert_intermediate_size``; ``num_experts_per_tok`` for both. Layers without experts (Qwen's
+    ``mlp_only_layers``, ``decoder_sparse_step`` > 1) are refused: hp_tool models every layer as an MoE layer."""
+    experts, top_k = getattr(cfg, "num_experts", 0) or 0, getattr(cfg, "num_experts_per_tok", 0) or 0
+    require(experts > 0 and 0 < top_k <= experts, KEY, value,
+            f"a mixture of experts needs 1 <= num_experts_per_tok ({top_k}) <= its experts ({experts})",
+            "check num_experts_per_tok and num_local_experts / num_experts against the published config")
+    require(not getattr(cfg, "mlp_only_layers", None) and getattr(cfg, "decoder_sparse_step", 1) == 1, KEY, value,
+            "has dense layers among its expert layers (mlp_only_layers or decoder_sparse_step > 1), which hp_tool "
+            "does not model", "use a config whose every layer routes to experts (the published Qwen MoE models do)")
+    return {"num_experts": experts, "top_k": top_k,
+            "ffn": getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size,
+            "shared": getattr(cfg, "shared_expert_intermediate_size", 0) or 0}

@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 from typing import Any, Iterable
 
+from hp_tool.architectures import active_parameters
 from hp_tool.candidates import Candidate
 from hp_tool.cost import cost_columns, epoch_columns
 from hp_tool.estimate.methods import trainable_parameters
@@ -29,7 +30,7 @@ PLAN_COLUMNS = (
     "predicted_cost_usd_per_million_tokens", "predicted_rank", "plan_status", "reason",
     "seq_length", "predicted_mfu", "predicted_tokens_per_hour", "predicted_hours_per_epoch",
     "predicted_cost_usd_per_epoch", "predicted_rank0_host_memory_gb", "optimizer", "method", "lora_rank",
-    "trainable_parameters",
+    "trainable_parameters", "experts", "top_k", "ep", "active_parameters",
 )
 
 
@@ -86,6 +87,8 @@ def plan_rows(plan: Plan) -> Iterable[dict[str, Any]]:
             "optimizer": c.optimizer,
             "method": c.shape.method, "lora_rank": c.shape.lora_rank or None,
             "trainable_parameters": trainable_parameters(c.shape, m.num_parameters),
+            "experts": c.shape.num_experts or None, "top_k": c.shape.top_k or None,
+            "ep": c.ep if c.shape.moe else None, "active_parameters": active_parameters(c.shape),
         }
 
 
@@ -186,6 +189,9 @@ def render_plan(plan: Plan, max_rows: int = 25) -> str:
         columns[2:2] = ["seq"]
         columns[11:11] = ["optimizer"]
         columns += ["MFU", "M tok/h", "$/M tok", "h/epoch", "$/epoch"]
+    moe = plan.model.shape.moe
+    if moe:  # a mixture of experts: its expert-parallel size after PP
+        columns[columns.index("PP") + 1:columns.index("PP") + 1] = ["EP"]
     for col in columns:
         table.add_column(col, justify="left" if col in ("trial_id", "engine", "offload") else "right")
     rows = {r["trial_id"]: r for r in plan_rows(plan) if r["plan_status"] == SELECTED}
@@ -203,6 +209,8 @@ def render_plan(plan: Plan, max_rows: int = 25) -> str:
             cells += [f"{r['predicted_mfu']:.2f}", f"{r['predicted_tokens_per_hour'] / 1e6:,.3g}",
                       _money(r["predicted_cost_usd_per_million_tokens"]), f"{r['predicted_hours_per_epoch']:.3g}",
                       _money(r["predicted_cost_usd_per_epoch"])]
+        if moe:
+            cells[columns.index("EP"):columns.index("EP")] = [str(c.ep)]
         table.add_row(*cells)
     console = Console(file=io.StringIO(), width=240 if finetune else 190, force_terminal=False)
     console.print(plan.sentence, soft_wrap=True)

@@ -61,13 +61,10 @@ def method_problem(method: str, engine: str, tp: int, zero_stage: int, offload: 
     return None
 
 
-def expert_problem(num_experts: int, ep: int, dp: int, tp: int, engine: str, zero_stage: int,
-                   offload: str) -> Optional[str]:
-    """Why a layout cannot split a model's experts over ``ep`` ranks, or None. EP takes whole experts
-    (it divides their count) from the data-parallel ranks (it divides DP); only the torch engine shards
-    experts (transformers' expert-parallel all-to-all dispatch), with TP 1, ZeRO 0, 2 or 3 and no offload:
-    ZeRO-1's optimizer sharding and FSDP2's offload span the whole DP group, whose ranks hold different
-    experts."""
+def expert_problem(num_experts: int, ep: int, dp: int, tp: int, engine: str) -> Optional[str]:
+    """Why a layout cannot split a model's experts over ``ep`` ranks, or None. EP takes whole experts (it
+    divides their count) from the data-parallel ranks (it divides DP); only the torch engine splits experts
+    (transformers' expert-parallel all-to-all dispatch), and with TP 1."""
     if ep == 1:
         return None
     if not num_experts:
@@ -77,12 +74,21 @@ def expert_problem(num_experts: int, ep: int, dp: int, tp: int, engine: str, zer
     if dp % ep:
         return f"EP={ep} does not divide the DP={dp} ranks it spans"
     if engine != "torch":
-        return f"EP={ep} on engine {engine}: only the torch engine splits experts (DeepSpeed shards them with ZeRO as any weight, at EP 1)"
+        return (f"EP={ep} on engine {engine}: only the torch engine splits experts (DeepSpeed shards them with "
+                "ZeRO as any weight, at EP 1)")
     if tp > 1:
         return f"EP={ep} with TP={tp}: the torch engine splits experts over data-parallel ranks with TP 1 only"
-    if zero_stage == 1 or offload != "none":
+    return None
+
+
+def expert_saver_problem(ep: int, zero_stage: int, offload: str) -> Optional[str]:
+    """Why the torch engine cannot split experts over ``ep`` ranks with this ZeRO stage and offload, or None:
+    ZeRO-1's sharded optimizer and FSDP2's offload span the whole DP group, whose ranks hold different
+    experts; ZeRO 0, 2 and 3 without offload run."""
+    if ep > 1 and (zero_stage == 1 or offload != "none"):
         return (f"EP={ep} with ZeRO {zero_stage} and offload {offload}: the torch engine splits experts with ZeRO 0, "
-                "2 or 3 and no offload (ZeRO-1 and offload span the DP group, whose ranks hold different experts)")
+                "2 or 3 and no offload (ZeRO-1's optimizer sharding and offload span the DP group, whose ranks "
+                "hold different experts)")
     return None
 
 

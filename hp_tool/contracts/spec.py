@@ -133,6 +133,7 @@ SPEC_FIXES = {
     "optimizer": "use adamw, or the optimizer without offload (hp_tool/sharding.py optimizer_problem)",
     "method": "use a layout the method runs on (hp_tool/sharding.py method_problem)",
     "experts": "use an expert-parallel size the model and engine run (hp_tool/sharding.py expert_problem)",
+    "expert_savers": "with EP > 1 use ZeRO 0, 2 or 3 and no offload (hp_tool/sharding.py expert_saver_problem)",
 }
 
 
@@ -369,14 +370,15 @@ def dump_spec(spec: TrialSpec, path: str | os.PathLike) -> Path:
 def make_trial_id(family: str, size_label: str, tp: int, pp: int, mbs: int, act_ckpt_layers: int,
                   engine: str = "torch", zero_stage: int = 3, offload: str = "none", virtual_stages: int = 1,
                   seq: Optional[int] = None, optimizer: str = "adamw", method: str = "full",
-                  lora_rank: int = 0) -> str:
+                  lora_rank: int = 0, ep: Optional[int] = None) -> str:
     """The one place a trial id is built; every file name derives from it. It names every searched
     dimension, e.g. gpt3_5b_tp2_pp1_mbs4_ac0_torch_z3_noff; interleaved layouts add their virtual stages
     after PP (gpt3_5b_tp1_pp4_vp2_mbs1_ac0_torch_z3_noff); a fine-tuning search its sequence length after
     the size (llama_6.74b_s2048_tp1_pp1_mbs4_ac32_ds_z3_offopt); an optimizer other than AdamW its code at
     the end (..._torch_z3_noff_sgdm); an adapter method its name and rank after the sequence length
-    (llama_6.74b_s2048_lora16_tp1_...)."""
-    vp = f"_vp{virtual_stages}" if virtual_stages > 1 else ""
+    (llama_6.74b_s2048_lora16_tp1_...); a mixture of experts its expert-parallel size after PP (and the
+    virtual stages), EP 1 included (mixtral_46.7b_s4096_tp1_pp1_ep8_mbs1_...)."""
+    vp = (f"_vp{virtual_stages}" if virtual_stages > 1 else "") + (f"_ep{ep}" if ep is not None else "")
     s = (f"_s{seq}" if seq is not None else "") + (f"_{method}{lora_rank}" if method != "full" else "")
     return (f"{family}_{size_label}{s}_tp{tp}_pp{pp}{vp}_mbs{mbs}_ac{act_ckpt_layers}_"
             f"{layout_suffix(engine, zero_stage, offload)}{OPTIMIZER_CODES[optimizer]}")

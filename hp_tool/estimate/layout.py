@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 from hp_tool.architectures import interleave_problem, pipeline_problem
-from hp_tool.sharding import (combination_problem, expert_problem, family_problem, method_problem,
-                              optimizer_problem)
+from hp_tool.sharding import (combination_problem, expert_problem, expert_saver_problem, family_problem,
+                              method_problem, optimizer_problem)
 
 if TYPE_CHECKING:
     from hp_tool.families.shape import Shape
@@ -100,11 +100,19 @@ class Layout:
         bad_method = self.method_problem(shape)
         if bad_method:
             out.append(bad_method)
-        bad_experts = expert_problem(shape.num_experts, self.ep, self.dp, self.tp, self.engine, self.zero_stage,
-                                     self.offload)
+        bad_experts = expert_problem(shape.num_experts, self.ep, self.dp, self.tp, self.engine)
         if bad_experts:
             out.append(Problem("ep", "experts", bad_experts))
+        bad_expert_savers = self.expert_saver_problem()
+        if bad_expert_savers:
+            out.append(bad_expert_savers)
         return out
+
+    def expert_saver_problem(self) -> Optional["Problem"]:
+        """Why the engine cannot split experts at this ZeRO stage and offload (rule "expert_savers"), or None;
+        judged per saver like ``saver_problem``."""
+        bad = expert_saver_problem(self.ep, self.zero_stage, self.offload)
+        return None if bad is None else Problem("zero_stage", "expert_savers", bad)
 
     def method_problem(self, shape: "Shape") -> Optional["Problem"]:
         """Why this layout cannot train ``shape`` by its method (rule "method"), or None; judged per saver."""
@@ -133,7 +141,7 @@ class Problem:
     """Why a layout cannot run: the Layout field at fault, the rule, and the reason in words."""
 
     field: str  # tp, pp, act_ckpt_layers, virtual_stages, engine, zero_stage, offload, global_batch_size, ep
-    rule: str  # heads, node, pipeline, checkpointing, family, batch, interleave, savers, experts
+    rule: str  # heads, node, pipeline, checkpointing, family, batch, interleave, savers, experts, expert_savers
     reason: str
 
 

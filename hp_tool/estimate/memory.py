@@ -21,8 +21,9 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from hp_tool.architectures import (Shape, checkpointed_layer_counts, count_parameters, layer_parameters,
-                                   stage_layer_counts, stage_layer_parameters, vocab_parallel_parameters)
+from hp_tool.architectures import (Shape, checkpointed_layer_counts, count_parameters, expert_parameters,
+                                   layer_parameters, stage_layer_counts, stage_layer_parameters,
+                                   vocab_parallel_parameters)
 from hp_tool.estimate.layout import GB, Hardware, Layout, interleave_held_tensors, microbatches_in_flight
 from hp_tool.estimate.methods import (ADAPTED, NF4_BITS, activation_delta_bytes, adapter_parameters_per_layer,
                                       linear_parameters_per_layer, linear_shapes)
@@ -110,15 +111,37 @@ def compute_copy_bytes(params: float, gathered_layer: float, layout: Layout, hw:
 
 
 @functools.lru_cache(maxsize=4096)
-def stage_parameters(shape: Shape, tp: int, pp: int) -> tuple[float, ...]:
-    """Parameters one GPU holds on each pipeline stage (after TP): its layers, the embedding on the first
-    stage, the head on the last. Cached: the planner asks it for every micro-batch, saver and trial size
-    of a TP x PP."""
+def stage_parameters(shape: Shape, tp: int, pp: int, ep: int = 1) -> tuple[float, ...]:
+    """Parameters one GPU holds on each pipeline stage (after TP and EP): its layers, the embedding on the
+    first stage, the head on the last. A mixture of experts' routed experts are split over the ``ep`` ranks
+    and whole on every TP rank (``stage_expert_parameters``). Cached: the planner asks it for every
+    micro-batch, saver and trial size of a TP x PP."""
     embed_p, head_p = vocab_parallel_parameters(shape, tp, pp)
-    out = [stage_layer_parameters(shape, pp, stage) / tp for stage in range(pp)]
+    out = [(stage_layer_parameters(shape, pp, stage) - _stage_experts(shape, pp, stage)) / tp
+           + stage_expert_parameters(shape, pp, stage, ep) for stage in range(pp)]
     out[0] += embed_p
     out[-1] += head_p
     return tuple(out)
+
+
+def _stage_experts(shape: Shape, pp: int, stage: int) -> int:
+    """Routed-expert parameters of pipeline ``stage``'s layers, whole."""
+    return sum(stage_layer_counts(shape, pp, stage)) * expert_parameters(shape)
+
+
+def stage_expert_parameters(shape: Shape, pp: int, stage: int, ep: int) -> float:
+    """Routed-expert parameters one GPU holds on pipeline ``stage``: 1/EP of its layers' experts, not split by
+    TP (the torch engine runs whole experts on every TP rank: expert TP 1); 0 for a dense model."""
+    return _stage_experts(shape, pp, stage) / ep
+
+
+def sharded_state_bytes(shape: Shape, layout: Layout, params: float, stage: int) -> float:
+    """``model_state_bytes`` of a stage's ``params`` local parameters, its routed experts sharded by ZeRO over
+    the data-parallel ranks holding the same experts (DP / EP) and the rest over all DP ranks."""
+    experts = stage_expert_parameters(shape, layout.pp, stage, layout.ep)
+    states = functools.partial(model_state_bytes, zero_stage=layout.zero_stage, offload=layout.offload,
+                               engine=layout.engine, optimizer=layout.optimizer)
+    return states(params - experts, layout.dp) + (states(experts, layout.edp) if experts else 0.0)
 
 
 @dataclass(frozen=True)
@@ -149,7 +172,7 @@ def host_phases_gb(shape: Shape, layout: Layout, gpus_on_node: int) -> HostPhase
     per_param = HOST_OFFLOAD_BYTES.get((layout.engine, layout.offload), 0)
     if per_param:  # the offloaded optimizer's own states in place of Adam's 8 bytes
         per_param += OPTIMIZER_STATE_BYTES[layout.optimizer] - OPTIMIZER_STATE_BYTES["adamw"]
-    shard = max(stage_parameters(shape, layout.tp, layout.pp)) / max(1, layout.dp)
+    shard = max(stage_parameters(shape, layout.tp, layout.pp, layout.ep)) / max(1, layout.edp)
     offloaded = per_param * shard
     if shape.method in ADAPTED and per_param:  # the adapters' states; parameter offload moves the frozen base too
         adapters = shape.num_layers / layout.pp * adapter_parameters_per_layer(shape) / layout.tp / max(1, layout.dp)
@@ -185,7 +208,8 @@ def stage_activation_bytes(shape: Shape, layout: Layout, hw: Hardware, stage: in
     sp_div = tp if sp else 1
     n_enc, n_dec = stage_layer_counts(shape, layout.pp, stage)
     k_enc, k_dec = checkpointed_layer_counts(shape, layout.pp, stage, layout.act_ckpt_layers)
-    dec_full = layer_activation_bytes(shape, b, tp, sp, hw)
+    dec_full = layer_activation_bytes(shape, b, tp, sp, hw) + \
+        shape.facts.expert_parallel_activation_bytes(shape, b, layout.ep, bpv)
     dec_input = shape.target_length * b * h * bpv / sp_div
     stored = k_dec * dec_input + (n_dec - k_dec) * dec_full
     buffer = dec_full if k_dec else 0.0
@@ -226,8 +250,7 @@ def stage_state_bytes(shape: Shape, layout: Layout, hw: Hardware, params: float,
     dequantised copy of the layer's largest weight; the adapters' own states as full training's."""
     copies = stage_compute_copy_bytes(shape, layout, hw, params, stage, gathered_layer)
     if shape.method not in ADAPTED:
-        return model_state_bytes(params, layout.dp, layout.zero_stage, layout.offload, layout.engine,
-                                 layout.optimizer) + copies
+        return sharded_state_bytes(shape, layout, params, stage) + copies
     bpv = hw.bytes_per_value
     layers = sum(stage_layer_counts(shape, layout.pp, stage))
     adapters = stage_adapter_parameters(shape, layout, stage)
@@ -240,7 +263,9 @@ def stage_state_bytes(shape: Shape, layout: Layout, hw: Hardware, params: float,
         base = (params - quantised) * weight_bytes + quantised * NF4_BITS / 8
         dequantised = max(i * o for i, o in linear_shapes(shape).values()) / layout.tp * bpv
     sharded = layout.zero_stage >= 3 and (layout.dp > 1 or layout.offload == "optimizer_and_params")
-    on_gpu = 0.0 if layout.offload == "optimizer_and_params" else base / (layout.dp if sharded else 1)
+    experts = stage_expert_parameters(shape, layout.pp, stage, layout.ep) * weight_bytes
+    on_gpu = 0.0 if layout.offload == "optimizer_and_params" else \
+        (base - experts) / (layout.dp if sharded else 1) + experts / (layout.edp if sharded else 1)
     return on_gpu + copies + dequantised + model_state_bytes(
         adapters, layout.dp, layout.zero_stage, layout.offload, layout.engine, layout.optimizer)
 
@@ -253,10 +278,12 @@ def estimate_memory(shape: Shape, layout: Layout, hw: Hardware) -> MemoryEstimat
     tp, pp = layout.tp, layout.pp
     bpv = hw.bytes_per_value
     logits = layout.mbs * shape.target_length * shape.vocab_size * (bpv + 8) / tp  # vocab-parallel logits
-    gathered_layer = max(layer_parameters(shape), layer_parameters(shape, encoder=True)) / tp
+    experts = expert_parameters(shape)
+    gathered_layer = max(layer_parameters(shape) - experts, layer_parameters(shape, encoder=True)) / tp + \
+        experts / layout.ep
     best: MemoryEstimate | None = None
     best_total = -1.0
-    for stage, params in enumerate(stage_parameters(shape, tp, pp)):
+    for stage, params in enumerate(stage_parameters(shape, tp, pp, layout.ep)):
         per_microbatch, buffer = stage_activation_bytes(shape, layout, hw, stage)
         activations = microbatches_in_flight(layout, stage) * per_microbatch + buffer
         activations += sum(interleave_held_tensors(layout, stage)) * layout.mbs * shape.seq_length * \

@@ -12,6 +12,10 @@ DP comm   = the engine's collectives over the stage's parameters (``dp_collectiv
             ZeRO-3 gathering in forward, in backward and, under DeepSpeed, again for the recompute);
             up to DP_OVERLAP of it hides behind the compute it can overlap (backward for stages 0-2,
             forward and backward for stage 3), so it is exposed in full once it outruns that compute;
+EP comm   = a mixture of experts' all-to-all dispatch and combine of the routed tokens per MoE layer, in
+            forward, backward and a recomputed forward, over the EP group's link (NVLink when the group
+            fits in a node), not overlapped (``ep_comm_s``); the experts' compute runs at the busiest
+            rank's load (``expert_imbalance``) and, whole on every TP rank, is not divided by TP;
 offload   = host-device PCIe traffic of the offloaded shard (gradients down, updated weights up, and
             with parameter offload the weights up for every micro-batch's forward and backward) plus
             the optimizer step on the CPU (CPU_ADAM_PARAMS_PER_S per node, shared by its GPUs).
@@ -21,9 +25,10 @@ runs (REFERENCE §12) by benchmarks/published_runs.py.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from hp_tool.architectures import (Shape, checkpointed_layer_counts, model_flops_per_step,
+from hp_tool.architectures import (Shape, checkpointed_layer_counts, expert_parameters, model_flops_per_step,
                                    recompute_flops_per_step, stage_layer_counts, stage_layer_parameters,
                                    vocab_parallel_parameters)
 from hp_tool.estimate.layout import GB, Hardware, Layout
@@ -48,11 +53,12 @@ class StepTimeEstimate:
     dp_comm_s: float
     offload_s: float = 0.0
     dequant_s: float = 0.0  # QLoRA: 4-bit weights dequantised for every forward, backward and recompute
+    ep_comm_s: float = 0.0  # mixture of experts: the all-to-all dispatch and combine of the routed tokens
 
     @property
     def total_s(self) -> float:
         return (self.compute_s + self.bubble_s + self.tp_comm_s + self.pp_comm_s + self.dp_comm_s + self.offload_s
-                + self.dequant_s)
+                + self.dequant_s + self.ep_comm_s)
 
 
 def matmul_efficiency(shape: Shape, layout: Layout) -> float:
@@ -74,18 +80,61 @@ def _ring_allreduce_s(nbytes: float, ranks: int, bandwidth_gbps: float) -> float
 
 def _local_parameters(shape: Shape, layout: Layout) -> float:
     """Parameters one GPU holds (the largest stage's layers, after TP, with the vocabulary matrices split
-    over TP)."""
+    over TP), its routed experts (``_local_expert_parameters``) included."""
     embed, head = vocab_parallel_parameters(shape, layout.tp, layout.pp)
     layers = max(stage_layer_parameters(shape, layout.pp, stage) for stage in range(layout.pp))
-    return layers / layout.tp + embed + head
+    dense = layers - shape.pipeline_layers / layout.pp * expert_parameters(shape)
+    return dense / layout.tp + embed + head + _local_expert_parameters(shape, layout)
+
+
+def _local_expert_parameters(shape: Shape, layout: Layout) -> float:
+    """Routed-expert parameters one GPU holds: its stage's layers' experts over EP, whole on every TP rank."""
+    return shape.pipeline_layers / layout.pp * expert_parameters(shape) / layout.ep
+
+
+def expert_flops_per_step(shape: Shape, layout: Layout) -> float:
+    """The routed experts' share of a step's model and recompute FLOPs: forward and backward of every layer
+    (backward one matmul less with frozen experts under LoRA) and the forward of each recomputed layer."""
+    per_stage = shape.pipeline_layers // layout.pp
+    passes = (2.0 if shape.method in ADAPTED else 3.0) * shape.pipeline_layers + \
+        layout.pp * min(layout.act_ckpt_layers, per_stage)
+    return layout.global_batch_size * passes * shape.facts.expert_forward_flops(shape)
 
 
 def compute_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
-    """Seconds of matmul work per optimizer step (model and recompute FLOPs) on each GPU."""
+    """Seconds of matmul work per optimizer step (model and recompute FLOPs) on each GPU. A mixture of
+    experts' routed experts run whole on every TP rank (their FLOPs are not divided by TP) at the busiest EP
+    rank's load, in GEMMs of the tokens each expert gets (top_k / experts of the micro-batch's)."""
     gpus = layout.tp * layout.pp * layout.dp
     flops = model_flops_per_step(shape, layout.global_batch_size)
     flops += recompute_flops_per_step(shape, layout.global_batch_size, layout.act_ckpt_layers, layout.pp)
-    return flops / (gpus * hw.peak_tflops * 1e12 * matmul_efficiency(shape, layout))
+    experts = expert_flops_per_step(shape, layout)
+    peak = gpus * hw.peak_tflops * 1e12
+    dense_s = (flops - experts) / (peak * matmul_efficiency(shape, layout))
+    if not experts:
+        return dense_s
+    load = layout.tp * (shape.expert_imbalance if layout.ep > 1 else 1.0)
+    per_expert = dataclasses.replace(layout, mbs=1, tp=1)
+    tokens = layout.mbs * shape.top_k / shape.num_experts  # sequences' worth of tokens one expert's GEMM sees
+    efficiency = matmul_efficiency(dataclasses.replace(shape, seq_length=max(1, round(shape.seq_length * tokens))),
+                                   per_expert)
+    return dense_s + experts * load / (peak * efficiency)
+
+
+def ep_comm_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
+    """Seconds per step of the all-to-all dispatch and combine of an MoE layer's routed tokens over the EP
+    group: each moves top_k copies of the micro-batch's tokens, (EP - 1)/EP of them leaving the rank, twice
+    in forward, twice in backward and twice more in a checkpointed layer's recomputed forward; over NVLink
+    when the group (EP x TP consecutive ranks) fits in a node, else over the network. 0 at EP 1."""
+    if layout.ep <= 1 or not shape.moe:
+        return 0.0
+    per_stage = shape.pipeline_layers // layout.pp
+    exchanges = 4 * per_stage + 2 * min(layout.act_ckpt_layers, per_stage)
+    nbytes = layout.mbs * shape.seq_length * shape.top_k * shape.hidden_size * hw.bytes_per_value * \
+        (layout.ep - 1) / layout.ep
+    within_node = layout.ep * layout.tp <= hw.gpus_per_node
+    bandwidth = hw.intra_node_bandwidth_gbps if within_node else hw.inter_node_bandwidth_gbps
+    return layout.num_microbatches * exchanges * nbytes / (bandwidth * GB)
 
 
 def dp_collectives(shape: Shape, layout: Layout) -> float:
@@ -119,12 +168,18 @@ def dp_comm_s(shape: Shape, layout: Layout, hw: Hardware, num_nodes: int) -> flo
     bandwidth = hw.inter_node_bandwidth_gbps if num_nodes > 1 else hw.intra_node_bandwidth_gbps
     # a ring all-reduce moves two collectives' volume
     collectives, params = dp_collectives(shape, layout), _local_parameters(shape, layout)
+    # routed experts are reduced (and sharded) over the DP / EP ranks holding the same experts
+    experts = _local_expert_parameters(shape, layout) if layout.ep > 1 else 0.0
+    params -= experts
     volume = collectives * params
+    expert_volume = collectives * experts
     if shape.method in ADAPTED:  # gradients of the adapters only; ZeRO-3 still gathers the frozen base
         adapters = shape.pipeline_layers / layout.pp * adapter_parameters_per_layer(shape) / layout.tp
         m = layout.num_microbatches
         volume = ((collectives - m) * params + m * adapters) if layout.zero_stage >= 3 else collectives * adapters
-    comm = volume / 2 * _ring_allreduce_s(2.0, layout.dp, bandwidth)
+        expert_volume = (collectives - m) * experts if layout.zero_stage >= 3 else 0.0
+    comm = volume / 2 * _ring_allreduce_s(2.0, layout.dp, bandwidth) + \
+        expert_volume / 2 * _ring_allreduce_s(2.0, layout.edp, bandwidth)
     overlappable = compute_s(shape, layout, hw) * (1.0 if layout.zero_stage >= 3 else 2 / 3)
     return comm - min(DP_OVERLAP * comm, overlappable)
 
@@ -177,7 +232,7 @@ def estimate_step_time(shape: Shape, layout: Layout, hw: Hardware, num_nodes: in
         pp_comm = 2 * crossings * boundary_bytes / layout.tp / (pp_bw * GB)
 
     return StepTimeEstimate(compute, bubble, tp_comm, pp_comm, dp_comm_s(shape, layout, hw, num_nodes),
-                            offload_s(shape, layout, hw), dequant_s(shape, layout, hw))
+                            offload_s(shape, layout, hw), dequant_s(shape, layout, hw), ep_comm_s(shape, layout, hw))
 
 
 def dequant_s(shape: Shape, layout: Layout, hw: Hardware) -> float:

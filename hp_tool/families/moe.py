@@ -64,15 +64,19 @@ def active_layer_parameters(shape: Shape) -> int:
         shape.top_k * 3 * shape.hidden_size * shape.ffn_hidden_size
 
 
+def expert_forward_flops(shape: Shape) -> float:
+    """Forward matmul FLOPs of one layer's routed experts for one sample: top_k SwiGLU MLPs per token."""
+    return shape.seq_length * shape.top_k * 3 * 2 * shape.hidden_size * shape.ffn_hidden_size
+
+
 def layer_forward_flops(shape: Shape, encoder: bool = False) -> float:
     """Forward matmul FLOPs of one layer for one sample, counting the experts a token runs (top_k): q/k/v, the
     scores and their product with v, o, the router, top_k SwiGLU experts and the shared expert with its gate."""
     h, f, s, a = shape.hidden_size, shape.ffn_hidden_size, shape.seq_length, shape.attention_dim
     attention = 2 * h * (a + 2 * shape.kv_dim) + 2 * 2 * s * a + 2 * a * h
     router = 2 * h * shape.num_experts
-    experts = shape.top_k * 3 * 2 * h * f
     shared = 3 * 2 * h * shape.shared_expert_ffn + 2 * h if shape.shared_expert_ffn else 0
-    return s * (attention + router + experts + shared)
+    return s * (attention + router + shared) + expert_forward_flops(shape)
 
 
 def expert_activation_bytes(shape: Shape, mbs: int, bytes_per_value: int) -> float:
@@ -82,6 +86,19 @@ def expert_activation_bytes(shape: Shape, mbs: int, bytes_per_value: int) -> flo
     tokens = shape.seq_length * mbs
     routed = bytes_per_value * shape.top_k * tokens * (2 * shape.hidden_size + 4 * shape.ffn_hidden_size)
     return routed + 4 * tokens * shape.num_experts * 2
+
+
+def expert_parallel_activation_bytes(shape: Shape, mbs: int, ep: int, bytes_per_value: int) -> float:
+    """What splitting the experts over ``ep`` ranks adds to one layer's saved activations, one micro-batch:
+    the busiest rank's experts receive ``expert_imbalance`` times the mean of the routed tokens (with every
+    expert on one rank the total is exactly top_k copies of each token), and the all-to-all keeps the sorted
+    copy of the tokens it sent (transformers' AllToAllEP). 0 at EP 1."""
+    if ep <= 1:
+        return 0.0
+    tokens = shape.seq_length * mbs
+    routed = bytes_per_value * shape.top_k * tokens * (2 * shape.hidden_size + 4 * shape.ffn_hidden_size)
+    dispatch = bytes_per_value * shape.top_k * tokens * shape.hidden_size
+    return (shape.expert_imbalance - 1.0) * routed + dispatch
 
 
 def activation_bytes(shape: Shape, mbs: int, tp: int = 1, sequence_parallel: bool = False,
@@ -103,7 +120,7 @@ def moe_shape(size_b: float, vocab: int, seq: int, decoder_seq: Optional[int] = 
 
     def shape(layers: int) -> Shape:
         return Shape("moe", layers, hidden, heads, kv, ffn, vocab, seq, num_experts=MIXTRAL_EXPERTS,
-                     top_k=MIXTRAL_TOP_K, expert_imbalance=DEFAULT_EXPERT_IMBALANCE)
+                     top_k=MIXTRAL_TOP_K)
 
     def active(layers: int) -> int:
         return layers * active_layer_parameters(shape(layers)) + 2 * vocab * hidden + hidden
@@ -142,6 +159,10 @@ FAMILY = dataclasses.replace(
     hf_unmodelled=(),
     linear_shapes=linear_shapes,
     moe=True,
+    active_layer_parameters=active_layer_parameters,
+    expert_parameters=expert_parameters,
+    expert_forward_flops=expert_forward_flops,
+    expert_parallel_activation_bytes=expert_parallel_activation_bytes,
 )
 
 

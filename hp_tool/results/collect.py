@@ -42,7 +42,7 @@ SELECTED = "selected"
 STATUS_ORDER = ("ok", "timeout", "oom", "failed", "cancelled", "unschedulable", "skipped", "pruned_after_oom",
                 STALE, NOT_RUN, "over_limit",
                 "pruned", "invalid")
-PLAN_INTS = ("seq_length", "lora_rank", "trainable_parameters", "tp", "pp", "virtual_stages", "dp", "mbs", "act_ckpt_layers", "zero_stage", "global_batch_size", "num_nodes",
+PLAN_INTS = ("seq_length", "lora_rank", "trainable_parameters", "experts", "top_k", "ep", "active_parameters", "tp", "pp", "virtual_stages", "dp", "mbs", "act_ckpt_layers", "zero_stage", "global_batch_size", "num_nodes",
              "trial_num_nodes", "trial_dp", "trial_global_batch_size", "predicted_rank")
 PLAN_TEXT = ("trial_id", "model_family", "engine", "offload", "plan_status", "reason", "fingerprint", "memory_check",
              "optimizer", "method")
@@ -64,9 +64,9 @@ TABLE_COLUMNS = (
     "days_to_train", "predicted_days_to_train", "full_run_cost_usd", "cost_usd_per_million_tokens",
     "gpu_hour_price_usd", "predicted_rank", "stop_reason", "final_loss", "device", "start_time", "end_time",
     "fingerprint", "seq_length", "tokens_per_hour", "hours_per_epoch", "cost_usd_per_epoch", "optimizer",
-    "method", "lora_rank", "trainable_parameters",
+    "method", "lora_rank", "trainable_parameters", "experts", "top_k", "ep", "active_parameters",
 )
-INT_COLUMNS = ("seq_length", "lora_rank", "trainable_parameters", "rank", "tp", "pp", "virtual_stages", "dp", "mbs", "act_ckpt_layers", "zero_stage", "global_batch_size", "num_nodes",
+INT_COLUMNS = ("seq_length", "lora_rank", "trainable_parameters", "experts", "top_k", "ep", "active_parameters", "rank", "tp", "pp", "virtual_stages", "dp", "mbs", "act_ckpt_layers", "zero_stage", "global_batch_size", "num_nodes",
                "num_gpus", "trial_num_nodes", "trial_dp", "trial_global_batch_size", "trial_world_size", "steps_run",
                "steps_measured", "predicted_rank")
 TEXT_COLUMNS = ("trial_id", "status", "reason", "plan_status", "model_family", "engine", "offload", "optimizer", "method",
@@ -191,7 +191,8 @@ def full_run_columns(row: dict, full: FullRun) -> dict:
     # What the trial ran, as its spec says (plan.csv copies it from candidate_configs/<trial_id>.yaml).
     stage = row.get("zero_stage")
     savers = {"zero_stage": 3 if stage is None else stage, "offload": row.get("offload") or "none",
-              "engine": row.get("engine") or "torch", "virtual_stages": row.get("virtual_stages") or 1}
+              "engine": row.get("engine") or "torch", "virtual_stages": row.get("virtual_stages") or 1,
+              "ep": row.get("ep") or 1}
     trial = Layout(tp, pp, trial_dp, mbs, ckpt, row["trial_global_batch_size"], **savers)
     whole = Layout(tp, pp, dp, mbs, ckpt, gbs, **savers)
     shape = full.trial_shape(row)  # the trial's sequence length and method, as its spec says

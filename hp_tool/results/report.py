@@ -49,11 +49,19 @@ SUMMARY_COLUMNS = (
 FINETUNE_SUMMARY_COLUMNS = SUMMARY_COLUMNS[:2] + ("seq_length", "method", "lora_rank", "trainable_parameters",
                                                   "optimizer") + SUMMARY_COLUMNS[2:] + (
     "tokens_per_hour", "hours_per_epoch", "cost_usd_per_epoch")
+# a mixture of experts' summary names its experts, the experts per token, the expert-parallel size and the
+# parameters a token runs through beside the total (model_size_b); its MFU counts the active FLOPs only
+MOE_SUMMARY_COLUMNS = ("experts", "top_k", "ep", "active_parameters")
 
 
-def summary_columns(full: FullRun) -> tuple[str, ...]:
-    """The summary CSV's columns: the fine-tuning ones when the run is a fine-tuning run."""
-    return SUMMARY_COLUMNS if full.epoch_tokens is None else FINETUNE_SUMMARY_COLUMNS
+def summary_columns(full: FullRun, moe: bool = False) -> tuple[str, ...]:
+    """The summary CSV's columns: the fine-tuning ones when the run is a fine-tuning run, the expert ones
+    (after the layout's) for a mixture of experts."""
+    columns = SUMMARY_COLUMNS if full.epoch_tokens is None else FINETUNE_SUMMARY_COLUMNS
+    if not moe:
+        return columns
+    cut = columns.index("offload") + 1
+    return columns[:cut] + MOE_SUMMARY_COLUMNS + columns[cut:]
 
 
 def csv_text(df: pd.DataFrame, columns: tuple[str, ...]) -> str:
@@ -207,7 +215,8 @@ def write_reports(results_dir: Path, df: pd.DataFrame, full: FullRun, top_n: int
     paths = report_paths(results_dir, full)
     ranked = successful(df)
     atomic_write_text(paths["all"], csv_text(df, ALL_TRIALS_COLUMNS))
-    atomic_write_text(paths["summary"], csv_text(ranked.head(top_n), summary_columns(full)))
+    moe = bool(df["experts"].notna().any()) if "experts" in df else False
+    atomic_write_text(paths["summary"], csv_text(ranked.head(top_n), summary_columns(full, moe)))
     if ranked.empty:
         for stale in (paths["optimal"], paths["ds_config"]):
             if stale.exists():  # an earlier collection's pick is no longer backed by a success
