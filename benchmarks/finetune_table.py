@@ -1,6 +1,7 @@
-"""The fine-tuning table: Llama-2 7B fully fine-tuned on 8 x A100 80 GB at context 512..4096, predicted by the
+"""The fine-tuning tables: Llama-2 7B fully fine-tuned on 8 x A100 80 GB at context 512..4096, predicted by the
 dry run beside the measured row of a Ray/DeepSpeed fine-tuning cookbook (REFERENCE §13), then the verdicts
-for the small GPUs people fine-tune on (6 x A10G 24 GB nodes, 4 x V100 32 GB).
+for the small GPUs people fine-tune on (6 x A10G 24 GB nodes, 4 x V100 32 GB), each method on small GPUs, and
+Mixtral-8x7B (a mixture of experts) on 8 x A100 80 GB.
 
     python3 benchmarks/finetune_table.py
 
@@ -117,6 +118,33 @@ def methods_table() -> None:
             print(f"  {model:>10} on {gpu:>9}: " + " | ".join(cells))
 
 
+def mixtral_table() -> None:
+    """Mixtral-8x7B (46.7B parameters, 12.9B active) on 8 x A100 80 GB at context 512..4096: per method the
+    fastest fitting layout (its EP), predicted memory, tokens/hour, MFU (active FLOPs) and $/M tokens."""
+    ts = "search_config.train_settings"
+    print()
+    print("Mixtral-8x7B on 8 x A100 80 GB (gpu=a100_80gb), bf16, 262K tokens per step: fastest layout per method")
+    print(f"{'ctx':>5} {'method':>6} | {'fit':>4} {'layout':<44} {'GB':>5} {'M tok/h':>8} {'MFU':>5} {'$/M':>6}")
+    for ctx in (512, 1024, 2048, 4096):
+        for method in ("full", "lora"):
+            cfg, name = compose(["search_config=finetune/mixtral_8x7b", "dry_run=true", f"{ts}.seq_lengths=[{ctx}]",
+                                 f"{ts}.methods=[{method}]"])
+            try:
+                with tempfile.TemporaryDirectory() as tmp:
+                    p = make_plan(to_app_config(cfg), name, Path(tmp))
+            except Exception as exc:  # nothing fits: the plan's error names the smallest layout
+                print(f"{ctx:>5} {method:>6} | {'no':>4} {str(exc)[:110]}")
+                continue
+            best = fastest(p)
+            gpus = p.cluster.gpus
+            tok_h = best.tokens_per_s_per_gpu * gpus * 3600 / 1e6
+            per_m = p.cluster.gpu_hour_price * gpus / tok_h if p.cluster.gpu_hour_price else float("nan")
+            print(f"{ctx:>5} {method:>6} | {'yes':>4} {layout(best) + f' EP{best.ep}':<44} "
+                  f"{max(best.memory_gb, best.full_memory_gb):>5.1f} {tok_h:>8.1f} "
+                  f"{best.model_tflops_per_gpu / p.cluster.hw.peak_tflops:>5.2f} {per_m:>6.3f}")
+
+
 if __name__ == "__main__":
     main()
     methods_table()
+    mixtral_table()
