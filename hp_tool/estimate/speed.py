@@ -160,6 +160,20 @@ def dp_collectives(shape: Shape, layout: Layout) -> float:
     return (3.0 + recompute) * m
 
 
+def weight_gathers(shape: Shape, layout: Layout) -> float:
+    """Of ``dp_collectives``, the all-gathers of sharded weights (trained or frozen): none at ZeRO 0-1 or under
+    DeepSpeed's ZeRO-2 (whose one gather per step brings the updated, trained weights back); once per step
+    under PP over FSDP2; each forward under FSDP2's ZeRO-2; all but the m reduce-scatters at ZeRO-3."""
+    m = layout.num_microbatches
+    if layout.zero_stage <= 1:
+        return 0.0
+    if layout.engine == "torch" and layout.pp > 1:
+        return 1.0
+    if layout.zero_stage == 2:
+        return float(m) if layout.engine == "torch" else 0.0
+    return dp_collectives(shape, layout) - m
+
+
 def dp_comm_s(shape: Shape, layout: Layout, hw: Hardware, num_nodes: int) -> float:
     """Exposed data-parallel communication per step for the layout's ZeRO stage, over the node
     interconnect when the job spans nodes (see the module docstring)."""
@@ -168,16 +182,15 @@ def dp_comm_s(shape: Shape, layout: Layout, hw: Hardware, num_nodes: int) -> flo
     bandwidth = hw.inter_node_bandwidth_gbps if num_nodes > 1 else hw.intra_node_bandwidth_gbps
     # a ring all-reduce moves two collectives' volume
     collectives, params = dp_collectives(shape, layout), _local_parameters(shape, layout)
-    # routed experts are reduced (and sharded) over the DP / EP ranks holding the same experts
+    gathers = weight_gathers(shape, layout)
+    # routed experts are gathered and reduced over the DP / EP ranks holding the same experts
     experts = _local_expert_parameters(shape, layout) if layout.ep > 1 else 0.0
     params -= experts
-    volume = collectives * params
-    expert_volume = collectives * experts
-    if shape.method in ADAPTED:  # gradients of the adapters only; ZeRO-3 still gathers the frozen base
-        adapters = shape.pipeline_layers / layout.pp * adapter_parameters_per_layer(shape) / layout.tp
-        m = layout.num_microbatches
-        volume = ((collectives - m) * params + m * adapters) if layout.zero_stage >= 3 else collectives * adapters
-        expert_volume = (collectives - m) * experts if layout.zero_stage >= 3 else 0.0
+    trained = params if shape.method not in ADAPTED else \
+        shape.pipeline_layers / layout.pp * adapter_parameters_per_layer(shape) / layout.tp
+    # the sharded weights are gathered whether they train or not; only trained ones have gradients to reduce
+    volume = gathers * params + (collectives - gathers) * trained
+    expert_volume = gathers * experts + (collectives - gathers) * (experts if shape.method not in ADAPTED else 0.0)
     comm = volume / 2 * _ring_allreduce_s(2.0, layout.dp, bandwidth) + \
         expert_volume / 2 * _ring_allreduce_s(2.0, layout.edp, bandwidth)
     overlappable = compute_s(shape, layout, hw) * (1.0 if layout.zero_stage >= 3 else 2 / 3)
