@@ -10,8 +10,9 @@ is expert parallelism's job (``expert_plan``, transformers' own: :func:`hp_tool.
 
 The router's auxiliary load-balancing loss is off (``output_router_logits`` False) and so is its jitter:
 the loss is the language model's alone, as for the dense families, and every layout routes the same tokens
-to the same experts. Checkpoints do not load (``hf_key`` None): Mixtral's published files store each
-expert's w1, w2, w3 apart, which transformers fuses into the 3-D tensors when it loads them.
+to the same experts. Checkpoints are named as Llama's (``llama.hf_key``): a saved run stores the experts as
+transformers' 3-D tensors, which ``from_pretrained`` loads; published Mixtral and Qwen2-MoE files store each
+expert's projections apart (transformers fuses them while loading), so the trial does not load those.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def qwen2_moe_sizes(model: ModelSpec) -> dict:
 def moe_family(name: str, config_class: type, model_class: type, rotary: type, sizes):
     """The record of a mixture of experts with Llama's layout: TP on attention only, transformers' EP plan."""
     return decoder_family(name, config_class, model_class, rotary, family_sizes=sizes, layer_plan=ATTENTION_PLAN,
-                          expert_plan=layer_expert_plan(config_class), hf_key=None)
+                          expert_plan=layer_expert_plan(config_class))
 
 
 register(moe_family("moe", MixtralConfig, MixtralForCausalLM, MixtralRotaryEmbedding, mixtral_sizes))
