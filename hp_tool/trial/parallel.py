@@ -16,8 +16,8 @@ Expert parallelism (a mixture of experts, ``parallel.ep`` > 1) splits each layer
 the ``ep`` mesh with transformers' own plan and all-to-all token dispatch (``apply_expert_parallel``). The
 data-parallel ranks are then an (edp, ep) grid, ``dp`` its flattening (:func:`hp_tool.trial.dist.build_mesh`):
 dense weights are replicated or sharded over all of ``dp`` as without EP, the experts, different on the
-ranks of an EP group, over ``edp`` only, and their gradients divided by EP after the step's backward
-(``divide_expert_grads`` says why).
+ranks of an EP group, over ``edp`` only, and their gradients completed after the step's backward
+(``complete_expert_grads`` says why).
 """
 
 from __future__ import annotations
@@ -27,13 +27,14 @@ import warnings
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from transformers.distributed.expert_parallel import apply_expert_parallelism
 
@@ -106,22 +107,27 @@ def expert_modules(stage: nn.Module) -> list[nn.Module]:
 
 
 @torch.no_grad()
-def divide_expert_grads(stage: nn.Module, ep: int) -> None:
-    """Divide the experts' gradients by ``ep`` once the step's backward has run, so every weight's gradient
-    is the mean over the global batch, as in one process.
+def complete_expert_grads(stage: nn.Module, ep: int, tp_group: Optional[dist.ProcessGroup] = None) -> None:
+    """Make the experts' gradients the single-process ones once the step's backward has run: the mean over
+    the global batch, as for every dense weight.
 
     A dense weight's gradient on a rank is that of its own tokens' loss (a mean over its micro-batches),
     and data parallelism averages it over the DP ranks. An expert lives on one rank of each EP group, and the
     all-to-all's backward brings it the gradients of the tokens all EP peers routed to it, each peer's
-    loss a mean over that peer's tokens: the sum of the EP peers' gradients. Averaged over the
-    ``edp`` ranks that hold the same expert (its data-parallel wrapper), it is EP times the mean over the
-    DP ranks."""
+    loss a mean over that peer's tokens: the sum of the EP peers' gradients. Averaged over the ``edp`` ranks
+    that hold the same expert (its data-parallel wrapper), it is EP times the mean over the DP ranks: divided
+    by EP here. With TP (``tp_group``) each rank of a TP group dispatches its own slice of the tokens the
+    group shares, so the whole experts each TP rank holds got a part of the gradient: summed over TP first."""
     if ep == 1:
         return
     for experts in expert_modules(stage):
         for param in experts.parameters():
-            if param.grad is not None:
-                param.grad.div_(ep)
+            if param.grad is None:
+                continue
+            grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+            if tp_group is not None:
+                dist.all_reduce(grad, group=tp_group)
+            grad.div_(ep)
 
 
 def apply_activation_checkpointing(stage: StageModule, num_layers: int) -> None:
@@ -144,7 +150,7 @@ def apply_data_parallel(stage: StageModule, dp_mesh: DeviceMesh, zero_stage: int
 
     ``expert_mesh`` (with expert parallelism): the ``edp`` ranks holding the same experts. Each layer's
     experts are wrapped first, over it, so the dense wrappers skip them: their gradients must not be
-    reduced over ``dp``, whose ranks hold different experts (``divide_expert_grads`` completes them).
+    reduced over ``dp``, whose ranks hold different experts (``complete_expert_grads`` completes them).
     """
     # OPT's layer returns a view; harmless here because the stage never modifies a layer output in place.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
