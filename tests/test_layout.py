@@ -82,7 +82,7 @@ def test_every_planned_family_has_a_torch_half():
             "print(sorted(family_names()) == sorted(known_families()))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "True"
-    assert set(family_names(planner_only=True)) == {"gpt3", "llama", "t5", "mt5"}
+    assert set(family_names(planner_only=True)) == {"gpt3", "llama", "t5", "mt5", "moe"}
 
 
 def test_no_family_name_is_compared_outside_the_registry_folders():

@@ -13,28 +13,36 @@ from hp_tool.contracts.spec import (ModelSpec, ParallelSpec, ResourcesSpec, RunS
                                 TrialSpec, dump_spec)
 
 REPO = Path(__file__).resolve().parents[1]
+MOE_FAMILIES = ("moe", "mixtral", "qwen2_moe")
 
 
 def tiny_spec(family: str = "gpt3", tp: int = 1, pp: int = 1, dp: int = 1, mbs: int = 2,
               gbs: int = 8, act_ckpt: int = 0, max_steps: int = 3, **run) -> TrialSpec:
     """4 layers, hidden 64, 4 heads (2 kv heads for Llama), vocab 512, seq 64: a step takes milliseconds.
     T5/mT5: 2 layers per stack, 4 heads of 16 channels, encoder 64 and decoder 32 tokens (mT5 a larger
-    vocabulary)."""
-    kv = 2 if family == "llama" else 4
-    ffn = {"llama": 176, "t5": 128, "mt5": 128}.get(family, 256)
-    encdec = family in ("t5", "mt5")
-    model = ModelSpec(family=family, num_layers=2 if encdec else 4, hidden_size=64, num_attention_heads=4,
-                      num_kv_heads=kv, ffn_hidden_size=ffn, vocab_size=2048 if family == "mt5" else 512,
-                      seq_length=64, kv_channels=16 if encdec else None,
-                      decoder_seq_length=32 if encdec else None)
+    vocabulary). Mixtures of experts (``MOE_FAMILIES``): 2 layers, vocab 256, seq 32, 4 experts of width 32,
+    top-2, 2 kv heads; qwen2_moe adds a shared expert of width 48 and q, k, v biases. ``ep`` (in ``run``):
+    the experts split over that many of the DP ranks."""
+    kv = 2 if family in ("llama", *MOE_FAMILIES) else 4
+    ffn = {"llama": 176, "t5": 128, "mt5": 128, **{name: 32 for name in MOE_FAMILIES}}.get(family, 256)
+    encdec, moe = family in ("t5", "mt5"), family in MOE_FAMILIES
+    experts = dict(num_experts=4, top_k=2, shared_expert_ffn_hidden_size=48 if family == "qwen2_moe" else 0,
+                   qkv_bias=family == "qwen2_moe") if moe else {}
+    model = ModelSpec(family=family, num_layers=2 if encdec or moe else 4, hidden_size=64, num_attention_heads=4,
+                      num_kv_heads=kv, ffn_hidden_size=ffn,
+                      vocab_size={"mt5": 2048, **{name: 256 for name in MOE_FAMILIES}}.get(family, 512),
+                      seq_length=32 if moe else 64, kv_channels=16 if encdec else None,
+                      decoder_seq_length=32 if encdec else None, **experts)
     parallel = ParallelSpec(tp=tp, pp=pp, dp=dp, mbs=mbs, act_ckpt_layers=act_ckpt,
                             engine=run.pop("engine", "torch"), zero_stage=run.pop("zero_stage", 3),
-                            offload=run.pop("offload", "none"), virtual_stages=run.pop("vp", 1))
+                            offload=run.pop("offload", "none"), virtual_stages=run.pop("vp", 1),
+                            ep=run.pop("ep", 1))
     training = TrainingSpec(global_batch_size=gbs, lr=1e-3, min_lr=1e-4, warmup_steps=1,
                             max_steps=100, seed=1234)
     run_spec = RunSpec(max_steps=max_steps, warmup_steps=run.pop("warmup_steps", 1),
                        stable_cv=run.pop("stable_cv", 0.0), **run)
-    trial_id = f"{family}_tiny_tp{tp}_pp{pp}_vp{parallel.virtual_stages}_dp{dp}_mbs{mbs}_ac{act_ckpt}"
+    trial_id = f"{family}_tiny_tp{tp}_pp{pp}_vp{parallel.virtual_stages}_dp{dp}_mbs{mbs}_ac{act_ckpt}" + \
+        (f"_ep{parallel.ep}" if parallel.ep > 1 else "")
     return TrialSpec(trial_id=trial_id, model=model, parallel=parallel, training=training,
                      resources=ResourcesSpec(num_nodes=1, gpus_per_node=tp * pp * dp,
                                              peak_tflops_per_gpu=1.0),

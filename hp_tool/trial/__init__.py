@@ -11,11 +11,13 @@
     stage.py       ``StageModule`` (what every stage shares), ``InterleavedStages``, parameter names
     causal.py      a decoder-only causal LM stage (GPT-3/OPT, Llama)
     encdec.py      an encoder-decoder stage (T5, mT5): both stacks, position tables carried between stages
-    parallel.py    TP (parallelize_module), activation checkpointing, FSDP2 / replicate, pipeline schedule
+    parallel.py    TP (parallelize_module), EP (transformers' expert parallelism), activation checkpointing,
+                   FSDP2 / replicate, pipeline schedule
     weights.py     layout-independent deterministic initialisation of the local shards
     optim.py       AdamW groups per mesh, learning-rate schedule, mesh-aware gradient clipping, ZeRO-1
     data.py        synthetic or memory-mapped tokens, the same global batch for every layout
-    dist.py        process environment, device, process group and the (pp, dp, tp) mesh
+    dist.py        process environment, device, process group and the (pp, dp, tp) mesh ((pp, edp, ep, tp)
+                   with expert parallelism)
     measure.py     timing, memory, stop rule, signals, metrics.jsonl
     trace/         peak tensor memory: measured (``TensorPeak``) and traced before launch under fake tensors
     memterms.py    the analytic memory model's per-layer terms beside the traced ones

@@ -1,4 +1,5 @@
-"""Process-group set-up for a trial: ranks from torchrun, submitit or srun; device; the (pp, dp, tp) mesh.
+"""Process-group set-up for a trial: ranks from torchrun, submitit or srun; device; the (pp, dp, tp) mesh
+(with expert parallelism (pp, edp, ep, tp), dp their flattening).
 
 Ranks come from RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT (torchrun, and submitit after
 ``TorchDistributedEnvironment().export()``), else from SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID (srun).
@@ -14,6 +15,7 @@ import datetime
 import logging
 import os
 import subprocess
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -90,14 +92,27 @@ def init_distributed(env: DistEnv, device: torch.device) -> None:
 
 
 def build_mesh(par: ParallelSpec, env: DistEnv, device: torch.device) -> Optional[DeviceMesh]:
-    """The (pp, dp, tp) device mesh, TP innermost so a TP group shares a node; None for one process."""
+    """The (pp, dp, tp) device mesh, TP innermost so a TP group shares a node; None for one process.
+
+    With expert parallelism the data-parallel ranks are a grid (edp, ep): an EP group (adjacent DP ranks)
+    splits the experts between its members, and the ``edp`` ranks at the same EP position hold the same
+    experts. ``dp`` is the grid flattened, so the data loader and the dense weights' data parallelism see
+    the same DP ranks as without EP."""
     if env.world_size == 1:
         return None
     require(par.pp * par.dp * par.tp == env.world_size, "parallel",
             f"pp={par.pp} dp={par.dp} tp={par.tp}",
             f"the degrees multiply to {par.pp * par.dp * par.tp} but {env.world_size} processes "
             "were started", "launch pp*dp*tp processes (e.g. torchrun --nproc-per-node)")
-    return init_device_mesh(device.type, (par.pp, par.dp, par.tp), mesh_dim_names=("pp", "dp", "tp"))
+    if par.ep == 1:
+        return init_device_mesh(device.type, (par.pp, par.dp, par.tp), mesh_dim_names=("pp", "dp", "tp"))
+    mesh = init_device_mesh(device.type, (par.pp, par.dp // par.ep, par.ep, par.tp),
+                            mesh_dim_names=("pp", "edp", "ep", "tp"))
+    mesh["edp", "ep"]._flatten("dp")
+    # torch asks callers to keep the flattened mesh themselves (a future release may stop slicing it from
+    # the root); every mesh user here slices mesh["dp"], which torch 2.13 still serves
+    warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
+    return mesh
 
 
 def backend_name(env: DistEnv, device: torch.device) -> str:

@@ -1,4 +1,4 @@
-"""Apply a spec's parallel layout to one pipeline stage: TP, then activation checkpointing, then DP.
+"""Apply a spec's parallel layout to one pipeline stage: TP, then EP, then activation checkpointing, then DP.
 
 The order matters and follows torchtitan: tensor parallelism first (it replaces Linear weights by
 DTensor shards on the ``tp`` mesh), then ``checkpoint_wrapper`` around the first ``act_ckpt_layers``
@@ -11,6 +11,13 @@ columns, the attention output and MLP down projections by rows, so each layer ne
 forward and one in backward; which modules those are in a family's layer is its record's
 (``TorchFamily.layer_plan``, :mod:`hp_tool.trial.families`). The input embedding and the output head are split along the vocabulary
 (vocab-parallel; the logits stay sharded into the loss); norms and learned positions are replicated.
+
+Expert parallelism (a mixture of experts, ``parallel.ep`` > 1) splits each layer's experts by expert over
+the ``ep`` mesh with transformers' own plan and all-to-all token dispatch (``apply_expert_parallel``). The
+data-parallel ranks are then an (edp, ep) grid, ``dp`` its flattening (:func:`hp_tool.trial.dist.build_mesh`):
+dense weights are replicated or sharded over all of ``dp`` as without EP, the experts, different on the
+ranks of an EP group, over ``edp`` only, and their gradients completed after the step's backward
+(``complete_expert_grads`` says why).
 """
 
 from __future__ import annotations
@@ -20,14 +27,16 @@ import warnings
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from transformers.distributed.expert_parallel import apply_expert_parallelism
 
 from hp_tool.contracts.spec import ParallelSpec
 from hp_tool.errors import require
@@ -71,6 +80,56 @@ def apply_tensor_parallel(stage: StageModule, tp_mesh: DeviceMesh, vocab_paralle
         stage.retie()  # both are Shard(0) of the same [vocab, hidden] matrix, so one tensor serves both
 
 
+EP_DISPATCH = "ep_dispatch_experts"  # the style of an expert plan's module that receives the routed tokens
+EP_IMPLEMENTATION = "all_to_all"  # training: tokens go to their experts' ranks and come back (AllToAllEP)
+
+
+def apply_expert_parallel(stage: StageModule, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> None:
+    """Split each layer's experts over ``ep_mesh`` with transformers' expert-parallel plan (the family's
+    ``expert_plan``): the 3-D expert tensors become DTensors ``Shard(0)`` (each rank holds E / EP whole
+    experts; the weight initialisation fills its slice of the layout-independent full tensor), and the
+    experts module sends each (token, expert) pair to the expert's rank and the results back with two
+    all-to-alls, whose backward carries every token's gradient back to its rank. ``tp_mesh`` (size 1 here):
+    the ranks that share one batch."""
+    plan = torch_family(stage.family).expert_plan
+    require(plan is not None, "parallel.ep", ep_mesh.size(), f"family {stage.family} has no experts to split",
+            "use ep 1")
+    for layer in stage.layers.values():
+        apply_expert_parallelism(layer, ep_mesh, tp_mesh, plan, ep_implementation=EP_IMPLEMENTATION)
+
+
+def expert_modules(stage: nn.Module) -> list[nn.Module]:
+    """The modules holding a stage's (or an interleaved rank's) split experts: each layer's module the family's
+    expert plan dispatches tokens to, found by name through checkpoint wrappers; none for a dense family."""
+    plan = torch_family(stage.family).expert_plan or {}
+    names = tuple(f".{name}" for name, style in plan.items() if style == EP_DISPATCH)
+    return [module for name, module in stage.named_modules() if names and name.endswith(names)]
+
+
+@torch.no_grad()
+def complete_expert_grads(stage: nn.Module, ep: int, tp_group: Optional[dist.ProcessGroup] = None) -> None:
+    """Make the experts' gradients the single-process ones once the step's backward has run: the mean over
+    the global batch, as for every dense weight.
+
+    A dense weight's gradient on a rank is that of its own tokens' loss (a mean over its micro-batches),
+    and data parallelism averages it over the DP ranks. An expert lives on one rank of each EP group, and the
+    all-to-all's backward brings it the gradients of the tokens all EP peers routed to it, each peer's
+    loss a mean over that peer's tokens: the sum of the EP peers' gradients. Averaged over the ``edp`` ranks
+    that hold the same expert (its data-parallel wrapper), it is EP times the mean over the DP ranks: divided
+    by EP here. With TP (``tp_group``) each rank of a TP group dispatches its own slice of the tokens the
+    group shares, so the whole experts each TP rank holds got a part of the gradient: summed over TP first."""
+    if ep == 1:
+        return
+    for experts in expert_modules(stage):
+        for param in experts.parameters():
+            if param.grad is None:
+                continue
+            grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+            if tp_group is not None:
+                dist.all_reduce(grad, group=tp_group)
+            grad.div_(ep)
+
+
 def apply_activation_checkpointing(stage: StageModule, num_layers: int) -> None:
     """Recompute the activations of the first ``num_layers`` layers of this stage in backward."""
     for key in stage.checkpoint_keys(num_layers):
@@ -79,7 +138,8 @@ def apply_activation_checkpointing(stage: StageModule, num_layers: int) -> None:
 
 
 def apply_data_parallel(stage: StageModule, dp_mesh: DeviceMesh, zero_stage: int, offload: str,
-                        param_dtype: Optional[torch.dtype], device: torch.device) -> None:
+                        param_dtype: Optional[torch.dtype], device: torch.device,
+                        expert_mesh: Optional[DeviceMesh] = None) -> None:
     """Data parallelism over ``dp_mesh`` for a ZeRO stage: 0 and 1 replicate the stage (DDP; stage 1
     shards the optimizer, optim.ShardedAdamW), 2 = FSDP2 without resharding after forward, 3 = FSDP2
     full shard. Offload (stages 2-3): FSDP2's CPUOffloadPolicy keeps the sharded parameters, their
@@ -87,11 +147,18 @@ def apply_data_parallel(stage: StageModule, dp_mesh: DeviceMesh, zero_stage: int
 
     ``param_dtype`` (bf16 on GPU) makes FSDP gather and compute in that dtype while the optimizer keeps
     fp32 master weights; gradients are reduced in fp32.
+
+    ``expert_mesh`` (with expert parallelism): the ``edp`` ranks holding the same experts. Each layer's
+    experts are wrapped first, over it, so the dense wrappers skip them: their gradients must not be
+    reduced over ``dp``, whose ranks hold different experts (``complete_expert_grads`` completes them).
     """
     # OPT's layer returns a view; harmless here because the stage never modifies a layer output in place.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    experts = expert_modules(stage) if expert_mesh is not None else []
     if zero_stage <= 1:
+        for module in experts:
+            replicate(module, mesh=expert_mesh, mp_policy=mp)
         # QLoRA's 4-bit weights stay plain tensors (bitsandbytes' Params4bit): frozen, identical on every
         # replica, never reduced
         replicate(stage, mesh=dp_mesh, mp_policy=mp, ignored_params=four_bit_weights(stage) or None)
@@ -100,6 +167,8 @@ def apply_data_parallel(stage: StageModule, dp_mesh: DeviceMesh, zero_stage: int
     if offload != "none":
         extra["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     reshard = zero_stage >= 3
+    for module in experts:
+        fully_shard(module, mesh=expert_mesh, reshard_after_forward=reshard, mp_policy=mp, **extra)
     for module in stage.bias_modules():  # called outside its layer's forward: its own unit
         fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp, **extra)
     for layer in stage.layers.values():
@@ -110,9 +179,11 @@ def apply_data_parallel(stage: StageModule, dp_mesh: DeviceMesh, zero_stage: int
 
 def parallelize_stage(stage: StageModule, par: ParallelSpec, mesh: Optional[DeviceMesh],
                       param_dtype: Optional[torch.dtype], device: torch.device) -> None:
-    """Apply TP, activation checkpointing and DP to ``stage`` in place (still on meta)."""
+    """Apply TP, EP, activation checkpointing and DP to ``stage`` in place (still on meta)."""
     if par.tp > 1:
         apply_tensor_parallel(stage, mesh["tp"])
+    if par.ep > 1:
+        apply_expert_parallel(stage, mesh["ep"], mesh["tp"])
     if par.act_ckpt_layers > 0:
         apply_activation_checkpointing(stage, par.act_ckpt_layers)
     if par.offload != "none":
@@ -120,7 +191,8 @@ def parallelize_stage(stage: StageModule, par: ParallelSpec, mesh: Optional[Devi
                 "the torch engine offloads through FSDP2, which needs a process group (2 or more processes)",
                 "run the trial on 2 or more processes, or use engine deepspeed")
     if par.dp > 1 or par.offload != "none":  # FSDP2 on one data-parallel rank still offloads
-        apply_data_parallel(stage, mesh["dp"], par.zero_stage, par.offload, param_dtype, device)
+        apply_data_parallel(stage, mesh["dp"], par.zero_stage, par.offload, param_dtype, device,
+                            expert_mesh=mesh["edp"] if par.ep > 1 else None)
 
 
 def build_schedule(chunks: list[StageModule], par: ParallelSpec, mesh: DeviceMesh, pp_rank: int,

@@ -44,7 +44,7 @@ def tp_mesh_of(mesh: Optional[DeviceMesh], par: ParallelSpec) -> Optional[Device
 
 
 def group_of(mesh: Optional[DeviceMesh], par: ParallelSpec, dim: str) -> Optional[dist.ProcessGroup]:
-    """The process group of mesh dimension ``dim`` ("pp" or "dp") when the layout has more than one rank
+    """The process group of mesh dimension ``dim`` ("pp", "dp" or "tp") when the layout has more than one rank
     along it, else None."""
     return mesh[dim].get_group() if mesh is not None and getattr(par, dim) > 1 else None
 

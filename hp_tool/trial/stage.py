@@ -65,6 +65,10 @@ class InterleavedStages(nn.Module):
         self.tied = chunks[0].tied
 
     @property
+    def family(self) -> str:
+        return self.chunks[0].family
+
+    @property
     def embed_tokens(self) -> Optional[nn.Module]:
         return self.chunks[0].embed_tokens
 

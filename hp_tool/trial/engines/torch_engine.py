@@ -1,9 +1,10 @@
 """The torch trial engine: one rank's model stage, optimizer, pipeline schedule and data, and one step.
 
-Build: mesh -> this rank's model through :func:`hp_tool.trial.rank.build_rank_model` (stage on meta, TP,
+Build: mesh -> this rank's model through :func:`hp_tool.trial.rank.build_rank_model` (stage on meta, TP, EP,
 activation checkpointing, DP per chunk, then the real materialiser: only the local shards, deterministic
 init) -> optimizer -> with PP the pipeline schedule and the tied embedding/head pair. One optimizer step runs
-``grad_accum_steps`` micro-batches (through the pipeline schedule when PP > 1), syncs tied gradients
+``grad_accum_steps`` micro-batches (through the pipeline schedule when PP > 1), completes the experts'
+gradients (expert parallelism, :func:`hp_tool.trial.parallel.complete_expert_grads`), syncs tied gradients
 across the first and last stages, clips with the model-wide norm and steps AdamW. In fp16 on GPU the loss is
 scaled before each backward and the gradients unscaled before clipping; a step whose gradients overflowed
 is skipped (:func:`hp_tool.trial.optim.loss_scaler`).
@@ -27,7 +28,7 @@ from hp_tool.trial.data import TokenBatches
 from hp_tool.trial.dist import DistEnv, build_mesh
 from hp_tool.trial.models import loss_parallel_context, make_loss_fn
 from hp_tool.trial.stage import canonical_name
-from hp_tool.trial.parallel import build_schedule, needs_grad_sync_control, set_grad_sync
+from hp_tool.trial.parallel import build_schedule, complete_expert_grads, needs_grad_sync_control, set_grad_sync
 from hp_tool.trial.rank import (Initialise, build_rank_model, build_rank_optimizer, compute_dtype, group_of,
                                 tp_mesh_of)
 
@@ -93,6 +94,7 @@ class TorchEngine:
         """One optimizer step (``step`` is 0-based); this stage's mean loss (None off the last stage)."""
         optim.set_lr(self.optimizer, optim.lr_at(step, self.spec.training))
         loss = self._pipeline(step) if self.schedule is not None else self._accumulate(step)
+        complete_expert_grads(self.stage, self.spec.parallel.ep, group_of(self.mesh, self.spec.parallel, "tp"))
         optim.sync_tied_grads(self.tied_param, self.tied_group)
         optim.unscale_grads(self.optimizer, self.scaler)
         skip = frozenset({id(self.tied_param)}) if self.tied_param is not None and self.is_last_stage \
@@ -165,13 +167,13 @@ class TorchEngine:
 
 
 def _tied_group(mesh: DeviceMesh, pp: int) -> Optional[dist.ProcessGroup]:
-    """The group {first stage, last stage} at this rank's (dp, tp) coordinate; every rank creates all."""
-    ranks = mesh.mesh  # [pp, dp, tp] global ranks
+    """The group {first stage, last stage} at this rank's coordinate in the other mesh dimensions ((dp, tp),
+    or (edp, ep, tp) with expert parallelism); every rank creates all."""
+    ranks = mesh.mesh.reshape(pp, -1)  # [pp, every other coordinate] global ranks
     mine = None
-    for d in range(ranks.shape[1]):
-        for t in range(ranks.shape[2]):
-            pair = [int(ranks[0, d, t]), int(ranks[pp - 1, d, t])]
-            group = dist.new_group(pair)
-            if dist.get_rank() in pair:
-                mine = group
+    for column in range(ranks.shape[1]):
+        pair = [int(ranks[0, column]), int(ranks[pp - 1, column])]
+        group = dist.new_group(pair)
+        if dist.get_rank() in pair:
+            mine = group
     return mine

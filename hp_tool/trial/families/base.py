@@ -53,6 +53,11 @@ class TorchFamily:
     stack_starts: Callable[[int], tuple[int, ...]] = lambda pp: (0,)
     """``pp`` -> the first pipeline stage of each stack (T5: the encoder's at 0, the decoder's at PP/2):
     where the layers a stage holds change kind, so the tracer traces those stages."""
+    expert_plan: Optional[dict[str, str]] = None
+    """Expert parallelism of one layer of a mixture of experts: parameter or module name (relative to the
+    layer) -> the style of transformers' expert-parallel plan (``grouped_gemm`` shards an experts tensor by
+    expert, ``ep_dispatch_experts`` sends the module's tokens to the experts' ranks); None for a dense
+    family, which has no experts to split."""
 
 
 _FAMILIES: Registry[TorchFamily] = Registry("torch family")

@@ -10,7 +10,7 @@ can build the same model with fewer layers.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Optional
 
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -27,13 +27,15 @@ LAYER_PLAN: dict[str, TPStyle] = {
     "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "self_attn.o_proj": "rowwise", "mlp.down_proj": "rowwise",
 }
 
-# config.json keys that describe a checkpoint's file rather than the architecture
-_NOT_ARCHITECTURE = ("model_type", "architectures", "torch_dtype", "dtype", "transformers_version")
+# config.json keys that describe a checkpoint's file rather than the architecture, and ``layer_types``, one
+# entry per layer of the config's depth: the spec's depth decides, and the config derives it again
+_NOT_ARCHITECTURE = ("model_type", "architectures", "torch_dtype", "dtype", "transformers_version", "layer_types")
 
 
-def decoder_config(model: ModelSpec, config_class: type) -> Any:
+def decoder_config(model: ModelSpec, config_class: type, family_sizes: Optional[dict] = None) -> Any:
     """The transformers config for a spec: its Hugging Face config when it has one, else hp_tool's Llama
-    defaults; the spec's sizes on top; SDPA attention, no dropout, no KV cache."""
+    defaults; the spec's sizes on top (``family_sizes``: the keys a family adds, e.g. its experts); SDPA
+    attention, no dropout, no KV cache."""
     given = {k: v for k, v in (model.hf_config or {}).items() if k not in _NOT_ARCHITECTURE}
     if not given:
         given = dict(max_position_embeddings=model.seq_length, rms_norm_eps=1e-5, attention_bias=False,
@@ -43,6 +45,7 @@ def decoder_config(model: ModelSpec, config_class: type) -> Any:
                  intermediate_size=model.ffn_hidden_size, tie_word_embeddings=bool(model.tied_embeddings))
     if model.kv_channels is not None:
         sizes["head_dim"] = model.kv_channels
+    sizes.update(family_sizes or {})
     return config_class(**{**given, **sizes, "use_cache": False, "attention_dropout": 0.0,
                            "attn_implementation": "sdpa"})
 
@@ -57,18 +60,25 @@ def hf_key(name: str) -> str:
     return name if name.startswith("lm_head.") else f"model.{name}"
 
 
-def decoder_family(name: str, config_class: type, model_class: type, rotary: type) -> TorchFamily:
+def decoder_family(name: str, config_class: type, model_class: type, rotary: type,
+                   family_sizes: Callable[[ModelSpec], dict] = lambda model: {},
+                   layer_plan: dict[str, TPStyle] = LAYER_PLAN, expert_plan: Optional[dict[str, str]] = None,
+                   hf_key: Optional[Callable[[str], str]] = hf_key) -> TorchFamily:
     """The record of a model with Llama's module layout (``model.layers``, ``embed_tokens``, ``norm``,
-    ``lm_head``, the same projections); RoPE's frequencies are rebuilt after materialising."""
+    ``lm_head``, the same attention projections); RoPE's frequencies are rebuilt after materialising.
+    ``family_sizes``: config keys the spec sets besides ``decoder_config``'s (a mixture of experts' experts),
+    ``layer_plan``: one layer's TP plan, ``expert_plan``: its EP plan (``TorchFamily.expert_plan``),
+    ``hf_key``: checkpoint names (None: no checkpoint loads)."""
 
     def cut_stage(model: ModelSpec, full: nn.Module, pp: int, stage: int):
         body = full.model
         parts = CausalParts(body.layers, body.embed_tokens, None, body.norm, full.lm_head)
         return cut_causal_stage(model, full.config, parts, pp, stage, rotary=rotary)
 
-    return TorchFamily(name=name, config=lambda model: decoder_config(model, config_class), model_class=model_class,
-                       cut_stage=cut_stage, layer_plan=lambda layer: LAYER_PLAN, shard_heads=shard_heads,
-                       fake_batch=causal_fake_batch, hf_key=hf_key)
+    return TorchFamily(name=name, config=lambda model: decoder_config(model, config_class, family_sizes(model)),
+                       model_class=model_class, cut_stage=cut_stage, layer_plan=lambda layer: layer_plan,
+                       shard_heads=shard_heads, fake_batch=causal_fake_batch, hf_key=hf_key,
+                       expert_plan=expert_plan)
 
 
 register(decoder_family("llama", LlamaConfig, LlamaForCausalLM, LlamaRotaryEmbedding))

@@ -7,4 +7,5 @@
                     its optimizer steps replayed phase by phase in the schedule's order
     extrapolate.py  ``extrapolated_stages`` from 1-2 units and 1-2 micro-batches in flight,
                     ``traced_peak_bytes`` (the busiest rank, what ``hp_tool.memory_check`` asks for)
+    limits.py       ``untraceable_reason``: what the trace cannot model (expert parallelism), without torch
 """

@@ -42,6 +42,7 @@ from hp_tool.trial.rank import (FakeMaterialise, build_rank_model, build_rank_op
                                 tp_mesh_of)
 from hp_tool.trial.trace.inflight import StageTrace, combine, in_flight, in_flight_counts, traced_spec, \
     with_interleave_buffers
+from hp_tool.trial.trace.limits import require_traceable
 from hp_tool.trial.trace.peak import TensorPeak
 
 
@@ -60,10 +61,36 @@ def _fake_group(world: int) -> None:
 
 
 @contextlib.contextmanager
+def experts_in_any_float():
+    """Let transformers' experts multiply fp32 weights under fake tensors, as a real run does.
+
+    The experts' grouped matmul (torch's ``grouped_mm``, one matrix per expert over its rows) has a fake
+    kernel that accepts bf16 only (CUDA's fast kernel's rule), while the CPU kernel and CUDA's fallback
+    multiply fp32 too: a trial on CPU, or a GPU stage whose weights no data-parallel wrapper casts to bf16,
+    computes its experts in fp32. Here such a product runs as transformers' own fallback operator (the
+    same output, the same two inputs kept for backward, a fake kernel for any dtype); bf16 weights keep
+    torch's kernel. Nothing changes where transformers has no such switch."""
+    from transformers.integrations import moe
+
+    can_use = getattr(moe, "_can_use_grouped_mm", None)
+    if can_use is None:
+        yield
+        return
+    moe._can_use_grouped_mm = lambda inputs, weight, offsets: \
+        weight.dtype == torch.bfloat16 and can_use(inputs, weight, offsets)
+    try:
+        yield
+    finally:
+        moe._can_use_grouped_mm = can_use
+
+
+@contextlib.contextmanager
 def fake_rank(spec: TrialSpec, stage_index: int, device_type: str):
     """(stage, optimizer, mesh, compute dtype) of one rank of ``stage_index``, built by the engine's
     ``build_rank_model`` with fake tensors on a fake process group of the layout's world size (an
-    interleaved rank's layers as one stage, ``traced_spec``); the context is fake tensor mode."""
+    interleaved rank's layers as one stage, ``traced_spec``); the context is fake tensor mode. A spec the
+    trace cannot model raises ``Untraceable`` with the reason (:mod:`hp_tool.trial.trace.limits`)."""
+    require_traceable(spec)
     par, device = spec.parallel, torch.device("cpu")
     dtype = compute_dtype(spec, torch.device(device_type))  # the target's dtype; the fake tensors stay on CPU
     world = par.tp * par.pp * par.dp
@@ -76,7 +103,7 @@ def fake_rank(spec: TrialSpec, stage_index: int, device_type: str):
         optimizer = build_rank_optimizer(spec, stage, mesh, device)
         for group in optimizer.param_groups:  # REFERENCE §11: fake foreach kernels inflate the step
             group["foreach"] = False
-        with materialise.mode:
+        with materialise.mode, experts_in_any_float():
             yield stage, optimizer, mesh, dtype
     finally:
         dist.destroy_process_group()

@@ -1,0 +1,68 @@
+"""Mixtures of experts on the trial engine: transformers' Mixtral (families ``moe`` and ``mixtral``) and
+Qwen2-MoE (``qwen2_moe``, with a gated shared expert and q, k, v biases), Llama's module layout with each
+layer's MLP a router and ``num_experts`` experts stored as two 3-D parameters (``mlp.experts.gate_up_proj``
+[E, 2f, h], ``mlp.experts.down_proj`` [E, h, f]); see ``llama.decoder_family``.
+
+Tensor parallelism splits the attention only (q, k, v by columns, o by rows): the router, the experts and
+the shared expert stay whole on every TP rank, which all see the same tokens (the attention output is
+all-reduced), so they route alike, compute the same outputs and get identical gradients. Splitting experts
+is expert parallelism's job (``expert_plan``, transformers' own: :func:`hp_tool.trial.parallel.apply_expert_parallel`).
+
+The router's auxiliary load-balancing loss is off (``output_router_logits`` False) and so is its jitter:
+the loss is the language model's alone, as for the dense families, and every layout routes the same tokens
+to the same experts. Checkpoints are named as Llama's (``llama.hf_key``): a saved run stores the experts as
+transformers' 3-D tensors, which ``from_pretrained`` loads; published Mixtral and Qwen2-MoE files store each
+expert's projections apart (transformers fuses them while loading), so the trial does not load those.
+"""
+
+from __future__ import annotations
+
+from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
+from transformers.models.mixtral.modeling_mixtral import MixtralRotaryEmbedding
+from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeRotaryEmbedding
+
+from hp_tool.contracts.spec import ModelSpec
+from hp_tool.trial.families.base import TPStyle, register
+from hp_tool.trial.families.llama import decoder_family
+
+ATTENTION_PLAN: dict[str, TPStyle] = {
+    "self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+    "self_attn.o_proj": "rowwise",
+}
+
+_NO_ROUTER_LOSS = dict(output_router_logits=False)  # the trial's loss is the language model's alone
+
+
+def layer_expert_plan(config_class: type) -> dict[str, str]:
+    """One layer's part of the model's expert-parallel plan (the config class's ``base_model_ep_plan``,
+    whose keys name every layer as ``layers.*.``), relative to the layer."""
+    prefix = "layers.*."
+    return {key[len(prefix):]: style for key, style in config_class.base_model_ep_plan.items()
+            if key.startswith(prefix)}
+
+
+def mixtral_sizes(model: ModelSpec) -> dict:
+    """Mixtral's expert keys from the spec: ``intermediate_size`` (decoder_config's ffn) is one expert's."""
+    return dict(num_local_experts=model.num_experts, num_experts_per_tok=model.top_k, router_jitter_noise=0.0,
+                **_NO_ROUTER_LOSS)
+
+
+def qwen2_moe_sizes(model: ModelSpec) -> dict:
+    """Qwen2-MoE's expert keys from the spec: every layer sparse (as the planner counts them), each expert
+    ``ffn_hidden_size`` wide, the shared expert ``shared_expert_ffn_hidden_size``, q, k, v biases as the
+    spec says."""
+    return dict(num_experts=model.num_experts, num_experts_per_tok=model.top_k,
+                moe_intermediate_size=model.ffn_hidden_size,
+                shared_expert_intermediate_size=model.shared_expert_ffn_hidden_size, decoder_sparse_step=1,
+                mlp_only_layers=[], qkv_bias=model.qkv_bias, **_NO_ROUTER_LOSS)
+
+
+def moe_family(name: str, config_class: type, model_class: type, rotary: type, sizes):
+    """The record of a mixture of experts with Llama's layout: TP on attention only, transformers' EP plan."""
+    return decoder_family(name, config_class, model_class, rotary, family_sizes=sizes, layer_plan=ATTENTION_PLAN,
+                          expert_plan=layer_expert_plan(config_class))
+
+
+register(moe_family("moe", MixtralConfig, MixtralForCausalLM, MixtralRotaryEmbedding, mixtral_sizes))
+register(moe_family("mixtral", MixtralConfig, MixtralForCausalLM, MixtralRotaryEmbedding, mixtral_sizes))
+register(moe_family("qwen2_moe", Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen2MoeRotaryEmbedding, qwen2_moe_sizes))
