@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from hp_tool.trial.trace.limits import untraceable_reason
 from hp_tool.fingerprint import fingerprint_of
 from hp_tool.contracts.spec import TrialSpec
 from hp_tool.vocab import TRACE_CACHE_FILE
@@ -48,17 +49,6 @@ def trace_device(gpu_name: str) -> str:
     """What the trials run on: the ``cpu`` gpu preset's processes compute in fp32 on CPU; every other
     preset is a GPU, traced with its precision's autocast and FSDP2 parameter dtype."""
     return "cpu" if gpu_name == "cpu" else "cuda"
-
-
-def untraceable(spec: TrialSpec) -> Optional[str]:
-    """Why ``spec`` keeps its analytic figure without a trace, or None."""
-    if spec.parallel.engine != "torch":
-        return f"the {spec.parallel.engine} engine is not traced"
-    if spec.parallel.offload != "none":
-        return "offloaded states live in host RAM, which a trace cannot tell from GPU memory"
-    if spec.model.method == "qlora":
-        return "qlora's 4-bit weights (bitsandbytes) do not run under fake tensors"
-    return None
 
 
 def trace_key(spec: TrialSpec, device_type: str, torch_version: str) -> str:
@@ -157,7 +147,7 @@ class Tracer:
         out: list[Optional[TraceOutcome]] = [None] * len(specs)
         todo: dict[str, list[int]] = {}
         for i, spec in enumerate(specs):
-            why = untraceable(spec)
+            why = untraceable_reason(spec)
             key = trace_key(spec, self.device_type, self.torch_version)
             if why:
                 out[i] = TraceOutcome(None, why)

@@ -62,9 +62,13 @@ def method_problem(method: str, engine: str, tp: int, zero_stage: int, offload: 
 
 
 def expert_problem(num_experts: int, ep: int, dp: int, tp: int, engine: str) -> Optional[str]:
-    """Why a layout cannot split a model's experts over ``ep`` ranks, or None. EP takes whole experts (it
-    divides their count) from the data-parallel ranks (it divides DP); only the torch engine splits experts
-    (transformers' expert-parallel all-to-all dispatch), and with TP 1."""
+    """Why a layout cannot run a mixture of experts with its experts split over ``ep`` ranks, or None. EP
+    takes whole experts (it divides their count) from the data-parallel ranks (it divides DP); only the torch
+    engine splits experts (transformers' expert-parallel all-to-all dispatch; with TP each TP rank dispatches
+    its slice of the tokens). DeepSpeed's AutoTP cannot split transformers' 3-D expert tensors."""
+    if num_experts and engine == "deepspeed" and tp > 1:
+        return (f"a mixture of experts on deepspeed with TP={tp}: DeepSpeed's AutoTP cannot split transformers' "
+                "expert tensors (partition styles moe_tp_experts, packed_colwise); use TP 1 or engine torch")
     if ep == 1:
         return None
     if not num_experts:
@@ -76,19 +80,16 @@ def expert_problem(num_experts: int, ep: int, dp: int, tp: int, engine: str) -> 
     if engine != "torch":
         return (f"EP={ep} on engine {engine}: only the torch engine splits experts (DeepSpeed shards them with "
                 "ZeRO as any weight, at EP 1)")
-    if tp > 1:
-        return f"EP={ep} with TP={tp}: the torch engine splits experts over data-parallel ranks with TP 1 only"
     return None
 
 
 def expert_saver_problem(ep: int, zero_stage: int, offload: str) -> Optional[str]:
-    """Why the torch engine cannot split experts over ``ep`` ranks with this ZeRO stage and offload, or None:
-    ZeRO-1's sharded optimizer and FSDP2's offload span the whole DP group, whose ranks hold different
-    experts; ZeRO 0, 2 and 3 without offload run."""
-    if ep > 1 and (zero_stage == 1 or offload != "none"):
-        return (f"EP={ep} with ZeRO {zero_stage} and offload {offload}: the torch engine splits experts with ZeRO 0, "
-                "2 or 3 and no offload (ZeRO-1's optimizer sharding and offload span the DP group, whose ranks "
-                "hold different experts)")
+    """Why the torch engine cannot split experts over ``ep`` ranks at this ZeRO stage, or None: ZeRO-1's
+    sharded optimizer spans the whole DP group, whose ranks hold different experts; ZeRO 0, 2 and 3 (with
+    FSDP2's offload too) wrap the experts over the ranks holding the same ones."""
+    if ep > 1 and zero_stage == 1:
+        return (f"EP={ep} with ZeRO 1: the torch engine's sharded optimizer spans the whole DP group, whose ranks "
+                "hold different experts; use ZeRO 0, 2 or 3")
     return None
 
 

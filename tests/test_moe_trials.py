@@ -75,6 +75,8 @@ def runs(tmp_path_factory, tokens):
         "mixtral-tp2": ("mixtral", {"tp": 2}),
         "qwen2_moe-ep2-zero2": ("qwen2_moe", {"dp": 2, "ep": 2, "zero_stage": 2}),
         "mixtral-deepspeed-zero3": ("mixtral", {"dp": 2, "engine": "deepspeed", "zero_stage": 3}),
+        "mixtral-ep2-tp2": ("mixtral", {"dp": 2, "ep": 2, "tp": 2, "zero_stage": 3}),
+        "mixtral-ep2-offload": ("mixtral", {"dp": 2, "ep": 2, "zero_stage": 3, "offload": "optimizer_and_params"}),
     }
     saving = {"mixtral", "mixtral-ep2-fsdp2"}
     done = {}
@@ -105,10 +107,12 @@ def losses_and_norms(folder: Path) -> tuple[list[float], list[float]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["mixtral-ep2-ddp", "mixtral-ep2-fsdp2", "mixtral-tp2", "qwen2_moe-ep2-zero2",
-                                  "mixtral-deepspeed-zero3"])
+                                  "mixtral-deepspeed-zero3", "mixtral-ep2-tp2", "mixtral-ep2-offload"])
 def test_layout_trains_as_one_process(runs, name):
     """EP2 over DDP and over FSDP2 (ZeRO-3), TP2 (the experts whole on both TP ranks), Qwen2-MoE's shared
-    expert beside EP2 over ZeRO-2, and DeepSpeed's ZeRO-3 sharding the experts as any weight (EP 1)."""
+    expert beside EP2 over ZeRO-2, DeepSpeed's ZeRO-3 sharding the experts as any weight (EP 1), EP2 x TP2
+    (4 processes: each TP rank dispatches its slice of the tokens, the experts' gradients summed over TP) and
+    EP2 over FSDP2 offloading to host RAM."""
     spec, folder, _, _ = runs(name)
     _, reference, _, _ = runs(spec.model.family)
     losses, norms = losses_and_norms(folder)
@@ -178,3 +182,29 @@ def test_expert_parallelism_is_untraceable_with_its_reason(tokens):
     assert reason.startswith("expert parallelism (EP=2)")
     with pytest.raises(Untraceable, match=re.escape(reason)):
         trace_stage(spec, 0, "cpu")
+
+
+@pytest.mark.slow
+def test_tiny_moe_fine_tuning_search_ranks_ep1_and_ep2_trials(tmp_path):
+    """finetune/tiny_moe end to end on this machine: the plan searches EP 1 and 2, real trials train the
+    Mixtral-shaped model in both, and the summary names each trial's experts, top-k, EP and active
+    parameters beside the total."""
+    import csv
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, str(repo / "main.py"), "search_config=finetune/tiny_moe", "cluster=local",
+                           f"base_results_dir={tmp_path}", "search_config.train_settings.search_strategy=exhaustive",
+                           "search_config.train_settings.micro_batch_sizes=[4]",
+                           "search_config.train_settings.zero_stages=[0]",
+                           "search_config.train_settings.max_steps_per_run=6"],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(tmp_path / "finetune" / "tiny_moe" / "final_results" / "final_summary_1nodes.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    assert sorted(r["ep"] for r in rows) == ["1", "2"]
+    for r in rows:
+        assert r["status"] == "ok" and f"_ep{r['ep']}_" in r["trial_id"]
+        assert (r["experts"], r["top_k"], r["active_parameters"]) == ("4", "2", "263744")
+        assert float(r["mfu"]) > 0

@@ -133,7 +133,7 @@ SPEC_FIXES = {
     "optimizer": "use adamw, or the optimizer without offload (hp_tool/sharding.py optimizer_problem)",
     "method": "use a layout the method runs on (hp_tool/sharding.py method_problem)",
     "experts": "use an expert-parallel size the model and engine run (hp_tool/sharding.py expert_problem)",
-    "expert_savers": "with EP > 1 use ZeRO 0, 2 or 3 and no offload (hp_tool/sharding.py expert_saver_problem)",
+    "expert_savers": "with EP > 1 use ZeRO 0, 2 or 3 (hp_tool/sharding.py expert_saver_problem)",
 }
 
 

@@ -209,7 +209,7 @@ def stage_activation_bytes(shape: Shape, layout: Layout, hw: Hardware, stage: in
     n_enc, n_dec = stage_layer_counts(shape, layout.pp, stage)
     k_enc, k_dec = checkpointed_layer_counts(shape, layout.pp, stage, layout.act_ckpt_layers)
     dec_full = layer_activation_bytes(shape, b, tp, sp, hw) + \
-        shape.facts.expert_parallel_activation_bytes(shape, b, layout.ep, bpv)
+        shape.facts.expert_parallel_activation_bytes(shape, b, layout.ep, bpv, tp)
     dec_input = shape.target_length * b * h * bpv / sp_div
     stored = k_dec * dec_input + (n_dec - k_dec) * dec_full
     buffer = dec_full if k_dec else 0.0

@@ -103,8 +103,9 @@ def expert_flops_per_step(shape: Shape, layout: Layout) -> float:
 
 def compute_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
     """Seconds of matmul work per optimizer step (model and recompute FLOPs) on each GPU. A mixture of
-    experts' routed experts run whole on every TP rank (their FLOPs are not divided by TP) at the busiest EP
-    rank's load, in GEMMs of the tokens each expert gets (top_k / experts of the micro-batch's)."""
+    experts' routed experts are whole on every TP rank: at EP 1 each TP rank runs them on all the tokens (their
+    FLOPs are not divided by TP); with EP each TP rank dispatches its slice of the tokens, at the busiest EP
+    rank's load; GEMMs of the tokens each expert gets (top_k / experts of the micro-batch's)."""
     gpus = layout.tp * layout.pp * layout.dp
     flops = model_flops_per_step(shape, layout.global_batch_size)
     flops += recompute_flops_per_step(shape, layout.global_batch_size, layout.act_ckpt_layers, layout.pp)
@@ -113,7 +114,7 @@ def compute_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
     dense_s = (flops - experts) / (peak * matmul_efficiency(shape, layout))
     if not experts:
         return dense_s
-    load = layout.tp * (shape.expert_imbalance if layout.ep > 1 else 1.0)
+    load = shape.expert_imbalance if layout.ep > 1 else float(layout.tp)
     per_expert = dataclasses.replace(layout, mbs=1, tp=1)
     tokens = layout.mbs * shape.top_k / shape.num_experts  # sequences' worth of tokens one expert's GEMM sees
     efficiency = matmul_efficiency(dataclasses.replace(shape, seq_length=max(1, round(shape.seq_length * tokens))),
@@ -123,15 +124,16 @@ def compute_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
 
 def ep_comm_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
     """Seconds per step of the all-to-all dispatch and combine of an MoE layer's routed tokens over the EP
-    group: each moves top_k copies of the micro-batch's tokens, (EP - 1)/EP of them leaving the rank, twice
-    in forward, twice in backward and twice more in a checkpointed layer's recomputed forward; over NVLink
-    when the group (EP x TP consecutive ranks) fits in a node, else over the network. 0 at EP 1."""
+    group: each moves top_k copies of the micro-batch's tokens (with TP, of the rank's 1/TP slice of them),
+    (EP - 1)/EP of them leaving the rank, twice in forward, twice in backward and twice more in a checkpointed
+    layer's recomputed forward; over NVLink when the group (EP x TP consecutive ranks) fits in a node, else
+    over the network. 0 at EP 1."""
     if layout.ep <= 1 or not shape.moe:
         return 0.0
     per_stage = shape.pipeline_layers // layout.pp
     exchanges = 4 * per_stage + 2 * min(layout.act_ckpt_layers, per_stage)
     nbytes = layout.mbs * shape.seq_length * shape.top_k * shape.hidden_size * hw.bytes_per_value * \
-        (layout.ep - 1) / layout.ep
+        (layout.ep - 1) / layout.ep / layout.tp
     within_node = layout.ep * layout.tp <= hw.gpus_per_node
     bandwidth = hw.intra_node_bandwidth_gbps if within_node else hw.inter_node_bandwidth_gbps
     return layout.num_microbatches * exchanges * nbytes / (bandwidth * GB)

@@ -88,17 +88,18 @@ def expert_activation_bytes(shape: Shape, mbs: int, bytes_per_value: int) -> flo
     return routed + 4 * tokens * shape.num_experts * 2
 
 
-def expert_parallel_activation_bytes(shape: Shape, mbs: int, ep: int, bytes_per_value: int) -> float:
-    """What splitting the experts over ``ep`` ranks adds to one layer's saved activations, one micro-batch:
-    the busiest rank's experts receive ``expert_imbalance`` times the mean of the routed tokens (with every
-    expert on one rank the total is exactly top_k copies of each token), and the all-to-all keeps the sorted
-    copy of the tokens it sent (transformers' AllToAllEP). 0 at EP 1."""
+def expert_parallel_activation_bytes(shape: Shape, mbs: int, ep: int, bytes_per_value: int, tp: int = 1) -> float:
+    """What splitting the experts over ``ep`` ranks changes in one layer's saved activations (the family's
+    count has every token's top_k expert rows, as one rank holding all experts runs them), one micro-batch:
+    the busiest rank's experts receive ``expert_imbalance`` times the mean of the routed tokens, each TP rank
+    dispatches only its 1/TP slice of them, and the all-to-all keeps the sorted copy of the tokens it sent
+    (transformers' AllToAllEP). 0 at EP 1."""
     if ep <= 1:
         return 0.0
     tokens = shape.seq_length * mbs
     routed = bytes_per_value * shape.top_k * tokens * (2 * shape.hidden_size + 4 * shape.ffn_hidden_size)
     dispatch = bytes_per_value * shape.top_k * tokens * shape.hidden_size
-    return (shape.expert_imbalance - 1.0) * routed + dispatch
+    return (shape.expert_imbalance / tp - 1.0) * routed + dispatch / tp
 
 
 def activation_bytes(shape: Shape, mbs: int, tp: int = 1, sequence_parallel: bool = False,

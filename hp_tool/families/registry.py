@@ -70,9 +70,10 @@ class Family:
     expert_parameters: Callable[["Shape"], int] = lambda shape: 0
     # one layer's routed experts' forward matmul FLOPs per sample (part of layer_forward_flops)
     expert_forward_flops: Callable[["Shape"], float] = lambda shape: 0.0
-    # (shape, micro-batch, EP, bytes per value) -> what splitting the experts over EP ranks adds to one layer's
-    # saved activations (the busiest rank's routed tokens above the mean, the dispatch buffers)
-    expert_parallel_activation_bytes: Callable[["Shape", int, int, int], float] = lambda shape, mbs, ep, p: 0.0
+    # (shape, micro-batch, EP, bytes per value, TP) -> what splitting the experts over EP ranks changes in one
+    # layer's saved activations (the busiest rank's routed tokens, the TP rank's slice, the dispatch buffers)
+    expert_parallel_activation_bytes: Callable[["Shape", int, int, int, int], float] = \
+        lambda shape, mbs, ep, p, tp: 0.0
 
 
 _FAMILIES: Registry[Family] = Registry("model family")

@@ -1,5 +1,9 @@
 """What the pre-launch trace cannot model, decided from the spec alone (no torch imported, so the planner's
-process can ask before it starts a tracing worker).
+process can ask before it starts a tracing worker; :mod:`hp_tool.memory_check` keeps the analytic figure
+with this reason).
+
+The DeepSpeed engine is not the engine the trace rebuilds; offloaded states live in host RAM, which a trace
+cannot tell from GPU memory; QLoRA's 4-bit weights (bitsandbytes) do not run under fake tensors.
 
 Expert parallelism: each rank's experts run on the tokens the EP group's routers send them, so a rank's
 activations depend on the routing, i.e. on the values; the all-to-all dispatch even reads its split sizes
@@ -21,6 +25,12 @@ class Untraceable(ValueError):
 
 def untraceable_reason(spec: TrialSpec) -> Optional[str]:
     """Why the trace cannot model ``spec``'s memory, or None."""
+    if spec.parallel.engine != "torch":
+        return f"the {spec.parallel.engine} engine is not traced"
+    if spec.parallel.offload != "none":
+        return "offloaded states live in host RAM, which a trace cannot tell from GPU memory"
+    if spec.model.method == "qlora":
+        return "qlora's 4-bit weights (bitsandbytes) do not run under fake tensors"
     if spec.parallel.ep > 1:
         return (f"expert parallelism (EP={spec.parallel.ep}) sends each rank the tokens the routers pick, a "
                 "count fake tensors do not have")
