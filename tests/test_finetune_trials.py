@@ -15,6 +15,10 @@ from trial_helpers import read_metrics, read_result, tiny_spec, torchrun, write_
 
 SHAPE = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=176, vocab_size=512, max_position_embeddings=256)
+# mixtures of experts: 4 experts of the dense FFN's width, top-2; Qwen2-MoE with a shared expert
+EXPERTS = {"mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+           "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=176,
+                             shared_expert_intermediate_size=64)}
 
 
 def make_checkpoint(folder, model_type: str = "llama", tie: bool = False) -> dict:
@@ -24,7 +28,8 @@ def make_checkpoint(folder, model_type: str = "llama", tie: bool = False) -> dic
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(7)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, tie_word_embeddings=tie, **SHAPE))
+    config = AutoConfig.for_model(model_type, tie_word_embeddings=tie, **SHAPE, **EXPERTS.get(model_type, {}))
+    model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.ndim == 1:
@@ -35,13 +40,17 @@ def make_checkpoint(folder, model_type: str = "llama", tie: bool = False) -> dic
     return json.loads((folder / "config.json").read_text())
 
 
-def spec_for(folder, config: dict, **layout):
+def spec_for(folder, config: dict, ep: int = 1, **layout):
     spec = tiny_spec("llama", max_steps=1, **layout)
     m = spec.model
     model = ModelSpec(config["model_type"], m.num_layers, m.hidden_size, m.num_attention_heads, m.num_kv_heads,
-                      m.ffn_hidden_size, m.vocab_size, m.seq_length, qkv_bias=config["model_type"] == "qwen2",
-                      tied_embeddings=config["tie_word_embeddings"], hf_config=config, checkpoint=str(folder))
-    return dataclasses.replace(spec, model=model, trial_id=spec.trial_id.replace("llama", config["model_type"]))
+                      m.ffn_hidden_size, m.vocab_size, m.seq_length, qkv_bias=config["model_type"] in ("qwen2", "qwen2_moe"),
+                      tied_embeddings=config["tie_word_embeddings"], hf_config=config, checkpoint=str(folder),
+                      num_experts=config.get("num_local_experts", config.get("num_experts", 0)),
+                      top_k=config.get("num_experts_per_tok", 0),
+                      shared_expert_ffn_hidden_size=config.get("shared_expert_intermediate_size", 0))
+    return dataclasses.replace(spec, model=model, parallel=dataclasses.replace(spec.parallel, ep=ep),
+                               trial_id=spec.trial_id.replace("llama", config["model_type"]))
 
 
 def reference_loss(folder, spec) -> float:
@@ -52,7 +61,7 @@ def reference_loss(folder, spec) -> float:
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     whole = dataclasses.replace(spec, parallel=dataclasses.replace(spec.parallel, tp=1, pp=1, dp=1, engine="torch",
-                                                                   zero_stage=0, offload="none", virtual_stages=1),
+                                                                   zero_stage=0, offload="none", virtual_stages=1, ep=1),
                                 resources=dataclasses.replace(spec.resources, num_nodes=1, gpus_per_node=1))
     (ids,), labels = TokenBatches(whole, 0, torch.device("cpu")).replica_batch(0)
     with torch.no_grad():
@@ -68,6 +77,10 @@ LAYOUTS = [
     ("qwen2", False, dict(tp=2, zero_stage=0)),  # TP splits the q/k/v biases with their columns
     ("qwen2", True, dict(pp=2, zero_stage=0)),  # a tied head on the last stage, apart from the embedding
     ("mistral", False, dict(tp=2, engine="deepspeed", zero_stage=1)),  # DeepSpeed's AutoTP
+    # published MoE checkpoints store each expert's projections apart (as save_pretrained writes them): fused on
+    # load, split over EP ranks
+    ("mixtral", False, dict(dp=2, ep=2, zero_stage=3)),
+    ("qwen2_moe", False, dict(dp=2, ep=2, zero_stage=0)),
 ]
 
 

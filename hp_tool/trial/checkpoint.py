@@ -5,7 +5,8 @@ that ``model.safetensors.index.json`` lists), one whole tensor at a time, and ea
 (``hp_tool.trial.weights.init_weights`` with this as the source): meta-device init + per-tensor load, so a
 process holds at most one full tensor of host memory beyond its shards (the largest: the embedding).
 A parameter's layout-independent name (``layers.3.self_attn.q_proj.weight``) maps to the checkpoint's key
-by the family's ``hf_key`` (``hp_tool.trial.families``).
+by the family's ``hf_key`` (``hp_tool.trial.families``); a tensor a published checkpoint stores in parts (a
+mixture of experts' per-expert projections, ``TorchFamily.hf_parts``) is fused as transformers fuses it.
 
 Saving gathers the full state dict (every shard, every pipeline stage), cast to the config's dtype, on
 rank 0 (2 bytes per parameter of host RAM for a 16-bit model), which writes ``model.safetensors`` and
@@ -24,6 +25,7 @@ import torch
 from hp_tool.contracts.spec import ModelSpec
 from hp_tool.errors import ConfigError, require
 from hp_tool.trial.families import torch_family
+from hp_tool.trial.families.base import StoredParts
 from hp_tool.trial.methods import is_adapter
 from hp_tool.trial.models import build_full_model_on_meta
 
@@ -76,20 +78,45 @@ class CheckpointReader:
     def names(self) -> set[str]:
         return set(self.files)
 
+    def parts_of(self, name: str, parts: Optional[StoredParts]) -> Optional[StoredParts]:
+        """How ``name`` is stored: None whole (or missing), else its parts (``TorchFamily.hf_parts``) when the
+        file has them all."""
+        if name in self.names or parts is None:
+            return None
+        return parts if all(k in self.names for group in parts.groups for k in group) else None
+
+    def fused_shape(self, name: str, parts: Optional[StoredParts]) -> Optional[tuple[int, ...]]:
+        """The shape of ``name`` whole or fused from its parts; None when the file has neither."""
+        stored = self.parts_of(name, parts)
+        if stored is None:
+            return self.shape(name) if name in self.names else None
+        shapes = [[self.shape(k) for k in group] for group in stored.groups]
+        slices = [(sum(s[0] for s in group),) + group[0][1:] for group in shapes]
+        return ((len(slices),) if stored.stacked else ()) + slices[0]
+
+    def fused_tensor(self, name: str, parts: Optional[StoredParts]) -> torch.Tensor:
+        """Tensor ``name`` as stored, or fused from its parts as transformers does while loading."""
+        stored = self.parts_of(name, parts)
+        if stored is None:
+            return self.tensor(name)
+        slices = [torch.cat([self.tensor(k) for k in group]) for group in stored.groups]
+        return torch.stack(slices) if stored.stacked else slices[0]
+
 
 def check_checkpoint(model: ModelSpec, folder: str | Path, key: str = "model.checkpoint") -> None:
     """Every parameter of the model the spec describes is in the checkpoint at its shape; raises a
     ConfigError naming the first that is missing or differs (a checkpoint of another model)."""
     reader = CheckpointReader(folder, key)
     whole = build_full_model_on_meta(model)
+    hf_parts = torch_family(model.family).hf_parts or (lambda model, name: None)
     for name, param in whole.named_parameters():
-        stored = name if name in reader.names else None
-        if stored is None and name == "lm_head.weight" and whole.config.tie_word_embeddings:
+        shape = reader.fused_shape(name, hf_parts(model, name))
+        if shape is None and name == "lm_head.weight" and whole.config.tie_word_embeddings:
             continue  # tied: the embedding's matrix
-        require(stored is not None, key, str(folder), f"has no tensor {name!r}",
+        require(shape is not None, key, str(folder), f"has no tensor {name!r}",
                 "give the checkpoint of the model model.hf_config describes")
-        require(reader.shape(name) == tuple(param.shape), key, str(folder),
-                f"{name} is {list(reader.shape(name))} in the checkpoint but {list(param.shape)} in its config",
+        require(shape == tuple(param.shape), key, str(folder),
+                f"{name} is {list(shape)} in the checkpoint but {list(param.shape)} in its config",
                 "give the checkpoint and the config.json of the same model")
 
 
@@ -102,9 +129,10 @@ def weight_source(model: ModelSpec) -> Optional[Callable[[str, torch.Size], torc
             f"loading a checkpoint is not supported for the {model.family} family",
             "fine-tune a Hugging Face model (search_config=finetune/...), or remove model.checkpoint")
     reader = CheckpointReader(model.checkpoint)
+    hf_parts = torch_family(model.family).hf_parts or (lambda model, name: None)
 
     def source(name: str, shape: torch.Size) -> torch.Tensor:
-        value = reader.tensor(hf_key(name))
+        value = reader.fused_tensor(hf_key(name), hf_parts(model, hf_key(name)))
         require(tuple(value.shape) == tuple(shape), "model.checkpoint", model.checkpoint,
                 f"{hf_key(name)} is {list(value.shape)} in the checkpoint but {list(shape)} in the model",
                 "give the checkpoint and the config.json of the same model")

@@ -50,6 +50,10 @@ class TorchFamily:
     hf_key: Optional[Callable[[str], str]] = None
     """A canonical parameter name -> its key in a Hugging Face checkpoint (``hp_tool.trial.checkpoint``);
     None: this family loads no checkpoint."""
+    hf_parts: Optional[Callable[[ModelSpec, str], Optional["StoredParts"]]] = None
+    """``(model spec, checkpoint key)`` -> where a checkpoint stores that tensor in parts, when it is not
+    stored whole (a mixture of experts' published files keep each expert's projections apart; transformers'
+    model fuses them into 3-D tensors); None: stored whole."""
     stack_starts: Callable[[int], tuple[int, ...]] = lambda pp: (0,)
     """``pp`` -> the first pipeline stage of each stack (T5: the encoder's at 0, the decoder's at PP/2):
     where the layers a stage holds change kind, so the tracer traces those stages."""
@@ -58,6 +62,15 @@ class TorchFamily:
     layer) -> the style of transformers' expert-parallel plan (``grouped_gemm`` shards an experts tensor by
     expert, ``ep_dispatch_experts`` sends the module's tokens to the experts' ranks); None for a dense
     family, which has no experts to split."""
+
+
+@dataclass(frozen=True)
+class StoredParts:
+    """A tensor a checkpoint stores in parts: ``groups[i]`` are the keys concatenated along dim 0 into slice i;
+    the slices stacked into a new first dimension (``stacked``: one per expert), or the one slice itself."""
+
+    groups: tuple[tuple[str, ...], ...]
+    stacked: bool = True
 
 
 _FAMILIES: Registry[TorchFamily] = Registry("torch family")

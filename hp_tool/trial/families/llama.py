@@ -63,12 +63,14 @@ def hf_key(name: str) -> str:
 def decoder_family(name: str, config_class: type, model_class: type, rotary: type,
                    family_sizes: Callable[[ModelSpec], dict] = lambda model: {},
                    layer_plan: dict[str, TPStyle] = LAYER_PLAN, expert_plan: Optional[dict[str, str]] = None,
-                   hf_key: Optional[Callable[[str], str]] = hf_key) -> TorchFamily:
+                   hf_key: Optional[Callable[[str], str]] = hf_key,
+                   hf_parts: Optional[Callable] = None) -> TorchFamily:
     """The record of a model with Llama's module layout (``model.layers``, ``embed_tokens``, ``norm``,
     ``lm_head``, the same attention projections); RoPE's frequencies are rebuilt after materialising.
     ``family_sizes``: config keys the spec sets besides ``decoder_config``'s (a mixture of experts' experts),
     ``layer_plan``: one layer's TP plan, ``expert_plan``: its EP plan (``TorchFamily.expert_plan``),
-    ``hf_key``: checkpoint names (None: no checkpoint loads)."""
+    ``hf_key``: checkpoint names (None: no checkpoint loads), ``hf_parts``: tensors a published checkpoint
+    stores in parts (``TorchFamily.hf_parts``)."""
 
     def cut_stage(model: ModelSpec, full: nn.Module, pp: int, stage: int):
         body = full.model
@@ -78,7 +80,7 @@ def decoder_family(name: str, config_class: type, model_class: type, rotary: typ
     return TorchFamily(name=name, config=lambda model: decoder_config(model, config_class, family_sizes(model)),
                        model_class=model_class, cut_stage=cut_stage, layer_plan=lambda layer: layer_plan,
                        shard_heads=shard_heads, fake_batch=causal_fake_batch, hf_key=hf_key,
-                       expert_plan=expert_plan)
+                       expert_plan=expert_plan, hf_parts=hf_parts)
 
 
 register(decoder_family("llama", LlamaConfig, LlamaForCausalLM, LlamaRotaryEmbedding))

@@ -11,18 +11,23 @@ is expert parallelism's job (``expert_plan``, transformers' own: :func:`hp_tool.
 The router's auxiliary load-balancing loss is off (``output_router_logits`` False) and so is its jitter:
 the loss is the language model's alone, as for the dense families, and every layout routes the same tokens
 to the same experts. Checkpoints are named as Llama's (``llama.hf_key``): a saved run stores the experts as
-transformers' 3-D tensors, which ``from_pretrained`` loads; published Mixtral and Qwen2-MoE files store each
-expert's projections apart (transformers fuses them while loading), so the trial does not load those.
+transformers' 3-D tensors, which ``from_pretrained`` loads. Published Mixtral and Qwen2-MoE files (and
+``save_pretrained``'s) store each expert's projections apart, Mixtral's under ``block_sparse_moe`` with its
+router; ``hf_parts`` says where, and the checkpoint reader fuses them as transformers does while loading
+(gate and up concatenated, the experts stacked).
 """
 
 from __future__ import annotations
+
+import re
+from typing import Optional
 
 from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
 from transformers.models.mixtral.modeling_mixtral import MixtralRotaryEmbedding
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeRotaryEmbedding
 
 from hp_tool.contracts.spec import ModelSpec
-from hp_tool.trial.families.base import TPStyle, register
+from hp_tool.trial.families.base import StoredParts, TPStyle, register
 from hp_tool.trial.families.llama import decoder_family
 
 ATTENTION_PLAN: dict[str, TPStyle] = {
@@ -57,12 +62,43 @@ def qwen2_moe_sizes(model: ModelSpec) -> dict:
                 mlp_only_layers=[], qkv_bias=model.qkv_bias, **_NO_ROUTER_LOSS)
 
 
-def moe_family(name: str, config_class: type, model_class: type, rotary: type, sizes):
-    """The record of a mixture of experts with Llama's layout: TP on attention only, transformers' EP plan."""
+# Where published checkpoints keep a layer's expert tensors, relative to ``model.layers.<i>.``: per fused tensor
+# the per-expert parts ({e}: the expert) concatenated along dim 0 (gate before up, as transformers' experts
+# chunk them), and Mixtral's router under its older module name.
+MIXTRAL_PARTS = {"mlp.experts.gate_up_proj": ("block_sparse_moe.experts.{e}.w1.weight",
+                                              "block_sparse_moe.experts.{e}.w3.weight"),
+                 "mlp.experts.down_proj": ("block_sparse_moe.experts.{e}.w2.weight",),
+                 "mlp.gate.weight": "block_sparse_moe.gate.weight"}
+QWEN2_MOE_PARTS = {"mlp.experts.gate_up_proj": ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"),
+                   "mlp.experts.down_proj": ("mlp.experts.{e}.down_proj.weight",)}
+_LAYER_KEY = re.compile(r"^(.*\blayers\.\d+\.)(.+)$")
+
+
+def stored_parts(table: dict):
+    """``TorchFamily.hf_parts`` for a family whose published checkpoints lay experts out as ``table`` says."""
+
+    def parts(model: ModelSpec, key: str) -> Optional[StoredParts]:
+        match = _LAYER_KEY.match(key)
+        where = table.get(match.group(2)) if match else None
+        if where is None:
+            return None
+        layer = match.group(1)
+        if isinstance(where, str):  # the same tensor under another name
+            return StoredParts(((layer + where,),), stacked=False)
+        return StoredParts(tuple(tuple(layer + p.format(e=e) for p in where) for e in range(model.num_experts)))
+
+    return parts
+
+
+def moe_family(name: str, config_class: type, model_class: type, rotary: type, sizes, parts: dict):
+    """The record of a mixture of experts with Llama's layout: TP on attention only, transformers' EP plan,
+    published checkpoints' per-expert tensors fused on load."""
     return decoder_family(name, config_class, model_class, rotary, family_sizes=sizes, layer_plan=ATTENTION_PLAN,
-                          expert_plan=layer_expert_plan(config_class))
+                          expert_plan=layer_expert_plan(config_class), hf_parts=stored_parts(parts))
 
 
-register(moe_family("moe", MixtralConfig, MixtralForCausalLM, MixtralRotaryEmbedding, mixtral_sizes))
-register(moe_family("mixtral", MixtralConfig, MixtralForCausalLM, MixtralRotaryEmbedding, mixtral_sizes))
-register(moe_family("qwen2_moe", Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen2MoeRotaryEmbedding, qwen2_moe_sizes))
+register(moe_family("moe", MixtralConfig, MixtralForCausalLM, MixtralRotaryEmbedding, mixtral_sizes, MIXTRAL_PARTS))
+register(moe_family("mixtral", MixtralConfig, MixtralForCausalLM, MixtralRotaryEmbedding, mixtral_sizes,
+                    MIXTRAL_PARTS))
+register(moe_family("qwen2_moe", Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen2MoeRotaryEmbedding, qwen2_moe_sizes,
+                    QWEN2_MOE_PARTS))
