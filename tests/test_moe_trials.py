@@ -146,11 +146,17 @@ def test_an_expert_parallel_rank_holds_half_the_experts(runs):
 @pytest.mark.slow
 def test_an_expert_parallel_run_saves_whole_experts(runs):
     """The EP2 x FSDP2 run's saved model (every rank gathering its experts) is the single-process run's,
-    whole experts included, and transformers loads it."""
+    whole experts included, stored per expert as published Mixtral checkpoints are, and transformers loads
+    it."""
+    from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
     spec, folder, _, _ = runs("mixtral-ep2-fsdp2")
     _, reference, _, _ = runs("mixtral")
+    with safe_open(str(folder / "model" / "model.safetensors"), framework="pt") as fh:
+        stored = set(fh.keys())
+    assert "model.layers.1.block_sparse_moe.experts.3.w3.weight" in stored
+    assert not any("gate_up_proj" in key for key in stored)
     split = dict(AutoModelForCausalLM.from_pretrained(str(folder / "model")).named_parameters())
     one = dict(AutoModelForCausalLM.from_pretrained(str(reference / "model")).named_parameters())
     m = spec.model

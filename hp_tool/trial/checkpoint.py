@@ -164,10 +164,21 @@ def save_dtype(model: ModelSpec) -> torch.dtype:
     return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(named, torch.float32)
 
 
+def split_parts(key: str, tensor: torch.Tensor, parts: Optional[StoredParts]) -> dict[str, torch.Tensor]:
+    """``key``'s tensor as a published checkpoint stores it: whole, or split into its parts (the inverse of
+    ``CheckpointReader.fused_tensor``: one slice per expert, each cut evenly into its group's parts)."""
+    if parts is None:
+        return {key: tensor.contiguous()}
+    slices = list(tensor) if parts.stacked else [tensor]
+    return {k: piece.contiguous() for group, whole in zip(parts.groups, slices, strict=True)
+            for k, piece in zip(group, whole.chunk(len(group)), strict=True)}
+
+
 def save_checkpoint(state: dict[str, torch.Tensor], model: ModelSpec, folder: str | Path) -> Path:
     """Write ``state`` (canonical names -> full tensors in ``save_dtype``, :meth:`Engine.full_state_dict`)
-    as a Hugging Face checkpoint: ``model.safetensors`` and ``config.json``. A tied head is the embedding's
-    matrix and is not stored twice."""
+    as a Hugging Face checkpoint: ``model.safetensors`` and ``config.json``, tensors named and laid out as the
+    model's published checkpoints (a mixture of experts' per-expert projections, as ``save_pretrained``
+    writes them and other tools read them). A tied head is the embedding's matrix and is not stored twice."""
     from safetensors.torch import save_file
     from transformers import AutoConfig
 
@@ -178,7 +189,10 @@ def save_checkpoint(state: dict[str, torch.Tensor], model: ModelSpec, folder: st
     if model.method != "full":
         return save_adapter(state, model, folder, hf_key)
     config = AutoConfig.for_model(**model.hf_config)
-    tensors = {hf_key(name): t.contiguous() for name, t in sorted(state.items())}
+    hf_parts = torch_family(model.family).hf_parts or (lambda model, name: None)
+    tensors = {}
+    for name, t in sorted(state.items()):
+        tensors.update(split_parts(hf_key(name), t, hf_parts(model, hf_key(name))))
     if config.tie_word_embeddings:
         tensors.pop(hf_key("lm_head.weight"), None)
     out = Path(folder)

@@ -10,11 +10,10 @@ is expert parallelism's job (``expert_plan``, transformers' own: :func:`hp_tool.
 
 The router's auxiliary load-balancing loss is off (``output_router_logits`` False) and so is its jitter:
 the loss is the language model's alone, as for the dense families, and every layout routes the same tokens
-to the same experts. Checkpoints are named as Llama's (``llama.hf_key``): a saved run stores the experts as
-transformers' 3-D tensors, which ``from_pretrained`` loads. Published Mixtral and Qwen2-MoE files (and
-``save_pretrained``'s) store each expert's projections apart, Mixtral's under ``block_sparse_moe`` with its
-router; ``hf_parts`` says where, and the checkpoint reader fuses them as transformers does while loading
-(gate and up concatenated, the experts stacked).
+to the same experts. Checkpoints are named as Llama's (``llama.hf_key``). Published Mixtral and Qwen2-MoE
+files (and ``save_pretrained``'s) store each expert's projections apart, Mixtral's under ``block_sparse_moe``
+with its router; ``hf_parts`` says where: the checkpoint reader fuses them as transformers does while loading
+(gate and up concatenated, the experts stacked), and a saved run splits them back the same way.
 """
 
 from __future__ import annotations
