@@ -217,3 +217,15 @@ def test_trial_spec_refuses_an_ep_the_model_cannot_split():
         TrialSpec(model=dataclasses.replace(model, num_experts=6), parallel=ParallelSpec(dp=2, ep=4),
                   resources=ResourcesSpec(gpus_per_node=2), training=TrainingSpec(global_batch_size=4))
     assert err.value.key == "parallel.ep"
+
+
+def test_offloaded_expert_shards_are_split_over_the_ranks_holding_them():
+    """With EP 8 over 8 data-parallel ranks each expert lives on one rank: its offloaded states are whole there
+    (host RAM and PCIe traffic of the experts / 8, not / 64), the dense ones split over all 8."""
+    from hp_tool.estimate.memory import host_phases_gb
+    from hp_tool.estimate.speed import offload_s
+
+    one, eight = (Layout(1, 1, 8, 1, 32, 64, 3, "optimizer_and_params", ep=ep) for ep in (1, 8))
+    assert offload_s(MIXTRAL, eight, HW) == pytest.approx(offload_s(MIXTRAL, one, HW), rel=0.01)
+    assert host_phases_gb(MIXTRAL, eight, 8).train_gb == pytest.approx(host_phases_gb(MIXTRAL, one, 8).train_gb,
+                                                                       rel=0.01)

@@ -172,7 +172,10 @@ def host_phases_gb(shape: Shape, layout: Layout, gpus_on_node: int) -> HostPhase
     per_param = HOST_OFFLOAD_BYTES.get((layout.engine, layout.offload), 0)
     if per_param:  # the offloaded optimizer's own states in place of Adam's 8 bytes
         per_param += OPTIMIZER_STATE_BYTES[layout.optimizer] - OPTIMIZER_STATE_BYTES["adamw"]
-    shard = max(stage_parameters(shape, layout.tp, layout.pp, layout.ep)) / max(1, layout.edp)
+    # the busiest stage's shard: its dense parameters over the DP ranks, its experts over the DP / EP ranks
+    shard = max((params - stage_expert_parameters(shape, layout.pp, stage, layout.ep)) / max(1, layout.dp)
+                + stage_expert_parameters(shape, layout.pp, stage, layout.ep) / layout.edp
+                for stage, params in enumerate(stage_parameters(shape, layout.tp, layout.pp, layout.ep)))
     offloaded = per_param * shard
     if shape.method in ADAPTED and per_param:  # the adapters' states; parameter offload moves the frozen base too
         adapters = shape.num_layers / layout.pp * adapter_parameters_per_layer(shape) / layout.tp / max(1, layout.dp)

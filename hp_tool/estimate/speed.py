@@ -203,7 +203,8 @@ def offload_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
     """Seconds per step spent moving the offloaded shard over PCIe and stepping it on the CPU."""
     if layout.offload == "none":
         return 0.0
-    shard = _local_parameters(shape, layout) / max(1, layout.dp)
+    experts = _local_expert_parameters(shape, layout)  # sharded over the DP / EP ranks holding them
+    shard = (_local_parameters(shape, layout) - experts) / max(1, layout.dp) + experts / layout.edp
     pcie = 2 * 2 * shard  # 16-bit gradients down, updated 16-bit weights up
     if layout.offload == "optimizer_and_params":
         pcie += 2 * layout.num_microbatches * 2 * shard  # weights up for each forward and backward
