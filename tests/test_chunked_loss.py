@@ -1,0 +1,66 @@
+"""The chunked linear cross-entropy equals the whole-logits loss, its value and both gradients (rel 1e-5), for
+chunks that do and do not divide the tokens, with ignored labels, and never holds more than one chunk's
+logits. Pure torch on the CPU."""
+
+import pytest
+import torch
+
+from hp_tool.trial.loss import IGNORE_INDEX, chunked_linear_cross_entropy, full_linear_cross_entropy
+from hp_tool.trial.trace.peak import TensorPeak
+
+
+def case(tokens: int = 96, hidden: int = 24, vocab: int = 300, ignored: int = 7):
+    generator = torch.Generator().manual_seed(3)
+    h = torch.randn(2, tokens // 2, hidden, generator=generator, dtype=torch.float64)
+    w = torch.randn(vocab, hidden, generator=generator, dtype=torch.float64) * 0.5
+    labels = torch.randint(0, vocab, (2, tokens // 2), generator=generator)
+    labels.view(-1)[torch.randperm(tokens, generator=generator)[:ignored]] = IGNORE_INDEX
+    return h, w, labels
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 32, 96, 1000])
+def test_chunked_loss_and_gradients_equal_the_full_loss(chunk):
+    h, w, labels = case()
+    grads = []
+    for loss_fn in (full_linear_cross_entropy, lambda a, b, c: chunked_linear_cross_entropy(a, b, c, chunk)):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = loss_fn(hh, ww, labels)
+        (3.0 * loss).backward()  # an upstream factor, as a loss scale or a micro-batch share gives
+        grads.append((loss.detach(), hh.grad, ww.grad))
+    (full, full_h, full_w), (chunked, chunked_h, chunked_w) = grads
+    torch.testing.assert_close(chunked.double(), full.double(), rtol=1e-5, atol=0)
+    torch.testing.assert_close(chunked_h, full_h, rtol=1e-5, atol=1e-12)
+    torch.testing.assert_close(chunked_w.double(), full_w, rtol=1e-5, atol=1e-12)
+
+
+def test_ignored_tokens_count_nowhere():
+    h, w, labels = case(ignored=0)
+    masked = labels.clone()
+    masked[0, :10] = IGNORE_INDEX
+    hh = h.clone().requires_grad_()
+    chunked_linear_cross_entropy(hh, w, masked, 16).backward()
+    assert torch.all(hh.grad[0, :10] == 0) and torch.any(hh.grad[0, 10:] != 0)
+    kept = full_linear_cross_entropy(h[:, :][masked != IGNORE_INDEX][None], w, masked[masked != IGNORE_INDEX][None])
+    assert float(chunked_linear_cross_entropy(h, w, masked, 16)) == pytest.approx(float(kept), rel=1e-9)
+
+
+def test_only_one_chunk_of_logits_is_ever_held():
+    """Peak tensor memory: the whole-logits loss holds every token's fp32 logits (and their softmax), the
+    chunked one a chunk's; with 512 tokens over a 4096-word vocabulary in chunks of 64, about 8x less."""
+    generator = torch.Generator().manual_seed(0)
+    h = torch.randn(512, 32, generator=generator, requires_grad=True)
+    w = torch.randn(4096, 32, generator=generator, requires_grad=True)
+    labels = torch.randint(0, 4096, (512,), generator=generator)
+    peaks = {}
+    for name, fn in (("full", full_linear_cross_entropy),
+                     ("chunked", lambda a, b, c: chunked_linear_cross_entropy(a, b, c, 64))):
+        tracker = TensorPeak()
+        tracker.track(h, w, labels)
+        with tracker:
+            tracker.restart_peak()
+            fn(h, w, labels).backward()
+        peaks[name] = tracker.peak_bytes()
+        h.grad = w.grad = None
+    logits = 512 * 4096 * 4
+    assert peaks["full"] > 2 * logits
+    assert peaks["chunked"] < peaks["full"] / 3
