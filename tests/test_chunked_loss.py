@@ -64,3 +64,46 @@ def test_only_one_chunk_of_logits_is_ever_held():
     logits = 512 * 4096 * 4
     assert peaks["full"] > 2 * logits
     assert peaks["chunked"] < peaks["full"] / 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [dict(), dict(dp=2, zero_stage=0), dict(dp=2, zero_stage=3), dict(pp=2, zero_stage=0)])
+def test_trials_with_the_chunked_loss_train_as_the_full_loss(tmp_path, layout):
+    """The torch engine's chunked loss (8-token chunks of 128-token micro-batches) gives the single-process
+    full loss's first three losses (rel 1e-5) alone, under DDP, FSDP2 and PP."""
+    import dataclasses
+
+    from hp_tool.trial.train import run_trial
+    from trial_helpers import read_metrics, tiny_spec, torchrun, write_spec
+
+    def losses(folder, loss, **kw):
+        spec = tiny_spec("llama", max_steps=3, warmup_steps=0, **kw)
+        spec = dataclasses.replace(spec, parallel=dataclasses.replace(spec.parallel, loss=loss, loss_chunk_tokens=8))
+        folder.mkdir()
+        world = spec.parallel.tp * spec.parallel.pp * spec.parallel.dp
+        if world == 1:
+            run_trial(write_spec(spec, folder), str(folder / "out"))
+        else:
+            proc = torchrun(write_spec(spec, folder), folder / "out", world)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+        return [m["loss"] for m in read_metrics(folder / "out")]
+
+    reference = losses(tmp_path / "full", "full")
+    assert losses(tmp_path / "chunked", "chunked", **layout) == pytest.approx(reference, rel=1e-5)
+
+
+def test_the_chunked_loss_applies_the_head_itself():
+    """With loss chunked the last stage returns hidden states (no whole logits) and the loss applies its head."""
+    import dataclasses
+
+    from hp_tool.trial.dist import DistEnv
+    from hp_tool.trial.engines.torch_engine import TorchEngine
+    from trial_helpers import tiny_spec
+
+    spec = tiny_spec("llama")
+    spec = dataclasses.replace(spec, parallel=dataclasses.replace(spec.parallel, loss="chunked", loss_chunk_tokens=8))
+    engine = TorchEngine.build(spec, DistEnv(), torch.device("cpu"))
+    (inputs,), labels = engine.batches.micro_batches(0)[0]
+    assert engine.stage.head_in_loss
+    assert engine.stage(inputs).shape[-1] == spec.model.hidden_size
+    assert engine.step(0) is not None

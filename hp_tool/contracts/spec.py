@@ -23,7 +23,7 @@ from hp_tool.estimate.layout import Layout
 from hp_tool.fingerprint import fingerprint_of
 from hp_tool.fsutil import atomic_write_text
 from hp_tool.sharding import combination_problem, layout_suffix
-from hp_tool.vocab import DATA_SOURCES, ENGINES, METHODS, OFFLOADS, OPTIMIZER_CODES, OPTIMIZERS, PRECISIONS, RUN_MODES, SCHEDULES, ZERO_STAGES
+from hp_tool.vocab import DATA_SOURCES, ENGINES, LOSSES, METHODS, OFFLOADS, OPTIMIZER_CODES, OPTIMIZERS, PRECISIONS, RUN_MODES, SCHEDULES, ZERO_STAGES
 
 
 
@@ -152,9 +152,16 @@ class ParallelSpec:
     offload: str = "none"  # none | optimizer | optimizer_and_params (to host RAM)
     virtual_stages: int = 1  # model chunks per pipeline rank: interleaved 1F1B when > 1 (torch engine)
     ep: int = 1  # expert parallel: MoE experts split over ep of the dp ranks (ep divides dp)
+    loss: str = "full"  # full: whole logits | chunked: output projection and cross-entropy over chunks of tokens
+    loss_chunk_tokens: int = 4096  # tokens per chunk of the chunked loss
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "mbs", "virtual_stages", "ep"):
+        require(self.loss in LOSSES, "parallel.loss", self.loss, "unknown loss", f"use one of {list(LOSSES)}")
+        require(self.loss == "full" or (self.tp == 1 and self.engine == "torch"), "parallel.loss", self.loss,
+                f"the chunked loss runs on the torch engine with TP 1 (here engine {self.engine}, TP {self.tp}; "
+                "with TP the vocabulary-parallel loss already splits the logits over TP)",
+                "use loss full, or TP 1 on the torch engine")
+        for name in ("tp", "pp", "dp", "mbs", "virtual_stages", "ep", "loss_chunk_tokens"):
             require(getattr(self, name) >= 1, f"parallel.{name}", getattr(self, name),
                     "must be at least 1", "set a positive integer")
         require(self.act_ckpt_layers >= 0, "parallel.act_ckpt_layers", self.act_ckpt_layers,

@@ -62,6 +62,8 @@ class CausalLMStage(StageModule):
         self.rotary_emb: Optional[nn.Module] = None
         self._rotary = rotary
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        # the chunked loss applies the head itself, a chunk of tokens at a time: the stage returns hidden states
+        self.head_in_loss = False
 
     def reset_buffers(self, device: torch.device) -> None:
         """Rebuild non-parameter buffers (RoPE frequencies) on ``device`` after materialisation."""
@@ -84,7 +86,7 @@ class CausalLMStage(StageModule):
             h = layer(h, attention_mask=None, position_ids=position_ids, **extra)
         if self.norm is not None:
             h = self.norm(h)
-        if self.lm_head is not None:
+        if self.lm_head is not None and not self.head_in_loss:
             h = self.lm_head(h)
         return h
 

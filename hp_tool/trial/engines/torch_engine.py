@@ -26,7 +26,7 @@ from hp_tool.contracts.spec import TrialSpec
 from hp_tool.trial import optim
 from hp_tool.trial.data import TokenBatches
 from hp_tool.trial.dist import DistEnv, build_mesh
-from hp_tool.trial.models import loss_parallel_context, make_loss_fn
+from hp_tool.trial.models import loss_parallel_context, stage_loss_fn
 from hp_tool.trial.stage import canonical_name
 from hp_tool.trial.parallel import build_schedule, complete_expert_grads, needs_grad_sync_control, set_grad_sync
 from hp_tool.trial.rank import (Initialise, build_rank_model, build_rank_optimizer, compute_dtype, group_of,
@@ -53,6 +53,7 @@ class TorchEngine:
     local_numel: int = 0  # parameter elements materialised on this rank
     grad_norm: Optional[float] = None  # the last step's whole-model gradient norm before clipping
     scaler: Optional[torch.amp.GradScaler] = None  # fp16's dynamic loss scaler; None in bf16 and fp32
+    compute_loss: Optional[object] = None  # (output, labels) -> loss: the spec's loss (models.stage_loss_fn)
     measures_tensor_peak: ClassVar[bool] = True  # the engine the pre-launch trace models
 
     @property
@@ -81,9 +82,10 @@ class TorchEngine:
         engine = cls(spec, env, device, mesh, model.stage, optimizer, TokenBatches(spec, dp_rank, device),
                      pp_rank=pp_rank, local_numel=model.local_numel,
                      scaler=optim.loss_scaler(device, compute_dtype(spec, device)))
+        engine.compute_loss = stage_loss_fn(model.stage, par, engine.tp_mesh)
         if par.pp > 1:
             engine.schedule = build_schedule(model.chunks, par, mesh, pp_rank, spec.grad_accum_steps, device,
-                                             engine._scaled(make_loss_fn(engine.tp_mesh)))
+                                             engine._scaled(engine.compute_loss))
             if model.stage.tied:
                 engine.tied_group = _tied_group(mesh, par.pp)
                 engine.tied_param = model.stage.embed_tokens.weight if model.stage.is_first \
@@ -125,7 +127,7 @@ class TorchEngine:
         """Forward and backward of all micro-batches of one step (no PP); returns their mean loss."""
         micro = self.batches.micro_batches(step)
         control_sync = needs_grad_sync_control(self.spec.parallel)
-        compute_loss = make_loss_fn(self.tp_mesh)
+        compute_loss = self.compute_loss
         total = torch.zeros((), device=self.device)
         for i, (inputs, labels) in enumerate(micro):
             if control_sync:

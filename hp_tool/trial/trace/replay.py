@@ -37,7 +37,7 @@ from hp_tool.contracts.spec import TrialSpec
 from hp_tool.trial import optim
 from hp_tool.trial.dist import DistEnv, build_mesh
 from hp_tool.trial.families import torch_family
-from hp_tool.trial.models import loss_parallel_context, make_loss_fn
+from hp_tool.trial.models import loss_parallel_context, stage_loss_fn
 from hp_tool.trial.rank import (FakeMaterialise, build_rank_model, build_rank_optimizer, compute_dtype, group_of,
                                 tp_mesh_of)
 from hp_tool.trial.trace.inflight import StageTrace, combine, in_flight, in_flight_counts, traced_spec, \
@@ -127,7 +127,7 @@ class _Replay:
         self.m = spec.grad_accum_steps
         self.last = stage_index == par.pp - 1
         self.pipelined = par.pp > 1
-        self.loss_fn = make_loss_fn(self.tp_mesh)
+        self.loss_fn = stage_loss_fn(stage, par, self.tp_mesh)
         self.pp_group = group_of(mesh, par, "pp")
         self.batches = [_fake_batch(spec, stage_index, dtype) for _ in range(min(self.m, max(counts) + 1))]
         self.tracker = TensorPeak()
@@ -230,7 +230,7 @@ def _forward_kept(spec: TrialSpec, stage, stage_index: int, mesh, dtype: Optiona
         with autocast:
             out = stage(*inputs)
             if stage_index == spec.parallel.pp - 1:
-                out = make_loss_fn(tp_mesh)(out, labels)
+                out = stage_loss_fn(stage, spec.parallel, tp_mesh)(out, labels)
         kept = tracker.current_bytes() - before
         del out
     return kept
