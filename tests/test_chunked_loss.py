@@ -107,3 +107,23 @@ def test_the_chunked_loss_applies_the_head_itself():
     assert engine.stage.head_in_loss
     assert engine.stage(inputs).shape[-1] == spec.model.hidden_size
     assert engine.step(0) is not None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [dict(dp=2, zero_stage=3, act_ckpt=2), dict(pp=2, zero_stage=0)])
+def test_activation_offload_changes_no_number(tmp_path, layout):
+    """Saved activations kept in host memory (torch's save_on_cpu) give the same losses: with checkpointing
+    over FSDP2, and under PP."""
+    import dataclasses
+
+    from trial_helpers import read_metrics, tiny_spec, torchrun, write_spec
+
+    def losses(folder, offload):
+        spec = tiny_spec("llama", max_steps=3, warmup_steps=0, **layout)
+        spec = dataclasses.replace(spec, parallel=dataclasses.replace(spec.parallel, activation_offload=offload))
+        folder.mkdir()
+        proc = torchrun(write_spec(spec, folder), folder / "out", 2)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return [m["loss"] for m in read_metrics(folder / "out")]
+
+    assert losses(tmp_path / "offloaded", True) == pytest.approx(losses(tmp_path / "kept", False), rel=1e-6)

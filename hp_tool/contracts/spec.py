@@ -154,6 +154,7 @@ class ParallelSpec:
     ep: int = 1  # expert parallel: MoE experts split over ep of the dp ranks (ep divides dp)
     loss: str = "full"  # full: whole logits | chunked: output projection and cross-entropy over chunks of tokens
     loss_chunk_tokens: int = 4096  # tokens per chunk of the chunked loss
+    activation_offload: bool = False  # tensors saved for backward kept in (pinned) host memory (torch engine)
 
     def __post_init__(self) -> None:
         require(self.loss in LOSSES, "parallel.loss", self.loss, "unknown loss", f"use one of {list(LOSSES)}")
@@ -161,6 +162,9 @@ class ParallelSpec:
                 f"the chunked loss runs on the torch engine with TP 1 (here engine {self.engine}, TP {self.tp}; "
                 "with TP the vocabulary-parallel loss already splits the logits over TP)",
                 "use loss full, or TP 1 on the torch engine")
+        require(not self.activation_offload or self.engine == "torch", "parallel.activation_offload",
+                self.activation_offload, f"the {self.engine} engine does not offload activations",
+                "use engine torch, or activation_offload false")
         for name in ("tp", "pp", "dp", "mbs", "virtual_stages", "ep", "loss_chunk_tokens"):
             require(getattr(self, name) >= 1, f"parallel.{name}", getattr(self, name),
                     "must be at least 1", "set a positive integer")

@@ -116,6 +116,14 @@ class TorchEngine:
         """A loss the scaled loss function returned, divided by the loss scale again."""
         return loss if self.scaler is None else loss / self.scaler.get_scale()
 
+    def _saved_tensors(self):
+        """Where autograd keeps the tensors saved for backward: in (pinned, on a GPU) host memory with
+        ``parallel.activation_offload`` (torch's ``save_on_cpu``: copied out in forward, back in backward),
+        else where they are made."""
+        if not self.spec.parallel.activation_offload:
+            return contextlib.nullcontext()
+        return torch.autograd.graph.save_on_cpu(pin_memory=self.device.type == "cuda")
+
     def _autocast(self):
         """The precision's autocast on GPU; a no-op in fp32."""
         dtype = compute_dtype(self.spec, self.device)
@@ -132,7 +140,7 @@ class TorchEngine:
         for i, (inputs, labels) in enumerate(micro):
             if control_sync:
                 set_grad_sync(self.stage, i == len(micro) - 1)
-            with loss_parallel_context(self.tp_mesh):
+            with loss_parallel_context(self.tp_mesh), self._saved_tensors():
                 with self._autocast():
                     loss = compute_loss(self.stage(*inputs), labels)
                 share = loss / len(micro)
@@ -147,7 +155,7 @@ class TorchEngine:
         first, last = self.pp_rank == 0, self.is_last_stage
         args = inputs if first else ()
         kwargs = {"target": labels, "losses": losses} if last else {}
-        with loss_parallel_context(self.tp_mesh), self._autocast():
+        with loss_parallel_context(self.tp_mesh), self._saved_tensors(), self._autocast():
             self.schedule.step(*args, return_outputs=False, **kwargs)
         return self._unscaled(torch.stack(losses).mean().detach()) if last else None
 
