@@ -127,3 +127,24 @@ def test_activation_offload_changes_no_number(tmp_path, layout):
         return [m["loss"] for m in read_metrics(folder / "out")]
 
     assert losses(tmp_path / "offloaded", True) == pytest.approx(losses(tmp_path / "kept", False), rel=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("act_ckpt", [0, 2])
+def test_sequence_parallel_trains_as_tensor_parallel(tmp_path, act_ckpt):
+    """TP2 with sequence parallelism (norms on sequence shards) gives the single process's losses."""
+    import dataclasses
+
+    from hp_tool.trial.train import run_trial
+    from trial_helpers import read_metrics, tiny_spec, torchrun, write_spec
+
+    single = tiny_spec("llama", max_steps=3, warmup_steps=0)
+    (tmp_path / "one").mkdir()
+    run_trial(write_spec(single, tmp_path / "one"), str(tmp_path / "one" / "out"))
+    spec = tiny_spec("llama", tp=2, max_steps=3, warmup_steps=0, act_ckpt=act_ckpt, zero_stage=0)
+    spec = dataclasses.replace(spec, parallel=dataclasses.replace(spec.parallel, sequence_parallel=True))
+    (tmp_path / "sp").mkdir()
+    proc = torchrun(write_spec(spec, tmp_path / "sp"), tmp_path / "sp" / "out", 2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = [m["loss"] for m in read_metrics(tmp_path / "sp" / "out")]
+    assert got == pytest.approx([m["loss"] for m in read_metrics(tmp_path / "one" / "out")], rel=1e-4)

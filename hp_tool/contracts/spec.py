@@ -155,6 +155,7 @@ class ParallelSpec:
     loss: str = "full"  # full: whole logits | chunked: output projection and cross-entropy over chunks of tokens
     loss_chunk_tokens: int = 4096  # tokens per chunk of the chunked loss
     activation_offload: bool = False  # tensors saved for backward kept in (pinned) host memory (torch engine)
+    sequence_parallel: bool = False  # with TP: norms on sequence shards, TP's all-reduces as gather + scatter
 
     def __post_init__(self) -> None:
         require(self.loss in LOSSES, "parallel.loss", self.loss, "unknown loss", f"use one of {list(LOSSES)}")
@@ -162,6 +163,10 @@ class ParallelSpec:
                 f"the chunked loss runs on the torch engine with TP 1 (here engine {self.engine}, TP {self.tp}; "
                 "with TP the vocabulary-parallel loss already splits the logits over TP)",
                 "use loss full, or TP 1 on the torch engine")
+        require(not self.sequence_parallel or (self.tp > 1 and self.engine == "torch" and self.pp == 1),
+                "parallel.sequence_parallel", self.sequence_parallel,
+                f"sequence parallelism splits the sequence over TP on the torch engine without PP (TP={self.tp}, "
+                f"PP={self.pp}, engine {self.engine})", "use TP > 1 and PP 1 on the torch engine, or false")
         require(not self.activation_offload or self.engine == "torch", "parallel.activation_offload",
                 self.activation_offload, f"the {self.engine} engine does not offload activations",
                 "use engine torch, or activation_offload false")

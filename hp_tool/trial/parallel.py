@@ -35,7 +35,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+                                               parallelize_module)
 from transformers.distributed.expert_parallel import apply_expert_parallelism
 
 from hp_tool.contracts.spec import ParallelSpec
@@ -55,7 +56,25 @@ def layer_tp_plan(stage: StageModule, layer: nn.Module) -> dict:
     return {name: _STYLES[style]() for name, style in torch_family(stage.family).layer_plan(layer).items()}
 
 
-def apply_tensor_parallel(stage: StageModule, tp_mesh: DeviceMesh, vocab_parallel: bool = True) -> None:
+def sequence_parallel_plan(plan: dict) -> dict:
+    """A Llama-layout layer's TP plan with sequence parallelism (Korthikanti et al. 2022; torchtitan's plan):
+    the two RMSNorms run on sequence shards, the attention and the MLP gather the sequence at their input
+    and their row-split output projections reduce-scatter it back (an all-reduce becomes an all-gather and a
+    reduce-scatter of the same volume)."""
+    out = dict(plan)
+    out["input_layernorm"] = SequenceParallel()
+    out["post_attention_layernorm"] = SequenceParallel()
+    out["self_attn"] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                          desired_input_kwarg_layouts={"hidden_states": Replicate()})
+    out["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    for name in ("self_attn.o_proj", "mlp.down_proj"):
+        if name in out:
+            out[name] = RowwiseParallel(output_layouts=Shard(1))
+    return out
+
+
+def apply_tensor_parallel(stage: StageModule, tp_mesh: DeviceMesh, vocab_parallel: bool = True,
+                          sequence_parallel: bool = False) -> None:
     """Shard each layer's projections over ``tp_mesh`` with ``parallelize_module``; with
     ``vocab_parallel``, also the input embedding and the output head along the vocabulary.
 
@@ -64,16 +83,22 @@ def apply_tensor_parallel(stage: StageModule, tp_mesh: DeviceMesh, vocab_paralle
     vocabulary only; the loss is then computed on the sharded logits (models.make_loss_fn, inside
     ``loss_parallel``). A tied head shares the embedding's vocabulary-sharded weight."""
     tp, family = tp_mesh.size(), torch_family(stage.family)
+    require(not sequence_parallel or family.sequence_parallel, "parallel.sequence_parallel", True,
+            f"the torch engine has no sequence-parallel plan for {stage.family}", "use sequence_parallel false")
     for layer in stage.layers.values():
-        parallelize_module(layer, tp_mesh, layer_tp_plan(stage, layer))
+        plan = layer_tp_plan(stage, layer)
+        parallelize_module(layer, tp_mesh, sequence_parallel_plan(plan) if sequence_parallel else plan)
         family.shard_heads(layer, tp)
     if not vocab_parallel:
         return
+    between = Shard(1) if sequence_parallel else Replicate()  # the hidden states between the layers
     vocab_plan = {}
     if stage.embed_tokens is not None:
-        vocab_plan["embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        vocab_plan["embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
+    if sequence_parallel and stage.norm is not None:
+        vocab_plan["norm"] = SequenceParallel()
     if stage.lm_head is not None:
-        vocab_plan["lm_head"] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1),
+        vocab_plan["lm_head"] = ColwiseParallel(input_layouts=between, output_layouts=Shard(-1),
                                                 use_local_output=True)
     if vocab_plan:
         parallelize_module(stage, tp_mesh, vocab_plan)
@@ -181,7 +206,7 @@ def parallelize_stage(stage: StageModule, par: ParallelSpec, mesh: Optional[Devi
                       param_dtype: Optional[torch.dtype], device: torch.device) -> None:
     """Apply TP, EP, activation checkpointing and DP to ``stage`` in place (still on meta)."""
     if par.tp > 1:
-        apply_tensor_parallel(stage, mesh["tp"])
+        apply_tensor_parallel(stage, mesh["tp"], sequence_parallel=par.sequence_parallel)
     if par.ep > 1:
         apply_expert_parallel(stage, mesh["ep"], mesh["tp"])
     if par.act_ckpt_layers > 0:
