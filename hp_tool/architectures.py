@@ -14,6 +14,7 @@ from typing import Optional
 
 from hp_tool.estimate.methods import head_training_flops, layer_training_flops
 from hp_tool.families import family
+from hp_tool.families.decoder import skipped_expert_parameters
 from hp_tool.families.shape import Shape
 
 
@@ -133,10 +134,7 @@ def expert_parameters(shape: Shape) -> int:
 def active_parameters(shape: Shape) -> int:
     """Parameters one token runs through: all of them for a dense model; a mixture of experts counts top_k of
     each layer's experts (Mixtral-8x7B: 12.9B of 46.7B)."""
-    active = shape.facts.active_layer_parameters
-    if active is None:
-        return count_parameters(shape)
-    return shape.pipeline_layers * active(shape) + embedding_parameters(shape) + head_parameters(shape)
+    return count_parameters(shape) - shape.pipeline_layers * skipped_expert_parameters(shape)
 
 
 def layer_forward_flops_per_sample(shape: Shape, encoder: bool = False) -> float:

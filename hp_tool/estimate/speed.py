@@ -32,6 +32,7 @@ from hp_tool.architectures import (Shape, checkpointed_layer_counts, expert_para
                                    recompute_flops_per_step, stage_layer_counts, stage_layer_parameters,
                                    vocab_parallel_parameters)
 from hp_tool.estimate.layout import GB, Hardware, Layout
+from hp_tool.families.decoder import expert_forward_flops
 from hp_tool.estimate.methods import ADAPTED, NF4_BITS, adapter_parameters_per_layer, linear_parameters_per_layer
 
 MAX_EFFICIENCY = 0.7  # the fraction of peak large dense matmuls approach (best published runs: 0.5-0.65)
@@ -98,7 +99,7 @@ def expert_flops_per_step(shape: Shape, layout: Layout) -> float:
     per_stage = shape.pipeline_layers // layout.pp
     passes = (2.0 if shape.method in ADAPTED else 3.0) * shape.pipeline_layers + \
         layout.pp * min(layout.act_ckpt_layers, per_stage)
-    return layout.global_batch_size * passes * shape.facts.expert_forward_flops(shape)
+    return layout.global_batch_size * passes * expert_forward_flops(shape)
 
 
 def compute_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
