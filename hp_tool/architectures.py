@@ -131,6 +131,12 @@ def expert_parameters(shape: Shape) -> int:
     return shape.facts.expert_parameters(shape)
 
 
+def stage_expert_parameters(shape: Shape, pp: int, stage: int, ep: int = 1) -> float:
+    """Routed-expert parameters one GPU holds on pipeline ``stage``: 1/EP of its layers' experts, never split
+    by TP (the torch engine runs whole experts on every TP rank: expert TP 1); 0 for a dense model."""
+    return sum(stage_layer_counts(shape, pp, stage)) * expert_parameters(shape) / ep
+
+
 def active_parameters(shape: Shape) -> int:
     """Parameters one token runs through: all of them for a dense model; a mixture of experts counts top_k of
     each layer's experts (Mixtral-8x7B: 12.9B of 46.7B)."""

@@ -28,8 +28,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from hp_tool.architectures import (Shape, checkpointed_layer_counts, expert_parameters, model_flops_per_step,
-                                   recompute_flops_per_step, stage_layer_counts, stage_layer_parameters,
+from hp_tool.architectures import (Shape, checkpointed_layer_counts, model_flops_per_step, recompute_flops_per_step,
+                                   stage_expert_parameters, stage_layer_counts, stage_layer_parameters,
                                    vocab_parallel_parameters)
 from hp_tool.estimate.layout import GB, Hardware, Layout
 from hp_tool.families.decoder import expert_forward_flops
@@ -83,14 +83,14 @@ def _local_parameters(shape: Shape, layout: Layout) -> float:
     """Parameters one GPU holds (the largest stage's layers, after TP, with the vocabulary matrices split
     over TP), its routed experts (``_local_expert_parameters``) included."""
     embed, head = vocab_parallel_parameters(shape, layout.tp, layout.pp)
-    layers = max(stage_layer_parameters(shape, layout.pp, stage) for stage in range(layout.pp))
-    dense = layers - shape.pipeline_layers / layout.pp * expert_parameters(shape)
+    dense = max(stage_layer_parameters(shape, layout.pp, stage) - stage_expert_parameters(shape, layout.pp, stage)
+                for stage in range(layout.pp))
     return dense / layout.tp + embed + head + _local_expert_parameters(shape, layout)
 
 
 def _local_expert_parameters(shape: Shape, layout: Layout) -> float:
-    """Routed-expert parameters one GPU holds: its stage's layers' experts over EP, whole on every TP rank."""
-    return shape.pipeline_layers / layout.pp * expert_parameters(shape) / layout.ep
+    """Routed-expert parameters one GPU holds: the busiest stage's experts over EP, whole on every TP rank."""
+    return max(stage_expert_parameters(shape, layout.pp, stage, layout.ep) for stage in range(layout.pp))
 
 
 def expert_flops_per_step(shape: Shape, layout: Layout) -> float:
@@ -204,8 +204,7 @@ def offload_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
     """Seconds per step spent moving the offloaded shard over PCIe and stepping it on the CPU."""
     if layout.offload == "none":
         return 0.0
-    experts = _local_expert_parameters(shape, layout)  # sharded over the DP / EP ranks holding them
-    shard = (_local_parameters(shape, layout) - experts) / max(1, layout.dp) + experts / layout.edp
+    shard = layout.shard(_local_parameters(shape, layout), _local_expert_parameters(shape, layout))
     pcie = 2 * 2 * shard  # 16-bit gradients down, updated 16-bit weights up
     if layout.offload == "optimizer_and_params":
         pcie += 2 * layout.num_microbatches * 2 * shard  # weights up for each forward and backward
