@@ -25,7 +25,6 @@ runs (REFERENCE §12) by benchmarks/published_runs.py.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from hp_tool.architectures import (Shape, checkpointed_layer_counts, model_flops_per_step, recompute_flops_per_step,
@@ -70,8 +69,11 @@ def matmul_efficiency(shape: Shape, layout: Layout) -> float:
     softmax, element-wise, launches) costs per token about in proportion to hidden / TP while the GEMMs
     cost its square: efficiency rises hyperbolically with both and saturates at MAX_EFFICIENCY.
     Constants fitted to Narayanan et al. 2021's Table 1 (benchmarks/published_runs.py)."""
-    tokens = layout.mbs * shape.seq_length
-    width = shape.hidden_size / layout.tp
+    return gemm_efficiency(layout.mbs * shape.seq_length, shape.hidden_size / layout.tp)
+
+
+def gemm_efficiency(tokens: float, width: float) -> float:
+    """``matmul_efficiency`` of GEMMs over ``tokens`` rows and ``width`` columns per GPU."""
     return MAX_EFFICIENCY * width / (width + WIDTH_HALF) * tokens / (tokens + TOKENS_HALF)
 
 
@@ -116,11 +118,9 @@ def compute_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
     if not experts:
         return dense_s
     load = shape.expert_imbalance if layout.ep > 1 else float(layout.tp)
-    per_expert = dataclasses.replace(layout, mbs=1, tp=1)
-    tokens = layout.mbs * shape.top_k / shape.num_experts  # sequences' worth of tokens one expert's GEMM sees
-    efficiency = matmul_efficiency(dataclasses.replace(shape, seq_length=max(1, round(shape.seq_length * tokens))),
-                                   per_expert)
-    return dense_s + experts * load / (peak * efficiency)
+    # one expert's GEMM: the tokens routed to it (top_k / experts of the micro-batch's), its whole width
+    tokens = max(1, round(layout.mbs * shape.seq_length * shape.top_k / shape.num_experts))
+    return dense_s + experts * load / (peak * gemm_efficiency(tokens, shape.hidden_size))
 
 
 def ep_comm_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
