@@ -54,11 +54,11 @@ FINETUNE_SUMMARY_COLUMNS = SUMMARY_COLUMNS[:2] + ("seq_length", "method", "lora_
 MOE_SUMMARY_COLUMNS = ("experts", "top_k", "ep", "active_parameters")
 
 
-def summary_columns(full: FullRun, moe: bool = False) -> tuple[str, ...]:
+def summary_columns(full: FullRun) -> tuple[str, ...]:
     """The summary CSV's columns: the fine-tuning ones when the run is a fine-tuning run, the expert ones
     (after the layout's) for a mixture of experts."""
     columns = SUMMARY_COLUMNS if full.epoch_tokens is None else FINETUNE_SUMMARY_COLUMNS
-    if not moe:
+    if not full.shape.moe:
         return columns
     cut = columns.index("offload") + 1
     return columns[:cut] + MOE_SUMMARY_COLUMNS + columns[cut:]
@@ -215,8 +215,7 @@ def write_reports(results_dir: Path, df: pd.DataFrame, full: FullRun, top_n: int
     paths = report_paths(results_dir, full)
     ranked = successful(df)
     atomic_write_text(paths["all"], csv_text(df, ALL_TRIALS_COLUMNS))
-    moe = bool(df["experts"].notna().any()) if "experts" in df else False
-    atomic_write_text(paths["summary"], csv_text(ranked.head(top_n), summary_columns(full, moe)))
+    atomic_write_text(paths["summary"], csv_text(ranked.head(top_n), summary_columns(full)))
     if ranked.empty:
         for stale in (paths["optimal"], paths["ds_config"]):
             if stale.exists():  # an earlier collection's pick is no longer backed by a success
