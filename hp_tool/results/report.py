@@ -183,6 +183,9 @@ def render_summary(df: pd.DataFrame, top_n: int, full: FullRun, paths: dict[str,
     if finetune:
         headers[2:2] = ["seq"]
         headers += ["M tok/h", "h/epoch", "$/epoch"]
+    moe = full.shape.moe  # a mixture of experts: its expert-parallel size after PP, as the printed plan has it
+    if moe:
+        headers.insert(headers.index("PP") + 1, "EP")
     for h in headers:
         table.add_column(h, justify="left" if h == "trial_id" else "right")
 
@@ -199,6 +202,8 @@ def render_summary(df: pd.DataFrame, top_n: int, full: FullRun, paths: dict[str,
             cells[2:2] = [str(r["seq_length"])]
             cells += [cell(r["tokens_per_hour"] / 1e6, ",.3g"), cell(r["hours_per_epoch"], ".3g"),
                       cell(r["cost_usd_per_epoch"], ",.2f")]
+        if moe:
+            cells.insert(headers.index("EP"), str(r["ep"]))
         table.add_row(*cells)
     console.print(table)
     raw, calibrated = ranked["step_time_error_pct"].abs(), ranked["calibrated_step_time_error_pct"].abs()
