@@ -14,6 +14,7 @@ from typing import Optional
 
 from hp_tool.estimate.methods import head_training_flops, layer_training_flops
 from hp_tool.families import family
+from hp_tool.families.decoder import skipped_expert_parameters
 from hp_tool.families.shape import Shape
 
 
@@ -130,13 +131,16 @@ def expert_parameters(shape: Shape) -> int:
     return shape.facts.expert_parameters(shape)
 
 
+def stage_expert_parameters(shape: Shape, pp: int, stage: int, ep: int = 1) -> float:
+    """Routed-expert parameters one GPU holds on pipeline ``stage``: 1/EP of its layers' experts, never split
+    by TP (the torch engine runs whole experts on every TP rank: expert TP 1); 0 for a dense model."""
+    return sum(stage_layer_counts(shape, pp, stage)) * expert_parameters(shape) / ep
+
+
 def active_parameters(shape: Shape) -> int:
     """Parameters one token runs through: all of them for a dense model; a mixture of experts counts top_k of
     each layer's experts (Mixtral-8x7B: 12.9B of 46.7B)."""
-    active = shape.facts.active_layer_parameters
-    if active is None:
-        return count_parameters(shape)
-    return shape.pipeline_layers * active(shape) + embedding_parameters(shape) + head_parameters(shape)
+    return count_parameters(shape) - shape.pipeline_layers * skipped_expert_parameters(shape)
 
 
 def layer_forward_flops_per_sample(shape: Shape, encoder: bool = False) -> float:

@@ -140,7 +140,7 @@ def load_hf_model(value: str) -> HFModel:
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     rope = raw.get("rope_scaling")
-    experts = _experts(cfg, facts.moe, value) if facts.moe else {}
+    experts = _experts(cfg, value) if facts.moe else {}
     return HFModel(
         source=value, path=str(path), config=raw, model_type=raw["model_type"],
         num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, num_attention_heads=heads,
@@ -156,7 +156,7 @@ def load_hf_model(value: str) -> HFModel:
     )
 
 
-def _experts(cfg: Any, moe: bool, value: str) -> dict[str, int]:
+def _experts(cfg: Any, value: str) -> dict[str, int]:
     """A mixture of experts' routing as transformers names it: Mixtral's ``num_local_experts`` (aliased
     ``num_experts``) of ``intermediate_size``; Qwen2-MoE's ``num_experts`` of ``moe_intermediate_size`` with a
     ``shared_expert_intermediate_size``; ``num_experts_per_tok`` for both. Layers without experts (Qwen's

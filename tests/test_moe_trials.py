@@ -210,6 +210,8 @@ def test_tiny_moe_fine_tuning_search_ranks_ep1_and_ep2_trials(tmp_path):
     with open(tmp_path / "finetune" / "tiny_moe" / "final_results" / "final_summary_1nodes.csv", newline="") as fh:
         rows = list(csv.DictReader(fh))
     assert sorted(r["ep"] for r in rows) == ["1", "2"]
+    ranking = proc.stdout[proc.stdout.index("Fastest"):]  # the ranking printed after the trials, not the plan
+    assert "┃ EP ┃" in ranking  # it names the expert-parallel size, as the printed plan does
     for r in rows:
         assert r["status"] == "ok" and f"_ep{r['ep']}_" in r["trial_id"]
         assert (r["experts"], r["top_k"], r["active_parameters"]) == ("4", "2", "263744")

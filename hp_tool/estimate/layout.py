@@ -47,6 +47,11 @@ class Layout:
         """Data-parallel ranks holding each expert: DP / EP (the group ZeRO shards the experts over)."""
         return max(1, self.dp // self.ep)
 
+    def shard(self, params: float, experts: float = 0.0) -> float:
+        """One data-parallel rank's share of ``params`` local parameters, ``experts`` of them routed experts:
+        the dense ones split over the DP ranks, the experts over the DP / EP ranks holding the same ones."""
+        return (params - experts) / max(1, self.dp) + experts / self.edp
+
     @property
     def num_microbatches(self) -> int:
         """Micro-batches per optimizer step on each data-parallel replica."""

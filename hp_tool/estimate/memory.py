@@ -22,8 +22,8 @@ import functools
 from dataclasses import dataclass
 
 from hp_tool.architectures import (Shape, checkpointed_layer_counts, count_parameters, expert_parameters,
-                                   layer_parameters, stage_layer_counts, stage_layer_parameters,
-                                   vocab_parallel_parameters)
+                                   layer_parameters, stage_expert_parameters, stage_layer_counts,
+                                   stage_layer_parameters, vocab_parallel_parameters)
 from hp_tool.estimate.layout import GB, Hardware, Layout, interleave_held_tensors, microbatches_in_flight
 from hp_tool.estimate.methods import (ADAPTED, NF4_BITS, activation_delta_bytes, adapter_parameters_per_layer,
                                       linear_parameters_per_layer, linear_shapes)
@@ -117,22 +117,11 @@ def stage_parameters(shape: Shape, tp: int, pp: int, ep: int = 1) -> tuple[float
     and whole on every TP rank (``stage_expert_parameters``). Cached: the planner asks it for every
     micro-batch, saver and trial size of a TP x PP."""
     embed_p, head_p = vocab_parallel_parameters(shape, tp, pp)
-    out = [(stage_layer_parameters(shape, pp, stage) - _stage_experts(shape, pp, stage)) / tp
+    out = [(stage_layer_parameters(shape, pp, stage) - stage_expert_parameters(shape, pp, stage)) / tp
            + stage_expert_parameters(shape, pp, stage, ep) for stage in range(pp)]
     out[0] += embed_p
     out[-1] += head_p
     return tuple(out)
-
-
-def _stage_experts(shape: Shape, pp: int, stage: int) -> int:
-    """Routed-expert parameters of pipeline ``stage``'s layers, whole."""
-    return sum(stage_layer_counts(shape, pp, stage)) * expert_parameters(shape)
-
-
-def stage_expert_parameters(shape: Shape, pp: int, stage: int, ep: int) -> float:
-    """Routed-expert parameters one GPU holds on pipeline ``stage``: 1/EP of its layers' experts, not split by
-    TP (the torch engine runs whole experts on every TP rank: expert TP 1); 0 for a dense model."""
-    return _stage_experts(shape, pp, stage) / ep
 
 
 def sharded_state_bytes(shape: Shape, layout: Layout, params: float, stage: int) -> float:
@@ -172,9 +161,7 @@ def host_phases_gb(shape: Shape, layout: Layout, gpus_on_node: int) -> HostPhase
     per_param = HOST_OFFLOAD_BYTES.get((layout.engine, layout.offload), 0)
     if per_param:  # the offloaded optimizer's own states in place of Adam's 8 bytes
         per_param += OPTIMIZER_STATE_BYTES[layout.optimizer] - OPTIMIZER_STATE_BYTES["adamw"]
-    # the busiest stage's shard: its dense parameters over the DP ranks, its experts over the DP / EP ranks
-    shard = max((params - stage_expert_parameters(shape, layout.pp, stage, layout.ep)) / max(1, layout.dp)
-                + stage_expert_parameters(shape, layout.pp, stage, layout.ep) / layout.edp
+    shard = max(layout.shard(params, stage_expert_parameters(shape, layout.pp, stage, layout.ep))
                 for stage, params in enumerate(stage_parameters(shape, layout.tp, layout.pp, layout.ep)))
     offloaded = per_param * shard
     if shape.method in ADAPTED and per_param:  # the adapters' states; parameter offload moves the frozen base too
@@ -267,8 +254,7 @@ def stage_state_bytes(shape: Shape, layout: Layout, hw: Hardware, params: float,
         dequantised = max(i * o for i, o in linear_shapes(shape).values()) / layout.tp * bpv
     sharded = layout.zero_stage >= 3 and (layout.dp > 1 or layout.offload == "optimizer_and_params")
     experts = stage_expert_parameters(shape, layout.pp, stage, layout.ep) * weight_bytes
-    on_gpu = 0.0 if layout.offload == "optimizer_and_params" else \
-        (base - experts) / (layout.dp if sharded else 1) + experts / (layout.edp if sharded else 1)
+    on_gpu = 0.0 if layout.offload == "optimizer_and_params" else layout.shard(base, experts) if sharded else base
     return on_gpu + copies + dequantised + model_state_bytes(
         adapters, layout.dp, layout.zero_stage, layout.offload, layout.engine, layout.optimizer)
 

@@ -25,13 +25,13 @@ runs (REFERENCE §12) by benchmarks/published_runs.py.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
-from hp_tool.architectures import (Shape, checkpointed_layer_counts, expert_parameters, model_flops_per_step,
-                                   recompute_flops_per_step, stage_layer_counts, stage_layer_parameters,
+from hp_tool.architectures import (Shape, checkpointed_layer_counts, model_flops_per_step, recompute_flops_per_step,
+                                   stage_expert_parameters, stage_layer_counts, stage_layer_parameters,
                                    vocab_parallel_parameters)
 from hp_tool.estimate.layout import GB, Hardware, Layout
+from hp_tool.families.decoder import expert_forward_flops
 from hp_tool.estimate.methods import ADAPTED, NF4_BITS, adapter_parameters_per_layer, linear_parameters_per_layer
 
 MAX_EFFICIENCY = 0.7  # the fraction of peak large dense matmuls approach (best published runs: 0.5-0.65)
@@ -69,8 +69,11 @@ def matmul_efficiency(shape: Shape, layout: Layout) -> float:
     softmax, element-wise, launches) costs per token about in proportion to hidden / TP while the GEMMs
     cost its square: efficiency rises hyperbolically with both and saturates at MAX_EFFICIENCY.
     Constants fitted to Narayanan et al. 2021's Table 1 (benchmarks/published_runs.py)."""
-    tokens = layout.mbs * shape.seq_length
-    width = shape.hidden_size / layout.tp
+    return gemm_efficiency(layout.mbs * shape.seq_length, shape.hidden_size / layout.tp)
+
+
+def gemm_efficiency(tokens: float, width: float) -> float:
+    """``matmul_efficiency`` of GEMMs over ``tokens`` rows and ``width`` columns per GPU."""
     return MAX_EFFICIENCY * width / (width + WIDTH_HALF) * tokens / (tokens + TOKENS_HALF)
 
 
@@ -82,14 +85,14 @@ def _local_parameters(shape: Shape, layout: Layout) -> float:
     """Parameters one GPU holds (the largest stage's layers, after TP, with the vocabulary matrices split
     over TP), its routed experts (``_local_expert_parameters``) included."""
     embed, head = vocab_parallel_parameters(shape, layout.tp, layout.pp)
-    layers = max(stage_layer_parameters(shape, layout.pp, stage) for stage in range(layout.pp))
-    dense = layers - shape.pipeline_layers / layout.pp * expert_parameters(shape)
+    dense = max(stage_layer_parameters(shape, layout.pp, stage) - stage_expert_parameters(shape, layout.pp, stage)
+                for stage in range(layout.pp))
     return dense / layout.tp + embed + head + _local_expert_parameters(shape, layout)
 
 
 def _local_expert_parameters(shape: Shape, layout: Layout) -> float:
-    """Routed-expert parameters one GPU holds: its stage's layers' experts over EP, whole on every TP rank."""
-    return shape.pipeline_layers / layout.pp * expert_parameters(shape) / layout.ep
+    """Routed-expert parameters one GPU holds: the busiest stage's experts over EP, whole on every TP rank."""
+    return max(stage_expert_parameters(shape, layout.pp, stage, layout.ep) for stage in range(layout.pp))
 
 
 def expert_flops_per_step(shape: Shape, layout: Layout) -> float:
@@ -98,7 +101,7 @@ def expert_flops_per_step(shape: Shape, layout: Layout) -> float:
     per_stage = shape.pipeline_layers // layout.pp
     passes = (2.0 if shape.method in ADAPTED else 3.0) * shape.pipeline_layers + \
         layout.pp * min(layout.act_ckpt_layers, per_stage)
-    return layout.global_batch_size * passes * shape.facts.expert_forward_flops(shape)
+    return layout.global_batch_size * passes * expert_forward_flops(shape)
 
 
 def compute_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
@@ -115,11 +118,9 @@ def compute_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
     if not experts:
         return dense_s
     load = shape.expert_imbalance if layout.ep > 1 else float(layout.tp)
-    per_expert = dataclasses.replace(layout, mbs=1, tp=1)
-    tokens = layout.mbs * shape.top_k / shape.num_experts  # sequences' worth of tokens one expert's GEMM sees
-    efficiency = matmul_efficiency(dataclasses.replace(shape, seq_length=max(1, round(shape.seq_length * tokens))),
-                                   per_expert)
-    return dense_s + experts * load / (peak * efficiency)
+    # one expert's GEMM: the tokens routed to it (top_k / experts of the micro-batch's), its whole width
+    tokens = max(1, round(layout.mbs * shape.seq_length * shape.top_k / shape.num_experts))
+    return dense_s + experts * load / (peak * gemm_efficiency(tokens, shape.hidden_size))
 
 
 def ep_comm_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
@@ -203,8 +204,7 @@ def offload_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
     """Seconds per step spent moving the offloaded shard over PCIe and stepping it on the CPU."""
     if layout.offload == "none":
         return 0.0
-    experts = _local_expert_parameters(shape, layout)  # sharded over the DP / EP ranks holding them
-    shard = (_local_parameters(shape, layout) - experts) / max(1, layout.dp) + experts / layout.edp
+    shard = layout.shard(_local_parameters(shape, layout), _local_expert_parameters(shape, layout))
     pcie = 2 * 2 * shard  # 16-bit gradients down, updated 16-bit weights up
     if layout.offload == "optimizer_and_params":
         pcie += 2 * layout.num_microbatches * 2 * shard  # weights up for each forward and backward

@@ -20,6 +20,8 @@ import dataclasses
 from typing import Optional
 
 from hp_tool.families import llama
+from hp_tool.families.decoder import (decoder_layer_flops, decoder_parameters, expert_forward_flops,
+                                      skipped_expert_parameters)
 from hp_tool.families.registry import Family
 from hp_tool.families.shape import Shape, num_layers_for
 from hp_tool.tables import Table, lookup
@@ -32,11 +34,9 @@ MIXTRAL_EXPERTS, MIXTRAL_TOP_K = 8, 2  # Mixtral-8x7B and 8x22B (config.json: nu
 DEFAULT_EXPERT_IMBALANCE = 1.25
 
 
-def attention_parameters(shape: Shape) -> int:
-    """One layer's attention: q, k, v (biases where the model has them), o, and the two RMSNorm weights."""
-    h, a, k = shape.hidden_size, shape.attention_dim, shape.kv_dim
-    bias = a + 2 * k if shape.qkv_bias else 0
-    return h * (a + 2 * k) + a * h + 2 * h + bias
+def _without_mlp(shape: Shape) -> Shape:
+    """The layer with no MLP: Llama's attention and norms, which Llama's formulas count on their own."""
+    return dataclasses.replace(shape, ffn_hidden_size=0)
 
 
 def expert_parameters(shape: Shape) -> int:
@@ -54,38 +54,33 @@ def always_active_parameters(shape: Shape) -> int:
 
 
 def layer_parameters(shape: Shape, encoder: bool = False) -> int:
-    """One layer, every expert counted."""
-    return attention_parameters(shape) + always_active_parameters(shape) + expert_parameters(shape)
-
-
-def active_layer_parameters(shape: Shape) -> int:
-    """One layer's parameters a token runs through: top_k of the experts."""
-    return attention_parameters(shape) + always_active_parameters(shape) + \
-        shape.top_k * 3 * shape.hidden_size * shape.ffn_hidden_size
-
-
-def expert_forward_flops(shape: Shape) -> float:
-    """Forward matmul FLOPs of one layer's routed experts for one sample: top_k SwiGLU MLPs per token."""
-    return shape.seq_length * shape.top_k * 3 * 2 * shape.hidden_size * shape.ffn_hidden_size
+    """One layer, every expert counted: Llama's attention and norms (q, k, v biases where the model has
+    them), the router, the shared expert and the routed experts."""
+    return llama.layer_parameters(_without_mlp(shape)) + always_active_parameters(shape) + expert_parameters(shape)
 
 
 def layer_forward_flops(shape: Shape, encoder: bool = False) -> float:
-    """Forward matmul FLOPs of one layer for one sample, counting the experts a token runs (top_k): q/k/v, the
-    scores and their product with v, o, the router, top_k SwiGLU experts and the shared expert with its gate."""
-    h, f, s, a = shape.hidden_size, shape.ffn_hidden_size, shape.seq_length, shape.attention_dim
-    attention = 2 * h * (a + 2 * shape.kv_dim) + 2 * 2 * s * a + 2 * a * h
+    """Forward matmul FLOPs of one layer for one sample, counting the experts a token runs (top_k): Llama's
+    attention (q/k/v, the scores and their product with v, o), the router, the shared expert with its gate
+    and top_k SwiGLU experts."""
+    h, s = shape.hidden_size, shape.seq_length
     router = 2 * h * shape.num_experts
     shared = 3 * 2 * h * shape.shared_expert_ffn + 2 * h if shape.shared_expert_ffn else 0
-    return s * (attention + router + shared) + expert_forward_flops(shape)
+    return decoder_layer_flops(_without_mlp(shape)) + s * (router + shared) + expert_forward_flops(shape)
+
+
+def _routed_bytes(shape: Shape, tokens: int, bytes_per_value: int) -> float:
+    """Bytes the routed experts keep for ``tokens`` tokens' top_k expert rows: per row its gathered input and
+    the weighted output (2h), the gate/up output, SiLU output and their product (4f), as transformers'
+    experts forward saves them."""
+    return bytes_per_value * shape.top_k * tokens * (2 * shape.hidden_size + 4 * shape.ffn_hidden_size)
 
 
 def expert_activation_bytes(shape: Shape, mbs: int, bytes_per_value: int) -> float:
-    """Bytes one layer's routed experts keep for backward at the mean load (top_k copies of each token):
-    per routed token its gathered input and the weighted output (2h), the gate/up output, SiLU output and
-    their product (4f), as transformers' experts forward saves them; and the router's fp32 probabilities."""
+    """Bytes one layer's routed experts keep for backward at the mean load (top_k copies of each token,
+    ``_routed_bytes``) and the router's fp32 probabilities."""
     tokens = shape.seq_length * mbs
-    routed = bytes_per_value * shape.top_k * tokens * (2 * shape.hidden_size + 4 * shape.ffn_hidden_size)
-    return routed + 4 * tokens * shape.num_experts * 2
+    return _routed_bytes(shape, tokens, bytes_per_value) + 4 * tokens * shape.num_experts * 2
 
 
 def expert_parallel_activation_bytes(shape: Shape, mbs: int, ep: int, bytes_per_value: int, tp: int = 1) -> float:
@@ -97,9 +92,8 @@ def expert_parallel_activation_bytes(shape: Shape, mbs: int, ep: int, bytes_per_
     if ep <= 1:
         return 0.0
     tokens = shape.seq_length * mbs
-    routed = bytes_per_value * shape.top_k * tokens * (2 * shape.hidden_size + 4 * shape.ffn_hidden_size)
     dispatch = bytes_per_value * shape.top_k * tokens * shape.hidden_size
-    return (shape.expert_imbalance / tp - 1.0) * routed + dispatch / tp
+    return (shape.expert_imbalance / tp - 1.0) * _routed_bytes(shape, tokens, bytes_per_value) + dispatch / tp
 
 
 def activation_bytes(shape: Shape, mbs: int, tp: int = 1, sequence_parallel: bool = False,
@@ -108,8 +102,7 @@ def activation_bytes(shape: Shape, mbs: int, tp: int = 1, sequence_parallel: boo
     MLP), the routed experts at the mean load (not split by TP: the engine runs whole experts on every TP
     rank), and the shared expert as a SwiGLU MLP (whole on every TP rank too)."""
     s, b, p = shape.seq_length, mbs, bytes_per_value
-    attention_and_norms = llama.llama_activation_bytes_per_layer(
-        dataclasses.replace(shape, ffn_hidden_size=0), mbs, tp, sequence_parallel, p)
+    attention_and_norms = llama.llama_activation_bytes_per_layer(_without_mlp(shape), mbs, tp, sequence_parallel, p)
     shared = 4 * p * s * b * shape.shared_expert_ffn
     return attention_and_norms + expert_activation_bytes(shape, mbs, p) + shared
 
@@ -124,7 +117,7 @@ def moe_shape(size_b: float, vocab: int, seq: int, decoder_seq: Optional[int] = 
                      top_k=MIXTRAL_TOP_K)
 
     def active(layers: int) -> int:
-        return layers * active_layer_parameters(shape(layers)) + 2 * vocab * hidden + hidden
+        return decoder_parameters(shape(layers)) - layers * skipped_expert_parameters(shape(layers))
 
     return shape(num_layers_for(size_b, active, f"a mixture of experts with hidden size {hidden}")), lr
 
@@ -160,9 +153,7 @@ FAMILY = dataclasses.replace(
     hf_unmodelled=(),
     linear_shapes=linear_shapes,
     moe=True,
-    active_layer_parameters=active_layer_parameters,
     expert_parameters=expert_parameters,
-    expert_forward_flops=expert_forward_flops,
     expert_parallel_activation_bytes=expert_parallel_activation_bytes,
 )
 

@@ -64,12 +64,9 @@ class Family:
     # a layer's linear modules by name -> (in features, out features): what LoRA adapts; None: no adapters
     linear_shapes: Optional[Callable[["Shape"], dict[str, tuple[int, int]]]] = None
     moe: bool = False  # a mixture of experts (hp_tool/families/moe.py): Shape.num_experts routed experts per layer
-    # one layer's parameters a token runs through (an MoE layer: top_k of its experts); None: all of them
-    active_layer_parameters: Optional[Callable[["Shape"], int]] = None
-    # one layer's routed experts' parameters (what expert parallelism splits); 0 for a dense family
+    # one layer's routed experts' parameters (what expert parallelism splits; a token runs top_k of the
+    # num_experts, hp_tool/families/decoder.py); 0 for a dense family
     expert_parameters: Callable[["Shape"], int] = lambda shape: 0
-    # one layer's routed experts' forward matmul FLOPs per sample (part of layer_forward_flops)
-    expert_forward_flops: Callable[["Shape"], float] = lambda shape: 0.0
     # (shape, micro-batch, EP, bytes per value, TP) -> what splitting the experts over EP ranks changes in one
     # layer's saved activations (the busiest rank's routed tokens, the TP rank's slice, the dispatch buffers)
     expert_parallel_activation_bytes: Callable[["Shape", int, int, int, int], float] = \

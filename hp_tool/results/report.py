@@ -54,11 +54,11 @@ FINETUNE_SUMMARY_COLUMNS = SUMMARY_COLUMNS[:2] + ("seq_length", "method", "lora_
 MOE_SUMMARY_COLUMNS = ("experts", "top_k", "ep", "active_parameters")
 
 
-def summary_columns(full: FullRun, moe: bool = False) -> tuple[str, ...]:
+def summary_columns(full: FullRun) -> tuple[str, ...]:
     """The summary CSV's columns: the fine-tuning ones when the run is a fine-tuning run, the expert ones
     (after the layout's) for a mixture of experts."""
     columns = SUMMARY_COLUMNS if full.epoch_tokens is None else FINETUNE_SUMMARY_COLUMNS
-    if not moe:
+    if not full.shape.moe:
         return columns
     cut = columns.index("offload") + 1
     return columns[:cut] + MOE_SUMMARY_COLUMNS + columns[cut:]
@@ -183,6 +183,9 @@ def render_summary(df: pd.DataFrame, top_n: int, full: FullRun, paths: dict[str,
     if finetune:
         headers[2:2] = ["seq"]
         headers += ["M tok/h", "h/epoch", "$/epoch"]
+    moe = full.shape.moe  # a mixture of experts: its expert-parallel size after PP, as the printed plan has it
+    if moe:
+        headers.insert(headers.index("PP") + 1, "EP")
     for h in headers:
         table.add_column(h, justify="left" if h == "trial_id" else "right")
 
@@ -199,6 +202,8 @@ def render_summary(df: pd.DataFrame, top_n: int, full: FullRun, paths: dict[str,
             cells[2:2] = [str(r["seq_length"])]
             cells += [cell(r["tokens_per_hour"] / 1e6, ",.3g"), cell(r["hours_per_epoch"], ".3g"),
                       cell(r["cost_usd_per_epoch"], ",.2f")]
+        if moe:
+            cells.insert(headers.index("EP"), str(r["ep"]))
         table.add_row(*cells)
     console.print(table)
     raw, calibrated = ranked["step_time_error_pct"].abs(), ranked["calibrated_step_time_error_pct"].abs()
@@ -215,8 +220,7 @@ def write_reports(results_dir: Path, df: pd.DataFrame, full: FullRun, top_n: int
     paths = report_paths(results_dir, full)
     ranked = successful(df)
     atomic_write_text(paths["all"], csv_text(df, ALL_TRIALS_COLUMNS))
-    moe = bool(df["experts"].notna().any()) if "experts" in df else False
-    atomic_write_text(paths["summary"], csv_text(ranked.head(top_n), summary_columns(full, moe)))
+    atomic_write_text(paths["summary"], csv_text(ranked.head(top_n), summary_columns(full)))
     if ranked.empty:
         for stale in (paths["optimal"], paths["ds_config"]):
             if stale.exists():  # an earlier collection's pick is no longer backed by a success

@@ -108,7 +108,7 @@ def check_checkpoint(model: ModelSpec, folder: str | Path, key: str = "model.che
     ConfigError naming the first that is missing or differs (a checkpoint of another model)."""
     reader = CheckpointReader(folder, key)
     whole = build_full_model_on_meta(model)
-    hf_parts = torch_family(model.family).hf_parts or (lambda model, name: None)
+    hf_parts = torch_family(model.family).hf_parts
     for name, param in whole.named_parameters():
         shape = reader.fused_shape(name, hf_parts(model, name))
         if shape is None and name == "lm_head.weight" and whole.config.tie_word_embeddings:
@@ -129,7 +129,7 @@ def weight_source(model: ModelSpec) -> Optional[Callable[[str, torch.Size], torc
             f"loading a checkpoint is not supported for the {model.family} family",
             "fine-tune a Hugging Face model (search_config=finetune/...), or remove model.checkpoint")
     reader = CheckpointReader(model.checkpoint)
-    hf_parts = torch_family(model.family).hf_parts or (lambda model, name: None)
+    hf_parts = torch_family(model.family).hf_parts
 
     def source(name: str, shape: torch.Size) -> torch.Tensor:
         value = reader.fused_tensor(hf_key(name), hf_parts(model, hf_key(name)))
@@ -189,7 +189,7 @@ def save_checkpoint(state: dict[str, torch.Tensor], model: ModelSpec, folder: st
     if model.method != "full":
         return save_adapter(state, model, folder, hf_key)
     config = AutoConfig.for_model(**model.hf_config)
-    hf_parts = torch_family(model.family).hf_parts or (lambda model, name: None)
+    hf_parts = torch_family(model.family).hf_parts
     tensors = {}
     for name, t in sorted(state.items()):
         tensors.update(split_parts(hf_key(name), t, hf_parts(model, hf_key(name))))

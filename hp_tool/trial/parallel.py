@@ -37,10 +37,9 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
                                                parallelize_module)
-from transformers.distributed.expert_parallel import apply_expert_parallelism
 
 from hp_tool.contracts.spec import ParallelSpec
-from hp_tool.errors import require
+from hp_tool.errors import ConfigError, require
 from hp_tool.trial.families import torch_family
 from hp_tool.trial.methods import four_bit_weights
 from hp_tool.trial.models import loss_fn
@@ -119,6 +118,12 @@ def apply_expert_parallel(stage: StageModule, ep_mesh: DeviceMesh, tp_mesh: Devi
     plan = torch_family(stage.family).expert_plan
     require(plan is not None, "parallel.ep", ep_mesh.size(), f"family {stage.family} has no experts to split",
             "use ep 1")
+    try:  # transformers 5's expert parallelism; dense layouts need none of it
+        from transformers.distributed.expert_parallel import apply_expert_parallelism
+    except ImportError as exc:
+        raise ConfigError("parallel.ep", ep_mesh.size(), f"this transformers has no expert parallelism ({exc})",
+                          'pip install -U "transformers>=5" (its transformers.distributed.expert_parallel), '
+                          "or use ep 1") from exc
     for layer in stage.layers.values():
         apply_expert_parallelism(layer, ep_mesh, tp_mesh, plan, ep_implementation=EP_IMPLEMENTATION)
 

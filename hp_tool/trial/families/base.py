@@ -53,10 +53,10 @@ class TorchFamily:
     sequence_parallel: bool = False
     """Whether ``hp_tool.trial.parallel.sequence_parallel_plan`` knows this family's layer (Llama's module
     layout): its norms run on sequence shards with TP."""
-    hf_parts: Optional[Callable[[ModelSpec, str], Optional["StoredParts"]]] = None
+    hf_parts: Callable[[ModelSpec, str], Optional["StoredParts"]] = lambda model, key: None
     """``(model spec, checkpoint key)`` -> where a checkpoint stores that tensor in parts, when it is not
     stored whole (a mixture of experts' published files keep each expert's projections apart; transformers'
-    model fuses them into 3-D tensors); None: stored whole."""
+    model fuses them into 3-D tensors); None: stored whole, as every dense family stores every tensor."""
     stack_starts: Callable[[int], tuple[int, ...]] = lambda pp: (0,)
     """``pp`` -> the first pipeline stage of each stack (T5: the encoder's at 0, the decoder's at PP/2):
     where the layers a stage holds change kind, so the tracer traces those stages."""

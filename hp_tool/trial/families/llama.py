@@ -64,7 +64,7 @@ def decoder_family(name: str, config_class: type, model_class: type, rotary: typ
                    family_sizes: Callable[[ModelSpec], dict] = lambda model: {},
                    layer_plan: dict[str, TPStyle] = LAYER_PLAN, expert_plan: Optional[dict[str, str]] = None,
                    hf_key: Optional[Callable[[str], str]] = hf_key,
-                   hf_parts: Optional[Callable] = None) -> TorchFamily:
+                   hf_parts: Callable = lambda model, key: None) -> TorchFamily:
     """The record of a model with Llama's module layout (``model.layers``, ``embed_tokens``, ``norm``,
     ``lm_head``, the same attention projections); RoPE's frequencies are rebuilt after materialising.
     ``family_sizes``: config keys the spec sets besides ``decoder_config``'s (a mixture of experts' experts),
