@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Optional
 
 from hp_tool.architectures import interleave_problem, pipeline_problem
 from hp_tool.sharding import (combination_problem, expert_problem, expert_saver_problem, family_problem,
-                              method_problem, optimizer_problem)
+                              method_problem, optimizer_problem, sequence_problem)
 
 if TYPE_CHECKING:
     from hp_tool.families.shape import Shape
@@ -41,16 +41,34 @@ class Layout:
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved 1F1B when > 1)
     optimizer: str = "adamw"  # adamw | sgd | sgd_momentum | adamw_8bit (hp_tool/vocab.py OPTIMIZERS)
     ep: int = 1  # expert parallel: an MoE model's experts split over ep of the dp ranks
+    # long context (hp_tool/sharding.py sequence_problem): the sequence split over cp ranks (ring attention;
+    # data-parallel ranks for everything else), the loss over chunks of tokens, saved activations in host RAM
+    cp: int = 1
+    loss: str = "full"  # full | chunked (hp_tool/vocab.py LOSSES)
+    activation_offload: bool = False
+    loss_chunk_tokens: int = 4096  # tokens per chunk of the chunked loss
+
+    @property
+    def gpus(self) -> int:
+        """GPUs of the layout: TP x PP x CP x DP."""
+        return self.tp * self.pp * self.cp * self.dp
+
+    @property
+    def zero_ranks(self) -> int:
+        """Ranks holding the same weights, over which ZeRO shards them and the gradients are reduced: the DP
+        replicas and, within each, the CP ranks (which split the sequence, not the weights)."""
+        return self.dp * self.cp
 
     @property
     def edp(self) -> int:
         """Data-parallel ranks holding each expert: DP / EP (the group ZeRO shards the experts over)."""
-        return max(1, self.dp // self.ep)
+        return max(1, self.zero_ranks // self.ep)
 
     def shard(self, params: float, experts: float = 0.0) -> float:
         """One data-parallel rank's share of ``params`` local parameters, ``experts`` of them routed experts:
-        the dense ones split over the DP ranks, the experts over the DP / EP ranks holding the same ones."""
-        return (params - experts) / max(1, self.dp) + experts / self.edp
+        the dense ones split over the ZeRO ranks (DP x CP), the experts over the DP / EP ranks holding the
+        same ones."""
+        return (params - experts) / max(1, self.zero_ranks) + experts / self.edp
 
     @property
     def num_microbatches(self) -> int:
@@ -111,7 +129,17 @@ class Layout:
         bad_expert_savers = self.expert_saver_problem()
         if bad_expert_savers:
             out.append(bad_expert_savers)
+        bad_sequence = self.sequence_problem(shape)
+        if bad_sequence:
+            out.append(bad_sequence)
         return out
+
+    def sequence_problem(self, shape: "Shape") -> Optional["Problem"]:
+        """Why the long-context savers (loss, sequence and context parallelism, activation offload) cannot run
+        this way (rule "sequence"), or None."""
+        bad = sequence_problem(shape.family, shape.seq_length, self.tp, self.pp, self.cp, self.ep,
+                               self.sequence_parallel, self.loss, self.activation_offload, self.engine)
+        return None if bad is None else Problem(bad[0], "sequence", bad[1])
 
     def expert_saver_problem(self) -> Optional["Problem"]:
         """Why the engine cannot split experts at this ZeRO stage and offload (rule "expert_savers"), or None;
@@ -145,8 +173,11 @@ SAVER_FIELDS = {"offload": "offload", "zero_stages": "zero_stage", "engines": "e
 class Problem:
     """Why a layout cannot run: the Layout field at fault, the rule, and the reason in words."""
 
-    field: str  # tp, pp, act_ckpt_layers, virtual_stages, engine, zero_stage, offload, global_batch_size, ep
-    rule: str  # heads, node, pipeline, checkpointing, family, batch, interleave, savers, experts, expert_savers
+    # tp, pp, act_ckpt_layers, virtual_stages, engine, zero_stage, offload, global_batch_size, ep, cp, loss,
+    # sequence_parallel, activation_offload
+    field: str
+    # heads, node, pipeline, checkpointing, family, batch, interleave, savers, experts, expert_savers, sequence
+    rule: str
     reason: str
 
 

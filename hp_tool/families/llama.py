@@ -158,6 +158,8 @@ FAMILY = Family(
     # Llama has them, and hp_tool/hf_config.py refuses a config that sets them
     hf_qkv_bias=lambda config: False,
     hf_unmodelled=("attention_bias", "mlp_bias"),
+    sequence_parallel=True,
+    context_parallel=True,
     linear_shapes=lambda s: {
         "q_proj": (s.hidden_size, s.attention_dim), "k_proj": (s.hidden_size, s.kv_dim),
         "v_proj": (s.hidden_size, s.kv_dim), "o_proj": (s.attention_dim, s.hidden_size),

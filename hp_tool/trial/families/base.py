@@ -50,9 +50,6 @@ class TorchFamily:
     hf_key: Optional[Callable[[str], str]] = None
     """A canonical parameter name -> its key in a Hugging Face checkpoint (``hp_tool.trial.checkpoint``);
     None: this family loads no checkpoint."""
-    sequence_parallel: bool = False
-    """Whether ``hp_tool.trial.parallel.sequence_parallel_plan`` knows this family's layer (Llama's module
-    layout): its norms run on sequence shards with TP."""
     hf_parts: Callable[[ModelSpec, str], Optional["StoredParts"]] = lambda model, key: None
     """``(model spec, checkpoint key)`` -> where a checkpoint stores that tensor in parts, when it is not
     stored whole (a mixture of experts' published files keep each expert's projections apart; transformers'

@@ -80,7 +80,7 @@ def decoder_family(name: str, config_class: type, model_class: type, rotary: typ
     return TorchFamily(name=name, config=lambda model: decoder_config(model, config_class, family_sizes(model)),
                        model_class=model_class, cut_stage=cut_stage, layer_plan=lambda layer: layer_plan,
                        shard_heads=shard_heads, fake_batch=causal_fake_batch, hf_key=hf_key,
-                       expert_plan=expert_plan, hf_parts=hf_parts, sequence_parallel=True)
+                       expert_plan=expert_plan, hf_parts=hf_parts)
 
 
 register(decoder_family("llama", LlamaConfig, LlamaForCausalLM, LlamaRotaryEmbedding))
