@@ -181,6 +181,17 @@ class Problem:
     reason: str
 
 
+def rank_shape(shape: "Shape", layout: Layout) -> "Shape":
+    """The model as one rank sees its sequence: ``seq_length / CP`` tokens (context parallelism splits each
+    sequence over CP ranks, two balanced chunks each); the shape itself without CP. Activations, logits and
+    the collectives that move them are per token a rank holds; the model's FLOPs stay the whole sequence's."""
+    if layout.cp == 1:
+        return shape
+    import dataclasses
+
+    return dataclasses.replace(shape, seq_length=shape.seq_length // layout.cp)
+
+
 def microbatches_in_flight(layout: Layout, stage: int) -> float:
     """Micro-batches whose activations pipeline rank ``stage`` holds at once, in units of one micro-batch
     through all the rank's layers, as torch.distributed.pipelining's schedules run them. One without PP.

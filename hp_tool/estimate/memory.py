@@ -9,7 +9,14 @@ and backward reads (``compute_copy_bytes``). Activations per layer: GPT from Kor
 engine runs without dropout); Llama (GQA, SwiGLU, RMSNorm, RoPE) and T5 derived tensor by tensor for the
 engine's modules. Each term is checked against the traced engine (tests/test_memory_check.py,
 benchmarks/memory_terms.py). Pipeline: 1F1B keeps up to PP micro-batches in flight on the first stage.
-Logits: a 16-bit logits tensor upcast to fp32 for the loss, plus its fp32 gradient.
+Logits (``logits_bytes``): the whole-logits loss holds a 16-bit logits tensor upcast to fp32, plus its fp32
+gradient; the chunked loss one chunk's logits and the gradients it computes in forward (hp_tool/trial/loss.py).
+
+Long context: context parallelism gives each rank seq / CP tokens of every sequence (``rank_shape``) and
+ZeRO shards over DP x CP ranks (``Layout.zero_ranks``); sequence parallelism divides the norms' and a
+checkpointed layer's input by TP (the family's activation formula); activation offload keeps the tensors
+saved for backward in host RAM, leaving one layer's working set on the GPU (``stage_activation_bytes``) and
+the rest in the node's RAM (``offloaded_activation_bytes``).
 
 The trial engine shards the transformer layers across TP ranks, and the input embedding, the output head
 and so the logits along the vocabulary (vocab-parallel); learned positions and norms stay whole. The
@@ -20,11 +27,12 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Optional
 
 from hp_tool.architectures import (Shape, checkpointed_layer_counts, count_parameters, expert_parameters,
                                    layer_parameters, stage_expert_parameters, stage_layer_counts,
                                    stage_layer_parameters, vocab_parallel_parameters)
-from hp_tool.estimate.layout import GB, Hardware, Layout, interleave_held_tensors, microbatches_in_flight
+from hp_tool.estimate.layout import GB, Hardware, Layout, interleave_held_tensors, microbatches_in_flight, rank_shape
 from hp_tool.estimate.methods import (ADAPTED, NF4_BITS, activation_delta_bytes, adapter_parameters_per_layer,
                                       linear_parameters_per_layer, linear_shapes)
 
@@ -95,17 +103,17 @@ def compute_copy_bytes(params: float, gathered_layer: float, layout: Layout, hw:
     one rank, autocast's 16-bit casts of the weights (none in fp32). DeepSpeed keeps 16-bit weights: no copy.
     Measured against the trace in tests/test_memory_check.py."""
     bpv = hw.bytes_per_value
-    if (layout.engine == "torch" and layout.pp > 1 and layout.dp > 1 and layout.zero_stage >= 2
+    if (layout.engine == "torch" and layout.pp > 1 and layout.zero_ranks > 1 and layout.zero_stage >= 2
             and layout.offload == "none"):
         # torch.distributed.pipelining defers FSDP2's reduction and resharding to the step's last backward:
         # the stage stays unsharded in the compute dtype and its gradients accumulate unsharded in fp32
         # (in place of their shard, counted in the states)
-        return bpv * params + 4 * params * (1 - 1 / layout.dp)
-    if layout.zero_stage >= 3 and (layout.dp > 1 or layout.offload == "optimizer_and_params"):
+        return bpv * params + 4 * params * (1 - 1 / layout.zero_ranks)
+    if layout.zero_stage >= 3 and (layout.zero_ranks > 1 or layout.offload == "optimizer_and_params"):
         return 2 * bpv * gathered_layer
     if layout.engine == "deepspeed":
         return 0.0
-    if layout.dp > 1:
+    if layout.zero_ranks > 1:
         return bpv * params
     return bpv * params if bpv < 4 else 0.0
 
@@ -130,7 +138,7 @@ def sharded_state_bytes(shape: Shape, layout: Layout, params: float, stage: int)
     experts = stage_expert_parameters(shape, layout.pp, stage, layout.ep)
     states = functools.partial(model_state_bytes, zero_stage=layout.zero_stage, offload=layout.offload,
                                engine=layout.engine, optimizer=layout.optimizer)
-    return states(params - experts, layout.dp) + (states(experts, layout.edp) if experts else 0.0)
+    return states(params - experts, layout.zero_ranks) + (states(experts, layout.edp) if experts else 0.0)
 
 
 @dataclass(frozen=True)
@@ -152,10 +160,11 @@ def largest_tensor(shape: Shape) -> int:
     return max(shape.vocab_size, shape.ffn_hidden_size) * shape.hidden_size
 
 
-def host_phases_gb(shape: Shape, layout: Layout, gpus_on_node: int) -> HostPhases:
+def host_phases_gb(shape: Shape, layout: Layout, gpus_on_node: int, hw: Optional[Hardware] = None) -> HostPhases:
     """Host RAM per phase of a node with ``gpus_on_node`` processes of ``layout``, GB:
     train: each process (HOST_PROCESS_OVERHEAD_GB) with its offloaded shard (HOST_OFFLOAD_BYTES per
-    parameter of it, for Adam; another optimizer's own states in place of Adam's 8 bytes); load (a pretrained model, read tensor by tensor): each process also holds one full
+    parameter of it, for Adam; another optimizer's own states in place of Adam's 8 bytes) and, with
+    activation offload, its offloaded activations (``offloaded_activation_bytes``; ``hw`` needed); load (a pretrained model, read tensor by tensor): each process also holds one full
     tensor (LOAD_COPY_BYTES per element of the largest); save on rank 0: the whole model gathered in fp32
     (4·M, REFERENCE §5), a pretrained model in its 16-bit dtype (2·M)."""
     per_param = HOST_OFFLOAD_BYTES.get((layout.engine, layout.offload), 0)
@@ -165,9 +174,12 @@ def host_phases_gb(shape: Shape, layout: Layout, gpus_on_node: int) -> HostPhase
                 for stage, params in enumerate(stage_parameters(shape, layout.tp, layout.pp, layout.ep)))
     offloaded = per_param * shard
     if shape.method in ADAPTED and per_param:  # the adapters' states; parameter offload moves the frozen base too
-        adapters = shape.num_layers / layout.pp * adapter_parameters_per_layer(shape) / layout.tp / max(1, layout.dp)
+        adapters = shape.num_layers / layout.pp * adapter_parameters_per_layer(shape) / layout.tp / layout.zero_ranks
         base = shard * (2 if layout.offload == "optimizer_and_params" else 0)
         offloaded = per_param * adapters + base
+    if layout.activation_offload:
+        assert hw is not None, "activation offload's host RAM needs the hardware (bytes per value)"
+        offloaded += offloaded_activation_bytes(shape, layout, hw)
     train = gpus_on_node * (offloaded + HOST_PROCESS_OVERHEAD_GB * GB)
     load = train + (gpus_on_node * LOAD_COPY_BYTES * largest_tensor(shape) if shape.pretrained else 0.0)
     save = train + (PRETRAINED_GATHER_BYTES if shape.pretrained else CHECKPOINT_GATHER_BYTES) * count_parameters(shape)
@@ -252,30 +264,65 @@ def stage_state_bytes(shape: Shape, layout: Layout, hw: Hardware, params: float,
         quantised = layers * linear_parameters_per_layer(shape) / layout.tp
         base = (params - quantised) * weight_bytes + quantised * NF4_BITS / 8
         dequantised = max(i * o for i, o in linear_shapes(shape).values()) / layout.tp * bpv
-    sharded = layout.zero_stage >= 3 and (layout.dp > 1 or layout.offload == "optimizer_and_params")
+    sharded = layout.zero_stage >= 3 and (layout.zero_ranks > 1 or layout.offload == "optimizer_and_params")
     experts = stage_expert_parameters(shape, layout.pp, stage, layout.ep) * weight_bytes
     on_gpu = 0.0 if layout.offload == "optimizer_and_params" else layout.shard(base, experts) if sharded else base
     return on_gpu + copies + dequantised + model_state_bytes(
-        adapters, layout.dp, layout.zero_stage, layout.offload, layout.engine, layout.optimizer)
+        adapters, layout.zero_ranks, layout.zero_stage, layout.offload, layout.engine, layout.optimizer)
+
+
+def logits_bytes(shape: Shape, layout: Layout, hw: Hardware) -> float:
+    """Bytes the loss holds on the last stage for one micro-batch of the rank's tokens (``shape`` as the rank
+    sees it, ``rank_shape``).
+
+    full: the head's 16-bit logits (vocabulary-parallel: 1/TP of the vocabulary), their fp32 upcast and fp32
+    gradient, ``bpv + 8`` bytes per logit (fp32: the upcast is the logits themselves, 4 + 8). chunked
+    (hp_tool/trial/loss.py, TP 1): the hidden states' gradient (tokens x hidden, compute dtype) and the head
+    weight's fp32 gradient (vocabulary x hidden) it computes in forward, and one chunk's logits in flight: the
+    fp32 logits and their softmax (8 bytes per logit) and, in a 16-bit compute dtype, the matmul's own output
+    and the gradient cast back for the hidden states' product (``bpv`` each, one live at a time)."""
+    bpv, tokens = hw.bytes_per_value, layout.mbs * shape.target_length
+    if layout.loss == "full":
+        return tokens * shape.vocab_size * (bpv + 8) / layout.tp
+    chunk = min(layout.loss_chunk_tokens, tokens)
+    per_logit = 8 + (bpv if bpv < 4 else 0)
+    return tokens * shape.hidden_size * bpv + 4 * shape.vocab_size * shape.hidden_size + \
+        chunk * shape.vocab_size * per_logit
+
+
+def offloaded_activation_bytes(shape: Shape, layout: Layout, hw: Hardware) -> float:
+    """Bytes of saved activations one GPU keeps in host RAM with activation offload: what the busiest
+    stage would otherwise store for its micro-batches in flight (0 without offload)."""
+    if not layout.activation_offload:
+        return 0.0
+    rank = rank_shape(shape, layout)
+    return max(microbatches_in_flight(layout, stage) * stage_activation_bytes(rank, layout, hw, stage)[0]
+               for stage in range(layout.pp))
 
 
 def estimate_memory(shape: Shape, layout: Layout, hw: Hardware) -> MemoryEstimate:
     """Peak memory per GPU on the most loaded pipeline stage. Stage i of 1F1B holds up to PP - i
     micro-batches' activations in flight (the first stage the most; interleaved 1F1B more, and the receive
     buffers and sends its runtime holds: ``microbatches_in_flight``, ``interleave_held_tensors``); the first
-    stage holds the embedding, the last the head and the logits."""
+    stage holds the embedding, the last the head and the logits (``logits_bytes``). Activations and logits
+    are of the rank's tokens (``rank_shape``: the sequence over CP); with activation offload the stored
+    activations are in host RAM and one layer's (that forward builds and backward brings back) is on the GPU."""
     tp, pp = layout.tp, layout.pp
     bpv = hw.bytes_per_value
-    logits = layout.mbs * shape.target_length * shape.vocab_size * (bpv + 8) / tp  # vocab-parallel logits
+    rank = rank_shape(shape, layout)
+    logits = logits_bytes(rank, layout, hw)
     experts = expert_parameters(shape)
     gathered_layer = max(layer_parameters(shape) - experts, layer_parameters(shape, encoder=True)) / tp + \
         experts / layout.ep
     best: MemoryEstimate | None = None
     best_total = -1.0
     for stage, params in enumerate(stage_parameters(shape, tp, pp, layout.ep)):
-        per_microbatch, buffer = stage_activation_bytes(shape, layout, hw, stage)
-        activations = microbatches_in_flight(layout, stage) * per_microbatch + buffer
-        activations += sum(interleave_held_tensors(layout, stage)) * layout.mbs * shape.seq_length * \
+        per_microbatch, buffer = stage_activation_bytes(rank, layout, hw, stage)
+        if layout.activation_offload:
+            activations = working_layer_bytes(rank, layout, hw)
+        else:
+            activations = microbatches_in_flight(layout, stage) * per_microbatch + buffer
+        activations += sum(interleave_held_tensors(layout, stage)) * layout.mbs * rank.seq_length * \
             shape.hidden_size * bpv
         stage_logits = logits if stage == pp - 1 else 0.0
         states = stage_state_bytes(shape, layout, hw, params, stage, gathered_layer)
@@ -285,3 +332,15 @@ def estimate_memory(shape: Shape, layout: Layout, hw: Hardware) -> MemoryEstimat
             best = MemoryEstimate(states / GB, activations / GB, stage_logits / GB, hw.memory_overhead_gb)
     assert best is not None
     return best
+
+
+def working_layer_bytes(shape: Shape, layout: Layout, hw: Hardware) -> float:
+    """One layer's full activations for one micro-batch (the largest kind of layer): what stays on the GPU
+    with activation offload, as forward builds a layer's saved tensors before they leave and backward (or
+    a checkpointed layer's recompute, which runs outside the offload) brings one layer's back."""
+    b, sp, tp = layout.mbs, layout.sequence_parallel, layout.tp
+    full = layer_activation_bytes(shape, b, tp, sp, hw) + \
+        shape.facts.expert_parallel_activation_bytes(shape, b, layout.ep, hw.bytes_per_value, tp)
+    if shape.encoder_decoder:
+        full = max(full, layer_activation_bytes(shape, b, tp, sp, hw, encoder=True))
+    return full
