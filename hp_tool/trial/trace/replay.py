@@ -9,7 +9,11 @@ the second with the step's micro-batches in the schedule's order, each followed 
 and the AdamW step. For a GPU target the precision's autocast and FSDP2 parameter dtype are applied as on
 the GPU (a pipeline's whole step in one autocast region, whose casts of the weights live until the step
 ends, as the engine runs it; without PP one region per forward). AdamW runs without foreach kernels
-(under fake tensors their grouped temporaries inflate the FSDP2 step).
+(under fake tensors their grouped temporaries inflate the FSDP2 step). The loss is the engine's
+(``stage_loss_fn``: the chunked loss applies the head a chunk of tokens at a time, in its CPU form; on a
+GPU with Liger installed the engine runs Liger's kernel, whose chunks follow its own rule), and the tensors
+saved for backward are kept where the engine keeps them (``saved_tensors_offload``: with activation offload
+a GPU rank's on the meta device, outside the count).
 
 Pipeline stages are traced as their own modules (the first with the embedding, the last with the head and
 the loss; a middle stage receives hidden states, its family's ``fake_batch``, and returns a gradient of its
