@@ -9,9 +9,10 @@ brought back as a copy too, as ``save_on_cpu`` does. A DTensor (tensor paralleli
 moves as its local shard and comes back as the same DTensor: ``save_on_cpu``'s pinned copy of its global
 shape would mix it with a plain tensor, which DTensor refuses.
 
-On a CPU rank the host is the device: nothing moves and the rank's memory is the same. In the trace, whose fake CPU
-tensors stand for a GPU's, the host copies go to the meta device, outside ``TensorPeak``'s count of the
-rank's device (:mod:`hp_tool.trial.trace.peak`).
+On a CPU rank the host is the device: nothing moves and the rank's memory is the same. In the trace, whose
+fake CPU tensors stand for a GPU's, the host copies go to the meta device, outside ``TensorPeak``'s count of
+the rank's device (:mod:`hp_tool.trial.trace.peak`). The pinned path runs only on a GPU; the CPU tests run
+the hooks (DTensors included) with nothing to move.
 """
 
 from __future__ import annotations
