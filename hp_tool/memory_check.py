@@ -7,7 +7,8 @@ prunes on the traced figure plus the gpu preset's ``memory_overhead_gb``. ``anal
 dry run) keeps the instant formula of hp_tool/estimate/memory.py and never imports torch.
 
 A candidate the trace cannot run keeps the analytic figure, with the reason in its row: the DeepSpeed
-engine (not traced), host offload (a CPU trace cannot tell host-resident states from GPU memory), or a
+engine (not traced), host offload of the states (a CPU trace cannot tell host-resident states from GPU
+memory; activation offload is traced, its host copies kept apart: hp_tool/trial/activation_offload.py), or a
 trace that failed (an operator without a fake implementation, say). Traces are cached by what decides
 them (model, layout, batch, precision, device, torch version) in ``candidate_configs/memory_traces.json``,
 so a resumed or repeated search traces nothing twice.
@@ -33,7 +34,7 @@ from hp_tool.vocab import TRACE_CACHE_FILE
 
 log = logging.getLogger(__name__)
 
-TRACE_VERSION = 2  # bump when the trace counts differently: cached traces of another version are redone
+TRACE_VERSION = 3  # bump when the trace counts differently: cached traces of another version are redone
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -47,6 +48,21 @@ def tiny_spec(family: str = "gpt3", tp: int = 1, pp: int = 1, dp: int = 1, mbs: 
                      resources=ResourcesSpec(num_nodes=1, gpus_per_node=tp * pp * dp,
                                              peak_tflops_per_gpu=1.0),
                      run=run_spec)
+
+
+
+def long_context_spec(seq_length: int = 256, vocab_size: int = 2048, loss: str = "full",
+                      loss_chunk_tokens: int = 4096, sequence_parallel: bool = False,
+                      activation_offload: bool = False, **layout) -> TrialSpec:
+    """``tiny_spec("llama", **layout)`` (4 layers, hidden 64, 2 kv heads) at a long-ish sequence over a
+    vocabulary whose logits outweigh a layer's activations (256 tokens, 2048 words: the fp32 logits of a
+    2-sequence micro-batch are 4.2 MB, a layer's saved activations 2.6 MB), with the long-context savers:
+    the chunked loss and its chunk, sequence parallelism (TP > 1), activation offload."""
+    spec = tiny_spec("llama", **layout)
+    return dataclasses.replace(
+        spec, model=dataclasses.replace(spec.model, seq_length=seq_length, vocab_size=vocab_size),
+        parallel=dataclasses.replace(spec.parallel, loss=loss, loss_chunk_tokens=loss_chunk_tokens,
+                                     sequence_parallel=sequence_parallel, activation_offload=activation_offload))
 
 
 def write_spec(spec: TrialSpec, folder: Path) -> Path:

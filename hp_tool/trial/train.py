@@ -129,7 +129,7 @@ class _TensorPeakSteps:
             yield
             return
         if self.tracker is None:
-            self.tracker = TensorPeak()
+            self.tracker = TensorPeak(self.engine.device.type)
             self.tracker.track(self.engine.stage, self.engine.optimizer)
         with self.tracker:
             self.tracker.restart_peak()

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from hp_tool.contracts.spec import TrialSpec
 from hp_tool.trial import optim
+from hp_tool.trial.activation_offload import saved_tensors_offload
 from hp_tool.trial.data import TokenBatches
 from hp_tool.trial.dist import DistEnv, build_mesh
 from hp_tool.trial.models import loss_parallel_context, stage_loss_fn
@@ -118,11 +119,9 @@ class TorchEngine:
 
     def _saved_tensors(self):
         """Where autograd keeps the tensors saved for backward: in (pinned, on a GPU) host memory with
-        ``parallel.activation_offload`` (torch's ``save_on_cpu``: copied out in forward, back in backward),
-        else where they are made."""
-        if not self.spec.parallel.activation_offload:
-            return contextlib.nullcontext()
-        return torch.autograd.graph.save_on_cpu(pin_memory=self.device.type == "cuda")
+        ``parallel.activation_offload`` (copied out in forward, back in backward), else where they are made;
+        the trace applies the same rule (:mod:`hp_tool.trial.activation_offload`)."""
+        return saved_tensors_offload(self.spec.parallel, self.device)
 
     def _autocast(self):
         """The precision's autocast on GPU; a no-op in fp32."""

@@ -9,7 +9,11 @@ the second with the step's micro-batches in the schedule's order, each followed 
 and the AdamW step. For a GPU target the precision's autocast and FSDP2 parameter dtype are applied as on
 the GPU (a pipeline's whole step in one autocast region, whose casts of the weights live until the step
 ends, as the engine runs it; without PP one region per forward). AdamW runs without foreach kernels
-(under fake tensors their grouped temporaries inflate the FSDP2 step).
+(under fake tensors their grouped temporaries inflate the FSDP2 step). The loss is the engine's
+(``stage_loss_fn``: the chunked loss applies the head a chunk of tokens at a time, in its CPU form; on a
+GPU with Liger installed the engine runs Liger's kernel, whose chunks follow its own rule), and the tensors
+saved for backward are kept where the engine keeps them (``saved_tensors_offload``: with activation offload
+a GPU rank's on the meta device, outside the count).
 
 Pipeline stages are traced as their own modules (the first with the embedding, the last with the head and
 the loss; a middle stage receives hidden states, its family's ``fake_batch``, and returns a gradient of its
@@ -35,6 +39,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from hp_tool.contracts.spec import TrialSpec
 from hp_tool.trial import optim
+from hp_tool.trial.activation_offload import saved_tensors_offload
 from hp_tool.trial.dist import DistEnv, build_mesh
 from hp_tool.trial.families import torch_family
 from hp_tool.trial.models import loss_parallel_context, stage_loss_fn
@@ -117,12 +122,14 @@ def _fake_batch(spec: TrialSpec, stage_index: int, dtype: Optional[torch.dtype])
 class _Replay:
     """Optimizer steps of one traced stage as the engine runs them, each micro-batch in 1F1B's order (``k``
     forwards in flight first, then one backward per forward; one at a time without PP) and the step's
-    gradient clipping and optimizer step; with the schedule's receive buffers, one per micro-batch."""
+    gradient clipping and optimizer step; with the schedule's receive buffers, one per micro-batch; the
+    tensors saved for backward where the engine keeps them on ``device_type`` (``saved_tensors_offload``)."""
 
     def __init__(self, spec: TrialSpec, stage, optimizer, stage_index: int, mesh, dtype: Optional[torch.dtype],
-                 counts: tuple[int, ...]):
+                 counts: tuple[int, ...], device_type: str):
         par = spec.parallel
         self.spec, self.stage, self.optimizer, self.dtype = spec, stage, optimizer, dtype
+        self.device = torch.device(device_type)
         self.tp_mesh = tp_mesh_of(mesh, par)
         self.m = spec.grad_accum_steps
         self.last = stage_index == par.pp - 1
@@ -174,7 +181,8 @@ class _Replay:
 
     def _micro_batches(self, batches: list, k: int) -> None:
         """Forwards and backwards of ``batches`` with ``k`` in flight, then the pipeline's reduction."""
-        with loss_parallel_context(self.tp_mesh), self._autocast() if self.pipelined else contextlib.nullcontext():
+        with loss_parallel_context(self.tp_mesh), saved_tensors_offload(self.spec.parallel, self.device, traced=True), \
+                self._autocast() if self.pipelined else contextlib.nullcontext():
             live = []
             for inputs, labels in batches:
                 if len(live) == k:
@@ -218,14 +226,16 @@ class _Replay:
         return [StageTrace(train, first_peak, states, later_peak - states) for train in train_peaks]
 
 
-def _forward_kept(spec: TrialSpec, stage, stage_index: int, mesh, dtype: Optional[torch.dtype]) -> float:
+def _forward_kept(spec: TrialSpec, stage, stage_index: int, mesh, dtype: Optional[torch.dtype],
+                  device_type: str) -> float:
     """Bytes live after one micro-batch's forward (its output kept) less those live before it."""
     tp_mesh = tp_mesh_of(mesh, spec.parallel)
     inputs, labels = _fake_batch(spec, stage_index, dtype)
     tracker = TensorPeak()
     tracker.track(stage, *inputs, labels)
     autocast = torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
-    with tracker, loss_parallel_context(tp_mesh):
+    saved = saved_tensors_offload(spec.parallel, torch.device(device_type), traced=True)
+    with tracker, loss_parallel_context(tp_mesh), saved:
         before = tracker.current_bytes()
         with autocast:
             out = stage(*inputs)
@@ -248,7 +258,7 @@ def traced_counts(spec: TrialSpec, stage_index: int, device_type: str, counts: t
     key = (spec.fingerprint(), stage_index, device_type, counts)
     if key not in _TRACES:
         with fake_rank(spec, stage_index, device_type) as (stage, optimizer, mesh, dtype):
-            _TRACES[key] = _Replay(spec, stage, optimizer, stage_index, mesh, dtype, counts).run(counts)
+            _TRACES[key] = _Replay(spec, stage, optimizer, stage_index, mesh, dtype, counts, device_type).run(counts)
     return _TRACES[key]
 
 
@@ -271,5 +281,5 @@ def states_and_kept_bytes(spec: TrialSpec, stage_index: int = 0, device_type: st
     unsharded parameters); taken after the first optimizer step, so without gradients. The terms the
     analytic model adds up (hp_tool/trial/memterms.py compares them)."""
     with fake_rank(spec, stage_index, device_type) as (stage, optimizer, mesh, dtype):
-        (trace,) = _Replay(spec, stage, optimizer, stage_index, mesh, dtype, (1,)).run((1,))
-        return trace.state_bytes, _forward_kept(spec, stage, stage_index, mesh, dtype)
+        (trace,) = _Replay(spec, stage, optimizer, stage_index, mesh, dtype, (1,), device_type).run((1,))
+        return trace.state_bytes, _forward_kept(spec, stage, stage_index, mesh, dtype, device_type)
