@@ -225,6 +225,12 @@ class Hardware:
     pcie_bandwidth_gbps: float = 25.0  # GB/s per GPU and direction between host and GPU (offload traffic)
     memory_bandwidth_gbps: float = 2000.0  # GB/s of GPU memory (QLoRA's dequantisation)
     flash_attention: bool = True  # attention scores are not stored (SDPA / flash kernels)
+    device_is_host: bool = False  # CPU processes (gpu preset cpu): host RAM is the device's, offload moves nothing
+
+    def offloads_activations(self, layout: "Layout") -> bool:
+        """Whether ``layout``'s activation offload takes saved tensors off the device: not where the device is
+        the host (the engine leaves a CPU rank's tensors where they are)."""
+        return layout.activation_offload and not self.device_is_host
 
     @property
     def bytes_per_value(self) -> int:

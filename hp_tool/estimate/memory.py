@@ -179,7 +179,7 @@ def host_phases_gb(shape: Shape, layout: Layout, gpus_on_node: int, hw: Optional
         offloaded = per_param * adapters + base
     if layout.activation_offload:
         assert hw is not None, "activation offload's host RAM needs the hardware (bytes per value)"
-        offloaded += offloaded_activation_bytes(shape, layout, hw)
+        offloaded += offloaded_activation_bytes(shape, layout, hw)  # (none where the device is the host)
     train = gpus_on_node * (offloaded + HOST_PROCESS_OVERHEAD_GB * GB)
     load = train + (gpus_on_node * LOAD_COPY_BYTES * largest_tensor(shape) if shape.pretrained else 0.0)
     save = train + (PRETRAINED_GATHER_BYTES if shape.pretrained else CHECKPOINT_GATHER_BYTES) * count_parameters(shape)
@@ -292,8 +292,9 @@ def logits_bytes(shape: Shape, layout: Layout, hw: Hardware) -> float:
 
 def offloaded_activation_bytes(shape: Shape, layout: Layout, hw: Hardware) -> float:
     """Bytes of saved activations one GPU keeps in host RAM with activation offload: what the busiest
-    stage would otherwise store for its micro-batches in flight (0 without offload)."""
-    if not layout.activation_offload:
+    stage would otherwise store for its micro-batches in flight (0 without offload, or where the device is the
+    host)."""
+    if not hw.offloads_activations(layout):
         return 0.0
     rank = rank_shape(shape, layout)
     return max(microbatches_in_flight(layout, stage) * stage_activation_bytes(rank, layout, hw, stage)[0]
@@ -318,7 +319,7 @@ def estimate_memory(shape: Shape, layout: Layout, hw: Hardware) -> MemoryEstimat
     best_total = -1.0
     for stage, params in enumerate(stage_parameters(shape, tp, pp, layout.ep)):
         per_microbatch, buffer = stage_activation_bytes(rank, layout, hw, stage)
-        if layout.activation_offload:
+        if hw.offloads_activations(layout):
             activations = working_layer_bytes(rank, layout, hw)
         else:
             activations = microbatches_in_flight(layout, stage) * per_microbatch + buffer

@@ -291,8 +291,8 @@ def cp_comm_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
 def activation_offload_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
     """Seconds per step of activation offload: every micro-batch's saved activations copied to pinned host RAM
     in forward and back in backward over PCIe (``offloaded_activation_bytes`` per micro-batch in flight; torch's
-    ``save_on_cpu`` copies in line, not overlapped). 0 without it."""
-    if not layout.activation_offload:
+    ``save_on_cpu`` copies in line, not overlapped). 0 without it, or where the device is the host."""
+    if not hw.offloads_activations(layout):
         return 0.0
     rank = rank_shape(shape, layout)
     per_microbatch = max(stage_activation_bytes(rank, layout, hw, stage)[0] for stage in range(layout.pp))
