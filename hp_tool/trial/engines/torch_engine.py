@@ -175,8 +175,8 @@ class TorchEngine:
             mine[canonical_name(name, self.stage.tied)] = full.to(dtype).cpu()
         if self.mesh is None:
             return mine
-        keeps = all(self.mesh[dim].get_local_rank() == 0 for dim in ("dp", "cp", "tp")
-                    if dim != "cp" or self.spec.parallel.cp > 1)
+        replicas = ("dp", "cp", "tp") if self.spec.parallel.cp > 1 else ("dp", "tp")
+        keeps = all(self.mesh[dim].get_local_rank() == 0 for dim in replicas)
         parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(mine if keeps else {}, parts, dst=0)
         return None if parts is None else {k: v for part in parts for k, v in part.items()}
