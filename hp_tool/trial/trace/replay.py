@@ -5,10 +5,10 @@ Build (``fake_rank``): one process joins a fake process group of the layout's wo
 :func:`hp_tool.trial.rank.build_rank_model` with the fake materialiser (TP, checkpointing, DDP / FSDP2 as
 the trial applies them; no memory allocated, so any size traces on a login node). With context parallelism
 the rank holds ``seq / cp`` tokens of each sequence (the family's ``fake_batch``) and its ring attention's
-sends and receives run on the fake group, which moves no data but gives each receive its fake buffer. Replay (``_Replay``):
-two optimizer steps, the first with one micro-batch (it creates the gradients and the optimizer states),
-the second with the step's micro-batches in the schedule's order, each followed by the gradient clipping
-and the AdamW step. For a GPU target the precision's autocast and FSDP2 parameter dtype are applied as on
+sends and receives run on the fake group, which moves no data but gives each receive its fake buffer.
+Replay (``_Replay``): two optimizer steps, the first with one micro-batch (it creates the gradients and the
+optimizer states), the second with the step's micro-batches in the schedule's order, each followed by the
+gradient clipping and the AdamW step. For a GPU target the precision's autocast and FSDP2 parameter dtype are applied as on
 the GPU (a pipeline's whole step in one autocast region, whose casts of the weights live until the step
 ends, as the engine runs it; without PP one region per forward). AdamW runs without foreach kernels
 (under fake tensors their grouped temporaries inflate the FSDP2 step).
