@@ -40,8 +40,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             h, target, keep = hidden[rows], labels[rows], counted[rows]
             logits = (h @ weight.t()).to(dtype)
             safe = target.clamp(min=0)
-            # where, not a boolean index: a shape fixed by the chunk, so the pre-launch trace's fake tensors run it
-            loss += torch.where(keep, torch.logsumexp(logits, dim=-1) - logits.gather(1, safe[:, None])[:, 0], 0).sum()
+            # ignored tokens masked to zero, not dropped: a boolean index has a data-dependent shape, which the
+            # pre-launch trace's fake tensors cannot give
+            token_loss = torch.logsumexp(logits, dim=-1) - logits.gather(1, safe[:, None])[:, 0]
+            loss += torch.where(keep, token_loss, 0.0).sum()
             # d(mean loss)/d(logits) = (softmax - one-hot) / counted tokens, zero for ignored ones
             grad = torch.softmax(logits, dim=-1)
             grad[torch.arange(grad.shape[0], device=grad.device), safe] -= 1.0

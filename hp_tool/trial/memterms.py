@@ -82,4 +82,4 @@ def with_layout(spec: TrialSpec, **parallel) -> TrialSpec:
     return dataclasses.replace(
         spec, parallel=par,
         training=dataclasses.replace(spec.training, global_batch_size=par.mbs * par.dp),
-        resources=dataclasses.replace(spec.resources, gpus_per_node=par.tp * par.pp * par.dp))
+        resources=dataclasses.replace(spec.resources, gpus_per_node=par.tp * par.pp * par.cp * par.dp))

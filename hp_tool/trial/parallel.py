@@ -1,4 +1,4 @@
-"""Apply a spec's parallel layout to one pipeline stage: TP, then EP, then activation checkpointing, then DP.
+"""Apply a spec's parallel layout to one pipeline stage: TP, then EP or CP, then activation checkpointing, then DP.
 
 The order matters and follows torchtitan: tensor parallelism first (it replaces Linear weights by
 DTensor shards on the ``tp`` mesh), then ``checkpoint_wrapper`` around the first ``act_ckpt_layers``
@@ -18,6 +18,10 @@ data-parallel ranks are then an (edp, ep) grid, ``dp`` its flattening (:func:`hp
 dense weights are replicated or sharded over all of ``dp`` as without EP, the experts, different on the
 ranks of an EP group, over ``edp`` only, and their gradients completed after the step's backward
 (``complete_expert_grads`` says why).
+
+Context parallelism (``parallel.cp`` > 1) splits each sequence over the ``cp`` mesh and runs the layers'
+attention as a ring over it (:mod:`hp_tool.trial.context_parallel`); its ranks hold the same weights, so DP
+wraps the stage over ``dp_cp``, dp and cp flattened, as torchtitan's ``dp_shard_cp``.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 
 from hp_tool.contracts.spec import ParallelSpec
 from hp_tool.errors import ConfigError, require
+from hp_tool.trial.context_parallel import apply_context_parallel
+from hp_tool.trial.dist import weight_dp_dim, weight_dp_size
 from hp_tool.trial.families import torch_family
 from hp_tool.trial.methods import four_bit_weights
 from hp_tool.trial.models import loss_fn
@@ -207,19 +213,22 @@ def apply_data_parallel(stage: StageModule, dp_mesh: DeviceMesh, zero_stage: int
 
 def parallelize_stage(stage: StageModule, par: ParallelSpec, mesh: Optional[DeviceMesh],
                       param_dtype: Optional[torch.dtype], device: torch.device) -> None:
-    """Apply TP, EP, activation checkpointing and DP to ``stage`` in place (still on meta)."""
+    """Apply TP, EP, CP, activation checkpointing and DP to ``stage`` in place (still on meta). With CP the
+    data parallelism spans dp x cp (``dist.weight_dp_dim``)."""
     if par.tp > 1:
         apply_tensor_parallel(stage, mesh["tp"], sequence_parallel=par.sequence_parallel)
     if par.ep > 1:
         apply_expert_parallel(stage, mesh["ep"], mesh["tp"])
+    if par.cp > 1:
+        apply_context_parallel(stage, mesh["cp"])
     if par.act_ckpt_layers > 0:
         apply_activation_checkpointing(stage, par.act_ckpt_layers)
     if par.offload != "none":
         require(mesh is not None, "parallel.offload", par.offload,
                 "the torch engine offloads through FSDP2, which needs a process group (2 or more processes)",
                 "run the trial on 2 or more processes, or use engine deepspeed")
-    if par.dp > 1 or par.offload != "none":  # FSDP2 on one data-parallel rank still offloads
-        apply_data_parallel(stage, mesh["dp"], par.zero_stage, par.offload, param_dtype, device,
+    if weight_dp_size(par) > 1 or par.offload != "none":  # FSDP2 on one data-parallel rank still offloads
+        apply_data_parallel(stage, mesh[weight_dp_dim(par)], par.zero_stage, par.offload, param_dtype, device,
                             expert_mesh=mesh["edp"] if par.ep > 1 else None)
 
 
@@ -245,7 +254,7 @@ def build_schedule(chunks: list[StageModule], par: ParallelSpec, mesh: DeviceMes
 
 def needs_grad_sync_control(par: ParallelSpec) -> bool:
     """Whether to skip DP gradient reduction on all but the last micro-batch (DDP's no_sync)."""
-    return par.dp > 1 and par.pp == 1 and par.zero_stage <= 1
+    return weight_dp_size(par) > 1 and par.pp == 1 and par.zero_stage <= 1
 
 
 def set_grad_sync(stage: nn.Module, enabled: bool) -> None:

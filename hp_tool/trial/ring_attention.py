@@ -42,7 +42,8 @@ def _ring_pass(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> list[to
     """Send ``tensors`` to the next rank of the ring and receive the previous rank's."""
     size, me = dist.get_world_size(group), dist.get_rank(group)
     nxt, prev = dist.get_global_rank(group, (me + 1) % size), dist.get_global_rank(group, (me - 1) % size)
-    received = [torch.empty_like(t) for t in tensors]
+    # contiguous buffers: a transposed block (transformers' [b, h, s, d] views) keeps its strides in empty_like
+    received = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
     ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group) for t in tensors]
     ops += [dist.P2POp(dist.irecv, r, prev, group) for r in received]
     for req in dist.batch_isend_irecv(ops):

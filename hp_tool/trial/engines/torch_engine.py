@@ -1,13 +1,14 @@
 """The torch trial engine: one rank's model stage, optimizer, pipeline schedule and data, and one step.
 
-Build: mesh -> this rank's model through :func:`hp_tool.trial.rank.build_rank_model` (stage on meta, TP, EP,
-activation checkpointing, DP per chunk, then the real materialiser: only the local shards, deterministic
-init) -> optimizer -> with PP the pipeline schedule and the tied embedding/head pair. One optimizer step runs
-``grad_accum_steps`` micro-batches (through the pipeline schedule when PP > 1), completes the experts'
-gradients (expert parallelism, :func:`hp_tool.trial.parallel.complete_expert_grads`), syncs tied gradients
-across the first and last stages, clips with the model-wide norm and steps AdamW. In fp16 on GPU the loss is
-scaled before each backward and the gradients unscaled before clipping; a step whose gradients overflowed
-is skipped (:func:`hp_tool.trial.optim.loss_scaler`).
+Build: mesh -> this rank's model through :func:`hp_tool.trial.rank.build_rank_model` (stage on meta, TP, EP or
+CP, activation checkpointing, DP per chunk, then the real materialiser: only the local shards, deterministic
+init) -> optimizer -> with PP the pipeline schedule and the tied embedding/head pair. With context parallelism
+each rank trains on its part of the replica's sequences (:mod:`hp_tool.trial.context_parallel`). One
+optimizer step runs ``grad_accum_steps`` micro-batches (through the pipeline schedule when PP > 1),
+completes the experts' gradients (expert parallelism, :func:`hp_tool.trial.parallel.complete_expert_grads`),
+syncs tied gradients across the first and last stages, clips with the model-wide norm and steps AdamW. In
+fp16 on GPU the loss is scaled before each backward and the gradients unscaled before clipping; a step whose
+gradients overflowed is skipped (:func:`hp_tool.trial.optim.loss_scaler`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from hp_tool.contracts.spec import TrialSpec
 from hp_tool.trial import optim
 from hp_tool.trial.activation_offload import saved_tensors_offload
+from hp_tool.trial.context_parallel import whole_sequence_mean
 from hp_tool.trial.data import TokenBatches
 from hp_tool.trial.dist import DistEnv, build_mesh
 from hp_tool.trial.models import loss_parallel_context, stage_loss_fn
@@ -76,11 +78,12 @@ class TorchEngine:
         mesh = build_mesh(par, env, device)
         pp_rank = mesh["pp"].get_local_rank() if mesh is not None else 0
         dp_rank = mesh["dp"].get_local_rank() if mesh is not None else 0
+        cp_rank = mesh["cp"].get_local_rank() if par.cp > 1 else 0
         model = build_rank_model(spec, mesh, pp_rank, Initialise.of(spec, device),
                                  compute_dtype(spec, device))
         log.info("rank %d: stage %d holds %d parameter elements", env.rank, pp_rank, model.local_numel)
         optimizer = build_rank_optimizer(spec, model.stage, mesh, device)
-        engine = cls(spec, env, device, mesh, model.stage, optimizer, TokenBatches(spec, dp_rank, device),
+        engine = cls(spec, env, device, mesh, model.stage, optimizer, TokenBatches(spec, dp_rank, device, cp_rank),
                      pp_rank=pp_rank, local_numel=model.local_numel,
                      scaler=optim.loss_scaler(device, compute_dtype(spec, device)))
         engine.compute_loss = stage_loss_fn(model.stage, par, engine.tp_mesh)
@@ -94,9 +97,11 @@ class TorchEngine:
         return engine
 
     def step(self, step: int) -> Optional[torch.Tensor]:
-        """One optimizer step (``step`` is 0-based); this stage's mean loss (None off the last stage)."""
+        """One optimizer step (``step`` is 0-based); this stage's mean loss (None off the last stage), over whole
+        sequences with context parallelism (``whole_sequence_mean``)."""
         optim.set_lr(self.optimizer, optim.lr_at(step, self.spec.training))
-        loss = self._pipeline(step) if self.schedule is not None else self._accumulate(step)
+        loss = self._pipeline(step) if self.schedule is not None else \
+            whole_sequence_mean(self._accumulate(step), group_of(self.mesh, self.spec.parallel, "cp"))
         complete_expert_grads(self.stage, self.spec.parallel.ep, group_of(self.mesh, self.spec.parallel, "tp"))
         optim.sync_tied_grads(self.tied_param, self.tied_group)
         optim.unscale_grads(self.optimizer, self.scaler)
@@ -160,7 +165,7 @@ class TorchEngine:
 
     def full_state_dict(self, dtype: torch.dtype = torch.float32) -> Optional[dict[str, torch.Tensor]]:
         """Every parameter, unsharded (each DTensor gathered over its mesh) and cast to ``dtype``, from one
-        rank per pipeline stage (data- and tensor-parallel rank 0) to rank 0."""
+        rank per pipeline stage (data-, context- and tensor-parallel rank 0) to rank 0."""
         mine = {}
         for name, param in self.stage.named_parameters():
             if not param.is_floating_point():  # QLoRA's packed 4-bit weights: saved as the base checkpoint is
@@ -169,7 +174,8 @@ class TorchEngine:
             mine[canonical_name(name, self.stage.tied)] = full.to(dtype).cpu()
         if self.mesh is None:
             return mine
-        keeps = self.mesh["dp"].get_local_rank() == 0 and self.mesh["tp"].get_local_rank() == 0
+        replicas = ("dp", "cp", "tp") if self.spec.parallel.cp > 1 else ("dp", "tp")
+        keeps = all(self.mesh[dim].get_local_rank() == 0 for dim in replicas)
         parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(mine if keeps else {}, parts, dst=0)
         return None if parts is None else {k: v for part in parts for k, v in part.items()}

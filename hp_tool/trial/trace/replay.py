@@ -3,10 +3,12 @@ tensors on a fake process group, then its optimizer steps replayed phase by phas
 
 Build (``fake_rank``): one process joins a fake process group of the layout's world size and calls
 :func:`hp_tool.trial.rank.build_rank_model` with the fake materialiser (TP, checkpointing, DDP / FSDP2 as
-the trial applies them; no memory allocated, so any size traces on a login node). Replay (``_Replay``):
-two optimizer steps, the first with one micro-batch (it creates the gradients and the optimizer states),
-the second with the step's micro-batches in the schedule's order, each followed by the gradient clipping
-and the AdamW step. For a GPU target the precision's autocast and FSDP2 parameter dtype are applied as on
+the trial applies them; no memory allocated, so any size traces on a login node). With context parallelism
+the rank holds ``seq / cp`` tokens of each sequence (the family's ``fake_batch``) and its ring attention's
+sends and receives run on the fake group, which moves no data but gives each receive its fake buffer.
+Replay (``_Replay``): two optimizer steps, the first with one micro-batch (it creates the gradients and the
+optimizer states), the second with the step's micro-batches in the schedule's order, each followed by the
+gradient clipping and the AdamW step. For a GPU target the precision's autocast and FSDP2 parameter dtype are applied as on
 the GPU (a pipeline's whole step in one autocast region, whose casts of the weights live until the step
 ends, as the engine runs it; without PP one region per forward). AdamW runs without foreach kernels
 (under fake tensors their grouped temporaries inflate the FSDP2 step). The loss is the engine's
@@ -98,10 +100,11 @@ def fake_rank(spec: TrialSpec, stage_index: int, device_type: str):
     require_traceable(spec)
     par, device = spec.parallel, torch.device("cpu")
     dtype = compute_dtype(spec, torch.device(device_type))  # the target's dtype; the fake tensors stay on CPU
-    world = par.tp * par.pp * par.dp
+    per_stage = par.dp * par.cp * par.tp  # ranks of one pipeline stage (the mesh's pp dimension is outermost)
+    world = par.pp * per_stage
     _fake_group(world)
     try:
-        mesh = build_mesh(par, DistEnv(stage_index * par.dp * par.tp, world, 0), device) if world > 1 else None
+        mesh = build_mesh(par, DistEnv(stage_index * per_stage, world, 0), device) if world > 1 else None
         materialise = FakeMaterialise(device)
         stage = build_rank_model(traced_spec(spec), mesh, stage_index, materialise, dtype).stage
         # built outside fake mode: parameter groups read the (real) mesh; states appear at the first step
