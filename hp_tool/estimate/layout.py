@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 GB = 1e9  # hp_tool reports memory in GB of 1e9 bytes, as GPU vendors label their memory
 
 BYTES_PER_VALUE = {"bf16": 2, "fp16": 2, "fp32": 4}
+# context parallelism's ring attention computes a block's scores tile by tile of the query rows, each tile's fp32
+# scores at most this many bytes (hp_tool/trial/ring_attention.py query_tiles; memory.ring_transient_bytes)
+RING_SCORE_BYTES = 8 * 2 ** 20
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,8 @@ from typing import Optional
 from hp_tool.architectures import (Shape, checkpointed_layer_counts, count_parameters, expert_parameters,
                                    layer_parameters, stage_expert_parameters, stage_layer_counts,
                                    stage_layer_parameters, vocab_parallel_parameters)
-from hp_tool.estimate.layout import GB, Hardware, Layout, interleave_held_tensors, microbatches_in_flight, rank_shape
+from hp_tool.estimate.layout import (GB, RING_SCORE_BYTES, Hardware, Layout, interleave_held_tensors,
+                                     microbatches_in_flight, rank_shape)
 from hp_tool.estimate.methods import (ADAPTED, NF4_BITS, activation_delta_bytes, adapter_parameters_per_layer,
                                       linear_parameters_per_layer, linear_shapes)
 
@@ -211,7 +212,7 @@ def stage_activation_bytes(shape: Shape, layout: Layout, hw: Hardware, stage: in
     n_enc, n_dec = stage_layer_counts(shape, layout.pp, stage)
     k_enc, k_dec = checkpointed_layer_counts(shape, layout.pp, stage, layout.act_ckpt_layers)
     dec_full = layer_activation_bytes(shape, b, tp, sp, hw) + \
-        shape.facts.expert_parallel_activation_bytes(shape, b, layout.ep, bpv, tp)
+        shape.facts.expert_parallel_activation_bytes(shape, b, layout.ep, bpv, tp) + ring_saved_bytes(shape, layout)
     dec_input = shape.target_length * b * h * bpv / sp_div
     stored = k_dec * dec_input + (n_dec - k_dec) * dec_full
     buffer = dec_full if k_dec else 0.0
@@ -221,7 +222,32 @@ def stage_activation_bytes(shape: Shape, layout: Layout, hw: Hardware, stage: in
         buffer = max(buffer, enc_full if k_enc else 0.0)
     if shape.encoder_decoder and n_dec:
         stored += shape.seq_length * b * h * bpv  # the encoder output, read by every cross-attention
+    if stage == layout.pp - 1 and shape.facts.head_activation_bytes is not None:
+        stored += shape.facts.head_activation_bytes(shape, b, tp, sp, bpv)  # final norm, head input
     return stored, buffer
+
+
+def ring_saved_bytes(shape: Shape, layout: Layout) -> float:
+    """What context parallelism's ring attention keeps for backward beyond the attention the family's formula
+    counts, one layer and micro-batch (``shape`` at the rank's tokens): its output in fp32, apart from the
+    compute-dtype copy the layer goes on with (hp_tool/trial/ring_attention.py). 0 without CP."""
+    if layout.cp == 1:
+        return 0.0
+    return 4.0 * layout.mbs * shape.seq_length * shape.attention_dim / layout.tp
+
+
+def ring_transient_bytes(shape: Shape, layout: Layout, hw: Hardware) -> float:
+    """The ring's working memory at the peak of a layer's attention backward beyond what the layer keeps
+    (``shape`` at the rank's tokens): one tile of fp32 scores (at most ``RING_SCORE_BYTES``, whole query rows)
+    and two fp32 tensors of the queries' size (the queries' gradient and the output gradient, or the block's
+    keys and values over every query head), as traced at 4K-8K tokens on CPU and for a bf16 GPU
+    (tests/test_trace_long_context.py). 0 without CP."""
+    if layout.cp == 1:
+        return 0.0
+    b, s, heads = layout.mbs, shape.seq_length, shape.num_attention_heads / layout.tp
+    row = b * heads * s * 4  # one query row's fp32 scores against the block, over the micro-batch and heads
+    tile = min(s, max(1, RING_SCORE_BYTES // row)) * row
+    return tile + 2 * 4.0 * b * s * shape.attention_dim / layout.tp
 
 
 def stage_adapter_parameters(shape: Shape, layout: Layout, stage: int) -> float:
@@ -271,21 +297,28 @@ def stage_state_bytes(shape: Shape, layout: Layout, hw: Hardware, params: float,
         adapters, layout.zero_ranks, layout.zero_stage, layout.offload, layout.engine, layout.optimizer)
 
 
+# Bytes per logit the whole-logits loss holds at its peak (cross-entropy's backward), as traced in fp32 and bf16
+# (tests/test_trace_long_context.py): the logits (or their 16-bit form and fp32 upcast), log-softmax's output and
+# the gradient, 12; the vocabulary-parallel loss under TP (torch's loss_parallel) one fp32 copy more, 16.
+WHOLE_LOSS_BYTES = {False: 12, True: 16}
+
+
 def logits_bytes(shape: Shape, layout: Layout, hw: Hardware) -> float:
     """Bytes the loss holds on the last stage for one micro-batch of the rank's tokens (``shape`` as the rank
     sees it, ``rank_shape``).
 
-    full: the head's 16-bit logits (vocabulary-parallel: 1/TP of the vocabulary), their fp32 upcast and fp32
-    gradient, ``bpv + 8`` bytes per logit (fp32: the upcast is the logits themselves, 4 + 8). chunked
+    full: ``WHOLE_LOSS_BYTES`` per logit of the rank's vocabulary (vocabulary-parallel: 1/TP of it). chunked
     (hp_tool/trial/loss.py, TP 1): the hidden states' gradient (tokens x hidden, compute dtype) and the head
-    weight's fp32 gradient (vocabulary x hidden) it computes in forward, and one chunk's logits in flight: the
-    fp32 logits and their softmax (8 bytes per logit) and, in a 16-bit compute dtype, the matmul's own output
-    and the gradient cast back for the hidden states' product (``bpv`` each, one live at a time)."""
+    weight's fp32 gradient (vocabulary x hidden) it computes in forward, and one chunk in flight: 12 bytes per
+    logit, the fp32 logits with logsumexp's two temporaries of their size (then the logits and their softmax),
+    as traced (tests/test_trace_long_context.py)."""
     bpv, tokens = hw.bytes_per_value, layout.mbs * shape.target_length
     if layout.loss == "full":
-        return tokens * shape.vocab_size * (bpv + 8) / layout.tp
+        # with activation offload the log-softmax output waits in host RAM until backward brings it back
+        per_logit = WHOLE_LOSS_BYTES[layout.tp > 1] - (2 if hw.offloads_activations(layout) else 0)
+        return tokens * shape.vocab_size * per_logit / layout.tp
     chunk = min(layout.loss_chunk_tokens, tokens)
-    per_logit = 8 + (bpv if bpv < 4 else 0)
+    per_logit = 12  # the fp32 logits and logsumexp's two temporaries, or the logits and their softmax
     return tokens * shape.hidden_size * bpv + 4 * shape.vocab_size * shape.hidden_size + \
         chunk * shape.vocab_size * per_logit
 
@@ -326,6 +359,8 @@ def estimate_memory(shape: Shape, layout: Layout, hw: Hardware) -> MemoryEstimat
         activations += sum(interleave_held_tensors(layout, stage)) * layout.mbs * rank.seq_length * \
             shape.hidden_size * bpv
         stage_logits = logits if stage == pp - 1 else 0.0
+        # the ring's working memory in a layer's backward, which starts once the loss has freed its logits
+        activations += max(0.0, ring_transient_bytes(rank, layout, hw) - stage_logits)
         states = stage_state_bytes(shape, layout, hw, params, stage, gathered_layer)
         total = states + activations + stage_logits
         if total > best_total:
@@ -336,12 +371,10 @@ def estimate_memory(shape: Shape, layout: Layout, hw: Hardware) -> MemoryEstimat
 
 
 def working_layer_bytes(shape: Shape, layout: Layout, hw: Hardware) -> float:
-    """One layer's full activations for one micro-batch (the largest kind of layer): what stays on the GPU
-    with activation offload, as forward builds a layer's saved tensors before they leave and backward (or
-    a checkpointed layer's recompute, which runs outside the offload) brings one layer's back."""
-    b, sp, tp = layout.mbs, layout.sequence_parallel, layout.tp
-    full = layer_activation_bytes(shape, b, tp, sp, hw) + \
-        shape.facts.expert_parallel_activation_bytes(shape, b, layout.ep, hw.bytes_per_value, tp)
-    if shape.encoder_decoder:
-        full = max(full, layer_activation_bytes(shape, b, tp, sp, hw, encoder=True))
-    return full
+    """What stays on the GPU of the saved activations with activation offload, one micro-batch: the tensors one
+    sub-layer's backward brings back at once, the largest being the MLP's (its four saved products of the FFN
+    width for a gated MLP, two otherwise) with its norm's fp32 input; as traced for a bf16 GPU
+    (tests/test_trace_long_context.py)."""
+    b, s, p = layout.mbs, shape.seq_length, hw.bytes_per_value
+    products = (4 if shape.gated_mlp else 2) * p * s * b * shape.ffn_hidden_size / layout.tp
+    return products + 4.0 * s * b * shape.hidden_size / (layout.tp if layout.sequence_parallel else 1)

@@ -46,21 +46,23 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             loss += torch.where(keep, token_loss, 0.0).sum()
             # d(mean loss)/d(logits) = (softmax - one-hot) / counted tokens, zero for ignored ones
             grad = torch.softmax(logits, dim=-1)
+            del logits  # one chunk's fp32 logits at a time: their softmax is the gradient from here
             grad[torch.arange(grad.shape[0], device=grad.device), safe] -= 1.0
             grad *= (keep.to(grad.dtype) / total)[:, None]
             if grad_hidden is not None:
                 grad_hidden[rows] = (grad.to(weight.dtype) @ weight).to(hidden.dtype)
             if grad_weight is not None:
-                grad_weight += grad.t() @ h.to(dtype)
+                grad_weight.addmm_(grad.t(), h.to(dtype))  # in place: no vocabulary x hidden temporary
         ctx.save_for_backward(*(g for g in (grad_hidden, grad_weight) if g is not None))
         ctx.has = (grad_hidden is not None, grad_weight is not None)
         return loss / total
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
+        # scaled in place: the forward's gradients are used once, and a copy would double the head's gradient
         saved = list(ctx.saved_tensors)
-        grad_hidden = saved.pop(0) * grad_output if ctx.has[0] else None
-        grad_weight = saved.pop(0) * grad_output if ctx.has[1] else None
+        grad_hidden = saved.pop(0).mul_(grad_output) if ctx.has[0] else None
+        grad_weight = saved.pop(0).mul_(grad_output) if ctx.has[1] else None
         return grad_hidden, grad_weight, None, None
 
 

@@ -20,6 +20,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from hp_tool.estimate.layout import RING_SCORE_BYTES
+
 
 def balanced_chunks(cp: int, rank: int) -> tuple[int, int]:
     """The two of 2·CP sequence chunks rank ``rank`` holds: ``rank`` and ``2·CP - 1 - rank``."""
@@ -66,14 +68,27 @@ def _acc(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 
+def query_tiles(q: torch.Tensor, keys: int) -> list[slice]:
+    """Slices of the query rows such that one tile's fp32 scores against ``keys`` keys stay within
+    ``RING_SCORE_BYTES`` (at least one row a tile): the ring's transient memory is bounded whatever the
+    sequence length, as the planner counts it (``ring_transient_bytes``)."""
+    rows = max(1, RING_SCORE_BYTES // (q.shape[0] * q.shape[1] * keys * 4))
+    return [slice(start, start + rows) for start in range(0, q.shape[2], rows)]
+
+
 def _block(q, k, v, q_pos, k_pos, scale):
     """One block's attention: (its softmax-normalised output, log-sum-exp) in the accumulation dtype; rows
-    with no visible key give -inf log-sum-exp and zero output."""
-    scores = (q @ k.transpose(-1, -2)).to(_acc(q)) * scale
-    scores = scores.masked_fill(~_mask(q_pos, k_pos), float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    weights = torch.exp(scores - lse.unsqueeze(-1).clamp(min=-1e30)).nan_to_num(0.0)
-    return weights.to(v.dtype) @ v, lse
+    with no visible key give -inf log-sum-exp and zero output. Tile by tile of the query rows."""
+    outs, lses = [], []
+    for rows in query_tiles(q, k.shape[2]):
+        scores = (q[:, :, rows] @ k.transpose(-1, -2)).to(_acc(q)) * scale
+        scores = scores.masked_fill(~_mask(q_pos[rows], k_pos), float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)
+        weights = torch.exp(scores - lse.unsqueeze(-1).clamp(min=-1e30)).nan_to_num(0.0)
+        del scores
+        outs.append(weights.to(v.dtype) @ v)
+        lses.append(lse)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -110,13 +125,19 @@ class _RingAttention(torch.autograd.Function):
         grad_v = torch.zeros(v.shape, dtype=acc, device=v.device)
         for step in range(cp):
             kk, vv = _expand(block_k, heads).to(acc), _expand(block_v, heads).to(acc)
-            scores = (q.to(acc) @ kk.transpose(-1, -2)) * scale
-            scores = scores.masked_fill(~_mask(q_pos, block_pos), float("-inf"))
-            probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
-            grad_scores = probs * (grad_out @ vv.transpose(-1, -2) - delta.unsqueeze(-1))
-            grad_q += grad_scores @ kk * scale
-            gk = grad_scores.transpose(-1, -2) @ q.to(acc) * scale
-            gv = probs.transpose(-1, -2) @ grad_out
+            gk = torch.zeros(kk.shape, dtype=acc, device=q.device)
+            gv = torch.zeros(vv.shape, dtype=acc, device=q.device)
+            for rows in query_tiles(q, kk.shape[2]):
+                qt, go = q[:, :, rows].to(acc), grad_out[:, :, rows]
+                scores = (qt @ kk.transpose(-1, -2)) * scale
+                scores = scores.masked_fill(~_mask(q_pos[rows], block_pos), float("-inf"))
+                probs = torch.exp(scores - lse[:, :, rows].unsqueeze(-1)).nan_to_num(0.0)
+                del scores
+                grad_scores = probs * (go @ vv.transpose(-1, -2) - delta[:, :, rows].unsqueeze(-1))
+                grad_q[:, :, rows] += grad_scores @ kk * scale
+                gk += grad_scores.transpose(-1, -2) @ qt * scale
+                gv += probs.transpose(-1, -2) @ go
+                del probs, grad_scores
             if heads != kv_heads:  # fold the repeated heads back onto their key/value head
                 gk = gk.unflatten(1, (kv_heads, heads // kv_heads)).sum(2)
                 gv = gv.unflatten(1, (kv_heads, heads // kv_heads)).sum(2)
