@@ -469,6 +469,12 @@ class AppConfig:
                 "set gpu.host_ram_gb=<GB per node>, or search offload=[none]")
 
 
+def trial_device(gpu_name: str) -> str:
+    """What the trials run on: the ``cpu`` gpu preset's processes compute in fp32 on CPU (the host is their
+    device); every other preset is a GPU."""
+    return "cpu" if gpu_name == "cpu" else "cuda"
+
+
 def searched_methods(app: AppConfig) -> tuple[str, ...]:
     """The fine-tuning methods a search compares: train_settings.methods, or for null every one the target
     runs: full; lora where peft is installed; qlora where bitsandbytes is, in 16-bit precision, on a GPU

@@ -54,7 +54,7 @@ def worker(rank, world, port, folder, score_bytes=None):
 @pytest.mark.parametrize("cp, score_bytes", [(2, None), (3, None), (2, 2 * 4 * 12 * 4 * 5)],
                          ids=["cp2", "cp3", "cp2-tiles-of-5-rows"])
 def test_ring_attention_equals_unsharded_causal_attention(tmp_path, cp, score_bytes):
-    if score_bytes is not None:  # 5 query rows a tile against a 12-token block: 3 uneven tiles
+    if score_bytes is not None:  # 5 query rows a tile against a 12-token block: tiles of 5, 5 and 2 rows
         from hp_tool.trial.ring_attention import query_tiles
 
         with pytest.MonkeyPatch.context() as patch:
