@@ -12,7 +12,7 @@ from typing import Optional
 
 from hp_tool.architectures import (Shape, active_parameters, count_parameters, lr_for, pipeline_problem,
                                    shape_for_size)
-from hp_tool.config import (SIZING_MFU, AppConfig, LoraSettings, ModelOverrides, TrainSettings, searched_methods,
+from hp_tool.config import (SIZING_MFU, trial_device, AppConfig, LoraSettings, ModelOverrides, TrainSettings, searched_methods,
                             training_precision)
 from hp_tool.estimate.methods import linear_shapes
 from hp_tool.errors import ConfigError, require
@@ -62,6 +62,7 @@ def resolve_cluster(app: AppConfig) -> Cluster:
         host_ram_gb=gpu.host_ram_gb,
         pcie_bandwidth_gbps=gpu.pcie_bandwidth_gbps,
         memory_bandwidth_gbps=gpu.memory_bandwidth_gbps or Hardware.memory_bandwidth_gbps,
+        device_is_host=trial_device(gpu.name) == "cpu",
     )
     sizing = ts.tflops_per_gpu if ts.tflops_per_gpu is not None else round(SIZING_MFU * peak, 1)
     return Cluster(ts.num_nodes, hw, gpu.price_per_gpu_hour, gpu.name, sizing)

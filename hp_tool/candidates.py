@@ -1,5 +1,6 @@
-"""Candidate grid: product of engine x TP x PP x virtual stages x MBS x checkpointed layers x (ZeRO stage,
-offload) -> validity -> estimates -> prune -> order.
+"""Candidate grid: product of engine x TP x PP x EP x CP x virtual stages x MBS x checkpointed layers x
+sequence parallel x loss x activation offload x (ZeRO stage, offload) -> validity -> estimates -> prune ->
+order.
 
 Pure planning: no I/O, no torch. Every candidate ends with a status and, unless selected, the reason:
 ``invalid`` (the layout cannot exist on this model and cluster, or the engine cannot run the
@@ -12,6 +13,14 @@ trades speed for memory), then the one whose benchmark needs the fewest nodes (s
 data-parallel ranks to fit), then the lightest (sharding.SAVING_ORDER), as a lighter saver is never
 predicted slower. The lighter ones that do not fit are listed as pruned with
 their numbers; the rest, and combinations the engine cannot run, are not candidates.
+
+Long context, each list given in full is searched in full; left null (``long_context_values``):
+sequence parallelism wherever it runs (it never adds time in the model and divides the norms' activations
+by TP); context parallelism 1 and the powers of two leaving each rank at least ``CP_MIN_TOKENS`` tokens,
+within a node with TP; the chunked loss from ``CHUNKED_LOSS_FROM`` tokens per sequence where it runs (the
+same FLOPs as the whole-logits loss, whose fp32 logits and gradient at 8K tokens and a 128K vocabulary are
+10.5 GB per sequence); activation offload searched beside none from ``ACTIVATION_OFFLOAD_FROM`` tokens
+with a host RAM figure (it costs PCIe time, so only where activations dominate memory).
 """
 
 from __future__ import annotations
@@ -85,6 +94,7 @@ class Candidate:
     virtual_stages = property(lambda self: self.full.virtual_stages)
     optimizer = property(lambda self: self.full.optimizer)
     ep = property(lambda self: self.full.ep)
+    cp = property(lambda self: self.full.cp)
 
 
 @dataclass(frozen=True)
@@ -101,6 +111,39 @@ class Grid:
     virtual: Optional[list[int]] = None  # virtual stages per pipeline rank; None: heuristic per PP
     optimizers: list[str] = dataclasses.field(default_factory=lambda: ["adamw"])
     ep: list[int] = dataclasses.field(default_factory=lambda: [1])  # expert-parallel sizes (mixture of experts)
+    cp: list[int] = dataclasses.field(default_factory=lambda: [1])  # context-parallel sizes
+    sequence_parallel: Optional[list[bool]] = None  # None: wherever it runs
+    losses: Optional[list[str]] = None  # None: chunked from CHUNKED_LOSS_FROM tokens where it runs
+    activation_offload: list[bool] = dataclasses.field(default_factory=lambda: [False])
+
+
+CP_MIN_TOKENS = 8192  # the heuristic's context parallelism leaves each rank at least this many tokens
+CHUNKED_LOSS_FROM = 8192  # the heuristic's chunked loss from this many tokens per sequence
+ACTIVATION_OFFLOAD_FROM = 16384  # the heuristic searches activation offload from this many tokens
+
+
+def context_parallel_sizes(ts: TrainSettings, shape: Shape, gpus_per_node: int) -> list[int]:
+    """CP sizes to search: the user's list; else 1, and for a family whose attention the engine splits the
+    powers of two that leave each rank at least CP_MIN_TOKENS tokens and fit in a node."""
+    if ts.context_parallel_sizes is not None:
+        return list(ts.context_parallel_sizes)
+    if not shape.facts.context_parallel:
+        return [1]
+    return [c for c in (1, 2, 4, 8, 16, 32) if c == 1 or (shape.seq_length // c >= CP_MIN_TOKENS
+                                                          and c <= gpus_per_node)]
+
+
+def long_context_values(grid: Grid, shape: Shape, layout: Layout) -> list[tuple[bool, str]]:
+    """(sequence parallel, loss) pairs to search for a layout: the user's lists, or the heuristic's one
+    pair: sequence parallelism and the chunked loss (from CHUNKED_LOSS_FROM tokens) where each runs."""
+    def runs(**change) -> bool:
+        return dataclasses.replace(layout, **change).sequence_problem(shape) is None
+
+    sps = grid.sequence_parallel if grid.sequence_parallel is not None else \
+        [runs(sequence_parallel=True)]
+    losses = grid.losses if grid.losses is not None else \
+        ["chunked" if shape.seq_length >= CHUNKED_LOSS_FROM and runs(loss="chunked") else "full"]
+    return [(sp, loss) for sp in sps for loss in losses]
 
 
 def expert_parallel_sizes(ts: TrainSettings, shape: Shape, gpus_per_node: int) -> list[int]:
@@ -153,6 +196,11 @@ def build_grid(ts: TrainSettings, shape: Shape, size_b: float, host_ram_known: b
         virtual=None if ts.virtual_pipeline_sizes is None else list(ts.virtual_pipeline_sizes),
         optimizers=list(ts.optimizers or ["adamw"]),
         ep=expert_parallel_sizes(ts, shape, gpus_per_node),
+        cp=context_parallel_sizes(ts, shape, gpus_per_node),
+        sequence_parallel=None if ts.sequence_parallel is None else list(ts.sequence_parallel),
+        losses=None if ts.losses is None else list(ts.losses),
+        activation_offload=list(ts.activation_offload) if ts.activation_offload is not None else
+        [False, True] if host_ram_known and shape.seq_length >= ACTIVATION_OFFLOAD_FROM else [False],
     )
 
 
@@ -184,7 +232,8 @@ def act_ckpt_values(grid: Grid, shape: Shape, pp: int, virtual_stages: int = 1) 
 FIELD_KEYS = {"tp": "tensor_parallel_sizes", "pp": "pipeline_parallel_sizes", "act_ckpt_layers": "act_ckpt_layers",
               "virtual_stages": "virtual_pipeline_sizes", "engine": "engines", "zero_stage": "zero_stages",
               "offload": "offload", "global_batch_size": "global_batch_size", "optimizer": "optimizers", "method": "methods",
-              "ep": "expert_parallel_sizes"}
+              "ep": "expert_parallel_sizes", "cp": "context_parallel_sizes", "sequence_parallel": "sequence_parallel",
+              "loss": "losses", "activation_offload": "activation_offload"}
 
 
 # rules judged per (ZeRO stage, offload), not per layout
@@ -200,8 +249,9 @@ def invalid_reason(shape: Shape, c: Candidate, cluster: Cluster, mp_range: tuple
         if p.field in ("tp", "pp"):
             return FIELD_KEYS[p.field], p.reason
     mp = c.tp * c.pp
-    if cluster.gpus % mp:
-        return "num_nodes", f"TP*PP={mp} does not divide the {cluster.gpus} GPUs"
+    if cluster.gpus % (mp * c.cp):
+        what = f"TP*PP={mp}" if c.cp == 1 else f"TP*PP*CP={mp * c.cp}"
+        return "num_nodes", f"{what} does not divide the {cluster.gpus} GPUs"
     for p in problems:
         if p.field == "ep":
             return FIELD_KEYS[p.field], p.reason
@@ -222,7 +272,7 @@ def trial_node_counts(mp: int, gpn: int, num_nodes: int) -> list[int]:
 def _set_trial(c: Candidate, gpn: int, nodes: int) -> Layout:
     """The benchmark on ``nodes`` nodes, data parallelism filling them; each replica does the full run's
     per-replica work, so the step time carries over."""
-    mp = c.tp * c.pp
+    mp = c.tp * c.pp * c.cp
     c.trial_nodes = nodes
     c.trial_dp = max(1, (nodes * gpn) // mp)
     c.trial_gpus_per_node = mp * c.trial_dp // nodes
@@ -246,15 +296,15 @@ def estimate(shape: Shape, c: Candidate, cluster: Cluster, usable_gb: float) -> 
     # Memory per GPU never grows with more data-parallel shards, so bisect for the first count that fits
     # (the largest when none does). The largest is the full run's own nodes: when the full run does not
     # fit, no trial does, and the bisection is skipped.
-    counts = trial_node_counts(c.tp * c.pp * c.full.ep, hw.gpus_per_node, cluster.num_nodes)
+    counts = trial_node_counts(c.tp * c.pp * c.cp * c.full.ep, hw.gpus_per_node, cluster.num_nodes)
     if c.full_memory_gb > usable_gb:
         nodes = counts[-1]
     else:
         nodes = counts[min(bisect.bisect_left(counts, True, key=trial_fits), len(counts) - 1)]
     trial = _set_trial(c, hw.gpus_per_node, nodes)
     c.memory_gb = estimate_memory(shape, trial, hw).total_gb
-    full_host = host_phases_gb(shape, full, hw.gpus_per_node)
-    c.host_memory_gb = max(host_phases_gb(shape, trial, c.trial_gpus_per_node).node_gb, full_host.node_gb)
+    full_host = host_phases_gb(shape, full, hw.gpus_per_node, hw)
+    c.host_memory_gb = max(host_phases_gb(shape, trial, c.trial_gpus_per_node, hw).node_gb, full_host.node_gb)
     c.rank0_host_memory_gb = full_host.save_rank0_gb
     split = estimate_step_time(shape, full, hw, cluster.num_nodes)
     step = c.step_time_s = split.total_s
@@ -285,12 +335,16 @@ def _fit(shape: Shape, c: Candidate, cluster: Cluster, ts: TrainSettings) -> Non
 
 def _layout_candidates(shape: Shape, grid: Grid, ts: TrainSettings, cluster: Cluster, gbs: int, engine: str,
                        tp: int, pp: int, mbs: int, ac: int, vp: int = 1, optimizer: str = "adamw",
-                       ep: int = 1) -> list[Candidate]:
-    """The candidates of one layout over the grid's memory savers (see the module docstring)."""
+                       ep: int = 1, long_context: Optional[Layout] = None) -> list[Candidate]:
+    """The candidates of one layout over the grid's memory savers (see the module docstring);
+    ``long_context``: a Layout whose cp, sequence_parallel, loss and activation_offload this one takes."""
+    lc = long_context or Layout(1, 1, 1, 1, 0, 1)
+
     def make(stage: int, offload: str) -> Candidate:
-        dp = max(1, cluster.gpus // (tp * pp))
-        return Candidate(Layout(tp, pp, dp, mbs, ac, gbs, stage, offload, engine, virtual_stages=vp,
-                                optimizer=optimizer, ep=ep), shape)
+        dp = max(1, cluster.gpus // (tp * pp * lc.cp))
+        return Candidate(Layout(tp, pp, dp, mbs, ac, gbs, stage, offload, engine, lc.sequence_parallel,
+                                virtual_stages=vp, optimizer=optimizer, ep=ep, cp=lc.cp, loss=lc.loss,
+                                activation_offload=lc.activation_offload), shape)
 
     first = make(*grid.savers[0])
     bad = invalid_reason(shape, first, cluster, grid.mp_range)
@@ -309,7 +363,8 @@ def _layout_candidates(shape: Shape, grid: Grid, ts: TrainSettings, cluster: Clu
         _fit(shape, c, cluster, ts)
         out.append(c)
         if grid.heuristic_savers and c.status == SELECTED and c.offload == "none" and \
-                c.trial_nodes == trial_node_counts(tp * pp * ep, cluster.hw.gpus_per_node, cluster.num_nodes)[0]:
+                c.trial_nodes == trial_node_counts(tp * pp * lc.cp * ep, cluster.hw.gpus_per_node,
+                                                   cluster.num_nodes)[0]:
             break  # nothing after it can be chosen over it (see the ordering below)
     if not grid.heuristic_savers:
         return out
@@ -326,11 +381,14 @@ def plan_candidates(shape: Shape, size_b: float, ts: TrainSettings, cluster: Clu
     ranked fastest first."""
     grid = grid or build_grid(ts, shape, size_b, cluster.hw.host_ram_gb is not None, cluster.hw.gpus_per_node)
     out: list[Candidate] = []
-    for opt, engine, tp, pp, ep, mbs in itertools.product(grid.optimizers, grid.engines, grid.tp, grid.pp, grid.ep,
-                                                          grid.mbs):
-        for vp in virtual_stage_values(grid, shape, pp):
-            for ac in act_ckpt_values(grid, shape, pp, vp):
-                out += _layout_candidates(shape, grid, ts, cluster, gbs, engine, tp, pp, mbs, ac, vp, opt, ep)
+    for opt, engine, tp, pp, ep, cp, mbs, ao in itertools.product(grid.optimizers, grid.engines, grid.tp, grid.pp,
+                                                                  grid.ep, grid.cp, grid.mbs, grid.activation_offload):
+        base = Layout(tp, pp, 1, mbs, 0, 1, engine=engine, ep=ep, cp=cp, activation_offload=ao)
+        for sp, loss in long_context_values(grid, shape, base):
+            lc = dataclasses.replace(base, sequence_parallel=sp, loss=loss)
+            for vp in virtual_stage_values(grid, shape, pp):
+                for ac in act_ckpt_values(grid, shape, pp, vp):
+                    out += _layout_candidates(shape, grid, ts, cluster, gbs, engine, tp, pp, mbs, ac, vp, opt, ep, lc)
     rank_candidates(out, ts.limit_search_runs)
     return out
 
@@ -343,8 +401,9 @@ def rank_candidates(cands: list[Candidate], limit: int) -> None:
         if c.status == OVER_LIMIT:
             c.status, c.reason, c.reason_key = SELECTED, "", ""
     fitting = [c for c in cands if c.status == SELECTED]
-    fitting.sort(key=lambda c: (c.step_time_s, c.memory_gb, c.tp, c.pp, c.ep, c.virtual_stages, c.mbs,
-                                c.act_ckpt_layers, c.engine, c.zero_stage, c.offload))
+    fitting.sort(key=lambda c: (c.step_time_s, c.memory_gb, c.tp, c.pp, c.ep, c.cp, c.virtual_stages, c.mbs,
+                                c.act_ckpt_layers, c.engine, c.zero_stage, c.offload, c.full.sequence_parallel,
+                                c.full.loss, c.full.activation_offload))
     for i, c in enumerate(fitting, start=1):
         c.rank = i
         if i > limit:

@@ -22,7 +22,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from hp_tool.families.moe import DEFAULT_EXPERT_IMBALANCE
 from hp_tool.families import family, family_names
 from hp_tool.errors import ConfigError, require
-from hp_tool.vocab import CLUSTER_TYPES, ENGINES, FINETUNE, MEMORY_CHECKS, METHODS, OPTIMIZERS, OFFLOADS, PRECISIONS, STRATEGIES, ZERO_STAGES
+from hp_tool.vocab import CLUSTER_TYPES, ENGINES, FINETUNE, LOSSES, MEMORY_CHECKS, METHODS, OPTIMIZERS, OFFLOADS, PRECISIONS, STRATEGIES, ZERO_STAGES
 
 DEFAULT_SKIP_MARGIN = 0.25  # train_settings.skip_margin; chosen by benchmarks/search_cost.py
 SIZING_MFU = 140 / 312  # tflops_per_gpu default: the MFU of NeMo's 140 TFLOPS on a 312-TFLOPS A100 (45%)
@@ -255,6 +255,15 @@ class TrainSettings:
     # the busiest expert's tokens over the mean (top_k·tokens/experts) that expert memory and compute are sized
     # at (hp_tool/families/moe.py DEFAULT_EXPERT_IMBALANCE: Switch Transformer's capacity factor 1.25)
     expert_imbalance: float = DEFAULT_EXPERT_IMBALANCE
+    # long context (hp_tool/sharding.py sequence_problem); null = the heuristic (candidates.py):
+    # sequence parallelism wherever it runs (TP > 1 on the torch engine without PP, Llama-style layers)
+    sequence_parallel: Optional[List[bool]] = None
+    # CP sizes: null = 1, and the powers of two leaving each rank at least 8192 tokens within a node with TP
+    context_parallel_sizes: Optional[List[int]] = None
+    # full | chunked: null = chunked from 8192 tokens per sequence where it runs (TP 1, torch), else full
+    losses: Optional[List[str]] = None
+    # saved activations in host RAM: null = [false], and [false, true] from 16384 tokens with a host RAM figure
+    activation_offload: Optional[List[bool]] = None
     # fine-tuning (model_family finetune): the data is the budget; the answer is hours and dollars per epoch
     seq_lengths: Optional[List[int]] = None  # tokens per sequence, searched with micro_batch_sizes; null = [seq_length]
     global_batch_tokens: Optional[int] = None  # tokens per optimizer step at every sequence length; null = GBS x seq
@@ -271,7 +280,10 @@ class TrainSettings:
         _seq_and_vocab(p, self.seq_length, self.vocab_size)
         _length(f"{p}.decoder_seq_length", self.decoder_seq_length, "decoder length", "128 (or null for 128)")
         _positive_list(self, p, ("tensor_parallel_sizes", "pipeline_parallel_sizes", "virtual_pipeline_sizes",
-                                 "micro_batch_sizes", "seq_lengths", "expert_parallel_sizes"))
+                                 "micro_batch_sizes", "seq_lengths", "expert_parallel_sizes", "context_parallel_sizes"))
+        _members(self, p, "losses", LOSSES)
+        for name in ("sequence_parallel", "activation_offload"):
+            _members(self, p, name, (False, True))
         require(self.expert_imbalance >= 1.0, f"{p}.expert_imbalance", self.expert_imbalance,
                 "must be at least 1 (the busiest expert gets at least the mean of the routed tokens)",
                 "use 1.0 for perfectly balanced routing, 1.25 (default) as Switch Transformer's capacity factor")
@@ -445,11 +457,22 @@ class AppConfig:
         require("adamw_8bit" not in optimizers or self.gpu.name != "cpu", "search_config.train_settings.optimizers",
                 optimizers, "adamw_8bit is bitsandbytes' 8-bit AdamW, which runs on CUDA GPUs only, and gpu=cpu",
                 "search adamw, sgd or sgd_momentum on CPU, or plan for a GPU preset")
+        activation_offload = self.search_config.train_settings.activation_offload or []
+        require(True not in activation_offload or self.gpu.host_ram_gb is not None, "gpu.host_ram_gb",
+                self.gpu.host_ram_gb, "activation offload keeps the saved activations in host RAM, and the gpu preset "
+                "gives no host RAM per node to plan it", "set gpu.host_ram_gb=<GB per node>, or search "
+                "activation_offload=[false]")
         offload = self.search_config.train_settings.offload or []
         asked = [o for o in offload if o != "none"]
         require(not asked or self.gpu.host_ram_gb is not None, "gpu.host_ram_gb", self.gpu.host_ram_gb,
                 f"offload {asked} needs the host RAM per node to plan, and the gpu preset gives none",
                 "set gpu.host_ram_gb=<GB per node>, or search offload=[none]")
+
+
+def trial_device(gpu_name: str) -> str:
+    """What the trials run on: the ``cpu`` gpu preset's processes compute in fp32 on CPU (the host is their
+    device); every other preset is a GPU."""
+    return "cpu" if gpu_name == "cpu" else "cuda"
 
 
 def searched_methods(app: AppConfig) -> tuple[str, ...]:

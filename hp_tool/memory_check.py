@@ -7,7 +7,8 @@ prunes on the traced figure plus the gpu preset's ``memory_overhead_gb``. ``anal
 dry run) keeps the instant formula of hp_tool/estimate/memory.py and never imports torch.
 
 A candidate the trace cannot run keeps the analytic figure, with the reason in its row: the DeepSpeed
-engine (not traced), host offload (a CPU trace cannot tell host-resident states from GPU memory), or a
+engine (not traced), host offload of the states (a CPU trace cannot tell host-resident states from GPU
+memory; activation offload is traced, its host copies kept apart: hp_tool/trial/activation_offload.py), or a
 trace that failed (an operator without a fake implementation, say). Traces are cached by what decides
 them (model, layout, batch, precision, device, torch version) in ``candidate_configs/memory_traces.json``,
 so a resumed or repeated search traces nothing twice.
@@ -28,12 +29,13 @@ from typing import Optional
 
 from hp_tool.trial.trace.limits import untraceable_reason
 from hp_tool.fingerprint import fingerprint_of
+from hp_tool.config import trial_device
 from hp_tool.contracts.spec import TrialSpec
 from hp_tool.vocab import TRACE_CACHE_FILE
 
 log = logging.getLogger(__name__)
 
-TRACE_VERSION = 2  # bump when the trace counts differently: cached traces of another version are redone
+TRACE_VERSION = 4  # bump when the trace counts differently: cached traces of another version are redone
 
 
 @dataclass(frozen=True)
@@ -46,9 +48,9 @@ class TraceOutcome:
 
 
 def trace_device(gpu_name: str) -> str:
-    """What the trials run on: the ``cpu`` gpu preset's processes compute in fp32 on CPU; every other
-    preset is a GPU, traced with its precision's autocast and FSDP2 parameter dtype."""
-    return "cpu" if gpu_name == "cpu" else "cuda"
+    """The device the trace models (``config.trial_device``): a GPU preset is traced with its precision's autocast
+    and FSDP2 parameter dtype."""
+    return trial_device(gpu_name)
 
 
 def trace_key(spec: TrialSpec, device_type: str, torch_version: str) -> str:

@@ -31,6 +31,7 @@ PLAN_COLUMNS = (
     "seq_length", "predicted_mfu", "predicted_tokens_per_hour", "predicted_hours_per_epoch",
     "predicted_cost_usd_per_epoch", "predicted_rank0_host_memory_gb", "optimizer", "method", "lora_rank",
     "trainable_parameters", "experts", "top_k", "ep", "active_parameters",
+    "cp", "sequence_parallel", "loss", "activation_offload",
 )
 
 
@@ -89,6 +90,9 @@ def plan_rows(plan: Plan) -> Iterable[dict[str, Any]]:
             "trainable_parameters": trainable_parameters(c.shape, m.num_parameters),
             "experts": c.shape.num_experts or None, "top_k": c.shape.top_k or None,
             "ep": c.ep if c.shape.moe else None, "active_parameters": active_parameters(c.shape),
+            # the long-context savers, as the trial's spec runs them
+            "cp": c.cp, "sequence_parallel": c.full.sequence_parallel, "loss": c.full.loss,
+            "activation_offload": c.full.activation_offload,
         }
 
 
@@ -192,6 +196,10 @@ def render_plan(plan: Plan, max_rows: int = 25) -> str:
     moe = plan.model.shape.moe
     if moe:  # a mixture of experts: its expert-parallel size after PP
         columns[columns.index("PP") + 1:columns.index("PP") + 1] = ["EP"]
+    cp = any(c.cp > 1 for c in plan.candidates if c.status == SELECTED)
+    if cp:  # context parallelism searched: its size after PP (and EP); the other savers are in the trial id
+        at = columns.index("EP" if moe else "PP") + 1
+        columns[at:at] = ["CP"]
     for col in columns:
         table.add_column(col, justify="left" if col in ("trial_id", "engine", "offload") else "right")
     rows = {r["trial_id"]: r for r in plan_rows(plan) if r["plan_status"] == SELECTED}
@@ -211,6 +219,8 @@ def render_plan(plan: Plan, max_rows: int = 25) -> str:
                       _money(r["predicted_cost_usd_per_epoch"])]
         if moe:
             cells[columns.index("EP"):columns.index("EP")] = [str(c.ep)]
+        if cp:
+            cells[columns.index("CP"):columns.index("CP")] = [str(c.cp)]
         table.add_row(*cells)
     console = Console(file=io.StringIO(), width=240 if finetune else 190, force_terminal=False)
     console.print(plan.sentence, soft_wrap=True)

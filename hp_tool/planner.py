@@ -132,7 +132,8 @@ def _require_selection(candidates: list[Candidate], ts, cluster: Cluster) -> Non
 def candidate_trial_id(model: ModelChoice, c: Candidate) -> str:
     return make_trial_id(model.shape.family, model.label, c.tp, c.pp, c.mbs, c.act_ckpt_layers, c.engine,
                          c.zero_stage, c.offload, c.virtual_stages, model_seq(model, c.shape), c.optimizer,
-                         c.shape.method, c.shape.lora_rank, c.ep if c.shape.moe else None)
+                         c.shape.method, c.shape.lora_rank, c.ep if c.shape.moe else None, c.full.cp,
+                         c.full.sequence_parallel, c.full.loss, c.full.activation_offload)
 
 
 def candidate_spec(base: TrialSpec, c: Candidate, model: ModelChoice, app: AppConfig,

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Optional
 
 from hp_tool.families import family
-from hp_tool.vocab import ENGINE_CODES, OFFLOAD_CODES
+from hp_tool.vocab import ENGINE_CODES, LOSSES, OFFLOAD_CODES
 
 
 # The memory savers from lightest to heaviest, as the heuristic (zero_stages / offload null) tries them;
@@ -125,4 +125,49 @@ def combination_problem(engine: str, zero_stage: int, offload: str, tp: int, pp:
         return "engines", f"hp_tool's DeepSpeed engine runs without pipeline parallelism (PP={pp}): use the torch engine"
     if tp > 1 and zero_stage == 3:
         return "zero_stages", "DeepSpeed's tensor parallelism (AutoTP) composes with ZeRO stages 0-2, not 3"
+    return None
+
+
+def sequence_problem(family_name: str, seq_length: int, tp: int, pp: int, cp: int, ep: int, sequence_parallel: bool,
+                     loss: str, activation_offload: bool, engine: str) -> Optional[tuple[str, str]]:
+    """(the Layout field at fault, why) when the long-context savers cannot run this way, else None.
+
+    - chunked loss: the torch engine at TP 1 (with TP the vocabulary-parallel loss already splits the logits
+      over TP, and DeepSpeed runs transformers' own loss);
+    - sequence parallel: TP > 1 on the torch engine without PP, for a family whose layers the engine's
+      sequence-parallel plan knows, the sequence (each CP rank's part of it) divisible by TP;
+    - context parallel: the torch engine, a family whose attention the engine's ring splits, without PP or
+      expert parallelism, the sequence divisible into 2·CP equal chunks (two per rank, for the causal mask's
+      balance);
+    - activation offload: the torch engine (``torch.autograd.graph.save_on_cpu``)."""
+    facts = family(family_name)
+    if loss not in LOSSES:
+        return "loss", f"unknown loss {loss!r} (use one of {list(LOSSES)})"
+    if loss == "chunked" and (tp > 1 or engine != "torch"):
+        return "loss", (f"the chunked loss runs on the torch engine with TP 1 (here engine {engine}, TP {tp}; with TP "
+                        "the vocabulary-parallel loss already splits the logits over TP)")
+    if cp > 1:
+        if engine != "torch":
+            return "cp", f"CP={cp} on engine {engine}: only the torch engine splits the sequence"
+        if not facts.context_parallel:
+            return "cp", (f"CP={cp} for {family_name}: the engine's ring attention splits causal decoder-only "
+                          f"attention with rotary positions (Llama-style families), not {family_name}'s")
+        if pp > 1:
+            return "cp", f"CP={cp} with PP={pp}: the torch engine runs context parallelism without pipeline stages"
+        if ep > 1:
+            return "cp", f"CP={cp} with EP={ep}: the torch engine does not split experts and the sequence together"
+        if seq_length % (2 * cp):
+            return "cp", (f"CP={cp} needs the {seq_length}-token sequence in 2*CP={2 * cp} equal chunks (two per "
+                          "rank balance the causal mask's work)")
+    if sequence_parallel:
+        if tp == 1 or engine != "torch" or pp > 1:
+            return "sequence_parallel", (f"sequence parallelism splits the sequence over TP on the torch engine "
+                                         f"without PP (here TP={tp}, PP={pp}, engine {engine})")
+        if not facts.sequence_parallel:
+            return "sequence_parallel", f"the torch engine has no sequence-parallel plan for {family_name}'s layers"
+        if (seq_length // cp) % tp:
+            return "sequence_parallel", (f"sequence parallelism splits each rank's {seq_length // cp} tokens over "
+                                         f"TP={tp}, which does not divide them")
+    if activation_offload and engine != "torch":
+        return "activation_offload", f"the {engine} engine does not offload activations (use engine torch)"
     return None

@@ -6,6 +6,7 @@ from __future__ import annotations
 # ---- training and layout choices (config keys, the trial spec, trial ids) ----
 PRECISIONS = ("bf16", "fp16", "fp32")
 SCHEDULES = ("1F1B", "GPipe")
+LOSSES = ("full", "chunked")  # the language-model loss: whole logits, or over chunks of tokens (hp_tool/trial/loss.py)
 RUN_MODES = ("benchmark", "full")
 DATA_SOURCES = ("synthetic", "file")
 ENGINES = ("torch", "deepspeed")

@@ -87,7 +87,7 @@ def test_every_search_config_plans_on_its_default_gpu(tmp_path, name):
     app, search = load(f"search_config={name}", "cluster=bcm", "cluster.partition=batch", *custom)
     plan = make_plan(app, search, tmp_path)
     assert plan.specs and plan.base.resources.gpu == app.gpu.name
-    own = {"finetune/llama2_7b_a10g": "a10g_g5_4xlarge"}  # presets made for one GPU type select it
+    own = {"finetune/llama2_7b_a10g": "a10g_g5_4xlarge", "llama/llama3_8b_128k": "h100_80gb"}  # presets made for one GPU type select it
     assert app.gpu.name == own.get(name, "cpu" if name.rsplit("/", 1)[-1].startswith("tiny") else "a100_80gb")
 
 

@@ -75,9 +75,13 @@ def test_pipeline_first_stage_holds_about_all_layers_in_flight():
 
 
 def test_logits_term_uses_the_vocabulary():
+    """The whole-logits loss at its traced 12 bytes per logit (16 per local logit under TP's vocabulary-parallel
+    loss; tests/test_long_context_memory.py measures both)."""
     shape, _ = gpt3_shape(1, 51200, 2048)
     est = estimate_memory(shape, Layout(1, 1, 8, 2, 0, 256), HW)
-    assert est.logits_gb == pytest.approx(2 * 2048 * 51200 * (2 + 8) / 1e9)
+    assert est.logits_gb == pytest.approx(2 * 2048 * 51200 * 12 / 1e9)
+    tp2 = estimate_memory(shape, Layout(2, 1, 4, 2, 0, 256), HW)
+    assert tp2.logits_gb == pytest.approx(2 * 2048 * 51200 / 2 * 16 / 1e9)
 
 
 @pytest.mark.parametrize("pp, v, m", [(2, 2, 4), (4, 2, 8), (4, 3, 4), (4, 2, 6), (4, 2, 2), (8, 4, 16), (3, 2, 1)])

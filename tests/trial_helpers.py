@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -22,7 +23,8 @@ def tiny_spec(family: str = "gpt3", tp: int = 1, pp: int = 1, dp: int = 1, mbs: 
     T5/mT5: 2 layers per stack, 4 heads of 16 channels, encoder 64 and decoder 32 tokens (mT5 a larger
     vocabulary). Mixtures of experts (``MOE_FAMILIES``): 2 layers, vocab 256, seq 32, 4 experts of width 32,
     top-2, 2 kv heads; qwen2_moe adds a shared expert of width 48 and q, k, v biases. ``ep`` (in ``run``):
-    the experts split over that many of the DP ranks."""
+    the experts split over that many of the DP ranks; ``cp`` (in ``run``): each sequence split over that
+    many ranks (context parallelism)."""
     kv = 2 if family in ("llama", *MOE_FAMILIES) else 4
     ffn = {"llama": 176, "t5": 128, "mt5": 128, **{name: 32 for name in MOE_FAMILIES}}.get(family, 256)
     encdec, moe = family in ("t5", "mt5"), family in MOE_FAMILIES
@@ -36,17 +38,32 @@ def tiny_spec(family: str = "gpt3", tp: int = 1, pp: int = 1, dp: int = 1, mbs: 
     parallel = ParallelSpec(tp=tp, pp=pp, dp=dp, mbs=mbs, act_ckpt_layers=act_ckpt,
                             engine=run.pop("engine", "torch"), zero_stage=run.pop("zero_stage", 3),
                             offload=run.pop("offload", "none"), virtual_stages=run.pop("vp", 1),
-                            ep=run.pop("ep", 1))
+                            ep=run.pop("ep", 1), cp=run.pop("cp", 1))
     training = TrainingSpec(global_batch_size=gbs, lr=1e-3, min_lr=1e-4, warmup_steps=1,
                             max_steps=100, seed=1234)
     run_spec = RunSpec(max_steps=max_steps, warmup_steps=run.pop("warmup_steps", 1),
                        stable_cv=run.pop("stable_cv", 0.0), **run)
     trial_id = f"{family}_tiny_tp{tp}_pp{pp}_vp{parallel.virtual_stages}_dp{dp}_mbs{mbs}_ac{act_ckpt}" + \
-        (f"_ep{parallel.ep}" if parallel.ep > 1 else "")
+        (f"_ep{parallel.ep}" if parallel.ep > 1 else "") + (f"_cp{parallel.cp}" if parallel.cp > 1 else "")
     return TrialSpec(trial_id=trial_id, model=model, parallel=parallel, training=training,
-                     resources=ResourcesSpec(num_nodes=1, gpus_per_node=tp * pp * dp,
+                     resources=ResourcesSpec(num_nodes=1, gpus_per_node=tp * pp * parallel.cp * dp,
                                              peak_tflops_per_gpu=1.0),
                      run=run_spec)
+
+
+
+def long_context_spec(seq_length: int = 256, vocab_size: int = 2048, loss: str = "full",
+                      loss_chunk_tokens: int = 4096, sequence_parallel: bool = False,
+                      activation_offload: bool = False, **layout) -> TrialSpec:
+    """``tiny_spec("llama", **layout)`` (4 layers, hidden 64, 2 kv heads) at a long-ish sequence over a
+    vocabulary whose logits outweigh a layer's activations (256 tokens, 2048 words: the fp32 logits of a
+    2-sequence micro-batch are 4.2 MB, a layer's saved activations 2.6 MB), with the long-context savers:
+    the chunked loss and its chunk, sequence parallelism (TP > 1), activation offload."""
+    spec = tiny_spec("llama", **layout)
+    return dataclasses.replace(
+        spec, model=dataclasses.replace(spec.model, seq_length=seq_length, vocab_size=vocab_size),
+        parallel=dataclasses.replace(spec.parallel, loss=loss, loss_chunk_tokens=loss_chunk_tokens,
+                                     sequence_parallel=sequence_parallel, activation_offload=activation_offload))
 
 
 def write_spec(spec: TrialSpec, folder: Path) -> Path:

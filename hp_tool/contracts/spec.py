@@ -134,12 +134,14 @@ SPEC_FIXES = {
     "method": "use a layout the method runs on (hp_tool/sharding.py method_problem)",
     "experts": "use an expert-parallel size the model and engine run (hp_tool/sharding.py expert_problem)",
     "expert_savers": "with EP > 1 use ZeRO 0, 2 or 3 (hp_tool/sharding.py expert_saver_problem)",
+    "sequence": "use a loss, sequence or context parallelism the layout runs (hp_tool/sharding.py sequence_problem)",
 }
 
 
 @dataclass
 class ParallelSpec:
-    """Parallel layout: world size = tp * pp * dp."""
+    """Parallel layout: world size = tp * pp * cp * dp. The long-context fields' rules need the model
+    (``Layout.sequence_problem``), and ``TrialSpec`` checks them."""
 
     tp: int = 1
     pp: int = 1
@@ -152,9 +154,14 @@ class ParallelSpec:
     offload: str = "none"  # none | optimizer | optimizer_and_params (to host RAM)
     virtual_stages: int = 1  # model chunks per pipeline rank: interleaved 1F1B when > 1 (torch engine)
     ep: int = 1  # expert parallel: MoE experts split over ep of the dp ranks (ep divides dp)
+    cp: int = 1  # context parallel: each sequence split over cp ranks (ring attention), 2 chunks per rank
+    loss: str = "full"  # full: whole logits | chunked: output projection and cross-entropy over chunks of tokens
+    loss_chunk_tokens: int = 4096  # tokens per chunk of the chunked loss
+    activation_offload: bool = False  # tensors saved for backward kept in (pinned) host memory (torch engine)
+    sequence_parallel: bool = False  # with TP: norms on sequence shards, TP's all-reduces as gather + scatter
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "mbs", "virtual_stages", "ep"):
+        for name in ("tp", "pp", "dp", "mbs", "virtual_stages", "ep", "cp", "loss_chunk_tokens"):
             require(getattr(self, name) >= 1, f"parallel.{name}", getattr(self, name),
                     "must be at least 1", "set a positive integer")
         require(self.act_ckpt_layers >= 0, "parallel.act_ckpt_layers", self.act_ckpt_layers,
@@ -176,14 +183,16 @@ class ParallelSpec:
     def layout(self, global_batch_size: int, optimizer: str = "adamw") -> Layout:
         """This section as a Layout, the global batch (and the training section's optimizer) added."""
         return Layout(self.tp, self.pp, self.dp, self.mbs, self.act_ckpt_layers, global_batch_size, self.zero_stage,
-                      self.offload, self.engine, virtual_stages=self.virtual_stages, optimizer=optimizer,
-                      ep=self.ep)
+                      self.offload, self.engine, sequence_parallel=self.sequence_parallel,
+                      virtual_stages=self.virtual_stages, optimizer=optimizer, ep=self.ep, cp=self.cp, loss=self.loss,
+                      activation_offload=self.activation_offload, loss_chunk_tokens=self.loss_chunk_tokens)
 
     @classmethod
     def of(cls, layout: Layout, pipeline_schedule: str = "1F1B") -> "ParallelSpec":
         """A Layout's YAML form (its global batch goes to the training section)."""
         return cls(layout.tp, layout.pp, layout.dp, layout.mbs, layout.act_ckpt_layers, pipeline_schedule,
-                   layout.engine, layout.zero_stage, layout.offload, layout.virtual_stages, layout.ep)
+                   layout.engine, layout.zero_stage, layout.offload, layout.virtual_stages, layout.ep, layout.cp,
+                   layout.loss, layout.loss_chunk_tokens, layout.activation_offload, layout.sequence_parallel)
 
 
 @dataclass
@@ -317,8 +326,8 @@ class TrialSpec:
     def __post_init__(self) -> None:
         m, p, r = self.model, self.parallel, self.resources
         world = r.num_nodes * r.gpus_per_node
-        require(p.tp * p.pp * p.dp == world, "parallel", f"tp={p.tp} pp={p.pp} dp={p.dp}",
-                f"tp*pp*dp={p.tp * p.pp * p.dp} differs from the world size "
+        require(p.tp * p.pp * p.cp * p.dp == world, "parallel", f"tp={p.tp} pp={p.pp} cp={p.cp} dp={p.dp}",
+                f"tp*pp*cp*dp={p.tp * p.pp * p.cp * p.dp} differs from the world size "
                 f"num_nodes*gpus_per_node={r.num_nodes}*{r.gpus_per_node}={world}",
                 "make the parallel degrees multiply to the number of processes")
         layout = self.layout()
@@ -345,8 +354,10 @@ class TrialSpec:
         optimizer, data, steps, time box and stop rule, and the processes it runs on. Not the trial id,
         the output folder, the planner's estimates, the full run it stands for, or prices."""
         d = self.to_dict()
+        # the long-context fields at their defaults are left out, so a spec without them keeps its fingerprint
+        parallel = {k: v for k, v in d["parallel"].items() if LONG_CONTEXT_DEFAULTS.get(k, object()) != v}
         return fingerprint_of({
-            "model": d["model"], "parallel": d["parallel"], "training": d["training"],
+            "model": d["model"], "parallel": parallel, "training": d["training"],
             "run": {k: v for k, v in d["run"].items() if k != "output_dir"},
             "resources": {k: d["resources"][k] for k in ("num_nodes", "gpus_per_node")},
         })
@@ -367,18 +378,29 @@ def dump_spec(spec: TrialSpec, path: str | os.PathLike) -> Path:
     return atomic_write_text(path, text)
 
 
+# ParallelSpec's long-context fields and their defaults (what a layout without them runs)
+LONG_CONTEXT_DEFAULTS = {"cp": 1, "loss": "full", "loss_chunk_tokens": 4096, "activation_offload": False,
+                         "sequence_parallel": False}
+
+
 def make_trial_id(family: str, size_label: str, tp: int, pp: int, mbs: int, act_ckpt_layers: int,
                   engine: str = "torch", zero_stage: int = 3, offload: str = "none", virtual_stages: int = 1,
                   seq: Optional[int] = None, optimizer: str = "adamw", method: str = "full",
-                  lora_rank: int = 0, ep: Optional[int] = None) -> str:
+                  lora_rank: int = 0, ep: Optional[int] = None, cp: int = 1, sequence_parallel: bool = False,
+                  loss: str = "full", activation_offload: bool = False) -> str:
     """The one place a trial id is built; every file name derives from it. It names every searched
     dimension, e.g. gpt3_5b_tp2_pp1_mbs4_ac0_torch_z3_noff; interleaved layouts add their virtual stages
     after PP (gpt3_5b_tp1_pp4_vp2_mbs1_ac0_torch_z3_noff); a fine-tuning search its sequence length after
     the size (llama_6.74b_s2048_tp1_pp1_mbs4_ac32_ds_z3_offopt); an optimizer other than AdamW its code at
     the end (..._torch_z3_noff_sgdm); an adapter method its name and rank after the sequence length
     (llama_6.74b_s2048_lora16_tp1_...); a mixture of experts its expert-parallel size after PP (and the
-    virtual stages), EP 1 included (mixtral_46.7b_s4096_tp1_pp1_ep8_mbs1_...)."""
-    vp = (f"_vp{virtual_stages}" if virtual_stages > 1 else "") + (f"_ep{ep}" if ep is not None else "")
+    virtual stages), EP 1 included (mixtral_46.7b_s4096_tp1_pp1_ep8_mbs1_...). The long-context savers
+    appear only when used: sequence parallelism as ``sp`` after TP, context parallelism after PP (and EP),
+    the chunked loss and activation offload at the end
+    (llama_8.03b_s32768_tp2sp_pp1_cp2_mbs1_ac32_torch_z3_noff_lchunk_aoff)."""
+    vp = (f"_vp{virtual_stages}" if virtual_stages > 1 else "") + (f"_ep{ep}" if ep is not None else "") + \
+        (f"_cp{cp}" if cp > 1 else "")
     s = (f"_s{seq}" if seq is not None else "") + (f"_{method}{lora_rank}" if method != "full" else "")
-    return (f"{family}_{size_label}{s}_tp{tp}_pp{pp}{vp}_mbs{mbs}_ac{act_ckpt_layers}_"
-            f"{layout_suffix(engine, zero_stage, offload)}{OPTIMIZER_CODES[optimizer]}")
+    saver = ("_lchunk" if loss == "chunked" else "") + ("_aoff" if activation_offload else "")
+    return (f"{family}_{size_label}{s}_tp{tp}{'sp' if sequence_parallel else ''}_pp{pp}{vp}_mbs{mbs}_"
+            f"ac{act_ckpt_layers}_{layout_suffix(engine, zero_stage, offload)}{OPTIMIZER_CODES[optimizer]}{saver}")

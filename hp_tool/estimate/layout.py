@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Optional
 
 from hp_tool.architectures import interleave_problem, pipeline_problem
 from hp_tool.sharding import (combination_problem, expert_problem, expert_saver_problem, family_problem,
-                              method_problem, optimizer_problem)
+                              method_problem, optimizer_problem, sequence_problem)
 
 if TYPE_CHECKING:
     from hp_tool.families.shape import Shape
@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 GB = 1e9  # hp_tool reports memory in GB of 1e9 bytes, as GPU vendors label their memory
 
 BYTES_PER_VALUE = {"bf16": 2, "fp16": 2, "fp32": 4}
+# context parallelism's ring attention computes a block's scores tile by tile of the query rows, each tile's fp32
+# scores at most this many bytes (hp_tool/trial/ring_attention.py query_tiles; memory.ring_transient_bytes)
+RING_SCORE_BYTES = 8 * 2 ** 20
 
 
 @dataclass(frozen=True)
@@ -41,16 +44,34 @@ class Layout:
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved 1F1B when > 1)
     optimizer: str = "adamw"  # adamw | sgd | sgd_momentum | adamw_8bit (hp_tool/vocab.py OPTIMIZERS)
     ep: int = 1  # expert parallel: an MoE model's experts split over ep of the dp ranks
+    # long context (hp_tool/sharding.py sequence_problem): the sequence split over cp ranks (ring attention;
+    # data-parallel ranks for everything else), the loss over chunks of tokens, saved activations in host RAM
+    cp: int = 1
+    loss: str = "full"  # full | chunked (hp_tool/vocab.py LOSSES)
+    activation_offload: bool = False
+    loss_chunk_tokens: int = 4096  # tokens per chunk of the chunked loss
+
+    @property
+    def gpus(self) -> int:
+        """GPUs of the layout: TP x PP x CP x DP."""
+        return self.tp * self.pp * self.cp * self.dp
+
+    @property
+    def zero_ranks(self) -> int:
+        """Ranks holding the same weights, over which ZeRO shards them and the gradients are reduced: the DP
+        replicas and, within each, the CP ranks (which split the sequence, not the weights)."""
+        return self.dp * self.cp
 
     @property
     def edp(self) -> int:
         """Data-parallel ranks holding each expert: DP / EP (the group ZeRO shards the experts over)."""
-        return max(1, self.dp // self.ep)
+        return max(1, self.zero_ranks // self.ep)
 
     def shard(self, params: float, experts: float = 0.0) -> float:
         """One data-parallel rank's share of ``params`` local parameters, ``experts`` of them routed experts:
-        the dense ones split over the DP ranks, the experts over the DP / EP ranks holding the same ones."""
-        return (params - experts) / max(1, self.dp) + experts / self.edp
+        the dense ones split over the ZeRO ranks (DP x CP), the experts over the DP / EP ranks holding the
+        same ones."""
+        return (params - experts) / max(1, self.zero_ranks) + experts / self.edp
 
     @property
     def num_microbatches(self) -> int:
@@ -111,7 +132,17 @@ class Layout:
         bad_expert_savers = self.expert_saver_problem()
         if bad_expert_savers:
             out.append(bad_expert_savers)
+        bad_sequence = self.sequence_problem(shape)
+        if bad_sequence:
+            out.append(bad_sequence)
         return out
+
+    def sequence_problem(self, shape: "Shape") -> Optional["Problem"]:
+        """Why the long-context savers (loss, sequence and context parallelism, activation offload) cannot run
+        this way (rule "sequence"), or None."""
+        bad = sequence_problem(shape.family, shape.seq_length, self.tp, self.pp, self.cp, self.ep,
+                               self.sequence_parallel, self.loss, self.activation_offload, self.engine)
+        return None if bad is None else Problem(bad[0], "sequence", bad[1])
 
     def expert_saver_problem(self) -> Optional["Problem"]:
         """Why the engine cannot split experts at this ZeRO stage and offload (rule "expert_savers"), or None;
@@ -145,9 +176,23 @@ SAVER_FIELDS = {"offload": "offload", "zero_stages": "zero_stage", "engines": "e
 class Problem:
     """Why a layout cannot run: the Layout field at fault, the rule, and the reason in words."""
 
-    field: str  # tp, pp, act_ckpt_layers, virtual_stages, engine, zero_stage, offload, global_batch_size, ep
-    rule: str  # heads, node, pipeline, checkpointing, family, batch, interleave, savers, experts, expert_savers
+    # tp, pp, act_ckpt_layers, virtual_stages, engine, zero_stage, offload, global_batch_size, ep, cp, loss,
+    # sequence_parallel, activation_offload
+    field: str
+    # heads, node, pipeline, checkpointing, family, batch, interleave, savers, experts, expert_savers, sequence
+    rule: str
     reason: str
+
+
+def rank_shape(shape: "Shape", layout: Layout) -> "Shape":
+    """The model as one rank sees its sequence: ``seq_length / CP`` tokens (context parallelism splits each
+    sequence over CP ranks, two balanced chunks each); the shape itself without CP. Activations, logits and
+    the collectives that move them are per token a rank holds; the model's FLOPs stay the whole sequence's."""
+    if layout.cp == 1:
+        return shape
+    import dataclasses
+
+    return dataclasses.replace(shape, seq_length=shape.seq_length // layout.cp)
 
 
 def microbatches_in_flight(layout: Layout, stage: int) -> float:
@@ -183,6 +228,12 @@ class Hardware:
     pcie_bandwidth_gbps: float = 25.0  # GB/s per GPU and direction between host and GPU (offload traffic)
     memory_bandwidth_gbps: float = 2000.0  # GB/s of GPU memory (QLoRA's dequantisation)
     flash_attention: bool = True  # attention scores are not stored (SDPA / flash kernels)
+    device_is_host: bool = False  # CPU processes (gpu preset cpu): host RAM is the device's, offload moves nothing
+
+    def offloads_activations(self, layout: "Layout") -> bool:
+        """Whether ``layout``'s activation offload takes saved tensors off the device: not where the device is
+        the host (the engine leaves a CPU rank's tensors where they are)."""
+        return layout.activation_offload and not self.device_is_host
 
     @property
     def bytes_per_value(self) -> int:

@@ -9,7 +9,14 @@ and backward reads (``compute_copy_bytes``). Activations per layer: GPT from Kor
 engine runs without dropout); Llama (GQA, SwiGLU, RMSNorm, RoPE) and T5 derived tensor by tensor for the
 engine's modules. Each term is checked against the traced engine (tests/test_memory_check.py,
 benchmarks/memory_terms.py). Pipeline: 1F1B keeps up to PP micro-batches in flight on the first stage.
-Logits: a 16-bit logits tensor upcast to fp32 for the loss, plus its fp32 gradient.
+Logits (``logits_bytes``): the whole-logits loss holds a 16-bit logits tensor upcast to fp32, plus its fp32
+gradient; the chunked loss one chunk's logits and the gradients it computes in forward (hp_tool/trial/loss.py).
+
+Long context: context parallelism gives each rank seq / CP tokens of every sequence (``rank_shape``) and
+ZeRO shards over DP x CP ranks (``Layout.zero_ranks``); sequence parallelism divides the norms' and a
+checkpointed layer's input by TP (the family's activation formula); activation offload keeps the tensors
+saved for backward in host RAM, leaving one layer's working set on the GPU (``stage_activation_bytes``) and
+the rest in the node's RAM (``offloaded_activation_bytes``).
 
 The trial engine shards the transformer layers across TP ranks, and the input embedding, the output head
 and so the logits along the vocabulary (vocab-parallel); learned positions and norms stay whole. The
@@ -20,11 +27,13 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Optional
 
 from hp_tool.architectures import (Shape, checkpointed_layer_counts, count_parameters, expert_parameters,
                                    layer_parameters, stage_expert_parameters, stage_layer_counts,
                                    stage_layer_parameters, vocab_parallel_parameters)
-from hp_tool.estimate.layout import GB, Hardware, Layout, interleave_held_tensors, microbatches_in_flight
+from hp_tool.estimate.layout import (GB, RING_SCORE_BYTES, Hardware, Layout, interleave_held_tensors,
+                                     microbatches_in_flight, rank_shape)
 from hp_tool.estimate.methods import (ADAPTED, NF4_BITS, activation_delta_bytes, adapter_parameters_per_layer,
                                       linear_parameters_per_layer, linear_shapes)
 
@@ -95,17 +104,17 @@ def compute_copy_bytes(params: float, gathered_layer: float, layout: Layout, hw:
     one rank, autocast's 16-bit casts of the weights (none in fp32). DeepSpeed keeps 16-bit weights: no copy.
     Measured against the trace in tests/test_memory_check.py."""
     bpv = hw.bytes_per_value
-    if (layout.engine == "torch" and layout.pp > 1 and layout.dp > 1 and layout.zero_stage >= 2
+    if (layout.engine == "torch" and layout.pp > 1 and layout.zero_ranks > 1 and layout.zero_stage >= 2
             and layout.offload == "none"):
         # torch.distributed.pipelining defers FSDP2's reduction and resharding to the step's last backward:
         # the stage stays unsharded in the compute dtype and its gradients accumulate unsharded in fp32
         # (in place of their shard, counted in the states)
-        return bpv * params + 4 * params * (1 - 1 / layout.dp)
-    if layout.zero_stage >= 3 and (layout.dp > 1 or layout.offload == "optimizer_and_params"):
+        return bpv * params + 4 * params * (1 - 1 / layout.zero_ranks)
+    if layout.zero_stage >= 3 and (layout.zero_ranks > 1 or layout.offload == "optimizer_and_params"):
         return 2 * bpv * gathered_layer
     if layout.engine == "deepspeed":
         return 0.0
-    if layout.dp > 1:
+    if layout.zero_ranks > 1:
         return bpv * params
     return bpv * params if bpv < 4 else 0.0
 
@@ -130,7 +139,7 @@ def sharded_state_bytes(shape: Shape, layout: Layout, params: float, stage: int)
     experts = stage_expert_parameters(shape, layout.pp, stage, layout.ep)
     states = functools.partial(model_state_bytes, zero_stage=layout.zero_stage, offload=layout.offload,
                                engine=layout.engine, optimizer=layout.optimizer)
-    return states(params - experts, layout.dp) + (states(experts, layout.edp) if experts else 0.0)
+    return states(params - experts, layout.zero_ranks) + (states(experts, layout.edp) if experts else 0.0)
 
 
 @dataclass(frozen=True)
@@ -152,10 +161,11 @@ def largest_tensor(shape: Shape) -> int:
     return max(shape.vocab_size, shape.ffn_hidden_size) * shape.hidden_size
 
 
-def host_phases_gb(shape: Shape, layout: Layout, gpus_on_node: int) -> HostPhases:
+def host_phases_gb(shape: Shape, layout: Layout, gpus_on_node: int, hw: Optional[Hardware] = None) -> HostPhases:
     """Host RAM per phase of a node with ``gpus_on_node`` processes of ``layout``, GB:
     train: each process (HOST_PROCESS_OVERHEAD_GB) with its offloaded shard (HOST_OFFLOAD_BYTES per
-    parameter of it, for Adam; another optimizer's own states in place of Adam's 8 bytes); load (a pretrained model, read tensor by tensor): each process also holds one full
+    parameter of it, for Adam; another optimizer's own states in place of Adam's 8 bytes) and, with
+    activation offload, its offloaded activations (``offloaded_activation_bytes``; ``hw`` needed); load (a pretrained model, read tensor by tensor): each process also holds one full
     tensor (LOAD_COPY_BYTES per element of the largest); save on rank 0: the whole model gathered in fp32
     (4·M, REFERENCE §5), a pretrained model in its 16-bit dtype (2·M)."""
     per_param = HOST_OFFLOAD_BYTES.get((layout.engine, layout.offload), 0)
@@ -165,9 +175,12 @@ def host_phases_gb(shape: Shape, layout: Layout, gpus_on_node: int) -> HostPhase
                 for stage, params in enumerate(stage_parameters(shape, layout.tp, layout.pp, layout.ep)))
     offloaded = per_param * shard
     if shape.method in ADAPTED and per_param:  # the adapters' states; parameter offload moves the frozen base too
-        adapters = shape.num_layers / layout.pp * adapter_parameters_per_layer(shape) / layout.tp / max(1, layout.dp)
+        adapters = shape.num_layers / layout.pp * adapter_parameters_per_layer(shape) / layout.tp / layout.zero_ranks
         base = shard * (2 if layout.offload == "optimizer_and_params" else 0)
         offloaded = per_param * adapters + base
+    if layout.activation_offload:
+        assert hw is not None, "activation offload's host RAM needs the hardware (bytes per value)"
+        offloaded += offloaded_activation_bytes(shape, layout, hw)  # (none where the device is the host)
     train = gpus_on_node * (offloaded + HOST_PROCESS_OVERHEAD_GB * GB)
     load = train + (gpus_on_node * LOAD_COPY_BYTES * largest_tensor(shape) if shape.pretrained else 0.0)
     save = train + (PRETRAINED_GATHER_BYTES if shape.pretrained else CHECKPOINT_GATHER_BYTES) * count_parameters(shape)
@@ -199,7 +212,7 @@ def stage_activation_bytes(shape: Shape, layout: Layout, hw: Hardware, stage: in
     n_enc, n_dec = stage_layer_counts(shape, layout.pp, stage)
     k_enc, k_dec = checkpointed_layer_counts(shape, layout.pp, stage, layout.act_ckpt_layers)
     dec_full = layer_activation_bytes(shape, b, tp, sp, hw) + \
-        shape.facts.expert_parallel_activation_bytes(shape, b, layout.ep, bpv, tp)
+        shape.facts.expert_parallel_activation_bytes(shape, b, layout.ep, bpv, tp) + ring_saved_bytes(shape, layout)
     dec_input = shape.target_length * b * h * bpv / sp_div
     stored = k_dec * dec_input + (n_dec - k_dec) * dec_full
     buffer = dec_full if k_dec else 0.0
@@ -209,7 +222,32 @@ def stage_activation_bytes(shape: Shape, layout: Layout, hw: Hardware, stage: in
         buffer = max(buffer, enc_full if k_enc else 0.0)
     if shape.encoder_decoder and n_dec:
         stored += shape.seq_length * b * h * bpv  # the encoder output, read by every cross-attention
+    if stage == layout.pp - 1 and shape.facts.head_activation_bytes is not None:
+        stored += shape.facts.head_activation_bytes(shape, b, tp, sp, bpv)  # final norm, head input
     return stored, buffer
+
+
+def ring_saved_bytes(shape: Shape, layout: Layout) -> float:
+    """What context parallelism's ring attention keeps for backward beyond the attention the family's formula
+    counts, one layer and micro-batch (``shape`` at the rank's tokens): its output in fp32, apart from the
+    compute-dtype copy the layer goes on with (hp_tool/trial/ring_attention.py). 0 without CP."""
+    if layout.cp == 1:
+        return 0.0
+    return 4.0 * layout.mbs * shape.seq_length * shape.attention_dim / layout.tp
+
+
+def ring_transient_bytes(shape: Shape, layout: Layout, hw: Hardware) -> float:
+    """The ring's working memory at the peak of a layer's attention backward beyond what the layer keeps
+    (``shape`` at the rank's tokens): one tile of fp32 scores (at most ``RING_SCORE_BYTES``, whole query rows)
+    and two fp32 tensors of the queries' size (the queries' gradient and the output gradient, or the block's
+    keys and values over every query head), as traced at 4K-8K tokens on CPU and for a bf16 GPU
+    (tests/test_trace_long_context.py). 0 without CP."""
+    if layout.cp == 1:
+        return 0.0
+    b, s, heads = layout.mbs, shape.seq_length, shape.num_attention_heads / layout.tp
+    row = b * heads * s * 4  # one query row's fp32 scores against the block, over the micro-batch and heads
+    tile = min(s, max(1, RING_SCORE_BYTES // row)) * row
+    return tile + 2 * 4.0 * b * s * shape.attention_dim / layout.tp
 
 
 def stage_adapter_parameters(shape: Shape, layout: Layout, stage: int) -> float:
@@ -252,32 +290,77 @@ def stage_state_bytes(shape: Shape, layout: Layout, hw: Hardware, params: float,
         quantised = layers * linear_parameters_per_layer(shape) / layout.tp
         base = (params - quantised) * weight_bytes + quantised * NF4_BITS / 8
         dequantised = max(i * o for i, o in linear_shapes(shape).values()) / layout.tp * bpv
-    sharded = layout.zero_stage >= 3 and (layout.dp > 1 or layout.offload == "optimizer_and_params")
+    sharded = layout.zero_stage >= 3 and (layout.zero_ranks > 1 or layout.offload == "optimizer_and_params")
     experts = stage_expert_parameters(shape, layout.pp, stage, layout.ep) * weight_bytes
     on_gpu = 0.0 if layout.offload == "optimizer_and_params" else layout.shard(base, experts) if sharded else base
     return on_gpu + copies + dequantised + model_state_bytes(
-        adapters, layout.dp, layout.zero_stage, layout.offload, layout.engine, layout.optimizer)
+        adapters, layout.zero_ranks, layout.zero_stage, layout.offload, layout.engine, layout.optimizer)
+
+
+# Bytes per logit the whole-logits loss holds at its peak (cross-entropy's backward), as traced in fp32 and bf16
+# (tests/test_trace_long_context.py): the logits (or their 16-bit form and fp32 upcast), log-softmax's output and
+# the gradient, 12; the vocabulary-parallel loss under TP (torch's loss_parallel) one fp32 copy more, 16.
+WHOLE_LOSS_BYTES = {False: 12, True: 16}
+
+
+def logits_bytes(shape: Shape, layout: Layout, hw: Hardware) -> float:
+    """Bytes the loss holds on the last stage for one micro-batch of the rank's tokens (``shape`` as the rank
+    sees it, ``rank_shape``).
+
+    full: ``WHOLE_LOSS_BYTES`` per logit of the rank's vocabulary (vocabulary-parallel: 1/TP of it). chunked
+    (hp_tool/trial/loss.py, TP 1): the hidden states' gradient (tokens x hidden, compute dtype) and the head
+    weight's fp32 gradient (vocabulary x hidden) it computes in forward, and one chunk in flight: 12 bytes per
+    logit, the fp32 logits with logsumexp's two temporaries of their size (then the logits and their softmax),
+    as traced (tests/test_trace_long_context.py)."""
+    bpv, tokens = hw.bytes_per_value, layout.mbs * shape.target_length
+    if layout.loss == "full":
+        # with activation offload the log-softmax output waits in host RAM until backward brings it back
+        per_logit = WHOLE_LOSS_BYTES[layout.tp > 1] - (2 if hw.offloads_activations(layout) else 0)
+        return tokens * shape.vocab_size * per_logit / layout.tp
+    chunk = min(layout.loss_chunk_tokens, tokens)
+    per_logit = 12  # the fp32 logits and logsumexp's two temporaries, or the logits and their softmax
+    return tokens * shape.hidden_size * bpv + 4 * shape.vocab_size * shape.hidden_size + \
+        chunk * shape.vocab_size * per_logit
+
+
+def offloaded_activation_bytes(shape: Shape, layout: Layout, hw: Hardware) -> float:
+    """Bytes of saved activations one GPU keeps in host RAM with activation offload: what the busiest
+    stage would otherwise store for its micro-batches in flight (0 without offload, or where the device is the
+    host)."""
+    if not hw.offloads_activations(layout):
+        return 0.0
+    rank = rank_shape(shape, layout)
+    return max(microbatches_in_flight(layout, stage) * stage_activation_bytes(rank, layout, hw, stage)[0]
+               for stage in range(layout.pp))
 
 
 def estimate_memory(shape: Shape, layout: Layout, hw: Hardware) -> MemoryEstimate:
     """Peak memory per GPU on the most loaded pipeline stage. Stage i of 1F1B holds up to PP - i
     micro-batches' activations in flight (the first stage the most; interleaved 1F1B more, and the receive
     buffers and sends its runtime holds: ``microbatches_in_flight``, ``interleave_held_tensors``); the first
-    stage holds the embedding, the last the head and the logits."""
+    stage holds the embedding, the last the head and the logits (``logits_bytes``). Activations and logits
+    are of the rank's tokens (``rank_shape``: the sequence over CP); with activation offload the stored
+    activations are in host RAM and one layer's (that forward builds and backward brings back) is on the GPU."""
     tp, pp = layout.tp, layout.pp
     bpv = hw.bytes_per_value
-    logits = layout.mbs * shape.target_length * shape.vocab_size * (bpv + 8) / tp  # vocab-parallel logits
+    rank = rank_shape(shape, layout)
+    logits = logits_bytes(rank, layout, hw)
     experts = expert_parameters(shape)
     gathered_layer = max(layer_parameters(shape) - experts, layer_parameters(shape, encoder=True)) / tp + \
         experts / layout.ep
     best: MemoryEstimate | None = None
     best_total = -1.0
     for stage, params in enumerate(stage_parameters(shape, tp, pp, layout.ep)):
-        per_microbatch, buffer = stage_activation_bytes(shape, layout, hw, stage)
-        activations = microbatches_in_flight(layout, stage) * per_microbatch + buffer
-        activations += sum(interleave_held_tensors(layout, stage)) * layout.mbs * shape.seq_length * \
+        per_microbatch, buffer = stage_activation_bytes(rank, layout, hw, stage)
+        if hw.offloads_activations(layout):
+            activations = working_layer_bytes(rank, layout, hw)
+        else:
+            activations = microbatches_in_flight(layout, stage) * per_microbatch + buffer
+        activations += sum(interleave_held_tensors(layout, stage)) * layout.mbs * rank.seq_length * \
             shape.hidden_size * bpv
         stage_logits = logits if stage == pp - 1 else 0.0
+        # the ring's working memory in a layer's backward, which starts once the loss has freed its logits
+        activations += max(0.0, ring_transient_bytes(rank, layout, hw) - stage_logits)
         states = stage_state_bytes(shape, layout, hw, params, stage, gathered_layer)
         total = states + activations + stage_logits
         if total > best_total:
@@ -285,3 +368,13 @@ def estimate_memory(shape: Shape, layout: Layout, hw: Hardware) -> MemoryEstimat
             best = MemoryEstimate(states / GB, activations / GB, stage_logits / GB, hw.memory_overhead_gb)
     assert best is not None
     return best
+
+
+def working_layer_bytes(shape: Shape, layout: Layout, hw: Hardware) -> float:
+    """What stays on the GPU of the saved activations with activation offload, one micro-batch: the tensors one
+    sub-layer's backward brings back at once, the largest being the MLP's (its four saved products of the FFN
+    width for a gated MLP, two otherwise) with its norm's fp32 input; as traced for a bf16 GPU
+    (tests/test_trace_long_context.py)."""
+    b, s, p = layout.mbs, shape.seq_length, hw.bytes_per_value
+    products = (4 if shape.gated_mlp else 2) * p * s * b * shape.ffn_hidden_size / layout.tp
+    return products + 4.0 * s * b * shape.hidden_size / (layout.tp if layout.sequence_parallel else 1)

@@ -16,6 +16,12 @@ EP comm   = a mixture of experts' all-to-all dispatch and combine of the routed 
             forward, backward and a recomputed forward, over the EP group's link (NVLink when the group
             fits in a node), not overlapped (``ep_comm_s``); the experts' compute runs at the busiest
             rank's load (``expert_imbalance``) and, whole on every TP rank, is not divided by TP;
+CP comm   = context parallelism's ring: each layer passes the key/value blocks CP - 1 hops in forward (and a
+            recomputed forward), and the blocks with their gradients back round in backward, each hop
+            overlapped with the attention over the block it brought; exposed where it outruns it
+            (``cp_comm_s``); ZeRO's collectives run over DP x CP ranks;
+act. offload = the saved activations copied to pinned host RAM in forward and back in backward, at PCIe
+            bandwidth, not overlapped (``activation_offload_s``);
 offload   = host-device PCIe traffic of the offloaded shard (gradients down, updated weights up, and
             with parameter offload the weights up for every micro-batch's forward and backward) plus
             the optimizer step on the CPU (CPU_ADAM_PARAMS_PER_S per node, shared by its GPUs).
@@ -30,7 +36,8 @@ from dataclasses import dataclass
 from hp_tool.architectures import (Shape, checkpointed_layer_counts, model_flops_per_step, recompute_flops_per_step,
                                    stage_expert_parameters, stage_layer_counts, stage_layer_parameters,
                                    vocab_parallel_parameters)
-from hp_tool.estimate.layout import GB, Hardware, Layout
+from hp_tool.estimate.layout import GB, Hardware, Layout, rank_shape
+from hp_tool.estimate.memory import stage_activation_bytes
 from hp_tool.families.decoder import expert_forward_flops
 from hp_tool.estimate.methods import ADAPTED, NF4_BITS, adapter_parameters_per_layer, linear_parameters_per_layer
 
@@ -54,11 +61,13 @@ class StepTimeEstimate:
     offload_s: float = 0.0
     dequant_s: float = 0.0  # QLoRA: 4-bit weights dequantised for every forward, backward and recompute
     ep_comm_s: float = 0.0  # mixture of experts: the all-to-all dispatch and combine of the routed tokens
+    cp_comm_s: float = 0.0  # context parallel: the ring's key/value passes not hidden behind attention
+    activation_offload_s: float = 0.0  # saved activations to host RAM and back
 
     @property
     def total_s(self) -> float:
         return (self.compute_s + self.bubble_s + self.tp_comm_s + self.pp_comm_s + self.dp_comm_s + self.offload_s
-                + self.dequant_s + self.ep_comm_s)
+                + self.dequant_s + self.ep_comm_s + self.cp_comm_s + self.activation_offload_s)
 
 
 def matmul_efficiency(shape: Shape, layout: Layout) -> float:
@@ -68,8 +77,9 @@ def matmul_efficiency(shape: Shape, layout: Layout) -> float:
     below a few hundred leaves the tensor cores underfed, and the work that is not a GEMM (norms,
     softmax, element-wise, launches) costs per token about in proportion to hidden / TP while the GEMMs
     cost its square: efficiency rises hyperbolically with both and saturates at MAX_EFFICIENCY.
-    Constants fitted to Narayanan et al. 2021's Table 1 (benchmarks/published_runs.py)."""
-    return gemm_efficiency(layout.mbs * shape.seq_length, shape.hidden_size / layout.tp)
+    Constants fitted to Narayanan et al. 2021's Table 1 (benchmarks/published_runs.py). With context
+    parallelism a rank's GEMMs run over its seq / CP tokens."""
+    return gemm_efficiency(layout.mbs * shape.seq_length / layout.cp, shape.hidden_size / layout.tp)
 
 
 def gemm_efficiency(tokens: float, width: float) -> float:
@@ -109,7 +119,7 @@ def compute_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
     experts' routed experts are whole on every TP rank: at EP 1 each TP rank runs them on all the tokens (their
     FLOPs are not divided by TP); with EP each TP rank dispatches its slice of the tokens, at the busiest EP
     rank's load; GEMMs of the tokens each expert gets (top_k / experts of the micro-batch's)."""
-    gpus = layout.tp * layout.pp * layout.dp
+    gpus = layout.gpus
     flops = model_flops_per_step(shape, layout.global_batch_size)
     flops += recompute_flops_per_step(shape, layout.global_batch_size, layout.act_ckpt_layers, layout.pp)
     experts = expert_flops_per_step(shape, layout)
@@ -119,7 +129,7 @@ def compute_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
         return dense_s
     load = shape.expert_imbalance if layout.ep > 1 else float(layout.tp)
     # one expert's GEMM: the tokens routed to it (top_k / experts of the micro-batch's), its whole width
-    tokens = max(1, round(layout.mbs * shape.seq_length * shape.top_k / shape.num_experts))
+    tokens = max(1, round(layout.mbs * shape.seq_length / layout.cp * shape.top_k / shape.num_experts))
     return dense_s + experts * load / (peak * gemm_efficiency(tokens, shape.hidden_size))
 
 
@@ -180,7 +190,7 @@ def weight_gathers(shape: Shape, layout: Layout) -> float:
 def dp_comm_s(shape: Shape, layout: Layout, hw: Hardware, num_nodes: int) -> float:
     """Exposed data-parallel communication per step for the layout's ZeRO stage, over the node
     interconnect when the job spans nodes (see the module docstring)."""
-    if layout.dp == 1:
+    if layout.zero_ranks == 1:
         return 0.0
     bandwidth = hw.inter_node_bandwidth_gbps if num_nodes > 1 else hw.intra_node_bandwidth_gbps
     # a ring all-reduce moves two collectives' volume
@@ -194,7 +204,7 @@ def dp_comm_s(shape: Shape, layout: Layout, hw: Hardware, num_nodes: int) -> flo
     # the sharded weights are gathered whether they train or not; only trained ones have gradients to reduce
     volume = gathers * params + (collectives - gathers) * trained
     expert_volume = gathers * experts + (collectives - gathers) * (experts if shape.method not in ADAPTED else 0.0)
-    comm = volume / 2 * _ring_allreduce_s(2.0, layout.dp, bandwidth) + \
+    comm = volume / 2 * _ring_allreduce_s(2.0, layout.zero_ranks, bandwidth) + \
         expert_volume / 2 * _ring_allreduce_s(2.0, layout.edp, bandwidth)
     overlappable = compute_s(shape, layout, hw) * (1.0 if layout.zero_stage >= 3 else 2 / 3)
     return comm - min(DP_OVERLAP * comm, overlappable)
@@ -233,22 +243,60 @@ def estimate_step_time(shape: Shape, layout: Layout, hw: Hardware, num_nodes: in
     m = layout.num_microbatches
     compute = compute_s(shape, layout, hw)
     bubble = compute * (layout.pp - 1) / (layout.virtual_stages * m)
+    rank = rank_shape(shape, layout)  # the tokens of each sequence a rank holds
 
     tp_bw = hw.intra_node_bandwidth_gbps if layout.tp <= hw.gpus_per_node else hw.inter_node_bandwidth_gbps
-    tp_comm = m * _ring_allreduce_s(tp_allreduce_bytes(shape, layout, hw), layout.tp, tp_bw)
+    tp_comm = m * _ring_allreduce_s(tp_allreduce_bytes(rank, layout, hw), layout.tp, tp_bw)
 
     pp_comm = 0.0
     if layout.pp > 1:
         spans_nodes = layout.model_parallel > hw.gpus_per_node
         pp_bw = hw.inter_node_bandwidth_gbps if spans_nodes else hw.intra_node_bandwidth_gbps
         # an encoder-decoder's stages pass the encoder's and the decoder's hidden states
-        tokens = shape.seq_length + (shape.decoder_seq_length or 0)
+        tokens = rank.seq_length + (shape.decoder_seq_length or 0)
         boundary_bytes = layout.mbs * tokens * shape.hidden_size * hw.bytes_per_value
         crossings = layout.virtual_stages * (m + layout.pp - 1)  # each micro-batch crosses v times more
         pp_comm = 2 * crossings * boundary_bytes / layout.tp / (pp_bw * GB)
 
     return StepTimeEstimate(compute, bubble, tp_comm, pp_comm, dp_comm_s(shape, layout, hw, num_nodes),
-                            offload_s(shape, layout, hw), dequant_s(shape, layout, hw), ep_comm_s(shape, layout, hw))
+                            offload_s(shape, layout, hw), dequant_s(shape, layout, hw), ep_comm_s(shape, layout, hw),
+                            cp_comm_s(shape, layout, hw), activation_offload_s(shape, layout, hw))
+
+
+def cp_comm_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
+    """Exposed seconds per step of context parallelism's ring (0 at CP 1). Each layer's attention passes its
+    key/value block (the rank's seq / CP tokens, the TP rank's key/value heads) CP - 1 hops in forward and in
+    a checkpointed layer's recomputed forward, and in backward the blocks with their key/value gradients
+    (twice the bytes) CP hops, the last bringing the gradients home. Each hop overlaps the attention over
+    the block the last one brought: the attention's share of the layer's FLOPs (scores and their product with
+    the values) over the rank's tokens against the whole sequence, backward twice forward; the hops cost
+    what they exceed it by. Over NVLink when the ring (CP x TP consecutive ranks) fits in a node."""
+    if layout.cp == 1:
+        return 0.0
+    cp, tp, b = layout.cp, layout.tp, layout.mbs
+    local = shape.seq_length / cp
+    block = 2 * b * local * shape.kv_dim / tp * hw.bytes_per_value  # one rank's keys and values
+    bandwidth = hw.intra_node_bandwidth_gbps if cp * tp <= hw.gpus_per_node else hw.inter_node_bandwidth_gbps
+    hop_s = block / (bandwidth * GB)
+    # the attention over one received block: 2·2·(rank tokens)·(block tokens)·(attention width / TP) FLOPs
+    attention_flops = 4 * b * local * local * shape.attention_dim / tp
+    rate = hw.peak_tflops * 1e12 * gemm_efficiency(b * local, shape.hidden_size / tp)
+    forward = (cp - 1) * max(0.0, hop_s - attention_flops / rate)
+    backward = cp * max(0.0, 2 * hop_s - 2 * attention_flops / rate)
+    per_stage = shape.pipeline_layers // layout.pp
+    recomputed = min(layout.act_ckpt_layers, per_stage)
+    return layout.num_microbatches * ((per_stage + recomputed) * forward + per_stage * backward)
+
+
+def activation_offload_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
+    """Seconds per step of activation offload: every micro-batch's saved activations copied to pinned host RAM
+    in forward and back in backward over PCIe (``offloaded_activation_bytes`` per micro-batch in flight; torch's
+    ``save_on_cpu`` copies in line, not overlapped). 0 without it, or where the device is the host."""
+    if not hw.offloads_activations(layout):
+        return 0.0
+    rank = rank_shape(shape, layout)
+    per_microbatch = max(stage_activation_bytes(rank, layout, hw, stage)[0] for stage in range(layout.pp))
+    return layout.num_microbatches * 2 * per_microbatch / (hw.pcie_bandwidth_gbps * GB)
 
 
 def dequant_s(shape: Shape, layout: Layout, hw: Hardware) -> float:

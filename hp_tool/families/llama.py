@@ -112,18 +112,30 @@ def llama_activation_bytes_per_layer(shape: Shape, mbs: int, tp: int = 1, sequen
       gate and up projections: their input                                             p·sbh
       SiLU(gate) * up: gate output, up output, SiLU output, product (down's input)     4p·sbf
 
-    Under TP the projections' outputs and the attention are split over heads (divide by TP); the norms and
-    their outputs are whole on every TP rank unless sequence parallelism splits them along s. Attention
-    scores are never stored (flash kernels); the residual adds keep nothing.
+    Under TP the projections' outputs and the attention are split over heads (divide by TP); the norms are whole
+    on every TP rank unless sequence parallelism splits them along s, while the projections' inputs are whole
+    either way (SP gathers them before the projection, which keeps the gathered copy). Attention scores are
+    never stored (flash kernels); the residual adds keep nothing.
     """
     s, b, h, f, a = shape.seq_length, mbs, shape.hidden_size, shape.ffn_hidden_size, shape.num_attention_heads
     k = shape.kv_dim
     p = bytes_per_value
     sp = tp if sequence_parallel else 1
-    norms = 2 * (4 + 2 * p) * s * b * h / sp
+    norms = 2 * (4 + p) * s * b * h / sp + 2 * p * s * b * h  # the two norms, the inputs of q/k/v and gate/up
     attention = (p * (2 * s * b * h + 2 * s * b * k) + 4 * a * b * s) / tp
     mlp = 4 * p * s * b * f / tp
     return norms + attention + mlp
+
+
+def llama_head_activation_bytes(shape: Shape, mbs: int, tp: int = 1, sequence_parallel: bool = False,
+                                bytes_per_value: int = 2) -> float:
+    """What the last stage keeps for backward beyond its layers, one micro-batch: the final RMSNorm as a
+    layer's ((4 + p)·sbh, on sequence shards with SP), the head's input (p·sbh, whole: SP gathers it; the
+    chunked loss keeps the hidden states' gradient instead, counted with the loss), and RoPE's cos and sin
+    (2·s·d, shared by the micro-batch). Measured against the trace (tests/test_trace_long_context.py)."""
+    s, b, h, p = shape.seq_length, mbs, shape.hidden_size, bytes_per_value
+    head_dim = shape.attention_dim // shape.num_attention_heads
+    return (4 + p) * s * b * h / (tp if sequence_parallel else 1) + p * s * b * h + 2 * s * head_dim * p
 
 
 def grid_table(shape: Shape) -> Table:
@@ -149,6 +161,7 @@ FAMILY = Family(
     layer_forward_flops=decoder_layer_flops,
     activation_bytes=lambda shape, mbs, tp, sp, p, flash, encoder=False: llama_activation_bytes_per_layer(
         shape, mbs, tp, sp, p),
+    head_activation_bytes=llama_head_activation_bytes,
     gbs_tp_pp=LLAMA_GBS_TP_PP,
     global_batch=lambda tokens, seq: max(1, tokens // seq),  # the table's tokens per batch
     warmup_ratio=0.0015,
@@ -158,6 +171,8 @@ FAMILY = Family(
     # Llama has them, and hp_tool/hf_config.py refuses a config that sets them
     hf_qkv_bias=lambda config: False,
     hf_unmodelled=("attention_bias", "mlp_bias"),
+    sequence_parallel=True,
+    context_parallel=True,
     linear_shapes=lambda s: {
         "q_proj": (s.hidden_size, s.attention_dim), "k_proj": (s.hidden_size, s.kv_dim),
         "v_proj": (s.hidden_size, s.kv_dim), "o_proj": (s.attention_dim, s.hidden_size),

@@ -63,6 +63,13 @@ class Family:
     hf_unmodelled: tuple[str, ...] = ()  # config.json flags that, when true, describe layers hp_tool does not model
     # a layer's linear modules by name -> (in features, out features): what LoRA adapts; None: no adapters
     linear_shapes: Optional[Callable[["Shape"], dict[str, tuple[int, int]]]] = None
+    # (shape, micro-batch, TP, sequence parallel, bytes per value) -> what the last stage keeps beyond its layers
+    # (final norm, head input, shared position tables); None: not modelled for the family
+    head_activation_bytes: Optional[Callable[["Shape", int, int, bool, int], float]] = None
+    # long context: the torch engine's sequence-parallel plan knows its layers (Llama's module layout), and its
+    # ring attention splits its attention over context-parallel ranks (causal, rotary positions)
+    sequence_parallel: bool = False
+    context_parallel: bool = False
     moe: bool = False  # a mixture of experts (hp_tool/families/moe.py): Shape.num_experts routed experts per layer
     # one layer's routed experts' parameters (what expert parallelism splits; a token runs top_k of the
     # num_experts, hp_tool/families/decoder.py); 0 for a dense family

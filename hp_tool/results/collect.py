@@ -45,7 +45,9 @@ STATUS_ORDER = ("ok", "timeout", "oom", "failed", "cancelled", "unschedulable", 
 PLAN_INTS = ("seq_length", "lora_rank", "trainable_parameters", "experts", "top_k", "ep", "active_parameters", "tp", "pp", "virtual_stages", "dp", "mbs", "act_ckpt_layers", "zero_stage", "global_batch_size", "num_nodes",
              "trial_num_nodes", "trial_dp", "trial_global_batch_size", "predicted_rank")
 PLAN_TEXT = ("trial_id", "model_family", "engine", "offload", "plan_status", "reason", "fingerprint", "memory_check",
-             "optimizer", "method")
+             "optimizer", "method", "loss")
+PLAN_INTS = PLAN_INTS + ("cp",)
+BOOL_COLUMNS = ("sequence_parallel", "activation_offload")  # written True / False
 
 # Every column of the table, in the order the CSVs use; units in the names.
 TABLE_COLUMNS = (
@@ -65,14 +67,15 @@ TABLE_COLUMNS = (
     "gpu_hour_price_usd", "predicted_rank", "stop_reason", "final_loss", "device", "start_time", "end_time",
     "fingerprint", "seq_length", "tokens_per_hour", "hours_per_epoch", "cost_usd_per_epoch", "optimizer",
     "method", "lora_rank", "trainable_parameters", "experts", "top_k", "ep", "active_parameters",
+    "cp", "sequence_parallel", "loss", "activation_offload",
 )
-INT_COLUMNS = ("seq_length", "lora_rank", "trainable_parameters", "experts", "top_k", "ep", "active_parameters", "rank", "tp", "pp", "virtual_stages", "dp", "mbs", "act_ckpt_layers", "zero_stage", "global_batch_size", "num_nodes",
+INT_COLUMNS = ("cp", "seq_length", "lora_rank", "trainable_parameters", "experts", "top_k", "ep", "active_parameters", "rank", "tp", "pp", "virtual_stages", "dp", "mbs", "act_ckpt_layers", "zero_stage", "global_batch_size", "num_nodes",
                "num_gpus", "trial_num_nodes", "trial_dp", "trial_global_batch_size", "trial_world_size", "steps_run",
                "steps_measured", "predicted_rank")
-TEXT_COLUMNS = ("trial_id", "status", "reason", "plan_status", "model_family", "engine", "offload", "optimizer", "method",
+TEXT_COLUMNS = ("trial_id", "status", "reason", "plan_status", "model_family", "engine", "offload", "optimizer", "method", "loss",
                 "memory_check", "stop_reason", "device",
                 "start_time", "end_time", "fingerprint")
-FLOAT_COLUMNS = tuple(c for c in TABLE_COLUMNS if c not in INT_COLUMNS + TEXT_COLUMNS)
+FLOAT_COLUMNS = tuple(c for c in TABLE_COLUMNS if c not in INT_COLUMNS + TEXT_COLUMNS + BOOL_COLUMNS)
 
 
 def _cell(name: str, text: str) -> Any:
@@ -80,6 +83,8 @@ def _cell(name: str, text: str) -> Any:
         return None
     if name in PLAN_TEXT:
         return text
+    if name in BOOL_COLUMNS:
+        return text == "True"
     return int(float(text)) if name in PLAN_INTS else float(text)
 
 
@@ -179,11 +184,12 @@ def full_run_columns(row: dict, full: FullRun) -> dict:
     """Full-run step time (s), throughput, days and cost from a trial's measured step time."""
     cols = {"gpu_memory_gb": full.gpu_memory_gb, "gpu_hour_price_usd": full.gpu_hour_price}
     tp, pp, dp, trial_dp = row.get("tp"), row.get("pp"), row.get("dp"), row.get("trial_dp")
-    cols["num_gpus"] = tp * pp * dp if tp and pp and dp else None
+    cp = row.get("cp") or 1
+    cols["num_gpus"] = tp * pp * cp * dp if tp and pp and dp else None
     if row.get("peak_memory_gb") is not None:
         cols["peak_memory_pct_of_gpu"] = 100 * row["peak_memory_gb"] / full.gpu_memory_gb
     if row.get("trial_world_size") is None and tp and pp and trial_dp:
-        cols["trial_world_size"] = tp * pp * trial_dp
+        cols["trial_world_size"] = tp * pp * cp * trial_dp
     measured = row.get("measured_step_time_s")
     if measured is None or cols["num_gpus"] is None or not trial_dp or not row.get("trial_global_batch_size"):
         return cols
@@ -192,7 +198,8 @@ def full_run_columns(row: dict, full: FullRun) -> dict:
     stage = row.get("zero_stage")
     savers = {"zero_stage": 3 if stage is None else stage, "offload": row.get("offload") or "none",
               "engine": row.get("engine") or "torch", "virtual_stages": row.get("virtual_stages") or 1,
-              "ep": row.get("ep") or 1}
+              "ep": row.get("ep") or 1, "cp": cp, "sequence_parallel": bool(row.get("sequence_parallel")),
+              "loss": row.get("loss") or "full", "activation_offload": bool(row.get("activation_offload"))}
     trial = Layout(tp, pp, trial_dp, mbs, ckpt, row["trial_global_batch_size"], **savers)
     whole = Layout(tp, pp, dp, mbs, ckpt, gbs, **savers)
     shape = full.trial_shape(row)  # the trial's sequence length and method, as its spec says
@@ -214,7 +221,7 @@ def full_run_columns(row: dict, full: FullRun) -> dict:
 
 def _trial_throughput(trial: Layout, step_time_s: float, full: FullRun, shape) -> dict:
     """tokens/s and model TFLOPS per GPU and MFU of the trial, by the engine's own definition."""
-    rate = throughput(shape, trial.global_batch_size, step_time_s, trial.tp * trial.pp * trial.dp,
+    rate = throughput(shape, trial.global_batch_size, step_time_s, trial.gpus,
                       full.peak_tflops_per_gpu)
     return {k: rate[k] for k in ("tokens_per_s_per_gpu", "model_tflops_per_gpu", "mfu")}
 
@@ -228,6 +235,8 @@ def to_frame(rows: list[dict]) -> pd.DataFrame:
         df[name] = pd.to_numeric(df[name], errors="coerce").astype("float64")
     for name in TEXT_COLUMNS:
         df[name] = df[name].astype("object").where(df[name].notna(), None)
+    for name in BOOL_COLUMNS:
+        df[name] = df[name].astype("boolean")
     measured = df["peak_memory_gb"]
     df["memory_error_pct"] = 100 * (measured - df["predicted_memory_gb"]) / df["predicted_memory_gb"]
     df["traced_memory_error_pct"] = 100 * (measured - df["traced_memory_gb"]) / df["traced_memory_gb"]

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from hp_tool.contracts.spec import ModelSpec, TrialSpec
+from hp_tool.trial.context_parallel import token_positions
 from hp_tool.trial.stage import StageModule
 
 
@@ -45,6 +46,8 @@ class CausalLMStage(StageModule):
     Input: token ids ``[batch, seq]`` on the first stage, hidden states ``[batch, seq, hidden]`` on
     the others. Output: logits ``[batch, seq, vocab]`` on the last stage, hidden states otherwise.
     ``rotary`` builds the rotary position embedding from the config (Llama), None for learned positions.
+    ``cp_group``: with context parallelism the ranks splitting each sequence (the input is this rank's two
+    chunks of it; :mod:`hp_tool.trial.context_parallel`), else None.
     """
 
     def __init__(self, family: str, config, layers: dict[int, nn.Module],
@@ -62,6 +65,9 @@ class CausalLMStage(StageModule):
         self.rotary_emb: Optional[nn.Module] = None
         self._rotary = rotary
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        # the chunked loss applies the head itself, a chunk of tokens at a time: the stage returns hidden states
+        self.head_in_loss = False
+        self.cp_group = None  # set by context_parallel.apply_context_parallel
 
     def reset_buffers(self, device: torch.device) -> None:
         """Rebuild non-parameter buffers (RoPE frequencies) on ``device`` after materialisation."""
@@ -69,8 +75,7 @@ class CausalLMStage(StageModule):
             self.rotary_emb = self._rotary(self.config).to(device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        seq = x.shape[1]
-        position_ids = torch.arange(seq, device=x.device).unsqueeze(0)
+        position_ids = token_positions(self.cp_group, x.shape[1], x.device).unsqueeze(0)
         h = x
         if self.embed_tokens is not None:
             h = self.embed_tokens(x)
@@ -84,7 +89,7 @@ class CausalLMStage(StageModule):
             h = layer(h, attention_mask=None, position_ids=position_ids, **extra)
         if self.norm is not None:
             h = self.norm(h)
-        if self.lm_head is not None:
+        if self.lm_head is not None and not self.head_in_loss:
             h = self.lm_head(h)
         return h
 
@@ -108,10 +113,12 @@ def cut_causal_stage(model: ModelSpec, config, parts: CausalParts, pp: int, stag
 def causal_fake_batch(spec: TrialSpec, stage_index: int, dtype: Optional[torch.dtype]):
     """One micro-batch of a stage's inputs for the memory tracer, (inputs, labels): token ids on the first
     stage, else the hidden states ``[mbs, seq, hidden]`` the previous stage sends (``dtype``: the compute
-    dtype, None for fp32). Values do not matter: the tracer runs under fake tensors."""
+    dtype, None for fp32); with context parallelism ``seq`` is the rank's ``seq_length / cp`` tokens. Values
+    do not matter: the tracer runs under fake tensors."""
     m, mbs = spec.model, spec.parallel.mbs
-    labels = torch.randint(0, m.vocab_size, (mbs, m.seq_length))
+    seq = m.seq_length // spec.parallel.cp  # a context-parallel rank's share of each sequence
+    labels = torch.randint(0, m.vocab_size, (mbs, seq))
     if stage_index == 0:
-        return (torch.randint(0, m.vocab_size, (mbs, m.seq_length)),), labels
-    hidden = torch.empty(mbs, m.seq_length, m.hidden_size, dtype=dtype or torch.float32, requires_grad=True)
+        return (torch.randint(0, m.vocab_size, (mbs, seq)),), labels
+    hidden = torch.empty(mbs, seq, m.hidden_size, dtype=dtype or torch.float32, requires_grad=True)
     return (hidden,), labels

@@ -5,7 +5,10 @@ is the window of ``seq + 1`` tokens starting at ``g * (seq + 1)`` (wrapping arou
 its first ``seq`` tokens, labels its last ``seq``. An encoder-decoder's window is ``seq + dec + 1`` tokens:
 the encoder reads the first ``seq``, the decoder the next ``dec`` and the labels are those shifted by one.
 A data-parallel replica ``d`` takes samples ``[d * GBS/dp, (d+1) * GBS/dp)`` of each step, in micro-batches
-of ``mbs``. Inputs are a tuple (token ids; encoder ids and decoder ids for an encoder-decoder).
+of ``mbs``. Inputs are a tuple (token ids; encoder ids and decoder ids for an encoder-decoder). With context
+parallelism every CP rank of a replica reads the replica's samples and keeps its two balanced chunks of each
+(``ring_attention.shard_sequence``), of the inputs and of the labels, which were shifted on the whole window
+first: every token keeps its true next token as label, also at a chunk's end.
 
 - synthetic (default): a stream drawn once from the seed (at most ``SYNTHETIC_MAX_TOKENS`` ids, reused).
 - file: a flat binary file of uint16 or uint32 ids, memory-mapped with numpy (nothing is read up front).
@@ -21,6 +24,7 @@ import torch
 
 from hp_tool.errors import require
 from hp_tool.contracts.spec import TrialSpec
+from hp_tool.trial.ring_attention import shard_sequence
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +50,12 @@ def open_token_file(path: str, dtype: str, vocab_size: int) -> np.ndarray:
 
 
 class TokenBatches:
-    """Micro-batches of (input ids, labels) for one data-parallel replica."""
+    """Micro-batches of (input ids, labels) for one data-parallel replica; with context parallelism the part
+    of each sequence context-parallel rank ``cp_rank`` holds."""
 
-    def __init__(self, spec: TrialSpec, dp_rank: int, device: torch.device):
+    def __init__(self, spec: TrialSpec, dp_rank: int, device: torch.device, cp_rank: int = 0):
         m, t, p = spec.model, spec.training, spec.parallel
+        self.cp, self.cp_rank = p.cp, cp_rank
         self.encoder = m.seq_length if m.decoder_seq_length else 0  # encoder ids ahead of the decoder's
         self.window = self.encoder + (m.decoder_seq_length or m.seq_length) + 1
         self.gbs, self.mbs = t.global_batch_size, p.mbs
@@ -74,11 +80,19 @@ class TokenBatches:
 
     def replica_batch(self, step: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
         """This replica's whole share of step ``step`` (0-based): the inputs (``[GBS/dp, seq]`` ids, or encoder
-        and decoder ids) and the ``[GBS/dp, target length]`` labels."""
+        and decoder ids) and the ``[GBS/dp, target length]`` labels; with CP this rank's ``seq / cp`` tokens
+        of each."""
         samples = self._samples(step, 0, self.per_replica).to(self.device, non_blocking=True)
         e = self.encoder
         inputs = (samples[:, :e], samples[:, e:-1]) if e else (samples[:, :-1],)
-        return inputs, samples[:, e + 1:]
+        labels = samples[:, e + 1:]  # shifted on the whole window, before any split
+        if self.cp == 1:
+            return inputs, labels
+        return tuple(self._my_chunks(x) for x in inputs), self._my_chunks(labels)
+
+    def _my_chunks(self, x: torch.Tensor) -> torch.Tensor:
+        """This CP rank's two balanced chunks of every sequence of ``x`` ([sequences, tokens])."""
+        return shard_sequence(x, self.cp, self.cp_rank, dim=1)
 
     def micro_batches(self, step: int) -> list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
         """The replica batch of step ``step`` split into micro-batches of ``mbs`` sequences."""

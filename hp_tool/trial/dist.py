@@ -1,5 +1,6 @@
 """Process-group set-up for a trial: ranks from torchrun, submitit or srun; device; the (pp, dp, tp) mesh
-(with expert parallelism (pp, edp, ep, tp), dp their flattening).
+(with expert parallelism (pp, edp, ep, tp), dp their flattening; with context parallelism (pp, dp, cp, tp),
+dp_cp the flattening of dp and cp).
 
 Ranks come from RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT (torchrun, and submitit after
 ``TorchDistributedEnvironment().export()``), else from SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID (srun).
@@ -97,22 +98,47 @@ def build_mesh(par: ParallelSpec, env: DistEnv, device: torch.device) -> Optiona
     With expert parallelism the data-parallel ranks are a grid (edp, ep): an EP group (adjacent DP ranks)
     splits the experts between its members, and the ``edp`` ranks at the same EP position hold the same
     experts. ``dp`` is the grid flattened, so the data loader and the dense weights' data parallelism see
-    the same DP ranks as without EP."""
+    the same DP ranks as without EP.
+
+    With context parallelism the mesh is (pp, dp, cp, tp): the CP ranks of a replica (adjacent after TP) split
+    its sequences, and hold the same weights, so the data-parallel wrappers shard and reduce over ``dp_cp``,
+    dp and cp flattened (torchtitan's ``dp_shard_cp``; ``weight_dp_dim``), while the data loader splits the
+    batch over ``dp`` only."""
     if env.world_size == 1:
         return None
-    require(par.pp * par.dp * par.tp == env.world_size, "parallel",
-            f"pp={par.pp} dp={par.dp} tp={par.tp}",
-            f"the degrees multiply to {par.pp * par.dp * par.tp} but {env.world_size} processes "
-            "were started", "launch pp*dp*tp processes (e.g. torchrun --nproc-per-node)")
-    if par.ep == 1:
+    world = par.pp * par.dp * par.cp * par.tp
+    require(world == env.world_size, "parallel", f"pp={par.pp} dp={par.dp} cp={par.cp} tp={par.tp}",
+            f"the degrees multiply to {world} but {env.world_size} processes were started",
+            "launch pp*dp*cp*tp processes (e.g. torchrun --nproc-per-node)")
+    if par.cp > 1:
+        mesh = init_device_mesh(device.type, (par.pp, par.dp, par.cp, par.tp),
+                                mesh_dim_names=("pp", "dp", "cp", "tp"))
+        mesh["dp", "cp"]._flatten(DP_CP)
+    elif par.ep == 1:
         return init_device_mesh(device.type, (par.pp, par.dp, par.tp), mesh_dim_names=("pp", "dp", "tp"))
-    mesh = init_device_mesh(device.type, (par.pp, par.dp // par.ep, par.ep, par.tp),
-                            mesh_dim_names=("pp", "edp", "ep", "tp"))
-    mesh["edp", "ep"]._flatten("dp")
-    # torch asks callers to keep the flattened mesh themselves (a future release may stop slicing it from
-    # the root); every mesh user here slices mesh["dp"], which torch 2.13 still serves
+    else:
+        mesh = init_device_mesh(device.type, (par.pp, par.dp // par.ep, par.ep, par.tp),
+                                mesh_dim_names=("pp", "edp", "ep", "tp"))
+        mesh["edp", "ep"]._flatten("dp")
+    # torch asks callers to keep a flattened mesh themselves (a future release may stop slicing it from the
+    # root); every mesh user here slices mesh["dp"] or mesh["dp_cp"], which torch 2.13 still serves
     warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
     return mesh
+
+
+DP_CP = "dp_cp"  # the mesh dimension of dp and cp flattened (context parallelism)
+
+
+def weight_dp_dim(par: ParallelSpec) -> str:
+    """The mesh dimension whose ranks hold the same weights and average their gradients: ``dp``, or with
+    context parallelism ``dp_cp`` (a CP rank is a data-parallel rank for everything but attention: its
+    gradient is that of its own part of the sequences, and the mean over dp x cp ranks is the whole batch's)."""
+    return DP_CP if par.cp > 1 else "dp"
+
+
+def weight_dp_size(par: ParallelSpec) -> int:
+    """How many ranks ``weight_dp_dim`` spans: dp x cp."""
+    return par.dp * par.cp
 
 
 def backend_name(env: DistEnv, device: torch.device) -> str:

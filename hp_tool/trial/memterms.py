@@ -51,7 +51,8 @@ def target_hardware(spec: TrialSpec, device_type: str) -> Hardware:
     computes there); sizes and speeds do not enter the terms."""
     precision = spec.training.precision if device_type == "cuda" else "fp32"
     return Hardware(gpus_per_node=8, gpu_memory_gb=80, peak_tflops=1, intra_node_bandwidth_gbps=1,
-                    inter_node_bandwidth_gbps=1, memory_overhead_gb=0.0, precision=precision)
+                    inter_node_bandwidth_gbps=1, memory_overhead_gb=0.0, precision=precision,
+                    device_is_host=device_type == "cpu")
 
 
 def analytic_terms(spec: TrialSpec, device_type: str, stage: int = 0) -> tuple[float, float]:
@@ -81,4 +82,4 @@ def with_layout(spec: TrialSpec, **parallel) -> TrialSpec:
     return dataclasses.replace(
         spec, parallel=par,
         training=dataclasses.replace(spec.training, global_batch_size=par.mbs * par.dp),
-        resources=dataclasses.replace(spec.resources, gpus_per_node=par.tp * par.pp * par.dp))
+        resources=dataclasses.replace(spec.resources, gpus_per_node=par.tp * par.pp * par.cp * par.dp))

@@ -52,11 +52,17 @@ def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
 
-def make_loss_fn(tp_mesh=None):
+def make_loss_fn(tp_mesh=None, head: nn.Module | None = None, chunk_tokens: int = 4096):
     """The loss for this layout: with tensor parallelism the head's logits arrive sharded along the
     vocabulary ([batch, seq, vocab/tp] per rank) and the cross-entropy runs on the shards (DTensor's
     ``loss_parallel``: a max, a sum of exponentials and the target's logit, each all-reduced), so no rank
-    ever holds the whole logits. Forward and backward must run inside ``loss_parallel_context``."""
+    ever holds the whole logits. Forward and backward must run inside ``loss_parallel_context``. With
+    ``head`` (the chunked loss, :mod:`hp_tool.trial.loss`) the stage returns hidden states and the loss
+    applies the head a chunk of tokens at a time."""
+    if head is not None:
+        from hp_tool.trial.loss import linear_cross_entropy
+
+        return lambda hidden, labels: linear_cross_entropy(hidden, head.weight, labels, chunk_tokens)
     if tp_mesh is None or tp_mesh.size() == 1:
         return loss_fn
 
@@ -65,6 +71,17 @@ def make_loss_fn(tp_mesh=None):
         return loss_fn(sharded, labels).to_local()
 
     return vocab_parallel_loss
+
+
+def stage_loss_fn(stage: nn.Module, par, tp_mesh=None):
+    """The loss of ``stage`` (the rank's stage, or its last chunk under interleaving) for the spec's
+    ``parallel.loss``: the chunked loss makes the last stage return hidden states (``head_in_loss``) and
+    applies its head; otherwise ``make_loss_fn``'s."""
+    last = stage.chunks[-1] if hasattr(stage, "chunks") else stage
+    if par.loss == "chunked" and getattr(last, "lm_head", None) is not None:
+        last.head_in_loss = True
+        return make_loss_fn(tp_mesh, last.lm_head, par.loss_chunk_tokens)
+    return make_loss_fn(tp_mesh)
 
 
 def loss_parallel_context(tp_mesh=None):

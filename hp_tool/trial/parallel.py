@@ -1,4 +1,4 @@
-"""Apply a spec's parallel layout to one pipeline stage: TP, then EP, then activation checkpointing, then DP.
+"""Apply a spec's parallel layout to one pipeline stage: TP, then EP or CP, then activation checkpointing, then DP.
 
 The order matters and follows torchtitan: tensor parallelism first (it replaces Linear weights by
 DTensor shards on the ``tp`` mesh), then ``checkpoint_wrapper`` around the first ``act_ckpt_layers``
@@ -18,6 +18,10 @@ data-parallel ranks are then an (edp, ep) grid, ``dp`` its flattening (:func:`hp
 dense weights are replicated or sharded over all of ``dp`` as without EP, the experts, different on the
 ranks of an EP group, over ``edp`` only, and their gradients completed after the step's backward
 (``complete_expert_grads`` says why).
+
+Context parallelism (``parallel.cp`` > 1) splits each sequence over the ``cp`` mesh and runs the layers'
+attention as a ring over it (:mod:`hp_tool.trial.context_parallel`); its ranks hold the same weights, so DP
+wraps the stage over ``dp_cp``, dp and cp flattened, as torchtitan's ``dp_shard_cp``.
 """
 
 from __future__ import annotations
@@ -35,10 +39,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+                                               parallelize_module)
 
 from hp_tool.contracts.spec import ParallelSpec
 from hp_tool.errors import ConfigError, require
+from hp_tool.trial.context_parallel import apply_context_parallel
+from hp_tool.trial.dist import weight_dp_dim, weight_dp_size
 from hp_tool.trial.families import torch_family
 from hp_tool.trial.methods import four_bit_weights
 from hp_tool.trial.models import loss_fn
@@ -54,7 +61,25 @@ def layer_tp_plan(stage: StageModule, layer: nn.Module) -> dict:
     return {name: _STYLES[style]() for name, style in torch_family(stage.family).layer_plan(layer).items()}
 
 
-def apply_tensor_parallel(stage: StageModule, tp_mesh: DeviceMesh, vocab_parallel: bool = True) -> None:
+def sequence_parallel_plan(plan: dict) -> dict:
+    """A Llama-layout layer's TP plan with sequence parallelism (Korthikanti et al. 2022; torchtitan's plan):
+    the two RMSNorms run on sequence shards, the attention and the MLP gather the sequence at their input
+    and their row-split output projections reduce-scatter it back (an all-reduce becomes an all-gather and a
+    reduce-scatter of the same volume)."""
+    out = dict(plan)
+    out["input_layernorm"] = SequenceParallel()
+    out["post_attention_layernorm"] = SequenceParallel()
+    out["self_attn"] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                          desired_input_kwarg_layouts={"hidden_states": Replicate()})
+    out["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    for name in ("self_attn.o_proj", "mlp.down_proj"):
+        if name in out:
+            out[name] = RowwiseParallel(output_layouts=Shard(1))
+    return out
+
+
+def apply_tensor_parallel(stage: StageModule, tp_mesh: DeviceMesh, vocab_parallel: bool = True,
+                          sequence_parallel: bool = False) -> None:
     """Shard each layer's projections over ``tp_mesh`` with ``parallelize_module``; with
     ``vocab_parallel``, also the input embedding and the output head along the vocabulary.
 
@@ -62,17 +87,21 @@ def apply_tensor_parallel(stage: StageModule, tp_mesh: DeviceMesh, vocab_paralle
     joins them) and the head's output columns, so each rank computes logits for its slice of the
     vocabulary only; the loss is then computed on the sharded logits (models.make_loss_fn, inside
     ``loss_parallel``). A tied head shares the embedding's vocabulary-sharded weight."""
-    tp, family = tp_mesh.size(), torch_family(stage.family)
+    tp, family = tp_mesh.size(), torch_family(stage.family)  # the spec's rules admit sequence_parallel here
     for layer in stage.layers.values():
-        parallelize_module(layer, tp_mesh, layer_tp_plan(stage, layer))
+        plan = layer_tp_plan(stage, layer)
+        parallelize_module(layer, tp_mesh, sequence_parallel_plan(plan) if sequence_parallel else plan)
         family.shard_heads(layer, tp)
     if not vocab_parallel:
         return
+    between = Shard(1) if sequence_parallel else Replicate()  # the hidden states between the layers
     vocab_plan = {}
     if stage.embed_tokens is not None:
-        vocab_plan["embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        vocab_plan["embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
+    if sequence_parallel and stage.norm is not None:
+        vocab_plan["norm"] = SequenceParallel()
     if stage.lm_head is not None:
-        vocab_plan["lm_head"] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1),
+        vocab_plan["lm_head"] = ColwiseParallel(input_layouts=between, output_layouts=Shard(-1),
                                                 use_local_output=True)
     if vocab_plan:
         parallelize_module(stage, tp_mesh, vocab_plan)
@@ -184,19 +213,22 @@ def apply_data_parallel(stage: StageModule, dp_mesh: DeviceMesh, zero_stage: int
 
 def parallelize_stage(stage: StageModule, par: ParallelSpec, mesh: Optional[DeviceMesh],
                       param_dtype: Optional[torch.dtype], device: torch.device) -> None:
-    """Apply TP, EP, activation checkpointing and DP to ``stage`` in place (still on meta)."""
+    """Apply TP, EP, CP, activation checkpointing and DP to ``stage`` in place (still on meta). With CP the
+    data parallelism spans dp x cp (``dist.weight_dp_dim``)."""
     if par.tp > 1:
-        apply_tensor_parallel(stage, mesh["tp"])
+        apply_tensor_parallel(stage, mesh["tp"], sequence_parallel=par.sequence_parallel)
     if par.ep > 1:
         apply_expert_parallel(stage, mesh["ep"], mesh["tp"])
+    if par.cp > 1:
+        apply_context_parallel(stage, mesh["cp"])
     if par.act_ckpt_layers > 0:
         apply_activation_checkpointing(stage, par.act_ckpt_layers)
     if par.offload != "none":
         require(mesh is not None, "parallel.offload", par.offload,
                 "the torch engine offloads through FSDP2, which needs a process group (2 or more processes)",
                 "run the trial on 2 or more processes, or use engine deepspeed")
-    if par.dp > 1 or par.offload != "none":  # FSDP2 on one data-parallel rank still offloads
-        apply_data_parallel(stage, mesh["dp"], par.zero_stage, par.offload, param_dtype, device,
+    if weight_dp_size(par) > 1 or par.offload != "none":  # FSDP2 on one data-parallel rank still offloads
+        apply_data_parallel(stage, mesh[weight_dp_dim(par)], par.zero_stage, par.offload, param_dtype, device,
                             expert_mesh=mesh["edp"] if par.ep > 1 else None)
 
 
@@ -222,7 +254,7 @@ def build_schedule(chunks: list[StageModule], par: ParallelSpec, mesh: DeviceMes
 
 def needs_grad_sync_control(par: ParallelSpec) -> bool:
     """Whether to skip DP gradient reduction on all but the last micro-batch (DDP's no_sync)."""
-    return par.dp > 1 and par.pp == 1 and par.zero_stage <= 1
+    return weight_dp_size(par) > 1 and par.pp == 1 and par.zero_stage <= 1
 
 
 def set_grad_sync(stage: nn.Module, enabled: bool) -> None:

@@ -27,6 +27,7 @@ from hp_tool.trial.models import build_rank_stages
 from hp_tool.trial.parallel import parallelize_stage
 from hp_tool.trial.stage import InterleavedStages, StageModule
 from hp_tool.trial.checkpoint import weight_source
+from hp_tool.trial.dist import weight_dp_dim, weight_dp_size
 from hp_tool.trial.methods import quantise_base
 from hp_tool.trial.weights import Source, materialize
 
@@ -44,9 +45,15 @@ def tp_mesh_of(mesh: Optional[DeviceMesh], par: ParallelSpec) -> Optional[Device
 
 
 def group_of(mesh: Optional[DeviceMesh], par: ParallelSpec, dim: str) -> Optional[dist.ProcessGroup]:
-    """The process group of mesh dimension ``dim`` ("pp", "dp" or "tp") when the layout has more than one rank
-    along it, else None."""
+    """The process group of mesh dimension ``dim`` ("pp", "dp", "cp" or "tp") when the layout has more than one
+    rank along it, else None."""
     return mesh[dim].get_group() if mesh is not None and getattr(par, dim) > 1 else None
+
+
+def weight_dp_group(mesh: Optional[DeviceMesh], par: ParallelSpec) -> Optional[dist.ProcessGroup]:
+    """The group of the ranks that hold the same weights (``dist.weight_dp_dim``: dp, or dp x cp) when there
+    is more than one, else None: what ZeRO-1 shards the optimizer states over."""
+    return mesh[weight_dp_dim(par)].get_group() if mesh is not None and weight_dp_size(par) > 1 else None
 
 
 class Materialiser(Protocol):
@@ -132,7 +139,7 @@ def build_rank_model(spec: TrialSpec, mesh: Optional[DeviceMesh], pp_rank: int, 
 def build_rank_optimizer(spec: TrialSpec, stage: nn.Module, mesh: Optional[DeviceMesh],
                          device: torch.device) -> torch.optim.Optimizer:
     """AdamW over ``stage``'s materialised parameters for the spec's ZeRO stage and offload (ZeRO-1 shards
-    its states over the data-parallel group)."""
+    its states over the ranks holding the same weights, ``weight_dp_group``)."""
     par = spec.parallel
-    return optim.build_optimizer(stage, spec.training, device, par.zero_stage, group_of(mesh, par, "dp"),
+    return optim.build_optimizer(stage, spec.training, device, par.zero_stage, weight_dp_group(mesh, par),
                                  offload=par.offload != "none")

@@ -81,7 +81,8 @@ def run_loop(engine: Engine, out: Path, t_start: float, flag: measure.SignalFlag
     """Train until the stop rule fires; returns steps run, timed step times, losses and stop reason."""
     spec, device, rank0 = engine.spec, engine.device, engine.env.rank == 0
     rule = measure.StopRule(spec.run, measure.time_budget_s(spec.run), measure.effective_warmup(spec.run))
-    share = 1.0 / (spec.parallel.dp * spec.parallel.tp)  # last-stage ranks each add their share
+    par = spec.parallel
+    share = 1.0 / (par.dp * par.cp * par.tp)  # last-stage ranks each add their share
     tokens = spec.training.global_batch_size * spec.model.seq_length
     writer = measure.MetricsWriter(out / res.METRICS_FILE, enabled=rank0)
     timed, losses, step, reason, request = [], [], 0, None, None
@@ -129,7 +130,7 @@ class _TensorPeakSteps:
             yield
             return
         if self.tracker is None:
-            self.tracker = TensorPeak()
+            self.tracker = TensorPeak(self.engine.device.type)
             self.tracker.track(self.engine.stage, self.engine.optimizer)
         with self.tracker:
             self.tracker.restart_peak()

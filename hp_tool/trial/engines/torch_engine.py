@@ -1,13 +1,14 @@
 """The torch trial engine: one rank's model stage, optimizer, pipeline schedule and data, and one step.
 
-Build: mesh -> this rank's model through :func:`hp_tool.trial.rank.build_rank_model` (stage on meta, TP, EP,
-activation checkpointing, DP per chunk, then the real materialiser: only the local shards, deterministic
-init) -> optimizer -> with PP the pipeline schedule and the tied embedding/head pair. One optimizer step runs
-``grad_accum_steps`` micro-batches (through the pipeline schedule when PP > 1), completes the experts'
-gradients (expert parallelism, :func:`hp_tool.trial.parallel.complete_expert_grads`), syncs tied gradients
-across the first and last stages, clips with the model-wide norm and steps AdamW. In fp16 on GPU the loss is
-scaled before each backward and the gradients unscaled before clipping; a step whose gradients overflowed
-is skipped (:func:`hp_tool.trial.optim.loss_scaler`).
+Build: mesh -> this rank's model through :func:`hp_tool.trial.rank.build_rank_model` (stage on meta, TP, EP or
+CP, activation checkpointing, DP per chunk, then the real materialiser: only the local shards, deterministic
+init) -> optimizer -> with PP the pipeline schedule and the tied embedding/head pair. With context parallelism
+each rank trains on its part of the replica's sequences (:mod:`hp_tool.trial.context_parallel`). One
+optimizer step runs ``grad_accum_steps`` micro-batches (through the pipeline schedule when PP > 1),
+completes the experts' gradients (expert parallelism, :func:`hp_tool.trial.parallel.complete_expert_grads`),
+syncs tied gradients across the first and last stages, clips with the model-wide norm and steps AdamW. In
+fp16 on GPU the loss is scaled before each backward and the gradients unscaled before clipping; a step whose
+gradients overflowed is skipped (:func:`hp_tool.trial.optim.loss_scaler`).
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ from torch.distributed.tensor import DTensor
 
 from hp_tool.contracts.spec import TrialSpec
 from hp_tool.trial import optim
+from hp_tool.trial.activation_offload import saved_tensors_offload
+from hp_tool.trial.context_parallel import whole_sequence_mean
 from hp_tool.trial.data import TokenBatches
 from hp_tool.trial.dist import DistEnv, build_mesh
-from hp_tool.trial.models import loss_parallel_context, make_loss_fn
+from hp_tool.trial.models import loss_parallel_context, stage_loss_fn
 from hp_tool.trial.stage import canonical_name
 from hp_tool.trial.parallel import build_schedule, complete_expert_grads, needs_grad_sync_control, set_grad_sync
 from hp_tool.trial.rank import (Initialise, build_rank_model, build_rank_optimizer, compute_dtype, group_of,
@@ -53,6 +56,7 @@ class TorchEngine:
     local_numel: int = 0  # parameter elements materialised on this rank
     grad_norm: Optional[float] = None  # the last step's whole-model gradient norm before clipping
     scaler: Optional[torch.amp.GradScaler] = None  # fp16's dynamic loss scaler; None in bf16 and fp32
+    compute_loss: Optional[object] = None  # (output, labels) -> loss: the spec's loss (models.stage_loss_fn)
     measures_tensor_peak: ClassVar[bool] = True  # the engine the pre-launch trace models
 
     @property
@@ -74,16 +78,18 @@ class TorchEngine:
         mesh = build_mesh(par, env, device)
         pp_rank = mesh["pp"].get_local_rank() if mesh is not None else 0
         dp_rank = mesh["dp"].get_local_rank() if mesh is not None else 0
+        cp_rank = mesh["cp"].get_local_rank() if par.cp > 1 else 0
         model = build_rank_model(spec, mesh, pp_rank, Initialise.of(spec, device),
                                  compute_dtype(spec, device))
         log.info("rank %d: stage %d holds %d parameter elements", env.rank, pp_rank, model.local_numel)
         optimizer = build_rank_optimizer(spec, model.stage, mesh, device)
-        engine = cls(spec, env, device, mesh, model.stage, optimizer, TokenBatches(spec, dp_rank, device),
+        engine = cls(spec, env, device, mesh, model.stage, optimizer, TokenBatches(spec, dp_rank, device, cp_rank),
                      pp_rank=pp_rank, local_numel=model.local_numel,
                      scaler=optim.loss_scaler(device, compute_dtype(spec, device)))
+        engine.compute_loss = stage_loss_fn(model.stage, par, engine.tp_mesh)
         if par.pp > 1:
             engine.schedule = build_schedule(model.chunks, par, mesh, pp_rank, spec.grad_accum_steps, device,
-                                             engine._scaled(make_loss_fn(engine.tp_mesh)))
+                                             engine._scaled(engine.compute_loss))
             if model.stage.tied:
                 engine.tied_group = _tied_group(mesh, par.pp)
                 engine.tied_param = model.stage.embed_tokens.weight if model.stage.is_first \
@@ -91,9 +97,11 @@ class TorchEngine:
         return engine
 
     def step(self, step: int) -> Optional[torch.Tensor]:
-        """One optimizer step (``step`` is 0-based); this stage's mean loss (None off the last stage)."""
+        """One optimizer step (``step`` is 0-based); this stage's mean loss (None off the last stage), over whole
+        sequences with context parallelism (``whole_sequence_mean``)."""
         optim.set_lr(self.optimizer, optim.lr_at(step, self.spec.training))
-        loss = self._pipeline(step) if self.schedule is not None else self._accumulate(step)
+        loss = self._pipeline(step) if self.schedule is not None else \
+            whole_sequence_mean(self._accumulate(step), group_of(self.mesh, self.spec.parallel, "cp"))
         complete_expert_grads(self.stage, self.spec.parallel.ep, group_of(self.mesh, self.spec.parallel, "tp"))
         optim.sync_tied_grads(self.tied_param, self.tied_group)
         optim.unscale_grads(self.optimizer, self.scaler)
@@ -114,6 +122,12 @@ class TorchEngine:
         """A loss the scaled loss function returned, divided by the loss scale again."""
         return loss if self.scaler is None else loss / self.scaler.get_scale()
 
+    def _saved_tensors(self):
+        """Where autograd keeps the tensors saved for backward: in (pinned, on a GPU) host memory with
+        ``parallel.activation_offload`` (copied out in forward, back in backward), else where they are made;
+        the trace applies the same rule (:mod:`hp_tool.trial.activation_offload`)."""
+        return saved_tensors_offload(self.spec.parallel, self.device)
+
     def _autocast(self):
         """The precision's autocast on GPU; a no-op in fp32."""
         dtype = compute_dtype(self.spec, self.device)
@@ -125,12 +139,12 @@ class TorchEngine:
         """Forward and backward of all micro-batches of one step (no PP); returns their mean loss."""
         micro = self.batches.micro_batches(step)
         control_sync = needs_grad_sync_control(self.spec.parallel)
-        compute_loss = make_loss_fn(self.tp_mesh)
+        compute_loss = self.compute_loss
         total = torch.zeros((), device=self.device)
         for i, (inputs, labels) in enumerate(micro):
             if control_sync:
                 set_grad_sync(self.stage, i == len(micro) - 1)
-            with loss_parallel_context(self.tp_mesh):
+            with loss_parallel_context(self.tp_mesh), self._saved_tensors():
                 with self._autocast():
                     loss = compute_loss(self.stage(*inputs), labels)
                 share = loss / len(micro)
@@ -145,13 +159,13 @@ class TorchEngine:
         first, last = self.pp_rank == 0, self.is_last_stage
         args = inputs if first else ()
         kwargs = {"target": labels, "losses": losses} if last else {}
-        with loss_parallel_context(self.tp_mesh), self._autocast():
+        with loss_parallel_context(self.tp_mesh), self._saved_tensors(), self._autocast():
             self.schedule.step(*args, return_outputs=False, **kwargs)
         return self._unscaled(torch.stack(losses).mean().detach()) if last else None
 
     def full_state_dict(self, dtype: torch.dtype = torch.float32) -> Optional[dict[str, torch.Tensor]]:
         """Every parameter, unsharded (each DTensor gathered over its mesh) and cast to ``dtype``, from one
-        rank per pipeline stage (data- and tensor-parallel rank 0) to rank 0."""
+        rank per pipeline stage (data-, context- and tensor-parallel rank 0) to rank 0."""
         mine = {}
         for name, param in self.stage.named_parameters():
             if not param.is_floating_point():  # QLoRA's packed 4-bit weights: saved as the base checkpoint is
@@ -160,7 +174,8 @@ class TorchEngine:
             mine[canonical_name(name, self.stage.tied)] = full.to(dtype).cpu()
         if self.mesh is None:
             return mine
-        keeps = self.mesh["dp"].get_local_rank() == 0 and self.mesh["tp"].get_local_rank() == 0
+        replicas = ("dp", "cp", "tp") if self.spec.parallel.cp > 1 else ("dp", "tp")
+        keeps = all(self.mesh[dim].get_local_rank() == 0 for dim in replicas)
         parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(mine if keeps else {}, parts, dst=0)
         return None if parts is None else {k: v for part in parts for k, v in part.items()}

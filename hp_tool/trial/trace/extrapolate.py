@@ -9,7 +9,9 @@ held hidden states (:mod:`hp_tool.trial.trace.inflight`; errs high by up to 10% 
 Fidelity on CPU (tests/test_memtrace.py, benchmarks/memory_trace.py): equal to the real run's measured
 peak per rank for one process, DDP and FSDP2 with and without checkpointing (the real run's foreach AdamW
 peaks below its backward there), PP and TP (within 1%: DTensor's global-shape propagation, which under
-fake tensors runs in the trace's own fake mode, is not counted; see ``TensorPeak``); the extrapolation
+fake tensors runs in the trace's own fake mode, is not counted; see ``TensorPeak``), the chunked loss and
+sequence parallelism (within 0.1%, tests/test_trace_long_context.py; activation offload, which on a CPU
+moves nothing, is checked against the layers' saved activations traced for a GPU); the extrapolation
 within 1% of the whole stage's trace (tests/test_memory_check.py).
 """
 

@@ -3,7 +3,9 @@ process can ask before it starts a tracing worker; :mod:`hp_tool.memory_check` k
 with this reason).
 
 The DeepSpeed engine is not the engine the trace rebuilds; offloaded states live in host RAM, which a trace
-cannot tell from GPU memory; QLoRA's 4-bit weights (bitsandbytes) do not run under fake tensors.
+cannot tell from GPU memory; QLoRA's 4-bit weights (bitsandbytes) do not run under fake tensors. The
+long-context savers trace: the chunked loss and sequence parallelism run as the engine runs them, and
+activation offload's host copies are kept off the traced device (:mod:`hp_tool.trial.activation_offload`).
 
 Expert parallelism: each rank's experts run on the tokens the EP group's routers send them, so a rank's
 activations depend on the routing, i.e. on the values; the all-to-all dispatch even reads its split sizes

@@ -3,8 +3,10 @@ untimed steps, ``peak_tensor_memory_gb``) and the pre-launch trace (:mod:`hp_too
 
 It counts parameters, gradients, optimizer states, activations and temporaries as
 ``torch.distributed._tools.MemTracker`` does, without its per-module statistics (which refuse a module
-called once per micro-batch). What tensors do not show (CUDA context, communication buffers, allocator
-slack) is the gpu preset's ``memory_overhead_gb``.
+called once per micro-batch), on the rank's device only: activation offload's host copies
+(:mod:`hp_tool.trial.activation_offload`; the meta device's in the trace) are not its memory. What tensors
+do not show (CUDA context, communication buffers, allocator slack) is the gpu preset's
+``memory_overhead_gb``.
 """
 
 from __future__ import annotations
@@ -18,8 +20,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 
 class TensorPeak(MemTracker):
-    """Peak bytes of live tensor storages inside the context, counted as MemTracker counts them, without
-    per-module statistics. ``track(*modules_or_optimizers)`` registers what exists before the context."""
+    """Peak bytes of live tensor storages on devices of ``device_type`` inside the context (the rank's
+    device: a trial's, or the CPU whose fake tensors the trace runs), counted as MemTracker counts them,
+    without per-module statistics. ``track(*modules_or_optimizers)`` registers what exists before the
+    context."""
+
+    def __init__(self, device_type: str = "cpu"):
+        super().__init__()
+        self.device_type = device_type
 
     def _pre_fw_hook(self, module, inputs) -> None:  # noqa: D401 - per-module stats are not kept
         pass
@@ -96,11 +104,15 @@ class TensorPeak(MemTracker):
             if isinstance(inner, (nn.Module, torch.optim.Optimizer, torch.Tensor)):
                 self.track_external(inner)
 
+    def _on_device(self, per_device: dict) -> int:
+        """The sum of ``per_device``'s bytes over the devices of the rank's type."""
+        return sum(n for device, n in per_device.items() if device.type == self.device_type)
+
     def current_bytes(self) -> int:
-        return sum(snap["Total"] for snap in self.get_tracker_snapshot("current").values())
+        return self._on_device({dev: snap["Total"] for dev, snap in self.get_tracker_snapshot("current").items()})
 
     def peak_bytes(self) -> int:
-        return sum(self._peak_mem.values())
+        return self._on_device(self._peak_mem)
 
     def restart_peak(self) -> None:
         """Start a new peak from the current bytes."""

@@ -3,13 +3,19 @@ tensors on a fake process group, then its optimizer steps replayed phase by phas
 
 Build (``fake_rank``): one process joins a fake process group of the layout's world size and calls
 :func:`hp_tool.trial.rank.build_rank_model` with the fake materialiser (TP, checkpointing, DDP / FSDP2 as
-the trial applies them; no memory allocated, so any size traces on a login node). Replay (``_Replay``):
-two optimizer steps, the first with one micro-batch (it creates the gradients and the optimizer states),
-the second with the step's micro-batches in the schedule's order, each followed by the gradient clipping
-and the AdamW step. For a GPU target the precision's autocast and FSDP2 parameter dtype are applied as on
+the trial applies them; no memory allocated, so any size traces on a login node). With context parallelism
+the rank holds ``seq / cp`` tokens of each sequence (the family's ``fake_batch``) and its ring attention's
+sends and receives run on the fake group, which moves no data but gives each receive its fake buffer.
+Replay (``_Replay``): two optimizer steps, the first with one micro-batch (it creates the gradients and the
+optimizer states), the second with the step's micro-batches in the schedule's order, each followed by the
+gradient clipping and the AdamW step. For a GPU target the precision's autocast and FSDP2 parameter dtype are applied as on
 the GPU (a pipeline's whole step in one autocast region, whose casts of the weights live until the step
 ends, as the engine runs it; without PP one region per forward). AdamW runs without foreach kernels
-(under fake tensors their grouped temporaries inflate the FSDP2 step).
+(under fake tensors their grouped temporaries inflate the FSDP2 step). The loss is the engine's
+(``stage_loss_fn``: the chunked loss applies the head a chunk of tokens at a time, in its CPU form; on a
+GPU with Liger installed the engine runs Liger's kernel, whose chunks follow its own rule), and the tensors
+saved for backward are kept where the engine keeps them (``saved_tensors_offload``: with activation offload
+a GPU rank's on the meta device, outside the count).
 
 Pipeline stages are traced as their own modules (the first with the embedding, the last with the head and
 the loss; a middle stage receives hidden states, its family's ``fake_batch``, and returns a gradient of its
@@ -35,9 +41,10 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from hp_tool.contracts.spec import TrialSpec
 from hp_tool.trial import optim
+from hp_tool.trial.activation_offload import saved_tensors_offload
 from hp_tool.trial.dist import DistEnv, build_mesh
 from hp_tool.trial.families import torch_family
-from hp_tool.trial.models import loss_parallel_context, make_loss_fn
+from hp_tool.trial.models import loss_parallel_context, stage_loss_fn
 from hp_tool.trial.rank import (FakeMaterialise, build_rank_model, build_rank_optimizer, compute_dtype, group_of,
                                 tp_mesh_of)
 from hp_tool.trial.trace.inflight import StageTrace, combine, in_flight, in_flight_counts, traced_spec, \
@@ -93,10 +100,11 @@ def fake_rank(spec: TrialSpec, stage_index: int, device_type: str):
     require_traceable(spec)
     par, device = spec.parallel, torch.device("cpu")
     dtype = compute_dtype(spec, torch.device(device_type))  # the target's dtype; the fake tensors stay on CPU
-    world = par.tp * par.pp * par.dp
+    per_stage = par.dp * par.cp * par.tp  # ranks of one pipeline stage (the mesh's pp dimension is outermost)
+    world = par.pp * per_stage
     _fake_group(world)
     try:
-        mesh = build_mesh(par, DistEnv(stage_index * par.dp * par.tp, world, 0), device) if world > 1 else None
+        mesh = build_mesh(par, DistEnv(stage_index * per_stage, world, 0), device) if world > 1 else None
         materialise = FakeMaterialise(device)
         stage = build_rank_model(traced_spec(spec), mesh, stage_index, materialise, dtype).stage
         # built outside fake mode: parameter groups read the (real) mesh; states appear at the first step
@@ -117,17 +125,19 @@ def _fake_batch(spec: TrialSpec, stage_index: int, dtype: Optional[torch.dtype])
 class _Replay:
     """Optimizer steps of one traced stage as the engine runs them, each micro-batch in 1F1B's order (``k``
     forwards in flight first, then one backward per forward; one at a time without PP) and the step's
-    gradient clipping and optimizer step; with the schedule's receive buffers, one per micro-batch."""
+    gradient clipping and optimizer step; with the schedule's receive buffers, one per micro-batch; the
+    tensors saved for backward where the engine keeps them on ``device_type`` (``saved_tensors_offload``)."""
 
     def __init__(self, spec: TrialSpec, stage, optimizer, stage_index: int, mesh, dtype: Optional[torch.dtype],
-                 counts: tuple[int, ...]):
+                 counts: tuple[int, ...], device_type: str):
         par = spec.parallel
         self.spec, self.stage, self.optimizer, self.dtype = spec, stage, optimizer, dtype
+        self.device = torch.device(device_type)
         self.tp_mesh = tp_mesh_of(mesh, par)
         self.m = spec.grad_accum_steps
         self.last = stage_index == par.pp - 1
         self.pipelined = par.pp > 1
-        self.loss_fn = make_loss_fn(self.tp_mesh)
+        self.loss_fn = stage_loss_fn(stage, par, self.tp_mesh)
         self.pp_group = group_of(mesh, par, "pp")
         self.batches = [_fake_batch(spec, stage_index, dtype) for _ in range(min(self.m, max(counts) + 1))]
         self.tracker = TensorPeak()
@@ -174,7 +184,8 @@ class _Replay:
 
     def _micro_batches(self, batches: list, k: int) -> None:
         """Forwards and backwards of ``batches`` with ``k`` in flight, then the pipeline's reduction."""
-        with loss_parallel_context(self.tp_mesh), self._autocast() if self.pipelined else contextlib.nullcontext():
+        with loss_parallel_context(self.tp_mesh), saved_tensors_offload(self.spec.parallel, self.device, traced=True), \
+                self._autocast() if self.pipelined else contextlib.nullcontext():
             live = []
             for inputs, labels in batches:
                 if len(live) == k:
@@ -218,19 +229,21 @@ class _Replay:
         return [StageTrace(train, first_peak, states, later_peak - states) for train in train_peaks]
 
 
-def _forward_kept(spec: TrialSpec, stage, stage_index: int, mesh, dtype: Optional[torch.dtype]) -> float:
+def _forward_kept(spec: TrialSpec, stage, stage_index: int, mesh, dtype: Optional[torch.dtype],
+                  device_type: str) -> float:
     """Bytes live after one micro-batch's forward (its output kept) less those live before it."""
     tp_mesh = tp_mesh_of(mesh, spec.parallel)
     inputs, labels = _fake_batch(spec, stage_index, dtype)
     tracker = TensorPeak()
     tracker.track(stage, *inputs, labels)
     autocast = torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
-    with tracker, loss_parallel_context(tp_mesh):
+    saved = saved_tensors_offload(spec.parallel, torch.device(device_type), traced=True)
+    with tracker, loss_parallel_context(tp_mesh), saved:
         before = tracker.current_bytes()
         with autocast:
             out = stage(*inputs)
             if stage_index == spec.parallel.pp - 1:
-                out = make_loss_fn(tp_mesh)(out, labels)
+                out = stage_loss_fn(stage, spec.parallel, tp_mesh)(out, labels)
         kept = tracker.current_bytes() - before
         del out
     return kept
@@ -248,7 +261,7 @@ def traced_counts(spec: TrialSpec, stage_index: int, device_type: str, counts: t
     key = (spec.fingerprint(), stage_index, device_type, counts)
     if key not in _TRACES:
         with fake_rank(spec, stage_index, device_type) as (stage, optimizer, mesh, dtype):
-            _TRACES[key] = _Replay(spec, stage, optimizer, stage_index, mesh, dtype, counts).run(counts)
+            _TRACES[key] = _Replay(spec, stage, optimizer, stage_index, mesh, dtype, counts, device_type).run(counts)
     return _TRACES[key]
 
 
@@ -271,5 +284,5 @@ def states_and_kept_bytes(spec: TrialSpec, stage_index: int = 0, device_type: st
     unsharded parameters); taken after the first optimizer step, so without gradients. The terms the
     analytic model adds up (hp_tool/trial/memterms.py compares them)."""
     with fake_rank(spec, stage_index, device_type) as (stage, optimizer, mesh, dtype):
-        (trace,) = _Replay(spec, stage, optimizer, stage_index, mesh, dtype, (1,)).run((1,))
-        return trace.state_bytes, _forward_kept(spec, stage, stage_index, mesh, dtype)
+        (trace,) = _Replay(spec, stage, optimizer, stage_index, mesh, dtype, (1,), device_type).run((1,))
+        return trace.state_bytes, _forward_kept(spec, stage, stage_index, mesh, dtype, device_type)

@@ -1,0 +1,107 @@
+"""The pre-launch trace of the long-context savers, on a tiny Llama at 256 tokens over 2048 words
+(``long_context_spec``): the chunked loss and sequence parallelism traced as the real CPU run measures them
+per rank (test_memtrace's tolerance), the chunked loss's saving the logits the analytic model says the full
+loss holds, and activation offload, which a CPU run cannot show (its host is its device), traced for a GPU:
+the layers' saved activations leave the device, the states stay as they are."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from hp_tool.estimate.layout import Hardware
+from hp_tool.estimate.memory import logits_bytes
+from hp_tool.memory_check import trace_key, trace_one
+from hp_tool.trial.trace.extrapolate import stage_units, with_units
+from hp_tool.trial.trace.limits import untraceable_reason
+from hp_tool.trial.trace.replay import states_and_kept_bytes, trace_stage
+from test_memtrace import REL_TOL, measured_peak
+from trial_helpers import long_context_spec
+
+CHUNK = 64  # tokens per chunk of the chunked loss: an eighth of a micro-batch's 512
+
+
+@pytest.mark.parametrize("savers", [
+    dict(loss="chunked", loss_chunk_tokens=CHUNK),
+    dict(tp=2, sequence_parallel=True),
+    dict(tp=2, sequence_parallel=True, activation_offload=True),  # on CPU offload moves nothing
+], ids=lambda v: "-".join(f"{k}{x}" for k, x in v.items()))
+def test_traced_peak_matches_the_real_runs_peak_per_rank(tmp_path, savers):
+    spec = long_context_spec(max_steps=3, warmup_steps=2, **savers)  # two untimed steps are measured
+    measured = measured_peak(tmp_path, spec)
+    assert measured > 0
+    assert trace_stage(spec).peak_gb == pytest.approx(measured, rel=REL_TOL)
+
+
+def test_the_chunked_loss_saves_the_logits_the_full_loss_holds():
+    """Traced on CPU (fp32), the chunked loss's peak is below the full loss's by what the analytic model
+    says the full loss holds beyond the chunked one (``logits_bytes``: the logits, their log-softmax and
+    their gradient, against one chunk's logits and the gradients computed in forward), within 10%."""
+    peaks, held = {}, {}
+    hw = Hardware(gpus_per_node=1, gpu_memory_gb=80, peak_tflops=1, intra_node_bandwidth_gbps=1,
+                  inter_node_bandwidth_gbps=1, memory_overhead_gb=0, precision="fp32")
+    for loss in ("full", "chunked"):
+        spec = long_context_spec(loss=loss, loss_chunk_tokens=CHUNK)
+        peaks[loss] = trace_stage(spec).peak_bytes
+        held[loss] = logits_bytes(spec.model.shape(), spec.layout(), hw)
+    assert peaks["full"] - peaks["chunked"] == pytest.approx(held["full"] - held["chunked"], rel=0.1)
+
+
+def _per_unit(spec, measure) -> float:
+    """What one more unit of layers adds to ``measure(spec with n units)``: measured at one unit and at two."""
+    one, two = (measure(with_units(spec, n, 0)) for n in (1, 2))
+    return two - one
+
+
+def _kept(spec) -> float:
+    """The bytes one micro-batch's forward leaves on a GPU rank for its backward (``states_and_kept_bytes``)."""
+    return states_and_kept_bytes(spec, 0, "cuda")[1]
+
+
+@pytest.mark.parametrize("layout", [
+    dict(),
+    dict(loss="chunked", loss_chunk_tokens=CHUNK),
+    dict(tp=2, sequence_parallel=True),  # DTensors saved: offloaded by their local shards
+    dict(dp=2, zero_stage=3),
+], ids=lambda v: "-".join(f"{k}{x}" for k, x in v.items()) or "single")
+def test_offloaded_activations_leave_the_gpu(layout):
+    """Traced for a GPU (bf16), with activation offload forward leaves nothing of the layers on the device,
+    so the peak grows with the layers by their states and little else (where backward peaks, one layer's
+    saved activations are back at a time) and is below the peak without offload by at least all layers'
+    saved activations but one's; the states and the optimizer steps are unchanged."""
+    kept, offloaded = long_context_spec(**layout), long_context_spec(activation_offload=True, **layout)
+    on_gpu, off_gpu = trace_stage(kept, 0, "cuda"), trace_stage(offloaded, 0, "cuda")
+    layer = _per_unit(kept, _kept)  # one layer's saved activations
+    assert layer > 0 and _per_unit(offloaded, _kept) == 0
+    assert on_gpu.peak_bytes - off_gpu.peak_bytes >= (stage_units(kept)[0] - 1) * layer
+    grows = _per_unit(offloaded, lambda s: trace_stage(s, 0, "cuda").peak_bytes) - \
+        _per_unit(offloaded, lambda s: trace_stage(s, 0, "cuda").state_bytes)
+    assert grows < layer / 4  # without offload a layer adds all its saved activations
+    assert dataclasses.replace(off_gpu, train_bytes=0) == dataclasses.replace(on_gpu, train_bytes=0)
+
+
+def test_a_cpu_rank_keeps_its_saved_activations():
+    """On a CPU rank the host is the device: offload changes no traced byte (and the real CPU run's peak is
+    the trace's, above)."""
+    assert trace_stage(long_context_spec(activation_offload=True)) == trace_stage(long_context_spec())
+
+
+@pytest.mark.parametrize("savers", [
+    dict(loss="chunked", loss_chunk_tokens=CHUNK),
+    dict(tp=2, sequence_parallel=True),
+    dict(activation_offload=True),
+    dict(tp=2, dp=2, sequence_parallel=True, activation_offload=True, act_ckpt=4),
+], ids=lambda v: "-".join(f"{k}{x}" for k, x in v.items()))
+def test_memory_check_traces_the_savers(savers):
+    """``memory_check`` traces specs with the savers (none is refused, each has its own cache key), and an
+    8-layer stage extrapolated from 1 and 2 layers is its whole trace within 1%."""
+    spec = long_context_spec(**savers)
+    spec = dataclasses.replace(spec, model=dataclasses.replace(spec.model, num_layers=8))
+    plain = dataclasses.replace(spec, parallel=dataclasses.replace(
+        spec.parallel, loss="full", sequence_parallel=False, activation_offload=False))
+    assert untraceable_reason(spec) is None
+    assert trace_key(spec, "cuda", "torch") != trace_key(plain, "cuda", "torch")
+    outcome = trace_one(spec, "cuda")
+    assert outcome.reason == ""
+    assert outcome.tensor_gb * 1e9 == pytest.approx(trace_stage(spec, 0, "cuda").peak_bytes, rel=0.01)
