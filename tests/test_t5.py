@@ -116,7 +116,8 @@ def test_memory_model_uses_each_stacks_length_and_the_vocabulary():
     mt5 = Shape("mt5", 24, 4096, 64, 64, 10240, 250000, 512, 64, 128)
     layout = Layout(tp=4, pp=2, dp=20, mbs=4, act_ckpt_layers=0, global_batch_size=1920)
     logits = estimate_memory(mt5, Layout(4, 1, 40, 4, 0, 1920), H100).logits_gb
-    assert logits == pytest.approx(4 * 128 * 250000 * (2 + 8) / 4 / 1e9)  # the decoder's 128 tokens, vocab-parallel
+    # the decoder's 128 tokens, vocab-parallel: 16 bytes per local logit (memory.WHOLE_LOSS_BYTES under TP)
+    assert logits == pytest.approx(4 * 128 * 250000 * 16 / 4 / 1e9)
     # the encoder stage does not see the decoder length; the decoder stage does
     longer = Shape("t5", 24, 4096, 64, 64, 10240, 29000, 512, 64, 256)
     assert stage_activation_bytes(longer, layout, H100, 0) == stage_activation_bytes(t5, layout, H100, 0)

@@ -59,10 +59,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        # scaled in place: the forward's gradients are used once, and a copy would double the head's gradient
         saved = list(ctx.saved_tensors)
-        grad_hidden = saved.pop(0).mul_(grad_output) if ctx.has[0] else None
-        grad_weight = saved.pop(0).mul_(grad_output) if ctx.has[1] else None
+        grad_hidden = saved.pop(0) * grad_output if ctx.has[0] else None
+        grad_weight = saved.pop(0) * grad_output if ctx.has[1] else None
         return grad_hidden, grad_weight, None, None
 
 
