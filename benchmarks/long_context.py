@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hp_tool.cli import compose  # noqa: E402
 from hp_tool.config import to_app_config  # noqa: E402
 from hp_tool.estimate.memory import estimate_memory  # noqa: E402
+from hp_tool.memory_check import Tracer, trace_device  # noqa: E402
 from hp_tool.planner import candidate_trial_id, make_plan  # noqa: E402
 from hp_tool.vocab import OVER_LIMIT, SELECTED  # noqa: E402
 
@@ -38,8 +39,10 @@ SEQ = 32768
 def plan(gpus: int, *overrides: str, traced: bool = False):
     cfg, name = compose(["search_config=finetune/llama3_8b_32k", f"{TS}.gpus_per_node={gpus}",
                          f"memory_check={'traced' if traced else 'analytic'}", *overrides])
+    app = to_app_config(cfg)
+    tracer = Tracer(trace_device(app.gpu.name)) if traced else None  # a bf16 A100 rank under fake tensors
     with tempfile.TemporaryDirectory() as tmp:
-        return make_plan(to_app_config(cfg), name, Path(tmp))
+        return make_plan(app, name, Path(tmp), tracer)
 
 
 def savers(c) -> str:
@@ -112,9 +115,11 @@ def savings_table(traced: bool) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--no-trace", action="store_true", help="predicted figures only (no traces)")
+    parser.add_argument("--tables-only-traced", action="store_true", help="only the savers table (with traces)")
     args = parser.parse_args()
-    for gpus in (1, 2):
-        fitting_table(gpus)
+    if not args.tables_only_traced:
+        for gpus in (1, 2):
+            fitting_table(gpus)
     savings_table(traced=not args.no_trace)
 
 
