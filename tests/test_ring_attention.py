@@ -22,14 +22,14 @@ def reference(q, k, v, grad):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def worker(rank, world, port, folder, score_bytes=None):
+def worker(rank, world, port, folder, tile_rows=None):
     import torch.distributed as dist
 
     from hp_tool.trial import ring_attention as ring
     from hp_tool.trial.ring_attention import positions, ring_attention, shard_sequence
 
-    if score_bytes is not None:  # tiles of a few query rows: the tiled path, not one tile per block
-        ring.RING_SCORE_BYTES = score_bytes
+    if tile_rows is not None:  # tiles of a few query rows: the tiled path, not one tile per block
+        ring.ring_tile_rows = lambda batch_heads, keys: tile_rows
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -51,16 +51,15 @@ def worker(rank, world, port, folder, score_bytes=None):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("cp, score_bytes", [(2, None), (3, None), (2, 2 * 4 * 12 * 4 * 5)],
-                         ids=["cp2", "cp3", "cp2-tiles-of-5-rows"])
-def test_ring_attention_equals_unsharded_causal_attention(tmp_path, cp, score_bytes):
-    if score_bytes is not None:  # 5 query rows a tile against a 12-token block: tiles of 5, 5 and 2 rows
+@pytest.mark.parametrize("cp, tile_rows", [(2, None), (3, None), (2, 5)], ids=["cp2", "cp3", "cp2-tiles-of-5-rows"])
+def test_ring_attention_equals_unsharded_causal_attention(tmp_path, cp, tile_rows):
+    if tile_rows is not None:  # 5 query rows a tile against a 12-token block: tiles of 5, 5 and 2 rows
         from hp_tool.trial.ring_attention import query_tiles
 
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr("hp_tool.trial.ring_attention.RING_SCORE_BYTES", score_bytes)
+            patch.setattr("hp_tool.trial.ring_attention.ring_tile_rows", lambda batch_heads, keys: tile_rows)
             assert [t.stop - t.start for t in query_tiles(torch.zeros(2, 4, 12, 8), 12)] == [5, 5, 5]
-    mp.spawn(worker, args=(cp, free_port(), str(tmp_path), score_bytes), nprocs=cp, join=True)
+    mp.spawn(worker, args=(cp, free_port(), str(tmp_path), tile_rows), nprocs=cp, join=True)
     for rank in range(cp):
         saved = torch.load(tmp_path / f"rank{rank}.pt")
         for name, got, want in zip(("out", "dq", "dk", "dv"), saved["got"], saved["want"], strict=True):

@@ -23,8 +23,15 @@ GB = 1e9  # hp_tool reports memory in GB of 1e9 bytes, as GPU vendors label thei
 
 BYTES_PER_VALUE = {"bf16": 2, "fp16": 2, "fp32": 4}
 # context parallelism's ring attention computes a block's scores tile by tile of the query rows, each tile's fp32
-# scores at most this many bytes (hp_tool/trial/ring_attention.py query_tiles; memory.ring_transient_bytes)
+# scores at most RING_SCORE_BYTES, but at least RING_MIN_ROWS query rows, so that a long block is not cut into
+# thousands of thin matmuls (hp_tool/trial/ring_attention.py query_tiles; memory.ring_transient_bytes)
 RING_SCORE_BYTES = 8 * 2 ** 20
+RING_MIN_ROWS = 128
+
+
+def ring_tile_rows(batch_heads: int, keys: int) -> int:
+    """Query rows of one tile of the ring's scores against ``keys`` keys over ``batch_heads`` batch x heads."""
+    return max(RING_MIN_ROWS, RING_SCORE_BYTES // (batch_heads * keys * 4))
 
 
 @dataclass(frozen=True)

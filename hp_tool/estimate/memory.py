@@ -32,8 +32,8 @@ from typing import Optional
 from hp_tool.architectures import (Shape, checkpointed_layer_counts, count_parameters, expert_parameters,
                                    layer_parameters, stage_expert_parameters, stage_layer_counts,
                                    stage_layer_parameters, vocab_parallel_parameters)
-from hp_tool.estimate.layout import (GB, RING_SCORE_BYTES, Hardware, Layout, interleave_held_tensors,
-                                     microbatches_in_flight, rank_shape)
+from hp_tool.estimate.layout import (GB, Hardware, Layout, interleave_held_tensors,
+                                     microbatches_in_flight, rank_shape, ring_tile_rows)
 from hp_tool.estimate.methods import (ADAPTED, NF4_BITS, activation_delta_bytes, adapter_parameters_per_layer,
                                       linear_parameters_per_layer, linear_shapes)
 
@@ -238,15 +238,14 @@ def ring_saved_bytes(shape: Shape, layout: Layout) -> float:
 
 def ring_transient_bytes(shape: Shape, layout: Layout, hw: Hardware) -> float:
     """The ring's working memory at the peak of a layer's attention backward beyond what the layer keeps
-    (``shape`` at the rank's tokens): one tile of fp32 scores (at most ``RING_SCORE_BYTES``, whole query rows)
+    (``shape`` at the rank's tokens): one tile of fp32 scores (``ring_tile_rows`` query rows)
     and two fp32 tensors of the queries' size (the queries' gradient and the output gradient, or the block's
     keys and values over every query head), as traced at 4K-8K tokens on CPU and for a bf16 GPU
     (tests/test_trace_long_context.py). 0 without CP."""
     if layout.cp == 1:
         return 0.0
     b, s, heads = layout.mbs, shape.seq_length, shape.num_attention_heads / layout.tp
-    row = b * heads * s * 4  # one query row's fp32 scores against the block, over the micro-batch and heads
-    tile = min(s, max(1, RING_SCORE_BYTES // row)) * row
+    tile = min(s, ring_tile_rows(round(b * heads), s)) * b * heads * s * 4  # fp32 scores of one tile
     return tile + 2 * 4.0 * b * s * shape.attention_dim / layout.tp
 
 

@@ -20,7 +20,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from hp_tool.estimate.layout import RING_SCORE_BYTES
+from hp_tool.estimate.layout import ring_tile_rows
 
 
 def balanced_chunks(cp: int, rank: int) -> tuple[int, int]:
@@ -70,9 +70,9 @@ def _acc(t: torch.Tensor) -> torch.dtype:
 
 def query_tiles(q: torch.Tensor, keys: int) -> list[slice]:
     """Slices of the query rows such that one tile's fp32 scores against ``keys`` keys stay within
-    ``RING_SCORE_BYTES`` (at least one row a tile): the ring's transient memory is bounded whatever the
-    sequence length, as the planner counts it (``ring_transient_bytes``)."""
-    rows = max(1, RING_SCORE_BYTES // (q.shape[0] * q.shape[1] * keys * 4))
+    ``RING_SCORE_BYTES`` (at least ``RING_MIN_ROWS`` rows a tile): the ring's transient memory is bounded at
+    any sequence length, as the planner counts it (``ring_transient_bytes``)."""
+    rows = ring_tile_rows(q.shape[0] * q.shape[1], keys)
     return [slice(start, start + rows) for start in range(0, q.shape[2], rows)]
 
 
