@@ -18,8 +18,7 @@ Long context, each list given in full is searched in full; left null (``long_con
 sequence parallelism wherever it runs (it never adds time in the model and divides the norms' activations
 by TP); context parallelism 1 and the powers of two leaving each rank at least ``CP_MIN_TOKENS`` tokens,
 within a node with TP; the chunked loss from ``CHUNKED_LOSS_FROM`` tokens per sequence where it runs (the
-same FLOPs as the whole-logits loss, whose fp32 logits and gradient at 8K tokens and a 128K vocabulary are
-10.5 GB per sequence); activation offload searched beside none from ``ACTIVATION_OFFLOAD_FROM`` tokens
+same FLOPs as the whole-logits loss, which at 8K tokens and a 128K vocabulary holds 12.6 GB per sequence); activation offload searched beside none from ``ACTIVATION_OFFLOAD_FROM`` tokens
 with a host RAM figure (it costs PCIe time, so only where activations dominate memory).
 """
 

@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from hp_tool.architectures import Shape
 from hp_tool.families import family
 from hp_tool.errors import ConfigError, require
-from hp_tool.estimate.layout import Layout
+from hp_tool.estimate.layout import LOSS_CHUNK_TOKENS, Layout
 from hp_tool.fingerprint import fingerprint_of
 from hp_tool.fsutil import atomic_write_text
 from hp_tool.sharding import combination_problem, layout_suffix
@@ -156,7 +156,7 @@ class ParallelSpec:
     ep: int = 1  # expert parallel: MoE experts split over ep of the dp ranks (ep divides dp)
     cp: int = 1  # context parallel: each sequence split over cp ranks (ring attention), 2 chunks per rank
     loss: str = "full"  # full: whole logits | chunked: output projection and cross-entropy over chunks of tokens
-    loss_chunk_tokens: int = 4096  # tokens per chunk of the chunked loss
+    loss_chunk_tokens: int = LOSS_CHUNK_TOKENS  # tokens per chunk of the chunked loss
     activation_offload: bool = False  # tensors saved for backward kept in (pinned) host memory (torch engine)
     sequence_parallel: bool = False  # with TP: norms on sequence shards, TP's all-reduces as gather + scatter
 
@@ -379,8 +379,8 @@ def dump_spec(spec: TrialSpec, path: str | os.PathLike) -> Path:
 
 
 # ParallelSpec's long-context fields and their defaults (what a layout without them runs)
-LONG_CONTEXT_DEFAULTS = {"cp": 1, "loss": "full", "loss_chunk_tokens": 4096, "activation_offload": False,
-                         "sequence_parallel": False}
+LONG_CONTEXT_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ParallelSpec)
+                         if f.name in ("cp", "loss", "loss_chunk_tokens", "activation_offload", "sequence_parallel")}
 
 
 def make_trial_id(family: str, size_label: str, tp: int, pp: int, mbs: int, act_ckpt_layers: int,

@@ -9,6 +9,7 @@ maps fields to its own config keys.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
@@ -22,6 +23,8 @@ if TYPE_CHECKING:
 GB = 1e9  # hp_tool reports memory in GB of 1e9 bytes, as GPU vendors label their memory
 
 BYTES_PER_VALUE = {"bf16": 2, "fp16": 2, "fp32": 4}
+# tokens per chunk of the chunked loss by default: 4096 x a 128K vocabulary x 4 bytes = 2.1 GB of fp32 logits
+LOSS_CHUNK_TOKENS = 4096
 # context parallelism's ring attention computes a block's scores tile by tile of the query rows, each tile's fp32
 # scores at most RING_SCORE_BYTES, but at least RING_MIN_ROWS query rows, so that a long block is not cut into
 # thousands of thin matmuls (hp_tool/trial/ring_attention.py query_tiles; memory.ring_transient_bytes)
@@ -56,7 +59,7 @@ class Layout:
     cp: int = 1
     loss: str = "full"  # full | chunked (hp_tool/vocab.py LOSSES)
     activation_offload: bool = False
-    loss_chunk_tokens: int = 4096  # tokens per chunk of the chunked loss
+    loss_chunk_tokens: int = LOSS_CHUNK_TOKENS  # tokens per chunk of the chunked loss
 
     @property
     def gpus(self) -> int:
@@ -93,7 +96,8 @@ class Layout:
         """Every reason this layout cannot run ``shape``, most basic first; empty when it can. With
         ``gpus_per_node``, TP must stay within a node. Rules: heads and kv heads divisible by TP, TP within a
         node, the pipeline split, checkpointed layers within a stage, the family's engines, the global batch
-        over MBS x DP, interleaving, and engine x ZeRO stage x offload (``rule`` "savers")."""
+        over MBS x DP, interleaving, engine x ZeRO stage x offload (``rule`` "savers"), and the long-context savers
+        (``rule`` "sequence")."""
         out: list[Problem] = []
         heads, kv = shape.num_attention_heads, shape.num_kv_heads
         if heads % self.tp:
@@ -197,8 +201,6 @@ def rank_shape(shape: "Shape", layout: Layout) -> "Shape":
     the collectives that move them are per token a rank holds; the model's FLOPs stay the whole sequence's."""
     if layout.cp == 1:
         return shape
-    import dataclasses
-
     return dataclasses.replace(shape, seq_length=shape.seq_length // layout.cp)
 
 

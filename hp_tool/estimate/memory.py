@@ -9,13 +9,13 @@ and backward reads (``compute_copy_bytes``). Activations per layer: GPT from Kor
 engine runs without dropout); Llama (GQA, SwiGLU, RMSNorm, RoPE) and T5 derived tensor by tensor for the
 engine's modules. Each term is checked against the traced engine (tests/test_memory_check.py,
 benchmarks/memory_terms.py). Pipeline: 1F1B keeps up to PP micro-batches in flight on the first stage.
-Logits (``logits_bytes``): the whole-logits loss holds a 16-bit logits tensor upcast to fp32, plus its fp32
-gradient; the chunked loss one chunk's logits and the gradients it computes in forward (hp_tool/trial/loss.py).
+Logits (``logits_bytes``): the whole-logits loss holds the logits, their log-softmax and gradient (as traced);
+the chunked loss one chunk's logits and the gradients it computes in forward (hp_tool/trial/loss.py).
 
 Long context: context parallelism gives each rank seq / CP tokens of every sequence (``rank_shape``) and
 ZeRO shards over DP x CP ranks (``Layout.zero_ranks``); sequence parallelism divides the norms' and a
 checkpointed layer's input by TP (the family's activation formula); activation offload keeps the tensors
-saved for backward in host RAM, leaving one layer's working set on the GPU (``stage_activation_bytes``) and
+saved for backward in host RAM, leaving one sub-layer's working set on the GPU (``working_layer_bytes``) and
 the rest in the node's RAM (``offloaded_activation_bytes``).
 
 The trial engine shards the transformer layers across TP ranks, and the input embedding, the output head
@@ -236,12 +236,12 @@ def ring_saved_bytes(shape: Shape, layout: Layout) -> float:
     return 4.0 * layout.mbs * shape.seq_length * shape.attention_dim / layout.tp
 
 
-def ring_transient_bytes(shape: Shape, layout: Layout, hw: Hardware) -> float:
+def ring_transient_bytes(shape: Shape, layout: Layout) -> float:
     """The ring's working memory at the peak of a layer's attention backward beyond what the layer keeps
     (``shape`` at the rank's tokens): one tile of fp32 scores (``ring_tile_rows`` query rows)
     and two fp32 tensors of the queries' size (the queries' gradient and the output gradient, or the block's
     keys and values over every query head), as traced at 4K-8K tokens on CPU and for a bf16 GPU
-    (tests/test_trace_long_context.py). 0 without CP."""
+    (tests/test_long_context_memory.py). 0 without CP."""
     if layout.cp == 1:
         return 0.0
     b, s, heads = layout.mbs, shape.seq_length, shape.num_attention_heads / layout.tp
@@ -297,7 +297,7 @@ def stage_state_bytes(shape: Shape, layout: Layout, hw: Hardware, params: float,
 
 
 # Bytes per logit the whole-logits loss holds at its peak (cross-entropy's backward), as traced in fp32 and bf16
-# (tests/test_trace_long_context.py): the logits (or their 16-bit form and fp32 upcast), log-softmax's output and
+# (tests/test_long_context_memory.py): the logits (or their 16-bit form and fp32 upcast), log-softmax's output and
 # the gradient, 12; the vocabulary-parallel loss under TP (torch's loss_parallel) one fp32 copy more, 16.
 WHOLE_LOSS_BYTES = {False: 12, True: 16}
 
@@ -310,7 +310,7 @@ def logits_bytes(shape: Shape, layout: Layout, hw: Hardware) -> float:
     (hp_tool/trial/loss.py, TP 1): the hidden states' gradient (tokens x hidden, compute dtype) and the head
     weight's fp32 gradient (vocabulary x hidden) it computes in forward, and one chunk in flight: 12 bytes per
     logit, the fp32 logits with logsumexp's two temporaries of their size (then the logits and their softmax),
-    as traced (tests/test_trace_long_context.py)."""
+    as traced (tests/test_long_context_memory.py)."""
     bpv, tokens = hw.bytes_per_value, layout.mbs * shape.target_length
     if layout.loss == "full":
         # with activation offload the log-softmax output waits in host RAM until backward brings it back
@@ -339,7 +339,8 @@ def estimate_memory(shape: Shape, layout: Layout, hw: Hardware) -> MemoryEstimat
     buffers and sends its runtime holds: ``microbatches_in_flight``, ``interleave_held_tensors``); the first
     stage holds the embedding, the last the head and the logits (``logits_bytes``). Activations and logits
     are of the rank's tokens (``rank_shape``: the sequence over CP); with activation offload the stored
-    activations are in host RAM and one layer's (that forward builds and backward brings back) is on the GPU."""
+    activations are in host RAM and what one sub-layer's backward brings back is on the GPU
+    (``working_layer_bytes``)."""
     tp, pp = layout.tp, layout.pp
     bpv = hw.bytes_per_value
     rank = rank_shape(shape, layout)
@@ -359,7 +360,7 @@ def estimate_memory(shape: Shape, layout: Layout, hw: Hardware) -> MemoryEstimat
             shape.hidden_size * bpv
         stage_logits = logits if stage == pp - 1 else 0.0
         # the ring's working memory in a layer's backward, which starts once the loss has freed its logits
-        activations += max(0.0, ring_transient_bytes(rank, layout, hw) - stage_logits)
+        activations += max(0.0, ring_transient_bytes(rank, layout) - stage_logits)
         states = stage_state_bytes(shape, layout, hw, params, stage, gathered_layer)
         total = states + activations + stage_logits
         if total > best_total:
@@ -373,7 +374,7 @@ def working_layer_bytes(shape: Shape, layout: Layout, hw: Hardware) -> float:
     """What stays on the GPU of the saved activations with activation offload, one micro-batch: the tensors one
     sub-layer's backward brings back at once, the largest being the MLP's (its four saved products of the FFN
     width for a gated MLP, two otherwise) with its norm's fp32 input; as traced for a bf16 GPU
-    (tests/test_trace_long_context.py)."""
+    (tests/test_long_context_memory.py)."""
     b, s, p = layout.mbs, shape.seq_length, hw.bytes_per_value
     products = (4 if shape.gated_mlp else 2) * p * s * b * shape.ffn_hidden_size / layout.tp
     return products + 4.0 * s * b * shape.hidden_size / (layout.tp if layout.sequence_parallel else 1)

@@ -132,7 +132,7 @@ def llama_head_activation_bytes(shape: Shape, mbs: int, tp: int = 1, sequence_pa
     """What the last stage keeps for backward beyond its layers, one micro-batch: the final RMSNorm as a
     layer's ((4 + p)·sbh, on sequence shards with SP), the head's input (p·sbh, whole: SP gathers it; the
     chunked loss keeps the hidden states' gradient instead, counted with the loss), and RoPE's cos and sin
-    (2·s·d, shared by the micro-batch). Measured against the trace (tests/test_trace_long_context.py)."""
+    (2·s·d, shared by the micro-batch). Measured against the trace (tests/test_long_context_memory.py)."""
     s, b, h, p = shape.seq_length, mbs, shape.hidden_size, bytes_per_value
     head_dim = shape.attention_dim // shape.num_attention_heads
     return (4 + p) * s * b * h / (tp if sequence_parallel else 1) + p * s * b * h + 2 * s * head_dim * p

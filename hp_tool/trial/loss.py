@@ -19,8 +19,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from hp_tool.estimate.layout import LOSS_CHUNK_TOKENS
+
 IGNORE_INDEX = -100
-DEFAULT_CHUNK_TOKENS = 4096  # tokens per chunk: 4096 x 128K vocabulary x 4 bytes = 2.1 GB of fp32 logits at most
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -66,7 +67,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
 
 def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> torch.Tensor:
+                                 chunk_tokens: int = LOSS_CHUNK_TOKENS) -> torch.Tensor:
     """Mean next-token cross-entropy of ``hidden`` ([..., h]) through the output projection ``weight``
     ([vocab, h]) against ``labels`` ([...], IGNORE_INDEX skipped), never holding more than ``chunk_tokens``
     tokens' logits."""
@@ -98,4 +99,4 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
 
         return liger_fused_linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
                                                 ignore_index=IGNORE_INDEX)
-    return chunked_linear_cross_entropy(hidden, weight, labels, chunk_tokens or DEFAULT_CHUNK_TOKENS)
+    return chunked_linear_cross_entropy(hidden, weight, labels, chunk_tokens or LOSS_CHUNK_TOKENS)

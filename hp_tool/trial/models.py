@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import loss_parallel
 
 from hp_tool.contracts.spec import ModelSpec
+from hp_tool.estimate.layout import LOSS_CHUNK_TOKENS
 from hp_tool.trial.families import torch_family
 from hp_tool.trial.methods import apply_method
 from hp_tool.trial.stage import StageModule
@@ -52,7 +53,7 @@ def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
 
-def make_loss_fn(tp_mesh=None, head: nn.Module | None = None, chunk_tokens: int = 4096):
+def make_loss_fn(tp_mesh=None, head: nn.Module | None = None, chunk_tokens: int = LOSS_CHUNK_TOKENS):
     """The loss for this layout: with tensor parallelism the head's logits arrive sharded along the
     vocabulary ([batch, seq, vocab/tp] per rank) and the cross-entropy runs on the shards (DTensor's
     ``loss_parallel``: a max, a sum of exponentials and the target's logit, each all-reduced), so no rank
