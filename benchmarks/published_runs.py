@@ -1,26 +1,53 @@
-"""The step-time model against published training runs: median error and rank correlation.
+"""The step-time and memory models against published training runs, per source and GPU type.
 
-    python benchmarks/published_runs.py
+    python benchmarks/published_runs.py            # the table per run, then per source and per GPU type
+    python benchmarks/published_runs.py --summary  # the summaries only
 
-REFERENCE §12: Narayanan et al. 2021 (SC'21, arXiv:2104.04473), Table 1 — GPT on A100 80 GB with full
-activation recompute, interleaved 1F1B where v > 1, micro-batch sizes and virtual stages from Megatron-LM's
-examples/sc21/run_table_1.sh. The measured step time is the paper's per-iteration FLOPs (its Eq. 3, recompute
-included) over the GPUs' achieved TFLOP/s. The prediction is hp_tool.estimate.speed.estimate_step_time on the
-``a100_80gb`` gpu preset. Prints one line per run and the median absolute error and Spearman's rank
-correlation (target: median <= 10%, Spearman >= 0.9).
+Runs (see ``load_runs``):
+- REFERENCE §12: Narayanan et al. 2021 (SC'21, arXiv:2104.04473), Table 1 — GPT on A100 80 GB, fp16, full
+  activation recompute, interleaved 1F1B where v > 1 (micro-batch sizes and virtual stages from Megatron-LM's
+  examples/sc21/run_table_1.sh). Measured step time = the paper's Eq. 3 FLOPs over the GPUs' TFLOP/s.
+- ``../shared/published_runs_torchtitan.json`` (a copy ships as benchmarks/data/published_runs_torchtitan.json):
+  torchtitan's FSDP2 / TP / PP / CP Llama runs on A100 80 GB and on 500 W H100 96 GB HBM2e, bf16 and Float8,
+  eager and compiled. Step time = global batch x sequence / (tokens/s per GPU x GPUs); where the global batch
+  is not stated the per-GPU rate does not depend on it (one micro-batch per data-parallel rank).
+
+What each run is given, and what the model cannot express (said per run in the ``note`` column):
+- a Llama 3.1 405B split over PP 8 (126 layers; torchtitan splits unevenly) is priced as its busiest stage,
+  16 layers per stage (128 layers); torchtitan's default micro-batch count = the pipeline's stages;
+- "selective layer" checkpointing (every second layer recomputed whole) is act_ckpt_layers = layers / 2;
+- Float8 runs (torchao Float8 linears) keep bf16 weights, gradients and activations: their memory is priced as
+  bf16, their linears at the GPU's fp8 peak;
+- asynchronous TP (overlapping TP's collectives with matmuls) is not modelled: priced as synchronous TP.
+
+Per source and per GPU type: median and max |step-time error|, the Spearman rank correlation of the predicted
+and measured tokens/s per GPU within each (model, GPU) group of 3 or more runs (their size-weighted mean),
+median |memory error| over the runs with a measured peak, and how many of those the planner would call
+"does not fit". Leave-one-source-out: the step-time constants refitted without a source (``fit``), and that
+source's error under them. Targets: step time median <= 8% and Spearman >= 0.85 on every GPU type; memory
+median <= 10%; 0 wrong "does not fit".
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
+from dataclasses import dataclass, replace
 from pathlib import Path
-
-import yaml
+from typing import Callable, Optional
 
 from hp_tool.architectures import Shape
-from hp_tool.estimate.layout import Hardware, Layout
+from hp_tool.estimate.layout import GB, Hardware, Layout
+from hp_tool.estimate.memory import estimate_memory
 from hp_tool.estimate.speed import estimate_step_time
 
+ROOT = Path(__file__).resolve().parent.parent
+TORCHTITAN = ROOT / "benchmarks/data/published_runs_torchtitan.json"
+GIB = 2 ** 30
+MEMORY_MARGIN = 0.05  # the planner's default train_settings.memory_margin
+
+# REFERENCE §12, Narayanan et al. 2021 Table 1
 SEQ, VOCAB = 2048, 51200
 # params (B), layers, hidden, heads, TP, PP, GPUs, batch, micro-batch, virtual stages, TFLOP/s per GPU
 TABLE_1 = [
@@ -36,27 +63,149 @@ TABLE_1 = [
     (1008.0, 128, 25600, 160, 8, 64, 3072, 3072, 1, 1, 163),
 ]
 
-
-def a100() -> Hardware:
-    preset = yaml.safe_load((Path(__file__).resolve().parent.parent / "hp_tool/conf/gpu/a100_80gb.yaml").read_text())
-    return Hardware(gpus_per_node=8, gpu_memory_gb=preset["memory_gb"], peak_tflops=preset["peak_tflops"]["fp16"],
-                    intra_node_bandwidth_gbps=preset["intra_node_bandwidth_gbps"],
-                    inter_node_bandwidth_gbps=preset["inter_node_bandwidth_gbps"],
-                    memory_overhead_gb=preset["memory_overhead_gb"], precision="fp16",
-                    pcie_bandwidth_gbps=preset["pcie_bandwidth_gbps"])
+# the gpu preset each published GPU runs on
+GPU_PRESETS = {"A100 80GB": "a100_80gb", "H100 96GB HBM2e (500 W)": "h100_96gb_hbm2e",
+               "H100 HBM2e lower-TDP 94/95GB": "h100_96gb_hbm2e"}
 
 
-def measured_step_s(layers: int, hidden: int, gpus: int, batch: int, tflops: float) -> float:
-    """Eq. 3: F = 96·B·s·L·h²·(1 + s/(6h) + V/(16·L·h)) per iteration, over the GPUs' achieved FLOP/s."""
-    flops = 96 * batch * SEQ * layers * hidden ** 2 * (1 + SEQ / (6 * hidden) + VOCAB / (16 * layers * hidden))
-    return flops / (gpus * tflops * 1e12)
+# shapes the torchtitan rows leave out (REFERENCE §9): layers, hidden, heads, kv heads, ffn, vocabulary
+LLAMA2 = {"Llama 2 13B": dict(layers=40, hidden=5120, heads=40, kv_heads=40, ffn=13824, vocab=32000),
+          "Llama 2 70B": dict(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=32000)}
+
+
+@dataclass(frozen=True)
+class Run:
+    """One published run as the models see it."""
+
+    id: str
+    source: str
+    model: str
+    gpu: str  # gpu preset
+    shape: Shape
+    layout: Layout
+    hw: Hardware
+    nodes: int
+    step_s: float  # measured seconds per optimizer step
+    memory_gib: Optional[float]  # measured peak per GPU (torch's max reserved), GiB
+    note: str = ""
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.layout.global_batch_size * self.shape.seq_length / self.step_s / self.layout.gpus
+
+
+def hardware(preset: str, precision: str = "bf16") -> Hardware:
+    """The gpu preset as the planner builds it (8 GPUs per node)."""
+    import yaml
+
+    p = yaml.safe_load((ROOT / f"hp_tool/conf/gpu/{preset}.yaml").read_text())
+    return Hardware(gpus_per_node=8, gpu_memory_gb=p["memory_gb"], peak_tflops=p["peak_tflops"][precision],
+                    intra_node_bandwidth_gbps=p["intra_node_bandwidth_gbps"],
+                    inter_node_bandwidth_gbps=p["inter_node_bandwidth_gbps"],
+                    memory_overhead_gb=p["memory_overhead_gb"], precision=precision,
+                    host_ram_gb=p.get("host_ram_gb"), pcie_bandwidth_gbps=p["pcie_bandwidth_gbps"],
+                    memory_bandwidth_gbps=p.get("memory_bandwidth_gbps") or 2000.0)
+
+
+def narayanan_runs() -> list[Run]:
+    hw = hardware("a100_80gb", "fp16")
+    out = []
+    for size, layers, hidden, heads, tp, pp, gpus, batch, mbs, v, tflops in TABLE_1:
+        shape = Shape("gpt3", layers, hidden, heads, heads, 4 * hidden, VOCAB, SEQ)
+        layout = Layout(tp, pp, gpus // (tp * pp), mbs, layers // pp, batch, zero_stage=0, virtual_stages=v)
+        # Eq. 3: F = 96·B·s·L·h²·(1 + s/(6h) + V/(16·L·h)) per iteration, over the GPUs' achieved FLOP/s
+        flops = 96 * batch * SEQ * layers * hidden ** 2 * (1 + SEQ / (6 * hidden) + VOCAB / (16 * layers * hidden))
+        out.append(Run(f"n{size:g}B", "narayanan_2021", f"GPT {size:g}B", "a100_80gb", shape, layout, hw, gpus // 8,
+                       flops / (gpus * tflops * 1e12), None))
+    return out
+
+
+def torchtitan_runs() -> list[Run]:
+    data = json.loads(TORCHTITAN.read_text())
+    out = []
+    for r in data["rows"]:
+        s = r["model_shape"] or LLAMA2[r["model"]]
+        layers, pp, notes = s["layers"], r["pp"], []
+        if layers % pp:
+            layers = -(-layers // pp) * pp
+            notes.append(f"{s['layers']} layers priced as the busiest stage's {layers // pp} per stage")
+        seq = r["seq_length"] or 8192
+        if not r["seq_length"]:
+            notes.append("seq 8192 (torchtitan's config; not stated)")
+        shape = Shape("llama", layers, s["hidden"], s["heads"], s["kv_heads"], s["ffn"], s["vocab"], seq)
+        dp, cp, tp = r["fsdp"] or r["dp"], r["cp"], r["tp"]
+        mbs, gbs = r["micro_batch_size"], r["global_batch_size"]
+        if pp > 1:
+            local = gbs // dp if gbs else 8  # r015-r018: "local batch size 8"
+            v = 2 if "Interleaved" in (r["pp_schedule"] or "") else 1
+            microbatches = pp * v  # torchtitan's default: as many micro-batches as the pipeline has stages
+            mbs, gbs = local // microbatches, local * dp
+            notes.append(f"{microbatches} micro-batches of {mbs} (torchtitan's default), v={v}")
+        else:
+            v = 1
+            gbs = gbs or dp * mbs
+        ac = r["activation_checkpointing"] or "none"
+        per_stage = layers // pp
+        ckpt = {"full": per_stage, "none": 0}.get(ac)
+        if ckpt is None:
+            if "layer" in ac:
+                ckpt = per_stage // 2
+            else:
+                ckpt = per_stage
+                notes.append("selective op priced as full checkpointing")
+        precision = "bf16"
+        optimizations = r["other_optimizations"] or ""
+        if "async TP" in optimizations:
+            notes.append("async TP priced as TP")
+        if r["precision"].startswith("fp8"):
+            notes.append("Float8 priced as bf16")
+        layout = Layout(tp, pp, dp, mbs, ckpt, gbs, zero_stage=3, virtual_stages=v, cp=cp,
+                        sequence_parallel=bool(r["sequence_parallel"]))
+        preset = GPU_PRESETS[r["gpu"]] if r["gpu"] in GPU_PRESETS else _closest_preset(r["gpu"])
+        if (ROOT / f"hp_tool/conf/gpu/{preset}.yaml").exists():
+            hw = hardware(preset, precision)
+        else:
+            hw = replace(hardware("h100_80gb", precision), gpu_memory_gb=96)
+        gpus = r["num_gpus"]
+        step = gbs * seq / (r["tokens_per_s_per_gpu"] * gpus)
+        out.append(Run(r["id"], r["source"], r["model"], preset, shape, layout, hw, gpus // 8, step,
+                       r["peak_memory_gib"], "; ".join(notes)))
+    return out
+
+
+def _closest_preset(gpu: str) -> str:
+    return "a100_80gb" if "A100" in gpu else "h100_96gb_hbm2e"
+
+
+def load_runs() -> list[Run]:
+    return narayanan_runs() + torchtitan_runs()
+
+
+def predicted_step_s(run: Run) -> float:
+    return estimate_step_time(run.shape, run.layout, run.hw, run.nodes).total_s
+
+
+def predicted_memory_gib(run: Run) -> float:
+    return estimate_memory(run.shape, run.layout, run.hw).total_gb * GB / GIB
+
+
+def fits(run: Run) -> bool:
+    """The planner's verdict: predicted peak within the GPU's memory less the margin."""
+    return estimate_memory(run.shape, run.layout, run.hw).total_gb <= run.hw.gpu_memory_gb * (1 - MEMORY_MARGIN)
 
 
 def ranks(values: list[float]) -> list[float]:
+    """Ranks, ties sharing their mean rank."""
     order = sorted(range(len(values)), key=values.__getitem__)
     out = [0.0] * len(values)
-    for rank, i in enumerate(order):
-        out[i] = float(rank)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            out[order[k]] = (i + j) / 2
+        i = j + 1
     return out
 
 
@@ -64,25 +213,75 @@ def spearman(a: list[float], b: list[float]) -> float:
     ra, rb = ranks(a), ranks(b)
     ma, mb = statistics.fmean(ra), statistics.fmean(rb)
     cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
-    return cov / (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+    den = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+    return cov / den if den else 0.0
+
+
+@dataclass
+class Summary:
+    runs: int
+    median: float
+    max: float
+    spearman: Optional[float]
+    groups: int
+    memory_runs: int
+    memory_median: Optional[float]
+    wrong_no_fit: int
+
+
+def summarise(runs: list[Run], step: Callable[[Run], float]) -> Summary:
+    errors = [abs(step(r) / r.step_s - 1) for r in runs]
+    groups: dict[tuple[str, str], list[Run]] = {}
+    for r in runs:
+        groups.setdefault((r.model, r.gpu), []).append(r)
+    rho, weight = 0.0, 0
+    for members in groups.values():
+        if len(members) >= 3:
+            measured = [m.tokens_per_s_per_gpu for m in members]
+            guessed = [m.layout.global_batch_size * m.shape.seq_length / step(m) / m.layout.gpus for m in members]
+            rho += len(members) * spearman(measured, guessed)
+            weight += len(members)
+    mem = [r for r in runs if r.memory_gib is not None]
+    mem_errors = [abs(predicted_memory_gib(r) / r.memory_gib - 1) for r in mem]
+    return Summary(len(runs), statistics.median(errors), max(errors), rho / weight if weight else None,
+                   sum(len(m) >= 3 for m in groups.values()), len(mem),
+                   statistics.median(mem_errors) if mem_errors else None, sum(not fits(r) for r in mem))
+
+
+def summary_line(name: str, s: Summary) -> str:
+    rho = f"{s.spearman:.2f} ({s.groups} groups)" if s.spearman is not None else "-"
+    mem = f"{s.memory_median:6.1%} ({s.memory_runs})" if s.memory_median is not None else "-"
+    return (f"| {name} | {s.runs} | {s.median:.1%} | {s.max:.1%} | {rho} | {mem} | "
+            f"{s.wrong_no_fit if s.memory_runs else '-'} |")
+
+
+SUMMARY_HEADER = ("| group | runs | step median | step max | Spearman | memory median (runs) | wrong \"does not fit\" |\n"
+                  "|---|---|---|---|---|---|---|")
 
 
 def main() -> None:
-    hw = a100()
-    measured, predicted, errors = [], [], []
-    print(f"{'params':>8} {'TP':>3} {'PP':>3} {'v':>2} {'GPUs':>5} {'measured s':>11} {'predicted s':>12} {'error':>7}")
-    for size, layers, hidden, heads, tp, pp, gpus, batch, mbs, v, tflops in TABLE_1:
-        shape = Shape("gpt3", layers, hidden, heads, heads, 4 * hidden, VOCAB, SEQ)
-        dp = gpus // (tp * pp)
-        layout = Layout(tp, pp, dp, mbs, -(-layers // pp), batch, zero_stage=0, virtual_stages=v)
-        truth = measured_step_s(layers, hidden, gpus, batch, tflops)
-        guess = estimate_step_time(shape, layout, hw, num_nodes=gpus // 8).total_s
-        measured.append(truth)
-        predicted.append(guess)
-        errors.append(abs(guess - truth) / truth)
-        print(f"{size:7.1f}B {tp:3d} {pp:3d} {v:2d} {gpus:5d} {truth:11.2f} {guess:12.2f} {guess / truth - 1:+7.1%}")
-    print(f"median |error| {statistics.median(errors):.1%} (target <= 10%), max {max(errors):.1%}; "
-          f"Spearman {spearman(measured, predicted):.3f} (target >= 0.9) over {len(errors)} runs")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--summary", action="store_true", help="print the summaries only")
+    args = parser.parse_args()
+    runs = load_runs()
+    if not args.summary:
+        print("| run | source | model | GPU | TP PP CP DP mbs ckpt | measured s | predicted s | error | "
+              "measured GiB | predicted GiB | note |\n|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in runs:
+            guess = predicted_step_s(r)
+            lay = r.layout
+            mem = f"{r.memory_gib:.1f} | {predicted_memory_gib(r):.1f}" if r.memory_gib else \
+                f"- | {predicted_memory_gib(r):.1f}"
+            print(f"| {r.id} | {r.source} | {r.model} | {r.gpu} | {lay.tp} {lay.pp} {lay.cp} {lay.dp} {lay.mbs} "
+                  f"{lay.act_ckpt_layers} | {r.step_s:.2f} | {guess:.2f} | {guess / r.step_s - 1:+.1%} | {mem} | "
+                  f"{r.note} |")
+        print()
+    print(SUMMARY_HEADER)
+    for source in sorted({r.source for r in runs}):
+        print(summary_line(source, summarise([r for r in runs if r.source == source], predicted_step_s)))
+    for gpu in sorted({r.gpu for r in runs}):
+        print(summary_line(gpu, summarise([r for r in runs if r.gpu == gpu], predicted_step_s)))
+    print(summary_line("all", summarise(runs, predicted_step_s)))
 
 
 if __name__ == "__main__":
