@@ -16,7 +16,7 @@ from hp_tool.config import (SIZING_MFU, trial_device, AppConfig, LoraSettings, M
                             training_precision)
 from hp_tool.estimate.methods import linear_shapes
 from hp_tool.errors import ConfigError, require
-from hp_tool.estimate.layout import Hardware
+from hp_tool.estimate.layout import EFFICIENCY_FIELDS, Hardware
 from hp_tool.sizing import days_to_train, format_days, recommend_model_size_b, size_label
 from hp_tool.families import family
 from hp_tool.hf_config import HFModel, load_hf_model
@@ -63,6 +63,7 @@ def resolve_cluster(app: AppConfig) -> Cluster:
         pcie_bandwidth_gbps=gpu.pcie_bandwidth_gbps,
         memory_bandwidth_gbps=gpu.memory_bandwidth_gbps or Hardware.memory_bandwidth_gbps,
         device_is_host=trial_device(gpu.name) == "cpu",
+        **{name: float(getattr(gpu.efficiency, name)) for name in EFFICIENCY_FIELDS},
     )
     sizing = ts.tflops_per_gpu if ts.tflops_per_gpu is not None else round(SIZING_MFU * peak, 1)
     return Cluster(ts.num_nodes, hw, gpu.price_per_gpu_hour, gpu.name, sizing)
@@ -262,7 +263,7 @@ def base_spec(app: AppConfig, model: ModelChoice, cluster: Cluster) -> TrialSpec
         resources=ResourcesSpec(cluster.num_nodes, hw.gpus_per_node, hw.gpu_memory_gb, hw.peak_tflops,
                                 hw.intra_node_bandwidth_gbps, hw.inter_node_bandwidth_gbps,
                                 cluster.gpu_hour_price, gpu=cluster.gpu_name, host_ram_gb=hw.host_ram_gb,
-                                pcie_bandwidth_gbps=hw.pcie_bandwidth_gbps),
+                                pcie_bandwidth_gbps=hw.pcie_bandwidth_gbps, efficiency=hw.efficiency()),
         run=RunSpec(mode="full", max_minutes=ts.max_training_days * 24 * 60, max_steps=max_steps,
                     stable_cv=0.0),
         full_run=FullRunSpec(cluster.num_nodes, dp, gbs, tokens_b, max_steps, ts.epochs if sc.finetune else None),

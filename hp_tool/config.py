@@ -22,6 +22,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from hp_tool.families.moe import DEFAULT_EXPERT_IMBALANCE
 from hp_tool.families import family, family_names
 from hp_tool.errors import ConfigError, require
+from hp_tool.estimate.layout import EFFICIENCY_FIELDS
 from hp_tool.vocab import CLUSTER_TYPES, ENGINES, FINETUNE, LOSSES, MEMORY_CHECKS, METHODS, OPTIMIZERS, OFFLOADS, PRECISIONS, STRATEGIES, ZERO_STAGES
 
 DEFAULT_SKIP_MARGIN = 0.25  # train_settings.skip_margin; chosen by benchmarks/search_cost.py
@@ -89,6 +90,19 @@ class PeakTflops:
 
 
 @dataclass
+class GpuEfficiency:
+    """The GPU's compute efficiency (hp_tool/estimate/speed.py): its linears reach ``max_efficiency`` of peak
+    x width / (width + width_half) x tokens / (tokens + tokens_half) (width = hidden / TP, tokens per
+    micro-batch), causal flash attention ``attention_efficiency`` of peak at long sequence and head dim 128.
+    Fitted per GPU generation on published runs (benchmarks/published_runs.py); each preset names its source."""
+
+    max_efficiency: float = 0.7
+    width_half: float = 384.0
+    tokens_half: float = 128.0
+    attention_efficiency: float = 0.6
+
+
+@dataclass
 class GpuConfig:
     """What one GPU (and its node) offers: a preset of the ``gpu`` group, e.g. ``gpu=h100_80gb``."""
 
@@ -102,10 +116,15 @@ class GpuConfig:
     memory_bandwidth_gbps: Optional[float] = None  # GB/s of GPU memory; null = unknown (QLoRA cannot be priced)
     memory_overhead_gb: float = MISSING  # calibrated per-GPU framework overhead (context, buffers), GB
     price_per_gpu_hour: Optional[float] = None  # USD; the shipped values are examples
+    efficiency: GpuEfficiency = field(default_factory=GpuEfficiency)
 
     def __post_init__(self) -> None:
         if self.name == MISSING:  # the schema's placeholder, before a preset is merged in
             return
+        _positive(self.efficiency, "gpu.efficiency", EFFICIENCY_FIELDS)
+        for key in ("max_efficiency", "attention_efficiency"):
+            require(getattr(self.efficiency, key) <= 1, f"gpu.efficiency.{key}", getattr(self.efficiency, key),
+                    "is a fraction of the peak and cannot exceed 1", "give a fraction of peak, e.g. 0.6")
         _positive(self, "gpu", ("memory_gb", "intra_node_bandwidth_gbps", "inter_node_bandwidth_gbps",
                                 "host_ram_gb", "pcie_bandwidth_gbps", "price_per_gpu_hour", "memory_bandwidth_gbps"))
         _positive(self.peak_tflops, "gpu.peak_tflops", PRECISIONS)

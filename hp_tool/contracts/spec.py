@@ -251,6 +251,8 @@ class ResourcesSpec:
     gpu: Optional[str] = None  # the gpu preset the plan assumed, e.g. h100_80gb (cpu: CPU processes)
     host_ram_gb: Optional[float] = None  # host RAM per node, GB
     pcie_bandwidth_gbps: float = 25.0  # GB/s per GPU and direction between host and GPU
+    # the gpu preset's compute-efficiency constants (hp_tool/estimate/layout.py EFFICIENCY_FIELDS); {}: defaults
+    efficiency: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("num_nodes", "gpus_per_node", "gpu_memory_gb", "peak_tflops_per_gpu",

@@ -237,6 +237,14 @@ class Hardware:
     pcie_bandwidth_gbps: float = 25.0  # GB/s per GPU and direction between host and GPU (offload traffic)
     memory_bandwidth_gbps: float = 2000.0  # GB/s of GPU memory (QLoRA's dequantisation)
     flash_attention: bool = True  # attention scores are not stored (SDPA / flash kernels)
+    # the GPU's compute efficiency (gpu preset ``efficiency``, fitted per generation on published runs:
+    # benchmarks/published_runs.py; hp_tool/estimate/speed.py gemm_efficiency and attention_efficiency)
+    max_efficiency: float = 0.7  # the fraction of peak large dense matmuls approach
+    width_half: float = 384.0  # hidden columns per TP rank at which the matmuls reach half of it
+    tokens_half: float = 128.0  # tokens per micro-batch at which the matmuls reach half of it
+    attention_efficiency: float = 0.6  # the fraction of peak causal flash attention approaches (head dim 128)
+    compiled: bool = False  # the model and loss run under torch.compile (published runs; hp_tool's engines: eager)
+    gemm_peak_tflops: Optional[float] = None  # the linears' peak where they run in another precision (Float8)
     device_is_host: bool = False  # CPU processes (gpu preset cpu): host RAM is the device's, offload moves nothing
 
     def offloads_activations(self, layout: "Layout") -> bool:
@@ -247,6 +255,15 @@ class Hardware:
     @property
     def bytes_per_value(self) -> int:
         return BYTES_PER_VALUE[self.precision]
+
+    def efficiency(self) -> dict[str, float]:
+        """The GPU's compute-efficiency constants by field name (``EFFICIENCY_FIELDS``), as a TrialSpec's
+        resources carry them."""
+        return {name: getattr(self, name) for name in EFFICIENCY_FIELDS}
+
+
+# Hardware's compute-efficiency constants: a gpu preset's ``efficiency`` group (hp_tool/config.py GpuEfficiency)
+EFFICIENCY_FIELDS = ("max_efficiency", "width_half", "tokens_half", "attention_efficiency")
 
 
 def interleave_held_tensors(layout: Layout, stage: int) -> tuple[int, int]:

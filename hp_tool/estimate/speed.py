@@ -1,17 +1,21 @@
 """Analytic time of one optimizer step for a training layout. Pure arithmetic, no torch.
 
-compute   = (model + recompute FLOPs) / (GPUs · peak · efficiency), efficiency growing with the matmul
-            sizes a micro-batch gives each GPU (``matmul_efficiency``);
+compute   = the linears' (model + recompute) FLOPs / (GPUs · peak · efficiency), efficiency growing with the
+            matmul sizes a micro-batch gives each GPU (``matmul_efficiency``, the curve the gpu preset's),
+            plus causal flash attention priced apart: the FLOPs its kernels compute (half the scores,
+            the backward's recompute) at an efficiency rising with the rank's tokens and head dimension
+            (``attention_efficiency``);
 bubble    = compute · (PP − 1) / (v · m) for m micro-batches per replica and v virtual stages per GPU
             (1F1B, interleaved when v > 1; Narayanan et al. 2021);
 TP comm   = ring all-reduces of the layer activations, 2 in forward and 2 in backward per layer, plus
             2 per recomputed layer;
 PP comm   = point-to-point activations and gradients between stages, v times as many when interleaved;
-DP comm   = the engine's collectives over the stage's parameters (``dp_collectives``: an all-reduce of the
+DP comm   = the engine's collectives over the stage's parameters (``dp_traffic``: an all-reduce of the
             gradients per step at ZeRO 0-1; at ZeRO-2 and 3 gathers and reduce-scatters per micro-batch,
-            ZeRO-3 gathering in forward, in backward and, under DeepSpeed, again for the recompute);
-            up to DP_OVERLAP of it hides behind the compute it can overlap (backward for stages 0-2,
-            forward and backward for stage 3), so it is exposed in full once it outruns that compute;
+            ZeRO-3 gathering in forward, in backward and, under DeepSpeed, again for the recompute), each
+            costed by topology (``collective_s``: NVLink within a node, the node's aggregate network between
+            nodes) and overlapped layer by layer with the forward or backward it runs beside; exposed is
+            what outruns that compute plus one layer's share (``dp_comm_s``);
 EP comm   = a mixture of experts' all-to-all dispatch and combine of the routed tokens per MoE layer, in
             forward, backward and a recomputed forward, over the EP group's link (NVLink when the group
             fits in a node), not overlapped (``ep_comm_s``); the experts' compute runs at the busiest
@@ -39,12 +43,22 @@ from hp_tool.architectures import (Shape, checkpointed_layer_counts, model_flops
 from hp_tool.estimate.layout import GB, Hardware, Layout, rank_shape
 from hp_tool.estimate.memory import stage_activation_bytes
 from hp_tool.families.decoder import expert_forward_flops
-from hp_tool.estimate.methods import ADAPTED, NF4_BITS, adapter_parameters_per_layer, linear_parameters_per_layer
+from hp_tool.estimate.methods import (ADAPTED, NF4_BITS, adapter_parameters_per_layer, attention_core_flops_per_layer,
+                                      linear_parameters_per_layer)
 
-MAX_EFFICIENCY = 0.7  # the fraction of peak large dense matmuls approach (best published runs: 0.5-0.65)
-WIDTH_HALF = 384.0  # hidden columns per TP rank at which efficiency is half its saturation
-TOKENS_HALF = 128.0  # tokens per micro-batch at which efficiency is half its saturation
-DP_OVERLAP = 0.5  # at most this fraction of data-parallel communication hides behind compute
+# attention kernels (FlashAttention-2, Dao 2023, Fig. 4-7: causal forward + backward on A100 80 GB at head dim 128
+# reaches 118, 171, 187 and 192 TFLOPS at 512, 2K, 8K and 16K tokens, about 62% of peak x s / (s + 330); at head
+# dim 64 about 10% less): efficiency = the GPU's attention_efficiency x s / (s + ATTENTION_TOKENS_HALF)
+# x the head dimension's factor d / (d + ATTENTION_HEAD_DIM_HALF), relative to d = 128
+ATTENTION_TOKENS_HALF = 330.0
+ATTENTION_HEAD_DIM_HALF = 16.0
+# the flash backward recomputes the scores and runs four more matmuls: 2.5 times the forward's FLOPs
+# (Dao 2023, §3.1), and a causal kernel skips the masked half of the scores
+FLASH_BACKWARD = 2.5
+# torch.compile fuses the element-wise work around the matmuls (norms, activations, residuals, casts) that
+# ``width_half`` prices: the same layout runs 16% faster compiled on H100 (torchtitan 2024-12, Llama 3.1 8B FSDP
+# on 8 and 128 GPUs: 5762 -> 6667 and 5605 -> 6514 tokens/s per GPU), which this factor on width_half gives
+COMPILED_WIDTH_FACTOR = 0.45
 CPU_ADAM_PARAMS_PER_S = 4e9  # parameters per second a node's CPUs update with Adam (DeepSpeed CPU-Adam,
 #                              about 1B parameters in 0.25 s on a 2-socket server; Ren et al. 2021)
 
@@ -70,21 +84,50 @@ class StepTimeEstimate:
                 + self.dequant_s + self.ep_comm_s + self.cp_comm_s + self.activation_offload_s)
 
 
-def matmul_efficiency(shape: Shape, layout: Layout) -> float:
-    """Fraction of peak a GPU reaches for this micro-batch and TP width (0 < e < MAX_EFFICIENCY).
+def matmul_efficiency(shape: Shape, layout: Layout, hw: Hardware) -> float:
+    """Fraction of peak a GPU reaches for this micro-batch's linears at this TP width (0 < e < the GPU's
+    ``max_efficiency``).
 
     A layer's GEMMs are (tokens of the micro-batch) x (hidden) x (hidden / TP) and wider; each dimension
     below a few hundred leaves the tensor cores underfed, and the work that is not a GEMM (norms,
-    softmax, element-wise, launches) costs per token about in proportion to hidden / TP while the GEMMs
-    cost its square: efficiency rises hyperbolically with both and saturates at MAX_EFFICIENCY.
-    Constants fitted to Narayanan et al. 2021's Table 1 (benchmarks/published_runs.py). With context
-    parallelism a rank's GEMMs run over its seq / CP tokens."""
-    return gemm_efficiency(layout.mbs * shape.seq_length / layout.cp, shape.hidden_size / layout.tp)
+    element-wise, launches) costs per token about in proportion to hidden / TP while the GEMMs cost its
+    square: efficiency rises hyperbolically with both and saturates at the GPU's ``max_efficiency``. The
+    three constants are the gpu preset's (``efficiency``, fitted per generation by
+    benchmarks/published_runs.py). With context parallelism a rank's GEMMs run over its seq / CP tokens."""
+    return gemm_efficiency(layout.mbs * shape.seq_length / layout.cp, shape.hidden_size / layout.tp, hw)
 
 
-def gemm_efficiency(tokens: float, width: float) -> float:
-    """``matmul_efficiency`` of GEMMs over ``tokens`` rows and ``width`` columns per GPU."""
-    return MAX_EFFICIENCY * width / (width + WIDTH_HALF) * tokens / (tokens + TOKENS_HALF)
+def gemm_efficiency(tokens: float, width: float, hw: Hardware) -> float:
+    """``matmul_efficiency`` of GEMMs over ``tokens`` rows and ``width`` columns per GPU on ``hw``; under
+    torch.compile the element-wise work is fused (``COMPILED_WIDTH_FACTOR``)."""
+    width_half = hw.width_half * (COMPILED_WIDTH_FACTOR if hw.compiled else 1.0)
+    return hw.max_efficiency * width / (width + width_half) * tokens / (tokens + hw.tokens_half)
+
+
+def attention_efficiency(shape: Shape, layout: Layout, hw: Hardware) -> float:
+    """Fraction of peak the flash attention kernels reach over a rank's seq / CP tokens at the shape's head
+    dimension (constants above, from FlashAttention-2's measurements; the GPU's saturation from its preset)."""
+    tokens, d = shape.seq_length / layout.cp, shape.head_dim
+    head = d / (d + ATTENTION_HEAD_DIM_HALF) / (128 / (128 + ATTENTION_HEAD_DIM_HALF))
+    return hw.attention_efficiency * tokens / (tokens + ATTENTION_TOKENS_HALF) * head
+
+
+def priced_apart(shape: Shape, hw: Hardware) -> bool:
+    """Whether attention is priced on its own: flash kernels over a decoder-only model's causal attention (an
+    encoder-decoder's attention and unfused attention are priced with the linears, as counted)."""
+    return hw.flash_attention and not shape.encoder_decoder
+
+
+def attention_flops_per_step(shape: Shape, layout: Layout) -> tuple[float, float]:
+    """(the attention core's FLOPs as the model counts them: Q·Kᵀ and scores·V over the whole sequence, 3x
+    forward plus the forward of each recomputed layer; the FLOPs the causal flash kernels compute: half the
+    scores, forward, the backward's 2.5x and the recompute's forward) of one step."""
+    core = attention_core_flops_per_layer(shape)
+    layers = shape.num_layers
+    recomputed = layout.pp * min(layout.act_ckpt_layers, shape.pipeline_layers // layout.pp)
+    counted = core * (3 * layers + recomputed)
+    kernels = core / 2 * ((1 + FLASH_BACKWARD) * layers + recomputed)
+    return layout.global_batch_size * counted, layout.global_batch_size * kernels
 
 
 def _ring_allreduce_s(nbytes: float, ranks: int, bandwidth_gbps: float) -> float:
@@ -115,22 +158,29 @@ def expert_flops_per_step(shape: Shape, layout: Layout) -> float:
 
 
 def compute_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
-    """Seconds of matmul work per optimizer step (model and recompute FLOPs) on each GPU. A mixture of
-    experts' routed experts are whole on every TP rank: at EP 1 each TP rank runs them on all the tokens (their
-    FLOPs are not divided by TP); with EP each TP rank dispatches its slice of the tokens, at the busiest EP
-    rank's load; GEMMs of the tokens each expert gets (top_k / experts of the micro-batch's)."""
+    """Seconds of matmul work per optimizer step (model and recompute FLOPs) on each GPU: the linears at
+    ``matmul_efficiency`` (at the GPU's Float8 peak where they run in it), and with flash kernels the causal
+    attention on its own (``attention_flops_per_step`` at ``attention_efficiency``). A mixture of experts'
+    routed experts are whole on every TP rank: at EP 1 each TP rank runs them on all the tokens (their FLOPs
+    are not divided by TP); with EP each TP rank dispatches its slice of the tokens, at the busiest EP rank's
+    load; GEMMs of the tokens each expert gets (top_k / experts of the micro-batch's)."""
     gpus = layout.gpus
     flops = model_flops_per_step(shape, layout.global_batch_size)
     flops += recompute_flops_per_step(shape, layout.global_batch_size, layout.act_ckpt_layers, layout.pp)
     experts = expert_flops_per_step(shape, layout)
-    peak = gpus * hw.peak_tflops * 1e12
-    dense_s = (flops - experts) / (peak * matmul_efficiency(shape, layout))
+    peak = gpus * (hw.gemm_peak_tflops or hw.peak_tflops) * 1e12
+    attention = 0.0
+    if priced_apart(shape, hw):
+        counted, kernels = attention_flops_per_step(shape, layout)
+        flops -= counted
+        attention = kernels / (gpus * hw.peak_tflops * 1e12 * attention_efficiency(shape, layout, hw))
+    dense_s = (flops - experts) / (peak * matmul_efficiency(shape, layout, hw)) + attention
     if not experts:
         return dense_s
     load = shape.expert_imbalance if layout.ep > 1 else float(layout.tp)
     # one expert's GEMM: the tokens routed to it (top_k / experts of the micro-batch's), its whole width
     tokens = max(1, round(layout.mbs * shape.seq_length / layout.cp * shape.top_k / shape.num_experts))
-    return dense_s + experts * load / (peak * gemm_efficiency(tokens, shape.hidden_size))
+    return dense_s + experts * load / (peak * gemm_efficiency(tokens, shape.hidden_size, hw))
 
 
 def ep_comm_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
@@ -150,64 +200,125 @@ def ep_comm_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
     return layout.num_microbatches * exchanges * nbytes / (bandwidth * GB)
 
 
-def dp_collectives(shape: Shape, layout: Layout) -> float:
-    """Data-parallel collectives of one step, each an all-gather or a reduce-scatter of the stage's
-    parameters (an all-reduce is two), as the trial engines run them with m micro-batches per replica:
+@dataclass(frozen=True)
+class DataParallelTraffic:
+    """The data-parallel collectives of one step as the trial engines run them, each an all-gather or a
+    reduce-scatter (an all-reduce is two) of the stage's weights (``*_gathers``: every sharded weight, trained
+    or frozen) or of its trained parameters (the rest), by the compute they overlap."""
 
-    - ZeRO 0-1: one all-reduce of the gradients per step (2): DDP skips the reduction on all but the last
-      micro-batch, DeepSpeed reduces at the accumulation boundary;
-    - PP over the torch engine's FSDP2: the schedule gathers the stage once and reduces once per step (2);
-    - ZeRO-2: torch (FSDP2 keeping the gathered weights from forward to backward) gathers in each forward
-      and reduce-scatters in each backward (2m); DeepSpeed reduce-scatters in each backward and gathers
-      the updated weights once (m + 1);
-    - ZeRO-3: a gather in forward and one in backward, a reduce-scatter in backward (3m); DeepSpeed
-      gathers a checkpointed layer once more for its recompute forward (+ m times the checkpointed share
-      of the layers), where FSDP2 recomputes inside the backward's gather."""
-    m = layout.num_microbatches
-    if layout.zero_stage <= 1 or (layout.engine == "torch" and layout.pp > 1):
-        return 2.0
+    forward_gathers: float = 0.0  # per micro-batch, prefetched layer by layer during its forward
+    backward_gathers: float = 0.0  # per micro-batch, during its backward (ZeRO-3 and DeepSpeed's recompute)
+    backward_reduces: float = 0.0  # per micro-batch, each layer's gradients reduce-scattered during its backward
+    step_gathers: float = 0.0  # once per step, during the first micro-batch's forward (PP over FSDP2)
+    step_reduces: float = 0.0  # once per step, during the last micro-batch's backward (gradient all-reduce: 2)
+    step_after: float = 0.0  # once per step after the optimizer, exposed (DeepSpeed ZeRO-2's updated weights)
+
+
+def dp_traffic(shape: Shape, layout: Layout) -> DataParallelTraffic:
+    """The engine's data-parallel collectives of one step (``DataParallelTraffic``):
+
+    - ZeRO 0-1: one all-reduce of the gradients per step (2), bucket by bucket during the last micro-batch's
+      backward: DDP skips the reduction on all but the last micro-batch, DeepSpeed reduces at the accumulation
+      boundary;
+    - PP over the torch engine's FSDP2: the schedule gathers the stage once and reduces once per step;
+    - ZeRO-2: torch (FSDP2 keeping the gathered weights from forward to backward) gathers in each forward and
+      reduce-scatters in each backward; DeepSpeed reduce-scatters in each backward and gathers the updated
+      weights once after the step;
+    - ZeRO-3: a gather in forward and one in backward, a reduce-scatter in backward; DeepSpeed gathers a
+      checkpointed layer once more for its recompute forward (the checkpointed share of the layers), where
+      FSDP2 recomputes inside the backward's gather."""
+    if layout.zero_stage <= 1:
+        return DataParallelTraffic(step_reduces=2.0)
+    if layout.engine == "torch" and layout.pp > 1:
+        return DataParallelTraffic(step_gathers=1.0, step_reduces=1.0)
     if layout.zero_stage == 2:
-        return 2.0 * m if layout.engine == "torch" else m + 1.0
+        if layout.engine == "torch":
+            return DataParallelTraffic(forward_gathers=1.0, backward_reduces=1.0)
+        return DataParallelTraffic(backward_reduces=1.0, step_after=1.0)
     per_stage = shape.pipeline_layers // layout.pp
     recompute = min(layout.act_ckpt_layers, per_stage) / per_stage if layout.engine == "deepspeed" else 0.0
-    return (3.0 + recompute) * m
+    return DataParallelTraffic(forward_gathers=1.0, backward_gathers=1.0 + recompute, backward_reduces=1.0)
 
 
-def weight_gathers(shape: Shape, layout: Layout) -> float:
-    """Of ``dp_collectives``, the all-gathers of sharded weights (trained or frozen): none at ZeRO 0-1 or under
-    DeepSpeed's ZeRO-2 (whose one gather per step brings the updated, trained weights back); once per step
-    under PP over FSDP2; each forward under FSDP2's ZeRO-2; all but the m reduce-scatters at ZeRO-3."""
-    m = layout.num_microbatches
-    if layout.zero_stage <= 1:
+def dp_collectives(shape: Shape, layout: Layout) -> float:
+    """All-gathers and reduce-scatters of one step (``dp_traffic``), m micro-batches per replica."""
+    t, m = dp_traffic(shape, layout), layout.num_microbatches
+    return m * (t.forward_gathers + t.backward_gathers + t.backward_reduces) + t.step_gathers + t.step_reduces + \
+        t.step_after
+
+
+def collective_s(nbytes: float, ranks: int, per_node: int, hw: Hardware) -> float:
+    """Seconds of one all-gather or reduce-scatter of ``nbytes`` (the gathered whole) over ``ranks`` GPUs,
+    ``per_node`` of them on each node: hierarchically, the part within a node over NVLink ((k - 1)/k of the
+    bytes at the intra-node bandwidth) and the part between the n nodes over the node's aggregate network
+    ((n - 1)/n of the bytes over the k GPUs' NICs), as NCCL's rings and trees spread a collective over every
+    NIC of a node. 0 over one rank."""
+    if ranks <= 1:
         return 0.0
-    if layout.engine == "torch" and layout.pp > 1:
-        return 1.0
-    if layout.zero_stage == 2:
-        return float(m) if layout.engine == "torch" else 0.0
-    return dp_collectives(shape, layout) - m
+    k = max(1, min(ranks, per_node))
+    n = -(-ranks // k)
+    intra = (k - 1) / k * nbytes / (hw.intra_node_bandwidth_gbps * GB)
+    inter = (n - 1) / n * nbytes / (k * hw.inter_node_bandwidth_gbps * GB) if n > 1 else 0.0
+    return intra + inter
+
+
+def zero_ranks_per_node(layout: Layout, hw: Hardware, num_nodes: int) -> int:
+    """Of the DP x CP ranks holding the same weights, how many share a node: all of them on one node; else
+    the ranks of a node over TP (the mesh is (pp, dp, cp, tp), TP innermost: each node holds GPUs / TP of a
+    TP rank's data-parallel peers)."""
+    if num_nodes <= 1:
+        return layout.zero_ranks
+    return max(1, hw.gpus_per_node // layout.tp)
+
+
+# bytes per value of a reduced gradient: the torch engine reduces in fp32 (FSDP2's reduce_dtype; DDP's fp32
+# gradients of autocast's fp32 weights), DeepSpeed in the training precision
+REDUCE_BYTES = {"torch": 4}
 
 
 def dp_comm_s(shape: Shape, layout: Layout, hw: Hardware, num_nodes: int) -> float:
-    """Exposed data-parallel communication per step for the layout's ZeRO stage, over the node
-    interconnect when the job spans nodes (see the module docstring)."""
+    """Exposed data-parallel communication per step (``dp_traffic``). Each collective costs ``collective_s``
+    over the ZeRO ranks (DP x CP; a mixture of experts' routed experts over the DP / EP ranks holding them):
+    gathers of the weights in the training precision, reductions of the trained gradients at the engine's
+    ``REDUCE_BYTES``. The engines overlap them with compute layer by layer (FSDP2 prefetches the next layer's
+    gather and reduce-scatters each layer's gradients as its backward ends; DeepSpeed's overlap_comm likewise),
+    so each phase exposes what outruns the compute it overlaps, plus one layer's share that nothing hides (the
+    first gather, the last reduction): a forward's gathers its forward, a backward's gathers and
+    reduce-scatters its backward (and recompute), once-a-step collectives the first forward or the last
+    backward; DeepSpeed ZeRO-2's gather after the optimizer is exposed whole."""
     if layout.zero_ranks == 1:
         return 0.0
-    bandwidth = hw.inter_node_bandwidth_gbps if num_nodes > 1 else hw.intra_node_bandwidth_gbps
-    # a ring all-reduce moves two collectives' volume
-    collectives, params = dp_collectives(shape, layout), _local_parameters(shape, layout)
-    gathers = weight_gathers(shape, layout)
+    t, m = dp_traffic(shape, layout), layout.num_microbatches
+    params = _local_parameters(shape, layout)
     # routed experts are gathered and reduced over the DP / EP ranks holding the same experts
     experts = _local_expert_parameters(shape, layout) if layout.ep > 1 else 0.0
-    params -= experts
-    trained = params if shape.method not in ADAPTED else \
-        shape.pipeline_layers / layout.pp * adapter_parameters_per_layer(shape) / layout.tp
-    # the sharded weights are gathered whether they train or not; only trained ones have gradients to reduce
-    volume = gathers * params + (collectives - gathers) * trained
-    expert_volume = gathers * experts + (collectives - gathers) * (experts if shape.method not in ADAPTED else 0.0)
-    comm = volume / 2 * _ring_allreduce_s(2.0, layout.zero_ranks, bandwidth) + \
-        expert_volume / 2 * _ring_allreduce_s(2.0, layout.edp, bandwidth)
-    overlappable = compute_s(shape, layout, hw) * (1.0 if layout.zero_stage >= 3 else 2 / 3)
-    return comm - min(DP_OVERLAP * comm, overlappable)
+    dense = params - experts
+    adapted = shape.method in ADAPTED
+    trained = dense if not adapted else shape.pipeline_layers / layout.pp * adapter_parameters_per_layer(shape) / layout.tp
+    per_node = zero_ranks_per_node(layout, hw, num_nodes)
+    bpv, rbytes = hw.bytes_per_value, REDUCE_BYTES.get(layout.engine, hw.bytes_per_value)
+
+    def gather(count: float) -> float:  # the weights, trained or frozen
+        return count * (collective_s(dense * bpv, layout.zero_ranks, per_node, hw) +
+                        collective_s(experts * bpv, layout.edp, per_node, hw))
+
+    def reduce(count: float) -> float:  # the trained gradients
+        return count * (collective_s(trained * rbytes, layout.zero_ranks, per_node, hw) +
+                        (0.0 if adapted else collective_s(experts * rbytes, layout.edp, per_node, hw)))
+
+    compute = compute_s(shape, layout, hw) / m  # one micro-batch
+    per_stage = shape.pipeline_layers // layout.pp
+    backward = (1.0 if adapted else 2.0) + min(layout.act_ckpt_layers, per_stage) / per_stage
+    forward_s, backward_s = compute / (1 + backward), compute * backward / (1 + backward)
+
+    def exposed(comm: float, hidden_by: float) -> float:
+        return max(0.0, comm - hidden_by) + comm / per_stage
+
+    per_microbatch = exposed(gather(t.forward_gathers), forward_s) + \
+        exposed(gather(t.backward_gathers) + reduce(t.backward_reduces), backward_s)
+    once = exposed(gather(t.step_gathers), forward_s) + exposed(reduce(t.step_reduces), backward_s) + \
+        reduce(t.step_after)
+    return m * per_microbatch + once
 
 
 def offload_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
@@ -280,7 +391,7 @@ def cp_comm_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
     hop_s = block / (bandwidth * GB)
     # the attention over one received block: 2·2·(rank tokens)·(block tokens)·(attention width / TP) FLOPs
     attention_flops = 4 * b * local * local * shape.attention_dim / tp
-    rate = hw.peak_tflops * 1e12 * gemm_efficiency(b * local, shape.hidden_size / tp)
+    rate = hw.peak_tflops * 1e12 * gemm_efficiency(b * local, shape.hidden_size / tp, hw)
     forward = (cp - 1) * max(0.0, hop_s - attention_flops / rate)
     backward = cp * max(0.0, 2 * hop_s - 2 * attention_flops / rate)
     per_stage = shape.pipeline_layers // layout.pp

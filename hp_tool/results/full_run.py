@@ -53,7 +53,7 @@ class FullRun:
         return Hardware(r.gpus_per_node, r.gpu_memory_gb, r.peak_tflops_per_gpu, r.intra_node_bandwidth_gbps,
                         r.inter_node_bandwidth_gbps, memory_overhead_gb=0.0,
                         precision=self.base.training.precision, host_ram_gb=r.host_ram_gb,
-                        pcie_bandwidth_gbps=r.pcie_bandwidth_gbps)
+                        pcie_bandwidth_gbps=r.pcie_bandwidth_gbps, **r.efficiency)
 
     @property
     def num_nodes(self) -> int:
