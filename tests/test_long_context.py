@@ -82,10 +82,10 @@ def test_the_rings_key_value_passes_cost_only_what_the_attention_does_not_hide()
     layout = lay(cp=2)
     local = 1024
     hop = 2 * local * 1024 * 2 / 1e9  # seconds at 1 GB/s
-    from hp_tool.estimate.speed import gemm_efficiency
+    from hp_tool.estimate.speed import attention_efficiency
 
-    attention = 4 * local * local * 4096 / (312e12 * gemm_efficiency(local, 4096))
-    per_layer = 1 * max(0, hop - attention) + 2 * max(0, 2 * hop - 2 * attention)
+    attention = 4 * local * local * 4096 / (312e12 * attention_efficiency(short, layout, slow))
+    per_layer = 1 * max(0, hop - attention) + 2 * max(0, 2 * hop - 2.5 * attention)
     assert cp_comm_s(short, layout, slow) == pytest.approx(2 * 32 * per_layer)
     assert cp_comm_s(short, lay(), slow) == 0.0
     # a checkpointed layer's recompute passes the blocks once more

@@ -4,7 +4,9 @@ published runs (Narayanan et al. 2021, Table 1; benchmarks/published_runs.py pri
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
+import sys
 import statistics
 from pathlib import Path
 
@@ -13,26 +15,66 @@ import pytest
 from hp_tool.architectures import Shape
 from hp_tool.estimate.layout import Hardware, Layout
 from hp_tool.estimate.memory import estimate_memory
-from hp_tool.estimate.speed import MAX_EFFICIENCY, dp_collectives, estimate_step_time, matmul_efficiency
+from hp_tool.estimate.speed import collective_s, dp_collectives, estimate_step_time, matmul_efficiency
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "published_runs.py"
 GPT_20B = Shape("gpt3", 44, 6144, 48, 48, 4 * 6144, 51200, 2048)
 
 
+@functools.lru_cache(maxsize=1)
 def published():
     spec = importlib.util.spec_from_file_location("published_runs", BENCH)
     module = importlib.util.module_from_spec(spec)
+    sys.modules["published_runs"] = module  # its dataclasses resolve their annotations through it
     spec.loader.exec_module(module)
     return module
 
 
-def test_efficiency_rises_with_width_per_tp_rank_and_tokens_and_saturates():
+def test_efficiency_rises_with_width_per_tp_rank_and_tokens_and_saturates_at_the_gpus_own_curve():
     base = Layout(tp=8, pp=1, dp=1, mbs=1, act_ckpt_layers=0, global_batch_size=8)
-    by_tp = [matmul_efficiency(GPT_20B, dataclasses.replace(base, tp=tp)) for tp in (8, 4, 2, 1)]
-    by_mbs = [matmul_efficiency(GPT_20B, dataclasses.replace(base, mbs=mbs)) for mbs in (1, 2, 4, 8)]
+    a100 = published().hardware("a100_80gb")
+    h100 = published().hardware("h100_96gb_hbm2e")
+    by_tp = [matmul_efficiency(GPT_20B, dataclasses.replace(base, tp=tp), a100) for tp in (8, 4, 2, 1)]
+    by_mbs = [matmul_efficiency(GPT_20B, dataclasses.replace(base, mbs=mbs), a100) for mbs in (1, 2, 4, 8)]
     assert by_tp == sorted(by_tp) and by_mbs == sorted(by_mbs)
-    assert by_tp[0] < by_tp[-1] < MAX_EFFICIENCY
-    assert MAX_EFFICIENCY > 0.6  # the best published runs reach 0.5-0.65 of peak with everything else
+    assert by_tp[0] < by_tp[-1] < a100.max_efficiency
+    # each preset carries its generation's curve: the 500 W H100 reaches less of its (SXM) peak than an A100
+    assert h100.max_efficiency < a100.max_efficiency
+    assert matmul_efficiency(GPT_20B, base, h100) < matmul_efficiency(GPT_20B, base, a100)
+
+
+def test_collectives_cost_nvlink_within_a_node_and_the_nodes_aggregate_network_between_nodes():
+    """One all-gather of 8 GB: 8 GPUs in one node move 7/8 of it over NVLink; 8 nodes of 1 GPU move 7/8 over
+    each GPU's NIC; 64 GPUs in 8 nodes move 7/8 over NVLink and 7/8 of it over the node's 8 NICs at once."""
+    hw = Hardware(gpus_per_node=8, gpu_memory_gb=80, peak_tflops=312, intra_node_bandwidth_gbps=300,
+                  inter_node_bandwidth_gbps=25, memory_overhead_gb=3)
+    size = 8e9
+    one_node = collective_s(size, 8, 8, hw)
+    eight_single = collective_s(size, 8, 1, hw)
+    eight_nodes = collective_s(size, 64, 8, hw)
+    assert one_node == pytest.approx(7 / 8 * 8 / 300)
+    assert eight_single == pytest.approx(7 / 8 * 8 / 25)
+    assert eight_nodes == pytest.approx(7 / 8 * 8 / 300 + 7 / 8 * 8 / (8 * 25))
+    assert collective_s(size, 1, 8, hw) == 0.0
+    # a TP-8 layout leaves one of each TP rank's data-parallel peers per node: its own NIC, not the node's eight
+    from hp_tool.estimate.speed import zero_ranks_per_node
+    assert zero_ranks_per_node(Layout(8, 1, 8, 1, 0, 8), hw, num_nodes=8) == 1
+    assert zero_ranks_per_node(Layout(1, 1, 64, 1, 0, 64), hw, num_nodes=8) == 8
+    assert zero_ranks_per_node(Layout(1, 1, 8, 1, 0, 8), hw, num_nodes=1) == 8
+
+
+def test_fsdp_gathers_hide_behind_the_compute_they_overlap_and_show_when_they_outrun_it():
+    """ZeRO-3 over 64 A100s in 8 nodes: with a long micro-batch the layer-by-layer gathers and reduce-scatters
+    hide behind the compute (only one layer's share shows); at one short sequence per GPU they outrun it."""
+    from hp_tool.estimate.speed import dp_comm_s
+    hw = published().hardware("a100_80gb")
+    llama = Shape("llama", 32, 4096, 32, 8, 14336, 128256, 8192)
+    long_mb = Layout(1, 1, 64, 2, 0, 128, 3)
+    short = dataclasses.replace(llama, seq_length=256)
+    hidden, exposed = dp_comm_s(llama, long_mb, hw, 8), dp_comm_s(short, Layout(1, 1, 64, 1, 0, 64, 3), hw, 8)
+    step = estimate_step_time(llama, long_mb, hw, 8)
+    assert 0 < hidden < 0.05 * step.compute_s
+    assert exposed > estimate_step_time(short, Layout(1, 1, 64, 1, 0, 64, 3), hw, 8).compute_s
 
 
 def test_virtual_stages_divide_the_bubble_multiply_the_p2p_and_raise_activation_memory():
@@ -55,18 +97,15 @@ def test_virtual_stages_divide_the_bubble_multiply_the_p2p_and_raise_activation_
     assert mb.activations_gb == pytest.approx(ma.activations_gb * (1 + 3 / 8) + held * hidden_gb, rel=0.02)
 
 
-def test_published_runs_median_error_and_rank_correlation_meet_the_targets():
+def test_published_runs_meet_the_step_time_targets_on_every_gpu_type():
+    """benchmarks/published_runs.py's figures: per GPU type the median step-time error <= 8% and the ranking
+    of each (model, GPU) group's runs (Spearman >= 0.85)."""
     bench = published()
-    hw = bench.a100()
-    measured, predicted = [], []
-    for size, layers, hidden, heads, tp, pp, gpus, batch, mbs, v, tflops in bench.TABLE_1:
-        shape = Shape("gpt3", layers, hidden, heads, heads, 4 * hidden, bench.VOCAB, bench.SEQ)
-        layout = Layout(tp, pp, gpus // (tp * pp), mbs, -(-layers // pp), batch, zero_stage=0, virtual_stages=v)
-        measured.append(bench.measured_step_s(layers, hidden, gpus, batch, tflops))
-        predicted.append(estimate_step_time(shape, layout, hw, num_nodes=gpus // 8).total_s)
-    errors = [abs(p - m) / m for p, m in zip(predicted, measured)]
-    assert statistics.median(errors) <= 0.10
-    assert bench.spearman(measured, predicted) >= 0.9
+    runs = bench.load_runs()
+    for gpu in {r.gpu for r in runs}:
+        summary = bench.summarise([r for r in runs if r.gpu == gpu], bench.predicted_step_s)
+        assert summary.median <= 0.08, gpu
+        assert summary.spearman is None or summary.spearman >= 0.85, gpu
 
 
 def test_sharded_data_parallel_collectives_follow_each_engine_per_micro_batch():
@@ -99,7 +138,8 @@ def test_lora_data_parallel_traffic_gathers_the_frozen_base_and_reduces_only_the
     from hp_tool.families.shape import Shape
     llama = Shape("llama", 32, 4096, 32, 8, 14336, 32000, 512, pretrained=True)
     lora = dc.replace(llama, method="lora", lora_rank=16, lora_targets=("q_proj", "v_proj"))
-    hw = Hardware(8, 80, 312, 300, 25, 3)
+    # a 1 GB/s network, so that the traffic outruns the compute it overlaps and shows whole
+    hw = Hardware(8, 80, 312, 300, 1, 3)
     layout = Layout(1, pp, 8, 1, 0, 512, zero, "none", engine)  # 64 micro-batches per replica
     full, adapters = dp_comm_s(llama, layout, hw, 2), dp_comm_s(lora, layout, hw, 2)
     step = estimate_step_time(lora, layout, hw, 2)

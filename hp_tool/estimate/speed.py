@@ -380,8 +380,8 @@ def cp_comm_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
     a checkpointed layer's recomputed forward, and in backward the blocks with their key/value gradients
     (twice the bytes) CP hops, the last bringing the gradients home. Each hop overlaps the attention over
     the block the last one brought: the attention's share of the layer's FLOPs (scores and their product with
-    the values) over the rank's tokens against the whole sequence, backward twice forward; the hops cost
-    what they exceed it by. Over NVLink when the ring (CP x TP consecutive ranks) fits in a node."""
+    the values) over the rank's tokens against the whole sequence at ``attention_efficiency``, the flash backward
+    2.5 times the forward; the hops cost what they exceed it by. Over NVLink when the ring (CP x TP consecutive ranks) fits in a node."""
     if layout.cp == 1:
         return 0.0
     cp, tp, b = layout.cp, layout.tp, layout.mbs
@@ -391,9 +391,9 @@ def cp_comm_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
     hop_s = block / (bandwidth * GB)
     # the attention over one received block: 2·2·(rank tokens)·(block tokens)·(attention width / TP) FLOPs
     attention_flops = 4 * b * local * local * shape.attention_dim / tp
-    rate = hw.peak_tflops * 1e12 * gemm_efficiency(b * local, shape.hidden_size / tp, hw)
+    rate = hw.peak_tflops * 1e12 * attention_efficiency(shape, layout, hw)
     forward = (cp - 1) * max(0.0, hop_s - attention_flops / rate)
-    backward = cp * max(0.0, 2 * hop_s - 2 * attention_flops / rate)
+    backward = cp * max(0.0, 2 * hop_s - FLASH_BACKWARD * attention_flops / rate)
     per_stage = shape.pipeline_layers // layout.pp
     recomputed = min(layout.act_ckpt_layers, per_stage)
     return layout.num_microbatches * ((per_stage + recomputed) * forward + per_stage * backward)
