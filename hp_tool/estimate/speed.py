@@ -264,11 +264,12 @@ def collective_s(nbytes: float, ranks: int, per_node: int, hw: Hardware) -> floa
 
 def zero_ranks_per_node(layout: Layout, hw: Hardware, num_nodes: int) -> int:
     """Of the DP x CP ranks holding the same weights, how many share a node: all of them on one node; else
-    the ranks of a node over TP (the mesh is (pp, dp, cp, tp), TP innermost: each node holds GPUs / TP of a
-    TP rank's data-parallel peers)."""
+    the layout's GPUs on a node over TP (the mesh is (pp, dp, cp, tp), TP innermost: each node holds its GPUs / TP
+    of a TP rank's data-parallel peers)."""
     if num_nodes <= 1:
         return layout.zero_ranks
-    return max(1, hw.gpus_per_node // layout.tp)
+    per_node = min(hw.gpus_per_node, max(1, layout.gpus // num_nodes))  # the layout's GPUs spread over its nodes
+    return max(1, min(layout.zero_ranks, per_node // layout.tp))
 
 
 # bytes per value of a reduced gradient: the torch engine reduces in fp32 (FSDP2's reduce_dtype; DDP's fp32
