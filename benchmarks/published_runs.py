@@ -4,11 +4,11 @@
     python benchmarks/published_runs.py --summary  # the summaries only
 
 Runs (see ``load_runs``):
-- REFERENCE §12: Narayanan et al. 2021 (SC'21, arXiv:2104.04473), Table 1 — GPT on A100 80 GB, fp16, full
+- REFERENCE §12: Narayanan et al. 2021 (SC'21, arXiv:2104.04473), Table 1 — GPT on A100 80 GiB, fp16, full
   activation recompute, interleaved 1F1B where v > 1 (micro-batch sizes and virtual stages from Megatron-LM's
   examples/sc21/run_table_1.sh). Measured step time = the paper's Eq. 3 FLOPs over the GPUs' TFLOP/s.
 - ``../shared/published_runs_torchtitan.json`` (a copy ships as benchmarks/data/published_runs_torchtitan.json):
-  torchtitan's FSDP2 / TP / PP / CP Llama runs on A100 80 GB and on 500 W H100 96 GB HBM2e, bf16 and Float8,
+  torchtitan's FSDP2 / TP / PP / CP Llama runs on A100 80 GiB and on 500 W H100 96 GiB HBM2e, bf16 and Float8,
   eager and compiled. Step time = global batch x sequence / (tokens/s per GPU x GPUs); where the global batch
   is not stated the per-GPU rate does not depend on it (one micro-batch per data-parallel rank).
 
@@ -104,11 +104,11 @@ def hardware(preset: str, precision: str = "bf16") -> Hardware:
     import yaml
 
     p = yaml.safe_load((ROOT / f"hp_tool/conf/gpu/{preset}.yaml").read_text())
-    return Hardware(gpus_per_node=8, gpu_memory_gb=p["memory_gb"], peak_tflops=p["peak_tflops"][precision],
+    return Hardware(gpus_per_node=8, gpu_memory_gib=p["memory_gib"], peak_tflops=p["peak_tflops"][precision],
                     intra_node_bandwidth_gbps=p["intra_node_bandwidth_gbps"],
                     inter_node_bandwidth_gbps=p["inter_node_bandwidth_gbps"],
-                    memory_overhead_gb=p["memory_overhead_gb"], precision=precision,
-                    host_ram_gb=p.get("host_ram_gb"), pcie_bandwidth_gbps=p["pcie_bandwidth_gbps"],
+                    memory_overhead_gib=p["memory_overhead_gib"], precision=precision,
+                    host_ram_gib=p.get("host_ram_gib"), pcie_bandwidth_gbps=p["pcie_bandwidth_gbps"],
                     memory_bandwidth_gbps=p.get("memory_bandwidth_gbps") or 2000.0, **p.get("efficiency", {}))
 
 
@@ -186,12 +186,12 @@ def predicted_step_s(run: Run) -> float:
 
 
 def predicted_memory_gib(run: Run) -> float:
-    return estimate_memory(run.shape, run.layout, run.hw).total_gb * GB / GIB
+    return estimate_memory(run.shape, run.layout, run.hw).total_gib * GB / GIB
 
 
 def fits(run: Run) -> bool:
     """The planner's verdict: predicted peak within the GPU's memory less the margin."""
-    return estimate_memory(run.shape, run.layout, run.hw).total_gb <= run.hw.gpu_memory_gb * (1 - MEMORY_MARGIN)
+    return estimate_memory(run.shape, run.layout, run.hw).total_gib <= run.hw.gpu_memory_gib * (1 - MEMORY_MARGIN)
 
 
 def ranks(values: list[float]) -> list[float]:

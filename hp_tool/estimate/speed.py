@@ -46,7 +46,7 @@ from hp_tool.families.decoder import expert_forward_flops
 from hp_tool.estimate.methods import (ADAPTED, NF4_BITS, adapter_parameters_per_layer, attention_core_flops_per_layer,
                                       linear_parameters_per_layer)
 
-# attention kernels (FlashAttention-2, Dao 2023, Fig. 4-7: causal forward + backward on A100 80 GB at head dim 128
+# attention kernels (FlashAttention-2, Dao 2023, Fig. 4-7: causal forward + backward on A100 80 GiB at head dim 128
 # reaches 118, 171, 187 and 192 TFLOPS at 512, 2K, 8K and 16K tokens, about 62% of peak x s / (s + 330); at head
 # dim 64 about 10% less): efficiency = the GPU's attention_efficiency x s / (s + ATTENTION_TOKENS_HALF)
 # x the head dimension's factor d / (d + ATTENTION_HEAD_DIM_HALF), relative to d = 128
