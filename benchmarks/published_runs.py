@@ -259,7 +259,7 @@ SUMMARY_HEADER = ("| group | runs | step median | step max | Spearman | memory m
                   "|---|---|---|---|---|---|---|")
 
 
-FITTED = ("max_efficiency", "width_half", "attention_efficiency")  # per GPU preset; tokens_half stays the prior's
+FITTED = ("max_efficiency", "attention_efficiency")  # per GPU preset; the curve's shape (width_half, tokens_half) is the prior's
 
 
 def with_efficiency(runs: list[Run], gpu: str, values: dict[str, float]) -> list[Run]:
@@ -296,7 +296,7 @@ def fit(runs: list[Run], gpu: str) -> dict[str, float]:
 def leave_one_source_out(runs: list[Run]) -> None:
     """Each source's step-time error under constants fitted without it (per GPU preset it runs on)."""
     print("\nLeave one source out: each GPU's efficiency refitted without the source, the source's error under it\n")
-    print("| source | GPU | runs | fitted without it (max, width_half, attention) | step median | step max |\n"
+    print("| source | GPU | runs | fitted without it (max, attention) | step median | step max |\n"
           "|---|---|---|---|---|---|")
     for source in sorted({r.source for r in runs}):
         for gpu in sorted({r.gpu for r in runs if r.source == source}):
