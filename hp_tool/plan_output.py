@@ -29,7 +29,7 @@ PLAN_COLUMNS = (
     "predicted_model_tflops_per_gpu", "predicted_days_to_train", "predicted_full_run_cost_usd",
     "predicted_cost_usd_per_million_tokens", "predicted_rank", "plan_status", "reason",
     "seq_length", "predicted_mfu", "predicted_tokens_per_hour", "predicted_hours_per_epoch",
-    "predicted_cost_usd_per_epoch", "predicted_rank0_host_memory_gb", "optimizer", "method", "lora_rank",
+    "predicted_cost_usd_per_epoch", "predicted_rank0_host_memory_gib", "optimizer", "method", "lora_rank",
     "trainable_parameters", "experts", "top_k", "ep", "active_parameters",
     "cp", "sequence_parallel", "loss", "activation_offload",
 )
@@ -84,7 +84,7 @@ def plan_rows(plan: Plan) -> Iterable[dict[str, Any]]:
             "predicted_tokens_per_hour": _round(epoch.get("tokens_per_hour"), 0),
             "predicted_hours_per_epoch": _round(epoch.get("hours_per_epoch"), 4),
             "predicted_cost_usd_per_epoch": _round(epoch.get("cost_usd_per_epoch"), 2),
-            "predicted_rank0_host_memory_gb": _round(c.rank0_host_memory_gib, 2),
+            "predicted_rank0_host_memory_gib": _round(c.rank0_host_memory_gib, 2),
             "optimizer": c.optimizer,
             "method": c.shape.method, "lora_rank": c.shape.lora_rank or None,
             "trainable_parameters": trainable_parameters(c.shape, m.num_parameters),
@@ -155,7 +155,7 @@ def _rank0_line(plan: Plan) -> str:
         return ""
     need = max(c.rank0_host_memory_gib for c in short)
     return (f"Saving: rank 0 gathers the whole model to write the checkpoint and needs up to {need:.0f} GiB of host "
-            f"RAM ({len(short)} of {len(selected)} selected layouts; see predicted_rank0_host_memory_gb), more than "
+            f"RAM ({len(short)} of {len(selected)} selected layouts; see predicted_rank0_host_memory_gib), more than "
             f"the {host:g} GiB of gpu.host_ram_gib: run rank 0 on a node with at least {need:.0f} GiB, the others on "
             "nodes of the preset.")
 

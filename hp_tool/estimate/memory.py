@@ -300,16 +300,15 @@ def stage_state_bytes(shape: Shape, layout: Layout, hw: Hardware, params: float,
 # (tests/test_long_context_memory.py): the logits (or their 16-bit form and fp32 upcast), log-softmax's output and
 # the gradient, 12; the vocabulary-parallel loss under TP (torch's loss_parallel) one fp32 copy more, 16.
 WHOLE_LOSS_BYTES = {False: 12, True: 16}
-# torch.compile fuses the upcast into the loss kernel: the loss holds no fp32 copy of the logits, 4 bytes a logit less
-COMPILED_LOSS_SAVES = 4
 
 
 def logits_bytes(shape: Shape, layout: Layout, hw: Hardware) -> float:
     """Bytes the loss holds on the last stage for one micro-batch of the rank's tokens (``shape`` as the rank
     sees it, ``rank_shape``).
 
-    full: ``WHOLE_LOSS_BYTES`` per logit of the rank's vocabulary (vocabulary-parallel: 1/TP of it), less the
-    fp32 copy a compiled loss never makes (``COMPILED_LOSS_SAVES``; hp_tool's engines run the loss eager). chunked
+    full: ``WHOLE_LOSS_BYTES`` per logit of the rank's vocabulary (vocabulary-parallel: 1/TP of it): the loss
+    runs eager, as hp_tool's engine and torchtitan's compiled runs (which compile the layers, not the loss) run it.
+    chunked
     (hp_tool/trial/loss.py, TP 1): the hidden states' gradient (tokens x hidden, compute dtype) and the head
     weight's fp32 gradient (vocabulary x hidden) it computes in forward, and one chunk in flight: 12 bytes per
     logit, the fp32 logits with logsumexp's two temporaries of their size (then the logits and their softmax),
@@ -317,8 +316,7 @@ def logits_bytes(shape: Shape, layout: Layout, hw: Hardware) -> float:
     bpv, tokens = hw.bytes_per_value, layout.mbs * shape.target_length
     if layout.loss == "full":
         # with activation offload the log-softmax output waits in host RAM until backward brings it back
-        per_logit = WHOLE_LOSS_BYTES[layout.tp > 1] - (2 if hw.offloads_activations(layout) else 0) - \
-            (COMPILED_LOSS_SAVES if hw.compiled else 0)
+        per_logit = WHOLE_LOSS_BYTES[layout.tp > 1] - (2 if hw.offloads_activations(layout) else 0)
         return tokens * shape.vocab_size * per_logit / layout.tp
     chunk = min(layout.loss_chunk_tokens, tokens)
     per_logit = 12  # the fp32 logits and logsumexp's two temporaries, or the logits and their softmax
