@@ -38,13 +38,12 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from hp_tool.architectures import Shape
-from hp_tool.estimate.layout import GB, Hardware, Layout
+from hp_tool.estimate.layout import Hardware, Layout
 from hp_tool.estimate.memory import estimate_memory
 from hp_tool.estimate.speed import estimate_step_time
 
 ROOT = Path(__file__).resolve().parent.parent
 TORCHTITAN = ROOT / "benchmarks/data/published_runs_torchtitan.json"
-GIB = 2 ** 30
 MEMORY_MARGIN = 0.05  # the planner's default train_settings.memory_margin
 
 # REFERENCE §12, Narayanan et al. 2021 Table 1
@@ -186,12 +185,12 @@ def predicted_step_s(run: Run) -> float:
 
 
 def predicted_memory_gib(run: Run) -> float:
-    return estimate_memory(run.shape, run.layout, run.hw).total_gib * GB / GIB
+    return estimate_memory(run.shape, run.layout, run.hw).total_gib
 
 
 def fits(run: Run) -> bool:
     """The planner's verdict: predicted peak within the GPU's memory less the margin."""
-    return estimate_memory(run.shape, run.layout, run.hw).total_gib <= run.hw.gpu_memory_gib * (1 - MEMORY_MARGIN)
+    return estimate_memory(run.shape, run.layout, run.hw).total_gib <= run.hw.usable_gib(MEMORY_MARGIN)
 
 
 def ranks(values: list[float]) -> list[float]:

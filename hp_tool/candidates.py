@@ -316,7 +316,7 @@ def estimate(shape: Shape, c: Candidate, cluster: Cluster, usable_gib: float) ->
 def _fit(shape: Shape, c: Candidate, cluster: Cluster, ts: TrainSettings) -> None:
     """Estimate a valid candidate and prune it when over GPU memory, then when over host RAM."""
     hw = cluster.hw
-    usable = hw.gpu_memory_gib * (1 - ts.memory_margin)
+    usable = hw.usable_gib(ts.memory_margin)
     estimate(shape, c, cluster, usable)
     need = max(c.memory_gib, c.full_memory_gib)
     if need > usable:

@@ -81,7 +81,7 @@ def check_traced_memory(candidates: list[Candidate], spec_of: Callable[[Candidat
     plus the overhead exceeds the usable memory, then rank again. A candidate the trace cannot run keeps
     its analytic verdict, with the reason in ``memory_check``. Candidates beyond the limit are not traced."""
     hw, limit = cluster.hw, ts.limit_search_runs
-    usable = hw.gpu_memory_gib * (1 - ts.memory_margin)
+    usable = hw.usable_gib(ts.memory_margin)
     order = sorted((c for c in candidates if c.status in (SELECTED, OVER_LIMIT)), key=lambda c: c.rank)
     kept = done = 0
     while kept < limit and done < len(order):

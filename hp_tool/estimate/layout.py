@@ -257,6 +257,11 @@ class Hardware:
     def bytes_per_value(self) -> int:
         return BYTES_PER_VALUE[self.precision]
 
+    def usable_gib(self, margin: float) -> float:
+        """GPU memory a layout may fill: the device's total less the fraction ``margin`` kept free
+        (train_settings.memory_margin); the planner prunes a predicted or traced peak above it."""
+        return self.gpu_memory_gib * (1 - margin)
+
     def efficiency(self) -> dict[str, float]:
         """The GPU's compute-efficiency constants by field name (``EFFICIENCY_FIELDS``), as a TrialSpec's
         resources carry them."""
