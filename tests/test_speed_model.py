@@ -97,15 +97,19 @@ def test_virtual_stages_divide_the_bubble_multiply_the_p2p_and_raise_activation_
     assert mb.activations_gib == pytest.approx(ma.activations_gib * (1 + 3 / 8) + held * hidden_gib, rel=0.02)
 
 
-def test_published_runs_meet_the_step_time_targets_on_every_gpu_type():
+def test_published_runs_meet_the_step_time_and_memory_targets_on_every_gpu_type():
     """benchmarks/published_runs.py's figures: per GPU type the median step-time error <= 8% and the ranking
-    of each (model, GPU) group's runs (Spearman >= 0.85)."""
+    of each (model, GPU) group's runs (Spearman >= 0.85); over the runs with a measured peak the median memory
+    error <= 10%, and none of them called "does not fit"."""
     bench = published()
     runs = bench.load_runs()
     for gpu in {r.gpu for r in runs}:
         summary = bench.summarise([r for r in runs if r.gpu == gpu], bench.predicted_step_s)
         assert summary.median <= 0.08, gpu
         assert summary.spearman is None or summary.spearman >= 0.85, gpu
+    overall = bench.summarise(runs, bench.predicted_step_s)
+    assert overall.memory_runs == 18
+    assert overall.memory_median <= 0.10 and overall.wrong_no_fit == 0
 
 
 def test_sharded_data_parallel_collectives_follow_each_engine_per_micro_batch():

@@ -358,8 +358,9 @@ def estimate_memory(shape: Shape, layout: Layout, hw: Hardware) -> MemoryEstimat
             activations = working_layer_bytes(rank, layout, hw)
         else:
             activations = microbatches_in_flight(layout, stage) * per_microbatch + buffer
+        # the hidden states a stage sends and receives, sequence-sharded over TP under sequence parallelism
         activations += sum(interleave_held_tensors(layout, stage)) * layout.mbs * rank.seq_length * \
-            shape.hidden_size * bpv
+            shape.hidden_size * bpv / (tp if layout.sequence_parallel else 1)
         stage_logits = logits if stage == pp - 1 else 0.0
         # the ring's working memory in a layer's backward, which starts once the loss has freed its logits
         activations += max(0.0, ring_transient_bytes(rank, layout) - stage_logits)
