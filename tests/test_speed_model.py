@@ -99,7 +99,7 @@ def test_virtual_stages_divide_the_bubble_multiply_the_p2p_and_raise_activation_
 
 def test_published_runs_meet_the_step_time_and_memory_targets_on_every_gpu_type():
     """benchmarks/published_runs.py's figures: per GPU type the median step-time error <= 8% and the ranking
-    of each (model, GPU) group's runs (Spearman >= 0.85); over the runs with a measured peak the median memory
+    of each (model, GPU, sequence) group's runs (Spearman >= 0.85); over the runs with a measured peak the median memory
     error <= 10%, and none of them called "does not fit"."""
     bench = published()
     runs = bench.load_runs()
