@@ -55,10 +55,10 @@ ATTENTION_HEAD_DIM_HALF = 16.0
 # the flash backward recomputes the scores and runs four more matmuls: 2.5 times the forward's FLOPs
 # (Dao 2023, §3.1), and a causal kernel skips the masked half of the scores
 FLASH_BACKWARD = 2.5
-# torch.compile fuses the element-wise work around the matmuls (norms, activations, residuals, casts) that
-# ``width_half`` prices: the same layout runs 16% faster compiled on H100 (torchtitan 2024-12, Llama 3.1 8B FSDP
-# on 8 and 128 GPUs: 5762 -> 6667 and 5605 -> 6514 tokens/s per GPU), which this factor on width_half gives
-COMPILED_WIDTH_FACTOR = 0.45
+# torch.compile fuses the element-wise work between the matmuls (norms, RoPE, activations, residuals, casts): the
+# same layouts run 16% faster compiled on H100 (torchtitan 2024-12, Llama 3.1 8B FSDP on 8 and 128 GPUs: 5762 ->
+# 6667 and 5605 -> 6514 tokens/s per GPU), which the linears' efficiency takes, as it prices that work
+COMPILED_SPEEDUP = 1.16
 CPU_ADAM_PARAMS_PER_S = 4e9  # parameters per second a node's CPUs update with Adam (DeepSpeed CPU-Adam,
 #                              about 1B parameters in 0.25 s on a 2-socket server; Ren et al. 2021)
 
@@ -99,9 +99,9 @@ def matmul_efficiency(shape: Shape, layout: Layout, hw: Hardware) -> float:
 
 def gemm_efficiency(tokens: float, width: float, hw: Hardware) -> float:
     """``matmul_efficiency`` of GEMMs over ``tokens`` rows and ``width`` columns per GPU on ``hw``; under
-    torch.compile the element-wise work is fused (``COMPILED_WIDTH_FACTOR``)."""
-    width_half = hw.width_half * (COMPILED_WIDTH_FACTOR if hw.compiled else 1.0)
-    return hw.max_efficiency * width / (width + width_half) * tokens / (tokens + hw.tokens_half)
+    torch.compile the element-wise work around them is fused (``COMPILED_SPEEDUP``)."""
+    compiled = COMPILED_SPEEDUP if hw.compiled else 1.0
+    return compiled * hw.max_efficiency * width / (width + hw.width_half) * tokens / (tokens + hw.tokens_half)
 
 
 def attention_efficiency(shape: Shape, layout: Layout, hw: Hardware) -> float:
