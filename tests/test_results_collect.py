@@ -50,15 +50,17 @@ def test_rank_uses_full_run_step_time_with_extrapolated_communication(tmp_path):
         return dp_comm_s(full.shape, lay(dp), full.hw, 4) - dp_comm_s(full.shape, lay(trial_dp), full.hw, 1)
 
     extra_a, extra_b = extra(1, 2, 8), extra(2, 1, 4)
-    assert extra_a > extra_b > 0
-    write_ok(out, a, 1.0)  # faster in the trial ...
-    write_ok(out, b, 1.0 + (extra_a - extra_b) / 2)  # ... slower in the trial, faster in the full run
+    assert extra_a > 0 and extra_b > 0 and abs(extra_a - extra_b) > 1e-3
+    # the one the full run slows more runs faster in the trial, by half the difference: the ranking flips
+    (more, trial_dp, full_dp, tp), less = ((a, 2, 8, 1), b) if extra_a > extra_b else ((b, 1, 4, 2), a)
+    write_ok(out, more, 1.0)
+    write_ok(out, less, 1.0 + abs(extra_a - extra_b) / 2)
     ranked = successful(collect_trials(out))
-    assert list(ranked["trial_id"][:2]) == [b, a]
-    row = ranked.set_index("trial_id").loc[a]
-    hw = Hardware(2, 4.0, full.hw.peak_tflops, full.hw.intra_node_bandwidth_gbps, 0.01, 0.0)
-    expected = extrapolate_step_time_s(1.0, full.shape, Layout(1, 1, 2, 4, 0, 8, 0),
-                                       Layout(1, 1, 8, 4, 0, 32, 0), hw, 1, 4)
+    assert list(ranked["trial_id"][:2]) == [less, more]
+    row = ranked.set_index("trial_id").loc[more]
+    hw = Hardware(2, 4.0, full.hw.peak_tflops, full.hw.intra_node_bandwidth_gbps, 0.01, 0.0, **full.hw.efficiency())
+    expected = extrapolate_step_time_s(1.0, full.shape, Layout(tp, 1, trial_dp, 4, 0, 32 // full_dp * trial_dp, 0),
+                                       Layout(tp, 1, full_dp, 4, 0, 32, 0), hw, 1, 4)
     assert row[RANK_COLUMN] == pytest.approx(expected) and row["measured_step_time_s"] == 1.0
 
 

@@ -12,7 +12,7 @@ from hp_tool.results.report import ALL_TRIALS_COLUMNS, SUMMARY_COLUMNS
 from hp_tool.search import finalize
 from hp_tool.contracts.spec import load_spec
 
-UNIT_HINTS = ("_s", "_gb", "_pct", "_usd", "tokens", "tflops", "days", "hours", "_b", "mfu", "loss", "rank")
+UNIT_HINTS = ("_s", "_gib", "_pct", "_usd", "tokens", "tflops", "days", "hours", "_b", "mfu", "loss", "rank")
 MISSING_WORDS = {"None", "none", "nan", "NaN", "<NA>", "NA", "null"}
 
 
