@@ -59,7 +59,7 @@ def test_every_gpu_preset_is_shipped_and_documents_each_value_with_a_source():
 
 
 @pytest.mark.parametrize("name, memory, bf16, intra", [
-    ("a100_80gb", 80, 312, 300), ("h100_80gb", 80, 989, 450), ("h200", 141, 989, 450), ("a10g", 24, 125, 32)])
+    ("a100_80gb", 79.25, 312, 300), ("h100_80gb", 79.2, 989, 450), ("h200", 139.8, 989, 450), ("a10g", 22.06, 125, 32)])
 def test_gpu_presets_carry_datasheet_values_into_the_plan(tmp_path, name, memory, bf16, intra):
     app, search = load(f"gpu={name}", "search_config=gpt3/1b")
     plan = make_plan(app, search, tmp_path)
@@ -198,7 +198,7 @@ def test_auto_without_slurm_runs_here_when_the_gpus_fit(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="a trial spans 2 nodes"):
         resolve_kind(app, [(2, 8)])
     app40, _ = load("search_config=gpt3/1b", "cluster=auto", "gpu=h200")
-    with pytest.raises(ConfigError, match="less than the 141 GiB of gpu=h200"):
+    with pytest.raises(ConfigError, match="less than the 139.8 GiB of gpu=h200"):
         resolve_kind(app40, [(1, 8)])
 
 

@@ -14,7 +14,7 @@ from hp_tool.contracts.spec import load_spec
 from hp_tool.planner import make_plan
 
 REPO = Path(__file__).resolve().parent.parent
-NO_BF16 = {"v100_16gb": (15.77, 125, 15.7, 150), "v100_32gb": (31.74, 125, 15.7, 150), "t4": (14.75, 65, 8.1, 16)}
+NO_BF16 = {"v100_16gb": (15.78, 125, 15.7, 150), "v100_32gb": (31.74, 125, 15.7, 150), "t4": (14.56, 65, 8.1, 16)}
 PRECISION = "search_config.train_settings.precision"
 
 
