@@ -60,7 +60,7 @@ def write_trials(out: Path, ids: list[tuple[str, str]]) -> None:
         step_s = rng.uniform(5.0, 20.0)
         if i % 20 == 0:  # killed: metrics only
             lines = [json.dumps({"step": k, "step_time_s": step_s, "loss": 7.0, "lr": 1e-4, "tokens": 4194304,
-                                 "memory_gb": 40.0, "timed": k > 3, "time": 1e9 + k * step_s})
+                                 "memory_gib": 40.0, "timed": k > 3, "time": 1e9 + k * step_s})
                      for k in range(1, 51)]
             (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
         elif i % 20 == 1:  # corrupt
@@ -69,7 +69,7 @@ def write_trials(out: Path, ids: list[tuple[str, str]]) -> None:
             result = dict.fromkeys(RESULT_FIELDS)
             result.update(trial_id=tid, fingerprint=fingerprint, status="ok", steps_run=50, steps_measured=47, step_time_s_median=step_s,
                           step_time_s_mean=step_s, step_time_s_std=0.01, tokens_per_s_per_gpu=4e6 / step_s,
-                          model_tflops_per_gpu=150.0, mfu=0.48, peak_memory_gb=rng.uniform(20, 79),
+                          model_tflops_per_gpu=150.0, mfu=0.48, peak_memory_gib=rng.uniform(20, 79),
                           world_size=8, first_losses=[7.0] * 5, final_loss=6.5)
             (folder / "result.json").write_text(json.dumps(result, indent=2))
 

@@ -1,7 +1,7 @@
-"""The fine-tuning tables: Llama-2 7B fully fine-tuned on 8 x A100 80 GB at context 512..4096, predicted by the
+"""The fine-tuning tables: Llama-2 7B fully fine-tuned on 8 x A100 80 GiB at context 512..4096, predicted by the
 dry run beside the measured row of a Ray/DeepSpeed fine-tuning cookbook (REFERENCE §13), then the verdicts
-for the small GPUs people fine-tune on (6 x A10G 24 GB nodes, 4 x V100 32 GB), each method on small GPUs, and
-Mixtral-8x7B (a mixture of experts) on 8 x A100 80 GB.
+for the small GPUs people fine-tune on (6 x A10G 24 GiB nodes, 4 x V100 32 GiB), each method on small GPUs, and
+Mixtral-8x7B (a mixture of experts) on 8 x A100 80 GiB.
 
     python3 benchmarks/finetune_table.py
 
@@ -27,7 +27,7 @@ from hp_tool.planner import make_plan  # noqa: E402
 from hp_tool.vocab import SELECTED  # noqa: E402
 
 N_7B = 6_738_415_616
-NODE_PRICE = 40.77  # USD per hour for 8 x A100 80 GB (the cookbook's on-demand figure)
+NODE_PRICE = 40.77  # USD per hour for 8 x A100 80 GiB (the cookbook's on-demand figure)
 # context, batch per device, measured tokens/hour (millions), measured MFU (REFERENCE §13)
 MEASURED = [(512, 64, 101.47, 0.47), (1024, 32, 103.7, 0.48), (2048, 8, 99.75, 0.47), (4096, 4, 102.58, 0.48)]
 
@@ -49,7 +49,7 @@ def layout(c) -> str:
 
 def main() -> None:
     ts = "search_config.train_settings"
-    print("Llama-2 7B full fine-tuning, 8 x A100 80 GB (gpu=a100_80gb), bf16")
+    print("Llama-2 7B full fine-tuning, 8 x A100 80 GiB (gpu=a100_80gb), bf16")
     print(f"{'ctx':>5} {'bs/dev':>6} | {'measured M tok/h':>16} {'MFU':>5} {'$/M':>6} | {'predicted M tok/h':>17} "
           f"{'err':>6} {'MFU 6N':>6} {'MFU hp':>6} {'$/M':>6} {'GB':>5} | best layout at this context (M tok/h)")
     errors = []
@@ -65,7 +65,7 @@ def main() -> None:
         fits = "fits" if c.status in (SELECTED, "over_limit") else f"{c.status}: {c.reason[:40]}"
         print(f"{ctx:>5} {bs:>6} | {tok_h:>16.2f} {mfu:>5.2f} {NODE_PRICE / tok_h:>6.3f} | {pred:>17.1f} "
               f"{100 * errors[-1]:>+5.0f}% {6 * N_7B * per_gpu / 312e12:>6.2f} "
-              f"{c.model_tflops_per_gpu / 312:>6.2f} {NODE_PRICE / pred:>6.3f} {c.full_memory_gb:>5.1f} | "
+              f"{c.model_tflops_per_gpu / 312:>6.2f} {NODE_PRICE / pred:>6.3f} {c.full_memory_gib:>5.1f} | "
               f"{layout(best)} ({best.tokens_per_s_per_gpu * 8 * 3600 / 1e6:.1f}) [{fits}]")
     print(f"tokens/hour error over the four contexts: median {100 * sorted(errors)[1]:+.0f}% .. "
           f"{100 * sorted(errors)[2]:+.0f}%, max |{100 * max(map(abs, errors)):.0f}%|")
@@ -81,7 +81,7 @@ def main() -> None:
         best = fastest(p)
         print(f"  {gpu} x {p.cluster.gpus}: fastest {layout(best)} at seq {best.shape.seq_length}, "
               f"{best.tokens_per_s_per_gpu * p.cluster.gpus * 3600 / 1e6:.1f} M tok/h, "
-              f"{max(best.memory_gb, best.full_memory_gb):.1f} GB per GPU, {best.host_memory_gb:.0f} GB host RAM per node; "
+              f"{max(best.memory_gib, best.full_memory_gib):.1f} GiB per GPU, {best.host_memory_gib:.0f} GiB host RAM per node; "
               f"{sum(c.status == SELECTED for c in p.candidates)} layouts selected, "
               f"{sum(c.status == 'pruned' for c in p.candidates)} pruned")
 
@@ -90,11 +90,11 @@ def main() -> None:
 
 def methods_table() -> None:
     """Full fine-tuning, LoRA (r=16 on every linear) and QLoRA of Llama-2 7B and 13B on one A10G, one L4
-    and 4 x V100 32 GB: each method's verdict, predicted peak memory per GPU, step time and $/M tokens at
+    and 4 x V100 32 GiB: each method's verdict, predicted peak memory per GPU, step time and $/M tokens at
     context 2048."""
     ts = "search_config.train_settings"
     print()
-    print("Methods (context 2048, 64K tokens per step): fit, GB per GPU, step s, $/M tokens of each method's fastest layout")
+    print("Methods (context 2048, 64K tokens per step): fit, GiB per GPU, step s, $/M tokens of each method's fastest layout")
     targets = [("a10g", ["search_config.train_settings.gpus_per_node=1"]), ("l4", [f"{ts}.gpus_per_node=1"]),
                ("v100_32gb", [f"{ts}.gpus_per_node=4"])]
     for model in ("llama2_7b", "llama2_13b"):
@@ -111,7 +111,7 @@ def methods_table() -> None:
                     gpus = p.cluster.gpus
                     per_m = (p.cluster.gpu_hour_price * gpus / (best.tokens_per_s_per_gpu * gpus * 3600 / 1e6)
                              if p.cluster.gpu_hour_price else float("nan"))
-                    cells.append(f"{method}: fits {max(best.memory_gb, best.full_memory_gb):.1f} GB "
+                    cells.append(f"{method}: fits {max(best.memory_gib, best.full_memory_gib):.1f} GiB "
                                  f"{best.step_time_s:.2f} s ${per_m:.2f}")
                 except Exception as exc:  # nothing fits
                     cells.append(f"{method}: no fit ({str(exc).split(':')[0]})")
@@ -119,11 +119,11 @@ def methods_table() -> None:
 
 
 def mixtral_table() -> None:
-    """Mixtral-8x7B (46.7B parameters, 12.9B active) on 8 x A100 80 GB at context 512..4096: per method the
+    """Mixtral-8x7B (46.7B parameters, 12.9B active) on 8 x A100 80 GiB at context 512..4096: per method the
     fastest fitting layout (its EP), predicted memory, tokens/hour, MFU (active FLOPs) and $/M tokens."""
     ts = "search_config.train_settings"
     print()
-    print("Mixtral-8x7B on 8 x A100 80 GB (gpu=a100_80gb), bf16, 262K tokens per step: fastest layout per method")
+    print("Mixtral-8x7B on 8 x A100 80 GiB (gpu=a100_80gb), bf16, 262K tokens per step: fastest layout per method")
     print(f"{'ctx':>5} {'method':>6} | {'fit':>4} {'layout':<44} {'GB':>5} {'M tok/h':>8} {'MFU':>5} {'$/M':>6}")
     for ctx in (512, 1024, 2048, 4096):
         for method in ("full", "lora"):
@@ -140,7 +140,7 @@ def mixtral_table() -> None:
             tok_h = best.tokens_per_s_per_gpu * gpus * 3600 / 1e6
             per_m = p.cluster.gpu_hour_price * gpus / tok_h if p.cluster.gpu_hour_price else float("nan")
             print(f"{ctx:>5} {method:>6} | {'yes':>4} {layout(best) + f' EP{best.ep}':<44} "
-                  f"{max(best.memory_gb, best.full_memory_gb):>5.1f} {tok_h:>8.1f} "
+                  f"{max(best.memory_gib, best.full_memory_gib):>5.1f} {tok_h:>8.1f} "
                   f"{best.model_tflops_per_gpu / p.cluster.hw.peak_tflops:>5.2f} {per_m:>6.3f}")
 
 

@@ -1,4 +1,4 @@
-"""Long context: Llama-3 8B fully fine-tuned at 32K tokens per sequence on 1 and on 2 x A100 80 GB (REFERENCE
+"""Long context: Llama-3 8B fully fine-tuned at 32K tokens per sequence on 1 and on 2 x A100 80 GiB (REFERENCE
 §15's case), planned by the dry run, then the memory each long-context saver removes on one layout, predicted
 and traced.
 
@@ -55,26 +55,26 @@ def savers(c) -> str:
 def fitting_table(gpus: int) -> None:
     p = plan(gpus, f"{TS}.limit_search_runs=1000")
     fits = sorted((c for c in p.candidates if c.status in (SELECTED, OVER_LIMIT)), key=lambda c: c.rank)
-    print(f"Llama-3 8B full fine-tuning at {SEQ} tokens, {gpus} x A100 80 GB: {len(fits)} fitting layouts of "
+    print(f"Llama-3 8B full fine-tuning at {SEQ} tokens, {gpus} x A100 80 GiB: {len(fits)} fitting layouts of "
           f"{len(p.candidates)} candidates, fastest first")
-    print(f"{'rank':>4}  {'savers':<74} {'GPU GB':>7} {'host GB':>8} {'step s':>7} {'M tok/h':>8}")
+    print(f"{'rank':>4}  {'savers':<74} {'GPU GiB':>7} {'host GiB':>8} {'step s':>7} {'M tok/h':>8}")
     for c in fits:
         tokens_h = c.tokens_per_s_per_gpu * gpus * 3600 / 1e6
-        print(f"{c.rank:>4}  {savers(c):<74} {max(c.memory_gb, c.full_memory_gb):>7.2f} {c.host_memory_gb:>8.1f} "
+        print(f"{c.rank:>4}  {savers(c):<74} {max(c.memory_gib, c.full_memory_gib):>7.2f} {c.host_memory_gib:>8.1f} "
               f"{c.step_time_s:>7.2f} {tokens_h:>8.3f}")
     print()
 
 
 # (label, GPUs, the base's overrides, the saver's overrides): each saver added alone to its base
 BASE = (f"{TS}.engines=[torch]", f"{TS}.zero_stages=[3]", f"{TS}.offload=[none]", f"{TS}.pipeline_parallel_sizes=[1]",
-        f"{TS}.micro_batch_sizes=[1]", f"{TS}.global_batch_tokens={2 * SEQ}", "gpu.memory_gb=2000",
+        f"{TS}.micro_batch_sizes=[1]", f"{TS}.global_batch_tokens={2 * SEQ}", "gpu.memory_gib=2000",
         f"{TS}.activation_offload=[false]")
 ONE = (f"{TS}.tensor_parallel_sizes=[1]", f"{TS}.context_parallel_sizes=[1]", f"{TS}.sequence_parallel=[false]")
 CASES = [
     ("chunked loss", 1, (*ONE, f"{TS}.losses=[full]", f"{TS}.act_ckpt_layers=[0]"), (f"{TS}.losses=[chunked]",)),
     ("checkpointing (32 layers)", 1, (*ONE, f"{TS}.losses=[chunked]", f"{TS}.act_ckpt_layers=[0]"),
      (f"{TS}.act_ckpt_layers=[32]",)),
-    ("activation offload", 1, (*ONE, f"{TS}.losses=[chunked]", f"{TS}.act_ckpt_layers=[0]", "gpu.host_ram_gb=4096"),
+    ("activation offload", 1, (*ONE, f"{TS}.losses=[chunked]", f"{TS}.act_ckpt_layers=[0]", "gpu.host_ram_gib=4096"),
      (f"{TS}.activation_offload=[true]",)),
     ("context parallel (CP2 vs DP2)", 2, (*ONE, f"{TS}.losses=[chunked]", f"{TS}.act_ckpt_layers=[0]"),
      (f"{TS}.context_parallel_sizes=[2]",)),
@@ -99,15 +99,15 @@ def savings_table(traced: bool) -> None:
         for overrides in (base, (*base, *saver)):
             p, c = one(gpus, overrides, traced)
             m = estimate_memory(c.shape, c.trial_layout(), p.cluster.hw)
-            rows.append((candidate_trial_id(p.model, c).split("_s32768_")[1], m, c.memory_gb, c.traced_memory_gb))
+            rows.append((candidate_trial_id(p.model, c).split("_s32768_")[1], m, c.memory_gib, c.traced_memory_gib))
         for (lay, m, pred, tr), name in zip(rows, ("  without", "  with")):
-            print(f"{label if name == '  without' else '':<30} {name[2:] + ': ' + lay:<44} {m.model_states_gb:>7.2f} "
-                  f"{m.activations_gb:>7.2f} {m.logits_gb:>7.2f} {pred:>9.2f} "
+            print(f"{label if name == '  without' else '':<30} {name[2:] + ': ' + lay:<44} {m.model_states_gib:>7.2f} "
+                  f"{m.activations_gib:>7.2f} {m.logits_gib:>7.2f} {pred:>9.2f} "
                   f"{'-' if tr is None else f'{tr:.2f}':>7}")
         (_, m0, p0, t0), (_, m1, p1, t1) = rows
         traced_delta = "-" if t0 is None or t1 is None else f"{t0 - t1:.2f}"
-        print(f"{'':<30} {'  removes':<44} {m0.model_states_gb - m1.model_states_gb:>7.2f} "
-              f"{m0.activations_gb - m1.activations_gb:>7.2f} {m0.logits_gb - m1.logits_gb:>7.2f} {p0 - p1:>9.2f} "
+        print(f"{'':<30} {'  removes':<44} {m0.model_states_gib - m1.model_states_gib:>7.2f} "
+              f"{m0.activations_gib - m1.activations_gib:>7.2f} {m0.logits_gib - m1.logits_gib:>7.2f} {p0 - p1:>9.2f} "
               f"{traced_delta:>7}")
     print()
 

@@ -47,7 +47,7 @@ def row(family: str, layout: dict, device: str) -> None:
     spec = spec_for(family, layout, "bf16" if device == "cuda" else "fp32")
     t = unit_terms(spec, device)
     whole = trace_stage(spec, 0, device).peak_bytes
-    analytic = estimate_memory(spec.model.shape(), spec.layout(), target_hardware(spec, device)).total_gb * 1e9
+    analytic = estimate_memory(spec.model.shape(), spec.layout(), target_hardware(spec, device)).total_gib * 1e9
     name = "-".join(f"{k.replace('_layers', '')}{v}" for k, v in layout.items()) or "single"
     print(f"{device:4} {family:5} {name:26} state/unit {t.state / 1e6:7.3f} MB vs {t.analytic_state / 1e6:7.3f} "
           f"({t.state_ratio:4.2f})  kept/unit {t.kept / 1e6:7.3f} MB vs {t.analytic_kept / 1e6:7.3f} "

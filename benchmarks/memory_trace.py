@@ -4,8 +4,8 @@
 
 For a Llama-shaped and a GPT-3-shaped model (4 layers, hidden 128, seq 128, vocab 2048, global batch 8,
 micro-batch 2, fp32) and each layout (single process, FSDP2 DP2 with and without checkpointing, TP2,
-TP2 x DP2, PP2 with and without checkpointing), prints the measured peak tensor GB per rank of a real
-trial on CPU processes (gloo; the trial's ``peak_tensor_memory_gb``), the traced peak
+TP2 x DP2, PP2 with and without checkpointing), prints the measured peak tensor GiB per rank of a real
+trial on CPU processes (gloo; the trial's ``peak_tensor_memory_gib``), the traced peak
 (``hp_tool.trial.trace.extrapolate.traced_peak_bytes``: the busiest rank, one process, fake process group) and the
 analytic estimate's tensor part (``hp_tool.estimate.memory.estimate_memory`` less its overhead), each with
 its ratio to the measured figure; then the traced memory check of the gpt3/175b plan (1024 GPUs): time
@@ -32,8 +32,8 @@ from hp_tool.contracts.spec import (ModelSpec, ParallelSpec, ResourcesSpec, RunS
 
 LAYOUTS = [{}, {"dp": 2}, {"dp": 2, "act_ckpt": 4}, {"tp": 2}, {"tp": 2, "dp": 2}, {"pp": 2},
            {"pp": 2, "act_ckpt": 1}]
-CPU = Hardware(gpus_per_node=2, gpu_memory_gb=4, peak_tflops=1, intra_node_bandwidth_gbps=5,
-               inter_node_bandwidth_gbps=5, memory_overhead_gb=0.0, precision="fp32", flash_attention=True)
+CPU = Hardware(gpus_per_node=2, gpu_memory_gib=4, peak_tflops=1, intra_node_bandwidth_gbps=5,
+               inter_node_bandwidth_gbps=5, memory_overhead_gib=0.0, precision="fp32", flash_attention=True)
 
 
 def spec_for(family: str, layout: dict) -> TrialSpec:
@@ -61,11 +61,11 @@ def measure(spec: TrialSpec) -> float:
                         f"--master-port={port}", "-m", "hp_tool.trial.train", str(path), "--output-dir",
                         str(Path(folder) / "out")], env={**os.environ, "OMP_NUM_THREADS": "1"},
                        capture_output=True, check=True, timeout=600)
-        return json.loads((Path(folder) / "out" / "result.json").read_text())["peak_tensor_memory_gb"]
+        return json.loads((Path(folder) / "out" / "result.json").read_text())["peak_tensor_memory_gib"]
 
 
 def analytic(spec: TrialSpec) -> float:
-    return estimate_memory(spec.model.shape(), spec.layout(), CPU).total_gb
+    return estimate_memory(spec.model.shape(), spec.layout(), CPU).total_gib
 
 
 def trace_175b_grid(workers: int) -> None:
@@ -92,7 +92,7 @@ def trace_175b_grid(workers: int) -> None:
           f"{seconds[len(seconds) // 2]:.1f} s, max {seconds[-1]:.1f} s")
     for c in traced:
         print(f"  tp{c.tp} pp{c.pp} mbs{c.mbs} ac{c.act_ckpt_layers} z{c.zero_stage}: analytic "
-              f"{c.memory_gb:6.1f} GB, traced {c.traced_memory_gb:6.1f} GB, {c.status}")
+              f"{c.memory_gib:6.1f} GiB, traced {c.traced_memory_gib:6.1f} GiB, {c.status}")
 
 
 def main() -> None:
@@ -101,7 +101,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=None, help="trace processes for the 175B grid (default: all cores)")
     args = parser.parse_args()
     layouts = {"all": LAYOUTS, "quick": LAYOUTS[:3], "none": []}[args.layouts]
-    print(f"{'model':6} {'layout':18} {'measured GB':>12} {'traced GB':>10} {'ratio':>6} {'analytic GB':>12} {'ratio':>6}")
+    print(f"{'model':6} {'layout':18} {'measured GB':>12} {'traced GiB':>10} {'ratio':>6} {'analytic GB':>12} {'ratio':>6}")
     for family in ("gpt3", "llama"):
         for layout in layouts:
             spec = spec_for(family, layout)

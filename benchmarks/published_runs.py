@@ -2,7 +2,7 @@
 
     python benchmarks/published_runs.py
 
-REFERENCE §12: Narayanan et al. 2021 (SC'21, arXiv:2104.04473), Table 1 — GPT on A100 80 GB with full
+REFERENCE §12: Narayanan et al. 2021 (SC'21, arXiv:2104.04473), Table 1 — GPT on A100 80 GiB with full
 activation recompute, interleaved 1F1B where v > 1, micro-batch sizes and virtual stages from Megatron-LM's
 examples/sc21/run_table_1.sh. The measured step time is the paper's per-iteration FLOPs (its Eq. 3, recompute
 included) over the GPUs' achieved TFLOP/s. The prediction is hp_tool.estimate.speed.estimate_step_time on the
@@ -39,10 +39,10 @@ TABLE_1 = [
 
 def a100() -> Hardware:
     preset = yaml.safe_load((Path(__file__).resolve().parent.parent / "hp_tool/conf/gpu/a100_80gb.yaml").read_text())
-    return Hardware(gpus_per_node=8, gpu_memory_gb=preset["memory_gb"], peak_tflops=preset["peak_tflops"]["fp16"],
+    return Hardware(gpus_per_node=8, gpu_memory_gib=preset["memory_gib"], peak_tflops=preset["peak_tflops"]["fp16"],
                     intra_node_bandwidth_gbps=preset["intra_node_bandwidth_gbps"],
                     inter_node_bandwidth_gbps=preset["inter_node_bandwidth_gbps"],
-                    memory_overhead_gb=preset["memory_overhead_gb"], precision="fp16",
+                    memory_overhead_gib=preset["memory_overhead_gib"], precision="fp16",
                     pcie_bandwidth_gbps=preset["pcie_bandwidth_gbps"])
 
 

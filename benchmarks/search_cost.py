@@ -77,17 +77,17 @@ def candidates(search: str, limit: int) -> tuple[list[Candidate], float]:
         plan = make_plan(app, name, Path(folder))
     gpn = plan.cluster.hw.gpus_per_node
     out = [Candidate(Option(f"c{i}_tp{c.tp}_pp{c.pp}_mbs{c.mbs}_ac{c.act_ckpt_layers}_z{c.zero_stage}", c.tp, c.pp,
-                            c.compute_time_s, c.comm_time_s, c.memory_gb), c.trial_nodes * gpn)
+                            c.compute_time_s, c.comm_time_s, c.memory_gib), c.trial_nodes * gpn)
            for i, c in enumerate(sorted((c for c in plan.candidates if c.status == SELECTED), key=lambda c: c.rank))]
     ts = app.search_config.train_settings
-    return out, plan.cluster.hw.gpu_memory_gb * (1 - ts.memory_margin)
+    return out, plan.cluster.hw.gpu_memory_gib * (1 - ts.memory_margin)
 
 
-def draw_truth(cands: list[Candidate], usable_gb: float, rng: random.Random) -> Truth:
+def draw_truth(cands: list[Candidate], usable_gib: float, rng: random.Random) -> Truth:
     fc, fm, mem = rng.uniform(0.8, 1.6), rng.uniform(0.5, 3.0), rng.uniform(0.95, 1.15)
     step = {c.option.name: (fc * c.option.compute_s + fm * c.option.comm_s) * math.exp(rng.gauss(0, 0.08))
             for c in cands}
-    oom = {c.option.name for c in cands if c.option.memory_gb * mem * (1 + rng.uniform(-0.03, 0.03)) > usable_gb}
+    oom = {c.option.name for c in cands if c.option.memory_gib * mem * (1 + rng.uniform(-0.03, 0.03)) > usable_gib}
     return Truth(step, oom)
 
 

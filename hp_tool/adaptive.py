@@ -37,7 +37,7 @@ class Option:
     pp: int
     compute_s: float  # predicted full-run step, compute part
     comm_s: float  # predicted full-run step, communication part
-    memory_gb: float  # predicted peak per GPU of the trial
+    memory_gib: float  # predicted peak per GPU of the trial
 
     @property
     def predicted_s(self) -> float:
@@ -85,11 +85,11 @@ def verdicts(options: Sequence[Option], outcomes: Sequence[Outcome], skip_margin
     for o in options:
         if o.name in ended:
             continue
-        oom = next((x for x in ooms if (x.tp, x.pp) == (o.tp, o.pp) and o.memory_gb >= x.memory_gb), None)
+        oom = next((x for x in ooms if (x.tp, x.pp) == (o.tp, o.pp) and o.memory_gib >= x.memory_gib), None)
         if oom is not None:
             out[o.name] = (PRUNED_AFTER_OOM,
                            f"{oom.name} (same TP {o.tp}, PP {o.pp}) ran out of memory at a predicted "
-                           f"{oom.memory_gb:.2f} GB per GPU; this one is predicted to need {o.memory_gb:.2f} GB")
+                           f"{oom.memory_gib:.2f} GiB per GPU; this one is predicted to need {o.memory_gib:.2f} GiB")
             continue
         if best is None or scouts.get((o.tp, o.pp)) == o.name:
             continue

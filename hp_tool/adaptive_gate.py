@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 def plan_options(plan: Plan) -> list[Option]:
     """The adaptive search's view of the plan's selected candidates (hp_tool/adaptive.py's Option)."""
-    return [Option(candidate_trial_id(plan.model, c), c.tp, c.pp, c.compute_time_s, c.comm_time_s, c.memory_gb)
+    return [Option(candidate_trial_id(plan.model, c), c.tp, c.pp, c.compute_time_s, c.comm_time_s, c.memory_gib)
             for c in plan.candidates if c.status == SELECTED]
 
 

@@ -99,7 +99,7 @@ def fit_step_factors(points: Sequence[StepPoint]) -> StepFactors:
     return StepFactors(a, b, len(points), common, residuals)
 
 
-def fit_memory_offset(predicted_gb: Sequence[float], measured_gb: Sequence[float]) -> Optional[float]:
+def fit_memory_offset(predicted_gib: Sequence[float], measured_gib: Sequence[float]) -> Optional[float]:
     """GB to add to every predicted peak: the median of measured minus predicted; None without trials."""
-    gaps = [m - p for p, m in zip(predicted_gb, measured_gb) if p is not None and m is not None]
+    gaps = [m - p for p, m in zip(predicted_gib, measured_gib) if p is not None and m is not None]
     return statistics.median(gaps) if gaps else None

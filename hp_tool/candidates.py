@@ -18,7 +18,7 @@ Long context, each list given in full is searched in full; left null (``long_con
 sequence parallelism wherever it runs (it never adds time in the model and divides the norms' activations
 by TP); context parallelism 1 and the powers of two leaving each rank at least ``CP_MIN_TOKENS`` tokens,
 within a node with TP; the chunked loss from ``CHUNKED_LOSS_FROM`` tokens per sequence where it runs (the
-same FLOPs as the whole-logits loss, which at 8K tokens and a 128K vocabulary holds 12.6 GB per sequence); activation offload searched beside none from ``ACTIVATION_OFFLOAD_FROM`` tokens
+same FLOPs as the whole-logits loss, which at 8K tokens and a 128K vocabulary holds 12.6 GiB per sequence); activation offload searched beside none from ``ACTIVATION_OFFLOAD_FROM`` tokens
 with a host RAM figure (it costs PCIe time, so only where activations dominate memory).
 
 Checkpointing mode, the list given in full is searched for every layout with checkpointed layers; left null
@@ -39,7 +39,7 @@ from hp_tool.architectures import Shape, pipeline_problem
 from hp_tool.base_config import TS, Cluster
 from hp_tool.config import TrainSettings
 from hp_tool.estimate.layout import Layout
-from hp_tool.estimate.memory import estimate_memory, host_phases_gb
+from hp_tool.estimate.memory import estimate_memory, host_phases_gib
 from hp_tool.estimate.speed import estimate_step_time
 from hp_tool.tables import ACT_CKPT_STEP, lookup
 from hp_tool.sharding import SAVING_ORDER
@@ -62,11 +62,11 @@ class Candidate:
     trial_gpus_per_node: int = 0
     trial_dp: int = 0
     trial_global_batch_size: int = 0  # the full run's per-replica batch times trial_dp
-    memory_gb: Optional[float] = None  # predicted peak per GPU in the trial
-    full_memory_gb: Optional[float] = None  # predicted peak per GPU in the full run
-    host_memory_gb: Optional[float] = None  # predicted host RAM of the busiest node (trial or full run)
-    rank0_host_memory_gb: Optional[float] = None  # predicted host RAM of rank 0's node saving the full run's model
-    traced_memory_gb: Optional[float] = None  # traced peak per GPU in the trial (tensors + overhead)
+    memory_gib: Optional[float] = None  # predicted peak per GPU in the trial
+    full_memory_gib: Optional[float] = None  # predicted peak per GPU in the full run
+    host_memory_gib: Optional[float] = None  # predicted host RAM of the busiest node (trial or full run)
+    rank0_host_memory_gib: Optional[float] = None  # predicted host RAM of rank 0's node saving the full run's model
+    traced_memory_gib: Optional[float] = None  # traced peak per GPU in the trial (tensors + overhead)
     memory_check: str = "analytic"  # what the fit was judged on: traced, or analytic (and why not traced)
     step_time_s: Optional[float] = None  # predicted optimizer step of the full run
     compute_time_s: Optional[float] = None  # its compute part (matmuls, recompute, pipeline bubble)
@@ -301,32 +301,32 @@ def _set_trial(c: Candidate, gpn: int, nodes: int) -> Layout:
     return c.trial_layout()
 
 
-def estimate(shape: Shape, c: Candidate, cluster: Cluster, usable_gb: float) -> None:
+def estimate(shape: Shape, c: Candidate, cluster: Cluster, usable_gib: float) -> None:
     """Fill the candidate's predicted memory (trial and full run), host RAM and full-run step time.
 
-    The trial runs on the fewest whole nodes whose data-parallel shards make it fit in ``usable_gb``
+    The trial runs on the fewest whole nodes whose data-parallel shards make it fit in ``usable_gib``
     per GPU (a sharded stage may need more ranks than one model replica to fit; the full run's nodes
     at most)."""
     hw = cluster.hw
     full = c.full
-    c.full_memory_gb = estimate_memory(shape, full, hw).total_gb
+    c.full_memory_gib = estimate_memory(shape, full, hw).total_gib
 
     def trial_fits(nodes: int) -> bool:
-        return estimate_memory(shape, _set_trial(c, hw.gpus_per_node, nodes), hw).total_gb <= usable_gb
+        return estimate_memory(shape, _set_trial(c, hw.gpus_per_node, nodes), hw).total_gib <= usable_gib
 
     # Memory per GPU never grows with more data-parallel shards, so bisect for the first count that fits
     # (the largest when none does). The largest is the full run's own nodes: when the full run does not
     # fit, no trial does, and the bisection is skipped.
     counts = trial_node_counts(c.tp * c.pp * c.cp * c.full.ep, hw.gpus_per_node, cluster.num_nodes)
-    if c.full_memory_gb > usable_gb:
+    if c.full_memory_gib > usable_gib:
         nodes = counts[-1]
     else:
         nodes = counts[min(bisect.bisect_left(counts, True, key=trial_fits), len(counts) - 1)]
     trial = _set_trial(c, hw.gpus_per_node, nodes)
-    c.memory_gb = estimate_memory(shape, trial, hw).total_gb
-    full_host = host_phases_gb(shape, full, hw.gpus_per_node, hw)
-    c.host_memory_gb = max(host_phases_gb(shape, trial, c.trial_gpus_per_node, hw).node_gb, full_host.node_gb)
-    c.rank0_host_memory_gb = full_host.save_rank0_gb
+    c.memory_gib = estimate_memory(shape, trial, hw).total_gib
+    full_host = host_phases_gib(shape, full, hw.gpus_per_node, hw)
+    c.host_memory_gib = max(host_phases_gib(shape, trial, c.trial_gpus_per_node, hw).node_gib, full_host.node_gib)
+    c.rank0_host_memory_gib = full_host.save_rank0_gib
     split = estimate_step_time(shape, full, hw, cluster.num_nodes)
     step = c.step_time_s = split.total_s
     c.compute_time_s = split.compute_s + split.bubble_s
@@ -338,20 +338,20 @@ def estimate(shape: Shape, c: Candidate, cluster: Cluster, usable_gb: float) -> 
 def _fit(shape: Shape, c: Candidate, cluster: Cluster, ts: TrainSettings) -> None:
     """Estimate a valid candidate and prune it when over GPU memory, then when over host RAM."""
     hw = cluster.hw
-    usable = hw.gpu_memory_gb * (1 - ts.memory_margin)
+    usable = hw.gpu_memory_gib * (1 - ts.memory_margin)
     estimate(shape, c, cluster, usable)
-    need = max(c.memory_gb, c.full_memory_gb)
+    need = max(c.memory_gib, c.full_memory_gib)
     if need > usable:
-        c.reject(PRUNED, "gpu.memory_gb",
-                 f"predicted {need:.2f} GB per GPU > {usable:.2f} GB usable "
-                 f"({hw.gpu_memory_gb:g} GB - {ts.memory_margin:.0%} margin)")
+        c.reject(PRUNED, "gpu.memory_gib",
+                 f"predicted {need:.2f} GiB per GPU > {usable:.2f} GiB usable "
+                 f"({hw.gpu_memory_gib:g} GiB - {ts.memory_margin:.0%} margin)")
         return
-    if hw.host_ram_gb is not None:
-        host_usable = hw.host_ram_gb * (1 - ts.memory_margin)
-        if c.host_memory_gb > host_usable:
-            c.reject(PRUNED, "gpu.host_ram_gb",
-                     f"predicted {c.host_memory_gb:.1f} GB host RAM per node > {host_usable:.1f} GB usable "
-                     f"({hw.host_ram_gb:g} GB - {ts.memory_margin:.0%} margin)")
+    if hw.host_ram_gib is not None:
+        host_usable = hw.host_ram_gib * (1 - ts.memory_margin)
+        if c.host_memory_gib > host_usable:
+            c.reject(PRUNED, "gpu.host_ram_gib",
+                     f"predicted {c.host_memory_gib:.1f} GiB host RAM per node > {host_usable:.1f} GiB usable "
+                     f"({hw.host_ram_gib:g} GiB - {ts.memory_margin:.0%} margin)")
 
 
 def _layout_candidates(shape: Shape, grid: Grid, ts: TrainSettings, cluster: Cluster, gbs: int, engine: str,
@@ -401,7 +401,7 @@ def plan_candidates(shape: Shape, size_b: float, ts: TrainSettings, cluster: Clu
                     grid: Optional[Grid] = None) -> list[Candidate]:
     """Every candidate of the grid (default: ``build_grid``), with status and reason; selected ones
     ranked fastest first."""
-    grid = grid or build_grid(ts, shape, size_b, cluster.hw.host_ram_gb is not None, cluster.hw.gpus_per_node)
+    grid = grid or build_grid(ts, shape, size_b, cluster.hw.host_ram_gib is not None, cluster.hw.gpus_per_node)
     out: list[Candidate] = []
     for opt, engine, tp, pp, ep, cp, mbs, ao in itertools.product(grid.optimizers, grid.engines, grid.tp, grid.pp,
                                                                   grid.ep, grid.cp, grid.mbs, grid.activation_offload):
@@ -425,7 +425,7 @@ def rank_candidates(cands: list[Candidate], limit: int) -> None:
         if c.status == OVER_LIMIT:
             c.status, c.reason, c.reason_key = SELECTED, "", ""
     fitting = [c for c in cands if c.status == SELECTED]
-    fitting.sort(key=lambda c: (c.step_time_s, c.memory_gb, c.tp, c.pp, c.ep, c.cp, c.virtual_stages, c.mbs,
+    fitting.sort(key=lambda c: (c.step_time_s, c.memory_gib, c.tp, c.pp, c.ep, c.cp, c.virtual_stages, c.mbs,
                                 c.act_ckpt_layers, c.engine, c.zero_stage, c.offload, c.full.sequence_parallel,
                                 c.full.loss, c.full.activation_offload, c.full.act_ckpt_mode))
     for i, c in enumerate(fitting, start=1):

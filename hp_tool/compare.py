@@ -37,13 +37,13 @@ log = logging.getLogger(__name__)
 
 COLUMNS = (
     "rank", "job", "search_config", "gpu", "num_nodes", "num_gpus", "model_size_b", "status",
-    "best_trial_id", "tp", "pp", "dp", "mbs", "act_ckpt_layers", "predicted_memory_gb", "gpu_memory_gb",
+    "best_trial_id", "tp", "pp", "dp", "mbs", "act_ckpt_layers", "predicted_memory_gib", "gpu_memory_gib",
     "predicted_step_time_s", "predicted_tokens_per_s_per_gpu", "predicted_days_to_train",
     "gpu_hour_price_usd", "predicted_full_run_cost_usd", "predicted_cost_usd_per_million_tokens",
     "results_dir", "reason", "engine", "zero_stage", "offload", "optimizer", "seq_length", "predicted_mfu",
     "predicted_tokens_per_hour", "predicted_hours_per_epoch", "predicted_cost_usd_per_epoch", "act_ckpt_mode",
 )
-PLAN_FIELDS = ("model_size_b", "tp", "pp", "dp", "mbs", "act_ckpt_layers", "predicted_memory_gb",
+PLAN_FIELDS = ("model_size_b", "tp", "pp", "dp", "mbs", "act_ckpt_layers", "predicted_memory_gib",
                "predicted_step_time_s", "predicted_tokens_per_s_per_gpu", "predicted_days_to_train",
                "predicted_full_run_cost_usd", "predicted_cost_usd_per_million_tokens", "engine", "zero_stage",
                "offload", "optimizer", "seq_length", "predicted_mfu", "predicted_tokens_per_hour",
@@ -53,7 +53,7 @@ PLAN_FIELDS = ("model_size_b", "tp", "pp", "dp", "mbs", "act_ckpt_layers", "pred
 def _common(app, search_name: str, job: int) -> dict[str, Any]:
     ts = app.search_config.train_settings
     return {"job": job, "search_config": search_name, "gpu": app.gpu.name, "num_nodes": ts.num_nodes,
-            "num_gpus": ts.num_nodes * ts.gpus_per_node, "gpu_memory_gb": app.gpu.memory_gb,
+            "num_gpus": ts.num_nodes * ts.gpus_per_node, "gpu_memory_gib": app.gpu.memory_gib,
             "gpu_hour_price_usd": app.gpu.price_per_gpu_hour}
 
 
@@ -99,7 +99,7 @@ def comparison_csv(rows: list[dict[str, Any]]) -> str:
 
 def render(rows: list[dict[str, Any]]) -> str:
     table = Table(title="Comparison (cheapest full run first)")
-    for col in ("rank", "gpu", "search_config", "GPUs", "best layout", "mem GB", "step s", "days",
+    for col in ("rank", "gpu", "search_config", "GPUs", "best layout", "mem GiB", "step s", "days",
                 "$/GPU-h", "$ per run", "$/M tokens"):
         table.add_column(col, justify="left" if col in ("gpu", "search_config", "best layout") else "right")
     for r in rows:
@@ -112,7 +112,7 @@ def render(rows: list[dict[str, Any]]) -> str:
         if r.get("predicted_hours_per_epoch") is not None:  # fine-tuning: the sequence length and savers too
             layout = f"seq {r['seq_length']} {layout} {r['engine']} Z{r['zero_stage']} {r['offload']}"
         table.add_row(str(r["rank"]), r["gpu"], r["search_config"], str(r["num_gpus"]), layout,
-                      _fmt(r["predicted_memory_gb"], "{:.1f}"), _fmt(r["predicted_step_time_s"], "{:.3g}"),
+                      _fmt(r["predicted_memory_gib"], "{:.1f}"), _fmt(r["predicted_step_time_s"], "{:.3g}"),
                       _fmt(r["predicted_days_to_train"], "{:.2f}"), _fmt(r.get("gpu_hour_price_usd"), "{:g}"),
                       _fmt(r.get("predicted_full_run_cost_usd"), "${:,.0f}"),
                       _fmt(r.get("predicted_cost_usd_per_million_tokens"), "${:.4f}"))

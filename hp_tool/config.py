@@ -94,25 +94,25 @@ class GpuConfig:
     """What one GPU (and its node) offers: a preset of the ``gpu`` group, e.g. ``gpu=h100_80gb``."""
 
     name: str = MISSING  # preset name, shown in plans and comparisons
-    memory_gb: float = MISSING  # GPU memory, GB
+    memory_gib: float = MISSING  # GPU memory, GiB
     peak_tflops: PeakTflops = field(default_factory=PeakTflops)
     intra_node_bandwidth_gbps: float = MISSING  # GB/s per GPU and direction within a node
     inter_node_bandwidth_gbps: float = MISSING  # GB/s per GPU across nodes
-    host_ram_gb: Optional[float] = None  # host RAM per node, GB; null = unknown (no offload planning)
+    host_ram_gib: Optional[float] = None  # host RAM per node, GiB; null = unknown (no offload planning)
     pcie_bandwidth_gbps: float = MISSING  # GB/s per GPU and direction between host and GPU (offload)
     memory_bandwidth_gbps: Optional[float] = None  # GB/s of GPU memory; null = unknown (QLoRA cannot be priced)
-    memory_overhead_gb: float = MISSING  # calibrated per-GPU framework overhead (context, buffers), GB
+    memory_overhead_gib: float = MISSING  # calibrated per-GPU framework overhead (context, buffers), GiB
     price_per_gpu_hour: Optional[float] = None  # USD; the shipped values are examples
 
     def __post_init__(self) -> None:
         if self.name == MISSING:  # the schema's placeholder, before a preset is merged in
             return
-        _positive(self, "gpu", ("memory_gb", "intra_node_bandwidth_gbps", "inter_node_bandwidth_gbps",
-                                "host_ram_gb", "pcie_bandwidth_gbps", "price_per_gpu_hour", "memory_bandwidth_gbps"))
+        _positive(self, "gpu", ("memory_gib", "intra_node_bandwidth_gbps", "inter_node_bandwidth_gbps",
+                                "host_ram_gib", "pcie_bandwidth_gbps", "price_per_gpu_hour", "memory_bandwidth_gbps"))
         _positive(self.peak_tflops, "gpu.peak_tflops", PRECISIONS)
-        require(0 <= self.memory_overhead_gb < self.memory_gb, "gpu.memory_overhead_gb",
-                self.memory_overhead_gb, f"must be at least 0 and below gpu.memory_gb={self.memory_gb}",
-                "measure the framework overhead per GPU, in GB")
+        require(0 <= self.memory_overhead_gib < self.memory_gib, "gpu.memory_overhead_gib",
+                self.memory_overhead_gib, f"must be at least 0 and below gpu.memory_gib={self.memory_gib}",
+                "measure the framework overhead per GPU, in GiB")
 
     def supports(self, precision: str) -> bool:
         """Whether this GPU computes in ``precision`` (bf16 | fp16 | fp32): it has a peak for it."""
@@ -469,15 +469,15 @@ class AppConfig:
                 optimizers, "adamw_8bit is bitsandbytes' 8-bit AdamW, which runs on CUDA GPUs only, and gpu=cpu",
                 "search adamw, sgd or sgd_momentum on CPU, or plan for a GPU preset")
         activation_offload = self.search_config.train_settings.activation_offload or []
-        require(True not in activation_offload or self.gpu.host_ram_gb is not None, "gpu.host_ram_gb",
-                self.gpu.host_ram_gb, "activation offload keeps the saved activations in host RAM, and the gpu preset "
-                "gives no host RAM per node to plan it", "set gpu.host_ram_gb=<GB per node>, or search "
+        require(True not in activation_offload or self.gpu.host_ram_gib is not None, "gpu.host_ram_gib",
+                self.gpu.host_ram_gib, "activation offload keeps the saved activations in host RAM, and the gpu preset "
+                "gives no host RAM per node to plan it", "set gpu.host_ram_gib=<GB per node>, or search "
                 "activation_offload=[false]")
         offload = self.search_config.train_settings.offload or []
         asked = [o for o in offload if o != "none"]
-        require(not asked or self.gpu.host_ram_gb is not None, "gpu.host_ram_gb", self.gpu.host_ram_gb,
+        require(not asked or self.gpu.host_ram_gib is not None, "gpu.host_ram_gib", self.gpu.host_ram_gib,
                 f"offload {asked} needs the host RAM per node to plan, and the gpu preset gives none",
-                "set gpu.host_ram_gb=<GB per node>, or search offload=[none]")
+                "set gpu.host_ram_gib=<GB per node>, or search offload=[none]")
 
 
 def trial_device(gpu_name: str) -> str:
@@ -523,13 +523,13 @@ def register() -> None:
 # Keys that moved when hardware got its own config group; a config still using one fails naming the new key.
 MOVED_KEYS = {
     "cluster.gpus_per_node": "search_config.train_settings.gpus_per_node",
-    "cluster.gpu_memory_gb": "gpu.memory_gb",
+    "cluster.gpu_memory_gib": "gpu.memory_gib",
     "cluster.gpu_peak_tflops": "gpu.peak_tflops.bf16",
     "cluster.intra_node_bandwidth_gbps": "gpu.intra_node_bandwidth_gbps",
     "cluster.inter_node_bandwidth_gbps": "gpu.inter_node_bandwidth_gbps",
-    "cluster.memory_overhead_gb": "gpu.memory_overhead_gb",
+    "cluster.memory_overhead_gib": "gpu.memory_overhead_gib",
     "cluster.gpu_hour_price": "gpu.price_per_gpu_hour",
-    "search_config.train_settings.gpu_memory_gb": "gpu.memory_gb",
+    "search_config.train_settings.gpu_memory_gib": "gpu.memory_gib",
     "search_config.train_settings.dp_sharding": "search_config.train_settings.zero_stages",
 }
 MOVED_FIXES = {  # keys whose new form is not a plain copy of the value

@@ -3,7 +3,7 @@
 ``memory_check=traced`` (the default when trials launch) traces every candidate the planner would launch
 with ``hp_tool.trial.trace.extrapolate.traced_peak_bytes`` (the engine's own rank-build code on a fake
 process group, no real memory) in worker processes over the machine's cores; the planner
-prunes on the traced figure plus the gpu preset's ``memory_overhead_gb``. ``analytic`` (the default of a
+prunes on the traced figure plus the gpu preset's ``memory_overhead_gib``. ``analytic`` (the default of a
 dry run) keeps the instant formula of hp_tool/estimate/memory.py and never imports torch.
 
 A candidate the trace cannot run keeps the analytic figure, with the reason in its row: the DeepSpeed
@@ -40,9 +40,9 @@ TRACE_VERSION = 5  # bump when the trace counts differently: cached traces of an
 
 @dataclass(frozen=True)
 class TraceOutcome:
-    """A candidate's traced peak tensor memory per rank (GB), or None and why the analytic figure stands."""
+    """A candidate's traced peak tensor memory per rank (GiB), or None and why the analytic figure stands."""
 
-    tensor_gb: Optional[float]
+    tensor_gib: Optional[float]
     reason: str = ""
     seconds: float = 0.0
 
@@ -80,7 +80,7 @@ def trace_one(spec: TrialSpec, device_type: str) -> TraceOutcome:
     import warnings
 
     from hp_tool.trial.trace.extrapolate import traced_peak_bytes
-    from hp_tool.trial.trace.inflight import GB
+    from hp_tool.trial.trace.inflight import GIB
 
     start = time.monotonic()
     try:
@@ -91,7 +91,7 @@ def trace_one(spec: TrialSpec, device_type: str) -> TraceOutcome:
         first = (str(exc).strip().splitlines() or [""])[0][:200]
         return TraceOutcome(None, f"the trace failed ({type(exc).__name__}: {first})",
                             time.monotonic() - start)
-    return TraceOutcome(peak / GB, "", time.monotonic() - start)
+    return TraceOutcome(peak / GIB, "", time.monotonic() - start)
 
 
 def trace_siblings(specs: list[TrialSpec], device_type: str) -> list[TraceOutcome]:
@@ -188,7 +188,7 @@ class Tracer:
                     continue
                 for key, outcome in zip(keys, outcomes):
                     done[key] = outcome
-                    self.cache[key] = {"tensor_gb": outcome.tensor_gb, "reason": outcome.reason,
+                    self.cache[key] = {"tensor_gib": outcome.tensor_gib, "reason": outcome.reason,
                                        "seconds": round(outcome.seconds, 3)}
                     self.traced += 1
                     self.seconds.append(outcome.seconds)

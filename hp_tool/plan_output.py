@@ -23,13 +23,13 @@ log = logging.getLogger(__name__)
 PLAN_COLUMNS = (
     "trial_id", "model_family", "model_size_b", "tp", "pp", "virtual_stages", "dp", "mbs", "act_ckpt_layers",
     "act_ckpt_mode", "engine", "zero_stage", "offload", "global_batch_size", "num_nodes", "trial_num_nodes", "trial_dp", "trial_global_batch_size",
-    "fingerprint", "predicted_memory_gb", "traced_memory_gb", "memory_check",
-    "predicted_full_memory_gb", "predicted_host_memory_gb", "predicted_step_time_s", "predicted_compute_s",
+    "fingerprint", "predicted_memory_gib", "traced_memory_gib", "memory_check",
+    "predicted_full_memory_gib", "predicted_host_memory_gib", "predicted_step_time_s", "predicted_compute_s",
     "predicted_comm_s", "predicted_tokens_per_s_per_gpu",
     "predicted_model_tflops_per_gpu", "predicted_days_to_train", "predicted_full_run_cost_usd",
     "predicted_cost_usd_per_million_tokens", "predicted_rank", "plan_status", "reason",
     "seq_length", "predicted_mfu", "predicted_tokens_per_hour", "predicted_hours_per_epoch",
-    "predicted_cost_usd_per_epoch", "predicted_rank0_host_memory_gb", "optimizer", "method", "lora_rank",
+    "predicted_cost_usd_per_epoch", "predicted_rank0_host_memory_gib", "optimizer", "method", "lora_rank",
     "trainable_parameters", "experts", "top_k", "ep", "active_parameters",
     "cp", "sequence_parallel", "loss", "activation_offload",
 )
@@ -65,10 +65,10 @@ def plan_rows(plan: Plan) -> Iterable[dict[str, Any]]:
             "trial_dp": spec.parallel.dp if spec else c.trial_dp or None,
             "trial_global_batch_size": spec.training.global_batch_size if spec else None,
             "fingerprint": spec.fingerprint() if spec else None,
-            "predicted_memory_gb": _round(c.memory_gb, 3),
-            "traced_memory_gb": _round(c.traced_memory_gb, 3), "memory_check": c.memory_check,
-            "predicted_full_memory_gb": _round(c.full_memory_gb, 3),
-            "predicted_host_memory_gb": _round(c.host_memory_gb, 2),
+            "predicted_memory_gib": _round(c.memory_gib, 3),
+            "traced_memory_gib": _round(c.traced_memory_gib, 3), "memory_check": c.memory_check,
+            "predicted_full_memory_gib": _round(c.full_memory_gib, 3),
+            "predicted_host_memory_gib": _round(c.host_memory_gib, 2),
             "predicted_step_time_s": _round(c.step_time_s, 6),
             "predicted_compute_s": _round(c.compute_time_s, 6), "predicted_comm_s": _round(c.comm_time_s, 6),
             "predicted_tokens_per_s_per_gpu": _round(c.tokens_per_s_per_gpu, 2),
@@ -84,7 +84,7 @@ def plan_rows(plan: Plan) -> Iterable[dict[str, Any]]:
             "predicted_tokens_per_hour": _round(epoch.get("tokens_per_hour"), 0),
             "predicted_hours_per_epoch": _round(epoch.get("hours_per_epoch"), 4),
             "predicted_cost_usd_per_epoch": _round(epoch.get("cost_usd_per_epoch"), 2),
-            "predicted_rank0_host_memory_gb": _round(c.rank0_host_memory_gb, 2),
+            "predicted_rank0_host_memory_gib": _round(c.rank0_host_memory_gib, 2),
             "optimizer": c.optimizer,
             "method": c.shape.method, "lora_rank": c.shape.lora_rank or None,
             "trainable_parameters": trainable_parameters(c.shape, m.num_parameters),
@@ -136,8 +136,8 @@ def funnel_line(cands: list[Candidate]) -> str:
             key = c.reason_key.rsplit(".", 1)[-1]
             invalid[key] = invalid.get(key, 0) + 1
     estimated = sum(c.step_time_s is not None for c in cands)
-    gpu = sum(c.status == PRUNED and c.reason_key == "gpu.memory_gb" for c in cands)
-    host = sum(c.status == PRUNED and c.reason_key == "gpu.host_ram_gb" for c in cands)
+    gpu = sum(c.status == PRUNED and c.reason_key == "gpu.memory_gib" for c in cands)
+    host = sum(c.status == PRUNED and c.reason_key == "gpu.host_ram_gib" for c in cands)
     rules = ", ".join(f"{n} {k}" for k, n in sorted(invalid.items(), key=lambda kv: -kv[1]))
     return (f"Plan: {len(cands)} candidates; {sum(invalid.values())} invalid" + (f" ({rules})" if rules else "")
             + f"; {estimated} estimated; {gpu} pruned on GPU memory, {host} on host RAM; "
@@ -148,22 +148,22 @@ def funnel_line(cands: list[Candidate]) -> str:
 def _rank0_line(plan: Plan) -> str:
     """When saving the model (gathered on rank 0) needs more host RAM than a node has: what rank 0 needs.
     Such layouts stay selected; the other nodes need only what they train with."""
-    host = plan.cluster.hw.host_ram_gb
+    host = plan.cluster.hw.host_ram_gib
     selected = [c for c in plan.candidates if c.status == SELECTED]
-    short = [c for c in selected if host is not None and c.rank0_host_memory_gb > host]
+    short = [c for c in selected if host is not None and c.rank0_host_memory_gib > host]
     if not short:
         return ""
-    need = max(c.rank0_host_memory_gb for c in short)
-    return (f"Saving: rank 0 gathers the whole model to write the checkpoint and needs up to {need:.0f} GB of host "
-            f"RAM ({len(short)} of {len(selected)} selected layouts; see predicted_rank0_host_memory_gb), more than "
-            f"the {host:g} GB of gpu.host_ram_gb: run rank 0 on a node with at least {need:.0f} GB, the others on "
+    need = max(c.rank0_host_memory_gib for c in short)
+    return (f"Saving: rank 0 gathers the whole model to write the checkpoint and needs up to {need:.0f} GiB of host "
+            f"RAM ({len(short)} of {len(selected)} selected layouts; see predicted_rank0_host_memory_gib), more than "
+            f"the {host:g} GiB of gpu.host_ram_gib: run rank 0 on a node with at least {need:.0f} GiB, the others on "
             "nodes of the preset.")
 
 
 def _memory_line(plan: Plan) -> str:
     """How the candidates' memory was checked: the analytic formula, or traced (how many, how long)."""
     if plan.tracer is None:
-        return ("Memory: analytic estimate (GPU GB); memory_check=traced traces the engine's model per rank "
+        return ("Memory: analytic estimate (GPU GiB); memory_check=traced traces the engine's model per rank "
                 "before launch.")
     traced = [c for c in plan.candidates if c.memory_check == "traced"]
     pruned = sum(c.status == PRUNED for c in traced)  # only candidates that fit by the formula are traced
@@ -171,8 +171,8 @@ def _memory_line(plan: Plan) -> str:
     seconds = plan.tracer.seconds
     timing = (f"; {len(seconds)} traced now, at most {max(seconds):.1f} s each on one core" if seconds
               else "; all from the cache")
-    return (f"Memory: traced per rank under fake tensors for {len(traced)} candidates (traced GB includes the "
-            f"{plan.cluster.hw.memory_overhead_gb:g} GB overhead){timing}; {pruned} pruned by the trace"
+    return (f"Memory: traced per rank under fake tensors for {len(traced)} candidates (traced GiB includes the "
+            f"{plan.cluster.hw.memory_overhead_gib:g} GiB overhead){timing}; {pruned} pruned by the trace"
             + (f", {untraced} kept the analytic figure (see memory_check in plan.csv)" if untraced else "") + ".")
 
 
@@ -193,8 +193,8 @@ def render_plan(plan: Plan, max_rows: int = 25) -> str:
 
     table = Table(title=f"Training candidates for {plan.search_name} ({_counts(plan.candidates)})")
     finetune = plan.base.full_run.epoch_tokens is not None
-    columns = ["rank", "trial_id", "TP", "PP", "DP", "MBS", "ckpt", "engine", "ZeRO", "offload", "GPU GB",
-               "traced GB", "host GB", "step s", "tok/s/GPU"]
+    columns = ["rank", "trial_id", "TP", "PP", "DP", "MBS", "ckpt", "engine", "ZeRO", "offload", "GPU GiB",
+               "traced GiB", "host GiB", "step s", "tok/s/GPU"]
     if finetune:  # the fine-tuning table: context length x batch per device -> tokens/hour, MFU, cost
         columns[2:2] = ["seq"]
         columns[11:11] = ["optimizer"]
@@ -213,8 +213,8 @@ def render_plan(plan: Plan, max_rows: int = 25) -> str:
                        plan.specs[:max_rows]):
         cells = [str(c.rank), spec.trial_id, str(c.tp), str(c.pp), str(c.dp), str(c.mbs),
                  ckpt_cell(c.full), c.engine, str(c.zero_stage), c.offload,
-                 f"{max(c.memory_gb, c.full_memory_gb):.2f}",
-                 "-" if c.traced_memory_gb is None else f"{c.traced_memory_gb:.2f}", f"{c.host_memory_gb:.1f}",
+                 f"{max(c.memory_gib, c.full_memory_gib):.2f}",
+                 "-" if c.traced_memory_gib is None else f"{c.traced_memory_gib:.2f}", f"{c.host_memory_gib:.1f}",
                  f"{c.step_time_s:.4g}", f"{c.tokens_per_s_per_gpu:,.0f}"]
         if finetune:
             r = rows[spec.trial_id]

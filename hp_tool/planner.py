@@ -82,26 +82,26 @@ def check_traced_memory(candidates: list[Candidate], spec_of: Callable[[Candidat
     plus the overhead exceeds the usable memory, then rank again. A candidate the trace cannot run keeps
     its analytic verdict, with the reason in ``memory_check``. Candidates beyond the limit are not traced."""
     hw, limit = cluster.hw, ts.limit_search_runs
-    usable = hw.gpu_memory_gb * (1 - ts.memory_margin)
+    usable = hw.gpu_memory_gib * (1 - ts.memory_margin)
     order = sorted((c for c in candidates if c.status in (SELECTED, OVER_LIMIT)), key=lambda c: c.rank)
     kept = done = 0
     while kept < limit and done < len(order):
         batch = order[done:done + limit - kept]
         done += len(batch)
         for c, outcome in zip(batch, tracer([spec_of(c) for c in batch]), strict=True):
-            if outcome.tensor_gb is None:
+            if outcome.tensor_gib is None:
                 c.memory_check = f"analytic: {outcome.reason}"
                 kept += 1
                 continue
             c.memory_check = "traced"
-            c.traced_memory_gb = outcome.tensor_gb + hw.memory_overhead_gb
-            if c.traced_memory_gb <= usable:
+            c.traced_memory_gib = outcome.tensor_gib + hw.memory_overhead_gib
+            if c.traced_memory_gib <= usable:
                 kept += 1
                 continue
-            c.reject(PRUNED, "gpu.memory_gb",
-                     f"traced {c.traced_memory_gb:.4g} GB per GPU ({outcome.tensor_gb:.4g} GB of tensors + "
-                     f"{hw.memory_overhead_gb:g} GB overhead) > {usable:.4g} GB usable ({hw.gpu_memory_gb:g} GB - "
-                     f"{ts.memory_margin:.0%} margin); the analytic estimate was {c.memory_gb:.4g} GB")
+            c.reject(PRUNED, "gpu.memory_gib",
+                     f"traced {c.traced_memory_gib:.4g} GiB per GPU ({outcome.tensor_gib:.4g} GiB of tensors + "
+                     f"{hw.memory_overhead_gib:g} GiB overhead) > {usable:.4g} GiB usable ({hw.gpu_memory_gib:g} GiB - "
+                     f"{ts.memory_margin:.0%} margin); the analytic estimate was {c.memory_gib:.4g} GiB")
             c.rank = None
     rank_candidates(candidates, limit)
 
@@ -118,10 +118,10 @@ def _require_selection(candidates: list[Candidate], ts, cluster: Cluster) -> Non
         raise ConfigError(key, getattr(ts, name, None),
                           f"no candidate layout is valid for this model and cluster: {summary}",
                           FIXES.get(name, "change the search settings"))
-    measured = [c for c in valid if c.memory_gb is not None]
-    best = min(measured, key=lambda c: c.traced_memory_gb or max(c.memory_gb, c.full_memory_gb))
-    host = best.reason_key == "gpu.host_ram_gb"
-    raise ConfigError(best.reason_key, cluster.hw.host_ram_gb if host else cluster.hw.gpu_memory_gb,
+    measured = [c for c in valid if c.memory_gib is not None]
+    best = min(measured, key=lambda c: c.traced_memory_gib or max(c.memory_gib, c.full_memory_gib))
+    host = best.reason_key == "gpu.host_ram_gib"
+    raise ConfigError(best.reason_key, cluster.hw.host_ram_gib if host else cluster.hw.gpu_memory_gib,
                       f"no valid layout fits in {'host RAM' if host else 'memory'}; the smallest is "
                       f"TP={best.tp} PP={best.pp} MBS={best.mbs} act_ckpt={best.act_ckpt_layers} "
                       f"{best.engine} ZeRO-{best.zero_stage} offload {best.offload}: {best.reason}",
@@ -158,7 +158,7 @@ def candidate_spec(base: TrialSpec, c: Candidate, model: ModelChoice, app: AppCo
         run=RunSpec(mode="benchmark", max_minutes=ts.max_minutes_per_run, max_steps=ts.max_steps_per_run,
                     stable_cv=ts.stable_cv, output_dir=str((results_dir / "training_logs" / trial_id).resolve())),
         full_run=dataclasses.replace(base.full_run, dp=c.dp, global_batch_size=gbs, max_steps=max_steps),
-        estimates=EstimatesSpec(round(c.memory_gb, 4), round(c.step_time_s, 6),
+        estimates=EstimatesSpec(round(c.memory_gib, 4), round(c.step_time_s, 6),
                                 round(c.tokens_per_s_per_gpu, 3), round(c.model_tflops_per_gpu, 4),
-                                None if c.traced_memory_gb is None else round(c.traced_memory_gb, 4)),
+                                None if c.traced_memory_gib is None else round(c.traced_memory_gib, 4)),
     )

@@ -29,7 +29,7 @@ from hp_tool.wandb_key import check_key_file, offline, read_api_key
 log = logging.getLogger(__name__)
 
 INSTALL_FIX = 'pip install -e ".[wandb]", or set wandb.enable=false'
-STEP_FIELDS = ("step_time_s", "loss", "lr", "tokens", "memory_gb")  # logged per step, by name
+STEP_FIELDS = ("step_time_s", "loss", "lr", "tokens", "memory_gib")  # logged per step, by name
 
 
 def _import_wandb():
@@ -65,7 +65,7 @@ def _group(spec: TrialSpec) -> str:
 
 def log_trial(spec: TrialSpec, output_dir: str | os.PathLike, result: dict, wandb_cfg: WandbConfig) -> None:
     """One W&B run for a finished trial: named by its trial id (model, size, layout); config = the
-    TrialSpec; history = metrics.jsonl (seconds, GB, tokens); summary = result.json's fields."""
+    TrialSpec; history = metrics.jsonl (seconds, GiB, tokens); summary = result.json's fields."""
     log_run(spec.trial_id, _group(spec), spec.to_dict(), output_dir, result, wandb_cfg)
 
 

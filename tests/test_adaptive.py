@@ -35,7 +35,7 @@ def test_candidates_slower_than_the_best_measured_by_the_margin_are_skipped_with
 def test_an_oom_prunes_untried_candidates_of_its_regime_predicted_to_need_as_much():
     got = verdicts(grid(), [Outcome("b", "oom")], skip_margin=10)
     assert got == {"c": (PRUNED_AFTER_OOM, got["c"][1])}  # a needs less, d/e/f are other regimes
-    assert "b (same TP 2, PP 1) ran out of memory at a predicted 50.00 GB" in got["c"][1]
+    assert "b (same TP 2, PP 1) ran out of memory at a predicted 50.00 GiB" in got["c"][1]
 
 
 def test_nothing_is_decided_before_any_trial_ends():

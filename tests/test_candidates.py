@@ -23,8 +23,8 @@ def assert_valid(p, c):
     assert gpus == c.tp * c.pp * c.dp
     assert p.base.training.global_batch_size % (c.mbs * c.dp) == 0
     assert 0 <= c.act_ckpt_layers <= s.num_layers // c.pp
-    usable = p.cluster.hw.gpu_memory_gb * (1 - 0.05)
-    assert c.memory_gb <= usable and c.full_memory_gb <= usable
+    usable = p.cluster.hw.gpu_memory_gib * (1 - 0.05)
+    assert c.memory_gib <= usable and c.full_memory_gib <= usable
 
 
 @pytest.mark.parametrize("name", ["gpt3/126m", "gpt3/5b", "gpt3/20b", "gpt3/175b", "gpt3/unknown_size"])
@@ -46,7 +46,7 @@ def test_selected_candidates_are_valid_fit_and_ordered(tmp_path, name):
         if c.status != SELECTED:
             assert c.reason and c.reason_key.startswith(("search_config.", "gpu."))
         if c.status == PRUNED:
-            assert max(c.memory_gb, c.full_memory_gb) > p.cluster.hw.gpu_memory_gb * 0.95
+            assert max(c.memory_gib, c.full_memory_gib) > p.cluster.hw.gpu_memory_gib * 0.95
         if c.status == OVER_LIMIT:
             assert c.rank > 30
 
@@ -95,11 +95,11 @@ def test_tiny_demo_grid(tmp_path):
 
 
 def test_memory_pruning_with_margin(tmp_path):
-    tight = plan(tmp_path, "search_config=gpt3/5b", "gpu.memory_gb=40")
-    roomy = plan(tmp_path, "search_config=gpt3/5b", "gpu.memory_gb=80")
+    tight = plan(tmp_path, "search_config=gpt3/5b", "gpu.memory_gib=40")
+    roomy = plan(tmp_path, "search_config=gpt3/5b", "gpu.memory_gib=80")
     n_pruned = lambda p: sum(c.status == PRUNED for c in p.candidates)  # noqa: E731
     assert n_pruned(tight) > n_pruned(roomy)
-    margin = plan(tmp_path, "search_config=gpt3/5b", "gpu.memory_gb=40",
+    margin = plan(tmp_path, "search_config=gpt3/5b", "gpu.memory_gib=40",
                   "search_config.train_settings.memory_margin=0.3")
     assert n_pruned(margin) > n_pruned(tight)
 
@@ -115,7 +115,7 @@ def test_limit_search_runs_caps_selection(tmp_path):
     ("search_config.train_settings.pipeline_parallel_sizes=[5,7]", "search_config.train_settings.pipeline_parallel_sizes"),
     ("search_config.train_settings.global_batch_size=1001", "search_config.train_settings.global_batch_size"),
     ("search_config.train_settings.act_ckpt_layers=[25]", "search_config.train_settings.act_ckpt_layers"),
-    ("gpu.memory_gb=4", "gpu.memory_gb"),
+    ("gpu.memory_gib=4", "gpu.memory_gib"),
 ])
 def test_nothing_runnable_is_a_clear_error(tmp_path, override, key):
     with pytest.raises(ConfigError) as exc:
@@ -126,7 +126,7 @@ def test_nothing_runnable_is_a_clear_error(tmp_path, override, key):
 
 def test_trial_runs_on_fewest_whole_nodes_it_fits_on(tmp_path):
     p = plan(tmp_path, "search_config=gpt3/175b")
-    usable = p.cluster.hw.gpu_memory_gb * 0.95
+    usable = p.cluster.hw.gpu_memory_gib * 0.95
     grown = 0
     for spec, c in zip(p.specs, sorted((c for c in p.candidates if c.status == SELECTED), key=lambda c: c.rank)):
         mp = spec.parallel.tp * spec.parallel.pp
@@ -138,7 +138,7 @@ def test_trial_runs_on_fewest_whole_nodes_it_fits_on(tmp_path):
                 lay = Layout(c.tp, c.pp, dp, c.mbs, c.act_ckpt_layers, c.trial_global_batch_size // c.trial_dp * dp,
                              c.zero_stage, c.offload, c.engine, virtual_stages=c.virtual_stages,
                              act_ckpt_mode=c.full.act_ckpt_mode)
-                assert estimate_memory(p.model.shape, lay, p.cluster.hw).total_gb > usable
+                assert estimate_memory(p.model.shape, lay, p.cluster.hw).total_gib > usable
         grown += spec.resources.num_nodes > fewest
         assert spec.full_run.num_nodes == 128
         per_replica_full = spec.full_run.global_batch_size // spec.full_run.dp
@@ -189,4 +189,4 @@ def test_interleaving_lowers_the_predicted_bubble_and_raises_first_stage_memory(
     (inter,) = [c for c in p.candidates if c.virtual_stages == 2]
     assert inter.compute_time_s < plain.compute_time_s  # bubble / v
     assert inter.comm_time_s > plain.comm_time_s  # v times the stage crossings
-    assert inter.full_memory_gb > plain.full_memory_gb  # the warm-up runs further ahead
+    assert inter.full_memory_gib > plain.full_memory_gib  # the warm-up runs further ahead

@@ -79,9 +79,9 @@ def test_wrong_type_fails_at_compose_with_its_name():
     ("search_config.inference_settings.end_id=99999999", "search_config.inference_settings.end_id"),
     ("search_config.inference_settings.max_batch_sizes=[]", "search_config.inference_settings.max_batch_sizes"),
     ("search_config.train_settings.gpus_per_node=0", "search_config.train_settings.gpus_per_node"),
-    ("gpu.memory_gb=0", "gpu.memory_gb"),
+    ("gpu.memory_gib=0", "gpu.memory_gib"),
     ("gpu.peak_tflops.bf16=-1", "gpu.peak_tflops.bf16"),
-    ("gpu.memory_overhead_gb=90", "gpu.memory_overhead_gb"),
+    ("gpu.memory_overhead_gib=90", "gpu.memory_overhead_gib"),
     ("gpu.price_per_gpu_hour=0", "gpu.price_per_gpu_hour"),
     ("cluster.type=slurm", "cluster.type"),
 ])

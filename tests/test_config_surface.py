@@ -64,7 +64,7 @@ def test_gpu_presets_carry_datasheet_values_into_the_plan(tmp_path, name, memory
     app, search = load(f"gpu={name}", "search_config=gpt3/1b")
     plan = make_plan(app, search, tmp_path)
     hw = plan.cluster.hw
-    assert (hw.gpu_memory_gb, hw.peak_tflops, hw.intra_node_bandwidth_gbps) == (memory, bf16, intra)
+    assert (hw.gpu_memory_gib, hw.peak_tflops, hw.intra_node_bandwidth_gbps) == (memory, bf16, intra)
     assert plan.base.resources.gpu == name and plan.base.resources.peak_tflops_per_gpu == bf16
 
 
@@ -190,7 +190,7 @@ def test_auto_without_slurm_runs_cpu_presets_here(tmp_path, monkeypatch):
 
 
 def test_auto_without_slurm_runs_here_when_the_gpus_fit(tmp_path, monkeypatch):
-    # GPUs cannot be had here: a stand-in nvidia-smi reports eight 80 GB parts (81559 MiB each)
+    # GPUs cannot be had here: a stand-in nvidia-smi reports eight 80 GiB parts (81559 MiB each)
     fake_command(tmp_path, "nvidia-smi", "81559\\n" * 8)
     monkeypatch.setenv("PATH", str(tmp_path))
     app, _ = load("search_config=gpt3/1b", "cluster=auto", "gpu=h100_80gb")
@@ -198,7 +198,7 @@ def test_auto_without_slurm_runs_here_when_the_gpus_fit(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="a trial spans 2 nodes"):
         resolve_kind(app, [(2, 8)])
     app40, _ = load("search_config=gpt3/1b", "cluster=auto", "gpu=h200")
-    with pytest.raises(ConfigError, match="less than the 141 GB of gpu=h200"):
+    with pytest.raises(ConfigError, match="less than the 141 GiB of gpu=h200"):
         resolve_kind(app40, [(1, 8)])
 
 
@@ -253,7 +253,7 @@ def test_multirun_shows_a_gpu_where_nothing_fits_last_with_its_reason(tmp_path):
     [sweep] = list((tmp_path / "res" / "multirun").iterdir())
     rows = list(csv.DictReader(open(sweep / "comparison.csv")))
     assert [(r["gpu"], r["status"], r["rank"]) for r in rows] == [("a100_80gb", "ok", "1"), ("cpu", "error", "")]
-    assert "no valid layout fits in host RAM" in rows[1]["reason"]  # offload fits 4 GB, not 16 GB of RAM
+    assert "no valid layout fits in host RAM" in rows[1]["reason"]  # offload fits 4 GiB, not 16 GiB of RAM
 
 
 def test_multirun_where_no_job_can_plan_exits_2(tmp_path):

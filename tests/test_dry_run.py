@@ -42,7 +42,7 @@ def test_dry_run_writes_plan_and_prints_table(tmp_path):
     for path in specs:
         spec = load_spec(path)
         assert spec.trial_id == path.stem and spec.run.mode == "benchmark"
-        assert spec.estimates.memory_gb > 0 and spec.estimates.step_time_s > 0
+        assert spec.estimates.memory_gib > 0 and spec.estimates.step_time_s > 0
         assert spec.run.output_dir.endswith(f"training_logs/{spec.trial_id}")
     assert not (out / "training_logs").exists()  # dry run submits nothing
 

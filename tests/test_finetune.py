@@ -197,25 +197,25 @@ def test_tiny_fine_tuning_search_ranks_real_trials_per_epoch(tmp_path):
 
 
 def test_rank0_saving_needs_more_host_ram_than_a_small_node_and_stays_selected(tmp_path):
-    """Llama-2 70B fully fine-tuned on 32 single-A10G nodes of 64 GB (REFERENCE §13): training fits with
+    """Llama-2 70B fully fine-tuned on 32 single-A10G nodes of 64 GiB (REFERENCE §13): training fits with
     ZeRO-3 and optimizer offload; saving gathers the 16-bit model (2 bytes x 69B) on rank 0 only, so the plan
     keeps the layout and says what rank 0's node needs instead of pruning it."""
     p = plan(tmp_path, "search_config=finetune/llama2_70b", "gpu=a10g_g5_4xlarge",
              "search_config.train_settings.num_nodes=32", "search_config.train_settings.gpus_per_node=1",
              "search_config.train_settings.seq_lengths=[1024]", "search_config.train_settings.global_batch_tokens=131072")
     selected = [c for c in p.candidates if c.status == "selected"]
-    assert selected and all(c.host_memory_gb <= 64 * 0.95 for c in selected)
-    from hp_tool.estimate.memory import host_phases_gb
+    assert selected and all(c.host_memory_gib <= 64 * 0.95 for c in selected)
+    from hp_tool.estimate.memory import host_phases_gib
 
     for c in selected:
-        training = host_phases_gb(c.shape, c.full, 1).train_gb  # the full run's node while it trains
-        assert c.rank0_host_memory_gb == pytest.approx(training + 2 * 68_976_648_192 / 1e9, rel=1e-6)
-        assert c.rank0_host_memory_gb > 64
+        training = host_phases_gib(c.shape, c.full, 1).train_gib  # the full run's node while it trains
+        assert c.rank0_host_memory_gib == pytest.approx(training + 2 * 68_976_648_192 / 1e9, rel=1e-6)
+        assert c.rank0_host_memory_gib > 64
     from hp_tool.plan_output import render_plan
 
     text = render_plan(p)
-    need = max(c.rank0_host_memory_gb for c in selected)
-    assert f"needs up to {need:.0f} GB of host RAM" in text and "run rank 0 on a node with at least" in text
+    need = max(c.rank0_host_memory_gib for c in selected)
+    assert f"needs up to {need:.0f} GiB of host RAM" in text and "run rank 0 on a node with at least" in text
 
 
 def test_optimizers_are_searched_with_their_own_state_bytes(tmp_path):
@@ -232,7 +232,7 @@ def test_optimizers_are_searched_with_their_own_state_bytes(tmp_path):
     assert same
     psi = stage_parameters(same[0]["adamw"].shape, 1, 1)[0]
     for trio in same:
-        a, m, s = (trio[o].full_memory_gb for o in ("adamw", "sgd_momentum", "sgd"))  # the full run, DP=6
+        a, m, s = (trio[o].full_memory_gib for o in ("adamw", "sgd_momentum", "sgd"))  # the full run, DP=6
         assert a - m == pytest.approx(4 * psi / 6 / 1e9, rel=1e-6) and m - s == pytest.approx(4 * psi / 6 / 1e9, rel=1e-6)
     assert model_state_bytes(100, 1, 0, engine="deepspeed", optimizer="sgd") == 8 * 100  # 2 + 2 + fp32 master
     assert model_state_bytes(100, 1, 0, engine="deepspeed", optimizer="adamw_8bit") == 10 * 100

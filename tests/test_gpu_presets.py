@@ -38,7 +38,7 @@ def test_a_gpu_without_bf16_plans_a_dry_run_in_fp16(tmp_path, gpu):
     memory, fp16, _, _ = NO_BF16[gpu]
     base = load_spec(next((tmp_path / "res" / "llama" / "llama2_7b").glob("base_cfg_*.yaml")))
     assert base.training.precision == "fp16" and base.resources.peak_tflops_per_gpu == fp16
-    assert (base.resources.gpu, base.resources.gpu_memory_gb) == (gpu, memory)
+    assert (base.resources.gpu, base.resources.gpu_memory_gib) == (gpu, memory)
 
 
 @pytest.mark.parametrize("gpu", sorted(NO_BF16))
@@ -66,6 +66,6 @@ def test_null_precision_is_bf16_where_the_gpu_has_it_else_fp16(tmp_path, gpu, pr
 def test_presets_carry_their_datasheet_figures(gpu):
     memory, fp16, fp32, intra = NO_BF16[gpu]
     g = load(f"gpu={gpu}", "search_config=gpt3/tiny")[0].gpu
-    figures = (g.memory_gb, g.peak_tflops.fp16, g.peak_tflops.fp32, g.intra_node_bandwidth_gbps)
+    figures = (g.memory_gib, g.peak_tflops.fp16, g.peak_tflops.fp32, g.intra_node_bandwidth_gbps)
     assert figures == (memory, fp16, fp32, intra)
     assert g.peak_tflops.bf16 is None and not g.supports("bf16") and g.supports("fp16")

@@ -32,7 +32,7 @@ def test_tiny_grid_is_all_valid(tmp_path):
     plan = plan_inference(tiny_app(tmp_path), tmp_path)
     assert [c.config_id for c in plan.candidates] == [
         f"gpt3_241k_tp{tp}_pp1_bs{bs}" for tp in (1, 2) for bs in (1, 2, 4)]
-    assert all(c.status == "valid" and c.memory_gb > 0 for c in plan.candidates)
+    assert all(c.status == "valid" and c.memory_gib > 0 for c in plan.candidates)
     cfg = plan.configs["gpt3_241k_tp2_pp1_bs4"]
     assert (cfg.tp, cfg.pp, cfg.batch_size, cfg.input_seq_len, cfg.output_seq_len) == (2, 1, 4, 16, 8)
     assert cfg.output_dir == str(tmp_path / "inference" / "gpt3_241k_tp2_pp1_bs4")
@@ -77,11 +77,11 @@ def test_schema_checks_reach_the_user():
 
 
 def test_memory_check_rejects_with_reason(tmp_path):
-    app = tiny_app(tmp_path, "gpu.memory_gb=0.503", f"{IS}.max_batch_sizes=[1,64]")
+    app = tiny_app(tmp_path, "gpu.memory_gib=0.503", f"{IS}.max_batch_sizes=[1,64]")
     by_id = {c.config_id: c for c in plan_inference(app, tmp_path).candidates}
     assert by_id["gpt3_241k_tp1_pp1_bs1"].status == "valid"
     big = by_id["gpt3_241k_tp1_pp1_bs64"]
-    assert big.status == "over_memory" and "more than the 0.503 GB available" in big.reason
+    assert big.status == "over_memory" and "more than the 0.503 GiB available" in big.reason
 
 
 def test_kv_cache_formula():

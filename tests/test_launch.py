@@ -110,9 +110,9 @@ def test_local_search_end_to_end_and_rerun_submits_nothing(tmp_path):
     assert rows["trial_id"].is_unique
     ran = rows[rows["status"] == "ok"]  # a launch checks memory by the trace: traced beside measured
     assert len(ran) == 2 and (ran["memory_check"] == "traced").all()
-    assert (ran["traced_memory_gb"] > 0).all() and (ran["peak_tensor_memory_gb"] > 0).all()
+    assert (ran["traced_memory_gib"] > 0).all() and (ran["peak_tensor_memory_gib"] > 0).all()
     overhead = 0.5  # gpu=cpu preset: the traced figure includes it, the measured tensor peak does not
-    assert ((ran["traced_memory_gb"] - overhead) / ran["peak_tensor_memory_gb"]).between(0.97, 1.03).all()
+    assert ((ran["traced_memory_gib"] - overhead) / ran["peak_tensor_memory_gib"]).between(0.97, 1.03).all()
 
 
 def test_adaptive_search_skips_with_reasons_resumes_without_reruns_and_exhaustive_runs_the_rest(tmp_path):

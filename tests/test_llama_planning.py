@@ -104,7 +104,7 @@ def test_70b_at_seq_8192_never_proposes_an_unsharded_layout_that_cannot_fit(tmp_
     gbs = base_spec(app, model, cluster).training.global_batch_size
     forced = plan_candidates(model.shape, model.size_b, app.search_config.train_settings, cluster, gbs)
     unsharded = [c for c in forced if c.tp == 1 and c.pp == 1]
-    assert unsharded and all(c.status == PRUNED and c.memory_gb > 80 for c in unsharded)
+    assert unsharded and all(c.status == PRUNED and c.memory_gib > 80 for c in unsharded)
 
 
 @pytest.mark.parametrize("override, key, words", [

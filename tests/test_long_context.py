@@ -14,7 +14,7 @@ from hp_tool.config import to_app_config
 from hp_tool.contracts.spec import ModelSpec, ParallelSpec, ResourcesSpec, TrainingSpec, TrialSpec, make_trial_id
 from hp_tool.errors import ConfigError
 from hp_tool.estimate.layout import GB, Hardware, Layout
-from hp_tool.estimate.memory import (estimate_memory, host_phases_gb, logits_bytes, loss_freed_bytes,
+from hp_tool.estimate.memory import (estimate_memory, host_phases_gib, logits_bytes, loss_freed_bytes,
                                      offloaded_activation_bytes, stage_activation_bytes)
 from hp_tool.estimate.speed import activation_offload_s, cp_comm_s, estimate_step_time
 from hp_tool.families.shape import Shape
@@ -24,8 +24,8 @@ from hp_tool.plan_output import write_plan
 
 # Llama-3 8B at 32K tokens (REFERENCE §9, §15)
 L8B = Shape("llama", 32, 4096, 32, 8, 14336, 128256, 32768)
-A100 = Hardware(gpus_per_node=8, gpu_memory_gb=80, peak_tflops=312, intra_node_bandwidth_gbps=300,
-                inter_node_bandwidth_gbps=25, memory_overhead_gb=3, host_ram_gb=2048, pcie_bandwidth_gbps=25)
+A100 = Hardware(gpus_per_node=8, gpu_memory_gib=80, peak_tflops=312, intra_node_bandwidth_gbps=300,
+                inter_node_bandwidth_gbps=25, memory_overhead_gib=3, host_ram_gib=2048, pcie_bandwidth_gbps=25)
 
 
 def lay(**kw) -> Layout:
@@ -36,7 +36,7 @@ def lay(**kw) -> Layout:
 # ---- the loss ----
 
 def test_the_whole_logits_loss_holds_what_reference_says_and_the_chunked_one_a_chunk():
-    """REFERENCE §15: one 32K sequence over 128,256 tokens is 16.8 GB of fp32 logits, the gradient as much again,
+    """REFERENCE §15: one 32K sequence over 128,256 tokens is 16.8 GiB of fp32 logits, the gradient as much again,
     plus the 16-bit logits (bf16: 2 + 4 + 4 bytes per logit). The chunked loss holds the hidden states' gradient,
     the head's fp32 gradient and one 4096-token chunk (8 bytes of fp32 logits and softmax, 2 of bf16)."""
     logits = 32768 * 128256
@@ -44,14 +44,14 @@ def test_the_whole_logits_loss_holds_what_reference_says_and_the_chunked_one_a_c
     assert logits_bytes(L8B, lay(), A100) == logits * 12  # bf16 logits, fp32 upcast, log-softmax, gradient: traced
     chunked = 32768 * 4096 * 2 + 4 * 128256 * 4096 + 4096 * 128256 * 12
     assert logits_bytes(L8B, lay(loss="chunked"), A100) == chunked
-    assert logits * 12 / chunked > 5  # 50.4 GB against 8.7 GB
+    assert logits * 12 / chunked > 5  # 50.4 GiB against 8.7 GiB
     # a chunk never holds more tokens than the micro-batch has
     short = dataclasses.replace(L8B, seq_length=1024)
     assert logits_bytes(short, lay(loss="chunked"), A100) == 1024 * 4096 * 2 + 4 * 128256 * 4096 + 1024 * 128256 * 12
     # the peak follows: the last stage's logits term is the loss's
     full, chunk = estimate_memory(L8B, lay(), A100), estimate_memory(L8B, lay(loss="chunked"), A100)
-    assert full.logits_gb - chunk.logits_gb == pytest.approx((logits * 12 - chunked) / GB)
-    assert full.activations_gb == chunk.activations_gb and full.model_states_gb == chunk.model_states_gb
+    assert full.logits_gib - chunk.logits_gib == pytest.approx((logits * 12 - chunked) / GB)
+    assert full.activations_gib == chunk.activations_gib and full.model_states_gib == chunk.model_states_gib
 
 
 # ---- context parallelism ----
@@ -64,10 +64,10 @@ def test_context_parallel_divides_a_ranks_tokens_and_shards_states_over_dp_times
     assert cp2.gpus == dp2.gpus == 2 and cp2.zero_ranks == dp2.zero_ranks == 2
     assert cp2.num_microbatches == 4 and dp2.num_microbatches == 2
     m_cp, m_dp = estimate_memory(L8B, cp2, A100), estimate_memory(L8B, dp2, A100)
-    assert m_cp.model_states_gb == pytest.approx(m_dp.model_states_gb)
+    assert m_cp.model_states_gib == pytest.approx(m_dp.model_states_gib)
     ring = 32 * 4 * 16384 * 4096  # 32 layers' fp32 ring output over the rank's 16384 tokens
-    assert m_cp.activations_gb == pytest.approx(m_dp.activations_gb / 2 + ring / GB)
-    assert m_cp.logits_gb == pytest.approx(m_dp.logits_gb / 2)
+    assert m_cp.activations_gib == pytest.approx(m_dp.activations_gib / 2 + ring / GB)
+    assert m_cp.logits_gib == pytest.approx(m_dp.logits_gib / 2)
     # the same tokens per GPU per step: the same FLOPs per GPU
     t_cp, t_dp = estimate_step_time(L8B, cp2, A100, 1), estimate_step_time(L8B, dp2, A100, 1)
     assert t_cp.compute_s == pytest.approx(t_dp.compute_s, rel=0.01)
@@ -101,17 +101,17 @@ def test_activation_offload_moves_the_saved_activations_to_host_ram_at_pcie_time
     moved = offloaded_activation_bytes(L8B, off, A100)
     assert offloaded_activation_bytes(L8B, base, A100) == 0
     # what stays is one layer's working set: less than the stored activations by all but that layer
-    assert 0 < m1.activations_gb < m0.activations_gb / 5
+    assert 0 < m1.activations_gib < m0.activations_gib / 5
     # what stays is the MLP's four saved products (bf16, FFN width) and its norm's fp32 input; the rest moved
-    assert m1.activations_gb * GB == pytest.approx(4 * 2 * 32768 * 14336 + 4 * 32768 * 4096)
+    assert m1.activations_gib * GB == pytest.approx(4 * 2 * 32768 * 14336 + 4 * 32768 * 4096)
     # the checkpointed layer's recompute stays on the GPU, a fifth of what moved at most; it runs in backward, once
-    # the loss has freed its logits (50 GB here), under which it hides
+    # the loss has freed its logits (50 GiB here), under which it hides
     recompute = stage_activation_bytes(L8B, base, A100, 0)[1]
     assert 0 < recompute < moved / 5
-    assert recompute < loss_freed_bytes(L8B, base, A100) and m0.activations_gb * GB == pytest.approx(moved)
+    assert recompute < loss_freed_bytes(L8B, base, A100) and m0.activations_gib * GB == pytest.approx(moved)
     # the host holds each GPU's offloaded activations
-    h0, h1 = host_phases_gb(L8B, base, 8, A100), host_phases_gb(L8B, off, 8, A100)
-    assert h1.train_gb - h0.train_gb == pytest.approx(8 * moved / GB)
+    h0, h1 = host_phases_gib(L8B, base, 8, A100), host_phases_gib(L8B, off, 8, A100)
+    assert h1.train_gib - h0.train_gib == pytest.approx(8 * moved / GB)
     # and each micro-batch copies them down and back up over PCIe (2 micro-batches)
     assert activation_offload_s(L8B, off, A100) == pytest.approx(2 * 2 * moved / (25 * GB))
     assert estimate_step_time(L8B, off, A100, 1).total_s - estimate_step_time(L8B, base, A100, 1).total_s == \
@@ -125,7 +125,7 @@ def test_sequence_parallel_divides_the_norms_activations_by_tp_and_keeps_tp_traf
     on sequence shards: halved. The attention and MLP activations were already split by TP."""
     tp2, sp = lay(tp=2), lay(tp=2, sequence_parallel=True)
     m0, m1 = estimate_memory(L8B, tp2, A100), estimate_memory(L8B, sp, A100)
-    assert m1.activations_gb < m0.activations_gb
+    assert m1.activations_gib < m0.activations_gib
     assert estimate_step_time(L8B, tp2, A100, 1).tp_comm_s == estimate_step_time(L8B, sp, A100, 1).tp_comm_s
 
 
@@ -185,9 +185,9 @@ def plan_of(tmp_path, *overrides):
 
 def test_activation_offload_without_a_host_ram_figure_fails_before_anything_is_written(tmp_path):
     with pytest.raises(ConfigError) as err:
-        plan_of(tmp_path, "search_config=finetune/tiny", "gpu.host_ram_gb=null",
+        plan_of(tmp_path, "search_config=finetune/tiny", "gpu.host_ram_gib=null",
                 "search_config.train_settings.activation_offload=[false,true]")
-    assert err.value.key == "gpu.host_ram_gb" and "activation offload" in str(err.value)
+    assert err.value.key == "gpu.host_ram_gib" and "activation offload" in str(err.value)
     assert not any(tmp_path.iterdir())
 
 

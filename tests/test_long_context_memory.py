@@ -39,7 +39,7 @@ def long_spec(**layout):
 def test_the_memory_model_matches_the_trace_for_each_saver(device, layout, tolerance):
     spec = long_spec(**layout)
     traced = trace_stage(spec, 0, device).peak_bytes
-    predicted = estimate_memory(spec.model.shape(), spec.layout(), target_hardware(spec, device)).total_gb * 1e9
+    predicted = estimate_memory(spec.model.shape(), spec.layout(), target_hardware(spec, device)).total_gib * 1e9
     assert predicted == pytest.approx(traced, rel=tolerance)
 
 
@@ -52,6 +52,6 @@ def test_each_saver_lowers_the_traced_peak_by_what_the_model_says():
         for layout in (without, with_saver):
             spec = long_spec(**layout)
             peaks.append(trace_stage(spec, 0, "cpu").peak_bytes)
-            models.append(estimate_memory(spec.model.shape(), spec.layout(), target_hardware(spec, "cpu")).total_gb * 1e9)
+            models.append(estimate_memory(spec.model.shape(), spec.layout(), target_hardware(spec, "cpu")).total_gib * 1e9)
         assert peaks[1] < peaks[0]
         assert models[0] - models[1] == pytest.approx(peaks[0] - peaks[1], rel=0.10), (without, with_saver)

@@ -52,19 +52,19 @@ def plan(tmp_path, *overrides):
 
 
 def test_per_gpu_memory_orders_full_over_lora_over_qlora(tmp_path):
-    """Llama-2 7B on one A10G 24 GB per node: full fine-tuning fits only sharded or offloaded, LoRA fits on
+    """Llama-2 7B on one A10G 24 GiB per node: full fine-tuning fits only sharded or offloaded, LoRA fits on
     one GPU unsharded, QLoRA in less."""
     p = plan(tmp_path, "search_config=finetune/llama2_7b_a10g", "search_config.train_settings.methods=[full,lora,qlora]",
              "dry_run=true",
              "search_config.train_settings.precision=bf16", "search_config.train_settings.seq_lengths=[2048]")
     same = {}
     for c in p.candidates:
-        if c.full_memory_gb is not None:
+        if c.full_memory_gib is not None:
             same.setdefault((c.engine, c.pp, c.mbs, c.act_ckpt_layers, c.zero_stage, c.offload), {})[c.shape.method] = c
     trios = [v for k, v in same.items() if len(v) == 3]
     assert trios
     for trio in trios:
-        assert trio["full"].full_memory_gb > trio["lora"].full_memory_gb > trio["qlora"].full_memory_gb
+        assert trio["full"].full_memory_gib > trio["lora"].full_memory_gib > trio["qlora"].full_memory_gib
     lora_alone = [c for c in p.candidates if c.shape.method == "lora" and c.status in ("selected", "over_limit")
                   and c.zero_stage == 0 and c.offload == "none"]
     assert lora_alone and not any(c.shape.method == "full" and c.zero_stage == 0 and c.status == "selected"
@@ -89,7 +89,7 @@ def test_lora_memory_model_matches_the_trace(layout):
     spec = dataclasses.replace(spec, model=model)
     traced = trace_stage(spec, 0, "cpu").peak_bytes
     e = estimate_memory(spec.model.shape(), spec.layout(), target_hardware(spec, "cpu"))
-    assert (e.total_gb - e.overhead_gb) * 1e9 == pytest.approx(traced, rel=0.03)
+    assert (e.total_gib - e.overhead_gib) * 1e9 == pytest.approx(traced, rel=0.03)
 
 
 def lora_spec(**layout):

@@ -53,8 +53,8 @@ def test_torch_engine_states_keep_fp32_weights_as_the_master():
     assert _model_state_bytes(psi, 8, 3, "optimizer_and_params") == 0
 
 
-HW = Hardware(gpus_per_node=8, gpu_memory_gb=80, peak_tflops=312, intra_node_bandwidth_gbps=200,
-              inter_node_bandwidth_gbps=25, memory_overhead_gb=3.0)
+HW = Hardware(gpus_per_node=8, gpu_memory_gib=80, peak_tflops=312, intra_node_bandwidth_gbps=200,
+              inter_node_bandwidth_gbps=25, memory_overhead_gib=3.0)
 
 
 def test_checkpointing_and_smaller_microbatch_lower_activations():
@@ -62,15 +62,15 @@ def test_checkpointing_and_smaller_microbatch_lower_activations():
     base = estimate_memory(shape, Layout(1, 1, 8, 4, 0, 256), HW)
     ckpt = estimate_memory(shape, Layout(1, 1, 8, 4, 12, 256), HW)
     small = estimate_memory(shape, Layout(1, 1, 8, 1, 0, 256), HW)
-    assert ckpt.activations_gb < base.activations_gb
-    assert small.activations_gb == pytest.approx(base.activations_gb / 4)
-    assert base.overhead_gb == 3.0
+    assert ckpt.activations_gib < base.activations_gib
+    assert small.activations_gib == pytest.approx(base.activations_gib / 4)
+    assert base.overhead_gib == 3.0
 
 
 def test_pipeline_first_stage_holds_about_all_layers_in_flight():
     shape, _ = gpt3_shape(20, 51200, 2048)
-    pp1 = estimate_memory(shape, Layout(1, 1, 8, 1, 0, 64), HW).activations_gb
-    pp4 = estimate_memory(shape, Layout(1, 4, 2, 1, 0, 64), HW).activations_gb
+    pp1 = estimate_memory(shape, Layout(1, 1, 8, 1, 0, 64), HW).activations_gib
+    pp4 = estimate_memory(shape, Layout(1, 4, 2, 1, 0, 64), HW).activations_gib
     assert pp4 == pytest.approx(pp1, rel=0.01)  # 4 micro-batches in flight x L/4 layers
 
 
@@ -79,9 +79,9 @@ def test_logits_term_uses_the_vocabulary():
     loss; tests/test_long_context_memory.py measures both)."""
     shape, _ = gpt3_shape(1, 51200, 2048)
     est = estimate_memory(shape, Layout(1, 1, 8, 2, 0, 256), HW)
-    assert est.logits_gb == pytest.approx(2 * 2048 * 51200 * 12 / 1e9)
+    assert est.logits_gib == pytest.approx(2 * 2048 * 51200 * 12 / 1e9)
     tp2 = estimate_memory(shape, Layout(2, 1, 4, 2, 0, 256), HW)
-    assert tp2.logits_gb == pytest.approx(2 * 2048 * 51200 / 2 * 16 / 1e9)
+    assert tp2.logits_gib == pytest.approx(2 * 2048 * 51200 / 2 * 16 / 1e9)
 
 
 @pytest.mark.parametrize("pp, v, m", [(2, 2, 4), (4, 2, 8), (4, 3, 4), (4, 2, 6), (4, 2, 2), (8, 4, 16), (3, 2, 1)])

@@ -90,13 +90,13 @@ def test_analytic_stage_over_fsdp2_and_pp_matches_the_trace(device, zero_stage):
     spec = dataclasses.replace(spec, model=dataclasses.replace(spec.model, num_layers=8, hidden_size=256,
                                                                ffn_hidden_size=1024, seq_length=256))
     traced = max(trace_stage(spec, stage, device).peak_bytes for stage in range(2))
-    analytic = estimate_memory(spec.model.shape(), spec.layout(), target_hardware(spec, device)).total_gb * 1e9
+    analytic = estimate_memory(spec.model.shape(), spec.layout(), target_hardware(spec, device)).total_gib * 1e9
     assert analytic == pytest.approx(traced, rel=0.05)
 
 
 def plan_for(tmp_path, tracer, *overrides):
     """Llama tiny on TP 1-2, MBS 2-4, no PP or checkpointing, without the overhead constant (tensors only)."""
-    cfg, name = compose(["search_config=llama/tiny", f"base_results_dir={tmp_path}", "gpu.memory_overhead_gb=0",
+    cfg, name = compose(["search_config=llama/tiny", f"base_results_dir={tmp_path}", "gpu.memory_overhead_gib=0",
                          "search_config.train_settings.pipeline_parallel_sizes=[1]",
                          "search_config.train_settings.act_ckpt_layers=[0]", *overrides])
     app = to_app_config(cfg)
@@ -109,23 +109,23 @@ def test_a_layout_the_formula_fits_but_the_trace_does_not_is_pruned_with_the_tra
     traced = [c for c in roomy.candidates if c.memory_check == "traced"]
     assert len(traced) == 4 and all(c.status == SELECTED for c in traced)
     # the largest of those the analytic formula underestimates
-    under = [c for c in traced if c.traced_memory_gb > max(c.memory_gb, c.full_memory_gb)]
-    assert under, [(c.tp, c.mbs, c.memory_gb, c.traced_memory_gb) for c in traced]
-    low = max(under, key=lambda c: c.traced_memory_gb)
+    under = [c for c in traced if c.traced_memory_gib > max(c.memory_gib, c.full_memory_gib)]
+    assert under, [(c.tp, c.mbs, c.memory_gib, c.traced_memory_gib) for c in traced]
+    low = max(under, key=lambda c: c.traced_memory_gib)
     margin = 0.1
-    between = (low.traced_memory_gb + max(low.memory_gb, low.full_memory_gb)) / 2
-    tight = plan_for(tmp_path, tracer, f"gpu.memory_gb={between / (1 - margin)}",
+    between = (low.traced_memory_gib + max(low.memory_gib, low.full_memory_gib)) / 2
+    tight = plan_for(tmp_path, tracer, f"gpu.memory_gib={between / (1 - margin)}",
                      f"search_config.train_settings.memory_margin={margin}")
     assert tracer.traced == 4  # the second plan's traces came from the cache
     (same,) = [c for c in tight.candidates if (c.tp, c.pp, c.mbs) == (low.tp, low.pp, low.mbs)]
-    assert max(same.memory_gb, same.full_memory_gb) < between  # the formula says it fits
-    assert same.status == PRUNED and same.reason_key == "gpu.memory_gb"
-    assert same.reason.startswith(f"traced {same.traced_memory_gb:.4g} GB per GPU")
+    assert max(same.memory_gib, same.full_memory_gib) < between  # the formula says it fits
+    assert same.status == PRUNED and same.reason_key == "gpu.memory_gib"
+    assert same.reason.startswith(f"traced {same.traced_memory_gib:.4g} GiB per GPU")
     assert same.rank is None and candidate_trial_id(tight.model, same) not in [s.trial_id for s in tight.specs]
     kept = sorted((c for c in tight.candidates if c.status == SELECTED), key=lambda c: c.rank)
     assert kept and [c.rank for c in kept] == list(range(1, len(kept) + 1))
-    assert all(c.traced_memory_gb <= between for c in kept)
-    assert [s.estimates.traced_memory_gb for s in tight.specs] == [round(c.traced_memory_gb, 4) for c in kept]
+    assert all(c.traced_memory_gib <= between for c in kept)
+    assert [s.estimates.traced_memory_gib for s in tight.specs] == [round(c.traced_memory_gib, 4) for c in kept]
 
 
 def test_deepspeed_keeps_the_analytic_figure_with_the_reason(tmp_path):
@@ -134,7 +134,7 @@ def test_deepspeed_keeps_the_analytic_figure_with_the_reason(tmp_path):
                     "search_config.train_settings.tensor_parallel_sizes=[1]",
                     "search_config.train_settings.micro_batch_sizes=[4]")
     (c,) = [c for c in plan.candidates if c.status == SELECTED]
-    assert c.memory_check == "analytic: the deepspeed engine is not traced" and c.traced_memory_gb is None
+    assert c.memory_check == "analytic: the deepspeed engine is not traced" and c.traced_memory_gib is None
     assert tracer.traced == 0
 
 
@@ -160,8 +160,8 @@ def test_dry_run_with_traced_memory_writes_both_figures_and_reuses_the_traces(tm
     assert first.returncode == 0, first.stderr
     folder = tmp_path / "llama" / "tiny" / "candidate_configs"
     rows = [r for r in csv.DictReader(open(folder / "plan.csv")) if r["plan_status"] == "selected"]
-    assert rows and all(r["memory_check"] == "traced" and float(r["traced_memory_gb"]) > 0.5 for r in rows)
-    assert all(float(r["predicted_memory_gb"]) > 0 for r in rows)
+    assert rows and all(r["memory_check"] == "traced" and float(r["traced_memory_gib"]) > 0.5 for r in rows)
+    assert all(float(r["predicted_memory_gib"]) > 0 for r in rows)
     assert "pruned by the trace" in first.stdout and (folder / "memory_traces.json").is_file()
     again = subprocess.run(args, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr

@@ -18,8 +18,8 @@ from hp_tool.cli import compose
 from hp_tool.config import to_app_config
 from hp_tool.errors import ConfigError
 from hp_tool.estimate.layout import GB, Hardware, Layout
-from hp_tool.estimate.memory import (CHECKPOINT_GATHER_BYTES, HOST_PROCESS_OVERHEAD_GB, estimate_memory,
-                                     host_phases_gb, stage_parameters)
+from hp_tool.estimate.memory import (CHECKPOINT_GATHER_BYTES, HOST_PROCESS_OVERHEAD_GIB, estimate_memory,
+                                     host_phases_gib, stage_parameters)
 from hp_tool.estimate.speed import estimate_step_time
 from hp_tool.families.llama import llama_shape
 from hp_tool.planner import make_plan
@@ -37,8 +37,8 @@ def read_rows(path):
         return list(csv.DictReader(fh))
 
 
-HW = Hardware(gpus_per_node=8, gpu_memory_gb=80, peak_tflops=312, intra_node_bandwidth_gbps=300,
-              inter_node_bandwidth_gbps=25, memory_overhead_gb=3.0, host_ram_gb=2048, pcie_bandwidth_gbps=25)
+HW = Hardware(gpus_per_node=8, gpu_memory_gib=80, peak_tflops=312, intra_node_bandwidth_gbps=300,
+              inter_node_bandwidth_gbps=25, memory_overhead_gib=3.0, host_ram_gib=2048, pcie_bandwidth_gbps=25)
 SHAPE, _ = llama_shape(7, 32000, 4096)
 
 
@@ -48,43 +48,43 @@ def lay(stage, offload="none", engine="deepspeed", dp=8):
 
 def test_gpu_memory_falls_with_each_stage_by_the_zero_table():
     mem = [estimate_memory(SHAPE, lay(z), HW) for z in range(4)]
-    totals = [m.total_gb for m in mem]
+    totals = [m.total_gib for m in mem]
     assert totals[0] > totals[1] > totals[2] > totals[3]
     psi = stage_parameters(SHAPE, 1, 1)[0]
-    assert mem[0].model_states_gb == pytest.approx(16 * psi / GB)
-    assert mem[1].model_states_gb == pytest.approx((4 * psi + 12 * psi / 8) / GB)
-    assert mem[2].model_states_gb == pytest.approx((2 * psi + 14 * psi / 8) / GB)
+    assert mem[0].model_states_gib == pytest.approx(16 * psi / GB)
+    assert mem[1].model_states_gib == pytest.approx((4 * psi + 12 * psi / 8) / GB)
+    assert mem[2].model_states_gib == pytest.approx((2 * psi + 14 * psi / 8) / GB)
     gathered = 2 * 2 * layer_parameters(SHAPE)  # ZeRO-3 holds a gathered layer and the prefetched one
-    assert mem[3].model_states_gb == pytest.approx((16 * psi / 8 + gathered) / GB)
+    assert mem[3].model_states_gib == pytest.approx((16 * psi / 8 + gathered) / GB)
     # activations do not depend on the stage
-    assert len({round(m.activations_gb, 9) for m in mem}) == 1
+    assert len({round(m.activations_gib, 9) for m in mem}) == 1
 
 
 def test_offload_moves_states_to_host_ram_by_hand_computed_figures():
     psi = stage_parameters(SHAPE, 1, 1)[0]
-    gpu = estimate_memory(SHAPE, lay(3, "optimizer"), HW).model_states_gb
+    gpu = estimate_memory(SHAPE, lay(3, "optimizer"), HW).model_states_gib
     assert gpu == pytest.approx((4 * psi / 8 + 2 * 2 * layer_parameters(SHAPE)) / GB)
-    assert estimate_memory(SHAPE, lay(2, "optimizer"), HW).model_states_gb == pytest.approx((2 * psi + 2 * psi / 8) / GB)
+    assert estimate_memory(SHAPE, lay(2, "optimizer"), HW).model_states_gib == pytest.approx((2 * psi + 2 * psi / 8) / GB)
     # host RAM per node: 8 GPUs x (18 bytes per parameter of the shard + one process); rank 0's node adds
     # the gathered fp32 model 4·M while saving; a pretraining run loads no checkpoint
-    full = host_phases_gb(SHAPE, lay(3, "optimizer_and_params"), 8)
+    full = host_phases_gib(SHAPE, lay(3, "optimizer_and_params"), 8)
     m = count_parameters(SHAPE)
-    assert full.train_gb == pytest.approx(8 * (18 * psi / 8) / GB + 8 * HOST_PROCESS_OVERHEAD_GB) == full.load_gb
-    assert full.save_rank0_gb == pytest.approx(full.train_gb + CHECKPOINT_GATHER_BYTES * m / GB)
-    assert host_phases_gb(SHAPE, lay(3, "optimizer"), 8).node_gb == pytest.approx(
-        16 * psi / GB + 8 * HOST_PROCESS_OVERHEAD_GB)
-    torch_offload = host_phases_gb(SHAPE, lay(3, "optimizer_and_params", "torch"), 8).node_gb
-    assert torch_offload == pytest.approx(16 * psi / GB + 8 * HOST_PROCESS_OVERHEAD_GB)
+    assert full.train_gib == pytest.approx(8 * (18 * psi / 8) / GB + 8 * HOST_PROCESS_OVERHEAD_GIB) == full.load_gib
+    assert full.save_rank0_gib == pytest.approx(full.train_gib + CHECKPOINT_GATHER_BYTES * m / GB)
+    assert host_phases_gib(SHAPE, lay(3, "optimizer"), 8).node_gib == pytest.approx(
+        16 * psi / GB + 8 * HOST_PROCESS_OVERHEAD_GIB)
+    torch_offload = host_phases_gib(SHAPE, lay(3, "optimizer_and_params", "torch"), 8).node_gib
+    assert torch_offload == pytest.approx(16 * psi / GB + 8 * HOST_PROCESS_OVERHEAD_GIB)
     # REFERENCE §5 check value: 70B, 8-way, 8 GPUs per machine -> 18·M/N·K = 1.26 TB
     assert 18 * 70e9 / 8 * 8 / 1e12 == pytest.approx(1.26)
-    assert host_phases_gb(SHAPE, lay(3), 8).node_gb == pytest.approx(8 * HOST_PROCESS_OVERHEAD_GB)
+    assert host_phases_gib(SHAPE, lay(3), 8).node_gib == pytest.approx(8 * HOST_PROCESS_OVERHEAD_GIB)
     # a pretrained model loads tensor by tensor (6 bytes per element of the largest, per process) and
     # rank 0 gathers it in its 16-bit dtype
     pre = dataclasses.replace(SHAPE, pretrained=True)
-    phases = host_phases_gb(pre, lay(3), 8)
+    phases = host_phases_gib(pre, lay(3), 8)
     big = max(SHAPE.vocab_size, SHAPE.ffn_hidden_size) * SHAPE.hidden_size
-    assert phases.load_gb == pytest.approx(phases.train_gb + 8 * 6 * big / GB)
-    assert phases.save_rank0_gb == pytest.approx(phases.train_gb + 2 * m / GB)
+    assert phases.load_gib == pytest.approx(phases.train_gib + 8 * 6 * big / GB)
+    assert phases.save_rank0_gib == pytest.approx(phases.train_gib + 2 * m / GB)
 
 
 def test_speed_model_charges_stage_3_gathers_and_offload_traffic():
@@ -109,14 +109,14 @@ def test_a10g_preset_fits_only_sharded_or_offloaded_layouts_and_says_why_not(tmp
     p = plan(tmp_path, "search_config=finetune/llama2_7b_a10g")
     selected = [c for c in p.candidates if c.status == SELECTED]
     assert selected and {c.engine for c in selected} <= {"torch", "deepspeed"}
-    for c in selected:  # 108 GB of unsharded states on 24 GB cards: only heavy savers fit
+    for c in selected:  # 108 GiB of unsharded states on 24 GiB cards: only heavy savers fit
         assert c.zero_stage == 3 or c.offload != "none"
-        assert c.memory_gb <= 24 * 0.95 and c.host_memory_gb <= 64 * 0.95
+        assert c.memory_gib <= 24 * 0.95 and c.host_memory_gib <= 64 * 0.95
     for c in p.candidates:
         assert c.status in (SELECTED, PRUNED, INVALID, "over_limit") and (c.status == SELECTED or c.reason)
     unsharded = [c for c in p.candidates if c.zero_stage == 0]
     assert unsharded and all(c.status in (PRUNED, INVALID) for c in unsharded)
-    assert any(c.reason_key == "gpu.memory_gb" and "GB per GPU >" in c.reason for c in unsharded)
+    assert any(c.reason_key == "gpu.memory_gib" and "GB per GPU >" in c.reason for c in unsharded)
     bad = [c for c in p.candidates if c.status == INVALID]
     reasons = " ".join(c.reason for c in bad)
     assert "needs ZeRO stage >= 1" in reasons and "parameter offload needs ZeRO stage 3" in reasons
@@ -124,17 +124,17 @@ def test_a10g_preset_fits_only_sharded_or_offloaded_layouts_and_says_why_not(tmp
 
 
 def test_host_ram_prunes_offload_with_the_number_and_the_key(tmp_path):
-    p = plan(tmp_path, "search_config=finetune/llama2_7b_a10g", "gpu.host_ram_gb=52")
-    host = [c for c in p.candidates if c.reason_key == "gpu.host_ram_gb"]
-    assert host and all(c.status == PRUNED and "GB host RAM per node > 49.4 GB usable" in c.reason for c in host)
-    assert all(c.host_memory_gb <= 49.4 for c in p.candidates if c.status == SELECTED)
+    p = plan(tmp_path, "search_config=finetune/llama2_7b_a10g", "gpu.host_ram_gib=52")
+    host = [c for c in p.candidates if c.reason_key == "gpu.host_ram_gib"]
+    assert host and all(c.status == PRUNED and "GB host RAM per node > 49.4 GiB usable" in c.reason for c in host)
+    assert all(c.host_memory_gib <= 49.4 for c in p.candidates if c.status == SELECTED)
 
 
 @pytest.mark.parametrize("override, key, words", [
     ("search_config.train_settings.zero_stages=[4]", "search_config.train_settings.zero_stages", "unknown values [4]"),
     ("search_config.train_settings.offload=[disk]", "search_config.train_settings.offload", "unknown values"),
     ("search_config.train_settings.engines=[megatron]", "search_config.train_settings.engines", "unknown values"),
-    ("gpu.host_ram_gb=null", "gpu.host_ram_gb", "needs the host RAM per node"),
+    ("gpu.host_ram_gib=null", "gpu.host_ram_gib", "needs the host RAM per node"),
     ("search_config.train_settings.dp_sharding=full", "search_config.train_settings.dp_sharding",
      "zero_stages=[N]: none -> [0], gradients -> [2], full -> [3]"),
 ])

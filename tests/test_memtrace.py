@@ -28,7 +28,7 @@ def measured_peak(tmp_path, spec) -> float:
         assert proc.returncode == 0, proc.stderr[-3000:]
         result = read_result(tmp_path / "out")
     assert result["status"] == "ok", result["reason"]
-    return result["peak_tensor_memory_gb"]
+    return result["peak_tensor_memory_gib"]
 
 
 @pytest.mark.parametrize("family, layout", [
@@ -58,7 +58,7 @@ def measured_peak(tmp_path, spec) -> float:
 def test_traced_peak_matches_the_real_runs_peak_per_rank(tmp_path, family, layout):
     spec = tiny_spec(family, max_steps=3, warmup_steps=2, **layout)  # two untimed steps are measured
     measured = measured_peak(tmp_path, spec)
-    traced = max(trace_stage(spec, stage).peak_gb for stage in range(spec.parallel.pp))
+    traced = max(trace_stage(spec, stage).peak_gib for stage in range(spec.parallel.pp))
     assert measured > 0
     assert traced == pytest.approx(measured, rel=REL_TOL)
 
@@ -74,7 +74,7 @@ def test_interleaved_trace_covers_the_real_peak(tmp_path, family, layout):
     It errs high, by at most 10% here (the held sends are counted at the in-flight peak)."""
     spec = tiny_spec(family, max_steps=3, warmup_steps=2, **layout)
     measured = measured_peak(tmp_path, spec)
-    traced = max(trace_stage(spec, stage).peak_gb for stage in range(spec.parallel.pp))
+    traced = max(trace_stage(spec, stage).peak_gib for stage in range(spec.parallel.pp))
     assert measured * 0.99 <= traced <= measured * 1.10
 
 
@@ -97,7 +97,7 @@ def test_a_175b_stage_traces_in_seconds_without_allocating_it():
     start = time.monotonic()
     trace = trace_stage(spec, 0)
     elapsed = time.monotonic() - start
-    grown_gb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) * 1024 / 1e9
+    grown_gib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) * 1024 / 1e9
     layer_and_embedding = 12 * 12288**2 + (51200 + 2048) * 12288
-    assert trace.peak_gb > 16 * layer_and_embedding / 8 / 1e9  # at least the sharded fp32 states
-    assert elapsed < 60 and grown_gb < 1.0
+    assert trace.peak_gib > 16 * layer_and_embedding / 8 / 1e9  # at least the sharded fp32 states
+    assert elapsed < 60 and grown_gib < 1.0

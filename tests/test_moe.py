@@ -22,8 +22,8 @@ from hp_tool.planner import make_plan
 from hp_tool.plan_output import write_plan
 
 MIXTRAL = Shape("mixtral", 32, 4096, 32, 8, 14336, 32000, 4096, num_experts=8, top_k=2, expert_imbalance=1.25)
-HW = Hardware(gpus_per_node=8, gpu_memory_gb=80, peak_tflops=312, intra_node_bandwidth_gbps=300,
-              inter_node_bandwidth_gbps=25, memory_overhead_gb=3)
+HW = Hardware(gpus_per_node=8, gpu_memory_gib=80, peak_tflops=312, intra_node_bandwidth_gbps=300,
+              inter_node_bandwidth_gbps=25, memory_overhead_gib=3)
 
 
 @pytest.mark.parametrize("name, total_b, active_b", [("mixtral_8x7b", 46.7, 12.9), ("mixtral_8x22b", 141, 39),
@@ -94,13 +94,13 @@ def test_zero_shards_experts_over_the_ranks_holding_them():
     holding it, the same bytes as EP 1 (everything over 8); only the layer ZeRO-3 gathers (and prefetches) in
     16 bits holds a quarter of the experts. ZeRO-0 keeps the experts' states whole per EP rank, a quarter of
     EP 1's."""
-    z3 = [estimate_memory(MIXTRAL, Layout(1, 1, 8, 1, 32, 64, 3, ep=ep), HW).model_states_gb for ep in (1, 4)]
+    z3 = [estimate_memory(MIXTRAL, Layout(1, 1, 8, 1, 32, 64, 3, ep=ep), HW).model_states_gib for ep in (1, 4)]
     layer_experts = 8 * 3 * 4096 * 14336
     assert z3[0] - z3[1] == pytest.approx(2 * 2 * layer_experts * 3 / 4 / 1e9, rel=1e-6)
-    z0 = [estimate_memory(MIXTRAL, Layout(1, 1, 8, 1, 32, 64, 0, ep=ep), HW).model_states_gb for ep in (1, 4)]
+    z0 = [estimate_memory(MIXTRAL, Layout(1, 1, 8, 1, 32, 64, 0, ep=ep), HW).model_states_gib for ep in (1, 4)]
     # fp32 weights, gradients and Adam moments (16 bytes) and the 16-bit compute copy data parallelism keeps (2)
-    experts_gb = 32 * layer_experts * (16 + 2) / 1e9
-    assert z0[0] - z0[1] == pytest.approx(experts_gb * 3 / 4, rel=0.01)
+    experts_gib = 32 * layer_experts * (16 + 2) / 1e9
+    assert z0[0] - z0[1] == pytest.approx(experts_gib * 3 / 4, rel=0.01)
 
 
 def test_expert_parallel_costs_the_all_to_all_and_the_imbalance():
@@ -147,9 +147,9 @@ def test_mixtral_on_8_a100_fits_lora_not_full_without_offload(tmp_path):
              "search_config.train_settings.offload=[none]", "search_config.train_settings.zero_stages=[0,3]")
     fits = {c.shape.method for c in p.candidates if c.status in ("selected", "over_limit")}
     assert fits == {"lora"}
-    full = [c for c in p.candidates if c.shape.method == "full" and c.memory_gb is not None]
-    # full fine-tuning needs 16 bytes per parameter: 46.7B over 8 GPUs is 93 GB before activations
-    assert min(c.memory_gb for c in full) > 93
+    full = [c for c in p.candidates if c.shape.method == "full" and c.memory_gib is not None]
+    # full fine-tuning needs 16 bytes per parameter: 46.7B over 8 GPUs is 93 GiB before activations
+    assert min(c.memory_gib for c in full) > 93
 
 
 @pytest.mark.parametrize("overrides, key, words", [
@@ -222,10 +222,10 @@ def test_trial_spec_refuses_an_ep_the_model_cannot_split():
 def test_offloaded_expert_shards_are_split_over_the_ranks_holding_them():
     """With EP 8 over 8 data-parallel ranks each expert lives on one rank: its offloaded states are whole there
     (host RAM and PCIe traffic of the experts / 8, not / 64), the dense ones split over all 8."""
-    from hp_tool.estimate.memory import host_phases_gb
+    from hp_tool.estimate.memory import host_phases_gib
     from hp_tool.estimate.speed import offload_s
 
     one, eight = (Layout(1, 1, 8, 1, 32, 64, 3, "optimizer_and_params", ep=ep) for ep in (1, 8))
     assert offload_s(MIXTRAL, eight, HW) == pytest.approx(offload_s(MIXTRAL, one, HW), rel=0.01)
-    assert host_phases_gb(MIXTRAL, eight, 8).train_gb == pytest.approx(host_phases_gb(MIXTRAL, one, 8).train_gb,
+    assert host_phases_gib(MIXTRAL, eight, 8).train_gib == pytest.approx(host_phases_gib(MIXTRAL, one, 8).train_gib,
                                                                        rel=0.01)

@@ -175,7 +175,7 @@ def test_trace_of_an_unsplit_mixture_matches_the_measured_peak(runs, name):
     from hp_tool.trial.trace.replay import trace_stage
 
     spec, _, result, _ = runs(name)
-    assert trace_stage(spec, 0, "cpu").peak_gb == pytest.approx(result["peak_tensor_memory_gb"], rel=0.01)
+    assert trace_stage(spec, 0, "cpu").peak_gib == pytest.approx(result["peak_tensor_memory_gib"], rel=0.01)
 
 
 def test_expert_parallelism_is_untraceable_with_its_reason(tokens):

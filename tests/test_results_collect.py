@@ -110,7 +110,7 @@ def test_killed_trial_is_derived_from_its_metrics(tmp_path):
     assert row["reason"] == "killed without a result; derived from 4 logged steps, 1 unreadable line(s)"
     assert row["measured_step_time_s"] == pytest.approx(0.25)  # median of the timed steps only
     assert row["steps_measured"] == 3 and row["steps_run"] == 4
-    assert row["peak_memory_gb"] == pytest.approx(0.54)
+    assert row["peak_memory_gib"] == pytest.approx(0.54)
     assert row["tokens_per_s_per_gpu"] > 0 and row[RANK_COLUMN] > 0 and row.isna()["rank"]
     assert df.loc[late, "status"] == "timeout"
     assert list(successful(df.reset_index())["trial_id"]) == [ok]
@@ -166,13 +166,13 @@ def test_measured_trials_calibrate_every_candidates_prediction(tmp_path):
     for i, tid in enumerate(measured):
         p = predicted[tid]
         write_ok(out, tid, 1.7 * p["predicted_step_time_s"] * (1.01 if i % 2 else 0.99),
-                 peak_memory_gb=p["predicted_memory_gb"] + 0.25)
+                 peak_memory_gib=p["predicted_memory_gib"] + 0.25)
     df = collect_trials(out).set_index("trial_id")
     for tid in unmeasured:
         row = df.loc[tid]
         assert row["status"] == "not_run"
         assert row["calibrated_step_time_s"] == pytest.approx(1.7 * row["predicted_step_time_s"], rel=0.02)
-        assert row["calibrated_memory_gb"] == pytest.approx(row["predicted_memory_gb"] + 0.25, abs=1e-6)
+        assert row["calibrated_memory_gib"] == pytest.approx(row["predicted_memory_gib"] + 0.25, abs=1e-6)
     ran = df.loc[measured]
     assert (ran["calibrated_step_time_error_pct"].abs() < 2).all()
     assert (ran["step_time_error_pct"] > 60).all()  # the raw prediction, kept beside it

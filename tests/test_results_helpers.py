@@ -38,7 +38,7 @@ def trial_dir(out: Path, trial_id: str) -> Path:
     return path
 
 
-def write_ok(out: Path, trial_id: str, step_time_s: float, peak_memory_gb: float = 1.0,
+def write_ok(out: Path, trial_id: str, step_time_s: float, peak_memory_gib: float = 1.0,
              steps: int = 8) -> dict:
     """An ok result.json as the engine writes it: throughput from the spec and the median step time.
     The mean is 15% above the median (one slow step), so a table built from the wrong statistic shows."""
@@ -48,7 +48,7 @@ def write_ok(out: Path, trial_id: str, step_time_s: float, peak_memory_gb: float
     result.update(trial_id=trial_id, fingerprint=spec.fingerprint(), status="ok", reason=None,
                   stop_reason="max_steps", steps_run=steps, steps_measured=steps - 1,
                   step_time_s_median=step_time_s, step_time_s_mean=1.15 * step_time_s,
-                  step_time_s_std=0.3 * step_time_s, peak_memory_gb=peak_memory_gb, world_size=world,
+                  step_time_s_std=0.3 * step_time_s, peak_memory_gib=peak_memory_gib, world_size=world,
                   device="cpu", backend="gloo", first_losses=[6.3, 6.2], final_loss=6.0,
                   versions={"python": "3"}, start_time="2025-01-01T00:00:00+00:00",
                   end_time="2025-01-01T00:01:00+00:00")
@@ -66,14 +66,14 @@ def write_failed(out: Path, trial_id: str, status: str = "oom", reason: str = "r
 
 
 def write_metrics(out: Path, trial_id: str, step_times: list[float], warmup: int = 1,
-                  memory_gb: float = 0.5, start: float = 1000.0, torn_tail: bool = False,
+                  memory_gib: float = 0.5, start: float = 1000.0, torn_tail: bool = False,
                   interval_s: Optional[float] = None) -> Path:
     """metrics.jsonl as the engine appends it; ``torn_tail`` adds the half line a hard kill leaves."""
     lines, now = [], start
     for i, t in enumerate(step_times, start=1):
         now += interval_s if interval_s is not None else t
         lines.append(json.dumps({"step": i, "step_time_s": t, "loss": 6.0 - 0.01 * i, "lr": 1e-3,
-                                 "tokens": 1024, "memory_gb": memory_gb + 0.01 * i, "timed": i > warmup,
+                                 "tokens": 1024, "memory_gib": memory_gib + 0.01 * i, "timed": i > warmup,
                                  "time": now}))
     text = "\n".join(lines) + "\n" + ('{"step": 99, "step_ti' if torn_tail else "")
     path = trial_dir(out, trial_id) / "metrics.jsonl"

@@ -126,15 +126,15 @@ def test_plots_are_non_empty_pngs(tmp_path):
 
 
 def test_memory_warning_names_the_fastest_trial_below_98_percent(tmp_path, capsys):
-    app, out, plan = planned(tmp_path)  # tiny: 4 GB per GPU
+    app, out, plan = planned(tmp_path)  # tiny: 4 GiB per GPU
     ids = selected_ids(plan)
-    write_ok(out, ids[0], 0.2, peak_memory_gb=3.95)  # 98.75%
-    write_ok(out, ids[1], 0.3, peak_memory_gb=3.93)  # 98.25%
-    write_ok(out, ids[2], 0.4, peak_memory_gb=2.0)
+    write_ok(out, ids[0], 0.2, peak_memory_gib=3.95)  # 98.75%
+    write_ok(out, ids[1], 0.3, peak_memory_gib=3.93)  # 98.25%
+    write_ok(out, ids[2], 0.4, peak_memory_gib=2.0)
     assert finalize(out, app) == 0
     printed = " ".join(capsys.readouterr().out.split())
     assert f"Recommended: {ids[0]}" in printed
-    assert "is 98.8% of the 4 GB per GPU, above 98%" in printed
+    assert "is 98.8% of the 4 GiB per GPU, above 98%" in printed
     assert f"The fastest trial below that line is {ids[2]} (rank 3" in printed
 
 

@@ -36,8 +36,8 @@ def test_efficiency_rises_with_width_per_tp_rank_and_tokens_and_saturates():
 
 
 def test_virtual_stages_divide_the_bubble_multiply_the_p2p_and_raise_activation_memory():
-    hw = Hardware(gpus_per_node=8, gpu_memory_gb=80, peak_tflops=312, intra_node_bandwidth_gbps=300,
-                  inter_node_bandwidth_gbps=25, memory_overhead_gb=3, precision="bf16")
+    hw = Hardware(gpus_per_node=8, gpu_memory_gib=80, peak_tflops=312, intra_node_bandwidth_gbps=300,
+                  inter_node_bandwidth_gbps=25, memory_overhead_gib=3, precision="bf16")
     plain = Layout(tp=8, pp=4, dp=1, mbs=1, act_ckpt_layers=0, global_batch_size=16)
     inter = dataclasses.replace(plain, virtual_stages=2)
     a, b = (estimate_step_time(GPT_20B, x, hw, num_nodes=4) for x in (plain, inter))
@@ -51,8 +51,8 @@ def test_virtual_stages_divide_the_bubble_multiply_the_p2p_and_raise_activation_
 
     held = sum(interleave_held_tensors(inter, 0))
     assert held == 2 * 16 + (2 * 2 * 16 - 16)
-    hidden_gb = GPT_20B.seq_length * GPT_20B.hidden_size * 2 / 1e9
-    assert mb.activations_gb == pytest.approx(ma.activations_gb * (1 + 3 / 8) + held * hidden_gb, rel=0.02)
+    hidden_gib = GPT_20B.seq_length * GPT_20B.hidden_size * 2 / 1e9
+    assert mb.activations_gib == pytest.approx(ma.activations_gib * (1 + 3 / 8) + held * hidden_gib, rel=0.02)
 
 
 def test_published_runs_median_error_and_rank_correlation_meet_the_targets():

@@ -25,8 +25,8 @@ REPO = Path(__file__).resolve().parent.parent
 TS = "search_config.train_settings"
 PRESETS = {"t5": ("tiny", "220m", "3b", "11b", "23b", "41b", "unknown_size"),
            "mt5": ("tiny", "170m", "390m", "3b", "11b", "23b", "unknown_size")}
-H100 = Hardware(gpus_per_node=8, gpu_memory_gb=80, peak_tflops=989, intra_node_bandwidth_gbps=450,
-                inter_node_bandwidth_gbps=50, memory_overhead_gb=3.0)
+H100 = Hardware(gpus_per_node=8, gpu_memory_gib=80, peak_tflops=989, intra_node_bandwidth_gbps=450,
+                inter_node_bandwidth_gbps=50, memory_overhead_gib=3.0)
 
 
 def plan(tmp_path, *overrides):
@@ -115,7 +115,7 @@ def test_memory_model_uses_each_stacks_length_and_the_vocabulary():
     t5 = Shape("t5", 24, 4096, 64, 64, 10240, 29000, 512, 64, 128)
     mt5 = Shape("mt5", 24, 4096, 64, 64, 10240, 250000, 512, 64, 128)
     layout = Layout(tp=4, pp=2, dp=20, mbs=4, act_ckpt_layers=0, global_batch_size=1920)
-    logits = estimate_memory(mt5, Layout(4, 1, 40, 4, 0, 1920), H100).logits_gb
+    logits = estimate_memory(mt5, Layout(4, 1, 40, 4, 0, 1920), H100).logits_gib
     # the decoder's 128 tokens, vocab-parallel: 16 bytes per local logit (memory.WHOLE_LOSS_BYTES under TP)
     assert logits == pytest.approx(4 * 128 * 250000 * 16 / 4 / 1e9)
     # the encoder stage does not see the decoder length; the decoder stage does

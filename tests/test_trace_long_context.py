@@ -31,7 +31,7 @@ def test_traced_peak_matches_the_real_runs_peak_per_rank(tmp_path, savers):
     spec = long_context_spec(max_steps=3, warmup_steps=2, **savers)  # two untimed steps are measured
     measured = measured_peak(tmp_path, spec)
     assert measured > 0
-    assert trace_stage(spec).peak_gb == pytest.approx(measured, rel=REL_TOL)
+    assert trace_stage(spec).peak_gib == pytest.approx(measured, rel=REL_TOL)
 
 
 def test_the_chunked_loss_saves_the_logits_the_full_loss_holds():
@@ -39,8 +39,8 @@ def test_the_chunked_loss_saves_the_logits_the_full_loss_holds():
     says the full loss holds beyond the chunked one (``logits_bytes``: the logits, their log-softmax and
     their gradient, against one chunk's logits and the gradients computed in forward), within 10%."""
     peaks, held = {}, {}
-    hw = Hardware(gpus_per_node=1, gpu_memory_gb=80, peak_tflops=1, intra_node_bandwidth_gbps=1,
-                  inter_node_bandwidth_gbps=1, memory_overhead_gb=0, precision="fp32")
+    hw = Hardware(gpus_per_node=1, gpu_memory_gib=80, peak_tflops=1, intra_node_bandwidth_gbps=1,
+                  inter_node_bandwidth_gbps=1, memory_overhead_gib=0, precision="fp32")
     for loss in ("full", "chunked"):
         spec = long_context_spec(loss=loss, loss_chunk_tokens=CHUNK)
         peaks[loss] = trace_stage(spec).peak_bytes
@@ -104,4 +104,4 @@ def test_memory_check_traces_the_savers(savers):
     assert trace_key(spec, "cuda", "torch") != trace_key(plain, "cuda", "torch")
     outcome = trace_one(spec, "cuda")
     assert outcome.reason == ""
-    assert outcome.tensor_gb * 1e9 == pytest.approx(trace_stage(spec, 0, "cuda").peak_bytes, rel=0.01)
+    assert outcome.tensor_gib * 1e9 == pytest.approx(trace_stage(spec, 0, "cuda").peak_bytes, rel=0.01)

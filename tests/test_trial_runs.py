@@ -38,14 +38,14 @@ def test_result_and_metrics_follow_the_contract(tmp_path, family):
     assert [m["timed"] for m in metrics] == [False, False, True, True]
     assert all(list(m) == list(METRIC_FIELDS) for m in metrics)
     tokens = spec.training.global_batch_size * spec.model.seq_length
-    assert all(m["tokens"] == tokens and m["memory_gb"] > 0 for m in metrics)
+    assert all(m["tokens"] == tokens and m["memory_gib"] > 0 for m in metrics)
     timed = sorted(m["step_time_s"] for m in metrics if m["timed"])
     assert on_disk["step_time_s_median"] == pytest.approx(sum(timed) / 2)
     median = on_disk["step_time_s_median"]
     assert on_disk["tokens_per_s"] == pytest.approx(tokens / median)
     assert on_disk["samples_per_s"] == pytest.approx(spec.training.global_batch_size / median)
     assert on_disk["mfu"] == pytest.approx(on_disk["model_tflops_per_gpu"] / 1.0)  # peak 1 TFLOPS
-    assert on_disk["peak_memory_gb"] > 0 and on_disk["peak_memory_reserved_gb"] is None
+    assert on_disk["peak_memory_gib"] > 0 and on_disk["peak_memory_reserved_gib"] is None
     assert on_disk["first_losses"][0] == pytest.approx(math.log(spec.model.vocab_size), rel=0.02)
     assert on_disk["final_loss"] == metrics[-1]["loss"]
     assert on_disk["versions"]["torch"] and on_disk["versions"]["transformers"]
@@ -117,8 +117,8 @@ def test_a_stop_request_ends_the_trial_as_losing_with_its_measurement_and_reason
 
 
 def test_memory_cap_produces_oom(tmp_path):
-    spec = tiny_spec("gpt3", max_steps=3, memory_cap_gb=2.0)
-    spec.model.hidden_size, spec.model.ffn_hidden_size = 2048, 8192  # ~3 GB of weights and Adam state
+    spec = tiny_spec("gpt3", max_steps=3, memory_cap_gib=2.0)
+    spec.model.hidden_size, spec.model.ffn_hidden_size = 2048, 8192  # ~3 GiB of weights and Adam state
     proc = _start(tmp_path, spec)
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 1

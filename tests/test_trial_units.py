@@ -27,8 +27,8 @@ def test_175b_builds_on_meta_without_memory():
     assert all(p.is_meta for p in model.parameters())
     numel = sum(p.numel() for p in model.parameters())
     assert numel == pytest.approx(count_parameters(GPT3_175B.shape()), rel=1e-3)
-    grown_gb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024 / 1e9
-    assert grown_gb < 1.0  # 175B fp32 would be 700 GB
+    grown_gib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024 / 1e9
+    assert grown_gib < 1.0  # 175B fp32 would be 700 GiB
 
 
 def test_175b_stage_keeps_only_its_layers():

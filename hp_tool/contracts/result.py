@@ -5,8 +5,8 @@ the single place they are defined. Values that could not be measured are JSON ``
 
 ``metrics.jsonl`` (one line per optimizer step, appended and flushed by rank 0):
     step (1-based), step_time_s, loss, grad_norm (the whole model's gradient norm before clipping; null
-    where the engine does not report it: DeepSpeed at ZeRO-0), lr, tokens (global, this step), memory_gb
-    (rank 0's peak so far, GB = 1e9 bytes), timed (false for warm-up steps), time (unix seconds).
+    where the engine does not report it: DeepSpeed at ZeRO-0), lr, tokens (global, this step), memory_gib
+    (rank 0's peak so far, GiB = 1e9 bytes), timed (false for warm-up steps), time (unix seconds).
 
 ``result.json`` (written atomically by rank 0; by a failing rank too, so a status is always left):
     fingerprint: TrialSpec.fingerprint() of the spec that ran (the collector ranks only matching ones);
@@ -14,7 +14,7 @@ the single place they are defined. Values that could not be measured are JSON ``
     oom, failed, cancelled; reason; stop_reason: max_steps, time_budget, stable, signal, losing (the
     search asked it to stop: ``stop_request.json``, its reason kept as the result's), or null on failure;
     step-time statistics over the timed steps (seconds); throughput of one optimizer step of the spec's
-    global batch on the spec's layout; peak memory per GPU (max over ranks, GB); versions;
+    global batch on the spec's layout; peak memory per GPU (max over ranks, GiB); versions;
     start and end times (ISO 8601 UTC).
 """
 
@@ -38,12 +38,12 @@ from hp_tool.contracts.spec import TrialSpec
 from hp_tool.vocab import (FAILURE_DIR, LOSING, METRICS_FILE, NOT_LAUNCHED, PRUNED_AFTER_OOM, REQUESTED_STOPS, RESULT_FILE,
                            SKIPPED, STATUSES, STOP_REASONS, STOP_REQUEST_FILE)
 
-METRIC_FIELDS = ("step", "step_time_s", "loss", "grad_norm", "lr", "tokens", "memory_gb", "timed", "time")
+METRIC_FIELDS = ("step", "step_time_s", "loss", "grad_norm", "lr", "tokens", "memory_gib", "timed", "time")
 RESULT_FIELDS = (
     "trial_id", "fingerprint", "status", "reason", "stop_reason", "steps_run", "steps_measured",
     "step_time_s_median", "step_time_s_mean", "step_time_s_std", "samples_per_s", "tokens_per_s",
-    "tokens_per_s_per_gpu", "model_tflops_per_gpu", "mfu", "peak_memory_gb",
-    "peak_memory_reserved_gb", "peak_tensor_memory_gb", "world_size", "device", "backend", "first_losses", "final_loss",
+    "tokens_per_s_per_gpu", "model_tflops_per_gpu", "mfu", "peak_memory_gib",
+    "peak_memory_reserved_gib", "peak_tensor_memory_gib", "world_size", "device", "backend", "first_losses", "final_loss",
     "versions", "start_time", "end_time",
 )
 FIRST_LOSSES = 5  # losses of the first steps kept in result.json (layout-equivalence checks)

@@ -259,17 +259,17 @@ class TrainingSpec:
 class ResourcesSpec:
     num_nodes: int = 1
     gpus_per_node: int = 1  # processes per node (GPUs on a GPU cluster, CPU processes locally)
-    gpu_memory_gb: float = 80.0
+    gpu_memory_gib: float = 80.0
     peak_tflops_per_gpu: float = 312.0  # dense peak in the compute precision, for MFU
     intra_node_bandwidth_gbps: float = 200.0  # GB/s per GPU within a node (NVLink)
     inter_node_bandwidth_gbps: float = 25.0  # GB/s per GPU across nodes (InfiniBand)
     gpu_hour_price: Optional[float] = None  # dollars per GPU-hour, for cost estimates
     gpu: Optional[str] = None  # the gpu preset the plan assumed, e.g. h100_80gb (cpu: CPU processes)
-    host_ram_gb: Optional[float] = None  # host RAM per node, GB
+    host_ram_gib: Optional[float] = None  # host RAM per node, GiB
     pcie_bandwidth_gbps: float = 25.0  # GB/s per GPU and direction between host and GPU
 
     def __post_init__(self) -> None:
-        for name in ("num_nodes", "gpus_per_node", "gpu_memory_gb", "peak_tflops_per_gpu",
+        for name in ("num_nodes", "gpus_per_node", "gpu_memory_gib", "peak_tflops_per_gpu",
                      "intra_node_bandwidth_gbps", "inter_node_bandwidth_gbps"):
             require(getattr(self, name) > 0, f"resources.{name}", getattr(self, name),
                     "must be positive", "set a positive number")
@@ -285,7 +285,7 @@ class RunSpec:
     warmup_steps: int = 3  # first steps excluded from timing
     stable_window: int = 5  # stop early once this many timed steps ...
     stable_cv: float = 0.05  # ... have a coefficient of variation below this (0 disables)
-    memory_cap_gb: Optional[float] = None  # CPU only: per-process address-space cap (RLIMIT_AS)
+    memory_cap_gib: Optional[float] = None  # CPU only: per-process address-space cap (RLIMIT_AS)
     output_dir: Optional[str] = None  # where metrics.jsonl and result.json go
     save_dir: Optional[str] = None  # a full run saves a Hugging Face checkpoint of its model here at the end
 
@@ -321,11 +321,11 @@ class FullRunSpec:
 class EstimatesSpec:
     """The planner's predictions, kept beside the measurement. None where not estimated."""
 
-    memory_gb: Optional[float] = None  # peak per GPU, GB (1e9 bytes)
+    memory_gib: Optional[float] = None  # peak per GPU, GiB (1e9 bytes)
     step_time_s: Optional[float] = None  # one optimizer step of the full run, seconds
     tokens_per_s_per_gpu: Optional[float] = None
     model_tflops_per_gpu: Optional[float] = None
-    traced_memory_gb: Optional[float] = None  # traced peak per GPU (tensors + overhead), GB; None: not traced
+    traced_memory_gib: Optional[float] = None  # traced peak per GPU (tensors + overhead), GiB; None: not traced
 
 
 @dataclass

@@ -20,10 +20,11 @@ from hp_tool.sharding import (checkpoint_mode_problem, combination_problem, expe
 if TYPE_CHECKING:
     from hp_tool.families.shape import Shape
 
-GB = 1e9  # hp_tool reports memory in GB of 1e9 bytes, as GPU vendors label their memory
+GB = 1e9  # bandwidths are in GB/s of 1e9 bytes, as vendors label links
+GIB = 2 ** 30  # memory is in GiB, as torch.cuda.mem_get_info and nvidia-smi report it
 
 BYTES_PER_VALUE = {"bf16": 2, "fp16": 2, "fp32": 4}
-# tokens per chunk of the chunked loss by default: 4096 x a 128K vocabulary x 4 bytes = 2.1 GB of fp32 logits
+# tokens per chunk of the chunked loss by default: 4096 x a 128K vocabulary x 4 bytes = 2.1 GiB of fp32 logits
 LOSS_CHUNK_TOKENS = 4096
 # context parallelism's ring attention computes a block's scores tile by tile of the query rows, each tile's fp32
 # scores at most RING_SCORE_BYTES, but at least RING_MIN_ROWS query rows, so that a long block is not cut into
@@ -237,16 +238,16 @@ def microbatches_in_flight(layout: Layout, stage: int) -> float:
 
 @dataclass(frozen=True)
 class Hardware:
-    """What the cluster offers per GPU; bandwidths in GB/s per GPU, peak in TFLOPS."""
+    """What the cluster offers per GPU; bandwidths in GiB/s per GPU, peak in TFLOPS."""
 
     gpus_per_node: int
-    gpu_memory_gb: float
+    gpu_memory_gib: float
     peak_tflops: float
     intra_node_bandwidth_gbps: float
     inter_node_bandwidth_gbps: float
-    memory_overhead_gb: float  # framework overhead: CUDA context, allocator slack, comm buffers
+    memory_overhead_gib: float  # framework overhead: CUDA context, allocator slack, comm buffers
     precision: str = "bf16"
-    host_ram_gb: Optional[float] = None  # host RAM per node; None = unknown (offload cannot be planned)
+    host_ram_gib: Optional[float] = None  # host RAM per node; None = unknown (offload cannot be planned)
     pcie_bandwidth_gbps: float = 25.0  # GB/s per GPU and direction between host and GPU (offload traffic)
     memory_bandwidth_gbps: float = 2000.0  # GB/s of GPU memory (QLoRA's dequantisation)
     flash_attention: bool = True  # attention scores are not stored (SDPA / flash kernels)

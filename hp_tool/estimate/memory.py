@@ -32,7 +32,7 @@ from typing import Optional
 from hp_tool.architectures import (Shape, checkpointed_layer_counts, count_parameters, expert_parameters,
                                    layer_parameters, selective_kept_matmuls, stage_expert_parameters,
                                    stage_layer_counts, stage_layer_parameters, vocab_parallel_parameters)
-from hp_tool.estimate.layout import (GB, Hardware, Layout, interleave_held_tensors,
+from hp_tool.estimate.layout import (GIB, Hardware, Layout, interleave_held_tensors,
                                      microbatches_in_flight, rank_shape, ring_tile_rows)
 from hp_tool.estimate.methods import (ADAPTED, NF4_BITS, activation_delta_bytes, adapter_parameters_per_layer,
                                       linear_parameters_per_layer, linear_shapes)
@@ -52,7 +52,7 @@ PRETRAINED_GATHER_BYTES = 2
 # Loading a checkpoint (meta-device init, then tensor by tensor): a process holds one full tensor as stored
 # (16-bit) and as the fp32 value its shard is cut from, 2 + 4 bytes per element of the largest tensor.
 LOAD_COPY_BYTES = 6
-HOST_PROCESS_OVERHEAD_GB = 3.0  # host RAM of one training process (torch, CUDA libraries, data); calibrate
+HOST_PROCESS_OVERHEAD_GIB = 3.0  # host RAM of one training process (torch, CUDA libraries, data); calibrate
 
 
 def layer_activation_bytes(shape: Shape, mbs: int, tp: int, sequence_parallel: bool, hw: Hardware,
@@ -144,16 +144,16 @@ def sharded_state_bytes(shape: Shape, layout: Layout, params: float, stage: int)
 
 @dataclass(frozen=True)
 class HostPhases:
-    """Host RAM of a node in each phase of a run, GB."""
+    """Host RAM of a node in each phase of a run, GiB."""
 
-    load_gb: float  # every node while the checkpoint loads (as train_gb when the run loads none)
-    train_gb: float  # every node while training: the processes and their offloaded shards
-    save_rank0_gb: float  # rank 0's node while it gathers and writes the whole model
+    load_gib: float  # every node while the checkpoint loads (as train_gib when the run loads none)
+    train_gib: float  # every node while training: the processes and their offloaded shards
+    save_rank0_gib: float  # rank 0's node while it gathers and writes the whole model
 
     @property
-    def node_gb(self) -> float:
+    def node_gib(self) -> float:
         """What every node needs: the larger of loading and training."""
-        return max(self.load_gb, self.train_gb)
+        return max(self.load_gib, self.train_gib)
 
 
 def largest_tensor(shape: Shape) -> int:
@@ -161,9 +161,9 @@ def largest_tensor(shape: Shape) -> int:
     return max(shape.vocab_size, shape.ffn_hidden_size) * shape.hidden_size
 
 
-def host_phases_gb(shape: Shape, layout: Layout, gpus_on_node: int, hw: Optional[Hardware] = None) -> HostPhases:
-    """Host RAM per phase of a node with ``gpus_on_node`` processes of ``layout``, GB:
-    train: each process (HOST_PROCESS_OVERHEAD_GB) with its offloaded shard (HOST_OFFLOAD_BYTES per
+def host_phases_gib(shape: Shape, layout: Layout, gpus_on_node: int, hw: Optional[Hardware] = None) -> HostPhases:
+    """Host RAM per phase of a node with ``gpus_on_node`` processes of ``layout``, GiB:
+    train: each process (HOST_PROCESS_OVERHEAD_GIB) with its offloaded shard (HOST_OFFLOAD_BYTES per
     parameter of it, for Adam; another optimizer's own states in place of Adam's 8 bytes) and, with
     activation offload, its offloaded activations (``offloaded_activation_bytes``; ``hw`` needed); load (a pretrained model, read tensor by tensor): each process also holds one full
     tensor (LOAD_COPY_BYTES per element of the largest); save on rank 0: the whole model gathered in fp32
@@ -181,24 +181,24 @@ def host_phases_gb(shape: Shape, layout: Layout, gpus_on_node: int, hw: Optional
     if layout.activation_offload:
         assert hw is not None, "activation offload's host RAM needs the hardware (bytes per value)"
         offloaded += offloaded_activation_bytes(shape, layout, hw)  # (none where the device is the host)
-    train = gpus_on_node * (offloaded + HOST_PROCESS_OVERHEAD_GB * GB)
+    train = gpus_on_node * (offloaded + HOST_PROCESS_OVERHEAD_GIB * GIB)
     load = train + (gpus_on_node * LOAD_COPY_BYTES * largest_tensor(shape) if shape.pretrained else 0.0)
     save = train + (PRETRAINED_GATHER_BYTES if shape.pretrained else CHECKPOINT_GATHER_BYTES) * count_parameters(shape)
-    return HostPhases(load / GB, train / GB, save / GB)
+    return HostPhases(load / GIB, train / GIB, save / GIB)
 
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Peak bytes per GPU on the most loaded pipeline stage, in GB."""
+    """Peak bytes per GPU on the most loaded pipeline stage, in GiB."""
 
-    model_states_gb: float
-    activations_gb: float
-    logits_gb: float
-    overhead_gb: float
+    model_states_gib: float
+    activations_gib: float
+    logits_gib: float
+    overhead_gib: float
 
     @property
-    def total_gb(self) -> float:
-        return self.model_states_gb + self.activations_gb + self.logits_gb + self.overhead_gb
+    def total_gib(self) -> float:
+        return self.model_states_gib + self.activations_gib + self.logits_gib + self.overhead_gib
 
 
 def stage_activation_bytes(shape: Shape, layout: Layout, hw: Hardware, stage: int) -> tuple[float, float]:
@@ -399,7 +399,7 @@ def estimate_memory(shape: Shape, layout: Layout, hw: Hardware) -> MemoryEstimat
         total = states + activations + stage_logits
         if total > best_total:
             best_total = total
-            best = MemoryEstimate(states / GB, activations / GB, stage_logits / GB, hw.memory_overhead_gb)
+            best = MemoryEstimate(states / GIB, activations / GIB, stage_logits / GIB, hw.memory_overhead_gib)
     assert best is not None
     return best
 

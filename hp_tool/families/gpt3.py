@@ -36,7 +36,7 @@ GPT3_SHAPE: Table[tuple[int, int, float]] = [
     (1105, (25600, 160, 3e-5)),
 ]
 
-# 80 GB GPUs, seq 2048: size <= bound -> (global batch size, starting TP, starting PP)
+# 80 GiB GPUs, seq 2048: size <= bound -> (global batch size, starting TP, starting PP)
 GPT3_GBS_TP_PP: Table[tuple[int, int, int]] = [
     (1, (256, 1, 1)),
     (4, (1024, 1, 1)),
@@ -51,7 +51,7 @@ GPT3_GBS_TP_PP: Table[tuple[int, int, int]] = [
     (1100, (2048, 8, 64)),
 ]
 
-# Candidate grid, 80 GB, seq 2048: size <= bound -> (TP, PP, MBS, (min, max) of TP*PP)
+# Candidate grid, 80 GiB, seq 2048: size <= bound -> (TP, PP, MBS, (min, max) of TP*PP)
 GPT3_GRID: Table[tuple[list[int], list[int], list[int], tuple[int, int]]] = [
     (1, ([1, 2], [1], [1, 2, 3, 4, 6, 8], (1, 8))),
     (4, ([1, 2, 4], [1], [1, 2, 3, 4, 6, 8], (1, 8))),

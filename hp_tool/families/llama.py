@@ -41,7 +41,7 @@ LLAMA_GBS_TP_PP: Table[tuple[int, int, int]] = [
     (500, (2**24, 8, 16)),
 ]
 
-# Candidate grid, 80 GB, by sequence length: size <= bound -> (TP, PP, MBS, (min, max) of TP*PP).
+# Candidate grid, 80 GiB, by sequence length: size <= bound -> (TP, PP, MBS, (min, max) of TP*PP).
 # Rows up to 95B (seq 4096) and 45B (seq 8192) are NeMo's GPT tables for those lengths (REFERENCE 9);
 # NeMo stops there and falls back to TP<=8, PP=1 with no memory check, which proposes TP1 PP1 for a 70B
 # at seq 8192. The last rows extend them to deeper pipelines; the memory model prunes what cannot fit.

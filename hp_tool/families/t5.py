@@ -42,7 +42,7 @@ T5_SHAPE: Table[tuple[int, int, int, int]] = [
 MT5_SHAPE: Table[tuple[int, int, int, int]] = [(0.25, T5_SHAPE[0][1]), (0.5, T5_SHAPE[1][1]),
                                                (1.2, T5_SHAPE[2][1])] + list(T5_SHAPE[3:])
 
-# 80 GB GPUs, seq 512: size <= bound -> (global batch size, starting TP, starting PP)
+# 80 GiB GPUs, seq 512: size <= bound -> (global batch size, starting TP, starting PP)
 T5_GBS_TP_PP: Table[tuple[int, int, int]] = [
     (1, (2048, 1, 1)),
     (5, (1920, 2, 1)),
@@ -55,7 +55,7 @@ T5_GBS_TP_PP: Table[tuple[int, int, int]] = [
     (250, (1920, 8, 32)),
 ]
 
-# Candidate grid, 80 GB, seq 512: size <= bound -> (TP, PP, MBS, (min, max) of TP*PP). PP values are kept
+# Candidate grid, 80 GiB, seq 512: size <= bound -> (TP, PP, MBS, (min, max) of TP*PP). PP values are kept
 # only where they split both stacks (architectures.pipeline_problem).
 T5_GRID: Table[tuple[list[int], list[int], list[int], tuple[int, int]]] = [
     (1, ([1, 2], [1], [16, 32, 64, 128], (1, 8))),

@@ -16,7 +16,7 @@ from typing import Optional
 from hp_tool.architectures import Shape, layer_parameters, vocab_parallel_parameters
 from hp_tool.config import InferenceSettings
 from hp_tool.errors import ConfigError, require
-from hp_tool.estimate.layout import GB, Hardware, Layout
+from hp_tool.estimate.layout import GIB, Hardware, Layout
 from hp_tool.fingerprint import fingerprint_of
 from hp_tool.fsutil import atomic_write_text
 from hp_tool.contracts.spec import ModelSpec
@@ -40,7 +40,7 @@ class InferenceCandidate:
     batch_size: int
     status: str  # valid | invalid | over_memory
     reason: Optional[str] = None
-    memory_gb: Optional[float] = None  # predicted peak per GPU, GB
+    memory_gib: Optional[float] = None  # predicted peak per GPU, GiB
 
     @property
     def gpus(self) -> int:
@@ -111,14 +111,14 @@ def weight_bytes(shape: Shape, tp: int, pp: int, bytes_per_value: int) -> float:
     return max(first, last) * bytes_per_value
 
 
-def memory_gb(shape: Shape, settings: InferenceSettings, tp: int, pp: int, batch: int,
+def memory_gib(shape: Shape, settings: InferenceSettings, tp: int, pp: int, batch: int,
               hw: Hardware, bytes_per_value: int) -> float:
-    """Predicted peak memory per GPU in GB: weights + KV cache + one step's activations + overhead."""
+    """Predicted peak memory per GPU in GiB: weights + KV cache + one step's activations + overhead."""
     tokens = settings.input_seq_len + settings.output_seq_len
     total = (weight_bytes(shape, tp, pp, bytes_per_value)
              + kv_cache_bytes(shape, tp, pp, batch, tokens, bytes_per_value)
              + step_activation_bytes(shape, tp, batch, settings.input_seq_len, bytes_per_value))
-    return total / GB + hw.memory_overhead_gb
+    return total / GIB + hw.memory_overhead_gib
 
 
 def build_grid(shape: Shape, label: str, settings: InferenceSettings, hw: Hardware,
@@ -133,9 +133,9 @@ def build_grid(shape: Shape, label: str, settings: InferenceSettings, hw: Hardwa
                 if problem:
                     out.append(InferenceCandidate(cid, tp, pp, bs, "invalid", problem))
                     continue
-                need = memory_gb(shape, settings, tp, pp, bs, hw, bytes_per_value)
-                if need > hw.gpu_memory_gb:
-                    reason = f"needs {need:.2f} GB per GPU, more than the {hw.gpu_memory_gb:g} GB available"
+                need = memory_gib(shape, settings, tp, pp, bs, hw, bytes_per_value)
+                if need > hw.gpu_memory_gib:
+                    reason = f"needs {need:.2f} GiB per GPU, more than the {hw.gpu_memory_gib:g} GiB available"
                     out.append(InferenceCandidate(cid, tp, pp, bs, "over_memory", reason, need))
                 else:
                     out.append(InferenceCandidate(cid, tp, pp, bs, "valid", None, need))
@@ -149,7 +149,7 @@ def plan_grid(shape: Shape, label: str, settings: InferenceSettings, hw: Hardwar
     check_settings(shape, settings, hw.gpus_per_node)
     grid = build_grid(shape, label, settings, hw, bytes_per_value)
     if not any(c.status == "valid" for c in grid):
-        smallest = min((c for c in grid if c.memory_gb is not None), key=lambda c: c.memory_gb)
+        smallest = min((c for c in grid if c.memory_gib is not None), key=lambda c: c.memory_gib)
         raise ConfigError(f"{IS}.max_batch_sizes", settings.max_batch_sizes,
                           f"no layout fits in GPU memory (smallest: {smallest.config_id}, "
                           f"{smallest.reason})", "use smaller batch sizes or larger TP / PP")

@@ -27,7 +27,7 @@ RESULT_FIELDS = (
 SUMMARY_COLUMNS = (
     "config_id", "status", "tp", "pp", "batch_size", "num_gpus", "latency_ms_p50", "latency_ms_p95",
     "latency_ms_p99", "time_to_first_token_ms", "samples_per_s", "tokens_per_s", "tokens_per_s_per_gpu",
-    "meets_latency_bound", "predicted_memory_gb", "reason",
+    "meets_latency_bound", "predicted_memory_gib", "reason",
 )
 SUMMARY_DIR = Path("inference") / "final_summary"
 SUMMARY_CSV, PLOT_FILE = "final_output.csv", "latency_vs_throughput.png"

@@ -84,7 +84,7 @@ def collect_rows(plan: InferencePlan) -> list[dict]:
     rows = []
     for c in plan.candidates:
         row: dict[str, Any] = {"config_id": c.config_id, "tp": c.tp, "pp": c.pp, "batch_size": c.batch_size,
-                               "num_gpus": c.gpus, "predicted_memory_gb": c.memory_gb}
+                               "num_gpus": c.gpus, "predicted_memory_gib": c.memory_gib}
         result = report.read_result(plan.root / c.config_id) if c.status == "valid" else None
         expected = plan.configs[c.config_id].fingerprint() if c.status == "valid" else None
         if result is None:
@@ -113,7 +113,7 @@ def write_summary(app: AppConfig, plan: InferencePlan, results_dir: Path):
     return frame
 
 
-PLAN_COLUMNS = ("config_id", "tp", "pp", "batch_size", "num_gpus", "predicted_memory_gb", "plan_status",
+PLAN_COLUMNS = ("config_id", "tp", "pp", "batch_size", "num_gpus", "predicted_memory_gib", "plan_status",
                 "fingerprint", "reason")
 
 
@@ -125,7 +125,7 @@ def plan_csv_text(plan: InferencePlan) -> str:
     for c in plan.candidates:
         cfg = plan.configs.get(c.config_id)
         writer.writerow({"config_id": c.config_id, "tp": c.tp, "pp": c.pp, "batch_size": c.batch_size,
-                         "num_gpus": c.gpus, "predicted_memory_gb": "" if c.memory_gb is None else round(c.memory_gb, 4),
+                         "num_gpus": c.gpus, "predicted_memory_gib": "" if c.memory_gib is None else round(c.memory_gib, 4),
                          "plan_status": c.status, "fingerprint": cfg.fingerprint() if cfg else "",
                          "reason": c.reason or ""})
     return buf.getvalue()

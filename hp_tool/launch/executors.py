@@ -18,7 +18,7 @@ from hp_tool.errors import ConfigError
 from hp_tool.launch.job import JobSpec
 from hp_tool.launch.slurm import command_output, partition_cpus_per_node
 
-LOCAL_MEMORY_TOLERANCE = 0.9  # nvidia-smi's MiB vs a datasheet's GB; an 80 GB part shows ~79.6 GiB
+LOCAL_MEMORY_TOLERANCE = 0.9  # nvidia-smi's MiB vs a datasheet's GB; an 80 GiB part shows ~79.6 GiB
 SIGNAL_DELAY_S = 60  # submitit signals the job this long before its limit; the engine stops earlier
 
 
@@ -27,8 +27,8 @@ def slurm_reachable() -> bool:
     return shutil.which("sbatch") is not None and command_output(["sinfo", "-h"], timeout_s=15) is not None
 
 
-def local_gpu_memory_gb() -> list[float]:
-    """Memory in GB of each GPU on this machine, from nvidia-smi (no torch import); [] without GPUs."""
+def local_gpu_memory_gib() -> list[float]:
+    """Memory in GiB of each GPU on this machine, from nvidia-smi (no torch import); [] without GPUs."""
     out = command_output(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"]) or ""
     return [float(line) * 2**20 / 1e9 for line in out.split() if line.isdigit()]
 
@@ -44,13 +44,13 @@ def local_problem(gpu: GpuConfig, jobs: Iterable[tuple[int, int]],
         return f"a trial spans {nodes} nodes and this machine is one"
     if gpu.name == "cpu":
         return None
-    gpus_here = local_gpu_memory_gb() if gpus_here is None else gpus_here
+    gpus_here = local_gpu_memory_gib() if gpus_here is None else gpus_here
     if not gpus_here:
         return f"gpu={gpu.name} was asked for and this machine has no GPU (nvidia-smi lists none)"
     if procs > len(gpus_here):
         return f"a trial needs {procs} GPUs and this machine has {len(gpus_here)}"
-    if min(gpus_here) < LOCAL_MEMORY_TOLERANCE * gpu.memory_gb:
-        return (f"its GPUs have {min(gpus_here):.0f} GB, less than the {gpu.memory_gb:g} GB of "
+    if min(gpus_here) < LOCAL_MEMORY_TOLERANCE * gpu.memory_gib:
+        return (f"its GPUs have {min(gpus_here):.0f} GiB, less than the {gpu.memory_gib:g} GiB of "
                 f"gpu={gpu.name}")
     return None
 

@@ -59,10 +59,10 @@ TABLE_COLUMNS = (
     "measured_step_time_mean_s", "measured_step_time_std_s", "steps_run", "steps_measured",
     "full_run_tokens_per_s", "full_run_tokens_per_s_per_gpu", "tokens_per_s_per_gpu",
     "predicted_tokens_per_s_per_gpu", "model_tflops_per_gpu", "mfu",
-    "peak_memory_gb", "predicted_memory_gb", "memory_error_pct", "calibrated_memory_gb", "traced_memory_gb",
+    "peak_memory_gib", "predicted_memory_gib", "memory_error_pct", "calibrated_memory_gib", "traced_memory_gib",
     "traced_memory_error_pct",
-    "memory_check", "peak_tensor_memory_gb", "predicted_full_memory_gb", "predicted_host_memory_gb",
-    "gpu_memory_gb", "peak_memory_pct_of_gpu",
+    "memory_check", "peak_tensor_memory_gib", "predicted_full_memory_gib", "predicted_host_memory_gib",
+    "gpu_memory_gib", "peak_memory_pct_of_gpu",
     "days_to_train", "predicted_days_to_train", "full_run_cost_usd", "cost_usd_per_million_tokens",
     "gpu_hour_price_usd", "predicted_rank", "stop_reason", "final_loss", "device", "start_time", "end_time",
     "fingerprint", "seq_length", "tokens_per_hour", "hours_per_epoch", "cost_usd_per_epoch", "optimizer",
@@ -164,7 +164,7 @@ def _one_line(reason: Any) -> Optional[str]:
 
 
 def _measured(result: dict) -> dict:
-    """The table's measured columns from a result dict (seconds, GB, tokens/s, TFLOPS)."""
+    """The table's measured columns from a result dict (seconds, GiB, tokens/s, TFLOPS)."""
     return {
         "status": result.get("status"), "reason": _one_line(result.get("reason")),
         "measured_step_time_s": number(result.get("step_time_s_median")),
@@ -173,8 +173,8 @@ def _measured(result: dict) -> dict:
         "steps_run": number(result.get("steps_run")), "steps_measured": number(result.get("steps_measured")),
         "tokens_per_s_per_gpu": number(result.get("tokens_per_s_per_gpu")),
         "model_tflops_per_gpu": number(result.get("model_tflops_per_gpu")),
-        "mfu": number(result.get("mfu")), "peak_memory_gb": number(result.get("peak_memory_gb")),
-        "peak_tensor_memory_gb": number(result.get("peak_tensor_memory_gb")),
+        "mfu": number(result.get("mfu")), "peak_memory_gib": number(result.get("peak_memory_gib")),
+        "peak_tensor_memory_gib": number(result.get("peak_tensor_memory_gib")),
         "trial_world_size": number(result.get("world_size")), "stop_reason": result.get("stop_reason"),
         "final_loss": number(result.get("final_loss")), "device": result.get("device"),
         "start_time": result.get("start_time"), "end_time": result.get("end_time"),
@@ -183,12 +183,12 @@ def _measured(result: dict) -> dict:
 
 def full_run_columns(row: dict, full: FullRun) -> dict:
     """Full-run step time (s), throughput, days and cost from a trial's measured step time."""
-    cols = {"gpu_memory_gb": full.gpu_memory_gb, "gpu_hour_price_usd": full.gpu_hour_price}
+    cols = {"gpu_memory_gib": full.gpu_memory_gib, "gpu_hour_price_usd": full.gpu_hour_price}
     tp, pp, dp, trial_dp = row.get("tp"), row.get("pp"), row.get("dp"), row.get("trial_dp")
     cp = row.get("cp") or 1
     cols["num_gpus"] = tp * pp * cp * dp if tp and pp and dp else None
-    if row.get("peak_memory_gb") is not None:
-        cols["peak_memory_pct_of_gpu"] = 100 * row["peak_memory_gb"] / full.gpu_memory_gb
+    if row.get("peak_memory_gib") is not None:
+        cols["peak_memory_pct_of_gpu"] = 100 * row["peak_memory_gib"] / full.gpu_memory_gib
     if row.get("trial_world_size") is None and tp and pp and trial_dp:
         cols["trial_world_size"] = tp * pp * cp * trial_dp
     measured = row.get("measured_step_time_s")
@@ -239,25 +239,25 @@ def to_frame(rows: list[dict]) -> pd.DataFrame:
         df[name] = df[name].astype("object").where(df[name].notna(), None)
     for name in BOOL_COLUMNS:
         df[name] = df[name].astype("boolean")
-    measured = df["peak_memory_gb"]
-    df["memory_error_pct"] = 100 * (measured - df["predicted_memory_gb"]) / df["predicted_memory_gb"]
-    df["traced_memory_error_pct"] = 100 * (measured - df["traced_memory_gb"]) / df["traced_memory_gb"]
+    measured = df["peak_memory_gib"]
+    df["memory_error_pct"] = 100 * (measured - df["predicted_memory_gib"]) / df["predicted_memory_gib"]
+    df["traced_memory_error_pct"] = 100 * (measured - df["traced_memory_gib"]) / df["traced_memory_gib"]
     return df
 
 
 def calibrate(df: pd.DataFrame) -> pd.DataFrame:
     """Every candidate's prediction again, with the step-time factors and memory offset the measured trials
     give (:mod:`hp_tool.calibration`): ``calibrated_step_time_s`` beside the raw ``predicted_step_time_s``,
-    ``calibrated_memory_gb`` beside ``predicted_memory_gb``; the raw figures where nothing was measured."""
+    ``calibrated_memory_gib`` beside ``predicted_memory_gib``; the raw figures where nothing was measured."""
     ok = df[(df["status"] == OK) & df[RANK_COLUMN].notna() & df["predicted_compute_s"].notna()]
     factors = fit_step_factors([StepPoint(r.predicted_compute_s, r.predicted_comm_s, r.full_run_step_time_s,
                                           (r.tp, r.pp)) for r in ok.itertuples()])
     df["calibrated_step_time_s"] = [factors.predict(c, m, (tp, pp)) for c, m, tp, pp in
                                     zip(df["predicted_compute_s"], df["predicted_comm_s"], df["tp"], df["pp"])]
     df["calibrated_step_time_error_pct"] = 100 * (df[RANK_COLUMN] / df["calibrated_step_time_s"] - 1)
-    measured = df[(df["status"] == OK) & df["peak_memory_gb"].notna() & df["predicted_memory_gb"].notna()]
-    offset = fit_memory_offset(list(measured["predicted_memory_gb"]), list(measured["peak_memory_gb"]))
-    df["calibrated_memory_gb"] = df["predicted_memory_gb"] + (offset or 0.0)
+    measured = df[(df["status"] == OK) & df["peak_memory_gib"].notna() & df["predicted_memory_gib"].notna()]
+    offset = fit_memory_offset(list(measured["predicted_memory_gib"]), list(measured["peak_memory_gib"]))
+    df["calibrated_memory_gib"] = df["predicted_memory_gib"] + (offset or 0.0)
     if factors.points:
         residuals = ", ".join(f"TP{tp} PP{pp} x{r:.3g}" for (tp, pp), r in sorted(factors.residuals.items()))
         log.info("Calibrated on %d trials: compute x%.3g, communication x%.3g%s, per regime %s, memory %+.3g GB",

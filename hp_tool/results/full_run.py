@@ -19,7 +19,7 @@ BASE_PREFIX = "base_cfg_"
 
 @dataclass(frozen=True)
 class FullRun:
-    """Shape, cluster and schedule of the full run; memory in GB, price in dollars per GPU-hour."""
+    """Shape, cluster and schedule of the full run; memory in GiB, price in dollars per GPU-hour."""
 
     label: str  # model size label used in file names, e.g. 5b
     base: TrialSpec
@@ -49,10 +49,10 @@ class FullRun:
     @property
     def hw(self) -> Hardware:
         r = self.base.resources
-        # memory_overhead_gb only matters for memory estimates, not for the step-time terms used here
-        return Hardware(r.gpus_per_node, r.gpu_memory_gb, r.peak_tflops_per_gpu, r.intra_node_bandwidth_gbps,
-                        r.inter_node_bandwidth_gbps, memory_overhead_gb=0.0,
-                        precision=self.base.training.precision, host_ram_gb=r.host_ram_gb,
+        # memory_overhead_gib only matters for memory estimates, not for the step-time terms used here
+        return Hardware(r.gpus_per_node, r.gpu_memory_gib, r.peak_tflops_per_gpu, r.intra_node_bandwidth_gbps,
+                        r.inter_node_bandwidth_gbps, memory_overhead_gib=0.0,
+                        precision=self.base.training.precision, host_ram_gib=r.host_ram_gib,
                         pcie_bandwidth_gbps=r.pcie_bandwidth_gbps)
 
     @property
@@ -65,8 +65,8 @@ class FullRun:
         return self.base.full_run.max_steps
 
     @property
-    def gpu_memory_gb(self) -> float:
-        return self.base.resources.gpu_memory_gb
+    def gpu_memory_gib(self) -> float:
+        return self.base.resources.gpu_memory_gib
 
     @property
     def gpu_hour_price(self) -> Optional[float]:

@@ -42,13 +42,13 @@ def ds_config_path(folder: Path, full: FullRun) -> Path:
 
 def optimal_spec(trial: TrialSpec, best: pd.Series, full: FullRun) -> TrialSpec:
     """``trial`` (the fastest candidate's spec) on the full run's nodes, DP, global batch and steps;
-    estimates: the trial's measured peak memory per GPU (GB) and the extrapolated step time (s)."""
+    estimates: the trial's measured peak memory per GPU (GiB) and the extrapolated step time (s)."""
     fr, base = trial.full_run, full.base
     step_s = float(best["full_run_step_time_s"])
     gpus = fr.num_nodes * base.resources.gpus_per_node
     minutes = max(base.run.max_minutes, math.ceil(fr.max_steps * step_s / 60 * RUN_TIME_MARGIN))
     rate = throughput(trial.model.shape(), fr.global_batch_size, step_s, gpus, base.resources.peak_tflops_per_gpu)
-    peak = best["peak_memory_gb"]
+    peak = best["peak_memory_gib"]
     return dataclasses.replace(
         trial,
         parallel=dataclasses.replace(trial.parallel, dp=fr.dp),
@@ -59,7 +59,7 @@ def optimal_spec(trial: TrialSpec, best: pd.Series, full: FullRun) -> TrialSpec:
         run=dataclasses.replace(base.run, mode="full", max_steps=fr.max_steps, max_minutes=float(minutes),
                                 output_dir=None),
         estimates=EstimatesSpec(
-            memory_gb=None if pd.isna(peak) else round(float(peak), 4),
+            memory_gib=None if pd.isna(peak) else round(float(peak), 4),
             step_time_s=round(step_s, 6),
             tokens_per_s_per_gpu=round(rate["tokens_per_s_per_gpu"], 3),
             model_tflops_per_gpu=round(rate["model_tflops_per_gpu"], 4)),
@@ -90,7 +90,7 @@ def _header(spec: TrialSpec, best: pd.Series, n_ranked: int, ds_name: str) -> st
         f"# Estimated days to train: {days:.4g} ({spec.run.max_steps:,} steps x "
         f"{best['full_run_step_time_s']:.6g} s = {format_days(days)}).\n"
         f"{cost}"
-        f"# estimates.memory_gb is the trial's measured peak per GPU (GB); more data-parallel shards in the\n"
+        f"# estimates.memory_gib is the trial's measured peak per GPU (GiB); more data-parallel shards in the\n"
         f"# full run can only lower it under FSDP.\n"
         f"# Train: torchrun --nnodes {spec.resources.num_nodes} --nproc-per-node "
         f"{spec.resources.gpus_per_node} -m hp_tool.trial.train <this file>   ({gpus} processes)\n"

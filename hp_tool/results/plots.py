@@ -85,13 +85,13 @@ def _scatter(ax, df: pd.DataFrame, predicted: str | list[tuple[str, str]], measu
 
 
 def plot_predicted_vs_measured(df: pd.DataFrame, path: Path) -> Path:
-    """Two panels: peak memory per GPU in the trial (GB), measured against the analytic estimate and the
+    """Two panels: peak memory per GPU in the trial (GiB), measured against the analytic estimate and the
     trace (both with the overhead constant), and full-run step time (s) against the planner's prediction;
     points on the dashed line were predicted exactly."""
     fig = Figure(figsize=(11, 4.8), layout="constrained")
     mem_ax, time_ax = fig.subplots(1, 2)
-    _scatter(mem_ax, df, [("predicted_memory_gb", "analytic"), ("traced_memory_gb", "traced")], "peak_memory_gb",
-             "peak memory per GPU (GB)", log=False)
+    _scatter(mem_ax, df, [("predicted_memory_gib", "analytic"), ("traced_memory_gib", "traced")], "peak_memory_gib",
+             "peak memory per GPU (GiB)", log=False)
     _scatter(time_ax, df, "predicted_step_time_s", "full_run_step_time_s", "full-run step time (s)",
              log=True)
     mem_ax.set_title("Memory")

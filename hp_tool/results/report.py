@@ -42,7 +42,7 @@ SUMMARY_COLUMNS = (
     "rank", "trial_id", "tp", "pp", "dp", "mbs", "act_ckpt_layers", "act_ckpt_mode", "engine", "zero_stage", "offload",
     "global_batch_size", "num_nodes", "num_gpus", RANK_COLUMN, "predicted_step_time_s", "measured_step_time_s",
     "full_run_tokens_per_s_per_gpu", "tokens_per_s_per_gpu", "model_tflops_per_gpu", "mfu",
-    "peak_memory_gb", "predicted_memory_gb", "peak_memory_pct_of_gpu", "days_to_train",
+    "peak_memory_gib", "predicted_memory_gib", "peak_memory_pct_of_gpu", "days_to_train",
     "full_run_cost_usd", "cost_usd_per_million_tokens", "status",
 )
 # a fine-tuning search's summary adds the cookbook's columns: context length -> tokens/hour, hours and $ per epoch
@@ -136,8 +136,8 @@ def _memory_note(ranked: pd.DataFrame) -> str:
     pct = best["peak_memory_pct_of_gpu"]
     if pd.isna(pct) or pct <= MEMORY_LIMIT_PCT:
         return ""
-    note = (f" Its peak memory, {best['peak_memory_gb']:.2f} GB, is {pct:.1f}% of the "
-            f"{best['gpu_memory_gb']:g} GB per GPU, above {MEMORY_LIMIT_PCT:g}%: the full run may run "
+    note = (f" Its peak memory, {best['peak_memory_gib']:.2f} GiB, is {pct:.1f}% of the "
+            f"{best['gpu_memory_gib']:g} GiB per GPU, above {MEMORY_LIMIT_PCT:g}%: the full run may run "
             f"out of memory.")
     safe = ranked[ranked["peak_memory_pct_of_gpu"] <= MEMORY_LIMIT_PCT]
     if safe.empty:
@@ -180,7 +180,7 @@ def render_summary(df: pd.DataFrame, top_n: int, full: FullRun, paths: dict[str,
     table = Table(title=f"Fastest {min(top_n, len(ranked))} of {len(ranked)} on {full.num_nodes} node(s)")
     finetune = full.epoch_tokens is not None
     headers = ["rank", "trial_id", "TP", "PP", "DP", "MBS", "ckpt", "ZeRO", "step s", "tok/s/GPU", "MFU",
-               "mem GB", "days", "$ / M tok"]
+               "mem GiB", "days", "$ / M tok"]
     if finetune:
         headers[2:2] = ["seq"]
         headers += ["M tok/h", "h/epoch", "$/epoch"]
@@ -198,7 +198,7 @@ def render_summary(df: pd.DataFrame, top_n: int, full: FullRun, paths: dict[str,
                  str(r["act_ckpt_layers"]) + (" sel" if r.get("act_ckpt_mode") == "selective" else ""),
                  str(r["zero_stage"]), f"{r[RANK_COLUMN]:.4g}",
                  f"{r['full_run_tokens_per_s_per_gpu']:,.0f}", cell(100 * r["mfu"], ".1f") + ("%" if not pd.isna(r["mfu"]) else ""),
-                 cell(r["peak_memory_gb"], ".2f"), f"{r['days_to_train']:.3g}",
+                 cell(r["peak_memory_gib"], ".2f"), f"{r['days_to_train']:.3g}",
                  cell(r["cost_usd_per_million_tokens"], ".3g")]
         if finetune:
             cells[2:2] = [str(r["seq_length"])]

@@ -22,7 +22,7 @@ OK = "ok"
 TIMEOUT_SPAN_FRACTION = 0.9
 # Measurements filled from metrics.jsonl when result.json (e.g. the launcher's) leaves them empty.
 TIMING_FIELDS = ("steps_run", "steps_measured", "step_time_s_median", "step_time_s_mean",
-                 "step_time_s_std", "peak_memory_gb", "final_loss")
+                 "step_time_s_std", "peak_memory_gib", "final_loss")
 
 
 def number(value: Any) -> Optional[float]:
@@ -127,16 +127,16 @@ def _fill_timing(result: dict, steps: list[dict]) -> None:
 
 
 def timing_of(steps: list[dict]) -> dict:
-    """Step-time statistics (seconds) over the timed steps; peak memory (GB) over all steps (metrics.jsonl
+    """Step-time statistics (seconds) over the timed steps; peak memory (GiB) over all steps (metrics.jsonl
     rows, as ``read_metrics`` returns them)."""
     timed = [float(s["step_time_s"]) for s in steps if s.get("timed") is True]
-    memory = [m for m in (number(s.get("memory_gb")) for s in steps) if m is not None]
+    memory = [m for m in (number(s.get("memory_gib")) for s in steps) if m is not None]
     losses = [x for x in (number(s.get("loss")) for s in steps) if x is not None]
     stats = step_stats(timed)
     return {
         "steps_run": len(steps), "steps_measured": stats["count"], "step_time_s_median": stats["median"],
         "step_time_s_mean": stats["mean"], "step_time_s_std": stats["std"],
-        "peak_memory_gb": max(memory) if memory else None,
+        "peak_memory_gib": max(memory) if memory else None,
         "first_losses": losses[:FIRST_LOSSES], "final_loss": losses[-1] if losses else None,
     }
 

@@ -1,7 +1,7 @@
 """The language-model loss without whole logits: the output projection and the cross-entropy computed over
 chunks of tokens, so fp32 logits never exist for more than ``chunk_tokens`` tokens at a time.
 
-At long context the logits dominate memory: one 32K-token sequence over a 128K vocabulary is 16.8 GB of fp32
+At long context the logits dominate memory: one 32K-token sequence over a 128K vocabulary is 16.8 GiB of fp32
 logits, and their gradient as much again (REFERENCE §15). ``chunked_linear_cross_entropy`` computes, chunk by
 chunk in the forward pass, the loss and both gradients it needs (of the hidden states and of the head's
 weight), as Liger's fused linear cross-entropy does on GPU; the backward pass only scales them by the

@@ -25,7 +25,7 @@ from hp_tool.contracts.spec import RunSpec
 
 log = logging.getLogger(__name__)
 
-GB = 1e9
+GIB = 2 ** 30  # memory in GiB, as torch.cuda.mem_get_info and nvidia-smi report it
 STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
 
 
@@ -110,12 +110,12 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def peak_memory_gb(device: torch.device) -> tuple[float, Optional[float]]:
-    """(peak allocated, peak reserved) of this process in GB; on CPU the peak RSS and None."""
+def peak_memory_gib(device: torch.device) -> tuple[float, Optional[float]]:
+    """(peak allocated, peak reserved) of this process in GiB; on CPU the peak RSS and None."""
     if device.type == "cuda":
-        return (torch.cuda.max_memory_allocated(device) / GB,
-                torch.cuda.max_memory_reserved(device) / GB)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB, None  # ru_maxrss is KiB
+        return (torch.cuda.max_memory_allocated(device) / GIB,
+                torch.cuda.max_memory_reserved(device) / GIB)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB, None  # ru_maxrss is KiB
 
 
 class MetricsWriter:

@@ -50,8 +50,8 @@ def target_hardware(spec: TrialSpec, device_type: str) -> Hardware:
     """The analytic model's view of the trial's device: its precision on a GPU, fp32 on CPU (as the engine
     computes there); sizes and speeds do not enter the terms."""
     precision = spec.training.precision if device_type == "cuda" else "fp32"
-    return Hardware(gpus_per_node=8, gpu_memory_gb=80, peak_tflops=1, intra_node_bandwidth_gbps=1,
-                    inter_node_bandwidth_gbps=1, memory_overhead_gb=0.0, precision=precision,
+    return Hardware(gpus_per_node=8, gpu_memory_gib=80, peak_tflops=1, intra_node_bandwidth_gbps=1,
+                    inter_node_bandwidth_gbps=1, memory_overhead_gib=0.0, precision=precision,
                     device_is_host=device_type == "cpu")
 
 

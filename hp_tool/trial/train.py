@@ -44,16 +44,16 @@ def output_dir_for(spec: TrialSpec, output_dir: Optional[str]) -> Path:
 
 
 def apply_memory_cap(spec: TrialSpec, device: torch.device) -> None:
-    """On CPU, cap this process's address space at run.memory_cap_gb so over-allocation fails for real."""
-    cap = spec.run.memory_cap_gb
+    """On CPU, cap this process's address space at run.memory_cap_gib so over-allocation fails for real."""
+    cap = spec.run.memory_cap_gib
     if cap is None or device.type != "cpu":
         return
-    limit = int(cap * measure.GB)
+    limit = int(cap * measure.GIB)
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     if hard != resource.RLIM_INFINITY:
         limit = min(limit, hard)
     resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
-    log.info("address space capped at %.2f GB (run.memory_cap_gb)", limit / measure.GB)
+    log.info("address space capped at %.2f GIB (run.memory_cap_gib)", limit / measure.GIB)
 
 
 def _reduce(values: list[float], op, device: torch.device) -> list[float]:
@@ -104,7 +104,7 @@ def run_loop(engine: Engine, out: Path, t_start: float, flag: measure.SignalFlag
             losses.append(loss_sum if dist.is_initialized() else float(loss))
             writer.write({"step": step, "step_time_s": step_s, "loss": losses[-1], "grad_norm": engine.grad_norm,
                           "lr": lr_at(step - 1, spec.training), "tokens": tokens,
-                          "memory_gb": measure.peak_memory_gb(device)[0], "timed": is_timed,
+                          "memory_gib": measure.peak_memory_gib(device)[0], "timed": is_timed,
                           "time": time.time()})
             request = res.read_stop_request(out) if rank0 else None
             reason = _stop_code(rule, step, measure.now_s() - t_start, step_s, timed, signals > 0,
@@ -141,9 +141,9 @@ class _TensorPeakSteps:
 def _finish(spec: TrialSpec, result: dict, outcome: dict, device: torch.device, world: int) -> dict:
     """Fill the result's measurements from the loop outcome (peak memory: max over ranks)."""
     stats = res.step_stats(outcome["timed"])
-    peak, reserved = measure.peak_memory_gb(device)
+    peak, reserved = measure.peak_memory_gib(device)
     tensors = outcome["tensor_peak_bytes"]
-    peak, reserved_max, tensors_max = _reduce([peak, reserved or 0.0, (tensors or 0) / measure.GB],
+    peak, reserved_max, tensors_max = _reduce([peak, reserved or 0.0, (tensors or 0) / measure.GIB],
                                               dist.ReduceOp.MAX, device)
     measured = stats["count"] > 0
     result.update(
@@ -152,8 +152,8 @@ def _finish(spec: TrialSpec, result: dict, outcome: dict, device: torch.device, 
         stop_reason=outcome["stop_reason"], steps_run=outcome["steps_run"],
         steps_measured=stats["count"], step_time_s_median=stats["median"],
         step_time_s_mean=stats["mean"], step_time_s_std=stats["std"],
-        peak_memory_gb=peak, peak_memory_reserved_gb=reserved_max if reserved is not None else None,
-        peak_tensor_memory_gb=tensors_max if tensors is not None else None,
+        peak_memory_gib=peak, peak_memory_reserved_gib=reserved_max if reserved is not None else None,
+        peak_tensor_memory_gib=tensors_max if tensors is not None else None,
         first_losses=outcome["losses"][:res.FIRST_LOSSES],
         final_loss=outcome["losses"][-1] if outcome["losses"] else None,
         end_time=res.iso_utc(time.time()),
@@ -170,7 +170,7 @@ def _fail(exc: Exception, spec: TrialSpec, result: dict, out: Path, env: tdist.D
     """Record the failure; rank 0 names the earliest failure of any rank. Multi-process: exit at once."""
     root = res.record_failure(exc, out, env.rank, env.world_size, f"trial {spec.trial_id}")
     result.update(status=root["status"], reason=root["reason"], stop_reason=None,
-                  peak_memory_gb=measure.peak_memory_gb(engine_device(result))[0],
+                  peak_memory_gib=measure.peak_memory_gib(engine_device(result))[0],
                   end_time=res.iso_utc(time.time()))
     res.write_and_leave(out, env.rank, env.world_size, lambda: res.write_result(out, result))
     return result

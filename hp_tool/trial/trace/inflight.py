@@ -14,7 +14,7 @@ from hp_tool.contracts.spec import TrialSpec
 from hp_tool.estimate.layout import interleave_held_tensors, microbatches_in_flight
 from hp_tool.trial.rank import compute_dtype
 
-GB = 1e9
+GIB = 2 ** 30  # memory in GiB, as torch.cuda.mem_get_info and nvidia-smi report it
 
 
 @dataclass(frozen=True)
@@ -34,8 +34,8 @@ class StageTrace:
         return max(self.train_bytes, self.first_step_bytes, self.state_bytes + self.step_transient_bytes)
 
     @property
-    def peak_gb(self) -> float:
-        return self.peak_bytes / GB
+    def peak_gib(self) -> float:
+        return self.peak_bytes / GIB
 
 
 def combine(terms: list[tuple[StageTrace, float]]) -> StageTrace:

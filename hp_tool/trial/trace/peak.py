@@ -1,12 +1,12 @@
 """Peak bytes of one rank's live tensor storages: ``TensorPeak``, the count both the real trial (its first
-untimed steps, ``peak_tensor_memory_gb``) and the pre-launch trace (:mod:`hp_tool.trial.trace.replay`) make.
+untimed steps, ``peak_tensor_memory_gib``) and the pre-launch trace (:mod:`hp_tool.trial.trace.replay`) make.
 
 It counts parameters, gradients, optimizer states, activations and temporaries as
 ``torch.distributed._tools.MemTracker`` does, without its per-module statistics (which refuse a module
 called once per micro-batch), on the rank's device only: activation offload's host copies
 (:mod:`hp_tool.trial.activation_offload`; the meta device's in the trace) are not its memory. What tensors
 do not show (CUDA context, communication buffers, allocator slack) is the gpu preset's
-``memory_overhead_gb``.
+``memory_overhead_gib``.
 """
 
 from __future__ import annotations
