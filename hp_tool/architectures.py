@@ -14,7 +14,8 @@ from typing import Optional
 
 from hp_tool.estimate.methods import head_training_flops, layer_training_flops
 from hp_tool.families import family
-from hp_tool.families.decoder import skipped_expert_parameters
+from hp_tool.families.decoder import expert_forward_flops, skipped_expert_parameters
+from hp_tool.families.registry import Matmul
 from hp_tool.families.shape import Shape
 
 
@@ -81,6 +82,28 @@ def checkpointed_layer_counts(shape: Shape, pp: int, stage: int, act_ckpt_layers
         k_enc = min(encoder, act_ckpt_layers - act_ckpt_layers // 2)
         return k_enc, min(decoder, act_ckpt_layers - k_enc)
     return min(encoder, act_ckpt_layers), min(decoder, act_ckpt_layers)
+
+
+def selective_keeps_matmul(position: int) -> bool:
+    """Whether selective checkpointing's per-op policy keeps the output of the ``position``-th matmul of a
+    layer's forward (1 = the first it runs): the odd ones, as torchtitan's policy saves every matmul but every
+    second one. The one rule for the engine's policy (hp_tool/trial/selective_checkpoint.py) and the estimates."""
+    return position % 2 == 1
+
+
+def selective_kept_matmuls(shape: Shape) -> tuple[Matmul, ...]:
+    """The matmuls of a layer (the family's ``layer_matmuls``, in forward order) whose outputs the selective
+    policy keeps: the 1st, 3rd, 5th ... (Llama: q, v, gate and down of q, k, v, o, gate, up, down)."""
+    return tuple(m for i, m in enumerate(shape.facts.layer_matmuls(shape), start=1) if selective_keeps_matmul(i))
+
+
+def selective_recompute_flops_per_sample(shape: Shape) -> float:
+    """Forward FLOPs a selectively checkpointed layer runs again in backward, one sample: the matmuls whose
+    outputs the policy does not keep (Llama: k, o and up) and a mixture of experts' routed experts (grouped
+    matmuls, which it neither counts nor keeps); not the attention, whose output it keeps."""
+    kept = selective_kept_matmuls(shape)
+    redone = sum(2 * m.inputs * m.outputs for m in shape.facts.layer_matmuls(shape) if m not in kept)
+    return shape.seq_length * redone + expert_forward_flops(shape)
 
 
 def layer_parameters(shape: Shape, encoder: bool = False) -> int:
@@ -162,13 +185,16 @@ def model_flops_per_step(shape: Shape, global_batch_size: int) -> float:
     return global_batch_size * (layers + logits)
 
 
-def recompute_flops_per_step(shape: Shape, global_batch_size: int, act_ckpt_layers: int, pp: int) -> float:
+def recompute_flops_per_step(shape: Shape, global_batch_size: int, act_ckpt_layers: int, pp: int,
+                             mode: str = "full") -> float:
     """Extra FLOPs of one step from re-running the forward of ``act_ckpt_layers`` layers on each of the
-    ``pp`` stages (checkpointed_layer_counts says which)."""
+    ``pp`` stages (checkpointed_layer_counts says which): the whole forward in mode ``full``, what the per-op
+    policy does not keep in mode ``selective`` (``selective_recompute_flops_per_sample``)."""
+    per_layer = layer_forward_flops_per_sample(shape) if mode == "full" else selective_recompute_flops_per_sample(shape)
     per_sample = 0.0
     for stage in range(pp):
         k_enc, k_dec = checkpointed_layer_counts(shape, pp, stage, act_ckpt_layers)
-        per_sample += k_dec * layer_forward_flops_per_sample(shape)
+        per_sample += k_dec * per_layer
         if k_enc:
             per_sample += k_enc * layer_forward_flops_per_sample(shape, encoder=True)
     return float(global_batch_size * per_sample)

@@ -1,6 +1,6 @@
 """Candidate grid: product of engine x TP x PP x EP x CP x virtual stages x MBS x checkpointed layers x
-sequence parallel x loss x activation offload x (ZeRO stage, offload) -> validity -> estimates -> prune ->
-order.
+checkpointing mode x sequence parallel x loss x activation offload x (ZeRO stage, offload) -> validity ->
+estimates -> prune -> order.
 
 Pure planning: no I/O, no torch. Every candidate ends with a status and, unless selected, the reason:
 ``invalid`` (the layout cannot exist on this model and cluster, or the engine cannot run the
@@ -20,6 +20,10 @@ by TP); context parallelism 1 and the powers of two leaving each rank at least `
 within a node with TP; the chunked loss from ``CHUNKED_LOSS_FROM`` tokens per sequence where it runs (the
 same FLOPs as the whole-logits loss, which at 8K tokens and a 128K vocabulary holds 12.6 GiB per sequence); activation offload searched beside none from ``ACTIVATION_OFFLOAD_FROM`` tokens
 with a host RAM figure (it costs PCIe time, so only where activations dominate memory).
+
+Checkpointing mode, the list given in full is searched for every layout with checkpointed layers; left null
+(``act_ckpt_mode_values``): full, and selective too where a layout checkpoints every layer of its stage and
+selective runs, so the grid grows by one candidate per such layout.
 """
 
 from __future__ import annotations
@@ -114,6 +118,7 @@ class Grid:
     sequence_parallel: Optional[list[bool]] = None  # None: wherever it runs
     losses: Optional[list[str]] = None  # None: chunked from CHUNKED_LOSS_FROM tokens where it runs
     activation_offload: list[bool] = dataclasses.field(default_factory=lambda: [False])
+    act_ckpt_modes: Optional[list[str]] = None  # None: full, and selective where every layer is checkpointed
 
 
 CP_MIN_TOKENS = 8192  # the heuristic's context parallelism leaves each rank at least this many tokens
@@ -200,6 +205,7 @@ def build_grid(ts: TrainSettings, shape: Shape, size_b: float, host_ram_known: b
         losses=None if ts.losses is None else list(ts.losses),
         activation_offload=list(ts.activation_offload) if ts.activation_offload is not None else
         [False, True] if host_ram_known and shape.seq_length >= ACTIVATION_OFFLOAD_FROM else [False],
+        act_ckpt_modes=None if ts.act_ckpt_modes is None else list(ts.act_ckpt_modes),
     )
 
 
@@ -227,12 +233,28 @@ def act_ckpt_values(grid: Grid, shape: Shape, pp: int, virtual_stages: int = 1) 
     return list(range(0, per_stage + 1, step))
 
 
+def act_ckpt_mode_values(grid: Grid, shape: Shape, layout: Layout) -> list[str]:
+    """How the grid recomputes ``layout``'s checkpointed layers: full alone when it checkpoints none (the mode
+    means nothing then); the user's list; or the heuristic's: full, and selective too where the layout
+    checkpoints every layer of its stage (as torchtitan applies it; fewer checkpointed layers already trade
+    memory for time layer by layer) and selective runs (``Layout.checkpoint_mode_problem``)."""
+    if layout.act_ckpt_layers == 0:
+        return ["full"]
+    if grid.act_ckpt_modes is not None:
+        return list(grid.act_ckpt_modes)
+    per_stage = shape.pipeline_layers // layout.pp if pipeline_problem(shape, layout.pp) is None else 0
+    every_layer = layout.act_ckpt_layers == per_stage
+    selective = dataclasses.replace(layout, act_ckpt_mode="selective")
+    return ["full", "selective"] if every_layer and selective.checkpoint_mode_problem(shape) is None else ["full"]
+
+
 # train_settings keys of the Layout fields a problem can name
 FIELD_KEYS = {"tp": "tensor_parallel_sizes", "pp": "pipeline_parallel_sizes", "act_ckpt_layers": "act_ckpt_layers",
               "virtual_stages": "virtual_pipeline_sizes", "engine": "engines", "zero_stage": "zero_stages",
               "offload": "offload", "global_batch_size": "global_batch_size", "optimizer": "optimizers", "method": "methods",
               "ep": "expert_parallel_sizes", "cp": "context_parallel_sizes", "sequence_parallel": "sequence_parallel",
-              "loss": "losses", "activation_offload": "activation_offload"}
+              "loss": "losses", "activation_offload": "activation_offload",
+              "act_ckpt_mode": "act_ckpt_modes"}
 
 
 # rules judged per (ZeRO stage, offload), not per layout
@@ -336,14 +358,15 @@ def _layout_candidates(shape: Shape, grid: Grid, ts: TrainSettings, cluster: Clu
                        tp: int, pp: int, mbs: int, ac: int, vp: int = 1, optimizer: str = "adamw",
                        ep: int = 1, long_context: Optional[Layout] = None) -> list[Candidate]:
     """The candidates of one layout over the grid's memory savers (see the module docstring);
-    ``long_context``: a Layout whose cp, sequence_parallel, loss and activation_offload this one takes."""
+    ``long_context``: a Layout whose cp, sequence_parallel, loss, activation_offload and act_ckpt_mode this one
+    takes."""
     lc = long_context or Layout(1, 1, 1, 1, 0, 1)
 
     def make(stage: int, offload: str) -> Candidate:
         dp = max(1, cluster.gpus // (tp * pp * lc.cp))
         return Candidate(Layout(tp, pp, dp, mbs, ac, gbs, stage, offload, engine, lc.sequence_parallel,
                                 virtual_stages=vp, optimizer=optimizer, ep=ep, cp=lc.cp, loss=lc.loss,
-                                activation_offload=lc.activation_offload), shape)
+                                activation_offload=lc.activation_offload, act_ckpt_mode=lc.act_ckpt_mode), shape)
 
     first = make(*grid.savers[0])
     bad = invalid_reason(shape, first, cluster, grid.mp_range)
@@ -387,7 +410,9 @@ def plan_candidates(shape: Shape, size_b: float, ts: TrainSettings, cluster: Clu
             lc = dataclasses.replace(base, sequence_parallel=sp, loss=loss)
             for vp in virtual_stage_values(grid, shape, pp):
                 for ac in act_ckpt_values(grid, shape, pp, vp):
-                    out += _layout_candidates(shape, grid, ts, cluster, gbs, engine, tp, pp, mbs, ac, vp, opt, ep, lc)
+                    for mode in act_ckpt_mode_values(grid, shape, dataclasses.replace(lc, act_ckpt_layers=ac)):
+                        out += _layout_candidates(shape, grid, ts, cluster, gbs, engine, tp, pp, mbs, ac, vp, opt, ep,
+                                                  dataclasses.replace(lc, act_ckpt_mode=mode))
     rank_candidates(out, ts.limit_search_runs)
     return out
 
@@ -402,7 +427,7 @@ def rank_candidates(cands: list[Candidate], limit: int) -> None:
     fitting = [c for c in cands if c.status == SELECTED]
     fitting.sort(key=lambda c: (c.step_time_s, c.memory_gib, c.tp, c.pp, c.ep, c.cp, c.virtual_stages, c.mbs,
                                 c.act_ckpt_layers, c.engine, c.zero_stage, c.offload, c.full.sequence_parallel,
-                                c.full.loss, c.full.activation_offload))
+                                c.full.loss, c.full.activation_offload, c.full.act_ckpt_mode))
     for i, c in enumerate(fitting, start=1):
         c.rank = i
         if i > limit:

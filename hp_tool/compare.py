@@ -41,13 +41,13 @@ COLUMNS = (
     "predicted_step_time_s", "predicted_tokens_per_s_per_gpu", "predicted_days_to_train",
     "gpu_hour_price_usd", "predicted_full_run_cost_usd", "predicted_cost_usd_per_million_tokens",
     "results_dir", "reason", "engine", "zero_stage", "offload", "optimizer", "seq_length", "predicted_mfu",
-    "predicted_tokens_per_hour", "predicted_hours_per_epoch", "predicted_cost_usd_per_epoch",
+    "predicted_tokens_per_hour", "predicted_hours_per_epoch", "predicted_cost_usd_per_epoch", "act_ckpt_mode",
 )
 PLAN_FIELDS = ("model_size_b", "tp", "pp", "dp", "mbs", "act_ckpt_layers", "predicted_memory_gib",
                "predicted_step_time_s", "predicted_tokens_per_s_per_gpu", "predicted_days_to_train",
                "predicted_full_run_cost_usd", "predicted_cost_usd_per_million_tokens", "engine", "zero_stage",
                "offload", "optimizer", "seq_length", "predicted_mfu", "predicted_tokens_per_hour",
-               "predicted_hours_per_epoch", "predicted_cost_usd_per_epoch")
+               "predicted_hours_per_epoch", "predicted_cost_usd_per_epoch", "act_ckpt_mode")
 
 
 def _common(app, search_name: str, job: int) -> dict[str, Any]:
@@ -107,7 +107,8 @@ def render(rows: list[dict[str, Any]]) -> str:
             table.add_row("-", r["gpu"], r["search_config"], str(r["num_gpus"]), r["reason"][:60],
                           "", "", "", _fmt(r.get("gpu_hour_price_usd"), "{:g}"), "", "")
             continue
-        layout = f"TP{r['tp']} PP{r['pp']} DP{r['dp']} MBS{r['mbs']} ckpt{r['act_ckpt_layers']}"
+        layout = f"TP{r['tp']} PP{r['pp']} DP{r['dp']} MBS{r['mbs']} ckpt{r['act_ckpt_layers']}" + \
+            (" sel" if r.get("act_ckpt_mode") == "selective" else "")
         if r.get("predicted_hours_per_epoch") is not None:  # fine-tuning: the sequence length and savers too
             layout = f"seq {r['seq_length']} {layout} {r['engine']} Z{r['zero_stage']} {r['offload']}"
         table.add_row(str(r["rank"]), r["gpu"], r["search_config"], str(r["num_gpus"]), layout,

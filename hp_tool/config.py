@@ -23,7 +23,8 @@ from hp_tool.families.moe import DEFAULT_EXPERT_IMBALANCE
 from hp_tool.families import family, family_names
 from hp_tool.errors import ConfigError, require
 from hp_tool.estimate.layout import EFFICIENCY_FIELDS
-from hp_tool.vocab import CLUSTER_TYPES, ENGINES, FINETUNE, LOSSES, MEMORY_CHECKS, METHODS, OPTIMIZERS, OFFLOADS, PRECISIONS, STRATEGIES, ZERO_STAGES
+from hp_tool.sharding import checkpoint_mode_problem
+from hp_tool.vocab import ACT_CKPT_MODES, CLUSTER_TYPES, ENGINES, FINETUNE, LOSSES, MEMORY_CHECKS, METHODS, OPTIMIZERS, OFFLOADS, PRECISIONS, STRATEGIES, ZERO_STAGES
 
 DEFAULT_SKIP_MARGIN = 0.25  # train_settings.skip_margin; chosen by benchmarks/search_cost.py
 SIZING_MFU = 140 / 312  # tflops_per_gpu default: the MFU of NeMo's 140 TFLOPS on a 312-TFLOPS A100 (45%)
@@ -264,6 +265,9 @@ class TrainSettings:
     # null = NeMo's rule: 1, and for decoder-only models with PP > 2 also 2 and num_layers / PP
     micro_batch_sizes: Optional[List[int]] = None
     act_ckpt_layers: Optional[List[int]] = None  # layers per pipeline stage recomputed
+    # how the checkpointed layers are recomputed: full | selective (torchtitan's per-op policy, torch engine);
+    # null = full, and selective too where every layer of a stage is checkpointed and it runs (candidates.py)
+    act_ckpt_modes: Optional[List[str]] = None
     min_model_parallel_size: Optional[int] = None
     max_model_parallel_size: Optional[int] = None
     optimizers: Optional[List[str]] = None  # adamw | sgd | sgd_momentum (0.9) | adamw_8bit (CUDA); null = [adamw]
@@ -307,6 +311,13 @@ class TrainSettings:
                 "must be at least 1 (the busiest expert gets at least the mean of the routed tokens)",
                 "use 1.0 for perfectly balanced routing, 1.25 (default) as Switch Transformer's capacity factor")
         _positive_list(self, p, ("act_ckpt_layers",), allow_zero=True)
+        _members(self, p, "act_ckpt_modes", ACT_CKPT_MODES)
+        if self.act_ckpt_modes is not None and "full" not in self.act_ckpt_modes:  # selective only: some layout runs it
+            layers = max(self.act_ckpt_layers or [1])
+            bad = [checkpoint_mode_problem(None, "selective", layers, engine) for engine in self.engines or ["torch"]]
+            require(None in bad, f"{p}.act_ckpt_modes", self.act_ckpt_modes, bad[0],
+                    "search act_ckpt_modes=[full] (or [full, selective]), or with selective the torch engine and "
+                    "act_ckpt_layers above 0")
         require(self.precision is None or self.precision in PRECISIONS, f"{p}.precision", self.precision,
                 "unknown precision", "use bf16, fp16 or fp32, or null for bf16 where the GPU has it, else fp16")
         _members(self, p, "engines", ENGINES)

@@ -35,7 +35,7 @@ from hp_tool.vocab import TRACE_CACHE_FILE
 
 log = logging.getLogger(__name__)
 
-TRACE_VERSION = 4  # bump when the trace counts differently: cached traces of another version are redone
+TRACE_VERSION = 5  # bump when the trace counts differently: cached traces of another version are redone
 
 
 @dataclass(frozen=True)
@@ -112,8 +112,9 @@ def trace_siblings(specs: list[TrialSpec], device_type: str) -> list[TraceOutcom
 
 
 def sibling_key(spec: TrialSpec) -> str:
-    """What candidates that share traces have in common: everything but the checkpointed layers."""
-    return dataclasses.replace(spec, parallel=dataclasses.replace(spec.parallel, act_ckpt_layers=0)).fingerprint()
+    """What candidates that share traces have in common: everything but the checkpointed layers and how they are
+    recomputed (the stages without checkpointed layers are the same builds)."""
+    return dataclasses.replace(spec, parallel=spec.parallel.checkpointing(0)).fingerprint()
 
 
 class Tracer:

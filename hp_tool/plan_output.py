@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 PLAN_COLUMNS = (
     "trial_id", "model_family", "model_size_b", "tp", "pp", "virtual_stages", "dp", "mbs", "act_ckpt_layers",
-    "engine", "zero_stage", "offload", "global_batch_size", "num_nodes", "trial_num_nodes", "trial_dp", "trial_global_batch_size",
+    "act_ckpt_mode", "engine", "zero_stage", "offload", "global_batch_size", "num_nodes", "trial_num_nodes", "trial_dp", "trial_global_batch_size",
     "fingerprint", "predicted_memory_gib", "traced_memory_gib", "memory_check",
     "predicted_full_memory_gib", "predicted_host_memory_gib", "predicted_step_time_s", "predicted_compute_s",
     "predicted_comm_s", "predicted_tokens_per_s_per_gpu",
@@ -58,7 +58,7 @@ def plan_rows(plan: Plan) -> Iterable[dict[str, Any]]:
             "trial_id": trial_id,
             "model_family": m.shape.family, "model_size_b": round(m.num_parameters / 1e9, 6),
             "tp": c.tp, "pp": c.pp, "virtual_stages": c.virtual_stages, "dp": c.dp, "mbs": c.mbs,
-            "act_ckpt_layers": c.act_ckpt_layers,
+            "act_ckpt_layers": c.act_ckpt_layers, "act_ckpt_mode": c.full.act_ckpt_mode,
             "engine": c.engine, "zero_stage": c.zero_stage, "offload": c.offload,
             "global_batch_size": c.full.global_batch_size, "num_nodes": full.num_nodes,
             "trial_num_nodes": spec.resources.num_nodes if spec else c.trial_nodes or None,
@@ -176,6 +176,12 @@ def _memory_line(plan: Plan) -> str:
             + (f", {untraced} kept the analytic figure (see memory_check in plan.csv)" if untraced else "") + ".")
 
 
+def ckpt_cell(layout) -> str:
+    """The printed table's checkpointing: the checkpointed layers per stage, ``sel`` after them when the per-op
+    policy recomputes them (selective)."""
+    return f"{layout.act_ckpt_layers}{' sel' if layout.act_ckpt_mode == 'selective' else ''}"
+
+
 def _money(x: float | None) -> str:
     return "-" if x is None else f"{x:,.2f}"
 
@@ -206,7 +212,7 @@ def render_plan(plan: Plan, max_rows: int = 25) -> str:
     for c, spec in zip(sorted((c for c in plan.candidates if c.status == SELECTED), key=lambda c: c.rank),
                        plan.specs[:max_rows]):
         cells = [str(c.rank), spec.trial_id, str(c.tp), str(c.pp), str(c.dp), str(c.mbs),
-                 str(c.act_ckpt_layers), c.engine, str(c.zero_stage), c.offload,
+                 ckpt_cell(c.full), c.engine, str(c.zero_stage), c.offload,
                  f"{max(c.memory_gib, c.full_memory_gib):.2f}",
                  "-" if c.traced_memory_gib is None else f"{c.traced_memory_gib:.2f}", f"{c.host_memory_gib:.1f}",
                  f"{c.step_time_s:.4g}", f"{c.tokens_per_s_per_gpu:,.0f}"]

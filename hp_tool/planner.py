@@ -26,6 +26,7 @@ FIXES = {
     "act_ckpt_layers": "use values between 0 and the layers per pipeline stage (num_layers / PP; T5/mT5: "
                        "2 x num_layers / PP)",
     "engines": "use engines=[torch]",
+    "act_ckpt_modes": "use act_ckpt_modes=[full], or selective with the torch engine and checkpointed layers",
     "virtual_pipeline_sizes": "use virtual stages that divide the layers per pipeline stage (num_layers / PP), "
                               "1 without a pipeline or for T5/mT5",
     "num_nodes": "use a GPU count divisible by TP*PP",
@@ -133,7 +134,7 @@ def candidate_trial_id(model: ModelChoice, c: Candidate) -> str:
     return make_trial_id(model.shape.family, model.label, c.tp, c.pp, c.mbs, c.act_ckpt_layers, c.engine,
                          c.zero_stage, c.offload, c.virtual_stages, model_seq(model, c.shape), c.optimizer,
                          c.shape.method, c.shape.lora_rank, c.ep if c.shape.moe else None, c.full.cp,
-                         c.full.sequence_parallel, c.full.loss, c.full.activation_offload)
+                         c.full.sequence_parallel, c.full.loss, c.full.activation_offload, c.full.act_ckpt_mode)
 
 
 def candidate_spec(base: TrialSpec, c: Candidate, model: ModelChoice, app: AppConfig,

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Optional
 
 from hp_tool.families import family
-from hp_tool.vocab import ENGINE_CODES, LOSSES, OFFLOAD_CODES
+from hp_tool.vocab import ACT_CKPT_MODES, ENGINE_CODES, LOSSES, OFFLOAD_CODES
 
 
 # The memory savers from lightest to heaviest, as the heuristic (zero_stages / offload null) tries them;
@@ -170,4 +170,43 @@ def sequence_problem(family_name: str, seq_length: int, tp: int, pp: int, cp: in
                                          f"TP={tp}, which does not divide them")
     if activation_offload and engine != "torch":
         return "activation_offload", f"the {engine} engine does not offload activations (use engine torch)"
+    return None
+
+
+def checkpoint_mode_problem(family_name: Optional[str], act_ckpt_mode: str, act_ckpt_layers: int, engine: str,
+                            cp: int = 1, activation_offload: bool = False, method: str = "full") -> Optional[str]:
+    """Why the checkpointed layers cannot be recomputed in ``act_ckpt_mode``, else None. ``full`` always runs;
+    ``selective`` (torchtitan's per-op policy, hp_tool/trial/selective_checkpoint.py) needs:
+
+    - checkpointed layers (with none, nothing is recomputed and the mode means nothing);
+    - the torch engine (DeepSpeed checkpoints whole layers its own way);
+    - a family whose layers' matmuls the family record lists (``Family.layer_matmuls``), so that the memory
+      model knows which outputs the policy keeps (not T5/mT5, whose attention is not one SDPA kernel);
+    - CP 1: the ring attention is not a kernel the policy keeps, so it would recompute every ring pass;
+    - no activation offload: the policy's kept outputs stay on the GPU, outside the offload's hooks;
+    - full training: LoRA's adapter matmuls and QLoRA's 4-bit ones change which outputs the policy keeps.
+
+    ``family_name`` None: the family's rule is not judged (a search's settings, before the model is known)."""
+    if act_ckpt_mode not in ACT_CKPT_MODES:
+        return f"unknown checkpointing mode {act_ckpt_mode!r} (use one of {list(ACT_CKPT_MODES)})"
+    if act_ckpt_mode == "full":
+        return None
+    if act_ckpt_layers == 0:
+        return ("selective checkpointing with act_ckpt_layers=0: no layer is checkpointed, so nothing is recomputed "
+                "selectively")
+    if engine != "torch":
+        return (f"selective checkpointing on engine {engine}: DeepSpeed runs its own activation checkpointing of "
+                "whole layers; the per-op policy runs on the torch engine")
+    if family_name is not None and family(family_name).layer_matmuls is None:
+        return (f"selective checkpointing for {family_name}: its layers' attention is not one SDPA kernel, and "
+                "hp_tool does not model which of their op outputs the per-op policy keeps")
+    if cp > 1:
+        return (f"selective checkpointing with CP={cp}: the ring attention is not a kernel the per-op policy keeps, "
+                "so each checkpointed layer would run its ring passes again")
+    if activation_offload:
+        return ("selective checkpointing with activation offload: the outputs the per-op policy keeps stay on the "
+                "GPU, outside the offload's hooks")
+    if method != "full":
+        return (f"selective checkpointing with method {method}: the adapters' matmuls change which outputs the "
+                "per-op policy keeps, which hp_tool does not model")
     return None

@@ -7,6 +7,9 @@ from __future__ import annotations
 PRECISIONS = ("bf16", "fp16", "fp32")
 SCHEDULES = ("1F1B", "GPipe")
 LOSSES = ("full", "chunked")  # the language-model loss: whole logits, or over chunks of tokens (hp_tool/trial/loss.py)
+# how a checkpointed layer is recomputed: whole (only its input kept), or under torchtitan's per-op policy, which
+# keeps the outputs of every second matmul and of the attention kernel (hp_tool/trial/selective_checkpoint.py)
+ACT_CKPT_MODES = ("full", "selective")
 RUN_MODES = ("benchmark", "full")
 DATA_SOURCES = ("synthetic", "file")
 ENGINES = ("torch", "deepspeed")

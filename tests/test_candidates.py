@@ -40,7 +40,8 @@ def test_selected_candidates_are_valid_fit_and_ordered(tmp_path, name):
     assert [s.trial_id for s in p.specs] == [
         f"gpt3_{p.model.label}_tp{c.tp}_pp{c.pp}{f'_vp{c.virtual_stages}' if c.virtual_stages > 1 else ''}"
         f"_mbs{c.mbs}_ac{c.act_ckpt_layers}_torch_z{c.zero_stage}_"
-        f"{dict(none='noff', optimizer_and_params='offall')[c.offload]}" for c in ranks]
+        f"{dict(none='noff', optimizer_and_params='offall')[c.offload]}"
+        f"{'_sac' if c.full.act_ckpt_mode == 'selective' else ''}" for c in ranks]
     for c in p.candidates:
         if c.status != SELECTED:
             assert c.reason and c.reason_key.startswith(("search_config.", "gpu."))
@@ -135,7 +136,8 @@ def test_trial_runs_on_fewest_whole_nodes_it_fits_on(tmp_path):
             if (nodes * 8) % mp == 0 or nodes == fewest:
                 dp = nodes * 8 // mp
                 lay = Layout(c.tp, c.pp, dp, c.mbs, c.act_ckpt_layers, c.trial_global_batch_size // c.trial_dp * dp,
-                             c.zero_stage, c.offload, c.engine, virtual_stages=c.virtual_stages)
+                             c.zero_stage, c.offload, c.engine, virtual_stages=c.virtual_stages,
+                             act_ckpt_mode=c.full.act_ckpt_mode)
                 assert estimate_memory(p.model.shape, lay, p.cluster.hw).total_gib > usable
         grown += spec.resources.num_nodes > fewest
         assert spec.full_run.num_nodes == 128

@@ -40,7 +40,7 @@ def test_rank_uses_full_run_step_time_with_extrapolated_communication(tmp_path):
     # 4 nodes of 2 processes; trials run on 1 node, so the full run adds inter-node DP communication
     _, out, plan = planned(tmp_path, "search_config.train_settings.num_nodes=4",
                            "search_config.train_settings.global_batch_size=32",
-                           "gpu.inter_node_bandwidth_gbps=0.01")
+                           "gpu.inter_node_bandwidth_gbps=0.01", "search_config.train_settings.act_ckpt_modes=[full]")
     full = full_run_for(out)
     a, b = "gpt3_241k_tp1_pp1_mbs4_ac0_torch_z0_noff", "gpt3_241k_tp2_pp1_mbs4_ac0_torch_z0_noff"  # full DP 8 and 4
     assert {a, b} <= set(selected_ids(plan))

@@ -48,18 +48,18 @@ def test_csv_schemas_and_rows(tmp_path, capsys):
                "trial_num_nodes", "trial_dp", "trial_global_batch_size", "trial_world_size", "steps_run",
                "steps_measured", "seq_length", "optimizer", "method", "lora_rank", "trainable_parameters",
                "experts", "top_k", "ep", "active_parameters", "cp", "sequence_parallel", "loss",
-               "activation_offload"}  # counts, names and flags
+               "activation_offload", "act_ckpt_mode"}  # counts, names and flags
     for name in numeric:
         assert name in no_unit or any(h in name for h in UNIT_HINTS), f"{name} has no unit in its name"
-    assert len(rows) == 16 and len({r["trial_id"] for r in rows}) == 16
+    assert len(rows) == 24 and len({r["trial_id"] for r in rows}) == 24
     assert [r["trial_id"] for r in rows[:3]] == fastest and [r["rank"] for r in rows[:3]] == ["1", "2", "3"]
     assert all(v not in MISSING_WORDS for r in rows for k, v in r.items() if k != "offload")  # offload=none is a value
     by_id = {r["trial_id"]: r for r in rows}
     assert by_id[ids[1]]["status"] == "oom" and by_id[ids[3]]["status"] == "failed"
     assert by_id[ids[3]]["reason"].startswith("killed without a result; derived from 3 logged steps")
-    assert {r["status"] for r in rows} == {"ok", "oom", "failed", "not_run", "invalid"}
+    assert {r["status"] for r in rows} == {"ok", "oom", "failed", "not_run", "invalid", "over_limit"}
     for r in rows:  # columns line up with the header: a shifted row would break these
-        assert r["status"] in {"ok", "oom", "failed", "not_run", "invalid"}
+        assert r["status"] in {"ok", "oom", "failed", "not_run", "invalid", "over_limit"}
         assert r["tp"] in {"1", "2"} and r["model_family"] == "gpt3"
         assert (r["rank"] != "") == (r["status"] == "ok")
 
@@ -145,8 +145,8 @@ def test_rerun_collects_again_without_duplicates(tmp_path):
     write_ok(out, ids[5], 0.1)  # a trial finished since
     assert finalize(out, app) == 0
     _, rows = read_csv(out / "final_results" / "all_trials_1nodes.csv")
-    assert len(rows) == len(first.splitlines()) - 1 == 16
-    assert rows[0]["trial_id"] == ids[5] and len({r["trial_id"] for r in rows}) == 16
+    assert len(rows) == len(first.splitlines()) - 1 == 24
+    assert rows[0]["trial_id"] == ids[5] and len({r["trial_id"] for r in rows}) == 24
     assert load_spec(out / "final_results" / "optimal_config_241k_1nodes.yaml").trial_id == ids[5]
 
 
@@ -160,7 +160,7 @@ def test_no_successful_trial(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "0 of 12 selected trials succeeded" in printed and "No trial succeeded" in printed
     _, rows = read_csv(out / "final_results" / "all_trials_1nodes.csv")
-    assert len(rows) == 16 and all(r["rank"] == "" for r in rows)
+    assert len(rows) == 24 and all(r["rank"] == "" for r in rows)
     header, summary = read_csv(out / "final_results" / "final_summary_1nodes.csv")
     assert tuple(header) == SUMMARY_COLUMNS and summary == []
     assert not (out / "final_results" / "optimal_config_241k_1nodes.yaml").exists()

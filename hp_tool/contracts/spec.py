@@ -23,7 +23,8 @@ from hp_tool.estimate.layout import LOSS_CHUNK_TOKENS, Layout
 from hp_tool.fingerprint import fingerprint_of
 from hp_tool.fsutil import atomic_write_text
 from hp_tool.sharding import combination_problem, layout_suffix
-from hp_tool.vocab import DATA_SOURCES, ENGINES, METHODS, OFFLOADS, OPTIMIZER_CODES, OPTIMIZERS, PRECISIONS, RUN_MODES, SCHEDULES, ZERO_STAGES
+from hp_tool.vocab import (ACT_CKPT_MODES, DATA_SOURCES, ENGINES, METHODS, OFFLOADS, OPTIMIZER_CODES, OPTIMIZERS,
+                           PRECISIONS, RUN_MODES, SCHEDULES, ZERO_STAGES)
 
 
 
@@ -135,6 +136,8 @@ SPEC_FIXES = {
     "experts": "use an expert-parallel size the model and engine run (hp_tool/sharding.py expert_problem)",
     "expert_savers": "with EP > 1 use ZeRO 0, 2 or 3 (hp_tool/sharding.py expert_saver_problem)",
     "sequence": "use a loss, sequence or context parallelism the layout runs (hp_tool/sharding.py sequence_problem)",
+    "checkpoint_mode": ("use act_ckpt_mode full, or selective with act_ckpt_layers > 0 on the torch engine "
+                        "(hp_tool/sharding.py checkpoint_mode_problem)"),
 }
 
 
@@ -148,6 +151,8 @@ class ParallelSpec:
     dp: int = 1
     mbs: int = 1  # micro-batch size, sequences per forward pass per data-parallel replica
     act_ckpt_layers: int = 0  # transformer layers per pipeline stage whose activations are recomputed
+    # how they are recomputed: full (whole layers) | selective (torchtitan's per-op policy, torch engine)
+    act_ckpt_mode: str = "full"
     pipeline_schedule: str = "1F1B"  # one of SCHEDULES
     engine: str = "torch"  # torch (TP/PP/FSDP2) | deepspeed (ZeRO, AutoTP)
     zero_stage: int = 3  # 0 DDP | 1 optimizer sharded | 2 + gradients | 3 + parameters (hp_tool/sharding.py)
@@ -166,6 +171,8 @@ class ParallelSpec:
                     "must be at least 1", "set a positive integer")
         require(self.act_ckpt_layers >= 0, "parallel.act_ckpt_layers", self.act_ckpt_layers,
                 "must not be negative", "use 0 for no activation checkpointing")
+        require(self.act_ckpt_mode in ACT_CKPT_MODES, "parallel.act_ckpt_mode", self.act_ckpt_mode,
+                "unknown checkpointing mode", f"use one of {list(ACT_CKPT_MODES)}")
         require(self.pipeline_schedule in SCHEDULES, "parallel.pipeline_schedule",
                 self.pipeline_schedule, "unknown schedule", f"use one of {list(SCHEDULES)}")
         require(self.engine in ENGINES, "parallel.engine", self.engine, "unknown trial engine",
@@ -185,14 +192,23 @@ class ParallelSpec:
         return Layout(self.tp, self.pp, self.dp, self.mbs, self.act_ckpt_layers, global_batch_size, self.zero_stage,
                       self.offload, self.engine, sequence_parallel=self.sequence_parallel,
                       virtual_stages=self.virtual_stages, optimizer=optimizer, ep=self.ep, cp=self.cp, loss=self.loss,
-                      activation_offload=self.activation_offload, loss_chunk_tokens=self.loss_chunk_tokens)
+                      activation_offload=self.activation_offload, loss_chunk_tokens=self.loss_chunk_tokens,
+                      act_ckpt_mode=self.act_ckpt_mode)
 
     @classmethod
     def of(cls, layout: Layout, pipeline_schedule: str = "1F1B") -> "ParallelSpec":
         """A Layout's YAML form (its global batch goes to the training section)."""
-        return cls(layout.tp, layout.pp, layout.dp, layout.mbs, layout.act_ckpt_layers, pipeline_schedule,
-                   layout.engine, layout.zero_stage, layout.offload, layout.virtual_stages, layout.ep, layout.cp,
-                   layout.loss, layout.loss_chunk_tokens, layout.activation_offload, layout.sequence_parallel)
+        return cls(layout.tp, layout.pp, layout.dp, layout.mbs, layout.act_ckpt_layers, layout.act_ckpt_mode,
+                   pipeline_schedule, layout.engine, layout.zero_stage, layout.offload, layout.virtual_stages,
+                   layout.ep, layout.cp, layout.loss, layout.loss_chunk_tokens, layout.activation_offload,
+                   layout.sequence_parallel)
+
+    def checkpointing(self, act_ckpt_layers: int) -> "ParallelSpec":
+        """This section with ``act_ckpt_layers`` checkpointed layers in its mode, or in mode full with none (a
+        mode without checkpointed layers means nothing, and selective refuses it): the shallow stages the
+        tracer builds."""
+        return dataclasses.replace(self, act_ckpt_layers=act_ckpt_layers,
+                                   act_ckpt_mode=self.act_ckpt_mode if act_ckpt_layers else "full")
 
 
 @dataclass
@@ -356,8 +372,8 @@ class TrialSpec:
         optimizer, data, steps, time box and stop rule, and the processes it runs on. Not the trial id,
         the output folder, the planner's estimates, the full run it stands for, or prices."""
         d = self.to_dict()
-        # the long-context fields at their defaults are left out, so a spec without them keeps its fingerprint
-        parallel = {k: v for k, v in d["parallel"].items() if LONG_CONTEXT_DEFAULTS.get(k, object()) != v}
+        # the fields added later are left out at their defaults, so a spec without them keeps its fingerprint
+        parallel = {k: v for k, v in d["parallel"].items() if ADDED_FIELD_DEFAULTS.get(k, object()) != v}
         return fingerprint_of({
             "model": d["model"], "parallel": parallel, "training": d["training"],
             "run": {k: v for k, v in d["run"].items() if k != "output_dir"},
@@ -380,16 +396,18 @@ def dump_spec(spec: TrialSpec, path: str | os.PathLike) -> Path:
     return atomic_write_text(path, text)
 
 
-# ParallelSpec's long-context fields and their defaults (what a layout without them runs)
-LONG_CONTEXT_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ParallelSpec)
-                         if f.name in ("cp", "loss", "loss_chunk_tokens", "activation_offload", "sequence_parallel")}
+# ParallelSpec's fields added after specs were first written (the long-context savers, the checkpointing mode) and
+# their defaults: what a layout without them runs
+ADDED_FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ParallelSpec)
+                        if f.name in ("cp", "loss", "loss_chunk_tokens", "activation_offload", "sequence_parallel",
+                                      "act_ckpt_mode")}
 
 
 def make_trial_id(family: str, size_label: str, tp: int, pp: int, mbs: int, act_ckpt_layers: int,
                   engine: str = "torch", zero_stage: int = 3, offload: str = "none", virtual_stages: int = 1,
                   seq: Optional[int] = None, optimizer: str = "adamw", method: str = "full",
                   lora_rank: int = 0, ep: Optional[int] = None, cp: int = 1, sequence_parallel: bool = False,
-                  loss: str = "full", activation_offload: bool = False) -> str:
+                  loss: str = "full", activation_offload: bool = False, act_ckpt_mode: str = "full") -> str:
     """The one place a trial id is built; every file name derives from it. It names every searched
     dimension, e.g. gpt3_5b_tp2_pp1_mbs4_ac0_torch_z3_noff; interleaved layouts add their virtual stages
     after PP (gpt3_5b_tp1_pp4_vp2_mbs1_ac0_torch_z3_noff); a fine-tuning search its sequence length after
@@ -399,10 +417,12 @@ def make_trial_id(family: str, size_label: str, tp: int, pp: int, mbs: int, act_
     virtual stages), EP 1 included (mixtral_46.7b_s4096_tp1_pp1_ep8_mbs1_...). The long-context savers
     appear only when used: sequence parallelism as ``sp`` after TP, context parallelism after PP (and EP),
     the chunked loss and activation offload at the end
-    (llama_8.03b_s32768_tp2sp_pp1_cp2_mbs1_ac32_torch_z3_noff_lchunk_aoff)."""
+    (llama_8.03b_s32768_tp2sp_pp1_cp2_mbs1_ac32_torch_z3_noff_lchunk_aoff); selective checkpointing as ``sac``
+    before them (llama_6.74b_tp1_pp1_mbs1_ac32_torch_z3_noff_sac)."""
     vp = (f"_vp{virtual_stages}" if virtual_stages > 1 else "") + (f"_ep{ep}" if ep is not None else "") + \
         (f"_cp{cp}" if cp > 1 else "")
     s = (f"_s{seq}" if seq is not None else "") + (f"_{method}{lora_rank}" if method != "full" else "")
-    saver = ("_lchunk" if loss == "chunked" else "") + ("_aoff" if activation_offload else "")
+    saver = ("_sac" if act_ckpt_mode == "selective" else "") + ("_lchunk" if loss == "chunked" else "") + \
+        ("_aoff" if activation_offload else "")
     return (f"{family}_{size_label}{s}_tp{tp}{'sp' if sequence_parallel else ''}_pp{pp}{vp}_mbs{mbs}_"
             f"ac{act_ckpt_layers}_{layout_suffix(engine, zero_stage, offload)}{OPTIMIZER_CODES[optimizer]}{saver}")

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 from hp_tool.architectures import interleave_problem, pipeline_problem
-from hp_tool.sharding import (combination_problem, expert_problem, expert_saver_problem, family_problem,
-                              method_problem, optimizer_problem, sequence_problem)
+from hp_tool.sharding import (checkpoint_mode_problem, combination_problem, expert_problem, expert_saver_problem,
+                              family_problem, method_problem, optimizer_problem, sequence_problem)
 
 if TYPE_CHECKING:
     from hp_tool.families.shape import Shape
@@ -61,6 +61,9 @@ class Layout:
     loss: str = "full"  # full | chunked (hp_tool/vocab.py LOSSES)
     activation_offload: bool = False
     loss_chunk_tokens: int = LOSS_CHUNK_TOKENS  # tokens per chunk of the chunked loss
+    # how the act_ckpt_layers checkpointed layers are recomputed: full (whole, only their input kept) | selective
+    # (torchtitan's per-op policy; hp_tool/vocab.py ACT_CKPT_MODES, hp_tool/sharding.py checkpoint_mode_problem)
+    act_ckpt_mode: str = "full"
 
     @property
     def gpus(self) -> int:
@@ -97,8 +100,8 @@ class Layout:
         """Every reason this layout cannot run ``shape``, most basic first; empty when it can. With
         ``gpus_per_node``, TP must stay within a node. Rules: heads and kv heads divisible by TP, TP within a
         node, the pipeline split, checkpointed layers within a stage, the family's engines, the global batch
-        over MBS x DP, interleaving, engine x ZeRO stage x offload (``rule`` "savers"), and the long-context savers
-        (``rule`` "sequence")."""
+        over MBS x DP, interleaving, engine x ZeRO stage x offload (``rule`` "savers"), the long-context savers
+        (``rule`` "sequence") and the checkpointing mode (``rule`` "checkpoint_mode")."""
         out: list[Problem] = []
         heads, kv = shape.num_attention_heads, shape.num_kv_heads
         if heads % self.tp:
@@ -147,7 +150,16 @@ class Layout:
         bad_sequence = self.sequence_problem(shape)
         if bad_sequence:
             out.append(bad_sequence)
+        bad_mode = self.checkpoint_mode_problem(shape)
+        if bad_mode:
+            out.append(bad_mode)
         return out
+
+    def checkpoint_mode_problem(self, shape: "Shape") -> Optional["Problem"]:
+        """Why the checkpointed layers cannot be recomputed in this mode (rule "checkpoint_mode"), or None."""
+        bad = checkpoint_mode_problem(shape.family, self.act_ckpt_mode, self.act_ckpt_layers, self.engine, self.cp,
+                                      self.activation_offload, shape.method)
+        return None if bad is None else Problem("act_ckpt_mode", "checkpoint_mode", bad)
 
     def sequence_problem(self, shape: "Shape") -> Optional["Problem"]:
         """Why the long-context savers (loss, sequence and context parallelism, activation offload) cannot run
@@ -189,9 +201,10 @@ class Problem:
     """Why a layout cannot run: the Layout field at fault, the rule, and the reason in words."""
 
     # tp, pp, act_ckpt_layers, virtual_stages, engine, zero_stage, offload, global_batch_size, ep, cp, loss,
-    # sequence_parallel, activation_offload
+    # sequence_parallel, activation_offload, act_ckpt_mode
     field: str
-    # heads, node, pipeline, checkpointing, family, batch, interleave, savers, experts, expert_savers, sequence
+    # heads, node, pipeline, checkpointing, family, batch, interleave, savers, experts, expert_savers, sequence,
+    # checkpoint_mode
     rule: str
     reason: str
 

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from hp_tool.architectures import (Shape, checkpointed_layer_counts, count_parameters, expert_parameters,
-                                   layer_parameters, stage_expert_parameters, stage_layer_counts,
-                                   stage_layer_parameters, vocab_parallel_parameters)
+                                   layer_parameters, selective_kept_matmuls, stage_expert_parameters,
+                                   stage_layer_counts, stage_layer_parameters, vocab_parallel_parameters)
 from hp_tool.estimate.layout import (GIB, Hardware, Layout, interleave_held_tensors,
                                      microbatches_in_flight, rank_shape, ring_tile_rows)
 from hp_tool.estimate.methods import (ADAPTED, NF4_BITS, activation_delta_bytes, adapter_parameters_per_layer,
@@ -203,9 +203,10 @@ class MemoryEstimate:
 
 def stage_activation_bytes(shape: Shape, layout: Layout, hw: Hardware, stage: int) -> tuple[float, float]:
     """(bytes one micro-batch leaves stored on ``stage``, the recompute buffer): full activations of its
-    layers, only the input of its checkpointed ones, and for a stage holding decoder layers of an
-    encoder-decoder the encoder output their cross-attention reads; while a checkpointed layer is
-    recomputed in backward its full activations are live once more."""
+    layers, only the input of its checkpointed ones (and under selective checkpointing what the per-op policy
+    keeps, ``selective_kept_bytes``), and for a stage holding decoder layers of an encoder-decoder the encoder
+    output their cross-attention reads; while a checkpointed layer is recomputed in backward its full
+    activations are live once more (under selective checkpointing, those the policy did not keep)."""
     tp, sp = layout.tp, layout.sequence_parallel
     bpv, b, h = hw.bytes_per_value, layout.mbs, shape.hidden_size
     sp_div = tp if sp else 1
@@ -214,8 +215,11 @@ def stage_activation_bytes(shape: Shape, layout: Layout, hw: Hardware, stage: in
     dec_full = layer_activation_bytes(shape, b, tp, sp, hw) + \
         shape.facts.expert_parallel_activation_bytes(shape, b, layout.ep, bpv, tp) + ring_saved_bytes(shape, layout)
     dec_input = shape.target_length * b * h * bpv / sp_div
-    stored = k_dec * dec_input + (n_dec - k_dec) * dec_full
-    buffer = dec_full if k_dec else 0.0
+    # what the per-op policy keeps of a checkpointed layer, stored until its backward and part of its recompute
+    # (decoder-only families: hp_tool/sharding.py checkpoint_mode_problem)
+    policy_kept = selective_kept_bytes(shape, b, tp, sp, bpv) if layout.act_ckpt_mode == "selective" else 0.0
+    stored = k_dec * (dec_input + policy_kept) + (n_dec - k_dec) * dec_full
+    buffer = dec_full - policy_kept if k_dec else 0.0
     if n_enc:
         enc_full = layer_activation_bytes(shape, b, tp, sp, hw, encoder=True)
         stored += k_enc * shape.seq_length * b * h * bpv / sp_div + (n_enc - k_enc) * enc_full
@@ -225,6 +229,23 @@ def stage_activation_bytes(shape: Shape, layout: Layout, hw: Hardware, stage: in
     if stage == layout.pp - 1 and shape.facts.head_activation_bytes is not None:
         stored += shape.facts.head_activation_bytes(shape, b, tp, sp, bpv)  # final norm, head input
     return stored, buffer
+
+
+def selective_kept_bytes(shape: Shape, mbs: int, tp: int, sequence_parallel: bool, bytes_per_value: int) -> float:
+    """What selective checkpointing's per-op policy keeps of one checkpointed layer beyond its input, one
+    micro-batch, bytes per TP rank: the outputs of the matmuls it keeps (``architectures.selective_kept_matmuls``,
+    every second of the family's ``layer_matmuls``: Llama's q, v, gate and down), the attention kernel's output
+    and fp32 log-sum-exp, and with sequence parallelism the reduce-scatter after each row-split matmul. A
+    column-split matmul's output is 1/TP of its features on a rank, a row-split one's the whole width (its
+    partial sums, kept before the all-reduce or reduce-scatter), a ``whole`` one's whole. Checked against the
+    trace (tests/test_selective_checkpoint.py)."""
+    p, tokens = bytes_per_value, mbs * shape.seq_length
+    kept = sum(m.outputs / (tp if m.split == "colwise" else 1) for m in selective_kept_matmuls(shape))
+    attention = (p * shape.attention_dim + 4 * shape.num_attention_heads) / tp
+    scattered = 0.0
+    if sequence_parallel:
+        scattered = shape.hidden_size / tp * sum(m.split == "rowwise" for m in shape.facts.layer_matmuls(shape))
+    return tokens * (p * (kept + scattered) + attention)
 
 
 def ring_saved_bytes(shape: Shape, layout: Layout) -> float:
@@ -318,10 +339,19 @@ def logits_bytes(shape: Shape, layout: Layout, hw: Hardware) -> float:
         # with activation offload the log-softmax output waits in host RAM until backward brings it back
         per_logit = WHOLE_LOSS_BYTES[layout.tp > 1] - (2 if hw.offloads_activations(layout) else 0)
         return tokens * shape.vocab_size * per_logit / layout.tp
-    chunk = min(layout.loss_chunk_tokens, tokens)
-    per_logit = 12  # the fp32 logits and logsumexp's two temporaries, or the logits and their softmax
     return tokens * shape.hidden_size * bpv + 4 * shape.vocab_size * shape.hidden_size + \
-        chunk * shape.vocab_size * per_logit
+        loss_freed_bytes(shape, layout, hw)
+
+
+def loss_freed_bytes(shape: Shape, layout: Layout, hw: Hardware) -> float:
+    """The part of ``logits_bytes`` the loss's backward has freed when the layers' backward starts: all the
+    whole-logits loss holds; of the chunked loss its one chunk in flight (12 bytes per logit), not the hidden
+    states' and head weight's gradients it computed in forward."""
+    tokens = layout.mbs * shape.target_length
+    if layout.loss == "full":
+        return logits_bytes(shape, layout, hw)
+    per_logit = 12  # the fp32 logits and logsumexp's two temporaries, or the logits and their softmax
+    return min(layout.loss_chunk_tokens, tokens) * shape.vocab_size * per_logit
 
 
 def offloaded_activation_bytes(shape: Shape, layout: Layout, hw: Hardware) -> float:
@@ -342,7 +372,9 @@ def estimate_memory(shape: Shape, layout: Layout, hw: Hardware) -> MemoryEstimat
     stage holds the embedding, the last the head and the logits (``logits_bytes``). Activations and logits
     are of the rank's tokens (``rank_shape``: the sequence over CP); with activation offload the stored
     activations are in host RAM and what one sub-layer's backward brings back is on the GPU
-    (``working_layer_bytes``)."""
+    (``working_layer_bytes``). A checkpointed layer's recompute (and CP's ring working memory) runs in
+    backward, after the loss has freed the logits: the last stage holds the larger of the two, not both
+    (tests/test_selective_checkpoint.py measures both modes of checkpointing against the trace)."""
     tp, pp = layout.tp, layout.pp
     bpv = hw.bytes_per_value
     rank = rank_shape(shape, layout)
@@ -355,15 +387,17 @@ def estimate_memory(shape: Shape, layout: Layout, hw: Hardware) -> MemoryEstimat
     for stage, params in enumerate(stage_parameters(shape, tp, pp, layout.ep)):
         per_microbatch, buffer = stage_activation_bytes(rank, layout, hw, stage)
         if hw.offloads_activations(layout):
-            activations = working_layer_bytes(rank, layout, hw)
+            activations, buffer = working_layer_bytes(rank, layout, hw), 0.0
         else:
-            activations = microbatches_in_flight(layout, stage) * per_microbatch + buffer
+            activations = microbatches_in_flight(layout, stage) * per_microbatch
         # the hidden states a stage sends and receives, sequence-sharded over TP under sequence parallelism
         activations += sum(interleave_held_tensors(layout, stage)) * layout.mbs * rank.seq_length * \
             shape.hidden_size * bpv / (tp if layout.sequence_parallel else 1)
         stage_logits = logits if stage == pp - 1 else 0.0
-        # the ring's working memory in a layer's backward, which starts once the loss has freed its logits
-        activations += max(0.0, ring_transient_bytes(rank, layout) - stage_logits)
+        # a layer's backward (its recompute, the ring's working memory) starts once the loss has freed its logits:
+        # the larger of the two is the peak's
+        freed = loss_freed_bytes(rank, layout, hw) if stage == pp - 1 else 0.0
+        activations += max(0.0, buffer + ring_transient_bytes(rank, layout) - freed)
         states = stage_state_bytes(shape, layout, hw, params, stage, gathered_layer)
         total = states + activations + stage_logits
         if total > best_total:

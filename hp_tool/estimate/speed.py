@@ -166,7 +166,7 @@ def compute_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
     load; GEMMs of the tokens each expert gets (top_k / experts of the micro-batch's)."""
     gpus = layout.gpus
     flops = model_flops_per_step(shape, layout.global_batch_size)
-    flops += recompute_flops_per_step(shape, layout.global_batch_size, layout.act_ckpt_layers, layout.pp)
+    flops += recompute_flops_per_step(shape, layout.global_batch_size, layout.act_ckpt_layers, layout.pp, layout.act_ckpt_mode)
     experts = expert_flops_per_step(shape, layout)
     peak = gpus * (hw.gemm_peak_tflops or hw.peak_tflops) * 1e12
     attention = 0.0

@@ -11,7 +11,7 @@ import math
 from typing import Optional
 
 from hp_tool.families.decoder import decoder_layer_flops
-from hp_tool.families.registry import Family
+from hp_tool.families.registry import Family, Matmul
 from hp_tool.families.shape import Shape, num_layers_for
 from hp_tool.tables import Table, lookup, span
 
@@ -112,6 +112,14 @@ def activation_bytes_per_layer(seq: int, mbs: int, hidden: int, heads: int, tp: 
     return sbh * per_value * bytes_per_value / 2
 
 
+def layer_matmuls(shape: Shape) -> tuple[Matmul, ...]:
+    """A layer's matmuls in forward order (transformers' OPT layer): q, k, v and the attention output, then the
+    MLP's fc1 and fc2; with biases, so each runs as addmm."""
+    h, f, kv = shape.hidden_size, shape.ffn_hidden_size, shape.kv_dim
+    return (Matmul("q_proj", h, h), Matmul("k_proj", h, kv), Matmul("v_proj", h, kv),
+            Matmul("out_proj", h, h, "rowwise"), Matmul("fc1", h, f), Matmul("fc2", f, h, "rowwise"))
+
+
 def _activation_bytes(shape: Shape, mbs: int, tp: int, sequence_parallel: bool, bytes_per_value: int,
                       flash_attention: bool, encoder: bool = False) -> float:
     """The engine's GPT layer: Korthikanti's count without dropout masks."""
@@ -140,4 +148,5 @@ FAMILY = Family(
     warmup_ratio=0.0015,  # NeMo's GPT-3 schedule: 0.15% warm-up, 16.6% constant
     constant_ratio=0.166,
     grid_table=lambda shape: GPT3_GRID,
+    layer_matmuls=layer_matmuls,
 )

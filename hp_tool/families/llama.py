@@ -10,7 +10,7 @@ import dataclasses
 from typing import Optional
 
 from hp_tool.families.decoder import decoder_layer_flops, decoder_parameters
-from hp_tool.families.registry import Family
+from hp_tool.families.registry import Family, Matmul
 from hp_tool.families.shape import Shape, num_layers_for
 from hp_tool.tables import Table, lookup, span
 
@@ -138,6 +138,23 @@ def llama_head_activation_bytes(shape: Shape, mbs: int, tp: int = 1, sequence_pa
     return (4 + p) * s * b * h / (tp if sequence_parallel else 1) + p * s * b * h + 2 * s * head_dim * p
 
 
+def linear_shapes(s: Shape) -> dict[str, tuple[int, int]]:
+    """A layer's nn.Linear modules by name -> (in features, out features), in the order its forward runs them."""
+    return {"q_proj": (s.hidden_size, s.attention_dim), "k_proj": (s.hidden_size, s.kv_dim),
+            "v_proj": (s.hidden_size, s.kv_dim), "o_proj": (s.attention_dim, s.hidden_size),
+            "gate_proj": (s.hidden_size, s.ffn_hidden_size), "up_proj": (s.hidden_size, s.ffn_hidden_size),
+            "down_proj": (s.ffn_hidden_size, s.hidden_size)}
+
+
+ROWWISE = ("o_proj", "down_proj")  # Megatron's split (hp_tool/trial/families/llama.py LAYER_PLAN): the rest by columns
+
+
+def layer_matmuls(shape: Shape) -> tuple[Matmul, ...]:
+    """A layer's matmuls in forward order: q, k, v, o, then the MLP's gate, up and down."""
+    return tuple(Matmul(name, i, o, "rowwise" if name in ROWWISE else "colwise")
+                 for name, (i, o) in linear_shapes(shape).items())
+
+
 def grid_table(shape: Shape) -> Table:
     """The grid for the shortest tabled sequence length at least the model's (the longest one beyond)."""
     lengths = sorted(LLAMA_GRID)
@@ -173,11 +190,8 @@ FAMILY = Family(
     hf_unmodelled=("attention_bias", "mlp_bias"),
     sequence_parallel=True,
     context_parallel=True,
-    linear_shapes=lambda s: {
-        "q_proj": (s.hidden_size, s.attention_dim), "k_proj": (s.hidden_size, s.kv_dim),
-        "v_proj": (s.hidden_size, s.kv_dim), "o_proj": (s.attention_dim, s.hidden_size),
-        "gate_proj": (s.hidden_size, s.ffn_hidden_size), "up_proj": (s.hidden_size, s.ffn_hidden_size),
-        "down_proj": (s.ffn_hidden_size, s.hidden_size)},
+    linear_shapes=linear_shapes,
+    layer_matmuls=layer_matmuls,
 )
 
 

@@ -22,7 +22,7 @@ from typing import Optional
 from hp_tool.families import llama
 from hp_tool.families.decoder import (decoder_layer_flops, decoder_parameters, expert_forward_flops,
                                       skipped_expert_parameters)
-from hp_tool.families.registry import Family
+from hp_tool.families.registry import Family, Matmul
 from hp_tool.families.shape import Shape, num_layers_for
 from hp_tool.tables import Table, lookup
 
@@ -129,6 +129,21 @@ def linear_shapes(shape: Shape) -> dict[str, tuple[int, int]]:
     return {name: full[name] for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
 
 
+def layer_matmuls(shape: Shape) -> tuple[Matmul, ...]:
+    """A layer's nn.Linear matmuls in forward order (transformers' Mixtral and Qwen2-MoE layers): Llama's q, k,
+    v and o, then the shared expert's gate, up and down (Qwen2-MoE), the router, and the shared expert's
+    one-output gate; whole on every TP rank but the attention's. The routed experts run as grouped matmuls,
+    which the selective policy does not count (and recomputes)."""
+    h, e, fs = shape.hidden_size, shape.num_experts, shape.shared_expert_ffn
+    attention = llama.layer_matmuls(shape)[:4]
+    router = (Matmul("gate", h, e, "whole"),)
+    if not fs:
+        return attention + router
+    shared = (Matmul("shared_expert.gate_proj", h, fs, "whole"), Matmul("shared_expert.up_proj", h, fs, "whole"),
+              Matmul("shared_expert.down_proj", fs, h, "whole"))
+    return attention + shared + router + (Matmul("shared_expert_gate", h, 1, "whole"),)
+
+
 # Grid for MoE: size (active billions) <= bound -> (TP, PP, MBS, (min, max) of TP*PP); the experts multiply
 # the memory of a dense model of the active size by about num_experts / top_k, so start from the dense
 # table of a model 3x larger (Mixtral-8x7B ~ a 40B dense model's layout) and let the memory model prune.
@@ -155,6 +170,7 @@ FAMILY = dataclasses.replace(
     moe=True,
     expert_parameters=expert_parameters,
     expert_parallel_activation_bytes=expert_parallel_activation_bytes,
+    layer_matmuls=layer_matmuls,
 )
 
 

@@ -21,6 +21,19 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class Matmul:
+    """One matmul of a layer's forward, per token: an nn.Linear's ``inputs`` x ``outputs`` weight, and how
+    tensor parallelism splits it: ``colwise`` (its output features over the TP ranks), ``rowwise`` (its input
+    features; each rank's output is a whole-width partial sum until the all-reduce or reduce-scatter) or
+    ``whole`` (every TP rank runs it all, as a mixture of experts' router and shared expert)."""
+
+    name: str
+    inputs: int
+    outputs: int
+    split: str = "colwise"
+
+
+@dataclass(frozen=True)
 class Family:
     """One model family's facts. Counts are per token or per sample as each field says; bytes are bytes."""
 
@@ -78,6 +91,11 @@ class Family:
     # layer's saved activations (the busiest rank's routed tokens, the TP rank's slice, the dispatch buffers)
     expert_parallel_activation_bytes: Callable[["Shape", int, int, int, int], float] = \
         lambda shape, mbs, ep, p, tp: 0.0
+    # selective checkpointing: a layer's nn.Linear matmuls (aten mm / addmm) in the order its forward runs them,
+    # the matmuls the per-op policy counts to save every second output of; the family's attention is one SDPA
+    # kernel, whose output the policy saves too (hp_tool/trial/selective_checkpoint.py). None: not modelled,
+    # and selective checkpointing refused (hp_tool/sharding.py checkpoint_mode_problem)
+    layer_matmuls: Optional[Callable[["Shape"], tuple[Matmul, ...]]] = None
 
 
 _FAMILIES: Registry[Family] = Registry("model family")

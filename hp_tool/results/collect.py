@@ -45,14 +45,14 @@ STATUS_ORDER = ("ok", "timeout", "oom", "failed", "cancelled", "unschedulable", 
 PLAN_INTS = ("seq_length", "lora_rank", "trainable_parameters", "experts", "top_k", "ep", "active_parameters", "tp", "pp", "virtual_stages", "dp", "mbs", "act_ckpt_layers", "zero_stage", "global_batch_size", "num_nodes",
              "trial_num_nodes", "trial_dp", "trial_global_batch_size", "predicted_rank")
 PLAN_TEXT = ("trial_id", "model_family", "engine", "offload", "plan_status", "reason", "fingerprint", "memory_check",
-             "optimizer", "method", "loss")
+             "optimizer", "method", "loss", "act_ckpt_mode")
 PLAN_INTS = PLAN_INTS + ("cp",)
 BOOL_COLUMNS = ("sequence_parallel", "activation_offload")  # written True / False
 
 # Every column of the table, in the order the CSVs use; units in the names.
 TABLE_COLUMNS = (
     "rank", "trial_id", "status", "reason", "plan_status", "model_family", "model_size_b",
-    "tp", "pp", "virtual_stages", "dp", "mbs", "act_ckpt_layers", "engine", "zero_stage", "offload",
+    "tp", "pp", "virtual_stages", "dp", "mbs", "act_ckpt_layers", "act_ckpt_mode", "engine", "zero_stage", "offload",
     "global_batch_size", "num_nodes", "num_gpus", "trial_num_nodes", "trial_dp", "trial_global_batch_size", "trial_world_size",
     "full_run_step_time_s", "predicted_step_time_s", "step_time_error_pct", "calibrated_step_time_s",
     "calibrated_step_time_error_pct", "predicted_compute_s", "predicted_comm_s", "measured_step_time_s",
@@ -73,6 +73,7 @@ INT_COLUMNS = ("cp", "seq_length", "lora_rank", "trainable_parameters", "experts
                "num_gpus", "trial_num_nodes", "trial_dp", "trial_global_batch_size", "trial_world_size", "steps_run",
                "steps_measured", "predicted_rank")
 TEXT_COLUMNS = ("trial_id", "status", "reason", "plan_status", "model_family", "engine", "offload", "optimizer", "method", "loss",
+                "act_ckpt_mode",
                 "memory_check", "stop_reason", "device",
                 "start_time", "end_time", "fingerprint")
 FLOAT_COLUMNS = tuple(c for c in TABLE_COLUMNS if c not in INT_COLUMNS + TEXT_COLUMNS + BOOL_COLUMNS)
@@ -199,7 +200,8 @@ def full_run_columns(row: dict, full: FullRun) -> dict:
     savers = {"zero_stage": 3 if stage is None else stage, "offload": row.get("offload") or "none",
               "engine": row.get("engine") or "torch", "virtual_stages": row.get("virtual_stages") or 1,
               "ep": row.get("ep") or 1, "cp": cp, "sequence_parallel": bool(row.get("sequence_parallel")),
-              "loss": row.get("loss") or "full", "activation_offload": bool(row.get("activation_offload"))}
+              "loss": row.get("loss") or "full", "activation_offload": bool(row.get("activation_offload")),
+              "act_ckpt_mode": row.get("act_ckpt_mode") or "full"}
     trial = Layout(tp, pp, trial_dp, mbs, ckpt, row["trial_global_batch_size"], **savers)
     whole = Layout(tp, pp, dp, mbs, ckpt, gbs, **savers)
     shape = full.trial_shape(row)  # the trial's sequence length and method, as its spec says

@@ -81,7 +81,9 @@ def _header(spec: TrialSpec, best: pd.Series, n_ranked: int, ds_name: str) -> st
         + (f" (interleaved, {spec.parallel.virtual_stages} virtual stages per rank)"
            if spec.parallel.virtual_stages > 1 else "")
         + f" DP={spec.parallel.dp} MBS={spec.parallel.mbs} "
-        f"act_ckpt_layers={spec.parallel.act_ckpt_layers}, global batch {spec.training.global_batch_size}, "
+        f"act_ckpt_layers={spec.parallel.act_ckpt_layers}"
+        + (f" ({spec.parallel.act_ckpt_mode})" if spec.parallel.act_ckpt_layers else "")
+        + f", global batch {spec.training.global_batch_size}, "
         f"{spec.parallel.engine} engine, ZeRO-{spec.parallel.zero_stage}, offload {spec.parallel.offload}.\n"
         f"# Measured {best['measured_step_time_s']:.6g} s per step in the trial; full run "
         f"{best['full_run_step_time_s']:.6g} s per step (plus modelled data-parallel communication).\n"

@@ -39,7 +39,7 @@ MEMORY_LIMIT_PCT = 98.0  # above this share of GPU memory a full run is one allo
 SIGNIFICANT_DIGITS = 6
 ALL_TRIALS_COLUMNS = TABLE_COLUMNS
 SUMMARY_COLUMNS = (
-    "rank", "trial_id", "tp", "pp", "dp", "mbs", "act_ckpt_layers", "engine", "zero_stage", "offload",
+    "rank", "trial_id", "tp", "pp", "dp", "mbs", "act_ckpt_layers", "act_ckpt_mode", "engine", "zero_stage", "offload",
     "global_batch_size", "num_nodes", "num_gpus", RANK_COLUMN, "predicted_step_time_s", "measured_step_time_s",
     "full_run_tokens_per_s_per_gpu", "tokens_per_s_per_gpu", "model_tflops_per_gpu", "mfu",
     "peak_memory_gib", "predicted_memory_gib", "peak_memory_pct_of_gpu", "days_to_train",
@@ -121,7 +121,8 @@ def search_cost_line(selected: pd.DataFrame) -> Optional[str]:
 
 
 def _layout(row: pd.Series) -> str:
-    ckpt = (f"{row['act_ckpt_layers']} checkpointed layers per stage" if row["act_ckpt_layers"]
+    selective = " (selective, per op)" if row.get("act_ckpt_mode") == "selective" else ""
+    ckpt = (f"{row['act_ckpt_layers']} checkpointed layers per stage{selective}" if row["act_ckpt_layers"]
             else "no activation checkpointing")
     saver = f"{row['engine']} engine, ZeRO-{row['zero_stage']}" + (
         f", offload {row['offload']}" if row["offload"] not in (None, "none") else "")
@@ -194,7 +195,8 @@ def render_summary(df: pd.DataFrame, top_n: int, full: FullRun, paths: dict[str,
 
     for _, r in ranked.head(top_n).iterrows():
         cells = [str(r["rank"]), r["trial_id"], str(r["tp"]), str(r["pp"]), str(r["dp"]), str(r["mbs"]),
-                 str(r["act_ckpt_layers"]), str(r["zero_stage"]), f"{r[RANK_COLUMN]:.4g}",
+                 str(r["act_ckpt_layers"]) + (" sel" if r.get("act_ckpt_mode") == "selective" else ""),
+                 str(r["zero_stage"]), f"{r[RANK_COLUMN]:.4g}",
                  f"{r['full_run_tokens_per_s_per_gpu']:,.0f}", cell(100 * r["mfu"], ".1f") + ("%" if not pd.isna(r["mfu"]) else ""),
                  cell(r["peak_memory_gib"], ".2f"), f"{r['days_to_train']:.3g}",
                  cell(r["cost_usd_per_million_tokens"], ".3g")]

@@ -2,7 +2,7 @@
 
 The order matters and follows torchtitan: tensor parallelism first (it replaces Linear weights by
 DTensor shards on the ``tp`` mesh), then ``checkpoint_wrapper`` around the first ``act_ckpt_layers``
-layers of the stage, then FSDP2 ``fully_shard`` (or FSDP2-style ``replicate`` for plain DDP) on the
+layers of the stage (whole, or under the per-op policy of ``act_ckpt_mode: selective``), then FSDP2 ``fully_shard`` (or FSDP2-style ``replicate`` for plain DDP) on the
 ``dp`` mesh, per layer and then for the whole stage. Everything happens on the meta device; the stage is
 materialised afterwards, so each rank only ever allocates its own shard.
 
@@ -34,7 +34,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
@@ -49,6 +48,7 @@ from hp_tool.trial.dist import weight_dp_dim, weight_dp_size
 from hp_tool.trial.families import torch_family
 from hp_tool.trial.methods import four_bit_weights
 from hp_tool.trial.models import loss_fn
+from hp_tool.trial.selective_checkpoint import checkpointed
 from hp_tool.trial.stage import StageModule
 
 log = logging.getLogger(__name__)
@@ -164,11 +164,11 @@ def complete_expert_grads(stage: nn.Module, ep: int, tp_group: Optional[dist.Pro
             grad.div_(ep)
 
 
-def apply_activation_checkpointing(stage: StageModule, num_layers: int) -> None:
-    """Recompute the activations of the first ``num_layers`` layers of this stage in backward."""
+def apply_activation_checkpointing(stage: StageModule, num_layers: int, mode: str = "full") -> None:
+    """Recompute the activations of the first ``num_layers`` layers of this stage in backward: whole layers
+    (``full``), or under torchtitan's per-op policy (``selective``, :mod:`hp_tool.trial.selective_checkpoint`)."""
     for key in stage.checkpoint_keys(num_layers):
-        stage.layers[key] = checkpoint_wrapper(stage.layers[key],
-                                               checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+        stage.layers[key] = checkpointed(stage.layers[key], mode)
 
 
 def apply_data_parallel(stage: StageModule, dp_mesh: DeviceMesh, zero_stage: int, offload: str,
@@ -222,7 +222,7 @@ def parallelize_stage(stage: StageModule, par: ParallelSpec, mesh: Optional[Devi
     if par.cp > 1:
         apply_context_parallel(stage, mesh["cp"])
     if par.act_ckpt_layers > 0:
-        apply_activation_checkpointing(stage, par.act_ckpt_layers)
+        apply_activation_checkpointing(stage, par.act_ckpt_layers, par.act_ckpt_mode)
     if par.offload != "none":
         require(mesh is not None, "parallel.offload", par.offload,
                 "the torch engine offloads through FSDP2, which needs a process group (2 or more processes)",

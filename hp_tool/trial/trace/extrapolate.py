@@ -41,11 +41,11 @@ def stage_units(spec: TrialSpec) -> tuple[int, int, int]:
 
 def with_units(spec: TrialSpec, units: int, checkpointed_layers: int) -> TrialSpec:
     """``spec`` with ``units`` units of layers per stage (see ``stage_units``), ``checkpointed_layers`` of
-    them recomputed: the shallow stages extrapolation traces."""
+    them recomputed (in the spec's mode): the shallow stages extrapolation traces."""
     _, _, model_layers = stage_units(spec)
     return dataclasses.replace(
         spec, model=dataclasses.replace(spec.model, num_layers=units * model_layers),
-        parallel=dataclasses.replace(spec.parallel, act_ckpt_layers=checkpointed_layers))
+        parallel=spec.parallel.checkpointing(checkpointed_layers))
 
 
 def _increment_donor(spec: TrialSpec, stage_index: int) -> Optional[int]:
