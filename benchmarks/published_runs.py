@@ -15,7 +15,8 @@ Runs (see ``load_runs``):
 What each run is given, and what the model cannot express (said per run in the ``note`` column):
 - a Llama 3.1 405B split over PP 8 (126 layers; torchtitan splits unevenly) is priced as its busiest stage,
   16 layers per stage (128 layers); torchtitan's default micro-batch count = the pipeline's stages;
-- "selective layer" checkpointing (every second layer recomputed whole) is act_ckpt_layers = layers / 2;
+- "selective layer" checkpointing (every second layer recomputed whole) is act_ckpt_layers = layers / 2, "selective
+  op" is act_ckpt_mode = selective on every layer (torchtitan's per-op policy, hp_tool's too);
 - Float8 runs (torchao Float8 linears) keep bf16 weights, gradients and activations: their memory is priced as
   bf16, their linears at the GPU's fp8 peak;
 - asynchronous TP (overlapping TP's collectives with matmuls) is not modelled: priced as synchronous TP.
@@ -151,18 +152,14 @@ def torchtitan_runs() -> list[Run]:
             gbs = gbs or dp * mbs
         ac = r["activation_checkpointing"] or "none"
         per_stage = layers // pp
-        ckpt = {"full": per_stage, "none": 0}.get(ac)
-        if ckpt is None:
-            if "layer" in ac:
-                ckpt = per_stage // 2
-            else:
-                ckpt = per_stage
-                notes.append("selective op priced as full checkpointing")
+        ckpt, mode = {"full": per_stage, "none": 0}.get(ac), "full"
+        if ckpt is None:  # torchtitan's selective: every second layer whole ("layer") or the per-op policy ("op")
+            ckpt, mode = (per_stage // 2, "full") if "layer" in ac else (per_stage, "selective")
         optimizations = r["other_optimizations"] or ""
         if "async TP" in optimizations:
             notes.append("async TP priced as TP")
         layout = Layout(tp, pp, dp, mbs, ckpt, gbs, zero_stage=3, virtual_stages=v, cp=cp,
-                        sequence_parallel=bool(r["sequence_parallel"]))
+                        sequence_parallel=bool(r["sequence_parallel"]), act_ckpt_mode=mode)
         preset = GPU_PRESETS[r["gpu"]]
         hw = hardware(preset)
         # Float8 linears (torchao) with weights, gradients and activations in bf16
@@ -193,14 +190,17 @@ def fits(run: Run) -> bool:
     return estimate_memory(run.shape, run.layout, run.hw).total_gib <= run.hw.usable_gib(MEMORY_MARGIN)
 
 
-def ranks(values: list[float]) -> list[float]:
-    """Ranks, ties sharing their mean rank."""
+MEASURED_TIE = 0.01  # measured rates within 1% rank as ties: each is one reading (torchtitan's at iteration 90)
+
+
+def ranks(values: list[float], tie: float = 0.0) -> list[float]:
+    """Ranks, ties (values within the relative ``tie`` of the group's smallest) sharing their mean rank."""
     order = sorted(range(len(values)), key=values.__getitem__)
     out = [0.0] * len(values)
     i = 0
     while i < len(order):
         j = i
-        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+        while j + 1 < len(order) and values[order[j + 1]] <= values[order[i]] * (1 + tie):
             j += 1
         for k in range(i, j + 1):
             out[order[k]] = (i + j) / 2
@@ -209,7 +209,8 @@ def ranks(values: list[float]) -> list[float]:
 
 
 def spearman(a: list[float], b: list[float]) -> float:
-    ra, rb = ranks(a), ranks(b)
+    """Rank correlation of measured ``a`` (near-ties: ``MEASURED_TIE``) and predicted ``b``."""
+    ra, rb = ranks(a, MEASURED_TIE), ranks(b)
     ma, mb = statistics.fmean(ra), statistics.fmean(rb)
     cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
     den = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
