@@ -11,6 +11,7 @@ from typing import Any, Iterable
 from hp_tool.architectures import active_parameters
 from hp_tool.candidates import Candidate
 from hp_tool.cost import cost_columns, epoch_columns
+from hp_tool.estimate.layout import Layout
 from hp_tool.estimate.methods import trainable_parameters
 from hp_tool.fsutil import atomic_write_text
 from hp_tool.planner import Plan, candidate_trial_id
@@ -176,7 +177,7 @@ def _memory_line(plan: Plan) -> str:
             + (f", {untraced} kept the analytic figure (see memory_check in plan.csv)" if untraced else "") + ".")
 
 
-def ckpt_cell(layout) -> str:
+def ckpt_cell(layout: Layout) -> str:
     """The printed table's checkpointing: the checkpointed layers per stage, ``sel`` after them when the per-op
     policy recomputes them (selective)."""
     return f"{layout.act_ckpt_layers}{' sel' if layout.act_ckpt_mode == 'selective' else ''}"

@@ -224,11 +224,12 @@ def test_optimizers_are_searched_with_their_own_state_bytes(tmp_path):
     p = plan(tmp_path, "search_config=finetune/llama2_7b_a10g", "search_config.train_settings.optimizers=[adamw,sgd,sgd_momentum]")
     by = {}
     for c in p.candidates:
-        by.setdefault((c.shape.seq_length, c.tp, c.pp, c.mbs, c.act_ckpt_layers, c.engine, c.zero_stage, c.offload), {})[
+        by.setdefault((c.shape.seq_length, c.tp, c.pp, c.mbs, c.act_ckpt_layers, c.engine, c.zero_stage, c.offload,
+                       c.full.act_ckpt_mode), {})[
             c.optimizer] = c
     # torch engine, FSDP2 over 6 GPUs, nothing offloaded: Adam's 8 bytes of moments per parameter, momentum's
     # 4, plain SGD's none, all sharded 6 ways
-    same = [v for k, v in by.items() if k[5:] == ("torch", 3, "none") and len(v) == 3 and k[2] == 1]
+    same = [v for k, v in by.items() if k[5:8] == ("torch", 3, "none") and len(v) == 3 and k[2] == 1]
     assert same
     psi = stage_parameters(same[0]["adamw"].shape, 1, 1)[0]
     for trio in same:
@@ -242,7 +243,7 @@ def test_optimizers_are_searched_with_their_own_state_bytes(tmp_path):
     assert bad and all(c.status == "invalid" for c in bad)
     runnable = [c for c in bad if c.zero_stage == 3 and c.pp == 1 and c.act_ckpt_layers == 0]  # DeepSpeed runs these savers
     assert runnable and all(c.reason_key.endswith("optimizers") and "CPU Adam" in c.reason for c in runnable)
-    ids = {s.trial_id.rsplit("_", 1)[-1] for s in p.specs if s.training.optimizer == "sgd_momentum"}
+    ids = {s.trial_id.removesuffix("_sac").rsplit("_", 1)[-1] for s in p.specs if s.training.optimizer == "sgd_momentum"}
     assert ids <= {"sgdm"} and all(s.training.optimizer in ("adamw", "sgd", "sgd_momentum") for s in p.specs)
 
 

@@ -8,7 +8,9 @@ and backward reads (``compute_copy_bytes``). Activations per layer: GPT from Kor
 "Reducing Activation Recomputation in Large Transformer Models", Table 2, without dropout masks (the trial
 engine runs without dropout); Llama (GQA, SwiGLU, RMSNorm, RoPE) and T5 derived tensor by tensor for the
 engine's modules. Each term is checked against the traced engine (tests/test_memory_check.py,
-benchmarks/memory_terms.py). Pipeline: 1F1B keeps up to PP micro-batches in flight on the first stage.
+benchmarks/memory_terms.py). A checkpointed layer keeps its input and, checkpointed selectively, the outputs
+the per-op policy keeps (``selective_kept_bytes``); one layer's recompute runs in backward, once the loss
+has freed its logits. Pipeline: 1F1B keeps up to PP micro-batches in flight on the first stage.
 Logits (``logits_bytes``): the whole-logits loss holds the logits, their log-softmax and gradient (as traced);
 the chunked loss one chunk's logits and the gradients it computes in forward (hp_tool/trial/loss.py).
 
