@@ -15,6 +15,7 @@ from hp_tool.adaptive_gate import adaptive_launch
 from hp_tool.config import AppConfig
 from hp_tool.contracts.result import empty_result
 from hp_tool.contracts.spec import TrialSpec
+from hp_tool.deepspeed_ops import build_deepspeed_ops, needs_deepspeed_ops
 from hp_tool.launch.job import JobSpec, trial_job
 from hp_tool.planner import Plan
 from hp_tool.results.report import FINAL_DIR, FinalResults, collect_and_report
@@ -61,6 +62,8 @@ def run_training_search(app: AppConfig, plan: Plan, kind: str) -> int:
     if ts.search_strategy == "adaptive":
         jobs, gate = adaptive_launch(plan, jobs, ts.skip_margin)
         on_end = chain(gate.ended, on_end)
+    if needs_deepspeed_ops(plan.specs):
+        build_deepspeed_ops()  # here, not inside a timed trial
     session = LaunchSession(app, kind, plan.results_dir, plan.results_dir, on_end=on_end, gate=gate,
                             watch=None if gate is None else gate.watch)
     code = session.launch(jobs)
