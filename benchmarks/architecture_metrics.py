@@ -149,7 +149,7 @@ FLOORS = (
     ("contracts", ("hp_tool.contracts", "hp_tool.config", "hp_tool.wandb_key", "hp_tool.hf_config")),
     ("planning", ("hp_tool.candidates", "hp_tool.planner", "hp_tool.base_config", "hp_tool.calibration",
                   "hp_tool.adaptive", "hp_tool.inference.grid", "hp_tool.plan_output")),
-    ("results and launching", ("hp_tool.results", "hp_tool.launch", "hp_tool.inference.report",
+    ("results and launching", ("hp_tool.results", "hp_tool.launch", "hp_tool.deepspeed_ops", "hp_tool.inference.report",
                                "hp_tool.compare")),
     ("orchestration", ("hp_tool.tracking", "hp_tool.memory_check", "hp_tool.search", "hp_tool.session", "hp_tool.adaptive_gate",
                        "hp_tool.inference.search", "hp_tool.inference")),
