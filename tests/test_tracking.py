@@ -45,11 +45,21 @@ def run_bytes(run, needle, timeout_s=20.0):
     return run.read_bytes()
 
 
-def test_disabled_needs_nothing(monkeypatch):
+def test_disabled_needs_nothing(tmp_path, monkeypatch):
+    """With W&B off, wandb need not be installed: the check passes, a search's summary is written, and
+    no W&B folder appears."""
     from hp_tool.tracking import check_wandb
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # not importable
-    check_wandb(WandbConfig(enable=False))
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_dir"))
+    assert check_wandb(WandbConfig(enable=False)) is None
+    with pytest.raises(ConfigError):  # the same missing package is refused once W&B is on
+        check_wandb(WandbConfig(enable=True))
+    app, out, plan = planned(tmp_path)
+    write_ok(out, selected_ids(plan)[0], 0.2)
+    assert finalize(out, app) == 0
+    assert (out / "final_results").is_dir() and any((out / "final_results").iterdir())
+    assert not (tmp_path / "wandb_dir").exists() and not list(tmp_path.rglob("wandb"))
 
 
 def test_missing_wandb_names_the_key_and_the_install(monkeypatch):
@@ -75,10 +85,20 @@ def test_missing_or_empty_key_file(tmp_path, monkeypatch, content):
         check_wandb(WandbConfig(enable=True, api_key_file=None))
 
 
-def test_offline_needs_no_key(offline):
-    from hp_tool.tracking import check_wandb
+def test_offline_needs_no_key(tmp_path, offline):
+    """Offline, no key file is needed: the check passes and a trial is still logged as an offline run."""
+    from hp_tool import tracking
 
-    check_wandb(WandbConfig(enable=True, api_key_file=None))
+    cfg = WandbConfig(enable=True, api_key_file=None)
+    assert tracking.check_wandb(cfg) is None
+    _, out, plan = planned(tmp_path)
+    tid = selected_ids(plan)[0]
+    write_metrics(out, tid, [0.9, 0.3])
+    result = write_ok(out, tid, 0.25)
+    tracking.log_trial(load_spec(out / "candidate_configs" / f"{tid}.yaml"), out / "training_logs" / tid,
+                       result, cfg)
+    (run,) = runs(offline)
+    assert tid.encode() in run_bytes(run, tid.encode())
 
 
 def test_online_key_goes_to_wandb_settings_only(tmp_path, monkeypatch):
