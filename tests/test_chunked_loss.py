@@ -66,6 +66,7 @@ def test_only_one_chunk_of_logits_is_ever_held():
     assert peaks["chunked"] < peaks["full"] / 3
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [dict(), dict(dp=2, zero_stage=0), dict(dp=2, zero_stage=3), dict(pp=2, zero_stage=0)])
 def test_trials_with_the_chunked_loss_train_as_the_full_loss(tmp_path, layout):
@@ -109,6 +110,7 @@ def test_the_chunked_loss_applies_the_head_itself():
     assert engine.step(0) is not None
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [dict(dp=2, zero_stage=3, act_ckpt=2), dict(pp=2, zero_stage=0)])
 def test_activation_offload_changes_no_number(tmp_path, layout):
@@ -129,6 +131,7 @@ def test_activation_offload_changes_no_number(tmp_path, layout):
     assert losses(tmp_path / "offloaded", True) == pytest.approx(losses(tmp_path / "kept", False), rel=1e-6)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("act_ckpt", [0, 2])
 def test_sequence_parallel_trains_as_tensor_parallel(tmp_path, act_ckpt):

@@ -124,6 +124,7 @@ def test_a_moved_key_exits_2_and_writes_nothing(tmp_path):
     assert "Traceback" not in proc.stderr and not (tmp_path / "res").exists()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("plus", ["", "+", "++"])
 def test_a_typo_fails_with_its_name_with_or_without_plus(tmp_path, plus):
     proc = main(tmp_path, "dry_run=true", f"{plus}search_config.train_settings.tensr_parallel_sizes=[1]")
@@ -139,6 +140,7 @@ def test_a_moved_key_in_a_composed_config_fails_naming_the_new_key():
     assert exc.value.key == "cluster.gpu_peak_tflops" and "gpu.peak_tflops.bf16" in str(exc.value)
 
 
+@pytest.mark.e2e
 def test_unknown_gpu_preset_lists_the_shipped_ones(tmp_path):
     proc = main(tmp_path, "gpu=h100", "dry_run=true")
     assert proc.returncode == 2
@@ -152,6 +154,7 @@ def test_free_form_sbatch_parameters_still_take_any_key():
 
 # ----------------------------------------------------------------------------------- W&B key file
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("content", [None, "", "\n  \nkey-on-line-two\n"])
 def test_wandb_key_file_is_checked_in_a_dry_run(tmp_path, content):
     key_file = tmp_path / "wandb.key"
@@ -165,6 +168,7 @@ def test_wandb_key_file_is_checked_in_a_dry_run(tmp_path, content):
     assert not (tmp_path / "res").exists()
 
 
+@pytest.mark.e2e
 def test_wandb_key_file_that_is_fine_passes_a_dry_run_and_is_never_written(tmp_path):
     key_file = tmp_path / "wandb.key"
     key_file.write_text("secret-key-123\n")
@@ -177,6 +181,7 @@ def test_wandb_key_file_that_is_fine_passes_a_dry_run_and_is_never_written(tmp_p
 
 # ------------------------------------------------------------------------- cluster=auto, no SLURM
 
+@pytest.mark.e2e
 def test_auto_without_slurm_refuses_a_gpu_search_on_a_machine_without_gpus(tmp_path):
     # an empty PATH directory: no sinfo/sbatch (no SLURM), no nvidia-smi (no GPU)
     env = {"PATH": f"{tmp_path}:{Path(sys.executable).parent}"}
@@ -201,6 +206,7 @@ def test_auto_without_slurm_runs_cpu_presets_here(tmp_path, monkeypatch):
     assert resolve_kind(app, [(1, 2)]) == "local"
 
 
+@pytest.mark.e2e
 def test_auto_without_slurm_runs_here_when_the_gpus_fit(tmp_path, monkeypatch):
     # GPUs cannot be had here: a stand-in nvidia-smi reports eight 80 GiB parts (81559 MiB each)
     fake_command(tmp_path, "nvidia-smi", "81559\\n" * 8)
@@ -223,6 +229,7 @@ def test_local_problem_names_what_is_missing():
 
 # ---------------------------------------------------------------------------------- cpus per task
 
+@pytest.mark.e2e
 def test_cpus_per_task_shares_the_nodes_cpus_among_its_tasks(tmp_path, monkeypatch):
     # a 64-core SLURM node cannot be had here: a stand-in sinfo reports it
     fake_command(tmp_path, "sinfo", "n1|64|gpu:8|idle\\nn2|64|gpu:8(S:0-1)|mixed\\n")
@@ -240,6 +247,7 @@ def test_cpus_per_task_shares_the_nodes_cpus_among_its_tasks(tmp_path, monkeypat
 
 # --------------------------------------------------------------------------------------- multirun
 
+@pytest.mark.e2e
 def test_multirun_over_gpu_types_writes_plans_and_a_comparison_ranked_by_cost(tmp_path):
     proc = main(tmp_path, "-m", "gpu=a10g,a100_80gb,h100_80gb", "search_config=gpt3/8b", "dry_run=true")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -259,6 +267,7 @@ def test_multirun_over_gpu_types_writes_plans_and_a_comparison_ranked_by_cost(tm
     assert "Comparison (cheapest full run first)" in proc.stdout
 
 
+@pytest.mark.e2e
 def test_multirun_shows_a_gpu_where_nothing_fits_last_with_its_reason(tmp_path):
     proc = main(tmp_path, "-m", "gpu=cpu,a100_80gb", "search_config=gpt3/5b", "dry_run=true")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -268,12 +277,14 @@ def test_multirun_shows_a_gpu_where_nothing_fits_last_with_its_reason(tmp_path):
     assert "no valid layout fits in host RAM" in rows[1]["reason"]  # offload fits 4 GiB, not 16 GiB of RAM
 
 
+@pytest.mark.e2e
 def test_multirun_where_no_job_can_plan_exits_2(tmp_path):
     proc = main(tmp_path, "-m", "gpu=cpu", "search_config=gpt3/5b,gpt3/8b", "dry_run=true")
     assert proc.returncode == 2
     assert proc.stderr.count("no valid layout fits in host RAM") == 2
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("override", ["cluster.job_name_prefix=t1a2:", "cluster.setup=[sleep 300,echo a: b]",
                                       "search_config.train_settings.max_minutes_per_run=1",
                                       "search_config.train_settings.precision=fp32"])

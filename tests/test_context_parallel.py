@@ -54,6 +54,7 @@ def single(tmp_path_factory) -> list[dict]:
     return metrics
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [
     dict(cp=2, zero_stage=0),  # DDP (replicate) over the 2 CP ranks

@@ -17,6 +17,7 @@ def main(tmp_path, *args):
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.e2e
 def test_dry_run_writes_plan_and_prints_table(tmp_path):
     proc = main(tmp_path, "search_config=gpt3/5b", "dry_run=true")
     assert proc.returncode == 0, proc.stderr
@@ -47,6 +48,7 @@ def test_dry_run_writes_plan_and_prints_table(tmp_path):
     assert not (out / "training_logs").exists()  # dry run submits nothing
 
 
+@pytest.mark.e2e
 def test_unknown_size_recommends_12_9b(tmp_path):
     proc = main(tmp_path, "search_config=gpt3/unknown_size", "dry_run=true")
     assert proc.returncode == 0, proc.stderr
@@ -54,6 +56,7 @@ def test_unknown_size_recommends_12_9b(tmp_path):
     assert (tmp_path / "res" / "gpt3" / "unknown_size" / "base_cfg_12.9b.yaml").exists()
 
 
+@pytest.mark.e2e
 def test_planning_never_imports_torch(tmp_path):
     code = (
         "import sys\n"
@@ -69,6 +72,7 @@ def test_planning_never_imports_torch(tmp_path):
     assert (tmp_path / "gpt3" / "175b" / "candidate_configs" / "plan.csv").exists()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("args, key", [
     (["search_config=gpt3/nope"], "search_config='gpt3/nope'"),
     (["search_config.train_settings.tensor_parallel_sizes=[3]"], "search_config.train_settings.tensor_parallel_sizes"),
@@ -86,6 +90,7 @@ def test_bad_input_is_a_clear_error_and_writes_nothing(tmp_path, args, key):
     assert not (tmp_path / "res").exists()
 
 
+@pytest.mark.e2e
 def test_unknown_key_fails_before_writing(tmp_path):
     proc = main(tmp_path, "dry_run=true", "search_config.train_settings.micro_batch=[1]")
     assert proc.returncode != 0

@@ -76,6 +76,7 @@ def test_sequence_lengths_are_searched_at_the_same_tokens_per_step(tmp_path):
     assert [c.step_time_s for c in ranks] == sorted(c.step_time_s for c in ranks)
 
 
+@pytest.mark.e2e
 def test_the_dry_run_answers_per_epoch(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "main.py"), "search_config=finetune/llama2_7b", "dry_run=true",
                            f"base_results_dir={tmp_path}", "search_config.train_settings.dataset_tokens_in_m=50"],
@@ -104,6 +105,7 @@ def write_config(folder: Path, **changes) -> Path:
     return folder
 
 
+@pytest.mark.e2e
 def test_a_hub_id_resolves_from_the_local_cache_only(tmp_path, monkeypatch):
     snapshot = tmp_path / "hub" / "models--acme--tiny-llama" / "snapshots" / "abc123"
     write_config(snapshot)
@@ -133,6 +135,7 @@ BAD = [
 ]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("make, key, words", BAD)
 def test_bad_model_input_fails_before_anything_is_written(tmp_path, make, key, words):
     model = make(tmp_path / "model")
@@ -179,6 +182,7 @@ def test_keys_of_the_other_kind_of_search_are_refused(overrides, key):
     assert err.value.key == key
 
 
+@pytest.mark.e2e
 def test_tiny_fine_tuning_search_ranks_real_trials_per_epoch(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "main.py"), "search_config=finetune/tiny", "cluster=local",
                            f"base_results_dir={tmp_path}", "search_config.train_settings.search_strategy=exhaustive",
@@ -254,6 +258,7 @@ def test_8bit_adam_needs_a_gpu():
     assert err.value.key == "search_config.train_settings.optimizers" and "CUDA GPUs only" in str(err.value)
 
 
+@pytest.mark.e2e
 def test_gpu_types_compared_for_a_fine_tune(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "main.py"), "-m", "search_config=finetune/llama2_7b",
                            "gpu=a100_80gb,l4", "dry_run=true", f"base_results_dir={tmp_path}",

@@ -44,6 +44,7 @@ def run(*args, cwd, timeout=600):
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd)
 
 
+@pytest.mark.e2e
 def test_search_then_train_the_winner_on_the_real_checkpoint(tmp_path, model_and_data):
     model, data = model_and_data
     proc = run(str(REPO / "main.py"), "search_config=finetune/tiny", f"search_config.model.hf_config={model}",
@@ -76,6 +77,7 @@ def test_search_then_train_the_winner_on_the_real_checkpoint(tmp_path, model_and
     assert first > 0 and abs(first - 6.238) > 0.1
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("bad, key, words", [
     ("shape", "model.checkpoint", "in the checkpoint but"),
     ("data", "data.path", "no such file"),

@@ -84,6 +84,7 @@ LAYOUTS = [
 ]
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type, tie, layout", LAYOUTS)
 def test_first_loss_equals_transformers_on_the_checkpoint(tmp_path, model_type, tie, layout):
@@ -130,6 +131,7 @@ def test_a_checkpoint_of_another_model_is_named(tmp_path):
     assert "has no model.safetensors" in str(err.value)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [dict(dp=2, zero_stage=1), dict(dp=2, engine="deepspeed", zero_stage=2)])
 def test_sgd_with_momentum_trains_in_the_sharded_layouts(tmp_path, layout):

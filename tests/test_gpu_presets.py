@@ -30,6 +30,7 @@ def load(*overrides):
 
 # ------------------------------------------------------------------------------ presets and precision
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("gpu", sorted(NO_BF16))
 def test_a_gpu_without_bf16_plans_a_dry_run_in_fp16(tmp_path, gpu):
     node = ["search_config.train_settings.gpus_per_node=4"] if gpu == "t4" else []
@@ -41,6 +42,7 @@ def test_a_gpu_without_bf16_plans_a_dry_run_in_fp16(tmp_path, gpu):
     assert (base.resources.gpu, base.resources.gpu_memory_gib) == (gpu, memory)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("gpu", sorted(NO_BF16))
 def test_bf16_on_a_gpu_without_it_names_key_value_and_fix_and_writes_nothing(tmp_path, gpu):
     proc = main(tmp_path, f"gpu={gpu}", "search_config=llama/llama2_7b", "dry_run=true")  # the preset's bf16

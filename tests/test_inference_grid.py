@@ -96,6 +96,7 @@ def test_job_config_round_trip(tmp_path):
     assert load_job_config(dump_job_config(cfg, tmp_path / "x.yaml")) == cfg
 
 
+@pytest.mark.e2e
 def test_planning_imports_no_torch():
     code = ("import sys; import hp_tool.inference.grid, hp_tool.inference.search, hp_tool.inference.report; "
             "assert 'torch' not in sys.modules, 'torch imported'")

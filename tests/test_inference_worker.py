@@ -77,6 +77,7 @@ def single_llama(tmp_path_factory) -> dict:
     return load(path)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
 def test_llama_layouts_generate_the_same_tokens(tmp_path, single_llama, tp, pp):
     assert single_llama["status"] == "ok" and len(set(single_llama["generated_tokens"])) > 1
@@ -88,6 +89,7 @@ def test_llama_layouts_generate_the_same_tokens(tmp_path, single_llama, tp, pp):
     assert load(path)["generated_tokens"] == single_llama["generated_tokens"]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
 def test_layouts_generate_the_same_tokens(tmp_path, single, tp, pp):
     path = job_config(tmp_path, tp, pp)

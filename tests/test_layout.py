@@ -77,6 +77,7 @@ def test_an_unknown_family_names_the_key_and_the_known_ones():
     assert exc.value.key == "model.family" and all(n in str(exc.value) for n in ("gpt3", "llama", "t5", "mt5"))
 
 
+@pytest.mark.e2e
 def test_every_planned_family_has_a_torch_half():
     code = ("from hp_tool.families import family_names; from hp_tool.trial.families import known_families; "
             "print(sorted(family_names()) == sorted(known_families()))")
@@ -85,6 +86,7 @@ def test_every_planned_family_has_a_torch_half():
     assert set(family_names(planner_only=True)) == {"gpt3", "llama", "t5", "mt5", "moe"}
 
 
+@pytest.mark.e2e
 def test_no_family_name_is_compared_outside_the_registry_folders():
     out = subprocess.run([sys.executable, "benchmarks/architecture_metrics.py"], capture_output=True, text=True,
                          check=True, cwd=ROOT).stdout
@@ -93,6 +95,7 @@ def test_no_family_name_is_compared_outside_the_registry_folders():
     assert "imports running back up the floors: 0" in out
 
 
+@pytest.mark.e2e
 def test_the_plan_reports_what_each_stage_removed(tmp_path):
     out = subprocess.run([sys.executable, "main.py", "search_config=gpt3/5b", "dry_run=true",
                           f"base_results_dir={tmp_path}", "search_config.train_settings.tensor_parallel_sizes=[1,3]",

@@ -107,6 +107,7 @@ def test_70b_at_seq_8192_never_proposes_an_unsharded_layout_that_cannot_fit(tmp_
     assert unsharded and all(c.status == PRUNED and c.memory_gib > 80 for c in unsharded)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("override, key, words", [
     ("search_config.model.num_kv_heads=3", "search_config.model.num_kv_heads", "num_attention_heads=4"),
     (f"{TS}.seq_length=512", f"{TS}.seq_length", "context of 256 tokens"),
@@ -129,6 +130,7 @@ def test_tp_not_dividing_the_kv_heads_names_both_numbers(tmp_path):
     assert "TP=4 does not divide the 2 key/value heads (4 query heads)" in str(exc.value)
 
 
+@pytest.mark.e2e
 def test_llama_tiny_search_end_to_end_and_the_optimal_config_trains(tmp_path):
     cmd = [sys.executable, str(REPO / "main.py"), "search_config=llama/tiny", "cluster=local",
            f"{TS}.limit_search_runs=3", f"{TS}.max_steps_per_run=6", f"{TS}.search_strategy=exhaustive",
@@ -154,6 +156,7 @@ def test_llama_tiny_search_end_to_end_and_the_optimal_config_trains(tmp_path):
     assert result["status"] == "ok" and result["steps_run"] == 3 and result["world_size"] == world
 
 
+@pytest.mark.e2e
 def test_llama_tiny_inference_search_runs_locally(tmp_path):
     cmd = [sys.executable, str(REPO / "main.py"), "search_config=llama/tiny", "cluster=local",
            "run_training_hp_search=false", "run_inference_hp_search=true",

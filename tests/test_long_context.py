@@ -264,6 +264,7 @@ def test_a_long_context_plan_writes_every_saver_into_the_plan_and_the_specs(tmp_
     assert any(r["loss"] == "full" and r["tp"] == "1" and r["plan_status"] == "pruned" for r in rows)
 
 
+@pytest.mark.e2e
 def test_a_tiny_search_over_the_savers_trains_and_ranks_each(tmp_path):
     """finetune/tiny at 256 tokens on 2 CPU processes, end to end: the chunked and the whole-logits loss, CP 1 and
     2, and TP 2 with sequence parallelism (the heuristic's choice), all with activation offload (which on CPU

@@ -112,6 +112,7 @@ def losses_by_layout(tmp_path, method: str, layouts) -> dict[str, list[float]]:
     return losses
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_lora_trains_the_same_in_every_layout(tmp_path):
     losses = losses_by_layout(tmp_path, "lora", [
@@ -123,6 +124,7 @@ def test_lora_trains_the_same_in_every_layout(tmp_path):
     assert losses["one"][2] != losses["one"][0]  # the adapters trained
 
 
+@pytest.mark.e2e
 def test_adapters_save_in_pefts_format(tmp_path):
     from test_finetune_trials import make_checkpoint, spec_for
 
@@ -157,6 +159,7 @@ BAD = [
 ]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("override, key, words", BAD)
 def test_bad_method_input_fails_before_anything_is_written(tmp_path, override, key, words):
     proc = subprocess.run([sys.executable, str(REPO / "main.py"), "search_config=finetune/tiny", "dry_run=true",
@@ -166,6 +169,7 @@ def test_bad_method_input_fails_before_anything_is_written(tmp_path, override, k
     assert not (tmp_path / "res").exists()
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_qlora_trains_the_same_in_its_layouts(tmp_path):
     """QLoRA through bitsandbytes' NF4 Linear4bit (its CPU path): the 4-bit base gives the same losses in every
@@ -192,6 +196,7 @@ def test_qlora_layouts_the_4bit_weights_cannot_take_are_invalid(tmp_path):
     assert p.specs and all(s.model.method == "qlora" and s.parallel.zero_stage <= 1 for s in p.specs)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_tiny_search_ranks_trials_of_the_three_methods(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "main.py"), "search_config=finetune/tiny", "cluster=local",

@@ -128,6 +128,7 @@ exit_now(0)
 """
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_fp16_loss_scaling_over_a_pipeline_keeps_losses_and_gradient_norms(tmp_path):
     """Two pipeline stages under torchrun (gloo), with and without the fp16 loss scaler forced on: the first

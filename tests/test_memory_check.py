@@ -103,6 +103,7 @@ def plan_for(tmp_path, tracer, *overrides):
     return make_plan(app, name, tmp_path / name, tracer)
 
 
+@pytest.mark.e2e
 def test_a_layout_the_formula_fits_but_the_trace_does_not_is_pruned_with_the_traced_figure(tmp_path):
     tracer = Tracer("cpu", workers=2)
     roomy = plan_for(tmp_path, tracer)
@@ -152,6 +153,7 @@ def test_memory_check_defaults_and_bad_value():
         to_app_config(cfg)
 
 
+@pytest.mark.e2e
 def test_dry_run_with_traced_memory_writes_both_figures_and_reuses_the_traces(tmp_path):
     args = [sys.executable, str(REPO / "main.py"), "search_config=llama/tiny", f"base_results_dir={tmp_path}",
             "dry_run=true", "memory_check=traced", "search_config.train_settings.pipeline_parallel_sizes=[2]",

@@ -140,6 +140,7 @@ def test_host_ram_prunes_offload_with_the_number_and_the_key(tmp_path):
     assert all(c.host_memory_gib <= 49.4 for c in p.candidates if c.status == SELECTED)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("override, key, words", [
     ("search_config.train_settings.zero_stages=[4]", "search_config.train_settings.zero_stages", "unknown values [4]"),
     ("search_config.train_settings.offload=[disk]", "search_config.train_settings.offload", "unknown values"),
@@ -183,6 +184,7 @@ for cfg, dp in json.load(open(sys.argv[1])):
 """
 
 
+@pytest.mark.e2e
 def test_ds_config_is_a_plain_deepspeed_config_deepspeed_parses(tmp_path):
     from hp_tool.contracts.ds_config import ds_config
 
@@ -209,6 +211,7 @@ def test_ds_config_is_a_plain_deepspeed_config_deepspeed_parses(tmp_path):
         assert optimizer == "adamw"
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_tiny_search_over_both_engines_and_two_stages_runs_and_ranks(tmp_path):
     proc = run_main(tmp_path, "search_config=llama/tiny", "cluster=local",

@@ -50,6 +50,7 @@ def test_estimates_divide_bytes_by_two_to_the_thirty():
     assert GIB == 1024 ** 3
 
 
+@pytest.mark.e2e
 def test_the_trials_measured_peak_is_in_gib():
     """On CPU the trial measures the process's peak RSS: touching 1 GiB more raises it by 1.0, not 1.07.
 
@@ -73,6 +74,7 @@ def test_the_trials_measured_peak_is_in_gib():
     assert float(out.stdout.split()[-1]) == pytest.approx(1.0, abs=0.04)
 
 
+@pytest.mark.e2e
 def test_the_plans_memory_columns_are_gib_and_match_the_estimate(tmp_path):
     """The dry run's plan.csv names every memory column in GiB and its predicted peak is the estimate's."""
     out = subprocess.run([sys.executable, str(REPO / "main.py"), f"base_results_dir={tmp_path}", "dry_run=true",
@@ -89,6 +91,7 @@ def test_the_plans_memory_columns_are_gib_and_match_the_estimate(tmp_path):
     assert any(float(r["predicted_memory_gib"] or 0) > 0 for r in rows)
 
 
+@pytest.mark.e2e
 def test_a_config_with_the_old_gb_key_fails_naming_the_gib_key(tmp_path):
     out = subprocess.run([sys.executable, str(REPO / "main.py"), f"base_results_dir={tmp_path}", "dry_run=true",
                           "search_config=llama/tiny", "+gpu.memory_gb=80"], capture_output=True, text=True,

@@ -31,6 +31,7 @@ def measured_peak(tmp_path, spec) -> float:
     return result["peak_tensor_memory_gib"]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("family, layout", [
     ("gpt3", {}),
     ("gpt3", {"dp": 2, "zero_stage": 3}),  # FSDP2: sharded states, gathered layers
@@ -63,6 +64,7 @@ def test_traced_peak_matches_the_real_runs_peak_per_rank(tmp_path, family, layou
     assert traced == pytest.approx(measured, rel=REL_TOL)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("family, layout", [
     ("gpt3", {"pp": 2, "vp": 2}),
     ("gpt3", {"pp": 2, "vp": 2, "act_ckpt": 2, "gbs": 16}),

@@ -105,6 +105,7 @@ def losses_and_norms(folder: Path) -> tuple[list[float], list[float]]:
     return [m["loss"] for m in metrics], [m["grad_norm"] for m in metrics]
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["mixtral-ep2-ddp", "mixtral-ep2-fsdp2", "mixtral-tp2", "qwen2_moe-ep2-zero2",
                                   "mixtral-deepspeed-zero3", "mixtral-ep2-tp2", "mixtral-ep2-offload"])
@@ -131,6 +132,7 @@ def expert_elements(spec: TrialSpec) -> int:
                if name.endswith(EXPERT_TENSORS))
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_an_expert_parallel_rank_holds_half_the_experts(runs):
     """Under EP2 with DDP each rank holds every dense weight and half of the experts."""
@@ -143,6 +145,7 @@ def test_an_expert_parallel_rank_holds_half_the_experts(runs):
     assert held[0] == held[1] == count_parameters(whole) - expert_elements(spec) // 2
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_an_expert_parallel_run_saves_whole_experts(runs):
     """The EP2 x FSDP2 run's saved model (every rank gathering its experts) is the single-process run's,
@@ -167,6 +170,7 @@ def test_an_expert_parallel_run_saves_whole_experts(runs):
         torch.testing.assert_close(split[name], value, rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["mixtral", "mixtral-tp2"])
 def test_trace_of_an_unsplit_mixture_matches_the_measured_peak(runs, name):
@@ -190,6 +194,7 @@ def test_expert_parallelism_is_untraceable_with_its_reason(tokens):
         trace_stage(spec, 0, "cpu")
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_tiny_moe_fine_tuning_search_ranks_ep1_and_ep2_trials(tmp_path):
     """finetune/tiny_moe end to end on this machine: the plan searches EP 1 and 2, real trials train the

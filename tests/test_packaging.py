@@ -17,6 +17,7 @@ REPO = Path(__file__).resolve().parent.parent
 SKIP = shutil.ignore_patterns(".git", "results", "__pycache__", "*.egg-info", "build", "multirun", ".pytest_cache")
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_non_editable_install_runs_hp_tool_from_another_directory(tmp_path):
     source = tmp_path / "source"

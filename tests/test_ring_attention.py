@@ -51,6 +51,7 @@ def worker(rank, world, port, folder, tile_rows=None):
         dist.destroy_process_group()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("cp, tile_rows", [(2, None), (3, None), (2, 5)], ids=["cp2", "cp3", "cp2-tiles-of-5-rows"])
 def test_ring_attention_equals_unsharded_causal_attention(tmp_path, cp, tile_rows):
     if tile_rows is not None:  # 5 query rows a tile against a 12-token block: tiles of 5, 5 and 2 rows

@@ -88,6 +88,7 @@ def test_selective_checkpointing_trains_as_no_checkpointing_does(tmp_path, famil
     assert (selective_result["peak_tensor_memory_gib"] < plain_result["peak_tensor_memory_gib"]) == lower
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [dict(tp=2, zero_stage=0), dict(dp=2, zero_stage=3)], ids=["tp2-sp", "dp2-fsdp2"])
 def test_selective_checkpointing_on_two_ranks_trains_as_without_checkpointing(tmp_path, layout):

@@ -129,6 +129,7 @@ def test_memory_model_uses_each_stacks_length_and_the_vocabulary():
     assert buffer > 0
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("override, key, words", [
     (f"{TS}.pipeline_parallel_sizes=[3]", f"{TS}.pipeline_parallel_sizes", "cannot split the encoder and decoder"),
     (f"{TS}.tensor_parallel_sizes=[3]", f"{TS}.tensor_parallel_sizes", "TP=3 does not divide the 4 heads"),
@@ -152,6 +153,7 @@ def test_decoder_length_belongs_to_encoder_decoders_only(tmp_path):
     assert exc.value.key == f"{TS}.decoder_seq_length" and "only encoder-decoder" in str(exc.value)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("family, runs", [("t5", 3), ("mt5", 2)])
 def test_tiny_search_end_to_end_and_the_optimal_config_trains(tmp_path, family, runs):
     cmd = [sys.executable, str(REPO / "main.py"), f"search_config={family}/tiny", "cluster=local",

@@ -22,6 +22,7 @@ from trial_helpers import long_context_spec
 CHUNK = 64  # tokens per chunk of the chunked loss: an eighth of a micro-batch's 512
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("savers", [
     dict(loss="chunked", loss_chunk_tokens=CHUNK),
     dict(tp=2, sequence_parallel=True),

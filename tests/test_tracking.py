@@ -85,6 +85,7 @@ def test_missing_or_empty_key_file(tmp_path, monkeypatch, content):
         check_wandb(WandbConfig(enable=True, api_key_file=None))
 
 
+@pytest.mark.e2e
 def test_offline_needs_no_key(tmp_path, offline):
     """Offline, no key file is needed: the check passes and a trial is still logged as an offline run."""
     from hp_tool import tracking
@@ -123,6 +124,7 @@ def test_online_key_goes_to_wandb_settings_only(tmp_path, monkeypatch):
     assert all(KEY not in repr(v) for k, v in seen.items() if k != "settings")
 
 
+@pytest.mark.e2e
 def test_log_trial_writes_an_offline_run(tmp_path, offline):
     from hp_tool import tracking
 
@@ -140,6 +142,7 @@ def test_log_trial_writes_an_offline_run(tmp_path, offline):
     assert KEY.encode() not in written
 
 
+@pytest.mark.e2e
 def test_finalize_logs_the_summary_table(tmp_path, offline, capsys):
     app, out, plan = planned(tmp_path, "wandb.enable=true", f"wandb.api_key_file={key_file(tmp_path)}")
     for i, tid in enumerate(selected_ids(plan)[:2]):

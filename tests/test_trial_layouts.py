@@ -43,6 +43,7 @@ def launch(tmp_path, family, **layout):
     return spec, out, read_result(out)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("family, layout", [
     ("gpt3", {"tp": 2}),  # vocab-parallel embedding and head, tied weight
     ("llama", {"tp": 2}),  # vocab-parallel embedding and (untied) head
@@ -95,6 +96,7 @@ def test_layout_reproduces_single_process_losses(tmp_path, reference, family, la
     assert [m["grad_norm"] for m in metrics] == pytest.approx(ref["grad_norms"], rel=REL_TOL)
 
 
+@pytest.mark.e2e
 def test_failure_on_one_rank_leaves_failed_status_without_hanging(tmp_path):
     spec = tiny_spec("gpt3", pp=2, max_steps=20)
     out = tmp_path / "out"

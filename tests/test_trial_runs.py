@@ -82,6 +82,7 @@ def _start(tmp_path, spec):
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+@pytest.mark.e2e
 def test_sigterm_writes_results_and_exits_cleanly(tmp_path):
     proc = _start(tmp_path, tiny_spec("gpt3", max_steps=100_000, warmup_steps=1))
     metrics = tmp_path / "out" / "metrics.jsonl"
@@ -96,6 +97,7 @@ def test_sigterm_writes_results_and_exits_cleanly(tmp_path):
     assert result["steps_measured"] >= 2
 
 
+@pytest.mark.e2e
 def test_a_stop_request_ends_the_trial_as_losing_with_its_measurement_and_reason(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
@@ -116,6 +118,7 @@ def test_a_stop_request_ends_the_trial_as_losing_with_its_measurement_and_reason
     assert result["steps_run"] == len(read_metrics(out)) < 100_000
 
 
+@pytest.mark.e2e
 def test_memory_cap_produces_oom(tmp_path):
     spec = tiny_spec("gpt3", max_steps=3, memory_cap_gib=2.0)
     spec.model.hidden_size, spec.model.ffn_hidden_size = 2048, 8192  # ~3 GiB of weights and Adam state
