@@ -84,29 +84,74 @@ def _scatter(ax, df: pd.DataFrame, predicted: str | list[tuple[str, str]], measu
     ax.legend(fontsize=8)
 
 
+def _has(df: pd.DataFrame, *columns: str) -> bool:
+    return bool((df[list(columns)].notna().all(axis=1)).any())
+
+
+def on_cpu(df: pd.DataFrame) -> bool:
+    """Whether every trial that recorded a device ran on CPU processes (peak_memory_gib is then the
+    process RSS: the interpreter and libraries besides the tensors)."""
+    devices = set(df["device"].dropna())
+    return bool(devices) and devices <= {"cpu"}
+
+
+def _process_rss(ax, df: pd.DataFrame) -> None:
+    """CPU trials' peak RSS per process, apart from the predictions: it is not what they predict."""
+    pts = df[df["peak_memory_gib"].notna()]
+    ax.barh(range(len(pts)), pts["peak_memory_gib"], color=[STATUS_COLORS.get(s, OTHER_COLOR) for s in pts["status"]])
+    ax.invert_yaxis()
+    if len(pts) <= MAX_LABELLED_BARS:
+        ax.set_yticks(range(len(pts)), list(pts["trial_id"]), fontsize=6)
+    ax.set_xlabel("peak RSS per process (GiB): tensors + interpreter + libraries")
+    ax.set_title("process RSS (not comparable)")
+
+
 def plot_predicted_vs_measured(df: pd.DataFrame, path: Path) -> Path:
-    """Two panels: peak memory per GPU in the trial (GiB), measured against the analytic estimate and the
-    trace (both with the overhead constant), and full-run step time (s) against the planner's prediction;
-    points on the dashed line were predicted exactly."""
-    fig = Figure(figsize=(11, 4.8), layout="constrained")
-    mem_ax, time_ax = fig.subplots(1, 2)
-    _scatter(mem_ax, df, [("predicted_memory_gib", "analytic"), ("traced_memory_gib", "traced")], "peak_memory_gib",
-             "peak memory per GPU (GiB)", log=False)
-    _scatter(time_ax, df, "predicted_step_time_s", "full_run_step_time_s", "full-run step time (s)",
-             log=True)
-    mem_ax.set_title("Memory")
-    time_ax.set_title("Step time")
+    """Three panels; points on a dashed line were predicted exactly.
+
+    Tensor memory: the trial's measured tensor peak (``peak_tensor_memory_gib``) against the analytic and
+    traced predictions without the preset's overhead (the collector's ``*_tensor_memory_gib``); without
+    those columns, the peak per GPU against the predictions with the overhead. Process memory: on CPU the
+    peak RSS per process in its own panel, not set against a prediction; on GPUs the peak per GPU against
+    the raw and the calibrated prediction. Step time: the full run's (s) against the raw and the
+    calibrated prediction."""
+    fig = Figure(figsize=(16, 5.2), layout="constrained")
+    mem_ax, proc_ax, time_ax = fig.subplots(1, 3)
+    if _has(df, "peak_tensor_memory_gib", "predicted_tensor_memory_gib"):
+        _scatter(mem_ax, df, [("predicted_tensor_memory_gib", "analytic"), ("traced_tensor_memory_gib", "traced")],
+                 "peak_tensor_memory_gib", "tensor peak per GPU (GiB)", log=False)
+        mem_ax.set_title("Tensor memory (overhead left out of the predictions)")
+    else:
+        _scatter(mem_ax, df, [("predicted_memory_gib", "analytic"), ("traced_memory_gib", "traced")],
+                 "peak_memory_gib", "peak memory per GPU (GiB)", log=False)
+        mem_ax.set_title("Memory (predictions with the overhead)")
+    if on_cpu(df):
+        _process_rss(proc_ax, df)
+    else:
+        _scatter(proc_ax, df, [("predicted_memory_gib", "raw"), ("calibrated_memory_gib", "calibrated")],
+                 "peak_memory_gib", "peak memory per GPU (GiB)", log=False)
+        proc_ax.set_title("Memory per GPU, raw and calibrated")
+    _scatter(time_ax, df, [("predicted_step_time_s", "raw"), ("calibrated_step_time_s", "calibrated")],
+             "full_run_step_time_s", "full-run step time (s)", log=True)
+    time_ax.set_title("Step time, raw and calibrated")
     return _save(fig, path)
 
 
+PLOTS = (  # file name, plot, caption (report.md's)
+    ("throughput.png", plot_throughput, "Measured tokens/s per GPU of every selected trial, by status"),
+    ("predicted_vs_measured.png", plot_predicted_vs_measured,
+     "Predicted against measured: tensor memory, process memory, step time (raw and calibrated)"),
+)
+CAPTIONS = {name: caption for name, _, caption in PLOTS}
+
+
 def write_plots(df: pd.DataFrame, folder: Path) -> list[Path]:
-    """throughput.png and predicted_vs_measured.png in ``folder``. A plot that fails is logged with its
-    cause and left out; the CSVs and the optimal config never depend on it."""
+    """Every plot of ``PLOTS`` in ``folder``. A plot that fails is logged with its cause and left out;
+    the CSVs and the optimal config never depend on it."""
     paths = []
-    for name, plot in (("throughput.png", plot_throughput), ("predicted_vs_measured.png", plot_predicted_vs_measured)):
+    for name, plot, _ in PLOTS:
         try:
             paths.append(plot(df, folder / name))
         except Exception as exc:  # noqa: BLE001 - a picture must not cost the user the results
             log.error("Plot %s failed (%s: %s); the CSVs in %s are complete", name, type(exc).__name__, exc, folder)
     return paths
-
