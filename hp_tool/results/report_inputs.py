@@ -82,7 +82,8 @@ def model_errors(ranked: pd.DataFrame, cpu: bool) -> tuple[ModelError, ...]:
         return ModelError(quantity, compared, int(ranked[raw].notna().sum()), _median_abs(ranked[raw]),
                           _median_abs(ranked[calibrated]) if calibrated else None)
 
-    process = "process RSS (not comparable: interpreter and libraries)" if cpu else "peak per GPU"
+    process = ("process RSS, not comparable: it adds the interpreter and libraries" if cpu
+               else "memory per GPU, overhead included")
     return (
         error("step time", f"{RANK_COLUMN} vs predicted_step_time_s / calibrated_step_time_s",
               "step_time_error_pct", "calibrated_step_time_error_pct"),
@@ -90,7 +91,7 @@ def model_errors(ranked: pd.DataFrame, cpu: bool) -> tuple[ModelError, ...]:
               "tensor_memory_error_pct"),
         error("tensor memory, traced", "peak_tensor_memory_gib vs traced_tensor_memory_gib",
               "traced_tensor_memory_error_pct"),
-        error(f"memory with overhead ({process})", "peak_memory_gib vs predicted_memory_gib / calibrated_memory_gib",
+        error(process, "peak_memory_gib vs predicted_memory_gib / calibrated_memory_gib",
               "memory_error_pct", "calibrated_memory_error_pct"),
     )
 
