@@ -12,7 +12,8 @@ import pytest
 from test_results_helpers import planned, selected_ids, write_failed, write_metrics, write_ok
 
 from hp_tool.inference.report import summary_frame
-from hp_tool.results.collect import RANK_COLUMN, TABLE_COLUMNS
+from hp_tool.results.collect import RANK_COLUMN, TABLE_COLUMNS, collect_trials
+from hp_tool.results.plots import PEAK_MEMORY, TENSOR_MEMORY, memory_comparison
 from hp_tool.results.report_inputs import write_inference_report
 from hp_tool.results.report import ALL_TRIALS_COLUMNS, SUMMARY_COLUMNS
 from hp_tool.search import finalize
@@ -174,6 +175,18 @@ def test_no_successful_trial(tmp_path, capsys):
     page = (out / "final_results" / "report.md").read_text()
     assert "**No pick yet**" in page and "Pick:" not in page
     assert f"| {ids[1]} | failed | rank 1: RuntimeError: boom |" in page
+
+
+def test_memory_plot_compares_the_tensor_peak_never_the_cpu_rss_with_a_prediction(tmp_path):
+    _, out, plan = planned(tmp_path)
+    ids = selected_ids(plan)
+    write_ok(out, ids[0], 0.3, peak_memory_gib=0.45, peak_tensor_memory_gib=0.015)
+    write_ok(out, ids[1], 0.4, peak_memory_gib=0.44, peak_tensor_memory_gib=0.011)
+    assert memory_comparison(collect_trials(out, memory_overhead_gib=0.5)) is TENSOR_MEMORY
+    cpu = collect_trials(out)  # no overhead given: no tensor predictions to compare with
+    assert memory_comparison(cpu) is None
+    cpu["device"] = cpu["device"].map(lambda d: None if d is None else "cuda")  # on GPUs: allocated peak
+    assert memory_comparison(cpu) is PEAK_MEMORY
 
 
 REPO = Path(__file__).resolve().parents[1]

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -106,25 +108,50 @@ def _process_rss(ax, df: pd.DataFrame) -> None:
     ax.set_title("process RSS (not comparable)")
 
 
+@dataclass(frozen=True)
+class Comparison:
+    """One panel's measured column against its predicted (column, name) pairs."""
+
+    measured: str
+    predicted: tuple[tuple[str, str], ...]
+    label: str
+    title: str
+
+
+TENSOR_MEMORY = Comparison("peak_tensor_memory_gib", (("predicted_tensor_memory_gib", "analytic"),
+                                                      ("traced_tensor_memory_gib", "traced")),
+                           "tensor peak per GPU (GiB)", "Tensor memory (overhead left out of the predictions)")
+PEAK_MEMORY = Comparison("peak_memory_gib", (("predicted_memory_gib", "analytic"), ("traced_memory_gib", "traced")),
+                         "peak memory per GPU (GiB)", "Memory (predictions with the overhead)")
+
+
+def memory_comparison(df: pd.DataFrame) -> Optional[Comparison]:
+    """Like with like: the trial's measured tensor peak against the predictions without the overhead when
+    the table holds both; else on GPUs the peak per GPU against the predictions with the overhead; else
+    None: a CPU process's RSS is set against no prediction."""
+    if _has(df, "peak_tensor_memory_gib", "predicted_tensor_memory_gib"):
+        return TENSOR_MEMORY
+    return None if on_cpu(df) else PEAK_MEMORY
+
+
 def plot_predicted_vs_measured(df: pd.DataFrame, path: Path) -> Path:
     """Three panels; points on a dashed line were predicted exactly.
 
-    Tensor memory: the trial's measured tensor peak (``peak_tensor_memory_gib``) against the analytic and
-    traced predictions without the preset's overhead (the collector's ``*_tensor_memory_gib``); without
-    those columns, the peak per GPU against the predictions with the overhead. Process memory: on CPU the
+    Tensor memory (:func:`memory_comparison`): the trial's measured tensor peak against the analytic and
+    traced predictions without the preset's overhead (the collector's ``*_tensor_memory_gib``). Process memory: on CPU the
     peak RSS per process in its own panel, not set against a prediction; on GPUs the peak per GPU against
     the raw and the calibrated prediction. Step time: the full run's (s) against the raw and the
     calibrated prediction."""
     fig = Figure(figsize=(16, 5.2), layout="constrained")
     mem_ax, proc_ax, time_ax = fig.subplots(1, 3)
-    if _has(df, "peak_tensor_memory_gib", "predicted_tensor_memory_gib"):
-        _scatter(mem_ax, df, [("predicted_tensor_memory_gib", "analytic"), ("traced_tensor_memory_gib", "traced")],
-                 "peak_tensor_memory_gib", "tensor peak per GPU (GiB)", log=False)
-        mem_ax.set_title("Tensor memory (overhead left out of the predictions)")
+    memory = memory_comparison(df)
+    if memory is None:
+        mem_ax.text(0.5, 0.5, "no measured tensor peak to compare", ha="center", va="center",
+                    transform=mem_ax.transAxes)
+        mem_ax.set_title(TENSOR_MEMORY.title)
     else:
-        _scatter(mem_ax, df, [("predicted_memory_gib", "analytic"), ("traced_memory_gib", "traced")],
-                 "peak_memory_gib", "peak memory per GPU (GiB)", log=False)
-        mem_ax.set_title("Memory (predictions with the overhead)")
+        _scatter(mem_ax, df, list(memory.predicted), memory.measured, memory.label, log=False)
+        mem_ax.set_title(memory.title)
     if on_cpu(df):
         _process_rss(proc_ax, df)
     else:

@@ -43,6 +43,10 @@ def _value(x: Any) -> Any:
     return x.item() if hasattr(x, "item") else x
 
 
+def _unranked(frame: pd.DataFrame, name: str) -> tuple[Unranked, ...]:
+    return tuple(Unranked(r[name], r["status"], _value(r["reason"]) or "") for _, r in frame.iterrows())
+
+
 def _records(frame: pd.DataFrame, columns: Iterable[str]) -> tuple[dict, ...]:
     columns = list(columns)
     return tuple({c: _value(r[c]) for c in columns} for _, r in frame[columns].iterrows())
@@ -118,7 +122,7 @@ def training_report_inputs(df: pd.DataFrame, title: str, plots: Iterable[Path], 
     return ReportInputs(
         title=title, metric=TRAINING_METRIC, columns=REPORT_COLUMNS, ranked=_records(ranked, REPORT_COLUMNS),
         pick=picks[0] if picks else None, runner_up=picks[1] if len(picks) > 1 else None,
-        unranked=tuple(Unranked(r["trial_id"], r["status"], r["reason"] or "") for _, r in rest.iterrows()),
+        unranked=_unranked(rest, "trial_id"),
         plots=tuple(Plot(p.name, CAPTIONS.get(p.name, p.stem)) for p in plots), counts=_counts(df),
         trust_note=IN_SAMPLE, errors=model_errors(ranked, cpu), files=tuple(files), notes=tuple(notes))
 
@@ -141,7 +145,7 @@ def inference_report_inputs(frame: pd.DataFrame, max_latency_ms: float, plot: bo
         title="Inference search", metric=INFERENCE_METRIC, columns=INFERENCE_COLUMNS,
         ranked=_records(ok, INFERENCE_COLUMNS), pick=picks[0] if picks else None,
         runner_up=picks[1] if len(picks) > 1 else None,
-        unranked=tuple(Unranked(r["config_id"], r["status"], r["reason"] or "") for _, r in rest.iterrows()),
+        unranked=_unranked(rest, "config_id"),
         plots=(Plot(INFERENCE_PLOT, "p99 batch latency against generated tokens/s per GPU, Pareto front"),)
         if plot and not ok.empty else (),
         counts=f"{len(ok)} of {len(frame)} configs ran ({status_counts(frame)}).",
