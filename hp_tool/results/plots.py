@@ -100,7 +100,8 @@ def on_cpu(df: pd.DataFrame) -> bool:
 def _process_rss(ax, df: pd.DataFrame) -> None:
     """CPU trials' peak RSS per process, apart from the predictions: it is not what they predict."""
     pts = df[df["peak_memory_gib"].notna()]
-    ax.barh(range(len(pts)), pts["peak_memory_gib"], color=[STATUS_COLORS.get(s, OTHER_COLOR) for s in pts["status"]])
+    colors = [STATUS_COLORS.get(s, OTHER_COLOR) for s in pts["status"]]
+    ax.barh(range(len(pts)), pts["peak_memory_gib"], color=colors)
     ax.invert_yaxis()
     if len(pts) <= MAX_LABELLED_BARS:
         ax.set_yticks(range(len(pts)), list(pts["trial_id"]), fontsize=6)
@@ -138,10 +139,10 @@ def plot_predicted_vs_measured(df: pd.DataFrame, path: Path) -> Path:
     """Three panels; points on a dashed line were predicted exactly.
 
     Tensor memory (:func:`memory_comparison`): the trial's measured tensor peak against the analytic and
-    traced predictions without the preset's overhead (the collector's ``*_tensor_memory_gib``). Process memory: on CPU the
-    peak RSS per process in its own panel, not set against a prediction; on GPUs the peak per GPU against
-    the raw and the calibrated prediction. Step time: the full run's (s) against the raw and the
-    calibrated prediction."""
+    traced predictions without the preset's overhead (the collector's ``*_tensor_memory_gib``). Process
+    memory: on CPU the peak RSS per process in its own panel, not set against a prediction; on GPUs the
+    peak per GPU against the raw and the calibrated prediction. Step time: the full run's (s) against the
+    raw and the calibrated prediction."""
     fig = Figure(figsize=(16, 5.2), layout="constrained")
     mem_ax, proc_ax, time_ax = fig.subplots(1, 3)
     memory = memory_comparison(df)

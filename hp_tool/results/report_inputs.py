@@ -15,7 +15,7 @@ import pandas as pd
 
 from hp_tool.fsutil import atomic_write_text
 from hp_tool.inference.report import PLOT_FILE as INFERENCE_PLOT, SUMMARY_CSV as INFERENCE_CSV
-from hp_tool.results.collect import RANK_BASIS, RANK_COLUMN, SELECTED, successful
+from hp_tool.results.collect import NOT_RUN, RANK_BASIS, RANK_COLUMN, SELECTED, successful
 from hp_tool.results.plots import CAPTIONS, on_cpu
 from hp_tool.results.report_md import (REPORT_FILE, ModelError, Pick, Plot, RankMetric, ReportInputs, Unranked,
                                        render_report)
@@ -31,9 +31,9 @@ INFERENCE_METRIC = RankMetric("tokens_per_s_per_gpu", "generated tokens/s per GP
 INFERENCE_COLUMNS = ("config_id", "tp", "pp", "batch_size", "num_gpus", "tokens_per_s_per_gpu", "latency_ms_p50",
                      "latency_ms_p99", "time_to_first_token_ms", "meets_latency_bound", "predicted_memory_gib")
 IN_SAMPLE = ("Calibrated predictions are fitted to these same measured trials (hp_tool/calibration.py: a compute "
-             "and a communication factor, a memory offset), so their error here is in-sample: it shows how well "
-             "the model's shape fits. For a layout nobody measured, expect an error between the two columns; "
-             "with one measured trial the calibrated error is zero by construction.")
+             "and a communication factor, a residual per TP/PP regime, a memory offset), so their error here is "
+             "in-sample: a regime with one measured trial is matched exactly by construction. For a layout "
+             "nobody measured, expect an error between the raw and the calibrated column.")
 
 
 def _value(x: Any) -> Any:
@@ -104,7 +104,7 @@ def _counts(df: pd.DataFrame) -> str:
     selected = df[df["plan_status"] == SELECTED]
     ranked = int(df["rank"].notna().sum())
     text = f"{ranked} of {len(selected)} selected trials succeeded ({status_counts(selected)})."
-    pending = int((selected["status"] == "not_run").sum())
+    pending = int((selected["status"] == NOT_RUN).sum())
     if pending:
         text += (f" {pending} have not run yet (pending, or never launched): this page is rewritten at every "
                  f"collection, so it stands for the search so far.")
