@@ -238,6 +238,9 @@ def test_inference_report_picks_the_fastest_config_within_the_latency_bound(tmp_
     assert "**Pick: gpt3_b4_tp1**" in page and "p99 batch latency 35 ms (bound 100 ms)" in page
     assert "25.0% higher than the runner-up, gpt3_b1_tp1, on `tokens_per_s_per_gpu`" in page
     assert "| gpt3_b1_tp4 | invalid | num_attention_heads=4 over tp=8 |" in page
+    assert "configs within the p99 latency bound first, each group highest first" in page
+    ranked = page.split("## Ranked trials")[1]
+    assert ranked.index("| gpt3_b4_tp1 |") < ranked.index("| gpt3_b1_tp1 |") < ranked.index("| gpt3_b8_tp1 |")
     assert "![" not in page  # no plot file beside it, so none linked
 
 

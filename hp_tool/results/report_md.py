@@ -23,8 +23,10 @@ class RankMetric:
     column: str  # e.g. full_run_step_time_s
     label: str  # what it measures, e.g. "full-run step time"
     unit: str  # e.g. "s"
-    basis: str  # which statistic of the timed steps it comes from: "median" or "mean"
+    basis: str  # which statistic of the timed repeats it comes from: "median" or "mean"
     lower_is_better: bool = True
+    repeats: str = "timed steps"  # what the statistic is taken over
+    order: str = ""  # how rows are grouped before the metric orders them ("" : by the metric alone)
 
 
 @dataclass(frozen=True)
@@ -174,10 +176,11 @@ def headline(inputs: ReportInputs) -> list[str]:
 
 def ranked_section(inputs: ReportInputs) -> list[str]:
     m = inputs.metric
-    order = "lowest" if m.lower_is_better else "highest"
+    best = "lowest" if m.lower_is_better else "highest"
+    within = f"{m.order}, each group " if m.order else ""
     lines = ["## Ranked trials", "",
-             f"Ranked by `{m.column}` ({m.label} in {m.unit}, from the {m.basis} of the timed steps), "
-             f"{order} first.", ""]
+             f"Ranked by `{m.column}` ({m.label} in {m.unit}, from the {m.basis} of the {m.repeats}): "
+             f"{within}{best} first.", ""]
     if not inputs.ranked:
         return lines + ["No trial is ranked yet.", ""]
     rows = [[r.get(c) for c in inputs.columns] for r in inputs.ranked]
