@@ -208,6 +208,9 @@ def test_report_md_names_the_pick_by_the_median_and_every_trial_without_a_rank(t
     assert "fits with 3.00 GiB headroom: measured peak RSS per process 1.00 GiB of 4 GiB per GPU" in head
     assert "3 of 12 selected trials succeeded" in head and "7 have not run yet" in head
     ranked = page.split("## Ranked trials")[1].split("## Plots")[0]
+    header = next(line for line in ranked.splitlines() if line.startswith("| rank |"))
+    assert "| zero_stage | act_ckpt_mode |" in header  # the plan searched full and selective checkpointing
+    assert "seq_length" not in header and "| ep |" not in header  # one value each: nothing to tell apart
     assert [ranked.index(f"| {i + 1} | {tid} |") for i, tid in enumerate(fastest)] == sorted(
         ranked.index(f"| {i + 1} | {tid} |") for i, tid in enumerate(fastest))
     unranked = page.split("## Skipped, pruned and failed")[1]

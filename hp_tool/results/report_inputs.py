@@ -26,6 +26,9 @@ REPORT_COLUMNS = (
     "measured_step_time_s", "measured_step_time_mean_s", "predicted_step_time_s", "calibrated_step_time_s",
     "tokens_per_s_per_gpu", "mfu", "peak_memory_gib", "peak_tensor_memory_gib", "days_to_train",
 )
+# searched dimensions shown in the ranked table only when the search varied them
+VARYING_COLUMNS = ("seq_length", "method", "lora_rank", "optimizer", "act_ckpt_mode", "virtual_stages", "offload",
+                   "ep", "cp", "sequence_parallel", "loss", "activation_offload")
 INFERENCE_METRIC = RankMetric("tokens_per_s_per_gpu", "generated tokens/s per GPU", "tokens/s", "median",
                               lower_is_better=False, repeats="timed generations' batch latency",
                               order="configs within the p99 latency bound first")
@@ -101,6 +104,14 @@ def model_errors(ranked: pd.DataFrame, cpu: bool) -> tuple[ModelError, ...]:
     )
 
 
+def report_columns(df: pd.DataFrame) -> tuple[str, ...]:
+    """REPORT_COLUMNS, with each of VARYING_COLUMNS that takes more than one value in the table after the
+    layout's columns."""
+    varying = tuple(c for c in VARYING_COLUMNS if df[c].dropna().nunique() > 1)
+    cut = REPORT_COLUMNS.index("zero_stage") + 1
+    return REPORT_COLUMNS[:cut] + varying + REPORT_COLUMNS[cut:]
+
+
 def _counts(df: pd.DataFrame) -> str:
     selected = df[df["plan_status"] == SELECTED]
     ranked = int(df["rank"].notna().sum())
@@ -120,8 +131,9 @@ def training_report_inputs(df: pd.DataFrame, title: str, plots: Iterable[Path], 
     planned = int(df["predicted_rank"].notna().sum()) or None
     picks = [_pick(row, planned, cpu) for _, row in ranked.head(2).iterrows()]
     rest = df[df["rank"].isna()]
+    columns = report_columns(df)
     return ReportInputs(
-        title=title, metric=TRAINING_METRIC, columns=REPORT_COLUMNS, ranked=_records(ranked, REPORT_COLUMNS),
+        title=title, metric=TRAINING_METRIC, columns=columns, ranked=_records(ranked, columns),
         pick=picks[0] if picks else None, runner_up=picks[1] if len(picks) > 1 else None,
         unranked=_unranked(rest, "trial_id"),
         plots=tuple(Plot(p.name, CAPTIONS.get(p.name, p.stem)) for p in plots), counts=_counts(df),
