@@ -4,7 +4,7 @@ searches."""
 
 import re
 
-from hp_tool.results.report_md import (ModelError, Pick, Plot, RankMetric, ReportInputs, Unranked, lead_pct,
+from hp_tool.results.report_md import (MAX_UNRANKED_ROWS, ModelError, Pick, Plot, RankMetric, ReportInputs, Unranked, lead_pct,
                                        render_report)
 
 STEP = RankMetric("full_run_step_time_s", "full-run step time", "s", "median")
@@ -113,3 +113,12 @@ def test_a_search_with_nothing_ranked_yet():
 def test_every_candidate_ranked_says_so():
     text = render_report(inputs(unranked=()))
     assert "Every candidate ran and is ranked." in section(text, "Skipped, pruned and failed")
+
+
+def test_a_large_grid_lists_the_first_unranked_and_counts_the_rest():
+    reason = "TP*PP=4 does not divide the 2 GPUs"
+    many = tuple(Unranked(f"c{i}", "invalid", reason) for i in range(MAX_UNRANKED_ROWS + 7))
+    body = section(render_report(inputs(unranked=many)), "Skipped, pruned and failed")
+    assert f"{MAX_UNRANKED_ROWS + 7} without a rank ({MAX_UNRANKED_ROWS + 7} invalid)" in body
+    assert f"| c{MAX_UNRANKED_ROWS - 1} | invalid |" in body and f"| c{MAX_UNRANKED_ROWS} |" not in body
+    assert "... and 7 more, each with its reason in the all-trials CSV." in body

@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 REPORT_FILE = "report.md"
 NEAR_TIE_PCT = 2.0  # below this lead, a rerun's noise could swap the pick and the runner-up
+MAX_UNRANKED_ROWS = 100  # a large grid's invalid candidates would bury the trials that failed
 
 
 @dataclass(frozen=True)
@@ -204,9 +205,13 @@ def unranked_section(inputs: ReportInputs) -> list[str]:
     for u in inputs.unranked:
         counts[u.status] = counts.get(u.status, 0) + 1
     summary = ", ".join(f"{n} {status}" for status, n in counts.items())
-    rows = [[u.name, u.status, u.reason] for u in inputs.unranked]
-    return lines + [f"{len(inputs.unranked)} without a rank ({summary}):", "",
-                    table(("candidate", "status", "reason"), rows), ""]
+    rows = [[u.name, u.status, u.reason] for u in inputs.unranked[:MAX_UNRANKED_ROWS]]
+    lines += [f"{len(inputs.unranked)} without a rank ({summary}):", "",
+              table(("candidate", "status", "reason"), rows), ""]
+    left = len(inputs.unranked) - len(rows)
+    if left > 0:
+        lines += [f"... and {left} more, each with its reason in the all-trials CSV.", ""]
+    return lines
 
 
 def _pct(value: Optional[float]) -> str:
