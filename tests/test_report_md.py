@@ -4,8 +4,8 @@ searches."""
 
 import re
 
-from hp_tool.results.report_md import (MAX_UNRANKED_ROWS, ModelError, Pick, Plot, RankMetric, ReportInputs, Unranked, lead_pct,
-                                       render_report)
+from hp_tool.results.report_md import (MAX_UNRANKED_ROWS, ModelError, Pick, Plot, RankMetric, ReportInputs,
+                                       Unranked, lead_pct, render_report)
 
 STEP = RankMetric("full_run_step_time_s", "full-run step time", "s", "median")
 COLUMNS = ("rank", "trial_id", "full_run_step_time_s", "measured_step_time_mean_s")
