@@ -223,6 +223,7 @@ def test_report_md_names_the_pick_by_the_median_and_every_trial_without_a_rank(t
     assert all((out / "final_results" / name).is_file() for name in links)
     trust = page.split("## How far to trust the plan")[1]
     assert "| step time |" in trust and "| 3 |" in trust
+    assert "Calibrated on 3 trials: compute x" in trust and "in-sample" in trust
 
 
 def test_inference_report_picks_the_fastest_config_within_the_latency_bound(tmp_path):

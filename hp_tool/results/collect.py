@@ -35,6 +35,7 @@ from hp_tool.throughput import throughput
 log = logging.getLogger(__name__)
 
 RANK_COLUMN = "full_run_step_time_s"  # the one column trials are ranked by, ascending
+CALIBRATION = "calibration"  # the table's attrs key: the fitted factors in words (None: nothing measured)
 RANK_BASIS = "median"  # RANK_COLUMN extrapolates measured_step_time_s, the median of the timed steps
 NOT_RUN = "not_run"
 NOT_IN_PLAN = "not_in_plan"
@@ -268,7 +269,8 @@ def tensor_memory(df: pd.DataFrame, overhead_gib: Optional[float]) -> pd.DataFra
 def calibrate(df: pd.DataFrame) -> pd.DataFrame:
     """Every candidate's prediction again, with the step-time factors and memory offset the measured trials
     give (:mod:`hp_tool.calibration`): ``calibrated_step_time_s`` beside the raw ``predicted_step_time_s``,
-    ``calibrated_memory_gib`` beside ``predicted_memory_gib``; the raw figures where nothing was measured."""
+    ``calibrated_memory_gib`` beside ``predicted_memory_gib``; the raw figures where nothing was measured.
+    The fitted factors in words go to ``df.attrs[CALIBRATION]``."""
     ok = df[(df["status"] == OK) & df[RANK_COLUMN].notna() & df["predicted_compute_s"].notna()]
     factors = fit_step_factors([StepPoint(r.predicted_compute_s, r.predicted_comm_s, r.full_run_step_time_s,
                                           (r.tp, r.pp)) for r in ok.itertuples()])
@@ -280,11 +282,14 @@ def calibrate(df: pd.DataFrame) -> pd.DataFrame:
     df["calibrated_memory_gib"] = df["predicted_memory_gib"] + (offset or 0.0)
     df["calibrated_memory_error_pct"] = 100 * (df["peak_memory_gib"] - df["calibrated_memory_gib"]) / df[
         "calibrated_memory_gib"]
+    df.attrs[CALIBRATION] = None
     if factors.points:
         residuals = ", ".join(f"TP{tp} PP{pp} x{r:.3g}" for (tp, pp), r in sorted(factors.residuals.items()))
-        log.info("Calibrated on %d trials: compute x%.3g, communication x%.3g%s, per regime %s, memory %+.3g GB",
-                 factors.points, factors.compute, factors.comm, " (one common factor)" if factors.common else "",
-                 residuals, offset or 0.0)
+        df.attrs[CALIBRATION] = (
+            f"Calibrated on {factors.points} trials: compute x{factors.compute:.3g}, communication "
+            f"x{factors.comm:.3g}{' (one common factor)' if factors.common else ''}, per regime {residuals}, "
+            f"memory {offset or 0.0:+.3g} GiB")
+        log.info("%s", df.attrs[CALIBRATION])
     return df
 
 

@@ -15,7 +15,7 @@ import pandas as pd
 
 from hp_tool.fsutil import atomic_write_text
 from hp_tool.inference.report import PLOT_FILE as INFERENCE_PLOT, SUMMARY_CSV as INFERENCE_CSV
-from hp_tool.results.collect import NOT_RUN, RANK_BASIS, RANK_COLUMN, SELECTED, successful
+from hp_tool.results.collect import CALIBRATION, NOT_RUN, RANK_BASIS, RANK_COLUMN, SELECTED, successful
 from hp_tool.results.plots import CAPTIONS, on_cpu
 from hp_tool.results.report_md import (REPORT_FILE, ModelError, Pick, Plot, RankMetric, ReportInputs, Unranked,
                                        render_report)
@@ -112,6 +112,12 @@ def report_columns(df: pd.DataFrame) -> tuple[str, ...]:
     return REPORT_COLUMNS[:cut] + varying + REPORT_COLUMNS[cut:]
 
 
+def _trust_note(df: pd.DataFrame) -> str:
+    """The factors the collector fitted (``collect.calibrate``), and how to read the calibrated errors."""
+    fitted = df.attrs.get(CALIBRATION)
+    return f"{fitted}. {IN_SAMPLE}" if fitted else IN_SAMPLE
+
+
 def _counts(df: pd.DataFrame) -> str:
     selected = df[df["plan_status"] == SELECTED]
     ranked = int(df["rank"].notna().sum())
@@ -137,7 +143,7 @@ def training_report_inputs(df: pd.DataFrame, title: str, plots: Iterable[Path], 
         pick=picks[0] if picks else None, runner_up=picks[1] if len(picks) > 1 else None,
         unranked=_unranked(rest, "trial_id"),
         plots=tuple(Plot(p.name, CAPTIONS.get(p.name, p.stem)) for p in plots), counts=_counts(df),
-        trust_note=IN_SAMPLE, errors=model_errors(ranked, cpu), files=tuple(files), notes=tuple(notes))
+        trust_note=_trust_note(df), errors=model_errors(ranked, cpu), files=tuple(files), notes=tuple(notes))
 
 
 def _inference_pick(row: pd.Series, bound_ms: float) -> Pick:
