@@ -266,3 +266,20 @@ def test_a_real_tiny_search_writes_report_md_linking_only_files_it_wrote(tmp_pat
     trust = page.split("## How far to trust the plan")[1]
     assert "| tensor memory, analytic | peak_tensor_memory_gib vs predicted_tensor_memory_gib |" in trust
     assert "process RSS, not comparable" in trust
+
+
+def test_a_calibrated_step_error_fitted_exactly_is_not_shown_as_zero(tmp_path):
+    """One measured trial per TP/PP regime: each regime's residual reproduces its trial, so a 0% calibrated
+    error would claim a precision nobody measured."""
+    app, out, plan = planned(tmp_path)
+    by_regime = {}
+    for spec in plan.specs:
+        by_regime.setdefault((spec.parallel.tp, spec.parallel.pp), spec.trial_id)
+    for i, tid in enumerate(by_regime.values()):
+        write_ok(out, tid, 0.3 + 0.1 * i)
+    assert len(by_regime) >= 2 and finalize(out, app) == 0
+    page = (out / "final_results" / "report.md").read_text()
+    assert f"| {len(by_regime)} |" in page and "| exact by construction: one trial per TP/PP regime |" in page
+    write_ok(out, next(s.trial_id for s in plan.specs if s.trial_id not in by_regime.values()), 0.9)
+    assert finalize(out, app) == 0  # a second trial in one regime: the calibrated error means something again
+    assert "exact by construction" not in (out / "final_results" / "report.md").read_text()

@@ -62,6 +62,7 @@ class ModelError:
     trials: int
     raw_pct: Optional[float]
     calibrated_pct: Optional[float] = None
+    calibrated_note: str = ""  # shown instead of a calibrated error that says nothing (e.g. fitted exactly)
 
 
 @dataclass(frozen=True)
@@ -223,7 +224,8 @@ def trust_section(inputs: ReportInputs) -> list[str]:
     lines = ["## How far to trust the plan", ""]
     measured = [e for e in inputs.errors if e.trials > 0]
     if measured:
-        rows = [[e.quantity, e.compared, e.trials, _pct(e.raw_pct), _pct(e.calibrated_pct)] for e in measured]
+        rows = [[e.quantity, e.compared, e.trials, _pct(e.raw_pct), e.calibrated_note or _pct(e.calibrated_pct)]
+                for e in measured]
         lines += ["Median absolute error of each prediction over the measured trials:", "",
                   table(("prediction", "compared", "trials", "raw error", "calibrated error"), rows), ""]
     elif inputs.errors:
