@@ -14,8 +14,10 @@ from matplotlib.patches import Patch
 
 log = logging.getLogger(__name__)
 
+# every status a selected trial can end in, so the throughput plot leaves none out
 STATUS_COLORS = {"ok": "#2a9d8f", "timeout": "#e9c46a", "oom": "#e76f51", "failed": "#9b2226",
-                 "cancelled": "#6c757d", "not_run": "#ced4da"}
+                 "cancelled": "#6c757d", "unschedulable": "#495057", "stale": "#8d99ae",
+                 "pruned_after_oom": "#f4a261", "skipped": "#a8dadc", "not_run": "#ced4da"}
 OTHER_COLOR = "#adb5bd"
 MAX_LABELLED_BARS = 60  # beyond this, trial ids no longer fit on the axis
 
