@@ -1,6 +1,7 @@
 """Collecting a results directory: ranking by the named full-run column, every candidate accounted for,
 killed and corrupt trials, and days and cost against numbers worked out by hand."""
 
+import csv
 import json
 import random
 
@@ -178,3 +179,37 @@ def test_measured_trials_calibrate_every_candidates_prediction(tmp_path):
     ran = df.loc[measured]
     assert (ran["calibrated_step_time_error_pct"].abs() < 2).all()
     assert (ran["step_time_error_pct"] > 60).all()  # the raw prediction, kept beside it
+
+
+def test_tensor_peak_is_set_against_the_predictions_without_the_overhead(tmp_path):
+    """On CPU a trial's peak_memory_gib is the process RSS; its tensor peak is what the analytic and traced
+    figures predict once the preset's overhead (0.5 GiB for gpu=cpu) is left out of them."""
+    _, out, plan = planned(tmp_path)
+    tid = selected_ids(plan)[0]
+    set_traced(out, tid, 0.55)  # as memory_check=traced writes it: tensors + overhead
+    p = {r["trial_id"]: r for r in read_plan(out)}[tid]
+    tensors = 1.1 * (p["predicted_memory_gib"] - 0.5)  # 10% above the analytic tensor figure
+    write_ok(out, tid, 0.3, peak_memory_gib=0.45, peak_tensor_memory_gib=tensors)
+    row = collect_trials(out, memory_overhead_gib=0.5).set_index("trial_id").loc[tid]
+    assert row["predicted_tensor_memory_gib"] == pytest.approx(p["predicted_memory_gib"] - 0.5)
+    assert row["traced_tensor_memory_gib"] == pytest.approx(0.05)
+    assert row["tensor_memory_error_pct"] == pytest.approx(10.0)
+    assert row["traced_tensor_memory_error_pct"] == pytest.approx(100 * (tensors / 0.05 - 1))
+    assert row["memory_error_pct"] == pytest.approx(100 * (0.45 / p["predicted_memory_gib"] - 1))  # RSS, apart
+    unknown = collect_trials(out).set_index("trial_id").loc[tid]  # overhead not given: nothing to compare
+    assert unknown.isna()["predicted_tensor_memory_gib"] and unknown.isna()["tensor_memory_error_pct"]
+
+
+def set_traced(out, trial_id: str, gib: float) -> None:
+    """plan.csv with ``trial_id``'s traced_memory_gib set, as a traced plan writes it."""
+    path = out / "candidate_configs" / "plan.csv"
+    with open(path, newline="") as fh:
+        reader = csv.DictReader(fh)
+        fields, rows = reader.fieldnames, list(reader)
+    for row in rows:
+        if row["trial_id"] == trial_id:
+            row["traced_memory_gib"] = str(gib)
+    with open(path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=fields, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)

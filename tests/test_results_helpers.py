@@ -39,16 +39,18 @@ def trial_dir(out: Path, trial_id: str) -> Path:
 
 
 def write_ok(out: Path, trial_id: str, step_time_s: float, peak_memory_gib: float = 1.0,
-             steps: int = 8) -> dict:
+             steps: int = 8, peak_tensor_memory_gib: Optional[float] = None) -> dict:
     """An ok result.json as the engine writes it: throughput from the spec and the median step time.
-    The mean is 15% above the median (one slow step), so a table built from the wrong statistic shows."""
+    The mean is 15% above the median (one slow step), so a table built from the wrong statistic shows.
+    ``peak_tensor_memory_gib``: the live tensors' peak the trial measured (None: not measured)."""
     spec = load_spec(out / "candidate_configs" / f"{trial_id}.yaml")
     world = spec.resources.num_nodes * spec.resources.gpus_per_node
     result = dict.fromkeys(RESULT_FIELDS)
     result.update(trial_id=trial_id, fingerprint=spec.fingerprint(), status="ok", reason=None,
                   stop_reason="max_steps", steps_run=steps, steps_measured=steps - 1,
                   step_time_s_median=step_time_s, step_time_s_mean=1.15 * step_time_s,
-                  step_time_s_std=0.3 * step_time_s, peak_memory_gib=peak_memory_gib, world_size=world,
+                  step_time_s_std=0.3 * step_time_s, peak_memory_gib=peak_memory_gib,
+                  peak_tensor_memory_gib=peak_tensor_memory_gib, world_size=world,
                   device="cpu", backend="gloo", first_losses=[6.3, 6.2], final_loss=6.0,
                   versions={"python": "3"}, start_time="2025-01-01T00:00:00+00:00",
                   end_time="2025-01-01T00:01:00+00:00")

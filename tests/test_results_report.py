@@ -1,13 +1,20 @@
-"""final_results/: CSV schemas, the optimal config (round trip and a real training run), plots, the printed
-summary, a re-run, and a search where nothing succeeded."""
+"""final_results/: CSV schemas, the optimal config (round trip and a real training run), plots, report.md,
+the printed summary, a re-run, a search where nothing succeeded, and a real tiny search's report.md."""
 
 import csv
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from test_results_helpers import planned, selected_ids, write_failed, write_metrics, write_ok
 
-from hp_tool.results.collect import RANK_COLUMN, TABLE_COLUMNS
+from hp_tool.inference.report import summary_frame
+from hp_tool.results.collect import RANK_COLUMN, TABLE_COLUMNS, collect_trials
+from hp_tool.results.plots import PEAK_MEMORY, TENSOR_MEMORY, memory_comparison
+from hp_tool.results.report_inputs import write_inference_report
 from hp_tool.results.report import ALL_TRIALS_COLUMNS, SUMMARY_COLUMNS
 from hp_tool.search import finalize
 from hp_tool.contracts.spec import load_spec
@@ -165,3 +172,114 @@ def test_no_successful_trial(tmp_path, capsys):
     assert tuple(header) == SUMMARY_COLUMNS and summary == []
     assert not (out / "final_results" / "optimal_config_241k_1nodes.yaml").exists()
     assert (out / "final_results" / "throughput.png").stat().st_size > 0
+    page = (out / "final_results" / "report.md").read_text()
+    assert "**No pick yet**" in page and "Pick:" not in page
+    assert f"| {ids[1]} | failed | rank 1: RuntimeError: boom |" in page
+
+
+def test_memory_plot_compares_the_tensor_peak_never_the_cpu_rss_with_a_prediction(tmp_path):
+    _, out, plan = planned(tmp_path)
+    ids = selected_ids(plan)
+    write_ok(out, ids[0], 0.3, peak_memory_gib=0.45, peak_tensor_memory_gib=0.015)
+    write_ok(out, ids[1], 0.4, peak_memory_gib=0.44, peak_tensor_memory_gib=0.011)
+    assert memory_comparison(collect_trials(out, memory_overhead_gib=0.5)) is TENSOR_MEMORY
+    cpu = collect_trials(out)  # no overhead given: no tensor predictions to compare with
+    assert memory_comparison(cpu) is None
+    cpu["device"] = cpu["device"].map(lambda d: None if d is None else "cuda")  # on GPUs: allocated peak
+    assert memory_comparison(cpu) is PEAK_MEMORY
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def linked_files(page: str) -> list[str]:
+    return re.findall(r"\]\(([^)]+)\)", page)
+
+
+def test_report_md_names_the_pick_by_the_median_and_every_trial_without_a_rank(tmp_path):
+    app, out, ids, fastest = finished_search(tmp_path)
+    assert finalize(out, app) == 0
+    page = (out / "final_results" / "report.md").read_text()
+    head = page.split("## ")[0]
+    assert f"**Pick: {fastest[0]}** — TP=" in head
+    # medians 0.30 and 0.40 (the means are 15% higher: 0.345 and 0.46, never the ranking figures)
+    assert f"33.3% faster than the runner-up, {fastest[1]}, on `{RANK_COLUMN}`" in head
+    assert "median-based): 0.3 s against 0.4 s" in head
+    assert "fits with 3.00 GiB headroom: measured peak RSS per process 1.00 GiB of 4 GiB per GPU" in head
+    assert "3 of 12 selected trials succeeded" in head and "7 have not run yet" in head
+    ranked = page.split("## Ranked trials")[1].split("## Plots")[0]
+    header = next(line for line in ranked.splitlines() if line.startswith("| rank |"))
+    assert "| zero_stage | act_ckpt_mode |" in header  # the plan searched full and selective checkpointing
+    assert "seq_length" not in header and "| ep |" not in header  # one value each: nothing to tell apart
+    assert [ranked.index(f"| {i + 1} | {tid} |") for i, tid in enumerate(fastest)] == sorted(
+        ranked.index(f"| {i + 1} | {tid} |") for i, tid in enumerate(fastest))
+    unranked = page.split("## Skipped, pruned and failed")[1]
+    assert f"| {ids[1]} | oom | rank 0: OutOfMemoryError: x |" in unranked
+    assert f"| {ids[3]} | failed | killed without a result; derived from 3 logged steps" in unranked
+    assert "| invalid |" in unranked and "| over_limit |" in unranked
+    links = linked_files(page)
+    assert {"throughput.png", "predicted_vs_measured.png", "all_trials_1nodes.csv",
+            "optimal_config_241k_1nodes.yaml"} <= set(links)
+    assert all((out / "final_results" / name).is_file() for name in links)
+    trust = page.split("## How far to trust the plan")[1]
+    assert "| step time |" in trust and "| 3 |" in trust
+    assert "Calibrated on 3 trials: compute x" in trust and "in-sample" in trust
+
+
+def test_inference_report_picks_the_fastest_config_within_the_latency_bound(tmp_path):
+    rows = [
+        {"config_id": "gpt3_b1_tp1", "status": "ok", "tp": 1, "pp": 1, "batch_size": 1, "num_gpus": 1,
+         "latency_ms_p50": 10.0, "latency_ms_p99": 12.0, "tokens_per_s_per_gpu": 800.0},
+        {"config_id": "gpt3_b4_tp1", "status": "ok", "tp": 1, "pp": 1, "batch_size": 4, "num_gpus": 1,
+         "latency_ms_p50": 30.0, "latency_ms_p99": 35.0, "tokens_per_s_per_gpu": 1000.0},
+        {"config_id": "gpt3_b8_tp1", "status": "ok", "tp": 1, "pp": 1, "batch_size": 8, "num_gpus": 1,
+         "latency_ms_p50": 90.0, "latency_ms_p99": 120.0, "tokens_per_s_per_gpu": 1500.0},  # over the bound
+        {"config_id": "gpt3_b1_tp4", "status": "invalid", "tp": 4, "pp": 1, "batch_size": 1, "num_gpus": 4,
+         "reason": "num_attention_heads=4 over tp=8"},
+    ]
+    frame = summary_frame(rows, max_latency_ms=100.0)
+    page = write_inference_report(tmp_path, frame, 100.0).read_text()
+    assert "**Pick: gpt3_b4_tp1**" in page and "p99 batch latency 35 ms (bound 100 ms)" in page
+    assert "25.0% higher than the runner-up, gpt3_b1_tp1, on `tokens_per_s_per_gpu`" in page
+    assert "| gpt3_b1_tp4 | invalid | num_attention_heads=4 over tp=8 |" in page
+    assert "configs within the p99 latency bound first, each group highest first" in page
+    ranked = page.split("## Ranked trials")[1]
+    assert ranked.index("| gpt3_b4_tp1 |") < ranked.index("| gpt3_b1_tp1 |") < ranked.index("| gpt3_b8_tp1 |")
+    assert "![" not in page  # no plot file beside it, so none linked
+
+
+@pytest.mark.e2e
+def test_a_real_tiny_search_writes_report_md_linking_only_files_it_wrote(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, "main.py", "search_config=gpt3/tiny", "gpu=cpu", "cluster=local",
+         f"base_results_dir={tmp_path}", "search_config.train_settings.limit_search_runs=2"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    final = tmp_path / "gpt3" / "tiny" / "final_results"
+    page = (final / "report.md").read_text()
+    assert re.search(r"\*\*Pick: gpt3_241k_\w+\*\* — TP=", page)
+    images = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", page)
+    assert set(images) == {"throughput.png", "predicted_vs_measured.png"}
+    for name in linked_files(page):
+        assert (final / name).stat().st_size > 0, name
+    trust = page.split("## How far to trust the plan")[1]
+    assert "| tensor memory, analytic | peak_tensor_memory_gib vs predicted_tensor_memory_gib |" in trust
+    assert "process RSS, not comparable" in trust
+
+
+def test_a_calibrated_step_error_fitted_exactly_is_not_shown_as_zero(tmp_path):
+    """One measured trial per TP/PP regime: each regime's residual reproduces its trial, so a 0% calibrated
+    error would claim a precision nobody measured."""
+    app, out, plan = planned(tmp_path)
+    by_regime = {}
+    for spec in plan.specs:
+        by_regime.setdefault((spec.parallel.tp, spec.parallel.pp), spec.trial_id)
+    for i, tid in enumerate(by_regime.values()):
+        write_ok(out, tid, 0.3 + 0.1 * i)
+    assert len(by_regime) >= 2 and finalize(out, app) == 0
+    page = (out / "final_results" / "report.md").read_text()
+    assert f"| {len(by_regime)} |" in page and "| exact by construction: one trial per TP/PP regime |" in page
+    write_ok(out, next(s.trial_id for s in plan.specs if s.trial_id not in by_regime.values()), 0.9)
+    assert finalize(out, app) == 0  # a second trial in one regime: the calibrated error means something again
+    assert "exact by construction" not in (out / "final_results" / "report.md").read_text()

@@ -27,6 +27,7 @@ from hp_tool.inference import report
 from hp_tool.inference.grid import (FP32_BYTES, HALF_BYTES, InferenceCandidate, InferenceJobConfig,
                                     dump_job_config, plan_grid)
 from hp_tool.launch.job import JobSpec
+from hp_tool.results.report_inputs import write_inference_report
 from hp_tool.session import Hook, LaunchSession, executor_kind
 
 log = logging.getLogger(__name__)
@@ -99,7 +100,7 @@ def collect_rows(plan: InferencePlan) -> list[dict]:
 
 
 def write_summary(app: AppConfig, plan: InferencePlan, results_dir: Path):
-    """final_output.csv and the latency-throughput plot; returns the ranked frame."""
+    """final_output.csv, the latency-throughput plot and report.md; returns the ranked frame."""
     inf = app.search_config.inference_settings
     frame = report.summary_frame(collect_rows(plan), inf.max_latency_ms)
     out = Path(results_dir) / report.SUMMARY_DIR
@@ -109,6 +110,7 @@ def write_summary(app: AppConfig, plan: InferencePlan, results_dir: Path):
     except Exception as exc:  # noqa: BLE001 - a picture must not cost the user the results
         log.error("Plot %s failed (%s: %s); %s is complete", report.PLOT_FILE, type(exc).__name__, exc,
                   report.SUMMARY_CSV)
+    write_inference_report(out, frame, inf.max_latency_ms)
     log.info("inference summary written to %s", out)
     return frame
 

@@ -35,6 +35,8 @@ from hp_tool.throughput import throughput
 log = logging.getLogger(__name__)
 
 RANK_COLUMN = "full_run_step_time_s"  # the one column trials are ranked by, ascending
+CALIBRATION = "calibration"  # the table's attrs key: the fitted factors in words (None: nothing measured)
+RANK_BASIS = "median"  # RANK_COLUMN extrapolates measured_step_time_s, the median of the timed steps
 NOT_RUN = "not_run"
 NOT_IN_PLAN = "not_in_plan"
 SELECTED = "selected"
@@ -61,7 +63,9 @@ TABLE_COLUMNS = (
     "predicted_tokens_per_s_per_gpu", "model_tflops_per_gpu", "mfu",
     "peak_memory_gib", "predicted_memory_gib", "memory_error_pct", "calibrated_memory_gib", "traced_memory_gib",
     "traced_memory_error_pct",
-    "memory_check", "peak_tensor_memory_gib", "predicted_full_memory_gib", "predicted_host_memory_gib",
+    "memory_check", "peak_tensor_memory_gib", "predicted_tensor_memory_gib", "traced_tensor_memory_gib",
+    "tensor_memory_error_pct", "traced_tensor_memory_error_pct", "calibrated_memory_error_pct",
+    "predicted_full_memory_gib", "predicted_host_memory_gib",
     "gpu_memory_gib", "peak_memory_pct_of_gpu",
     "days_to_train", "predicted_days_to_train", "full_run_cost_usd", "cost_usd_per_million_tokens",
     "gpu_hour_price_usd", "predicted_rank", "stop_reason", "final_loss", "device", "start_time", "end_time",
@@ -108,11 +112,13 @@ def full_run_for(results_dir: Path) -> FullRun:
 
 
 def collect_trials(results_dir: Path, time_box_s: Optional[float] = None,
-                   full: Optional[FullRun] = None) -> pd.DataFrame:
+                   full: Optional[FullRun] = None, memory_overhead_gib: Optional[float] = None) -> pd.DataFrame:
     """One row per candidate (and per trial directory the plan does not know), ranked.
 
     ``time_box_s``: each trial job's time limit in seconds (tells a killed trial's timeout from a
     failure); None when unknown. ``full``: the search's full run (read from the base config if None).
+    ``memory_overhead_gib``: the gpu preset's per-GPU overhead the predictions include (GiB); given, the
+    tensor columns hold the predictions without it, beside the trial's measured tensor peak.
     """
     results_dir = Path(results_dir)
     plan = read_plan(results_dir)
@@ -125,7 +131,7 @@ def collect_trials(results_dir: Path, time_box_s: Optional[float] = None,
     for trial_id in sorted(on_disk - planned):
         log.warning("training_logs/%s is not in plan.csv (an earlier plan?); shown, not ranked", trial_id)
         rows.append(_unplanned_row(trial_id, logs / trial_id, time_box_s))
-    return rank_trials(calibrate(to_frame(rows)))
+    return rank_trials(calibrate(tensor_memory(to_frame(rows), memory_overhead_gib)))
 
 
 def _row(plan: dict, trial_dir: Optional[Path], full: FullRun, time_box_s: Optional[float]) -> dict:
@@ -245,10 +251,26 @@ def to_frame(rows: list[dict]) -> pd.DataFrame:
     return df
 
 
+def tensor_memory(df: pd.DataFrame, overhead_gib: Optional[float]) -> pd.DataFrame:
+    """The analytic and traced predictions without the preset's overhead (GiB), what the trial's measured
+    ``peak_tensor_memory_gib`` counts (live tensors only; on CPU the process RSS in ``peak_memory_gib`` adds
+    the interpreter and libraries), and the errors (%) of each against it. Empty without the overhead."""
+    if overhead_gib is None:
+        return df
+    df["predicted_tensor_memory_gib"] = df["predicted_memory_gib"] - overhead_gib
+    df["traced_tensor_memory_gib"] = df["traced_memory_gib"] - overhead_gib
+    measured = df["peak_tensor_memory_gib"]
+    for column, error in (("predicted_tensor_memory_gib", "tensor_memory_error_pct"),
+                          ("traced_tensor_memory_gib", "traced_tensor_memory_error_pct")):
+        df[error] = 100 * (measured - df[column]) / df[column]
+    return df
+
+
 def calibrate(df: pd.DataFrame) -> pd.DataFrame:
     """Every candidate's prediction again, with the step-time factors and memory offset the measured trials
     give (:mod:`hp_tool.calibration`): ``calibrated_step_time_s`` beside the raw ``predicted_step_time_s``,
-    ``calibrated_memory_gib`` beside ``predicted_memory_gib``; the raw figures where nothing was measured."""
+    ``calibrated_memory_gib`` beside ``predicted_memory_gib``; the raw figures where nothing was measured.
+    The fitted factors in words go to ``df.attrs[CALIBRATION]``."""
     ok = df[(df["status"] == OK) & df[RANK_COLUMN].notna() & df["predicted_compute_s"].notna()]
     factors = fit_step_factors([StepPoint(r.predicted_compute_s, r.predicted_comm_s, r.full_run_step_time_s,
                                           (r.tp, r.pp)) for r in ok.itertuples()])
@@ -258,11 +280,16 @@ def calibrate(df: pd.DataFrame) -> pd.DataFrame:
     measured = df[(df["status"] == OK) & df["peak_memory_gib"].notna() & df["predicted_memory_gib"].notna()]
     offset = fit_memory_offset(list(measured["predicted_memory_gib"]), list(measured["peak_memory_gib"]))
     df["calibrated_memory_gib"] = df["predicted_memory_gib"] + (offset or 0.0)
+    df["calibrated_memory_error_pct"] = 100 * (df["peak_memory_gib"] - df["calibrated_memory_gib"]) / df[
+        "calibrated_memory_gib"]
+    df.attrs[CALIBRATION] = None
     if factors.points:
         residuals = ", ".join(f"TP{tp} PP{pp} x{r:.3g}" for (tp, pp), r in sorted(factors.residuals.items()))
-        log.info("Calibrated on %d trials: compute x%.3g, communication x%.3g%s, per regime %s, memory %+.3g GB",
-                 factors.points, factors.compute, factors.comm, " (one common factor)" if factors.common else "",
-                 residuals, offset or 0.0)
+        df.attrs[CALIBRATION] = (
+            f"Calibrated on {factors.points} trials: compute x{factors.compute:.3g}, communication "
+            f"x{factors.comm:.3g}{' (one common factor)' if factors.common else ''}, per regime {residuals}, "
+            f"memory {offset or 0.0:+.3g} GiB")
+        log.info("%s", df.attrs[CALIBRATION])
     return df
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -12,8 +14,10 @@ from matplotlib.patches import Patch
 
 log = logging.getLogger(__name__)
 
+# every status a selected trial can end in, so the throughput plot leaves none out
 STATUS_COLORS = {"ok": "#2a9d8f", "timeout": "#e9c46a", "oom": "#e76f51", "failed": "#9b2226",
-                 "cancelled": "#6c757d", "not_run": "#ced4da"}
+                 "cancelled": "#6c757d", "unschedulable": "#495057", "stale": "#8d99ae",
+                 "pruned_after_oom": "#f4a261", "skipped": "#a8dadc", "not_run": "#ced4da"}
 OTHER_COLOR = "#adb5bd"
 MAX_LABELLED_BARS = 60  # beyond this, trial ids no longer fit on the axis
 
@@ -84,29 +88,100 @@ def _scatter(ax, df: pd.DataFrame, predicted: str | list[tuple[str, str]], measu
     ax.legend(fontsize=8)
 
 
+def _has(df: pd.DataFrame, *columns: str) -> bool:
+    return bool((df[list(columns)].notna().all(axis=1)).any())
+
+
+def on_cpu(df: pd.DataFrame) -> bool:
+    """Whether every trial that recorded a device ran on CPU processes (peak_memory_gib is then the
+    process RSS: the interpreter and libraries besides the tensors)."""
+    devices = set(df["device"].dropna())
+    return bool(devices) and devices <= {"cpu"}
+
+
+def _process_rss(ax, df: pd.DataFrame) -> None:
+    """CPU trials' peak RSS per process, apart from the predictions: it is not what they predict."""
+    pts = df[df["peak_memory_gib"].notna()]
+    colors = [STATUS_COLORS.get(s, OTHER_COLOR) for s in pts["status"]]
+    ax.barh(range(len(pts)), pts["peak_memory_gib"], color=colors)
+    ax.invert_yaxis()
+    if len(pts) <= MAX_LABELLED_BARS:
+        ax.set_yticks(range(len(pts)), list(pts["trial_id"]), fontsize=6)
+    ax.set_xlabel("peak RSS per process (GiB): tensors + interpreter + libraries")
+    ax.set_title("process RSS (not comparable)")
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One panel's measured column against its predicted (column, name) pairs."""
+
+    measured: str
+    predicted: tuple[tuple[str, str], ...]
+    label: str
+    title: str
+
+
+TENSOR_MEMORY = Comparison("peak_tensor_memory_gib", (("predicted_tensor_memory_gib", "analytic"),
+                                                      ("traced_tensor_memory_gib", "traced")),
+                           "tensor peak per GPU (GiB)", "Tensor memory (overhead left out of the predictions)")
+PEAK_MEMORY = Comparison("peak_memory_gib", (("predicted_memory_gib", "analytic"), ("traced_memory_gib", "traced")),
+                         "peak memory per GPU (GiB)", "Memory (predictions with the overhead)")
+
+
+def memory_comparison(df: pd.DataFrame) -> Optional[Comparison]:
+    """Like with like: the trial's measured tensor peak against the predictions without the overhead when
+    the table holds both; else on GPUs the peak per GPU against the predictions with the overhead; else
+    None: a CPU process's RSS is set against no prediction."""
+    if _has(df, "peak_tensor_memory_gib", "predicted_tensor_memory_gib"):
+        return TENSOR_MEMORY
+    return None if on_cpu(df) else PEAK_MEMORY
+
+
 def plot_predicted_vs_measured(df: pd.DataFrame, path: Path) -> Path:
-    """Two panels: peak memory per GPU in the trial (GiB), measured against the analytic estimate and the
-    trace (both with the overhead constant), and full-run step time (s) against the planner's prediction;
-    points on the dashed line were predicted exactly."""
-    fig = Figure(figsize=(11, 4.8), layout="constrained")
-    mem_ax, time_ax = fig.subplots(1, 2)
-    _scatter(mem_ax, df, [("predicted_memory_gib", "analytic"), ("traced_memory_gib", "traced")], "peak_memory_gib",
-             "peak memory per GPU (GiB)", log=False)
-    _scatter(time_ax, df, "predicted_step_time_s", "full_run_step_time_s", "full-run step time (s)",
-             log=True)
-    mem_ax.set_title("Memory")
-    time_ax.set_title("Step time")
+    """Three panels; points on a dashed line were predicted exactly.
+
+    Tensor memory (:func:`memory_comparison`): the trial's measured tensor peak against the analytic and
+    traced predictions without the preset's overhead (the collector's ``*_tensor_memory_gib``). Process
+    memory: on CPU the peak RSS per process in its own panel, not set against a prediction; on GPUs the
+    peak per GPU against the raw and the calibrated prediction. Step time: the full run's (s) against the
+    raw and the calibrated prediction."""
+    fig = Figure(figsize=(16, 5.2), layout="constrained")
+    mem_ax, proc_ax, time_ax = fig.subplots(1, 3)
+    memory = memory_comparison(df)
+    if memory is None:
+        mem_ax.text(0.5, 0.5, "no measured tensor peak to compare", ha="center", va="center",
+                    transform=mem_ax.transAxes)
+        mem_ax.set_title(TENSOR_MEMORY.title)
+    else:
+        _scatter(mem_ax, df, list(memory.predicted), memory.measured, memory.label, log=False)
+        mem_ax.set_title(memory.title)
+    if on_cpu(df):
+        _process_rss(proc_ax, df)
+    else:
+        _scatter(proc_ax, df, [("predicted_memory_gib", "raw"), ("calibrated_memory_gib", "calibrated")],
+                 "peak_memory_gib", "peak memory per GPU (GiB)", log=False)
+        proc_ax.set_title("Memory per GPU, raw and calibrated")
+    _scatter(time_ax, df, [("predicted_step_time_s", "raw"), ("calibrated_step_time_s", "calibrated")],
+             "full_run_step_time_s", "full-run step time (s)", log=True)
+    time_ax.set_title("Step time, raw and calibrated")
     return _save(fig, path)
 
 
+PLOTS = (  # file name, plot, caption (report.md's)
+    ("throughput.png", plot_throughput, "Measured tokens/s per GPU of every selected trial, by status"),
+    ("predicted_vs_measured.png", plot_predicted_vs_measured,
+     "Predicted against measured: tensor memory, process memory, step time (raw and calibrated)"),
+)
+CAPTIONS = {name: caption for name, _, caption in PLOTS}
+
+
 def write_plots(df: pd.DataFrame, folder: Path) -> list[Path]:
-    """throughput.png and predicted_vs_measured.png in ``folder``. A plot that fails is logged with its
-    cause and left out; the CSVs and the optimal config never depend on it."""
+    """Every plot of ``PLOTS`` in ``folder``. A plot that fails is logged with its cause and left out;
+    the CSVs and the optimal config never depend on it."""
     paths = []
-    for name, plot in (("throughput.png", plot_throughput), ("predicted_vs_measured.png", plot_predicted_vs_measured)):
+    for name, plot, _ in PLOTS:
         try:
             paths.append(plot(df, folder / name))
         except Exception as exc:  # noqa: BLE001 - a picture must not cost the user the results
             log.error("Plot %s failed (%s: %s); the CSVs in %s are complete", name, type(exc).__name__, exc, folder)
     return paths
-

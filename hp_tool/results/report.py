@@ -6,6 +6,8 @@ In ``<results_dir>/final_results/`` (N = nodes of the full run):
     optimal_config_<label>_<N>nodes.yaml       the fastest trial as a full-run TrialSpec
     ds_config_<label>_<N>nodes.json            its DeepSpeed config, when the fastest trial ran DeepSpeed
     throughput.png, predicted_vs_measured.png
+    report.md                                  the page to read first: the pick and why, the ranked table,
+                                               the plots, what did not run and why, how far the plan held
 Both CSVs are ranked by ``full_run_step_time_s`` (see collect.py for the cost formulas); empty cells
 mean "not measured" or "not applicable".
 """
@@ -29,6 +31,7 @@ from hp_tool.results.collect import (FLOAT_COLUMNS, NOT_RUN, RANK_COLUMN, SELECT
 from hp_tool.results.full_run import FullRun
 from hp_tool.results.optimal import ds_config_path, format_usd, optimal_path, write_optimal_config
 from hp_tool.results.plots import write_plots
+from hp_tool.results.report_inputs import layout_text, status_counts, training_report_inputs, write_report_md
 from hp_tool.sizing import format_days
 from hp_tool.vocab import LOSING, NOT_LAUNCHED
 
@@ -79,11 +82,6 @@ def report_paths(results_dir: Path, full: FullRun) -> dict[str, Path]:
             "optimal": optimal_path(folder, full), "ds_config": ds_config_path(folder, full), "folder": folder}
 
 
-def _status_counts(df: pd.DataFrame) -> str:
-    counts = df["status"].value_counts()
-    return ", ".join(f"{counts[s]} {s}" for s in sorted(counts.index))
-
-
 def trial_gpu_hours(trials: pd.DataFrame) -> pd.Series:
     """GPU-hours each trial held its processes, start to end (NaN for a trial that never ran)."""
     start = pd.to_datetime(trials["start_time"], errors="coerce", utc=True)
@@ -113,22 +111,11 @@ def search_cost_line(selected: pd.DataFrame) -> Optional[str]:
     else:
         estimate = spent / ran * (ran + int(not_launched.sum()))
     early = f" ({int(stopped.sum())} stopped early as losing)" if stopped.any() else ""
-    skipped = (f"; {int(not_launched.sum())} not launched ({_status_counts(selected[not_launched])})"
+    skipped = (f"; {int(not_launched.sum())} not launched ({status_counts(selected[not_launched])})"
                if not_launched.any() else "")
     return (f"Adaptive search: {ran} trials ran{early} for {spent:.3g} GPU-hours{skipped}; launching every selected "
             f"candidate and running each to its stop would have spent about {estimate:.3g} GPU-hours "
             f"({spent / estimate:.0%} of it spent).")
-
-
-def _layout(row: pd.Series) -> str:
-    selective = " (selective, per op)" if row.get("act_ckpt_mode") == "selective" else ""
-    ckpt = (f"{row['act_ckpt_layers']} checkpointed layers per stage{selective}" if row["act_ckpt_layers"]
-            else "no activation checkpointing")
-    saver = f"{row['engine']} engine, ZeRO-{row['zero_stage']}" + (
-        f", offload {row['offload']}" if row["offload"] not in (None, "none") else "")
-    v = row.get("virtual_stages")
-    interleaved = f" interleaved over {int(v)} virtual stages" if not pd.isna(v) and v > 1 else ""
-    return f"TP={row['tp']}, PP={row['pp']}{interleaved}, DP={row['dp']}, MBS={row['mbs']}, {ckpt}, {saver}"
 
 
 def _memory_note(ranked: pd.DataFrame) -> str:
@@ -155,7 +142,7 @@ def recommendation(ranked: pd.DataFrame, full: FullRun, optimal: Path) -> str:
     if not pd.isna(best["full_run_cost_usd"]):
         cost = (f", about {format_usd(best['full_run_cost_usd'])} "
                 f"({format_usd(best['cost_usd_per_million_tokens'])} per million tokens)")
-    return (f"Recommended: {best['trial_id']} ({_layout(best)}) on {full.num_nodes} node(s), "
+    return (f"Recommended: {best['trial_id']} ({layout_text(best)}) on {full.num_nodes} node(s), "
             f"{best['num_gpus']} GPUs: {best[RANK_COLUMN]:.4g} s per step, "
             f"{best['full_run_tokens_per_s_per_gpu']:,.0f} tokens/s per GPU; {full.max_steps:,} steps take "
             f"about {format_days(best['days_to_train'])}{cost}. Config: {optimal}."
@@ -167,7 +154,7 @@ def render_summary(df: pd.DataFrame, top_n: int, full: FullRun, paths: dict[str,
     console = Console(file=io.StringIO(), width=160, force_terminal=False)
     ranked = successful(df)
     selected = df[df["plan_status"] == SELECTED]
-    console.print(f"{len(ranked)} of {len(selected)} selected trials succeeded ({_status_counts(selected)}); "
+    console.print(f"{len(ranked)} of {len(selected)} selected trials succeeded ({status_counts(selected)}); "
                   f"every candidate with its reason: {paths['all']}")
     cost = search_cost_line(selected)
     if cost:
@@ -231,8 +218,20 @@ def write_reports(results_dir: Path, df: pd.DataFrame, full: FullRun, top_n: int
     else:
         write_optimal_config(results_dir, ranked.iloc[0], full, len(ranked), paths["folder"])
     paths["plots"] = write_plots(df, paths["folder"])  # type: ignore[assignment]
-    log.info("Wrote %s, %s and plots in %s", paths["summary"].name, paths["all"].name, paths["folder"])
+    paths["report"] = write_report_md(paths["folder"], training_report_inputs(
+        df, f"{full.base.model.family} {full.label} on {full.num_nodes} node(s)", paths["plots"],
+        [paths[k].name for k in ("summary", "all", "optimal", "ds_config") if paths[k].exists()], _notes(df)))
+    log.info("Wrote %s, %s, plots and %s in %s", paths["summary"].name, paths["all"].name, paths["report"].name,
+             paths["folder"])
     return paths
+
+
+def _notes(df: pd.DataFrame) -> list[str]:
+    """report.md's lines under the pick: the memory warning and the adaptive search's savings."""
+    ranked = successful(df)
+    notes = [_memory_note(ranked).strip()] if not ranked.empty else []
+    notes.append(search_cost_line(df[df["plan_status"] == SELECTED]) or "")
+    return [n for n in notes if n]
 
 
 @dataclass
@@ -247,7 +246,7 @@ class FinalResults:
     def exit_code(self) -> int:
         """0 when at least one trial succeeded; else 1, and the log says why none did."""
         if successful(self.table).empty:
-            log.error("No trial succeeded (%s); see %s", _status_counts(self.table), self.paths["all"])
+            log.error("No trial succeeded (%s); see %s", status_counts(self.table), self.paths["all"])
             return 1
         return 0
 
@@ -257,7 +256,8 @@ def collect_and_report(results_dir: Path, app: AppConfig) -> FinalResults:
     results_dir = Path(results_dir)
     ts = app.search_config.train_settings
     full = full_run_for(results_dir)
-    df = collect_trials(results_dir, time_box_s=ts.max_minutes_per_run * 60, full=full)
+    df = collect_trials(results_dir, time_box_s=ts.max_minutes_per_run * 60, full=full,
+                        memory_overhead_gib=app.gpu.memory_overhead_gib)
     paths = write_reports(results_dir, df, full, ts.output_top_n)
     print(render_summary(df, ts.output_top_n, full, paths), flush=True)
     return FinalResults(df, full, paths)

@@ -1,0 +1,188 @@
+"""What report.md shows, taken from the collected tables (pure), and the one writer of the page.
+
+Training: the collector's table (:func:`hp_tool.results.collect.collect_trials`), ranked by
+``RANK_COLUMN``. Inference: the inference summary frame (:func:`hp_tool.inference.report.summary_frame`),
+ranked by generated tokens/s per GPU within the latency bound. Every figure on the page is a column
+those tables hold; nothing here recomputes one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import pandas as pd
+
+from hp_tool.fsutil import atomic_write_text
+from hp_tool.inference.report import PLOT_FILE as INFERENCE_PLOT, SUMMARY_CSV as INFERENCE_CSV
+from hp_tool.results.collect import CALIBRATION, NOT_RUN, RANK_BASIS, RANK_COLUMN, SELECTED, successful
+from hp_tool.results.plots import CAPTIONS, on_cpu
+from hp_tool.results.report_md import (REPORT_FILE, ModelError, Pick, Plot, RankMetric, ReportInputs, Unranked,
+                                       render_report)
+
+TRAINING_METRIC = RankMetric(RANK_COLUMN, "full-run step time", "s", RANK_BASIS)
+REPORT_COLUMNS = (
+    "rank", "trial_id", "tp", "pp", "dp", "mbs", "act_ckpt_layers", "engine", "zero_stage", RANK_COLUMN,
+    "measured_step_time_s", "measured_step_time_mean_s", "predicted_step_time_s", "calibrated_step_time_s",
+    "tokens_per_s_per_gpu", "mfu", "peak_memory_gib", "peak_tensor_memory_gib", "days_to_train",
+)
+# searched dimensions shown in the ranked table only when the search varied them
+VARYING_COLUMNS = ("seq_length", "method", "lora_rank", "optimizer", "act_ckpt_mode", "virtual_stages", "offload",
+                   "ep", "cp", "sequence_parallel", "loss", "activation_offload")
+INFERENCE_METRIC = RankMetric("tokens_per_s_per_gpu", "generated tokens/s per GPU", "tokens/s", "median",
+                              lower_is_better=False, repeats="timed generations' batch latency",
+                              order="configs within the p99 latency bound first")
+INFERENCE_COLUMNS = ("config_id", "tp", "pp", "batch_size", "num_gpus", "tokens_per_s_per_gpu", "latency_ms_p50",
+                     "latency_ms_p99", "time_to_first_token_ms", "meets_latency_bound", "predicted_memory_gib")
+IN_SAMPLE = ("Calibrated predictions are fitted to these same measured trials (hp_tool/calibration.py: a compute "
+             "and a communication factor, a residual per TP/PP regime, a memory offset), so their error here is "
+             "in-sample: a regime with one measured trial is matched exactly by construction. For a layout "
+             "nobody measured, expect an error between the raw and the calibrated column.")
+
+
+def _value(x: Any) -> Any:
+    """A cell for the page: None for a missing value, plain Python numbers otherwise."""
+    if x is None or (not isinstance(x, str) and pd.isna(x)):
+        return None
+    return x.item() if hasattr(x, "item") else x
+
+
+def _unranked(frame: pd.DataFrame, name: str) -> tuple[Unranked, ...]:
+    return tuple(Unranked(r[name], r["status"], _value(r["reason"]) or "") for _, r in frame.iterrows())
+
+
+def _records(frame: pd.DataFrame, columns: Iterable[str]) -> tuple[dict, ...]:
+    columns = list(columns)
+    return tuple({c: _value(r[c]) for c in columns} for _, r in frame[columns].iterrows())
+
+
+def status_counts(df: pd.DataFrame) -> str:
+    counts = df["status"].value_counts()
+    return ", ".join(f"{counts[s]} {s}" for s in sorted(counts.index))
+
+
+def layout_text(row: pd.Series) -> str:
+    """A trial's layout in words: TP, PP (interleaving), DP, MBS, checkpointing, engine and memory saver."""
+    selective = " (selective, per op)" if row.get("act_ckpt_mode") == "selective" else ""
+    ckpt = (f"{row['act_ckpt_layers']} checkpointed layers per stage{selective}" if row["act_ckpt_layers"]
+            else "no activation checkpointing")
+    saver = f"{row['engine']} engine, ZeRO-{row['zero_stage']}" + (
+        f", offload {row['offload']}" if row["offload"] not in (None, "none") else "")
+    v = row.get("virtual_stages")
+    interleaved = f" interleaved over {int(v)} virtual stages" if not pd.isna(v) and v > 1 else ""
+    return f"TP={row['tp']}, PP={row['pp']}{interleaved}, DP={row['dp']}, MBS={row['mbs']}, {ckpt}, {saver}"
+
+
+def _pick(row: pd.Series, planned: int, cpu: bool) -> Pick:
+    return Pick(row["trial_id"], layout_text(row), float(row[RANK_COLUMN]), _value(row["peak_memory_gib"]),
+                _value(row["gpu_memory_gib"]), _value(row["predicted_rank"]), planned,
+                "peak RSS per process" if cpu else "peak per GPU")
+
+
+def _median_abs(values: pd.Series) -> Optional[float]:
+    values = values.dropna().abs()
+    return float(values.median()) if len(values) else None
+
+
+def model_errors(ranked: pd.DataFrame, cpu: bool) -> tuple[ModelError, ...]:
+    """Median absolute error of each prediction over the ranked trials, from the collector's columns."""
+    def error(quantity: str, compared: str, raw: str, calibrated: Optional[str] = None) -> ModelError:
+        return ModelError(quantity, compared, int(ranked[raw].notna().sum()), _median_abs(ranked[raw]),
+                          _median_abs(ranked[calibrated]) if calibrated else None)
+
+    process = ("process RSS, not comparable: it adds the interpreter and libraries" if cpu
+               else "memory per GPU, overhead included")
+    step = error("step time", f"{RANK_COLUMN} vs predicted_step_time_s / calibrated_step_time_s",
+                 "step_time_error_pct", "calibrated_step_time_error_pct")
+    if step.trials and ranked.groupby(["tp", "pp"]).size().max() == 1:  # each regime's residual fits its trial
+        step = replace(step, calibrated_pct=None, calibrated_note="exact by construction: one trial per TP/PP regime")
+    return (
+        step,
+        error("tensor memory, analytic", "peak_tensor_memory_gib vs predicted_tensor_memory_gib",
+              "tensor_memory_error_pct"),
+        error("tensor memory, traced", "peak_tensor_memory_gib vs traced_tensor_memory_gib",
+              "traced_tensor_memory_error_pct"),
+        error(process, "peak_memory_gib vs predicted_memory_gib / calibrated_memory_gib",
+              "memory_error_pct", "calibrated_memory_error_pct"),
+    )
+
+
+def report_columns(df: pd.DataFrame) -> tuple[str, ...]:
+    """REPORT_COLUMNS, with each of VARYING_COLUMNS that takes more than one value in the table after the
+    layout's columns."""
+    varying = tuple(c for c in VARYING_COLUMNS if df[c].dropna().nunique() > 1)
+    cut = REPORT_COLUMNS.index("zero_stage") + 1
+    return REPORT_COLUMNS[:cut] + varying + REPORT_COLUMNS[cut:]
+
+
+def _trust_note(df: pd.DataFrame) -> str:
+    """The factors the collector fitted (``collect.calibrate``), and how to read the calibrated errors."""
+    fitted = df.attrs.get(CALIBRATION)
+    return f"{fitted}. {IN_SAMPLE}" if fitted else IN_SAMPLE
+
+
+def _counts(df: pd.DataFrame) -> str:
+    selected = df[df["plan_status"] == SELECTED]
+    ranked = int(df["rank"].notna().sum())
+    text = f"{ranked} of {len(selected)} selected trials succeeded ({status_counts(selected)})."
+    pending = int((selected["status"] == NOT_RUN).sum())
+    if pending:
+        text += (f" {pending} have not run yet (pending, or never launched): this page is rewritten at every "
+                 f"collection, so it stands for the search so far.")
+    return text
+
+
+def training_report_inputs(df: pd.DataFrame, title: str, plots: Iterable[Path], files: Iterable[str] = (),
+                           notes: Iterable[str] = ()) -> ReportInputs:
+    """The page of a training search from the collector's ranked table; ``plots``: the files written."""
+    ranked = successful(df)
+    cpu = on_cpu(df)
+    planned = int(df["predicted_rank"].notna().sum()) or None
+    picks = [_pick(row, planned, cpu) for _, row in ranked.head(2).iterrows()]
+    rest = df[df["rank"].isna()]
+    columns = report_columns(df)
+    return ReportInputs(
+        title=title, metric=TRAINING_METRIC, columns=columns, ranked=_records(ranked, columns),
+        pick=picks[0] if picks else None, runner_up=picks[1] if len(picks) > 1 else None,
+        unranked=_unranked(rest, "trial_id"),
+        plots=tuple(Plot(p.name, CAPTIONS.get(p.name, p.stem)) for p in plots), counts=_counts(df),
+        trust_note=_trust_note(df), errors=model_errors(ranked, cpu), files=tuple(files), notes=tuple(notes))
+
+
+def _inference_pick(row: pd.Series, bound_ms: float) -> Pick:
+    layout = (f"TP={row['tp']}, PP={row['pp']}, batch {row['batch_size']} on {row['num_gpus']} GPU(s), "
+              f"p99 batch latency {row['latency_ms_p99']:.4g} ms (bound {bound_ms:g} ms)")
+    return Pick(row["config_id"], layout, float(row["tokens_per_s_per_gpu"]))
+
+
+def inference_report_inputs(frame: pd.DataFrame, max_latency_ms: float, plot: bool) -> ReportInputs:
+    """The page of an inference search from its ranked summary frame (within the bound first)."""
+    ok = frame[frame["status"] == "ok"]
+    within = ok[ok["meets_latency_bound"].astype(bool)]
+    picks = [_inference_pick(row, max_latency_ms) for _, row in within.head(2).iterrows()]
+    notes = () if picks or ok.empty else (f"No config that ran meets the {max_latency_ms:g} ms p99 latency "
+                                          f"bound; raise inference_settings.max_latency_ms or add smaller batches.",)
+    rest = frame[frame["status"] != "ok"]
+    return ReportInputs(
+        title="Inference search", metric=INFERENCE_METRIC, columns=INFERENCE_COLUMNS,
+        ranked=_records(ok, INFERENCE_COLUMNS), pick=picks[0] if picks else None,
+        runner_up=picks[1] if len(picks) > 1 else None,
+        unranked=_unranked(rest, "config_id"),
+        plots=(Plot(INFERENCE_PLOT, "p99 batch latency against generated tokens/s per GPU, Pareto front"),)
+        if plot and not ok.empty else (),
+        counts=f"{len(ok)} of {len(frame)} configs ran ({status_counts(frame)}).",
+        trust_note=("The inference search predicts memory only (predicted_memory_gib, for pruning); its "
+                    "configs do not measure memory, so that prediction is untested here."),
+        files=(INFERENCE_CSV,), notes=notes)
+
+
+def write_report_md(folder: Path, inputs: ReportInputs) -> Path:
+    """``folder``/report.md, written atomically; returns its path."""
+    return atomic_write_text(Path(folder) / REPORT_FILE, render_report(inputs))
+
+
+def write_inference_report(folder: Path, frame: pd.DataFrame, max_latency_ms: float) -> Path:
+    """The inference search's report.md beside its final_output.csv and plot."""
+    plot = (Path(folder) / INFERENCE_PLOT).is_file()
+    return write_report_md(folder, inference_report_inputs(frame, max_latency_ms, plot))
