@@ -15,6 +15,8 @@ import submitit
 from hp_tool.fsutil import atomic_write_json
 from hp_tool.vocab import METRICS_FILE, RESULT_FILE
 
+SIGNAL_DELAY_S = 60  # submitit signals a job this long before its limit
+
 
 @dataclass(frozen=True)
 class JobSpec:
@@ -48,6 +50,12 @@ class JobSpec:
     def timeout_min(self) -> int:
         """The job's time limit in whole minutes, as submitit and SLURM take it."""
         return max(1, math.ceil(self.max_minutes))
+
+    @property
+    def signal_delay_s(self) -> int:
+        """How long before its limit submitit signals the job (the engine stops earlier by itself); at most
+        a quarter of a short limit, so the signal never lands at the start."""
+        return min(SIGNAL_DELAY_S, 15 * self.timeout_min)
 
 
 def job_name(prefix: str, search_id: str, name: str) -> str:

@@ -12,7 +12,6 @@ import submitit
 from hp_tool.config import ClusterConfig, GpuConfig
 from hp_tool.errors import ConfigError
 from hp_tool.launch.backends.base import Backend, Handle, Sized
-from hp_tool.launch.backends.slurm import SIGNAL_DELAY_S
 from hp_tool.launch.job import JobSpec, SubmititEntry
 from hp_tool.launch.ledger import Entry
 from hp_tool.launch.slurm import command_output
@@ -99,7 +98,7 @@ class LocalBackend(Backend):
     def submit(self, job: JobSpec, name: str) -> Handle:
         ex = submitit.LocalExecutor(folder=job.folder)
         ex.update_parameters(timeout_min=job.timeout_min, tasks_per_node=job.tasks_per_node, nodes=1,
-                             signal_delay_s=SIGNAL_DELAY_S)
+                             signal_delay_s=job.signal_delay_s)
         return ex.submit(SubmititEntry(job.entry), job.config_path)
 
     def reattach(self, job: JobSpec, entry: Entry, job_id: str) -> Optional[Handle]:

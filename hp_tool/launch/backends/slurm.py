@@ -21,8 +21,6 @@ from hp_tool.launch.ledger import Entry
 
 log = logging.getLogger(__name__)
 
-SIGNAL_DELAY_S = 60  # submitit signals the job this long before its limit; the engine stops earlier
-
 # SLURM end states -> trial status (a job that ends these ways never wrote result.json itself)
 SLURM_STATUS = {
     "TIMEOUT": "timeout", "DEADLINE": "timeout", "CANCELLED": "cancelled", "PREEMPTED": "cancelled",
@@ -93,7 +91,7 @@ class SlurmBackend(Backend):
         ex = submitit.AutoExecutor(folder=job.folder, cluster="slurm")
         params = dict(
             name=name, nodes=job.num_nodes, tasks_per_node=job.tasks_per_node, gpus_per_node=job.tasks_per_node,
-            timeout_min=job.timeout_min, slurm_signal_delay_s=min(SIGNAL_DELAY_S, 15 * job.timeout_min),
+            timeout_min=job.timeout_min, slurm_signal_delay_s=job.signal_delay_s,
             slurm_setup=list(cluster.setup), slurm_srun_args=srun_args(cluster),
             slurm_additional_parameters=dict(cluster.additional_sbatch_parameters),
         )
