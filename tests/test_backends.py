@@ -127,7 +127,7 @@ def test_in_process_backend_runs_the_job_in_this_process_and_keeps_its_error(tmp
     wait_done(failed, timeout_s=30)
     status, reason = backend.end_state(failed, broken, ran_s=0.1, log_tail="")
     assert failed.state == "FAILED" and status == "failed"
-    assert "RuntimeError: boom in job.cfg" in reason
+    assert "ended without a result: it raised RuntimeError: boom in job.cfg" in reason
 
 
 def test_in_process_backend_refuses_multi_process_jobs_parallel_runs_and_detach(tmp_path):

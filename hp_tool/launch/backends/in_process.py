@@ -95,5 +95,5 @@ class InProcessBackend(Backend):
     def end_state(self, handle: Handle, job: JobSpec, ran_s: float, log_tail: str) -> tuple[str, str]:
         error = getattr(handle, "error", None)
         if error:
-            return "failed", f"in-process job raised {error}"
+            return "failed", f"in-process job ended without a result: it raised {error}"
         return "failed", "in-process job ended without a result"
