@@ -26,7 +26,6 @@ from hp_tool.fsutil import atomic_write_text
 from hp_tool.inference import report
 from hp_tool.inference.grid import (FP32_BYTES, HALF_BYTES, InferenceCandidate, InferenceJobConfig,
                                     dump_job_config, plan_grid)
-from hp_tool.launch.backends import Backend
 from hp_tool.launch.job import JobSpec
 from hp_tool.session import Hook, LaunchSession, prepare_backend
 
@@ -157,14 +156,13 @@ def _summary_to_wandb(app: AppConfig, frame, root: Path, search_name: str) -> No
                   type(exc).__name__, exc, report.SUMMARY_CSV)
 
 
-def run_inference_search(app: AppConfig, search_name: str, results_dir: Path,
-                         backend: Optional[Backend] = None) -> int:
+def run_inference_search(app: AppConfig, search_name: str, results_dir: Path) -> int:
     """Plan, launch (or resume, detach, cancel), collect and rank the inference search; 0 when a config
     ran (or the command only detached or cancelled), INTERRUPTED after Ctrl-C, else 1. ConfigError
     (before anything is written) when nothing valid is left."""
     plan = plan_inference(app, results_dir)
     jobs = [inference_job_spec(cfg, plan.config_path(cid)) for cid, cfg in plan.configs.items()]
-    backend = prepare_backend(app, jobs, backend)  # before any file: a config the backend can never run
+    backend = prepare_backend(app, jobs)  # before any file: a config the cluster's backend can never run
     write_configs(plan)
     session = LaunchSession(app.cluster, backend, Path(results_dir), plan.root, app.detach, app.cancel,
                             what="inference configs", on_end=_logger(app, plan))
