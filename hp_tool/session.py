@@ -112,7 +112,9 @@ class LaunchSession:
             with progress:
                 launcher.run(self.max_parallel)
         except KeyboardInterrupt:
-            print(f"\nInterrupted: submitted jobs keep running. Resume with:\n  {same_command()}\n"
+            kept = "submitted jobs keep running" if self.backend.detachable else \
+                f"jobs on the {self.backend.kind} backend may end with this command"
+            print(f"\nInterrupted: {kept}. Resume with:\n  {same_command()}\n"
                   f"or cancel them with:\n  {same_command('cancel=true')}", file=sys.stderr)
             raise
         for name, cause in launcher.hook_failures:
