@@ -81,7 +81,7 @@ class InProcessBackend(Backend):
                 raise ConfigError("cluster.type", self.cluster.type,
                                   f"{job.name} needs {processes} processes ({job.num_nodes} node(s) x "
                                   f"{job.tasks_per_node}) and in-process jobs are one process", ONE_PROCESS_FIX)
-        problem = local_problem(self.gpu, [(1, 1)] if jobs else [])
+        problem = local_problem(self.gpu, [(1, 1)]) if jobs else None
         if problem:
             raise ConfigError("cluster.type", self.cluster.type, f"this machine cannot run the search: {problem}",
                               "choose presets that fit this machine, e.g. gpu=cpu")
