@@ -153,7 +153,7 @@ class GpuConfig:
 class ClusterConfig:
     """Where and how trials run. Hardware is the ``gpu`` group; the run's shape is ``train_settings``."""
 
-    type: str = "auto"  # local | bcm (SLURM) | auto (SLURM when it answers, else local if the search fits)
+    type: str = "auto"  # local | bcm (SLURM) | auto (SLURM when it answers, else local if the search fits) | in_process
     partition: Optional[str] = None
     account: Optional[str] = None
     qos: Optional[str] = None

@@ -16,10 +16,11 @@ from hp_tool.config import AppConfig
 from hp_tool.contracts.result import empty_result
 from hp_tool.contracts.spec import TrialSpec
 from hp_tool.deepspeed_ops import build_deepspeed_ops, needs_deepspeed_ops
+from hp_tool.launch.backends import Backend
 from hp_tool.launch.job import JobSpec, trial_job
 from hp_tool.planner import Plan
 from hp_tool.results.report import FINAL_DIR, FinalResults, collect_and_report
-from hp_tool.session import Hook, LaunchSession, chain, executor_kind
+from hp_tool.session import Hook, LaunchSession, chain, prepare_backend
 
 log = logging.getLogger(__name__)
 
@@ -38,10 +39,10 @@ def plan_jobs(plan: Plan) -> list[JobSpec]:
     return [trial_job_spec(s, cand_dir / f"{s.trial_id}.yaml") for s in plan.specs]
 
 
-def training_kind(app: AppConfig, plan: Plan) -> str:
-    """The executor the plan's trials run on (`slurm` or `local`); on SLURM the partition and account are
-    checked to hold each trial, before any file is written."""
-    return executor_kind(app, plan_jobs(plan))
+def training_kind(app: AppConfig, plan: Plan) -> Backend:
+    """The backend the plan's trials run on, its preflight passed (on SLURM the partition and account are
+    checked to hold each trial), before any file is written."""
+    return prepare_backend(app, plan_jobs(plan))
 
 
 def _trial_logger(app: AppConfig, specs: dict[str, TrialSpec]) -> Optional[Hook]:
@@ -51,9 +52,9 @@ def _trial_logger(app: AppConfig, specs: dict[str, TrialSpec]) -> Optional[Hook]
     return lambda job, result: tracking.log_trial(specs[job.name], job.out, result, app.wandb)
 
 
-def run_training_search(app: AppConfig, plan: Plan, kind: str) -> int:
-    """Launch (or resume) the plan's trials with the ``kind`` of executor (`slurm` or `local`, from
-    training_kind), wait for all, then write the final results.
+def run_training_search(app: AppConfig, plan: Plan, backend: Backend) -> int:
+    """Launch (or resume) the plan's trials on ``backend`` (from training_kind), wait for all, then write
+    the final results.
     Returns the exit code: 0 when at least one trial succeeded."""
     tracking.check_wandb(app.wandb)
     jobs = plan_jobs(plan)
@@ -64,8 +65,8 @@ def run_training_search(app: AppConfig, plan: Plan, kind: str) -> int:
         on_end = chain(gate.ended, on_end)
     if needs_deepspeed_ops(plan.specs):
         build_deepspeed_ops()  # here, not inside a timed trial
-    session = LaunchSession(app, kind, plan.results_dir, plan.results_dir, on_end=on_end, gate=gate,
-                            watch=None if gate is None else gate.watch)
+    session = LaunchSession(app.cluster, backend, plan.results_dir, plan.results_dir, app.detach, app.cancel,
+                            on_end=on_end, gate=gate, watch=None if gate is None else gate.watch)
     code = session.launch(jobs)
     if code is not None:
         return code

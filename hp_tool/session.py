@@ -1,10 +1,11 @@
 """A launch session: what the training and the inference search share between planning and collecting.
 
-    kind = executor_kind(app, jobs)          # slurm or local; on SLURM the target is checked first
-    code = LaunchSession(app, kind, results_dir, ledger_dir, ...).launch(jobs)
+    backend = prepare_backend(app, jobs)     # the cluster's backend, its preflight passed
+    code = LaunchSession(app.cluster, backend, results_dir, ledger_dir, app.detach, app.cancel, ...).launch(jobs)
     if code is None: ...collect...           # every job has ended
 
-The SLURM preflight; the one ``Launcher`` (hp_tool/launch/runner.py) with its ledger, resume and re-attach;
+The backend's preflight (hp_tool/launch/backends/); the one ``Launcher`` (hp_tool/launch/runner.py) with
+its ledger, resume and re-attach;
 and what the command line asks of a session: ``detach=true`` submits and returns, ``cancel=true`` cancels
 every job of the folder, Ctrl-C leaves submitted jobs running and says how to resume or cancel them. What
 the jobs are, what happens after each one ends and how the results are read belong to each search. The
@@ -21,14 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from hp_tool.config import AppConfig
+from hp_tool.config import AppConfig, ClusterConfig
 from hp_tool.errors import ConfigError
-from hp_tool.launch.executors import resolve_kind
+from hp_tool.launch.backends import Backend, backend_for
 from hp_tool.launch.job import JobSpec
 from hp_tool.launch.ledger import search_id
 from hp_tool.launch.monitor import Progress
 from hp_tool.launch.runner import Launcher
-from hp_tool.launch.slurm import check_slurm_target
 
 log = logging.getLogger(__name__)
 
@@ -39,21 +39,16 @@ Gate = Callable[[JobSpec], Optional[tuple[str, str]]]  # before a submission: (s
 Watch = Callable[[JobSpec, float], Optional[tuple[str, str]]]  # a running job: (stop_reason, reason) to stop it
 
 
-def preflight(app: AppConfig, jobs: list[JobSpec]) -> None:
-    """SLURM: the partition and account exist and can ever hold each job (ConfigError otherwise)."""
-    per_task = app.cluster.cpus_per_task or 1  # unset: the node's CPUs are shared, at least one each
-    check_slurm_target(app.cluster, [(j.name, j.num_nodes, j.tasks_per_node, j.tasks_per_node * per_task)
-                                     for j in jobs])
-
-
-def executor_kind(app: AppConfig, jobs: list[JobSpec], kind: Optional[str] = None) -> str:
-    """`slurm` or `local` for ``jobs`` (``kind`` when given, else executors.resolve_kind); on SLURM the
-    partition and account are checked to hold each job, so a target that can never run them fails
+def prepare_backend(app: AppConfig, jobs: list[JobSpec], backend: Optional[Backend] = None) -> Backend:
+    """The backend ``jobs`` run on (``backend`` when given, else the cluster config's), its preflight passed:
+    a target that can never run them, or ``detach=true`` where jobs cannot outlive the command, fails
     before any file is written."""
-    kind = kind or resolve_kind(app, [(j.num_nodes, j.tasks_per_node) for j in jobs])
-    if kind == "slurm":
-        preflight(app, jobs)
-    return kind
+    backend = backend or backend_for(app.cluster, app.gpu)
+    backend.preflight(jobs)
+    if app.detach and not backend.detachable:
+        raise ConfigError("detach", True, f"jobs of cluster.type={app.cluster.type} run on the {backend.kind} "
+                          "backend and end with this command", "drop detach=true, or use cluster=bcm")
+    return backend
 
 
 def chain(*hooks: Optional[Hook]) -> Hook:
@@ -74,14 +69,16 @@ def same_command(extra: str = "") -> str:
 @dataclass
 class LaunchSession:
     """One search's jobs through the one launcher, as the command line asks: run to the end, detach or
-    cancel. The caller has run ``executor_kind`` (the SLURM preflight) before writing any file."""
+    cancel. The caller has run ``prepare_backend`` (the backend's preflight) before writing any file."""
 
-    app: AppConfig
-    kind: str  # slurm | local (executor_kind)
+    cluster: ClusterConfig
+    backend: Backend  # prepare_backend's
     results_dir: Path  # the search's folder: its search_id is part of every job name
     ledger_dir: Path  # where jobs.jsonl lives: results_dir, or results_dir/inference
+    detach: bool = False  # submit and return (a detachable backend only)
+    cancel: bool = False  # cancel every job of the folder that has no result yet
     what: str = "trials"  # the jobs in messages: trials, inference configs
-    max_parallel: Optional[int] = None  # jobs at once; None: the cluster's limit
+    max_parallel: Optional[int] = None  # jobs at once; None: the backend's parallelism
     on_end: Optional[Hook] = None
     gate: Optional[Gate] = None
     watch: Optional[Watch] = None
@@ -97,19 +94,16 @@ class LaunchSession:
 
     def _launch(self, jobs: list[JobSpec]) -> Optional[int]:
         """``launch`` without the Ctrl-C exit code: KeyboardInterrupt propagates."""
-        if self.kind != "slurm" and self.app.detach:
-            raise ConfigError("detach", True, "a detached search needs SLURM (local jobs die with the shell)",
-                              "drop detach=true, or use cluster=bcm")
-        log.info("Launching %d %s with the %s executor", len(jobs), self.what, self.kind)
+        log.info("Launching %d %s on the %s backend", len(jobs), self.what, self.backend.kind)
         progress = Progress()
-        launcher = Launcher(self.app, self.ledger_dir, jobs, self.kind, progress, search_id(self.results_dir),
-                            self.on_end, self.gate, self.watch)
+        launcher = Launcher(self.cluster, self.backend, self.ledger_dir, jobs, progress,
+                            search_id(self.results_dir), self.on_end, self.gate, self.watch)
         launcher.resume()
-        if self.app.cancel:
+        if self.cancel:
             n = launcher.cancel_all()
             print(f"Cancelled {n} jobs; {len(launcher.pending)} {self.what} were never submitted.")
             return 0
-        if self.app.detach:
+        if self.detach:
             launcher.submit_all_now()
             print(f"Submitted; to watch and collect later run:\n  {same_command()}\n"
                   f"to cancel:\n  {same_command('cancel=true')}")
@@ -118,7 +112,9 @@ class LaunchSession:
             with progress:
                 launcher.run(self.max_parallel)
         except KeyboardInterrupt:
-            print(f"\nInterrupted: submitted jobs keep running. Resume with:\n  {same_command()}\n"
+            kept = "submitted jobs keep running" if self.backend.detachable else \
+                f"jobs on the {self.backend.kind} backend may end with this command"
+            print(f"\nInterrupted: {kept}. Resume with:\n  {same_command()}\n"
                   f"or cancel them with:\n  {same_command('cancel=true')}", file=sys.stderr)
             raise
         for name, cause in launcher.hook_failures:

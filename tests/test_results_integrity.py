@@ -1,5 +1,6 @@
 """A ranking names only what was measured: fingerprints, stale results set aside, one orchestrator per
-results folder, and tracking failures that never stop a search. Real local searches of gpt3/tiny."""
+results folder, and tracking failures that never stop a search. Real searches of gpt3/tiny with one-process
+trials on the in-process backend: in this test process, or as orchestrator processes where two compete."""
 
 import json
 import os
@@ -14,24 +15,24 @@ import pytest
 from hp_tool.cli import compose
 from hp_tool.config import to_app_config
 from hp_tool.inference import search as inference
+from hp_tool.contracts.spec import load_spec
+from hp_tool.launch.backends import backend_for
 from hp_tool.launch.ledger import Ledger
-from hp_tool.vocab import LOCK_FILE
 from hp_tool.launch.monitor import Progress
 from hp_tool.launch.runner import Launcher, set_aside
 from hp_tool.results.collect import collect_trials
 from hp_tool.search import plan_jobs
-from hp_tool.contracts.spec import load_spec
+from hp_tool.vocab import LOCK_FILE
+from search_helpers import ONE_PROCESS, TS, search_here
 from test_results_helpers import planned, selected_ids, trial_dir, write_ok
 
 REPO = Path(__file__).resolve().parent.parent
-TS = "search_config.train_settings"
-ONE_LAYOUT = (f"{TS}.tensor_parallel_sizes=[1]", f"{TS}.pipeline_parallel_sizes=[2]",
-              f"{TS}.micro_batch_sizes=[2]", f"{TS}.act_ckpt_layers=[0]", f"{TS}.max_steps_per_run=6")
-TRIAL = "gpt3_241k_tp1_pp2_mbs2_ac0_torch_z0_noff"
+ONE_LAYOUT = (f"{TS}.micro_batch_sizes=[2]", f"{TS}.act_ckpt_layers=[0]", f"{TS}.max_steps_per_run=6")
+TRIAL = "gpt3_241k_tp1_pp1_mbs2_ac0_torch_z0_noff"
 
 
 def main_cmd(tmp_path, *args):
-    return [sys.executable, str(REPO / "main.py"), "search_config=gpt3/tiny", "cluster=local",
+    return [sys.executable, str(REPO / "main.py"), "search_config=gpt3/tiny", "cluster=in_process", *ONE_PROCESS,
             "memory_check=analytic",  # the trace is tested in test_memory_check and test_launch
             f"base_results_dir={tmp_path / 'res'}", *args]
 
@@ -45,14 +46,13 @@ def out_dir(tmp_path):
     return tmp_path / "res" / "gpt3" / "tiny"
 
 
+@pytest.mark.e2e
 def test_changing_the_global_batch_reruns_the_trial_and_keeps_the_old_result(tmp_path):
-    first = run(tmp_path, *ONE_LAYOUT, f"{TS}.global_batch_size=8")
-    assert first.returncode == 0, first.stderr[-3000:]
-    out = out_dir(tmp_path)
+    code, out = search_here(tmp_path, *ONE_LAYOUT, f"{TS}.global_batch_size=8")
+    assert code == 0
     old = json.loads((out / "training_logs" / TRIAL / "result.json").read_text())
 
-    second = run(tmp_path, *ONE_LAYOUT, f"{TS}.global_batch_size=16")
-    assert second.returncode == 0, second.stderr[-3000:]
+    assert search_here(tmp_path, *ONE_LAYOUT, f"{TS}.global_batch_size=16")[0] == 0
     new = json.loads((out / "training_logs" / TRIAL / "result.json").read_text())
     spec = load_spec(out / "candidate_configs" / f"{TRIAL}.yaml")
     assert spec.training.global_batch_size == 16 and new["fingerprint"] == spec.fingerprint() != old["fingerprint"]
@@ -87,7 +87,7 @@ def test_resume_sets_a_stale_result_aside_and_queues_the_trial_again(tmp_path):
     write_ok(out, jobs[1].name, 0.3)
     path = jobs[1].out / "result.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), "fingerprint": "old"}))
-    launcher = Launcher(app, out, jobs[:2], "local", Progress(), "sid")
+    launcher = Launcher(app.cluster, backend_for(app.cluster, app.gpu), out, jobs[:2], Progress(), "sid")
     launcher.resume()
     assert [j.name for j in launcher.pending] == [jobs[1].name]
     assert not path.exists() and len(list(jobs[1].out.glob("stale-*/result.json"))) == 1
@@ -104,9 +104,9 @@ def test_set_aside_moves_only_result_files(tmp_path):
     assert (tmp_path / "job" / "1_0_log.err").exists() and set_aside(tmp_path) is None
 
 
+@pytest.mark.e2e
 def test_two_orchestrators_started_together_submit_each_trial_once_and_a_third_is_refused(tmp_path):
-    args = (*ONE_LAYOUT[:1], f"{TS}.pipeline_parallel_sizes=[1,2]", *ONE_LAYOUT[2:], f"{TS}.search_strategy=exhaustive",
-            "wait_for_lock=true")
+    args = (f"{TS}.micro_batch_sizes=[2,4]", *ONE_LAYOUT[1:], f"{TS}.search_strategy=exhaustive", "wait_for_lock=true")
     first, waiting = (subprocess.Popen(main_cmd(tmp_path, *args), cwd=tmp_path, stdout=subprocess.PIPE,
                                        stderr=subprocess.PIPE, text=True) for _ in range(2))
     lock = out_dir(tmp_path) / LOCK_FILE
@@ -127,13 +127,16 @@ def test_two_orchestrators_started_together_submit_each_trial_once_and_a_third_i
     assert not lock.read_text().strip()  # released
 
 
-def test_a_broken_wandb_directory_leaves_the_search_complete(tmp_path):
+@pytest.mark.e2e
+def test_a_broken_wandb_directory_leaves_the_search_complete(tmp_path, monkeypatch, capsys):
     broken = tmp_path / "not_a_dir"
     broken.write_text("a file where W&B wants a folder")
-    proc = run(tmp_path, *ONE_LAYOUT, "wandb.enable=true", env={"WANDB_MODE": "offline", "WANDB_DIR": str(broken)})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"W&B: {TRIAL} was not uploaded" in proc.stderr
-    summary = pd.read_csv(out_dir(tmp_path) / "final_results" / "final_summary_1nodes.csv")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(broken))
+    code, out = search_here(tmp_path, *ONE_LAYOUT, "wandb.enable=true")
+    assert code == 0
+    assert f"W&B: {TRIAL} was not uploaded" in capsys.readouterr().err
+    summary = pd.read_csv(out / "final_results" / "final_summary_1nodes.csv")
     assert list(summary["trial_id"]) == [TRIAL] and list(summary["status"]) == ["ok"]
 
 

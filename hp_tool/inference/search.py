@@ -28,7 +28,7 @@ from hp_tool.inference.grid import (FP32_BYTES, HALF_BYTES, InferenceCandidate, 
                                     dump_job_config, plan_grid)
 from hp_tool.launch.job import JobSpec
 from hp_tool.results.report_inputs import write_inference_report
-from hp_tool.session import Hook, LaunchSession, executor_kind
+from hp_tool.session import Hook, LaunchSession, prepare_backend
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +37,10 @@ NOT_RUN = "not_run"
 
 
 def inference_job(config_path: str) -> dict:
-    """The submitted function; imports torch only inside the job, never in the orchestrator."""
-    from hp_tool.inference.worker import inference_job as run  # here: the worker imports torch
+    """An inference config's entry; imports torch only inside the job, never in the orchestrator's planning."""
+    from hp_tool.inference.worker import run_inference  # here: the worker imports torch
 
-    return run(config_path)
+    return run_inference(config_path)
 
 
 @dataclass
@@ -158,17 +158,16 @@ def _summary_to_wandb(app: AppConfig, frame, root: Path, search_name: str) -> No
                   type(exc).__name__, exc, report.SUMMARY_CSV)
 
 
-def run_inference_search(app: AppConfig, search_name: str, results_dir: Path,
-                         kind: Optional[str] = None) -> int:
+def run_inference_search(app: AppConfig, search_name: str, results_dir: Path) -> int:
     """Plan, launch (or resume, detach, cancel), collect and rank the inference search; 0 when a config
     ran (or the command only detached or cancelled), INTERRUPTED after Ctrl-C, else 1. ConfigError
     (before anything is written) when nothing valid is left."""
     plan = plan_inference(app, results_dir)
     jobs = [inference_job_spec(cfg, plan.config_path(cid)) for cid, cfg in plan.configs.items()]
-    kind = executor_kind(app, jobs, kind)  # before any file: a config SLURM can never start
+    backend = prepare_backend(app, jobs)  # before any file: a config the cluster's backend can never run
     write_configs(plan)
-    session = LaunchSession(app, kind, Path(results_dir), plan.root, what="inference configs",
-                            max_parallel=1 if kind == "local" else None, on_end=_logger(app, plan))
+    session = LaunchSession(app.cluster, backend, Path(results_dir), plan.root, app.detach, app.cancel,
+                            what="inference configs", on_end=_logger(app, plan))
     code = session.launch(jobs)
     if code is not None:
         return code

@@ -1,22 +1,21 @@
 """A job as the launcher sees it (JobSpec, built alike for training trials and inference configs), what
-runs inside a trial's job, and what is written when a job dies without writing its own result."""
+runs inside a job (its entry; SubmititEntry for the backends that start processes through submitit), and
+what is written when a job dies without writing its own result."""
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import submitit
+
 from hp_tool.fsutil import atomic_write_json
 from hp_tool.vocab import METRICS_FILE, RESULT_FILE
 
-# SLURM end states -> trial status (a job that ends these ways never wrote result.json itself)
-SLURM_STATUS = {
-    "TIMEOUT": "timeout", "DEADLINE": "timeout", "CANCELLED": "cancelled", "PREEMPTED": "cancelled",
-    "OUT_OF_MEMORY": "oom", "NODE_FAIL": "failed", "BOOT_FAIL": "failed", "FAILED": "failed",
-    "COMPLETED": "failed", "UNKNOWN": "failed",
-}
+SIGNAL_DELAY_S = 60  # submitit signals a job this long before its limit
 
 
 @dataclass(frozen=True)
@@ -30,7 +29,8 @@ class JobSpec:
     tasks_per_node: int  # one task per GPU (or per CPU process locally)
     max_minutes: float  # the job's time limit, counted from its start
     fingerprint: str  # of what it measures; a result with another fingerprint is stale
-    entry: Callable[[str], Any]  # module-level (picklable): called with config_path inside the job
+    entry: Callable[[str], Any]  # module-level (picklable): called with config_path in each of the job's
+    # processes, once torch.distributed's variables (RANK, WORLD_SIZE, ...) are set; none for one process
     blank: dict = field(default_factory=dict, compare=False)  # result.json skeleton: every field, ids set
 
     @property
@@ -46,13 +46,39 @@ class JobSpec:
     def tasks(self) -> int:
         return self.num_nodes * self.tasks_per_node
 
+    @property
+    def timeout_min(self) -> int:
+        """The job's time limit in whole minutes, as submitit and SLURM take it."""
+        return max(1, math.ceil(self.max_minutes))
+
+    @property
+    def signal_delay_s(self) -> int:
+        """How long before its limit submitit signals the job (the engine stops earlier by itself); at most
+        a quarter of a short limit, so the signal never lands at the start."""
+        return min(SIGNAL_DELAY_S, 15 * self.timeout_min)
+
+
+def job_name(prefix: str, search_id: str, name: str) -> str:
+    """<prefix><search id>:<trial or config id>: unique to this results folder, so looking a job up by
+    name never finds another search's (or another user's) job."""
+    return f"{prefix}{search_id}:{name}"
+
+
+@dataclass(frozen=True)
+class SubmititEntry:
+    """What a submitit job runs: torch.distributed's variables exported from submitit's environment
+    (SLURM's or the local executor's), then the job's entry."""
+
+    entry: Callable[[str], Any]
+
+    def __call__(self, config_path: str) -> Any:
+        submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+        return self.entry(config_path)
+
 
 def trial_job(spec_path: str) -> dict:
-    """Entry point of a submitit job: set up torch.distributed's environment from SLURM / the local
-    executor, then run the trial engine (torch is imported here, never in the orchestrator)."""
-    import submitit
-
-    submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+    """A training trial's entry: the trial engine (torch is imported here, inside the job, never in the
+    orchestrator's own planning)."""
     from hp_tool.trial.train import run_trial
 
     return run_trial(spec_path)
@@ -88,16 +114,6 @@ def read_result(out_dir: Path) -> Optional[dict[str, Any]]:
         return json.loads(path.read_text())
     except json.JSONDecodeError:
         return {"status": "failed", "reason": f"unreadable {RESULT_FILE}"}
-
-
-def classify_slurm_end(state: str, job_tail: str) -> tuple[str, str]:
-    """(status, reason) for a SLURM job that ended without a result.json."""
-    base = state.split()[0].upper() if state else "UNKNOWN"
-    status = SLURM_STATUS.get(base, "failed")
-    reason = f"SLURM job ended {base} without a result"
-    if job_tail:
-        reason += f"; log tail: {job_tail}"
-    return status, reason
 
 
 def log_tail(folder: Path, job_id: str, chars: int = 600) -> str:

@@ -1,8 +1,10 @@
 """The one launcher, for training trials and inference configs alike (both described by JobSpec): submit in
 the given order, throttled; watch every job in one poll loop; resume from the ledger; never submit twice.
 
-Every job ends with a result.json: its own, or one written here from the job's end state (SLURM's end
-state, a time limit counted from the job's start, a pending reason that means it can never start,
+Where jobs run is the backend's business (hp_tool/launch/backends/); the launcher only asks it.
+
+Every job ends with a result.json: its own, or one written here from the job's end state (the backend's
+end state, a time limit counted from the job's start, a pending reason that means it can never start,
 ``cluster.max_queue_minutes``, or the user's cancel). Results and ledger lines carry the job's
 fingerprint: on resume, a result or a queued job of a different configuration is set aside (kept in
 ``<output_dir>/stale-<time>/``) or cancelled, and the job runs again.
@@ -11,26 +13,20 @@ fingerprint: on resume, a result or a queued job of a different configuration is
 from __future__ import annotations
 
 import logging
-import os
-import re
 import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
-import submitit
-from submitit.core.utils import JobPaths
-
-from hp_tool.config import AppConfig
+from hp_tool.config import ClusterConfig
+from hp_tool.contracts.result import request_stop
 from hp_tool.launch import job as jobmod
-from hp_tool.launch import slurm
-from hp_tool.launch.executors import job_name, make_executor, timeout_min
-from hp_tool.launch.job import JobSpec
+from hp_tool.launch.backends.base import Backend, Handle
+from hp_tool.launch.job import JobSpec, job_name
 from hp_tool.launch.ledger import Entry, Ledger
 from hp_tool.launch.monitor import Progress
 from hp_tool.vocab import FAILURE_DIR, METRICS_FILE, NOT_LAUNCHED, RESULT_FILE, STOP_REQUEST_FILE
-from hp_tool.contracts.result import request_stop
 
 log = logging.getLogger(__name__)
 
@@ -39,36 +35,10 @@ POLL_MIN_S, POLL_MAX_S = 1.0, 15.0
 RESULT_FILES = (RESULT_FILE, METRICS_FILE, FAILURE_DIR, STOP_REQUEST_FILE)  # what a stale result consists of
 
 
-class PidJob:
-    """A local job started by an earlier orchestrator, followed by its controller's pid."""
-
-    def __init__(self, job_id: str):
-        self.job_id = job_id
-
-    def done(self) -> bool:
-        try:
-            os.kill(int(self.job_id), 0)
-        except (ProcessLookupError, ValueError):
-            return True
-        except PermissionError:
-            return False
-        return False
-
-    @property
-    def state(self) -> str:
-        return "FINISHED" if self.done() else "RUNNING"
-
-    def cancel(self) -> None:
-        try:
-            os.kill(int(self.job_id), 15)
-        except (ProcessLookupError, ValueError):
-            pass
-
-
 @dataclass
 class Active:
     job: JobSpec
-    handle: Any  # submitit Job, or PidJob
+    handle: Handle
     submitted: float
     running_since: Optional[float] = None
     stop_requested: bool = False
@@ -76,10 +46,6 @@ class Active:
     @property
     def job_id(self) -> str:
         return str(self.handle.job_id)
-
-
-def _pid_alive(job_id: Optional[str]) -> bool:
-    return job_id is not None and not PidJob(job_id).done()
 
 
 def set_aside(out: Path) -> Optional[Path]:
@@ -95,25 +61,9 @@ def set_aside(out: Path) -> Optional[Path]:
     return target
 
 
-def complete_interrupted_submission(folder: Path, job_id: str) -> bool:
-    """Finish what an orchestrator killed between sbatch and submitit's own bookkeeping left undone.
-
-    submitit dumps the job's function to ``<uuid>.pkl``, runs sbatch, then renames the pickle to
-    ``<job_id>_submitted.pkl``; the job waits 60 s for that name and then fails. A kill in between
-    (more likely on a loaded machine, where the rename comes later) leaves a queued job that can only
-    fail. Each job has its own folder, so the one unrenamed pickle there is this job's: rename it.
-    Returns True when it did."""
-    target = JobPaths(folder, job_id=job_id).submitted_pickle
-    orphans = [p for p in Path(folder).glob("*.pkl") if re.fullmatch(r"[0-9a-f]{32}\.pkl", p.name)]
-    if target.exists() or len(orphans) != 1:
-        return False
-    shutil.move(str(orphans[0]), str(target))
-    return True
-
-
 class Launcher:
-    """Launch ``jobs`` with the ``kind`` of executor (`slurm` or `local`); the ledger lives in ``ledger_dir``.
-    ``on_end(job, result)`` runs after each job ends; its failures are logged and listed in
+    """Launch ``jobs`` on ``backend`` (hp_tool/launch/backends/) as ``cluster`` limits them; the ledger lives
+    in ``ledger_dir``. ``on_end(job, result)`` runs after each job ends; its failures are logged and listed in
     ``hook_failures``, never stopping the search. ``gate(job)``, asked just before each submission, may
     return (status, reason) instead: the job is not submitted and that verdict is its result (the adaptive
     search's skipped and pruned_after_oom; a resumed search asks again). ``watch(job, submitted)``, asked
@@ -121,11 +71,11 @@ class Launcher:
     its current step (contracts.result.request_stop) and ends with its measurement (the adaptive search's
     losing trials); ``submitted``: when the job was submitted (older metrics belong to an earlier run)."""
 
-    def __init__(self, app: AppConfig, ledger_dir: Path, jobs: list[JobSpec], kind: str, progress: Progress,
-                 search_id: str, on_end: Optional[Callable[[JobSpec, dict], None]] = None,
+    def __init__(self, cluster: ClusterConfig, backend: Backend, ledger_dir: Path, jobs: list[JobSpec],
+                 progress: Progress, search_id: str, on_end: Optional[Callable[[JobSpec, dict], None]] = None,
                  gate: Optional[Callable[[JobSpec], Optional[tuple[str, str]]]] = None,
                  watch: Optional[Callable[[JobSpec, float], Optional[tuple[str, str]]]] = None):
-        self.app, self.kind, self.progress = app, kind, progress
+        self.cluster, self.backend, self.progress = cluster, backend, progress
         self.gate, self.watch = gate, watch
         self.jobs = jobs
         self.ledger = Ledger(ledger_dir)
@@ -135,6 +85,9 @@ class Launcher:
         self.active: list[Active] = []
         self.submissions = 0
         self.hook_failures: list[tuple[str, str]] = []
+
+    def name(self, job: JobSpec) -> str:
+        return job_name(self.cluster.job_name_prefix, self.search_id, job.name)
 
     # ---- resume ----
     def resume(self) -> None:
@@ -164,46 +117,41 @@ class Launcher:
                 self.pending.append(job)
 
     def _job_id(self, job: JobSpec, entry: Entry) -> Optional[str]:
-        """The id of the job an unfinished ledger entry stands for; a SLURM job whose submission the last
-        orchestrator did not live to record is looked up by its (search-unique) name."""
+        """The id of the job an unfinished ledger entry of this backend stands for; a job whose submission
+        the last orchestrator did not live to record is looked up by its (search-unique) name."""
         if entry.state not in ("submitting", "submitted"):
             return None
-        if entry.job_id is None and entry.kind == "slurm":
-            return slurm.find_job(job_name(self.app.cluster, self.search_id, job.name))
+        if entry.kind != self.backend.kind:
+            log.warning("%s: job %s was submitted by the %s backend and this search runs on %s; it is not "
+                        "followed, and runs again here", job.name, entry.job_id, entry.kind, self.backend.kind)
+            return None
+        if entry.job_id is None:
+            return self.backend.find(self.name(job))
         return entry.job_id
 
     def _cancel_superseded(self, job: JobSpec, entry: Entry) -> None:
         """A job submitted for an earlier configuration of this name: cancel it if it may still run."""
         job_id = self._job_id(job, entry)
-        if job_id is None:
+        handle = None if job_id is None else self.backend.reattach(job, entry, job_id)
+        if handle is None:
             return
         log.warning("%s: job %s ran an earlier configuration (fingerprint %s); cancelling it", job.name,
                     job_id, entry.fingerprint)
-        if entry.kind == "slurm":
-            slurm.cancel(job_id)
-        elif _pid_alive(job_id):
-            PidJob(job_id).cancel()
+        self.backend.cancel(handle)
         self.ledger.append(Entry(job.name, "cancelled", job_id=job_id, kind=entry.kind,
                                  fingerprint=entry.fingerprint, reason="superseded by a changed configuration"))
 
     def _reattach(self, job: JobSpec, entry: Optional[Entry]) -> Optional[Active]:
         job_id = None if entry is None else self._job_id(job, entry)
-        if job_id is None:
+        handle = None if job_id is None else self.backend.reattach(job, entry, job_id)
+        if handle is None:
             return None
-        if entry.kind == "slurm" and entry.state == "submitting" and complete_interrupted_submission(job.folder, job_id):
-            log.warning("%s: completed the interrupted submission of job %s (its pickle)", job.name, job_id)
-        if entry.kind == "slurm":
-            handle = submitit.SlurmJob(folder=job.folder, job_id=job_id, tasks=range(entry.tasks))
-        elif _pid_alive(job_id):
-            handle = PidJob(job_id)
-        else:
-            return None  # a local job that died with its orchestrator: run it again
         log.info("re-attached %s to job %s", job.name, job_id)
         return Active(job, handle, entry.time)
 
     # ---- submit ----
     def _entry(self, job: JobSpec, state: str, job_id: Optional[str] = None, reason: Optional[str] = None) -> Entry:
-        return Entry(job.name, state, job_id=job_id, fingerprint=job.fingerprint, kind=self.kind,
+        return Entry(job.name, state, job_id=job_id, fingerprint=job.fingerprint, kind=self.backend.kind,
                      folder=str(job.folder), tasks=job.tasks, reason=reason)
 
     def submit(self, job: JobSpec) -> None:
@@ -216,10 +164,9 @@ class Launcher:
         if (jobmod.read_result(job.out) or {}).get("status") in NOT_LAUNCHED:
             set_aside(job.out)  # an earlier search's verdict, decided otherwise now
         self.ledger.append(self._entry(job, "submitting"))
-        executor = make_executor(self.kind, job, self.app.cluster, self.search_id)
         try:
-            handle = executor.submit(job.entry, job.config_path)
-        except Exception as exc:  # sbatch refused it: record, do not retry blindly
+            handle = self.backend.submit(job, self.name(job))
+        except Exception as exc:  # noqa: BLE001 - sbatch refused it: record, do not retry blindly
             if self.submissions == 0:
                 raise
             result = jobmod.write_job_failure(job, "failed", f"submission failed: {type(exc).__name__}: {exc}")
@@ -236,9 +183,9 @@ class Launcher:
 
     # ---- watch ----
     def run(self, max_parallel: Optional[int] = None) -> None:
-        """Submit (at most ``max_parallel`` at once, default cluster.max_parallel_runs) and watch until
+        """Submit (at most ``max_parallel`` at once, default the backend's parallelism) and watch until
         every job has ended."""
-        limit = max_parallel or self.app.cluster.max_parallel_runs
+        limit = max_parallel or self.backend.parallelism
         delay = POLL_MIN_S
         while self.pending or self.active:
             while self.pending and len(self.active) < limit:
@@ -250,9 +197,8 @@ class Launcher:
 
     def poll(self) -> bool:
         changed = False
-        if self.kind == "slurm" and self.active:
-            # one sacct call refreshes every job's state; submitit's own refresh can lag by minutes
-            self.active[0].handle.watcher.update()
+        if self.active:
+            self.backend.refresh([a.handle for a in self.active])
             changed = self._drop_unschedulable()
         for a in list(self.active):
             if a.handle.done():
@@ -267,7 +213,7 @@ class Launcher:
                 changed = True
             if a.running_since and self.watch is not None and not a.stop_requested:
                 changed |= self._ask_to_stop(a)
-            if a.running_since and time.time() - a.running_since > timeout_min(a.job) * 60 + GRACE_S:
+            if a.running_since and time.time() - a.running_since > a.job.timeout_min * 60 + GRACE_S:
                 log.warning("%s outlived its limit by %.0f s: cancelling", a.job.name, GRACE_S)
                 self._stop(a, "timeout", "job did not end within its time limit plus grace")
                 changed = True
@@ -285,18 +231,18 @@ class Launcher:
         return True
 
     def _drop_unschedulable(self) -> bool:
-        """Cancel queued jobs SLURM can never start (or that waited past cluster.max_queue_minutes)."""
+        """Cancel queued jobs the backend can never start (or that waited past cluster.max_queue_minutes)."""
         queued = {a.job_id: a for a in self.active if a.running_since is None}
-        limit = self.app.cluster.max_queue_minutes
+        limit = self.cluster.max_queue_minutes
         dropped = False
-        for job_id, reason in slurm.pending_reasons(list(queued)).items():
-            a = queued[job_id]
+        for job_id, waiting in self.backend.pending([a.handle for a in queued.values()]).items():
+            a, reason = queued[job_id], waiting.reason
             waited_min = (time.time() - a.submitted) / 60
-            if slurm.never_starts(reason, self.app.cluster.partition):
-                why = f"SLURM can never start job {job_id}: pending reason {reason}"
+            if waiting.never:
+                why = waiting.never
             elif limit is not None and waited_min > limit:
                 why = (f"job {job_id} was pending {waited_min:.1f} min, more than cluster.max_queue_minutes="
-                       f"{limit:g} (SLURM's reason: {reason})")
+                       f"{limit:g} (the scheduler's reason: {reason})")
             else:
                 continue
             log.warning("%s: %s; cancelling it", a.job.name, why)
@@ -305,7 +251,7 @@ class Launcher:
         return dropped
 
     def _stop(self, a: Active, status: str, reason: str) -> None:
-        a.handle.cancel()
+        self.backend.cancel(a.handle)
         self.active.remove(a)
         self._ended(a.job, a, jobmod.write_job_failure(a.job, status, reason))
 
@@ -317,14 +263,8 @@ class Launcher:
         self._ended(a.job, a, result)
 
     def _end_state(self, a: Active) -> tuple[str, str]:
-        tail = jobmod.log_tail(a.job.folder, a.job_id)
-        if self.kind == "slurm":
-            return jobmod.classify_slurm_end(str(a.handle.state), tail)
-        elapsed = time.time() - (a.running_since or a.submitted)
-        if elapsed >= timeout_min(a.job) * 60 - 1:
-            return "timeout", f"local job reached its {timeout_min(a.job)}-minute limit without a result"
-        return "failed", f"local job ended without a result; log tail: {tail}" if tail else \
-            "local job ended without a result"
+        ran_s = time.time() - (a.running_since or a.submitted)
+        return self.backend.end_state(a.handle, a.job, ran_s, jobmod.log_tail(a.job.folder, a.job_id))
 
     def _ended(self, job: JobSpec, a: Optional[Active], result: dict) -> None:
         self.ledger.append(self._entry(job, result.get("status", "failed"), None if a is None else a.job_id,
@@ -344,7 +284,7 @@ class Launcher:
         """Cancel every job of this search that has no result yet; returns how many."""
         n = 0
         for a in list(self.active):
-            a.handle.cancel()
+            self.backend.cancel(a.handle)
             jobmod.write_job_failure(a.job, "cancelled", "cancelled by the user")
             self.ledger.append(self._entry(a.job, "cancelled", job_id=a.job_id))
             n += 1

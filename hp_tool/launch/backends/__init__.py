@@ -1,0 +1,38 @@
+"""Where jobs run: one ``Backend`` per ``cluster.type`` (base.py has the protocol). ``backend_for`` is the
+one place that reads the cluster type; everything after it asks the backend.
+
+    slurm       cluster=bcm, and cluster=auto where sinfo answers     submitit's SLURM executor
+    local       cluster=local, and cluster=auto without SLURM         submitit's local executor
+    in_process  cluster=in_process                                    threads of this process, one process per job
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from hp_tool.config import AppConfig, ClusterConfig, GpuConfig
+from hp_tool.launch.backends.base import Backend, JobShape
+from hp_tool.launch.backends.in_process import InProcessBackend
+from hp_tool.launch.backends.local import LocalBackend
+from hp_tool.launch.backends.slurm import SlurmBackend, slurm_reachable
+
+__all__ = ["Backend", "backend_for", "resolve_kind"]
+
+
+def backend_for(cluster: ClusterConfig, gpu: GpuConfig) -> Backend:
+    """The backend ``cluster.type`` names; ``auto``: SLURM when sinfo answers, else this machine."""
+    if cluster.type == "bcm":
+        return SlurmBackend(cluster)
+    if cluster.type == "in_process":
+        return InProcessBackend(cluster, gpu)
+    if cluster.type == "auto":
+        return SlurmBackend(cluster) if slurm_reachable() else LocalBackend(cluster, gpu, fallback=True)
+    return LocalBackend(cluster, gpu)
+
+
+def resolve_kind(app: AppConfig, jobs: Iterable[tuple[int, int]]) -> str:
+    """The kind of backend (`slurm`, `local`, `in_process`) that runs jobs of (nodes, processes per
+    node), once its preflight has passed (ConfigError says what to pass otherwise)."""
+    backend = backend_for(app.cluster, app.gpu)
+    backend.preflight([JobShape(f"a job of {n} node(s) x {p}", n, p) for n, p in jobs])
+    return backend.kind
