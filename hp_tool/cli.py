@@ -11,7 +11,7 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import hydra
 from hydra import compose as hydra_compose
@@ -28,6 +28,9 @@ from hp_tool.plan_output import render_plan, write_plan
 from hp_tool.planner import Plan, make_plan
 from hp_tool.launch.lock import ResultsLock
 from hp_tool.wandb_key import check_key_file
+
+if TYPE_CHECKING:  # the launch stack is imported only when a search launches (see _launch_backend)
+    from hp_tool.launch.backends.base import Backend
 
 log = logging.getLogger("hp_tool")
 
@@ -68,16 +71,16 @@ def _tracer(app: AppConfig, out: Path) -> Optional[Tracer]:
     return Tracer.load(trace_device(app.gpu.name), out / "candidate_configs")
 
 
-def _launch_kind(app: AppConfig, plan: Plan) -> Optional[str]:
-    """The executor the plan's trials would run on (None: no training trial launches); on SLURM, the
+def _launch_backend(app: AppConfig, plan: Plan) -> Optional["Backend"]:
+    """The backend the plan's trials would run on (None: no training trial launches); on SLURM, the
     partition and account are checked to hold each trial before any file is written."""
     if app.dry_run or not app.run_training_hp_search:
         return None
     # Imported here, as the searches below are: a dry run never loads the launch and results stack
     # (submitit, pandas, matplotlib), which would more than double its start-up time.
-    from hp_tool.search import training_kind
+    from hp_tool.search import training_backend
 
-    return training_kind(app, plan)
+    return training_backend(app, plan)
 
 
 def run(app: AppConfig, search_name: str, out: Optional[Path] = None, plans: Optional[list] = None) -> int:
@@ -87,18 +90,19 @@ def run(app: AppConfig, search_name: str, out: Optional[Path] = None, plans: Opt
     out = out or results_dir(app, search_name)
     check_key_file(app.wandb)
     plan = make_plan(app, search_name, out)
-    kind = _launch_kind(app, plan)  # a SLURM target that can never run the trials fails here, in seconds
+    backend = _launch_backend(app, plan)  # a SLURM target that can never run the trials fails here, in seconds
     tracer = _tracer(app, out)
     if tracer is not None:  # then the minutes of tracing, and the check again on what the trace selected
         plan = make_plan(app, search_name, out, tracer)
-        kind = _launch_kind(app, plan)
+        backend = _launch_backend(app, plan)
     if plans is not None:
         plans.append(plan)
     with ResultsLock(out).acquire(app.wait_for_lock):
-        return _write_and_search(app, plan, search_name, out, kind)
+        return _write_and_search(app, plan, search_name, out, backend)
 
 
-def _write_and_search(app: AppConfig, plan: Plan, search_name: str, out: Path, kind: Optional[str]) -> int:
+def _write_and_search(app: AppConfig, plan: Plan, search_name: str, out: Path,
+                      backend: Optional["Backend"]) -> int:
     """Under the results folder's lock: write the plan, then search (unless dry_run)."""
     handler = _log_to_file(out)
     try:
@@ -109,9 +113,9 @@ def _write_and_search(app: AppConfig, plan: Plan, search_name: str, out: Path, k
             return 0
         code = 0
         if app.run_training_hp_search:
-            from hp_tool.search import run_training_search  # not on the dry-run path (see _launch_kind)
+            from hp_tool.search import run_training_search  # not on the dry-run path (see _launch_backend)
 
-            code = run_training_search(app, plan, kind)
+            code = run_training_search(app, plan, backend)
         if app.run_inference_hp_search:
             from hp_tool.inference.search import run_inference_search  # not on the dry-run path either
 

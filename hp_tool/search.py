@@ -39,7 +39,7 @@ def plan_jobs(plan: Plan) -> list[JobSpec]:
     return [trial_job_spec(s, cand_dir / f"{s.trial_id}.yaml") for s in plan.specs]
 
 
-def training_kind(app: AppConfig, plan: Plan) -> Backend:
+def training_backend(app: AppConfig, plan: Plan) -> Backend:
     """The backend the plan's trials run on, its preflight passed (on SLURM the partition and account are
     checked to hold each trial), before any file is written."""
     return prepare_backend(app, plan_jobs(plan))
@@ -53,7 +53,7 @@ def _trial_logger(app: AppConfig, specs: dict[str, TrialSpec]) -> Optional[Hook]
 
 
 def run_training_search(app: AppConfig, plan: Plan, backend: Backend) -> int:
-    """Launch (or resume) the plan's trials on ``backend`` (from training_kind), wait for all, then write
+    """Launch (or resume) the plan's trials on ``backend`` (from training_backend), wait for all, then write
     the final results.
     Returns the exit code: 0 when at least one trial succeeded."""
     tracking.check_wandb(app.wandb)

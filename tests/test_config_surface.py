@@ -14,7 +14,9 @@ import pytest
 from hp_tool.cli import CONF_DIR, available, available_search_configs, compose
 from hp_tool.config import MOVED_KEYS, to_app_config
 from hp_tool.errors import ConfigError
-from hp_tool.launch.executors import cpus_per_task, local_problem, resolve_kind
+from hp_tool.launch.backends import resolve_kind
+from hp_tool.launch.backends.local import local_problem
+from hp_tool.launch.backends.slurm import cpus_per_task
 from hp_tool.launch.slurm import partition_cpus_per_node
 from hp_tool.planner import make_plan
 
