@@ -1,5 +1,6 @@
-"""Test tiers: tests that start processes carry the ``e2e`` marker, so ``-m "not e2e and not slurm"`` runs
-in the test process alone. With HP_TOOL_CHECK_TIERS=1 an unmarked test that starts a process fails,
+"""Test tiers: tests that run something end to end (start processes, train or trace a model, plan every
+shipped config) carry the ``e2e`` marker, so ``-m "not e2e and not slurm"`` is the fast tier: it runs in the
+test process alone. With HP_TOOL_CHECK_TIERS=1 an unmarked test that starts a process fails,
 naming what it started (the process is not started)."""
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ def case(tokens: int = 96, hidden: int = 24, vocab: int = 300, ignored: int = 7)
     return h, w, labels
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("chunk", [1, 7, 32, 96, 1000])
 def test_chunked_loss_and_gradients_equal_the_full_loss(chunk):
     h, w, labels = case()
@@ -33,6 +34,7 @@ def test_chunked_loss_and_gradients_equal_the_full_loss(chunk):
     torch.testing.assert_close(chunked_w.double(), full_w, rtol=1e-5, atol=1e-12)
 
 
+@pytest.mark.e2e
 def test_ignored_tokens_count_nowhere():
     h, w, labels = case(ignored=0)
     masked = labels.clone()
@@ -44,6 +46,7 @@ def test_ignored_tokens_count_nowhere():
     assert float(chunked_linear_cross_entropy(h, w, masked, 16)) == pytest.approx(float(kept), rel=1e-9)
 
 
+@pytest.mark.e2e
 def test_only_one_chunk_of_logits_is_ever_held():
     """Peak tensor memory: the whole-logits loss holds every token's fp32 logits (and their softmax), the
     chunked one a chunk's; with 512 tokens over a 4096-word vocabulary in chunks of 64, about 8x less."""
@@ -93,6 +96,7 @@ def test_trials_with_the_chunked_loss_train_as_the_full_loss(tmp_path, layout):
     assert losses(tmp_path / "chunked", "chunked", **layout) == pytest.approx(reference, rel=1e-5)
 
 
+@pytest.mark.e2e
 def test_the_chunked_loss_applies_the_head_itself():
     """With loss chunked the last stage returns hidden states (no whole logits) and the loss applies its head."""
     import dataclasses

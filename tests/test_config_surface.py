@@ -83,10 +83,15 @@ def test_faster_gpu_predicts_faster_steps_and_sizing_scales_with_peak(tmp_path):
     assert h100.model.size_b > 3 * a100.model.size_b
 
 
-@pytest.mark.parametrize("name", available_search_configs())
-def test_every_search_config_plans_on_its_default_gpu(tmp_path, name):
+@pytest.mark.e2e
+@pytest.mark.parametrize("name, cluster", [(n, ("local", "auto", "bcm")[i % 3])
+                                           for i, n in enumerate(available_search_configs())])
+def test_every_search_config_composes_and_plans_on_its_default_gpu(tmp_path, name, cluster):
+    """Each shipped search config composes, validates and plans, on one of the cluster presets in turn
+    (the cluster group is independent of the search config)."""
     custom = ["search_config.model.hf_config=llama2_7b"] if name == "finetune/custom" else []  # the user's model
-    app, search = load(f"search_config={name}", "cluster=bcm", "cluster.partition=batch", *custom)
+    app, search = load(f"search_config={name}", f"cluster={cluster}", "cluster.partition=batch", *custom)
+    assert app.search_config.model_family == name.split("/")[0] and app.cluster.type == cluster
     plan = make_plan(app, search, tmp_path)
     assert plan.specs and plan.base.resources.gpu == app.gpu.name
     own = {"finetune/llama2_7b_a10g": "a10g_g5_4xlarge", "llama/llama3_8b_128k": "h100_80gb"}  # presets made for one GPU type select it

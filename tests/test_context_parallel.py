@@ -112,6 +112,7 @@ def test_the_cp_mesh_flattens_dp_and_cp_and_leaves_other_meshes_alone():
         dist.destroy_process_group()
 
 
+@pytest.mark.e2e
 def test_a_cp2_rank_traces_below_a_whole_sequence_rank():
     """At the same sequence length and with the weights replicated (DDP), a CP2 rank's traced peak is positive
     and lower than one rank's holding the whole sequence: half the activations and logits."""

@@ -40,6 +40,7 @@ def single(tmp_path_factory) -> dict:
     return load(path)
 
 
+@pytest.mark.e2e
 def test_single_process_result(single):
     assert list(single) == list(RESULT_FIELDS)
     assert single["status"] == "ok" and single["reason"] is None
@@ -49,6 +50,7 @@ def test_single_process_result(single):
     assert single["world_size"] == 1 and single["device"] == "cpu"
 
 
+@pytest.mark.e2e
 @torch.no_grad()
 def test_kv_cache_matches_full_recomputation(tmp_path):
     from hp_tool.inference.grid import load_job_config

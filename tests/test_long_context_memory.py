@@ -33,6 +33,7 @@ def long_spec(**layout):
     return dataclasses.replace(spec, model=model)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("device, layout, tolerance", CASES,
                          ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}{x}" for k, x in v.items()) or "one"
                          if isinstance(v, dict) else "")
@@ -43,6 +44,7 @@ def test_the_memory_model_matches_the_trace_for_each_saver(device, layout, toler
     assert predicted == pytest.approx(traced, rel=tolerance)
 
 
+@pytest.mark.e2e
 def test_each_saver_lowers_the_traced_peak_by_what_the_model_says():
     """At 4096 tokens on CPU: the chunked loss, CP2 (against DP2, the same states) and SP (against TP2) each
     lower the traced peak, and the model's saving is within 10% of the traced one."""

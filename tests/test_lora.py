@@ -35,6 +35,7 @@ def peft_count(config: dict, rank: int, targets) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name, rank, targets", [("llama2_7b", 8, ("q_proj", "v_proj")), ("tiny", 4, ALL),
                                                  ("qwen2_5_7b", 16, ALL), ("mistral_7b", 64, ("o_proj", "down_proj"))])
 def test_adapter_counts_equal_pefts(name, rank, targets):
@@ -76,6 +77,7 @@ def test_per_gpu_memory_orders_full_over_lora_over_qlora(tmp_path):
     assert by_method["qlora"]["lora_rank"] == 16 and by_method["full"]["lora_rank"] is None
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("layout", [{}, {"dp": 2, "zero_stage": 0}, {"dp": 2, "zero_stage": 1}, {"dp": 2, "zero_stage": 3}],
                          ids=["one", "ddp", "zero1", "fsdp2"])
 def test_lora_memory_model_matches_the_trace(layout):

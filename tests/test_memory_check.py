@@ -32,6 +32,7 @@ def deeper(spec, num_layers: int, act_ckpt: int = 0):
                                parallel=dataclasses.replace(spec.parallel, act_ckpt_layers=act_ckpt))
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("family, layers, layout", [
     ("gpt3", 4, {"act_ckpt": 2}),  # some layers checkpointed: three traces
     ("llama", 4, {"tp": 2, "dp": 2}),  # TP and FSDP2
@@ -62,6 +63,7 @@ TERM_LAYOUTS = [("cpu", {}), ("cpu", {"dp": 2, "zero_stage": 0}), ("cpu", {"dp":
                 ("cuda", {"dp": 2, "zero_stage": 2}), ("cuda", {"dp": 2, "zero_stage": 3, "act_ckpt_layers": 4})]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("family", ["gpt3", "llama", "t5"])
 @pytest.mark.parametrize("device, layout", TERM_LAYOUTS,
                          ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}{x}" for k, x in v.items()) or "one")
@@ -78,6 +80,7 @@ def test_analytic_terms_per_layer_match_the_trace(family, device, layout):
     assert terms.kept == pytest.approx(terms.analytic_kept, rel=0.05, abs=16 * tokens)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("zero_stage", [0, 3])
 def test_analytic_stage_over_fsdp2_and_pp_matches_the_trace(device, zero_stage):

@@ -80,6 +80,7 @@ def test_interleaved_trace_covers_the_real_peak(tmp_path, family, layout):
     assert measured * 0.99 <= traced <= measured * 1.10
 
 
+@pytest.mark.e2e
 def test_sharding_and_checkpointing_lower_the_traced_peak():
     whole = trace_stage(tiny_spec("llama")).peak_bytes
     sharded = trace_stage(tiny_spec("llama", dp=2, zero_stage=3)).peak_bytes
@@ -87,6 +88,7 @@ def test_sharding_and_checkpointing_lower_the_traced_peak():
     assert recomputed < sharded < whole
 
 
+@pytest.mark.e2e
 def test_a_175b_stage_traces_in_seconds_without_allocating_it():
     """One 175B layer with its 51200 x 12288 embedding on an 8-way FSDP2 group: gigabytes per rank, traced
     without memory (fake tensors) on this 2-core machine."""

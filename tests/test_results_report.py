@@ -2,13 +2,11 @@
 the printed summary, a re-run, a search where nothing succeeded, and a real tiny search's report.md."""
 
 import csv
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from search_helpers import search_here
 from test_results_helpers import planned, selected_ids, write_failed, write_metrics, write_ok
 
 from hp_tool.inference.report import summary_frame
@@ -108,6 +106,7 @@ def test_optimal_config_is_the_full_run_of_the_fastest_trial(tmp_path):
     assert "# Cost: $0.325 at $2 per GPU-hour ($0.326 per million tokens" in text  # 4 $/h x 976 x 0.3 s
 
 
+@pytest.mark.e2e
 def test_optimal_config_trains_with_the_engine(tmp_path):
     train = pytest.importorskip("hp_tool.trial.train", reason="the trial engine (hp_tool.trial.train) "
                                                               "cannot be imported")
@@ -189,7 +188,6 @@ def test_memory_plot_compares_the_tensor_peak_never_the_cpu_rss_with_a_predictio
     assert memory_comparison(cpu) is PEAK_MEMORY
 
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 def linked_files(page: str) -> list[str]:
@@ -250,13 +248,11 @@ def test_inference_report_picks_the_fastest_config_within_the_latency_bound(tmp_
 
 @pytest.mark.e2e
 def test_a_real_tiny_search_writes_report_md_linking_only_files_it_wrote(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run(
-        [sys.executable, "main.py", "search_config=gpt3/tiny", "gpu=cpu", "cluster=local",
-         f"base_results_dir={tmp_path}", "search_config.train_settings.limit_search_runs=2"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    final = tmp_path / "gpt3" / "tiny" / "final_results"
+    """A whole search (one-process trials on the in-process backend) writes report.md; every file it links
+    exists and the memory rows compare like with like."""
+    code, out = search_here(tmp_path, "search_config.train_settings.limit_search_runs=2")
+    assert code == 0
+    final = out / "final_results"
     page = (final / "report.md").read_text()
     assert re.search(r"\*\*Pick: gpt3_241k_\w+\*\* — TP=", page)
     images = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", page)

@@ -76,6 +76,7 @@ def test_the_policy_keeps_odd_matmuls_and_the_attention_and_counts_the_recompute
 
 # ---- training ----
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("family, lower", [("gpt3", True), ("llama", True), ("moe", False), ("qwen2_moe", False)])
 def test_selective_checkpointing_trains_as_no_checkpointing_does(tmp_path, family, lower):
     """One process: the first losses and gradient norms equal those without checkpointing; the measured tensor
@@ -105,6 +106,7 @@ def test_selective_checkpointing_on_two_ranks_trains_as_without_checkpointing(tm
 
 # ---- memory: the trace and the model ----
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("family", ["gpt3", "llama", "moe"])
 def test_the_traced_peak_of_selective_lies_between_none_and_full(family):
     spec = tiny_spec(family)
@@ -113,6 +115,7 @@ def test_the_traced_peak_of_selective_lies_between_none_and_full(family):
     assert none > selective > full
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("family, device, layout", [
     ("gpt3", "cpu", {}), ("gpt3", "cuda", {"dp": 2, "zero_stage": 3}), ("llama", "cpu", {"tp": 2}),
     ("llama", "cpu", {"tp": 2, "sequence_parallel": True}), ("llama", "cuda", {"dp": 2, "zero_stage": 0}),
@@ -137,6 +140,7 @@ def long_llama(mode: str, layers: int, **layout) -> TrialSpec:
     return checkpointed(dataclasses.replace(spec, model=model), mode, layers)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("device, layout", [("cpu", {}), ("cuda", {"dp": 2, "zero_stage": 3}),
                                             ("cpu", {"tp": 2, "sequence_parallel": True})],
                          ids=["cpu", "cuda-fsdp2", "cpu-tp2-sp"])

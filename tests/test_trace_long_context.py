@@ -35,6 +35,7 @@ def test_traced_peak_matches_the_real_runs_peak_per_rank(tmp_path, savers):
     assert trace_stage(spec).peak_gib == pytest.approx(measured, rel=REL_TOL)
 
 
+@pytest.mark.e2e
 def test_the_chunked_loss_saves_the_logits_the_full_loss_holds():
     """Traced on CPU (fp32), the chunked loss's peak is below the full loss's by what the analytic model
     says the full loss holds beyond the chunked one (``logits_bytes``: the logits, their log-softmax and
@@ -60,6 +61,7 @@ def _kept(spec) -> float:
     return states_and_kept_bytes(spec, 0, "cuda")[1]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("layout", [
     dict(),
     dict(loss="chunked", loss_chunk_tokens=CHUNK),
@@ -82,12 +84,14 @@ def test_offloaded_activations_leave_the_gpu(layout):
     assert dataclasses.replace(off_gpu, train_bytes=0) == dataclasses.replace(on_gpu, train_bytes=0)
 
 
+@pytest.mark.e2e
 def test_a_cpu_rank_keeps_its_saved_activations():
     """On a CPU rank the host is the device: offload changes no traced byte (and the real CPU run's peak is
     the trace's, above)."""
     assert trace_stage(long_context_spec(activation_offload=True)) == trace_stage(long_context_spec())
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("savers", [
     dict(loss="chunked", loss_chunk_tokens=CHUNK),
     dict(tp=2, sequence_parallel=True),

@@ -24,6 +24,7 @@ def run(tmp_path, spec):
     return result, out
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("family", ["gpt3", "llama"])
 def test_result_and_metrics_follow_the_contract(tmp_path, family):
     spec = tiny_spec(family, max_steps=4, warmup_steps=2)
@@ -53,12 +54,14 @@ def test_result_and_metrics_follow_the_contract(tmp_path, family):
     assert "None" not in (out / "result.json").read_text()
 
 
+@pytest.mark.e2e
 def test_activation_checkpointing_keeps_the_losses(tmp_path):
     plain, _ = run(tmp_path / "plain", tiny_spec("llama", max_steps=3))
     ckpt, _ = run(tmp_path / "ckpt", tiny_spec("llama", max_steps=3, act_ckpt=4))
     assert ckpt["first_losses"] == pytest.approx(plain["first_losses"], rel=1e-4)
 
 
+@pytest.mark.e2e
 def test_time_budget_stops_the_run(tmp_path):
     spec = tiny_spec("gpt3", max_steps=100_000, max_minutes=0.2)  # 12 s job, 10.8 s for training
     started = time.perf_counter()
