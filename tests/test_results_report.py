@@ -3,7 +3,6 @@ the printed summary, a re-run, a search where nothing succeeded, and a real tiny
 
 import csv
 import re
-from pathlib import Path
 
 import pytest
 from search_helpers import search_here
@@ -186,8 +185,6 @@ def test_memory_plot_compares_the_tensor_peak_never_the_cpu_rss_with_a_predictio
     assert memory_comparison(cpu) is None
     cpu["device"] = cpu["device"].map(lambda d: None if d is None else "cuda")  # on GPUs: allocated peak
     assert memory_comparison(cpu) is PEAK_MEMORY
-
-
 
 
 def linked_files(page: str) -> list[str]:
