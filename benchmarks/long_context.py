@@ -68,7 +68,7 @@ def fitting_table(gpus: int) -> None:
 # (label, GPUs, the base's overrides, the saver's overrides): each saver added alone to its base
 BASE = (f"{TS}.engines=[torch]", f"{TS}.zero_stages=[3]", f"{TS}.offload=[none]", f"{TS}.pipeline_parallel_sizes=[1]",
         f"{TS}.micro_batch_sizes=[1]", f"{TS}.global_batch_tokens={2 * SEQ}", "gpu.memory_gib=2000",
-        f"{TS}.activation_offload=[false]")
+        f"{TS}.activation_offload=[false]", f"{TS}.act_ckpt_modes=[full]")
 ONE = (f"{TS}.tensor_parallel_sizes=[1]", f"{TS}.context_parallel_sizes=[1]", f"{TS}.sequence_parallel=[false]")
 CASES = [
     ("chunked loss", 1, (*ONE, f"{TS}.losses=[full]", f"{TS}.act_ckpt_layers=[0]"), (f"{TS}.losses=[chunked]",)),
@@ -91,7 +91,7 @@ def one(gpus: int, overrides: tuple, traced: bool):
 
 
 def savings_table(traced: bool) -> None:
-    print("Memory each saver removes at 32K (one layout; torch, ZeRO-3, MBS 1; GB per GPU)")
+    print("Memory each saver removes at 32K (one layout; torch, ZeRO-3, MBS 1; GiB per GPU)")
     print(f"{'saver':<30} {'layout':<44} {'states':>7} {'activ.':>7} {'logits':>7} {'predicted':>9} "
           f"{'traced':>7}")
     for label, gpus, base, saver in CASES:

@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hp_tool.estimate.layout import Hardware
+from hp_tool.estimate.layout import GIB, Hardware
 from hp_tool.estimate.memory import estimate_memory
 from hp_tool.trial.trace.extrapolate import traced_peak_bytes
 from hp_tool.contracts.spec import (ModelSpec, ParallelSpec, ResourcesSpec, RunSpec, TrainingSpec, TrialSpec,
@@ -101,12 +101,12 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=None, help="trace processes for the 175B grid (default: all cores)")
     args = parser.parse_args()
     layouts = {"all": LAYOUTS, "quick": LAYOUTS[:3], "none": []}[args.layouts]
-    print(f"{'model':6} {'layout':18} {'measured GB':>12} {'traced GiB':>10} {'ratio':>6} {'analytic GB':>12} {'ratio':>6}")
+    print(f"{'model':6} {'layout':18} {'measured GiB':>12} {'traced GiB':>10} {'ratio':>6} {'analytic GiB':>12} {'ratio':>6}")
     for family in ("gpt3", "llama"):
         for layout in layouts:
             spec = spec_for(family, layout)
             measured = measure(spec)
-            traced = traced_peak_bytes(spec) / 1e9
+            traced = traced_peak_bytes(spec) / GIB
             estimate = analytic(spec)
             name = "-".join(f"{k}{v}" for k, v in layout.items()) or "single"
             print(f"{family:6} {name:18} {measured:12.5f} {traced:10.5f} {traced / measured:6.3f} {estimate:12.5f} "
