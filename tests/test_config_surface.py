@@ -14,11 +14,12 @@ import pytest
 from hp_tool.cli import CONF_DIR, available, available_search_configs, compose
 from hp_tool.config import MOVED_KEYS, to_app_config
 from hp_tool.errors import ConfigError
-from hp_tool.launch.backends import resolve_kind
+from hp_tool.launch.backends.base import JobShape
 from hp_tool.launch.backends.local import local_problem
 from hp_tool.launch.backends.slurm import cpus_per_task
 from hp_tool.launch.slurm import partition_cpus_per_node
 from hp_tool.planner import make_plan
+from hp_tool.session import prepare_backend
 
 REPO = Path(__file__).resolve().parent.parent
 GPUS = ("a100_40gb", "a100_80gb", "h100_80gb", "h100_96gb_hbm2e", "h200", "a10g", "a10g_g5_4xlarge", "l4", "v100_16gb", "v100_32gb",
@@ -37,6 +38,11 @@ def main(tmp_path, *args, env=None):
 def load(*overrides):
     cfg, name = compose(list(overrides))
     return to_app_config(cfg), name
+
+
+def resolve_kind(app, jobs):
+    """The kind of backend that runs jobs of (nodes, processes per node), its preflight passed."""
+    return prepare_backend(app, [JobShape(f"a job of {n} node(s) x {p}", n, p) for n, p in jobs]).kind
 
 
 def fake_command(folder: Path, name: str, output: str) -> None:

@@ -8,15 +8,13 @@ one place that reads the cluster type; everything after it asks the backend.
 
 from __future__ import annotations
 
-from typing import Iterable
-
-from hp_tool.config import AppConfig, ClusterConfig, GpuConfig
-from hp_tool.launch.backends.base import Backend, JobShape
+from hp_tool.config import ClusterConfig, GpuConfig
+from hp_tool.launch.backends.base import Backend
 from hp_tool.launch.backends.in_process import InProcessBackend
 from hp_tool.launch.backends.local import LocalBackend
 from hp_tool.launch.backends.slurm import SlurmBackend, slurm_reachable
 
-__all__ = ["Backend", "backend_for", "resolve_kind"]
+__all__ = ["Backend", "backend_for"]
 
 
 def backend_for(cluster: ClusterConfig, gpu: GpuConfig) -> Backend:
@@ -29,10 +27,3 @@ def backend_for(cluster: ClusterConfig, gpu: GpuConfig) -> Backend:
         return SlurmBackend(cluster) if slurm_reachable() else LocalBackend(cluster, gpu, fallback=True)
     return LocalBackend(cluster, gpu)
 
-
-def resolve_kind(app: AppConfig, jobs: Iterable[tuple[int, int]]) -> str:
-    """The kind of backend (`slurm`, `local`, `in_process`) that runs jobs of (nodes, processes per
-    node), once its preflight has passed (ConfigError says what to pass otherwise)."""
-    backend = backend_for(app.cluster, app.gpu)
-    backend.preflight([JobShape(f"a job of {n} node(s) x {p}", n, p) for n, p in jobs])
-    return backend.kind
