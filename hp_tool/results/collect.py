@@ -246,9 +246,14 @@ def to_frame(rows: list[dict]) -> pd.DataFrame:
     for name in BOOL_COLUMNS:
         df[name] = df[name].astype("boolean")
     measured = df["peak_memory_gib"]
-    df["memory_error_pct"] = 100 * (measured - df["predicted_memory_gib"]) / df["predicted_memory_gib"]
-    df["traced_memory_error_pct"] = 100 * (measured - df["traced_memory_gib"]) / df["traced_memory_gib"]
+    df["memory_error_pct"] = error_pct(measured, df["predicted_memory_gib"])
+    df["traced_memory_error_pct"] = error_pct(measured, df["traced_memory_gib"])
     return df
+
+
+def error_pct(measured: pd.Series, predicted: pd.Series) -> pd.Series:
+    """How far ``measured`` lies above the prediction, in % of the prediction (every *_error_pct column)."""
+    return 100 * (measured - predicted) / predicted
 
 
 def tensor_memory(df: pd.DataFrame, overhead_gib: Optional[float]) -> pd.DataFrame:
@@ -259,10 +264,8 @@ def tensor_memory(df: pd.DataFrame, overhead_gib: Optional[float]) -> pd.DataFra
         return df
     df["predicted_tensor_memory_gib"] = df["predicted_memory_gib"] - overhead_gib
     df["traced_tensor_memory_gib"] = df["traced_memory_gib"] - overhead_gib
-    measured = df["peak_tensor_memory_gib"]
-    for column, error in (("predicted_tensor_memory_gib", "tensor_memory_error_pct"),
-                          ("traced_tensor_memory_gib", "traced_tensor_memory_error_pct")):
-        df[error] = 100 * (measured - df[column]) / df[column]
+    df["tensor_memory_error_pct"] = error_pct(df["peak_tensor_memory_gib"], df["predicted_tensor_memory_gib"])
+    df["traced_tensor_memory_error_pct"] = error_pct(df["peak_tensor_memory_gib"], df["traced_tensor_memory_gib"])
     return df
 
 
@@ -280,8 +283,7 @@ def calibrate(df: pd.DataFrame) -> pd.DataFrame:
     measured = df[(df["status"] == OK) & df["peak_memory_gib"].notna() & df["predicted_memory_gib"].notna()]
     offset = fit_memory_offset(list(measured["predicted_memory_gib"]), list(measured["peak_memory_gib"]))
     df["calibrated_memory_gib"] = df["predicted_memory_gib"] + (offset or 0.0)
-    df["calibrated_memory_error_pct"] = 100 * (df["peak_memory_gib"] - df["calibrated_memory_gib"]) / df[
-        "calibrated_memory_gib"]
+    df["calibrated_memory_error_pct"] = error_pct(df["peak_memory_gib"], df["calibrated_memory_gib"])
     df.attrs[CALIBRATION] = None
     if factors.points:
         residuals = ", ".join(f"TP{tp} PP{pp} x{r:.3g}" for (tp, pp), r in sorted(factors.residuals.items()))
