@@ -87,7 +87,7 @@ class ModelChoice:
         if method == "full":
             return replace(self.shape, seq_length=seq)
         return replace(self.shape, seq_length=seq, method=method, lora_rank=self.lora.rank,
-                       lora_targets=lora_targets(self.shape, self.lora))
+                       lora_targets=lora_targets(self.shape, self.lora), lora_dropout=self.lora.dropout)
 
     @property
     def parameters_text(self) -> str:
@@ -279,7 +279,7 @@ def model_spec(s: Shape, num_parameters: int, hf: Optional[HFModel] = None,
                lora: Optional[LoraSettings] = None) -> ModelSpec:
     """The TrialSpec model section of a shape (with the Hugging Face config it comes from and the method's
     adapters, if any)."""
-    adapters = None if s.method == "full" else LoraSpec(s.lora_rank, lora.alpha, lora.dropout, list(s.lora_targets))
+    adapters = None if s.method == "full" else LoraSpec(s.lora_rank, lora.alpha, s.lora_dropout, list(s.lora_targets))
     return ModelSpec(s.family, s.num_layers, s.hidden_size, s.num_attention_heads, s.num_kv_heads,
                      s.ffn_hidden_size, s.vocab_size, s.seq_length, init_method_std=init_std(s),
                      num_parameters=num_parameters, kv_channels=s.kv_channels,

@@ -24,6 +24,7 @@ from hp_tool.families import family, family_names
 from hp_tool.errors import ConfigError, require
 from hp_tool.estimate.layout import EFFICIENCY_FIELDS
 from hp_tool.sharding import checkpoint_mode_problem
+from hp_tool.vocab import trial_device  # noqa: F401 - re-exported: the planner's callers ask it here
 from hp_tool.vocab import ACT_CKPT_MODES, CLUSTER_TYPES, ENGINES, FINETUNE, LOSSES, MEMORY_CHECKS, METHODS, OPTIMIZERS, OFFLOADS, PRECISIONS, STRATEGIES, ZERO_STAGES
 
 DEFAULT_SKIP_MARGIN = 0.25  # train_settings.skip_margin; chosen by benchmarks/search_cost.py
@@ -184,7 +185,7 @@ class LoraSettings:
 
     rank: int = 16  # r: the adapters' inner width
     alpha: float = 32.0  # the update is scaled by alpha / r
-    dropout: float = 0.05  # dropout on the adapters' input
+    dropout: float = 0.05  # dropout on the adapters' input (above 0 each adapter keeps its own copy of it and a mask)
     target_modules: Optional[List[str]] = None  # a layer's linear modules to adapt; null = every one
 
     def __post_init__(self) -> None:
@@ -497,12 +498,6 @@ class AppConfig:
         require(not asked or self.gpu.host_ram_gib is not None, "gpu.host_ram_gib", self.gpu.host_ram_gib,
                 f"offload {asked} needs the host RAM per node to plan, and the gpu preset gives none",
                 "set gpu.host_ram_gib=<GiB per node>, or search offload=[none]")
-
-
-def trial_device(gpu_name: str) -> str:
-    """What the trials run on: the ``cpu`` gpu preset's processes compute in fp32 on CPU (the host is their
-    device); every other preset is a GPU."""
-    return "cpu" if gpu_name == "cpu" else "cuda"
 
 
 def searched_methods(app: AppConfig) -> tuple[str, ...]:

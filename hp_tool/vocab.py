@@ -50,3 +50,9 @@ SEARCH_ID_FILE = "search_id"
 LOCK_FILE = ".hp_tool.lock"
 TRACE_CACHE_FILE = "memory_traces.json"  # in candidate_configs/
 COMPARISON_FILE = "comparison.csv"
+
+
+def trial_device(gpu_name: str) -> str:
+    """What the trials run on: the ``cpu`` gpu preset's processes compute in fp32 on CPU (the host is their
+    device); every other preset is a GPU."""
+    return "cpu" if gpu_name == "cpu" else "cuda"

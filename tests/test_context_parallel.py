@@ -95,9 +95,9 @@ def test_the_cp_mesh_flattens_dp_and_cp_and_leaves_other_meshes_alone():
     import torch.distributed as dist
 
     from hp_tool.trial.dist import DistEnv, build_mesh, weight_dp_dim
-    from hp_tool.trial.trace.replay import _fake_group
+    from hp_tool.trial.dist import fake_group
 
-    _fake_group(8)
+    fake_group(8)
     try:
         cpu = torch.device("cpu")
         spec = tiny_spec("llama", dp=2, tp=2, cp=2).parallel

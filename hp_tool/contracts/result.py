@@ -94,12 +94,17 @@ def is_oom(exc: BaseException) -> bool:
                                    "std::bad_alloc"))
 
 
-def describe_failure(exc: BaseException, rank: int) -> dict:
-    """status (oom/failed) and a reason naming the rank, the exception type and its traceback tail."""
+def describe_failure(exc: BaseException, rank: int, where: Optional[str] = None) -> dict:
+    """status (oom/failed) and a reason naming the rank, where it was (``where``: the phase log's "in first
+    forward after 12 s; imports 8 s, ..."), the exception type and its traceback tail."""
     tail = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     tail = tail[-TRACEBACK_TAIL_CHARS:]
     status = "oom" if is_oom(exc) else "failed"
-    return {"status": status, "reason": f"rank {rank}: {type(exc).__name__}: {exc}\n{tail}"}
+    at = ""
+    if where:
+        head, _, spent = where.partition("; ")
+        at = f" {head}" + (f" ({spent})" if spent else "")
+    return {"status": status, "reason": f"rank {rank}{at}: {type(exc).__name__}: {exc}\n{tail}"}
 
 
 def blank_result(fields: tuple[str, ...], **values: Any) -> dict:
@@ -162,11 +167,13 @@ def earliest_rank_failure(output_dir: Path) -> Optional[dict]:
 FAILURE_GRACE_S = 1.0  # rank 0 waits this long for other ranks' failure notes before writing
 
 
-def record_failure(exc: BaseException, output_dir: Path, rank: int, world_size: int, label: str) -> dict:
-    """Log and note this rank's failure; return the root failure (the earliest of any rank).
+def record_failure(exc: BaseException, output_dir: Path, rank: int, world_size: int, label: str,
+                   where: Optional[str] = None) -> dict:
+    """Log and note this rank's failure (``where``: the phase it was in, see ``describe_failure``); return the
+    root failure (the earliest of any rank).
 
     Rank 0 of a multi-process run first waits FAILURE_GRACE_S for the other ranks' notes."""
-    failure = describe_failure(exc, rank)
+    failure = describe_failure(exc, rank, where)
     logging.getLogger(__name__).error("%s failed on rank %d: %s", label, rank, failure["reason"])
     write_rank_failure(output_dir, rank, failure, time.time())
     if world_size > 1 and rank == 0:

@@ -82,6 +82,7 @@ class ModelSpec:
                      pretrained=self.hf_config is not None, method=self.method,
                      lora_rank=adapters.rank if adapters else 0,
                      lora_targets=tuple(adapters.target_modules) if adapters else (),
+                     lora_dropout=adapters.dropout if adapters else Shape.lora_dropout,
                      num_experts=self.num_experts, top_k=self.top_k,
                      shared_expert_ffn=self.shared_expert_ffn_hidden_size)
 

@@ -6,11 +6,12 @@ each part divided over the data-parallel ranks from the ZeRO stage that shards i
 2020), and moved to host RAM when offloaded; plus the compute-dtype copy of the weights that forward makes
 and backward reads (``compute_copy_bytes``). Activations per layer: GPT from Korthikanti et al. 2022,
 "Reducing Activation Recomputation in Large Transformer Models", Table 2, without dropout masks (the trial
-engine runs without dropout); Llama (GQA, SwiGLU, RMSNorm, RoPE) and T5 derived tensor by tensor for the
-engine's modules. Each term is checked against the traced engine (tests/test_memory_check.py,
-benchmarks/memory_terms.py). A checkpointed layer keeps its input and, checkpointed selectively, the outputs
-the per-op policy keeps (``selective_kept_bytes``); one layer's recompute runs in backward, once the loss
-has freed its logits. Pipeline: 1F1B keeps up to PP micro-batches in flight on the first stage.
+engine's models run without dropout; LoRA's adapters' dropout: estimate/methods.py); Llama (GQA, SwiGLU,
+RMSNorm, RoPE) and T5 derived tensor by tensor for the engine's modules. Each term is checked against the
+traced engine (tests/test_memory_check.py, benchmarks/memory_terms.py). A checkpointed layer keeps its input
+and, checkpointed selectively, the outputs the per-op policy keeps (``selective_kept_bytes``); one layer's
+recompute runs in backward, once the loss has freed its logits. Pipeline: 1F1B keeps up to PP micro-batches
+in flight on the first stage.
 Logits (``logits_bytes``): the whole-logits loss holds the logits, their log-softmax and gradient (as traced);
 the chunked loss one chunk's logits and the gradients it computes in forward (hp_tool/trial/loss.py).
 
@@ -57,13 +58,21 @@ LOAD_COPY_BYTES = 6
 HOST_PROCESS_OVERHEAD_GIB = 3.0  # host RAM of one training process (torch, CUDA libraries, data); calibrate
 
 
-def layer_activation_bytes(shape: Shape, mbs: int, tp: int, sequence_parallel: bool, hw: Hardware,
-                           encoder: bool = False) -> float:
+def layer_activation_bytes(shape: Shape, layout: Layout, hw: Hardware, encoder: bool = False) -> float:
     """One layer's stored activations for the family (an encoder layer when ``encoder``), one micro-batch,
-    bytes."""
-    return (shape.facts.activation_bytes(shape, mbs, tp, sequence_parallel, hw.bytes_per_value,
-                                         hw.flash_attention, encoder)
-            + activation_delta_bytes(shape, mbs, tp, sequence_parallel, hw.bytes_per_value))
+    bytes; with an adapter method what it changes (``methods.activation_delta_bytes``: dropout's mask is a
+    byte an element on a GPU, a value of the input's dtype on a CPU)."""
+    mbs, tp, sp, bpv = layout.mbs, layout.tp, layout.sequence_parallel, hw.bytes_per_value
+    return (shape.facts.activation_bytes(shape, mbs, tp, sp, bpv, hw.flash_attention, encoder)
+            + activation_delta_bytes(shape, mbs, tp, sp, bpv, bpv if hw.device_is_host else 1,
+                                     autocast_casts_weights(layout, hw)))
+
+
+def autocast_casts_weights(layout: Layout, hw: Hardware) -> bool:
+    """Whether the weights stay fp32 and 16-bit autocast casts them for each forward: the torch engine's
+    parameters on one rank, where no data-parallel wrapper (FSDP2, replicate) holds them in the compute dtype."""
+    fsdp = layout.zero_stage >= 3 and (layout.zero_ranks > 1 or layout.offload == "optimizer_and_params")
+    return layout.engine == "torch" and layout.zero_ranks == 1 and not fsdp and hw.bytes_per_value < 4
 
 
 def model_state_bytes(params: float, dp: int, zero_stage: int = 3, offload: str = "none",
@@ -118,7 +127,7 @@ def compute_copy_bytes(params: float, gathered_layer: float, layout: Layout, hw:
         return 0.0
     if layout.zero_ranks > 1:
         return bpv * params
-    return bpv * params if bpv < 4 else 0.0
+    return bpv * params if autocast_casts_weights(layout, hw) else 0.0
 
 
 @functools.lru_cache(maxsize=4096)
@@ -214,7 +223,7 @@ def stage_activation_bytes(shape: Shape, layout: Layout, hw: Hardware, stage: in
     sp_div = tp if sp else 1
     n_enc, n_dec = stage_layer_counts(shape, layout.pp, stage)
     k_enc, k_dec = checkpointed_layer_counts(shape, layout.pp, stage, layout.act_ckpt_layers)
-    dec_full = layer_activation_bytes(shape, b, tp, sp, hw) + \
+    dec_full = layer_activation_bytes(shape, layout, hw) + \
         shape.facts.expert_parallel_activation_bytes(shape, b, layout.ep, bpv, tp) + ring_saved_bytes(shape, layout)
     dec_input = shape.target_length * b * h * bpv / sp_div
     # what the per-op policy keeps of a checkpointed layer, stored until its backward and part of its recompute
@@ -223,7 +232,7 @@ def stage_activation_bytes(shape: Shape, layout: Layout, hw: Hardware, stage: in
     stored = k_dec * (dec_input + policy_kept) + (n_dec - k_dec) * dec_full
     buffer = dec_full - policy_kept if k_dec else 0.0
     if n_enc:
-        enc_full = layer_activation_bytes(shape, b, tp, sp, hw, encoder=True)
+        enc_full = layer_activation_bytes(shape, layout, hw, encoder=True)
         stored += k_enc * shape.seq_length * b * h * bpv / sp_div + (n_enc - k_enc) * enc_full
         buffer = max(buffer, enc_full if k_enc else 0.0)
     if shape.encoder_decoder and n_dec:

@@ -10,7 +10,7 @@ import dataclasses
 from typing import Optional
 
 from hp_tool.families.decoder import decoder_layer_flops, decoder_parameters
-from hp_tool.families.registry import Family, Matmul
+from hp_tool.families.registry import Family, LinearInput, Matmul
 from hp_tool.families.shape import Shape, num_layers_for
 from hp_tool.tables import Table, lookup, span
 
@@ -146,6 +146,11 @@ def linear_shapes(s: Shape) -> dict[str, tuple[int, int]]:
             "down_proj": (s.ffn_hidden_size, s.hidden_size)}
 
 
+# what a layer's linears read: q, k and v the attention norm's output; o the attention's output (SDPA keeps it for
+# its backward); gate and up the MLP norm's output; down SiLU(gate) * up
+LINEAR_INPUTS = (LinearInput(("q_proj", "k_proj", "v_proj")), LinearInput(("o_proj",), held=True),
+                 LinearInput(("gate_proj", "up_proj")), LinearInput(("down_proj",)))
+
 ROWWISE = ("o_proj", "down_proj")  # Megatron's split (hp_tool/trial/families/llama.py LAYER_PLAN): the rest by columns
 
 
@@ -191,6 +196,7 @@ FAMILY = Family(
     sequence_parallel=True,
     context_parallel=True,
     linear_shapes=linear_shapes,
+    linear_inputs=LINEAR_INPUTS,
     layer_matmuls=layer_matmuls,
 )
 

@@ -167,6 +167,7 @@ FAMILY = dataclasses.replace(
     hf_qkv_bias=None,
     hf_unmodelled=(),
     linear_shapes=linear_shapes,
+    linear_inputs=llama.LINEAR_INPUTS[:2],  # the attention's (linear_shapes)
     moe=True,
     expert_parameters=expert_parameters,
     expert_parallel_activation_bytes=expert_parallel_activation_bytes,

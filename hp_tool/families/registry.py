@@ -34,6 +34,17 @@ class Matmul:
 
 
 @dataclass(frozen=True)
+class LinearInput:
+    """A tensor a layer's nn.Linear modules read: the modules reading it (Llama's q, k and v read the norm's
+    output), and whether the layer keeps it for backward whatever trains (``held``: the attention kernel's
+    output, which its own backward reads) rather than only for those modules' weight gradients. With the
+    base frozen, what an adapter method keeps of each (hp_tool/estimate/methods.py)."""
+
+    readers: tuple[str, ...]
+    held: bool = False
+
+
+@dataclass(frozen=True)
 class Family:
     """One model family's facts. Counts are per token or per sample as each field says; bytes are bytes."""
 
@@ -76,6 +87,9 @@ class Family:
     hf_unmodelled: tuple[str, ...] = ()  # config.json flags that, when true, describe layers hp_tool does not model
     # a layer's linear modules by name -> (in features, out features): what LoRA adapts; None: no adapters
     linear_shapes: Optional[Callable[["Shape"], dict[str, tuple[int, int]]]] = None
+    # the tensors those modules read, each once (what the activation formula keeps for their weights' gradients):
+    # what LoRA's frozen base frees and its dropout copies; () with no adapters
+    linear_inputs: tuple[LinearInput, ...] = ()
     # (shape, micro-batch, TP, sequence parallel, bytes per value) -> what the last stage keeps beyond its layers
     # (final norm, head input, shared position tables); None: not modelled for the family
     head_activation_bytes: Optional[Callable[["Shape", int, int, bool, int], float]] = None

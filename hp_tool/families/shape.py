@@ -34,6 +34,9 @@ class Shape:
     method: str = "full"  # what trains: full | lora | qlora (frozen base, low-rank adapters: estimate/methods.py)
     lora_rank: int = 0  # the adapters' rank (lora, qlora)
     lora_targets: tuple[str, ...] = ()  # the linear modules adapted in every layer (lora, qlora)
+    # dropout on the adapters' input (lora, qlora; LoraSettings.dropout's default): above 0 each adapter keeps
+    # its own dropped-out input and mask for backward (estimate/methods.py)
+    lora_dropout: float = 0.05
     # mixture of experts (hp_tool/families/moe.py): every layer's MLP is num_experts experts of
     # ffn_hidden_size each, top_k of them run per token; 0 = a dense model
     num_experts: int = 0

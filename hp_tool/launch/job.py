@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import json
 import math
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import submitit
 
+from hp_tool.contracts import phases
 from hp_tool.fsutil import atomic_write_json
 from hp_tool.vocab import METRICS_FILE, RESULT_FILE
 
@@ -81,7 +84,10 @@ def trial_job(spec_path: str) -> dict:
     orchestrator's own planning)."""
     from hp_tool.trial.train import run_trial
 
-    return run_trial(spec_path)
+    # a job process of its own (submitit's) counts its start-up; a job in a thread of the orchestrator
+    # (in_process) starts now
+    own_process = threading.current_thread() is threading.main_thread()
+    return run_trial(spec_path, started_unix=phases.process_start_unix() if own_process else None)
 
 
 def logged_steps(out_dir: Path) -> int:
@@ -94,7 +100,11 @@ def logged_steps(out_dir: Path) -> int:
 def write_job_failure(job: JobSpec, status: str, reason: str) -> dict[str, Any]:
     """A result.json for a job that ended without one (killed, timed out, unschedulable, ...), from the
     job's blank result (so it carries the job's fingerprint). Measurements stay null; the collector
-    derives timings from metrics.jsonl when steps were logged."""
+    derives timings from metrics.jsonl when steps were logged. The reason leads with how far the job got
+    (its phase log, :func:`hp_tool.contracts.phases.summary`) when it started at all."""
+    where = phases.summary(job.out, status, job.max_minutes if status == "timeout" else None, time.time())
+    if where:
+        reason = f"{where}; {reason}"
     steps = logged_steps(job.out)
     if steps:
         reason = f"{reason}; {steps} steps were logged in {METRICS_FILE}"

@@ -26,6 +26,7 @@ from hp_tool.launch.backends.base import Backend, Handle
 from hp_tool.launch.job import JobSpec, job_name
 from hp_tool.launch.ledger import Entry, Ledger
 from hp_tool.launch.monitor import Progress
+from hp_tool.contracts import phases
 from hp_tool.vocab import FAILURE_DIR, METRICS_FILE, NOT_LAUNCHED, RESULT_FILE, STOP_REQUEST_FILE
 
 log = logging.getLogger(__name__)
@@ -49,9 +50,9 @@ class Active:
 
 
 def set_aside(out: Path) -> Optional[Path]:
-    """Move a stale result (result.json, metrics.jsonl, rank failures) to <out>/stale-<time>/; kept, never
-    deleted. Returns the new folder, or None when there was nothing to move."""
-    present = [out / name for name in RESULT_FILES if (out / name).exists()]
+    """Move a stale result (result.json, metrics.jsonl, rank failures, phase logs) to <out>/stale-<time>/;
+    kept, never deleted. Returns the new folder, or None when there was nothing to move."""
+    present = [out / name for name in RESULT_FILES if (out / name).exists()] + sorted(out.glob(phases.FILE_GLOB))
     if not present:
         return None
     target = out / f"stale-{time.strftime('%Y%m%d-%H%M%S')}-{time.time_ns() % 10**6:06d}"

@@ -12,6 +12,7 @@ died cannot leave the others waiting forever.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -23,6 +24,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from hp_tool.errors import require
 from hp_tool.contracts.spec import ParallelSpec
@@ -77,23 +80,31 @@ def collective_timeout_s() -> float:
     return float(os.environ.get(COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT_S))
 
 
-def init_distributed(env: DistEnv, device: torch.device) -> None:
-    """Join the default process group (nccl on GPU, gloo on CPU); nothing to do for one process."""
-    if env.world_size == 1 or dist.is_initialized():
+def init_distributed(env: DistEnv, device: torch.device, solo_group: bool = False) -> None:
+    """Join the default process group (nccl on GPU, gloo on CPU). One process has none, unless ``solo_group``
+    (the engine needs one to run this layout: FSDP2's CPU offload, DeepSpeed): then a group of one rank
+    over an in-memory store, no rendezvous."""
+    if dist.is_initialized() or (env.world_size == 1 and not solo_group):
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    if env.world_size == 1:
+        os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed reads it as launchers set it
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+        log.info("one process: joined a one-rank %s process group", backend)
         return
     if "RANK" not in os.environ:  # srun without torchrun: export what init_process_group reads
         _export_slurm_rendezvous()
         os.environ.update(RANK=str(env.rank), WORLD_SIZE=str(env.world_size),
                           LOCAL_RANK=str(env.local_rank))
-    backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=collective_timeout_s())
-    kwargs = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
     log.info("rank %d/%d joined the %s process group", env.rank, env.world_size, backend)
 
 
 def build_mesh(par: ParallelSpec, env: DistEnv, device: torch.device) -> Optional[DeviceMesh]:
-    """The (pp, dp, tp) device mesh, TP innermost so a TP group shares a node; None for one process.
+    """The (pp, dp, tp) device mesh, TP innermost so a TP group shares a node; None for one process without
+    a process group (one with a one-rank group gets a mesh of ones, e.g. for FSDP2's CPU offload).
 
     With expert parallelism the data-parallel ranks are a grid (edp, ep): an EP group (adjacent DP ranks)
     splits the experts between its members, and the ``edp`` ranks at the same EP position hold the same
@@ -104,7 +115,7 @@ def build_mesh(par: ParallelSpec, env: DistEnv, device: torch.device) -> Optiona
     its sequences, and hold the same weights, so the data-parallel wrappers shard and reduce over ``dp_cp``,
     dp and cp flattened (torchtitan's ``dp_shard_cp``; ``weight_dp_dim``), while the data loader splits the
     batch over ``dp`` only."""
-    if env.world_size == 1:
+    if env.world_size == 1 and not dist.is_initialized():
         return None
     world = par.pp * par.dp * par.cp * par.tp
     require(world == env.world_size, "parallel", f"pp={par.pp} dp={par.dp} cp={par.cp} tp={par.tp}",
@@ -152,4 +163,32 @@ def shutdown() -> None:
     """Leave the process group together: a rank tearing down gloo while a peer still uses it aborts."""
     if dist.is_initialized():
         dist.barrier()
+        dist.destroy_process_group()
+
+
+def fake_group(world: int) -> None:
+    """A fresh fake process group of ``world`` ranks (this process is rank 0), after forgetting what DTensor
+    cached under the last one: its sharding propagation remembers output specs by mesh shape, and a
+    remembered mesh names groups that died with the last layout's process group. So one process can trace
+    any number of layouts in turn (memory_check's workers do)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ dispatch fast path's copy
+    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+
+
+@contextlib.contextmanager
+def solo_or_fake_group(world: int, solo_group: bool):
+    """For checking a build without running it: a fake process group of ``world`` ranks (this process rank 0),
+    or none for one process that would run without one (``init_distributed``'s ``solo_group``)."""
+    if world == 1 and not solo_group:
+        yield
+        return
+    fake_group(world)
+    try:
+        yield
+    finally:
         dist.destroy_process_group()

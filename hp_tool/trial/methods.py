@@ -9,6 +9,8 @@ go on; their weights are filled like any other and quantised once materialised (
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -53,11 +55,15 @@ def _four_bit_linears(stage: nn.Module, targets: set[str]) -> None:
                 setattr(module, child_name, four)
 
 
-def quantise_base(stage: nn.Module, device) -> None:
-    """Quantise the materialised weights of every ``Linear4bit`` of ``stage`` to NF4 on ``device``."""
+def quantise_base(stage: nn.Module, device, compute_dtype: Optional[torch.dtype] = None) -> None:
+    """Quantise the materialised weights of every ``Linear4bit`` of ``stage`` to NF4 on ``device``; their
+    matmuls run in ``compute_dtype`` (the trial's autocast dtype, QLoRA's ``bnb_4bit_compute_dtype``; None:
+    the input's, fp32 on CPU), not in the fp32 of a norm's output under autocast."""
     import bitsandbytes as bnb
 
     for module in stage.modules():
+        if isinstance(module, bnb.nn.Linear4bit) and compute_dtype is not None:
+            module.compute_dtype, module.compute_type_is_set = compute_dtype, True
         if isinstance(module, bnb.nn.Linear4bit) and not getattr(module.weight, "bnb_quantized", False):
             weight = module.weight  # a replicated DTensor under data parallelism: its local tensor is whole
             data = weight.to_local() if isinstance(weight, DTensor) else weight.data

@@ -223,10 +223,6 @@ def parallelize_stage(stage: StageModule, par: ParallelSpec, mesh: Optional[Devi
         apply_context_parallel(stage, mesh["cp"])
     if par.act_ckpt_layers > 0:
         apply_activation_checkpointing(stage, par.act_ckpt_layers, par.act_ckpt_mode)
-    if par.offload != "none":
-        require(mesh is not None, "parallel.offload", par.offload,
-                "the torch engine offloads through FSDP2, which needs a process group (2 or more processes)",
-                "run the trial on 2 or more processes, or use engine deepspeed")
     if weight_dp_size(par) > 1 or par.offload != "none":  # FSDP2 on one data-parallel rank still offloads
         apply_data_parallel(stage, mesh[weight_dp_dim(par)], par.zero_stage, par.offload, param_dtype, device,
                             expert_mesh=mesh["edp"] if par.ep > 1 else None)

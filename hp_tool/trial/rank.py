@@ -21,6 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from hp_tool.contracts import phases
 from hp_tool.contracts.spec import ParallelSpec, TrialSpec
 from hp_tool.trial import optim
 from hp_tool.trial.models import build_rank_stages
@@ -77,20 +78,32 @@ class Initialise:
     std: float
     source: Optional[Source] = None
     method: str = "full"
+    compute_dtype: Optional[torch.dtype] = None  # QLoRA's 4-bit matmuls (the autocast dtype; None: fp32)
 
     @classmethod
     def of(cls, spec: TrialSpec, device: torch.device) -> "Initialise":
         """The spec's weights: its checkpoint's when it names one, else its seed's."""
         return cls(device, spec.training.seed, spec.model.init_method_std, weight_source(spec.model),
-                   spec.model.method)
+                   spec.model.method, compute_dtype(spec, device))
 
     def __call__(self, stage: nn.Module) -> int:
         """Allocate and fill ``stage``'s local shards (QLoRA: then quantise its 4-bit layers); returns their
         element count."""
         numel = materialize(stage, self.device, self.seed, self.std, self.source)
+        phases.mark("weights", "quantise" if self.method == "qlora" else "optimizer")
         if self.method == "qlora":
-            quantise_base(stage, self.device)
+            quantise_base(stage, self.device, self.compute_dtype)
+            phases.mark("quantise", "optimizer")
         return numel
+
+
+class OnMeta:
+    """A materialiser that leaves the stage on the meta device (a build checked, never run)."""
+
+    device = torch.device("cpu")
+
+    def __call__(self, stage: nn.Module) -> int:
+        return sum((p._local_tensor if isinstance(p, DTensor) else p).numel() for p in stage.parameters())
 
 
 class FakeMaterialise:
@@ -133,6 +146,7 @@ def build_rank_model(spec: TrialSpec, mesh: Optional[DeviceMesh], pp_rank: int, 
     for chunk in chunks:
         parallelize_stage(chunk, chunk_par, mesh, param_dtype, materialise.device)
     stage = chunks[0] if len(chunks) == 1 else InterleavedStages(chunks)
+    phases.mark("model_build", "weights")
     return RankModel(chunks, stage, materialise(stage))
 
 

@@ -26,12 +26,13 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from hp_tool.contracts import phases
 from hp_tool.contracts import result as res
 from hp_tool.contracts.spec import TrialSpec, load_spec
 from hp_tool.trial import dist as tdist
 from hp_tool.trial import measure
 from hp_tool.trial.checkpoint import save_checkpoint, save_dtype
-from hp_tool.trial.engines import Engine, build_engine, train_step
+from hp_tool.trial.engines import Engine, build_engine, engine_needs_process_group, train_step
 from hp_tool.trial.optim import lr_at
 from hp_tool.trial.trace.peak import TensorPeak
 
@@ -98,6 +99,7 @@ def run_loop(engine: Engine, out: Path, t_start: float, flag: measure.SignalFlag
                                         device)
             step_s = measure.now_s() - begin
             step += 1
+            phases.mark("first_step" if step == 1 else "step", "step", step=step, step_time_s=round(step_s, 6))
             is_timed = step > rule.warmup
             if is_timed:
                 timed.append(step_s)
@@ -117,15 +119,26 @@ def run_loop(engine: Engine, out: Path, t_start: float, flag: measure.SignalFlag
 
 
 class _TensorPeakSteps:
-    """Peak tensor bytes of this rank over the first untimed steps (``TensorPeak``, the count the pre-launch
-    trace makes); only for an engine that ``measures_tensor_peak``, and none when no step is untimed."""
+    """Peak tensor bytes of this rank over the first untimed steps (none when no step is untimed). On a GPU
+    the caching allocator's own count (its peak reset before the first step, read after each: free, so the
+    first steps run at full speed); on CPU ``TensorPeak``, a dispatch mode over every op (the count the
+    pre-launch trace makes, which this checks it against), only for an engine that ``measures_tensor_peak``.
+    A Python dispatch mode over a GPU step would turn milliseconds into minutes."""
 
     def __init__(self, engine: Engine, steps: int):
-        self.engine, self.steps, self.peak = engine, steps if engine.measures_tensor_peak else 0, None
-        self.tracker = None
+        self.engine, self.peak, self.tracker = engine, None, None
+        self.on_gpu = engine.device.type == "cuda"
+        self.steps = steps if self.on_gpu or engine.measures_tensor_peak else 0
 
     @contextlib.contextmanager
     def around(self, step: int):
+        if self.on_gpu:  # the build's peak (loading, casting) is not the training step's: reset it
+            if step == 0:
+                torch.cuda.reset_peak_memory_stats(self.engine.device)
+            yield
+            if step < self.steps:
+                self.peak = torch.cuda.max_memory_allocated(self.engine.device)
+            return
         if step >= self.steps:
             yield
             return
@@ -148,7 +161,8 @@ def _finish(spec: TrialSpec, result: dict, outcome: dict, device: torch.device, 
     measured = stats["count"] > 0
     result.update(
         status="ok" if measured else "timeout",
-        reason=outcome["request_reason"] if measured else f"stopped by {outcome['stop_reason']} before any timed step",
+        reason=outcome["request_reason"] if measured else
+        f"stopped by {outcome['stop_reason']} before any timed step, {outcome['steps_run']} untimed; {phases.where()}",
         stop_reason=outcome["stop_reason"], steps_run=outcome["steps_run"],
         steps_measured=stats["count"], step_time_s_median=stats["median"],
         step_time_s_mean=stats["mean"], step_time_s_std=stats["std"],
@@ -168,7 +182,7 @@ def engine_device(result: dict) -> torch.device:
 
 def _fail(exc: Exception, spec: TrialSpec, result: dict, out: Path, env: tdist.DistEnv) -> dict:
     """Record the failure; rank 0 names the earliest failure of any rank. Multi-process: exit at once."""
-    root = res.record_failure(exc, out, env.rank, env.world_size, f"trial {spec.trial_id}")
+    root = res.record_failure(exc, out, env.rank, env.world_size, f"trial {spec.trial_id}", phases.where())
     result.update(status=root["status"], reason=root["reason"], stop_reason=None,
                   peak_memory_gib=measure.peak_memory_gib(engine_device(result))[0],
                   end_time=res.iso_utc(time.time()))
@@ -190,8 +204,11 @@ def _load_or_record(spec_path: str | os.PathLike, output_dir: Optional[str]) -> 
         raise
 
 
-def run_trial(spec_path: str | os.PathLike, output_dir: Optional[str] = None) -> dict:
-    """Run the trial described by ``spec_path``; returns result.json's content (rank 0's view)."""
+def run_trial(spec_path: str | os.PathLike, output_dir: Optional[str] = None,
+              started_unix: Optional[float] = None) -> dict:
+    """Run the trial described by ``spec_path``; returns result.json's content (rank 0's view).
+    ``started_unix``: when the job started, for the phase log (default: now; a job process passes its own
+    start, :func:`hp_tool.contracts.phases.process_start_unix`)."""
     t_start, wall_start = measure.now_s(), time.time()
     spec = _load_or_record(spec_path, output_dir)
     out = output_dir_for(spec, output_dir)
@@ -203,11 +220,13 @@ def run_trial(spec_path: str | os.PathLike, output_dir: Optional[str] = None) ->
     result = res.empty_result(spec.trial_id, spec.fingerprint())
     result.update(world_size=env.world_size, device=device.type,
                   backend=tdist.backend_name(env, device), start_time=res.iso_utc(wall_start))
+    phases.start(out, env.rank, wall_start if started_unix is None else started_unix)
     flag = measure.SignalFlag()
     flag.install()
     try:
         apply_memory_cap(spec, device)
-        tdist.init_distributed(env, device)
+        tdist.init_distributed(env, device, solo_group=engine_needs_process_group(spec))
+        phases.mark("distributed_init", "model_build")
         engine = build_engine(spec, env, device)
         outcome = run_loop(engine, out, t_start, flag)
         if spec.run.save_dir:
@@ -224,6 +243,9 @@ def run_trial(spec_path: str | os.PathLike, output_dir: Optional[str] = None) ->
         return _fail(exc, spec, result, out, env)
     finally:
         flag.restore()
+        phases.stop()
+        if env.world_size == 1:  # a one-rank group of this trial's own (a failure skipped the shutdown above)
+            tdist.shutdown()
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -234,7 +256,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s rank{tdist.read_env().rank} %(levelname)s %(name)s: %(message)s")
-    result = run_trial(args.spec, args.output_dir)
+    result = run_trial(args.spec, args.output_dir, phases.process_start_unix())
     return 0 if result["status"] in ("ok", "timeout", "cancelled") else 1
 
 

@@ -31,6 +31,24 @@ def build_engine(spec: TrialSpec, env: DistEnv, device: torch.device) -> Engine:
     return ENGINES[engine].build(spec, env, device)
 
 
+def validate_build(spec: TrialSpec) -> None:
+    """Build ``spec``'s layout the way its engine does, without memory and without other processes (a fake
+    process group of the layout's world size): raises whatever the engine's build would refuse. The
+    layout's rules themselves run when the spec is made (``TrialSpec``: ``Layout.problems``, the planner's
+    rules)."""
+    engine = spec.parallel.engine
+    require(engine in ENGINES, "parallel.engine", engine, "the trial engine has no implementation of it",
+            f"use one of {list(ENGINES)}")
+    ENGINES[engine].validate(spec)
+
+
+def engine_needs_process_group(spec: TrialSpec) -> bool:
+    """Whether the spec's engine needs a process group even in one process (then the trial makes a
+    one-rank group): DeepSpeed always, the torch engine for FSDP2's CPU offload."""
+    engine = ENGINES.get(spec.parallel.engine)
+    return engine is not None and engine.needs_process_group(spec.parallel)
+
+
 def train_step(engine: Engine, step: int) -> Optional[torch.Tensor]:
     """One optimizer step (``step`` is 0-based) of any engine; this rank's mean loss (None off the last
     stage)."""
@@ -38,4 +56,5 @@ def train_step(engine: Engine, step: int) -> Optional[torch.Tensor]:
     return engine.step(step)
 
 
-__all__ = ["ENGINES", "Engine", "build_engine", "train_step"]
+__all__ = ["ENGINES", "Engine", "build_engine", "engine_needs_process_group", "train_step",
+           "validate_build"]

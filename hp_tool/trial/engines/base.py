@@ -8,7 +8,7 @@ from typing import Optional, Protocol
 import torch
 from torch import nn
 
-from hp_tool.contracts.spec import TrialSpec
+from hp_tool.contracts.spec import ParallelSpec, TrialSpec
 from hp_tool.trial.dist import DistEnv
 
 # Test hook: the rank named here raises at optimizer step HP_TOOL_TRIAL_FAIL_STEP (1-based, default 1),
@@ -40,6 +40,16 @@ class Engine(Protocol):
     def measures_tensor_peak(self) -> bool:
         """Whether the loop measures this engine's tensor peak with ``TensorPeak`` over the first untimed
         steps (the count the pre-launch trace of the torch engine makes)."""
+
+    @classmethod
+    def needs_process_group(cls, par: ParallelSpec) -> bool:
+        """Whether this engine needs a process group to run ``par`` even on one process (the trial then
+        makes a one-rank group)."""
+
+    @classmethod
+    def validate(cls, spec: TrialSpec) -> None:
+        """Build ``spec`` as ``build`` does, on the meta device over a fake process group of the layout's
+        world size (no memory, no other process); raises what ``build`` would refuse."""
 
     @classmethod
     def build(cls, spec: TrialSpec, env: DistEnv, device: torch.device) -> "Engine":

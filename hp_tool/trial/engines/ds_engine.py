@@ -21,14 +21,16 @@ from typing import ClassVar, Optional
 import torch
 
 from hp_tool.contracts.ds_config import ds_config
-from hp_tool.contracts.spec import TrialSpec
+from hp_tool.contracts import phases
+from hp_tool.contracts.spec import ParallelSpec, TrialSpec
 from hp_tool.trial import optim
 from hp_tool.trial.data import TokenBatches
-from hp_tool.trial.dist import DistEnv
+from hp_tool.trial.dist import DistEnv, solo_or_fake_group
 from hp_tool.trial.models import build_stage, loss_fn
 from hp_tool.trial.parallel import apply_activation_checkpointing
 from hp_tool.trial.rank import Initialise
 from hp_tool.trial.stage import canonical_name
+from hp_tool.vocab import trial_device
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +85,7 @@ class DeepSpeedEngine:
         stage = build_stage(spec.model, 1, 0)
         if par.act_ckpt_layers > 0:
             apply_activation_checkpointing(stage, par.act_ckpt_layers)
+        phases.mark("model_build", "weights")
         Initialise.of(spec, device)(stage)
         if par.tp > 1:
             stage = deepspeed.tp_model_init(stage, tp_size=par.tp, dtype=torch.float32 if device.type != "cuda"
@@ -91,11 +94,31 @@ class DeepSpeedEngine:
         ds, optimizer, _, _ = deepspeed.initialize(model=stage, optimizer=_optimizer(stage, spec, device),
                                                    config=engine_config(spec, device),
                                                    dist_init_required=False)
+        phases.mark("optimizer", "first_forward")
         numel = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in stage.parameters())
         dp_rank = env.rank // par.tp  # the TP ranks of one replica read the same batch
         log.info("rank %d: DeepSpeed ZeRO-%d offload=%s tp=%d over %d parameter elements", env.rank,
                  par.zero_stage, par.offload, par.tp, numel)
         return cls(spec, env, device, stage, optimizer, TokenBatches(spec, dp_rank, device), ds, local_numel=numel)
+
+    @classmethod
+    def validate(cls, spec: TrialSpec) -> None:
+        """DeepSpeed's own check of the config the trial runs (batch sizes over the world, ZeRO stage and
+        offload), over a fake process group of the layout's world size."""
+        import deepspeed.comm
+        from deepspeed.runtime.config import DeepSpeedConfig
+
+        par = spec.parallel
+        world = par.pp * par.dp * par.cp * par.tp
+        target = torch.device(trial_device(spec.resources.gpu))
+        with solo_or_fake_group(world, cls.needs_process_group(par)):
+            deepspeed.comm.init_distributed(dist_backend="gloo", dist_init_required=False, auto_mpi_discovery=False)
+            DeepSpeedConfig(engine_config(spec, target))
+
+    @classmethod
+    def needs_process_group(cls, par: ParallelSpec) -> bool:
+        """``deepspeed.initialize`` asks for an initialised process group, one process included."""
+        return True
 
     def step(self, step: int) -> Optional[torch.Tensor]:
         """One optimizer step: ``backward`` and ``step`` per micro-batch (DeepSpeed steps the optimizer on
@@ -104,9 +127,14 @@ class DeepSpeedEngine:
         optim.set_lr(ds.optimizer, optim.lr_at(step, self.spec.training))
         micro = self.batches.micro_batches(step)
         total = torch.zeros((), device=self.device)
-        for inputs, labels in micro:
+        for i, (inputs, labels) in enumerate(micro):
+            first = step == 0 and i == 0
             loss = loss_fn(ds(*inputs), labels)
+            if first:
+                phases.mark("first_forward", "first_backward")
             ds.backward(loss)
+            if first:
+                phases.mark("first_backward", "first_step")
             ds.step()
             total += loss.detach()
         norm = ds.get_global_grad_norm()  # None at ZeRO-0, which keeps no norm

@@ -23,16 +23,18 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from hp_tool.contracts.spec import TrialSpec
+from hp_tool.contracts import phases
+from hp_tool.contracts.spec import ParallelSpec, TrialSpec
 from hp_tool.trial import optim
 from hp_tool.trial.activation_offload import saved_tensors_offload
 from hp_tool.trial.context_parallel import whole_sequence_mean
 from hp_tool.trial.data import TokenBatches
-from hp_tool.trial.dist import DistEnv, build_mesh
+from hp_tool.vocab import trial_device
+from hp_tool.trial.dist import DistEnv, build_mesh, solo_or_fake_group
 from hp_tool.trial.models import loss_parallel_context, stage_loss_fn
 from hp_tool.trial.stage import canonical_name
 from hp_tool.trial.parallel import build_schedule, complete_expert_grads, needs_grad_sync_control, set_grad_sync
-from hp_tool.trial.rank import (Initialise, build_rank_model, build_rank_optimizer, compute_dtype, group_of,
+from hp_tool.trial.rank import (Initialise, OnMeta, build_rank_model, build_rank_optimizer, compute_dtype, group_of,
                                 tp_mesh_of)
 
 log = logging.getLogger(__name__)
@@ -72,6 +74,24 @@ class TorchEngine:
         return group_of(self.mesh, self.spec.parallel, "pp")
 
     @classmethod
+    def needs_process_group(cls, par: ParallelSpec) -> bool:
+        """FSDP2 offloads (``CPUOffloadPolicy``) over a device mesh: one process offloads over a mesh of one."""
+        return par.offload != "none"
+
+    @classmethod
+    def validate(cls, spec: TrialSpec) -> None:
+        """Each pipeline rank's model built by ``build_rank_model`` on meta (parallelized, never
+        materialised) over a fake group of the world size: the first and last stages (embeddings, head)."""
+        par = spec.parallel
+        world = par.pp * par.dp * par.cp * par.tp
+        target = torch.device(trial_device(spec.resources.gpu))  # the dtype the run computes in
+        with solo_or_fake_group(world, cls.needs_process_group(par)):
+            for pp_rank in sorted({0, par.pp - 1}):
+                env = DistEnv(pp_rank * (world // par.pp), world, 0)
+                mesh = build_mesh(par, env, torch.device("cpu"))
+                build_rank_model(spec, mesh, pp_rank, OnMeta(), compute_dtype(spec, target))
+
+    @classmethod
     def build(cls, spec: TrialSpec, env: DistEnv, device: torch.device) -> "TorchEngine":
         """Everything this rank needs to train; allocates only this rank's shard of the model."""
         par = spec.parallel
@@ -83,6 +103,7 @@ class TorchEngine:
                                  compute_dtype(spec, device))
         log.info("rank %d: stage %d holds %d parameter elements", env.rank, pp_rank, model.local_numel)
         optimizer = build_rank_optimizer(spec, model.stage, mesh, device)
+        phases.mark("optimizer", "first_forward" if par.pp == 1 else "first_step")
         engine = cls(spec, env, device, mesh, model.stage, optimizer, TokenBatches(spec, dp_rank, device, cp_rank),
                      pp_rank=pp_rank, local_numel=model.local_numel,
                      scaler=optim.loss_scaler(device, compute_dtype(spec, device)))
@@ -147,8 +168,13 @@ class TorchEngine:
             with loss_parallel_context(self.tp_mesh), self._saved_tensors():
                 with self._autocast():
                     loss = compute_loss(self.stage(*inputs), labels)
+                first = step == 0 and i == 0
+                if first:
+                    phases.mark("first_forward", "first_backward")
                 share = loss / len(micro)
                 (share if self.scaler is None else self.scaler.scale(share)).backward()
+                if first:
+                    phases.mark("first_backward", "first_step")
             total += loss.detach()
         return total / len(micro)
 

@@ -10,7 +10,8 @@ Replay (``_Replay``): two optimizer steps, the first with one micro-batch (it cr
 optimizer states), the second with the step's micro-batches in the schedule's order, each followed by the
 gradient clipping and the AdamW step. For a GPU target the precision's autocast and FSDP2 parameter dtype are applied as on
 the GPU (a pipeline's whole step in one autocast region, whose casts of the weights live until the step
-ends, as the engine runs it; without PP one region per forward). AdamW runs without foreach kernels
+ends, as the engine runs it; without PP one region per forward), and dropout (LoRA's) keeps CUDA's bool mask
+instead of the CPU's noise tensor (``dropout_as_on``). AdamW runs without foreach kernels
 (under fake tensors their grouped temporaries inflate the FSDP2 step). The loss is the engine's
 (``stage_loss_fn``: the chunked loss applies the head a chunk of tokens at a time, in its CPU form; on a
 GPU with Liger installed the engine runs Liger's kernel, whose chunks follow its own rule), and the tensors
@@ -36,13 +37,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining.stage import PipelineStage
-from torch.distributed.tensor import DTensor
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from hp_tool.contracts.spec import TrialSpec
 from hp_tool.trial import optim
 from hp_tool.trial.activation_offload import saved_tensors_offload
-from hp_tool.trial.dist import DistEnv, build_mesh
+from hp_tool.trial.dist import DistEnv, build_mesh, fake_group
 from hp_tool.trial.families import torch_family
 from hp_tool.trial.models import loss_parallel_context, stage_loss_fn
 from hp_tool.trial.rank import (FakeMaterialise, build_rank_model, build_rank_optimizer, compute_dtype, group_of,
@@ -51,20 +50,6 @@ from hp_tool.trial.trace.inflight import StageTrace, combine, in_flight, in_flig
     with_interleave_buffers
 from hp_tool.trial.trace.limits import require_traceable
 from hp_tool.trial.trace.peak import TensorPeak
-
-
-def _fake_group(world: int) -> None:
-    """A fresh fake process group of ``world`` ranks (this process is rank 0), after forgetting what DTensor
-    cached under the last one: its sharding propagation remembers output specs by mesh shape, and a
-    remembered mesh names groups that died with the last layout's process group. So one process can trace
-    any number of layouts in turn (memory_check's workers do)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    propagator.propagate_op_sharding.cache_clear()
-    propagator._propagate_tensor_meta_cached.cache_clear()
-    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ dispatch fast path's copy
-    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
 
 
 @contextlib.contextmanager
@@ -92,6 +77,31 @@ def experts_in_any_float():
 
 
 @contextlib.contextmanager
+def dropout_as_on(device_type: str):
+    """Dropout (LoRA's adapters, peft's ``lora_A(dropout(x))``: the engine's only one) as torch runs it on
+    ``device_type``, on the CPU's fake tensors. On a device torch's dropout takes its fused kernel,
+    ``native_dropout``, which keeps a bool mask for backward (1 byte an element); on a CPU tensor it multiplies
+    by a noise tensor of the input's dtype and keeps that (4 bytes in fp32). For a GPU target the trace
+    runs ``native_dropout``; for a CPU target torch's own dropout."""
+    if device_type != "cuda":
+        yield
+        return
+    functional = torch.nn.functional
+    cpu_dropout = functional.dropout
+
+    def gpu_dropout(input, p=0.5, training=True, inplace=False):
+        if training and not inplace and 0 < p < 1 and input.numel():
+            return torch.native_dropout(input, p, True)[0]
+        return cpu_dropout(input, p, training, inplace)
+
+    functional.dropout = gpu_dropout
+    try:
+        yield
+    finally:
+        functional.dropout = cpu_dropout
+
+
+@contextlib.contextmanager
 def fake_rank(spec: TrialSpec, stage_index: int, device_type: str):
     """(stage, optimizer, mesh, compute dtype) of one rank of ``stage_index``, built by the engine's
     ``build_rank_model`` with fake tensors on a fake process group of the layout's world size (an
@@ -102,7 +112,7 @@ def fake_rank(spec: TrialSpec, stage_index: int, device_type: str):
     dtype = compute_dtype(spec, torch.device(device_type))  # the target's dtype; the fake tensors stay on CPU
     per_stage = par.dp * par.cp * par.tp  # ranks of one pipeline stage (the mesh's pp dimension is outermost)
     world = par.pp * per_stage
-    _fake_group(world)
+    fake_group(world)
     try:
         mesh = build_mesh(par, DistEnv(stage_index * per_stage, world, 0), device) if world > 1 else None
         materialise = FakeMaterialise(device)
@@ -111,7 +121,7 @@ def fake_rank(spec: TrialSpec, stage_index: int, device_type: str):
         optimizer = build_rank_optimizer(spec, stage, mesh, device)
         for group in optimizer.param_groups:  # REFERENCE §11: fake foreach kernels inflate the step
             group["foreach"] = False
-        with materialise.mode, experts_in_any_float():
+        with materialise.mode, experts_in_any_float(), dropout_as_on(device_type):
             yield stage, optimizer, mesh, dtype
     finally:
         dist.destroy_process_group()
