@@ -181,3 +181,23 @@ def test_slurm_backend_writes_the_golden_sbatch_script(tmp_path, monkeypatch):
     if os.environ.get(UPDATE_GOLDEN):
         GOLDEN.write_text(text)
     assert text == GOLDEN.read_text(), f"the sbatch script changed; if on purpose, rerun with {UPDATE_GOLDEN}=1"
+
+
+def test_a_job_on_this_machine_is_looked_at_every_two_seconds_at_most_a_scheduler_every_fifteen():
+    """A local trial's end is noticed within 2 s (its GPU idles until the next trial starts); SLURM is asked
+    less often as nothing changes."""
+    from hp_tool.launch.backends.in_process import InProcessBackend
+    from hp_tool.launch.backends.local import LocalBackend
+    from hp_tool.launch.backends.slurm import SlurmBackend
+    from hp_tool.launch.runner import POLL_MIN_S, next_poll_delay
+
+    def waits(backend_cls, polls=20):
+        delay, out = POLL_MIN_S, []
+        for i in range(polls):
+            delay = next_poll_delay(delay, changed=i == 10, ceiling=backend_cls.max_poll_s)
+            out.append(delay)
+        return out
+
+    local, slurm = waits(LocalBackend), waits(SlurmBackend)
+    assert max(local) == 2.0 and waits(InProcessBackend) == local
+    assert max(slurm) == 15.0 and slurm[10] == POLL_MIN_S and slurm[11] == 1.5

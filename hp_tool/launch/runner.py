@@ -32,7 +32,7 @@ from hp_tool.vocab import FAILURE_DIR, METRICS_FILE, NOT_LAUNCHED, RESULT_FILE, 
 log = logging.getLogger(__name__)
 
 GRACE_S = 300.0  # past a job's time limit (from its start) before it is cancelled and recorded as timeout
-POLL_MIN_S, POLL_MAX_S = 1.0, 15.0
+POLL_MIN_S = 1.0  # the longest wait is the backend's max_poll_s
 RESULT_FILES = (RESULT_FILE, METRICS_FILE, FAILURE_DIR, STOP_REQUEST_FILE)  # what a stale result consists of
 
 
@@ -47,6 +47,12 @@ class Active:
     @property
     def job_id(self) -> str:
         return str(self.handle.job_id)
+
+
+def next_poll_delay(delay: float, changed: bool, ceiling: float) -> float:
+    """Seconds until the next look at the jobs: back to POLL_MIN_S after a change, else 1.5x longer, at most
+    ``ceiling`` (the backend's ``max_poll_s``)."""
+    return POLL_MIN_S if changed else min(ceiling, delay * 1.5)
 
 
 def set_aside(out: Path) -> Optional[Path]:
@@ -192,7 +198,7 @@ class Launcher:
             while self.pending and len(self.active) < limit:
                 self.submit(self.pending.pop(0))
             changed = self.poll()
-            delay = POLL_MIN_S if changed else min(POLL_MAX_S, delay * 1.5)
+            delay = next_poll_delay(delay, changed, self.backend.max_poll_s)
             if self.active:
                 time.sleep(delay)
 

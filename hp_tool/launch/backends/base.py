@@ -57,10 +57,14 @@ class Pending:
 
 class Backend(ABC):
     """Where jobs run. ``kind`` is written to the ledger with each job; ``detachable``: its jobs outlive
-    the command that submitted them (``detach=true`` is refused otherwise)."""
+    the command that submitted them (``detach=true`` is refused otherwise); ``max_poll_s``: the longest the
+    launcher waits between two looks at its jobs (backing off while nothing changes): a scheduler is asked
+    sparingly, a process on this machine costs nothing to look at, and a job's end noticed late leaves its
+    GPUs idle until the next one starts."""
 
     kind: str
     detachable: bool = False
+    max_poll_s: float = 15.0
 
     def __init__(self, cluster: ClusterConfig):
         self.cluster = cluster

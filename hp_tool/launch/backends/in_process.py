@@ -61,6 +61,7 @@ class InProcessBackend(Backend):
     """``cluster=in_process``."""
 
     kind = "in_process"
+    max_poll_s = 2.0  # a job on this machine: looking costs nothing
 
     def __init__(self, cluster: ClusterConfig, gpu: GpuConfig):
         super().__init__(cluster)

@@ -79,6 +79,7 @@ class LocalBackend(Backend):
     search does not fit this machine). Jobs die with the orchestrator's shell: not detachable."""
 
     kind = "local"
+    max_poll_s = 2.0  # a job on this machine: looking costs nothing
 
     def __init__(self, cluster: ClusterConfig, gpu: GpuConfig, fallback: bool = False):
         super().__init__(cluster)
