@@ -198,10 +198,17 @@ def _trial_process(tmp_path, spec) -> dict:
 @pytest.mark.parametrize("engine", ["torch", "deepspeed"])
 def test_one_process_offloads_and_trains_like_no_offload(tmp_path, engine):
     """One GPU plus offload, as users with one card ask for: the engine makes a one-rank process group
-    (FSDP2's CPU offload; DeepSpeed needs one even without offload) and the losses match the run without."""
-    base = _trial_process(tmp_path / "a", tiny_spec("llama", max_steps=3, engine=engine, zero_stage=3))
-    off = _trial_process(tmp_path / "b", tiny_spec("llama", max_steps=3, engine=engine, zero_stage=3,
-                                                   offload="optimizer_and_params"))
+    (FSDP2's CPU offload; DeepSpeed needs one even without offload) and the losses match the run without.
+    The torch trials run in this process (the group is left again after each); DeepSpeed's in processes of
+    their own, as jobs run them (it keeps its groups per process)."""
+    def trial(folder, **layout):
+        spec = tiny_spec("llama", max_steps=3, engine=engine, zero_stage=3, **layout)
+        if engine == "deepspeed":
+            return _trial_process(folder, spec)
+        return run_trial(write_spec(spec, folder), str(folder / "out"))
+
+    base = trial(tmp_path / "a")
+    off = trial(tmp_path / "b", offload="optimizer_and_params")
     assert base["status"] == "ok" and off["status"] == "ok", (base["reason"], off["reason"])
     assert off["first_losses"] == pytest.approx(base["first_losses"], rel=1e-5)
     assert off["first_losses"][0] != pytest.approx(off["first_losses"][-1], rel=1e-3)  # it trained
