@@ -213,3 +213,26 @@ def set_traced(out, trial_id: str, gib: float) -> None:
         writer = csv.DictWriter(fh, fieldnames=fields, lineterminator="\n")
         writer.writeheader()
         writer.writerows(rows)
+
+
+def test_a_killed_trial_with_a_phase_log_says_where_it_was(tmp_path):
+    """The collector's own verdict on a trial killed without result.json (e.g. its orchestrator died too)
+    leads with the phase the trial was in when its last line was written."""
+    import json as _json
+
+    from hp_tool.contracts import phases
+
+    _, out, plan = planned(tmp_path)
+    killed = selected_ids(plan)[0]
+    write_metrics(out, killed, [0.9, 0.30, 0.20])
+    lines = [("start", "imports", 0.0), ("imports", "distributed_init", 4.0), ("distributed_init", "model_build", 5.0),
+             ("model_build", "weights", 6.0), ("weights", "optimizer", 9.0), ("optimizer", "first_forward", 10.0),
+             ("first_forward", "first_backward", 11.0), ("first_backward", "first_step", 12.0)]
+    rows = [{"phase": p, "next": n, "time": t} for p, n, t in lines] + \
+        [{"phase": "first_step" if s == 1 else "step", "next": "step", "time": 12.0 + s, "step": s} for s in (1, 2, 3)]
+    (out / "training_logs" / killed / phases.file_name(0)).write_text("".join(_json.dumps(r) + "\n" for r in rows))
+    row = collect_trials(out, time_box_s=180.0).set_index("trial_id").loc[killed]
+    assert row["status"] == "failed"
+    assert row["reason"] == ("killed without a result; derived from 3 logged steps; failed in step 4 after 15 s; "
+                             "imports 4 s, distributed init 1 s, model build 1 s, weight initialisation / loading 3 s, "
+                             "optimizer build 1 s, first forward 1 s, first backward 1 s, first optimizer step 1 s")

@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 from hp_tool.fingerprint import STALE, stale_reason
 from hp_tool.vocab import METRICS_FILE, RESULT_FILE, STATUSES
+from hp_tool.contracts import phases
 from hp_tool.contracts.result import FIRST_LOSSES, RESULT_FIELDS, blank_result, step_stats
 
 OK = "ok"
@@ -46,7 +47,7 @@ def read_trial(trial_dir: Path, time_box_s: Optional[float] = None,
         return None
     steps, bad_lines = read_metrics(metrics_path) if has_metrics else ([], 0)
     if not has_result:
-        return result_from_metrics(trial_dir.name, steps, bad_lines, time_box_s)
+        return result_from_metrics(trial_dir.name, steps, bad_lines, time_box_s, trial_dir)
     result = _read_result_json(result_path, trial_dir.name, fingerprint)
     if result["status"] == STALE:
         return result
@@ -142,15 +143,19 @@ def timing_of(steps: list[dict]) -> dict:
 
 
 def result_from_metrics(trial_id: str, steps: list[dict], bad_lines: int,
-                        time_box_s: Optional[float]) -> dict:
+                        time_box_s: Optional[float], trial_dir: Optional[Path] = None) -> dict:
     """A result for a trial killed before it wrote result.json: status timeout when its log spans
-    most of the time box (``time_box_s``, seconds), else failed; timing from the timed steps."""
+    most of the time box (``time_box_s``, seconds), else failed; timing from the timed steps; with its
+    folder's phase logs the reason says where it was (:func:`hp_tool.contracts.phases.summary`)."""
     result = _blank(trial_id)
     result.update(timing_of(steps))
     times = [t for t in (number(s.get("time")) for s in steps) if t is not None]
     span_s = (max(times) - min(times) + float(steps[0]["step_time_s"])) if times else 0.0
     timed_out = time_box_s is not None and span_s >= TIMEOUT_SPAN_FRACTION * time_box_s
     note = f", {bad_lines} unreadable line(s)" if bad_lines else ""
-    result.update(status="timeout" if timed_out else "failed",
-                  reason=f"killed without a result; derived from {len(steps)} logged steps{note}")
+    status = "timeout" if timed_out else "failed"
+    where = None if trial_dir is None else \
+        phases.summary(trial_dir, status, time_box_s / 60 if timed_out and time_box_s else None)
+    result.update(status=status, reason=f"killed without a result; derived from {len(steps)} logged steps{note}"
+                  + (f"; {where}" if where else ""))
     return result
