@@ -25,8 +25,8 @@ Per source and per GPU type: median and max |step-time error|, the Spearman rank
 and measured tokens/s per GPU within each (model, GPU, sequence length) group of 3 or more runs (their size-weighted mean),
 median |memory error| over the runs with a measured peak, and how many of those the planner would call
 "does not fit". Leave-one-source-out: the step-time constants refitted without a source (``fit``), and that
-source's error under them. Targets: step time median <= 8% and Spearman >= 0.85 on every GPU type; memory
-median <= 10%; 0 wrong "does not fit".
+source's error under them. Targets (``TARGETS``; the script exits 1 when one is missed, naming it): step time
+median <= 8% and Spearman >= 0.85 on every GPU type; memory median <= 10%; 0 wrong "does not fit".
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional
@@ -312,12 +313,47 @@ def leave_one_source_out(runs: list[Run]) -> None:
                   f"{max(errors):.1%} |")
 
 
-def main() -> None:
+@dataclass(frozen=True)
+class Targets:
+    """What the models must reach on the published runs; ``main`` exits 1 when one is missed."""
+
+    step_median: float = 0.08  # per GPU type: median |step-time error| at most
+    spearman: float = 0.85  # per GPU type: rank correlation within its groups of 3 or more runs, at least
+    memory_median: float = 0.10  # over the runs with a measured peak: median |memory error| at most
+    wrong_no_fit: int = 0  # runs with a measured peak the planner calls "does not fit", at most
+
+    def text(self) -> str:
+        return (f"step-time median <= {self.step_median:.0%} and Spearman >= {self.spearman:g} on every GPU "
+                f"type; memory median <= {self.memory_median:.0%}; no run wrongly called \"does not fit\"")
+
+
+TARGETS = Targets()
+
+
+def missed_targets(runs: list[Run], targets: Targets = TARGETS) -> list[str]:
+    """Each target the models miss on ``runs``, with the figure that misses it; [] when all are met."""
+    missed = []
+    for gpu in sorted({r.gpu for r in runs}):
+        s = summarise([r for r in runs if r.gpu == gpu], predicted_step_s)
+        if s.median > targets.step_median:
+            missed.append(f"{gpu}: step-time median {s.median:.1%} > {targets.step_median:.0%}")
+        if s.spearman is not None and s.spearman < targets.spearman:
+            missed.append(f"{gpu}: Spearman {s.spearman:.2f} < {targets.spearman:g}")
+    overall = summarise(runs, predicted_step_s)
+    if overall.memory_median is not None and overall.memory_median > targets.memory_median:
+        missed.append(f"memory median {overall.memory_median:.1%} > {targets.memory_median:.0%}")
+    if overall.wrong_no_fit > targets.wrong_no_fit:
+        missed.append(f"{overall.wrong_no_fit} runs with a measured peak called \"does not fit\"")
+    return missed
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Print the tables; returns the exit code: 0 when every target is met, 1 when one is missed."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--summary", action="store_true", help="print the summaries only")
     parser.add_argument("--fit", action="store_true",
                         help="print each GPU preset's efficiency constants fitted on all its runs")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     runs = load_runs()
     if not args.summary:
         print("| run | source | model | GPU | TP PP CP DP mbs ckpt | measured s | predicted s | error | "
@@ -346,7 +382,10 @@ def main() -> None:
     if args.fit:
         for gpu in sorted({r.gpu for r in runs}):
             print(gpu, {k: round(v, 3) for k, v in fit(runs, gpu).items()})
+    missed = missed_targets(runs)
+    print(f"\nTargets: {TARGETS.text()}: " + (f"MISSED: {'; '.join(missed)}" if missed else "met"))
+    return 1 if missed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,5 +1,6 @@
-"""The step-time model: matmul efficiency from the GEMM shapes, interleaved pipelining, and its accuracy on
-published runs (Narayanan et al. 2021, Table 1; benchmarks/published_runs.py prints the same numbers)."""
+"""The step-time model: matmul efficiency from the GEMM shapes, collectives, interleaved pipelining, sharded
+data parallelism. Its accuracy on published runs is benchmarks/published_runs.py's to gate (it exits 1 below
+its targets); tests/test_accuracy_claims.py checks that the README quotes what it prints."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import dataclasses
 import functools
 import importlib.util
 import sys
-import statistics
 from pathlib import Path
 
 import pytest
@@ -95,21 +95,6 @@ def test_virtual_stages_divide_the_bubble_multiply_the_p2p_and_raise_activation_
     assert held == 2 * 16 + (2 * 2 * 16 - 16)
     hidden_gib = GPT_20B.seq_length * GPT_20B.hidden_size * 2 / 1e9
     assert mb.activations_gib == pytest.approx(ma.activations_gib * (1 + 3 / 8) + held * hidden_gib, rel=0.02)
-
-
-def test_published_runs_meet_the_step_time_and_memory_targets_on_every_gpu_type():
-    """benchmarks/published_runs.py's figures: per GPU type the median step-time error <= 8% and the ranking
-    of each (model, GPU, sequence) group's runs (Spearman >= 0.85); over the runs with a measured peak the median memory
-    error <= 10%, and none of them called "does not fit"."""
-    bench = published()
-    runs = bench.load_runs()
-    for gpu in {r.gpu for r in runs}:
-        summary = bench.summarise([r for r in runs if r.gpu == gpu], bench.predicted_step_s)
-        assert summary.median <= 0.08, gpu
-        assert summary.spearman is None or summary.spearman >= 0.85, gpu
-    overall = bench.summarise(runs, bench.predicted_step_s)
-    assert overall.memory_runs == 18
-    assert overall.memory_median <= 0.10 and overall.wrong_no_fit == 0
 
 
 def test_sharded_data_parallel_collectives_follow_each_engine_per_micro_batch():

@@ -1,0 +1,106 @@
+"""Ctrl-C during a search on SLURM (README: "Ctrl-C exits 130, submitted jobs keep running"): SIGINT to the
+orchestrator's whole process group, as a terminal sends it; the orchestrator exits 130, the sbatch job
+keeps running (SLURM's, not the command's), and the same command again re-attaches to it by its job id,
+submits nothing, and collects its result. sacct is the witness. The local-backend twin (SIGINT to the
+orchestrator alone) is tests/test_search_interrupt.py.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Optional
+
+import pandas as pd
+import pytest
+
+from hp_tool.contracts.result import request_stop
+from hp_tool.vocab import LOSING, METRICS_FILE
+from test_search_on_slurm import REPO, results, sacct_jobs, settled_jobs  # tests/slurm is on sys.path
+
+pytestmark = pytest.mark.slurm
+TS = "search_config.train_settings"
+
+
+def command(tmp_path: Path, prefix: str) -> list[str]:
+    """One one-process gpt3/tiny trial that trains until it is asked to stop (or its 4-minute limit)."""
+    return [sys.executable, str(REPO / "main.py"), "search_config=gpt3/tiny", "cluster=bcm", "cluster.partition=debug",
+            f"cluster.job_name_prefix={prefix}", f"base_results_dir={tmp_path / 'res'}", "memory_check=analytic",
+            f"{TS}.gpus_per_node=1", f"{TS}.tensor_parallel_sizes=[1]", f"{TS}.pipeline_parallel_sizes=[1]",
+            f"{TS}.micro_batch_sizes=[2]", f"{TS}.limit_search_runs=1", f"{TS}.search_strategy=exhaustive",
+            f"{TS}.stable_cv=0", f"{TS}.max_steps_per_run=1000000", f"{TS}.max_minutes_per_run=4"]
+
+
+def start(cmd: list[str], log: Path) -> subprocess.Popen:
+    """The orchestrator in its own process group (so the test can Ctrl-C that group), output in ``log``."""
+    with log.open("w") as sink:
+        return subprocess.Popen(cmd, cwd=log.parent, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_for(what: str, check, proc: Optional[subprocess.Popen], timeout_s: float = 120.0):
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        value = check()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            pytest.fail(f"the orchestrator exited {proc.returncode} while waiting for {what}")
+        time.sleep(0.5)
+    pytest.fail(f"no {what} after {timeout_s:.0f} s")
+
+
+def submitted(res: Path) -> list[dict]:
+    path = res / "jobs.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [e for e in map(json.loads, lines) if e["state"] == "submitted"]
+
+
+def steps(out: Path) -> int:
+    path = out / METRICS_FILE
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def test_ctrl_c_exits_130_the_slurm_job_keeps_running_and_the_next_run_reattaches(tmp_path):
+    p = f"t{uuid.uuid4().hex[:6]}:"
+    res = results(tmp_path)
+    started: list[subprocess.Popen] = []
+    try:
+        first = start(command(tmp_path, p), tmp_path / "first.log")
+        started.append(first)
+        [entry] = wait_for("submitted job", lambda: submitted(res), first)
+        out = res / "training_logs" / entry["trial_id"]
+        wait_for("trained step", lambda: steps(out) >= 2, first)
+
+        os.killpg(first.pid, signal.SIGINT)  # Ctrl-C: the orchestrator's whole process group
+        said = (tmp_path / "first.log").read_text
+        assert first.wait(timeout=60) == 130, said()[-3000:]
+        assert "Interrupted: submitted jobs keep running" in said() and "cancel=true" in said()
+        trained = steps(out)
+        wait_for("step after the interrupt", lambda: steps(out) > trained, None)  # the job still trains
+        assert [state for _, state in sacct_jobs(p)] == ["RUNNING"]
+
+        log = tmp_path / "second.log"
+        second = start(command(tmp_path, p), log)
+        started.append(second)
+        wait_for("re-attachment", lambda: f"re-attached {entry['trial_id']} to job {entry['job_id']}" in log.read_text(),
+                 second)
+        request_stop(out, LOSING, "asked to stop by the test")  # ends the endless trial after its current step
+        assert second.wait(timeout=120) == 0, log.read_text()[-3000:]
+    except BaseException:
+        for job in submitted(res):  # never leave a job of a failed test running on the cluster
+            subprocess.run(["scancel", job["job_id"]], capture_output=True, timeout=30)
+        raise
+    finally:
+        for proc in started:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+    assert [e["job_id"] for e in submitted(res)] == [entry["job_id"]]  # submitted once: the second run re-attached
+    assert [state for _, state in settled_jobs(p, 1)] == ["COMPLETED"]
+    rows = pd.read_csv(res / "final_results" / "all_trials_1nodes.csv")
+    [row] = rows[rows["plan_status"] == "selected"].itertuples()
+    assert row.status == "ok" and row.steps_run > trained

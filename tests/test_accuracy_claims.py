@@ -1,0 +1,117 @@
+"""README's and docs/accuracy.md's accuracy figures are the ones the benchmarks print.
+
+The gates themselves live in the benchmarks: ``benchmarks/published_runs.py`` exits 1 when the step-time or
+memory model misses a target (``Targets``). These tests do not gate on accuracy; they check that the
+benchmarks run, that the gate fires when a target is missed, and that every figure the README and
+docs/accuracy.md quote is the one printed today: a model change that moves a figure fails here until the
+page is updated. Planning only (no process, no torch): fast tier.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import math
+import re
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+ACCURACY = ROOT / "docs" / "accuracy.md"
+
+
+@functools.lru_cache(maxsize=None)
+def benchmark(name: str):
+    """benchmarks/<name>.py as a module (the folder is no package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its dataclasses resolve their annotations through it
+    spec.loader.exec_module(module)
+    return module
+
+
+def flat(text: str) -> str:
+    """Text with every run of whitespace as one space: sentences wrap differently on each page."""
+    return re.sub(r"\s+", " ", text)
+
+
+def run_main(module, capsys, argv: list[str]) -> tuple[int, str]:
+    code = module.main(argv)
+    return code, capsys.readouterr().out
+
+
+def test_published_runs_prints_the_readme_and_accuracy_page_figures(capsys):
+    """published_runs.py --summary runs to its exit code (0 or 1; the gate is its business, not this test's),
+    README's sentence quotes its "all" row (runs, step median, Spearman, memory median, no wrong "does not
+    fit"), and docs/accuracy.md holds every row of its summary and leave-one-source-out tables and its
+    targets."""
+    bench = benchmark("published_runs")
+    code, out = run_main(bench, capsys, ["--summary"])
+    assert code in (0, 1)
+    last = out.rstrip().splitlines()[-1]
+    assert last.startswith(f"Targets: {bench.TARGETS.text()}: ") and last.endswith(": met") == (code == 0)
+
+    overall = bench.summarise(bench.load_runs(), bench.predicted_step_s)
+    assert bench.summary_line("all", overall) in out.splitlines()
+    readme = flat(README.read_text())
+    claim = re.search(r"against (\d+) published runs \(.*?\): median error ([\d.]+)%, Spearman ([\d.]+); peak memory "
+                      r"median error ([\d.]+)%, no run wrongly called \"does not fit\"", readme)
+    assert claim, "README's step-time sentence is not where this test looks for it"
+    assert claim.groups() == (str(overall.runs), f"{100 * overall.median:.1f}", f"{overall.spearman:.2f}",
+                              f"{100 * overall.memory_median:.1f}")
+    assert overall.wrong_no_fit == 0
+
+    page = ACCURACY.read_text().splitlines()
+    rows = [line for line in out.splitlines() if line.startswith("| ")]
+    assert len(rows) >= 7 + 5  # the summary rows and the leave-one-source-out rows
+    assert [row for row in rows if row not in page] == []
+    assert f"Targets: {bench.TARGETS.text()}." in flat(ACCURACY.read_text())
+
+
+def test_published_runs_exits_1_naming_the_target_a_worse_model_misses(capsys, monkeypatch):
+    """The gate: a step-time model 20% slow everywhere misses the step-time target on every GPU type, and
+    the script says so and exits 1; a memory model that calls a measured run "does not fit" misses that one."""
+    bench = benchmark("published_runs")
+    real = bench.predicted_step_s
+    monkeypatch.setattr(bench, "predicted_step_s", lambda run: 1.2 * real(run))
+    code, out = run_main(bench, capsys, ["--summary"])
+    assert code == 1
+    last = out.rstrip().splitlines()[-1]
+    assert "MISSED" in last and "a100_80gb: step-time median" in last and "h100_96gb_hbm2e: step-time median" in last
+    monkeypatch.setattr(bench, "predicted_step_s", real)
+    monkeypatch.setattr(bench, "fits", lambda run: run.id != "r001")
+    assert bench.missed_targets(bench.load_runs()) == ['1 runs with a measured peak called "does not fit"']
+
+
+@pytest.fixture(scope="module")
+def finetune_errors() -> list[float]:
+    return benchmark("finetune_table").tokens_per_hour_errors()
+
+
+def test_readme_fine_tuning_sentence_is_the_benchmarks_median(finetune_errors):
+    """README: "Llama-2 7B fine-tuning on 8 x A100: tokens/hour within N% (median)"; N is the median error of
+    finetune_table.py's four contexts rounded up to a whole percent: neither wrong nor looser than measured."""
+    claim = re.search(r"Llama-2 7B fine-tuning on 8 x A100: tokens/hour within ([\d.]+)% \(median\)",
+                      flat(README.read_text()))
+    assert claim, "README's fine-tuning sentence is not where this test looks for it"
+    median = abs(statistics.median(finetune_errors))
+    assert median <= float(claim.group(1)) / 100
+    assert float(claim.group(1)) == max(1, math.ceil(round(100 * median, 6)))
+
+
+def test_accuracy_page_fine_tuning_table_is_the_benchmarks(finetune_errors):
+    """docs/accuracy.md's fine-tuning rows (measured, predicted M tok/h, error) and its median/max line are
+    what finetune_table.py prints."""
+    ft = benchmark("finetune_table")
+    page = ACCURACY.read_text()
+    for (ctx, _, measured, _), error in zip(ft.MEASURED, finetune_errors):
+        row = f"| {ctx} | {measured:.2f} | {measured * (1 + error):.1f} | {100 * error:+.0f}% |"
+        assert row in page
+    ordered = sorted(finetune_errors)
+    line = (f"Median {100 * ordered[1]:+.0f}% .. {100 * ordered[2]:+.0f}%, "
+            f"max {100 * max(map(abs, finetune_errors)):.0f}%.")
+    assert line in flat(page)
