@@ -19,12 +19,14 @@ def synthetic(compute_factor: float, comm_factor: float, n: int = 8, noise: floa
     return points
 
 
-@pytest.mark.parametrize("compute_factor, comm_factor", [(1.6, 0.5), (0.7, 2.5), (1.0, 1.0)])
-def test_known_factors_are_recovered_from_noisy_measurements(compute_factor, comm_factor):
+# the seeded fits are off by (compute, comm) 0.79% and 1.63%, 1.70% and 0.38%, 0.98% and 0.69%: twice that allowed
+@pytest.mark.parametrize("compute_factor, comm_factor, compute_rel, comm_rel",
+                         [(1.6, 0.5, 0.016, 0.033), (0.7, 2.5, 0.034, 0.008), (1.0, 1.0, 0.02, 0.014)])
+def test_known_factors_are_recovered_from_noisy_measurements(compute_factor, comm_factor, compute_rel, comm_rel):
     factors = fit_step_factors(synthetic(compute_factor, comm_factor))
     assert not factors.common and factors.points == 8
-    assert factors.compute == pytest.approx(compute_factor, rel=0.05)
-    assert factors.comm == pytest.approx(comm_factor, rel=0.1)
+    assert factors.compute == pytest.approx(compute_factor, rel=compute_rel)
+    assert factors.comm == pytest.approx(comm_factor, rel=comm_rel)
 
 
 def test_one_straggler_does_not_pull_the_fit():
@@ -32,14 +34,15 @@ def test_one_straggler_does_not_pull_the_fit():
     p = points[0]
     points[0] = StepPoint(p.compute_s, p.comm_s, p.measured_s * 5)  # a trial on a sick node
     factors = fit_step_factors(points)
-    assert factors.compute == pytest.approx(1.5, rel=0.05)
-    assert factors.comm == pytest.approx(0.8, rel=0.15)
+    assert factors.compute == pytest.approx(1.5, rel=0.016)  # off by 0.79%, as without the straggler
+    assert factors.comm == pytest.approx(0.8, rel=0.015)  # off by 0.73%
 
 
 def test_few_trials_fit_one_common_factor_and_none_leave_the_model_alone():
     two = synthetic(2.0, 2.0, n=2, noise=0.0)
     factors = fit_step_factors(two)
-    assert factors.common and factors.compute == factors.comm == pytest.approx(2.0, rel=0.01)
+    # noise-free: only the search's resolution is left (3.3e-8 off)
+    assert factors.common and factors.compute == factors.comm == pytest.approx(2.0, rel=1e-6)
     assert fit_step_factors([]).predict(3.0, 1.0) == 4.0
 
 

@@ -1,6 +1,7 @@
 """The winner trains as it is: a tiny fine-tuning search on a Hugging Face checkpoint the test saves, then
 `python3 -m hp_tool.train <optimal config> model.checkpoint=... data.path=<jsonl>` loads the real weights and
-tokenizer, trains with the chosen layout on 2 CPU processes, and saves a checkpoint transformers loads."""
+tokenizer, trains on the file's text (a sentence the test taught the checkpoint: the losses show which tokens the
+run read) with the chosen layout on 2 CPU processes, and saves a checkpoint transformers loads."""
 
 import json
 import random
@@ -40,13 +41,37 @@ def model_and_data(tmp_path):
     return tmp_path / "model", data
 
 
+SENTENCE = "the quick red fox jumps over a lazy dog"  # no word twice: each word tells the next
+
+
+def teach(folder: Path, text: str, steps: int = 12) -> None:
+    """Train the checkpoint in ``folder`` (transformers' model, AdamW at 1e-2, every offset of ``text`` repeated,
+    each repeat ended by the end-of-sequence token as hp_tool.train packs texts) until it predicts ``text``: 12
+    steps take its loss there from 6.5 to 0.07, and on random tokens to 10.2."""
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    ids = tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    stream = torch.tensor(ids * (2 + 65 // len(ids)))
+    windows = torch.stack([stream[i:i + 65] for i in range(len(ids))])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        loss = F.cross_entropy(model(input_ids=windows[:, :-1]).logits.flatten(0, 1), windows[:, 1:].flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.save_pretrained(folder)
+
+
 def run(*args, cwd, timeout=600):
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd)
 
 
 @pytest.mark.e2e
 def test_search_then_train_the_winner_on_the_real_checkpoint(tmp_path, model_and_data):
-    model, data = model_and_data
+    model, _ = model_and_data
     proc = run(str(REPO / "main.py"), "search_config=finetune/tiny", f"search_config.model.hf_config={model}",
                "cluster=local", f"base_results_dir={tmp_path / 'res'}", "search_config.train_settings.seq_lengths=[64]",
                "search_config.train_settings.limit_search_runs=1", "search_config.train_settings.max_steps_per_run=4",
@@ -54,6 +79,11 @@ def test_search_then_train_the_winner_on_the_real_checkpoint(tmp_path, model_and
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     optimal = next((tmp_path / "res" / "finetune" / "tiny" / "final_results").glob("optimal_config_*.yaml"))
 
+    # the user's text is one sentence the checkpoint has learnt: on it the run's loss is far below what any
+    # model pays on random tokens (ln 512 = 6.24, in expectation; this checkpoint 10.2)
+    teach(model, SENTENCE)
+    data = tmp_path / "sentence.jsonl"
+    data.write_text((json.dumps({"text": SENTENCE}) + "\n") * 600)
     proc = run("-m", "hp_tool.train", str(optimal), f"model.checkpoint={model}", f"data.path={data}",
                f"save_dir={tmp_path / 'tuned'}", f"output_dir={tmp_path / 'run'}", "max_steps=3", cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -72,9 +102,9 @@ def test_search_then_train_the_winner_on_the_real_checkpoint(tmp_path, model_and
     ids = tokenizer("the cat sat on the mat", return_tensors="pt")["input_ids"]
     loss = tuned(input_ids=ids, labels=ids).loss
     assert torch.isfinite(loss)
-    # the run read the packed text: the first sequence's loss is the checkpoint's own on that text
-    first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])["loss"]
-    assert first > 0 and abs(first - 6.238) > 0.1
+    # the run trained on data.path: every step's loss is the taught checkpoint's on the sentence (0.07)
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 3 and 0 < max(losses) < 0.5
 
 
 @pytest.mark.e2e

@@ -47,13 +47,15 @@ def test_the_memory_model_matches_the_trace_for_each_saver(device, layout, toler
 @pytest.mark.e2e
 def test_each_saver_lowers_the_traced_peak_by_what_the_model_says():
     """At 4096 tokens on CPU: the chunked loss, CP2 (against DP2, the same states) and SP (against TP2) each
-    lower the traced peak, and the model's saving is within 10% of the traced one."""
-    pairs = [({}, CHUNKED), (dict(dp=2, zero_stage=3), dict(cp=2, zero_stage=3)), (dict(tp=2), dict(tp=2, sequence_parallel=True))]
-    for without, with_saver in pairs:
+    lower the traced peak, and the model's saving is the traced one's within twice the measured gap (the
+    trace is deterministic: 0.003%, 0.027% and 0.098% of 640, 705 and 80 MiB)."""
+    pairs = [({}, CHUNKED, 6e-5), (dict(dp=2, zero_stage=3), dict(cp=2, zero_stage=3), 6e-4),
+             (dict(tp=2), dict(tp=2, sequence_parallel=True), 2e-3)]
+    for without, with_saver, tolerance in pairs:
         peaks, models = [], []
         for layout in (without, with_saver):
             spec = long_spec(**layout)
             peaks.append(trace_stage(spec, 0, "cpu").peak_bytes)
             models.append(estimate_memory(spec.model.shape(), spec.layout(), target_hardware(spec, "cpu")).total_gib * 2**30)
         assert peaks[1] < peaks[0]
-        assert models[0] - models[1] == pytest.approx(peaks[0] - peaks[1], rel=0.10), (without, with_saver)
+        assert models[0] - models[1] == pytest.approx(peaks[0] - peaks[1], rel=tolerance), (without, with_saver)

@@ -111,7 +111,12 @@ def test_two_orchestrators_started_together_submit_each_trial_once_and_a_third_i
                                        stderr=subprocess.PIPE, text=True) for _ in range(2))
     lock = out_dir(tmp_path) / LOCK_FILE
     deadline = time.time() + 60
-    while time.time() < deadline and not (lock.exists() and "pid" in lock.read_text()):
+    while not (lock.exists() and "pid" in lock.read_text()):
+        if time.time() > deadline:
+            for p in (first, waiting):
+                p.kill()
+            pytest.fail(f"after 60 s no orchestrator has written its pid into {lock}; their output: "
+                        + " | ".join("".join(p.communicate())[-1500:] for p in (first, waiting)))
         time.sleep(0.2)
     holder = lock.read_text()
     refused = run(tmp_path, *args[:-1], timeout=120)  # without wait_for_lock

@@ -39,7 +39,8 @@ def test_traced_peak_matches_the_real_runs_peak_per_rank(tmp_path, savers):
 def test_the_chunked_loss_saves_the_logits_the_full_loss_holds():
     """Traced on CPU (fp32), the chunked loss's peak is below the full loss's by what the analytic model
     says the full loss holds beyond the chunked one (``logits_bytes``: the logits, their log-softmax and
-    their gradient, against one chunk's logits and the gradients computed in forward), within 10%."""
+    their gradient, against one chunk's logits and the gradients computed in forward): 0.012% apart (the trace
+    is deterministic), twice that allowed."""
     peaks, held = {}, {}
     hw = Hardware(gpus_per_node=1, gpu_memory_gib=80, peak_tflops=1, intra_node_bandwidth_gbps=1,
                   inter_node_bandwidth_gbps=1, memory_overhead_gib=0, precision="fp32")
@@ -47,7 +48,7 @@ def test_the_chunked_loss_saves_the_logits_the_full_loss_holds():
         spec = long_context_spec(loss=loss, loss_chunk_tokens=CHUNK)
         peaks[loss] = trace_stage(spec).peak_bytes
         held[loss] = logits_bytes(spec.model.shape(), spec.layout(), hw)
-    assert peaks["full"] - peaks["chunked"] == pytest.approx(held["full"] - held["chunked"], rel=0.1)
+    assert peaks["full"] - peaks["chunked"] == pytest.approx(held["full"] - held["chunked"], rel=2.5e-4)
 
 
 def _per_unit(spec, measure) -> float:

@@ -1,10 +1,12 @@
 """GPT-3 on the trial engine: transformers' OPT, which has GPT-3's layout (learned positions,
-pre-LayerNorm, separate q/k/v with biases, GELU, input and output embeddings tied)."""
+pre-LayerNorm, separate q/k/v with biases, GELU, input and output embeddings tied), with GPT-3's position table
+of one row per position."""
 
 from __future__ import annotations
 
 from torch import nn
 from transformers import OPTConfig, OPTForCausalLM
+from transformers.models.opt.modeling_opt import OPTLearnedPositionalEmbedding
 
 from hp_tool.contracts.spec import ModelSpec
 from hp_tool.trial.causal import CausalParts, causal_fake_batch, cut_causal_stage
@@ -31,6 +33,24 @@ def config(model: ModelSpec) -> OPTConfig:
     )
 
 
+class GPT3Positions(OPTLearnedPositionalEmbedding):
+    """GPT-3's learned positions: row ``p`` for position ``p``, ``seq_length`` rows. OPT's own table starts at
+    row 2 (fairseq's padding offset) and so holds two rows no position reads: 2·h parameters the planner's
+    count (``hp_tool.families.gpt3``) rightly leaves out (24,576 at 175B)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        nn.Embedding.__init__(self, num_embeddings, embedding_dim)
+        self.offset = 0
+
+
+class GPT3ForCausalLM(OPTForCausalLM):
+    """transformers' OPT with :class:`GPT3Positions` in place of OPT's position table."""
+
+    def __init__(self, config: OPTConfig):
+        super().__init__(config)
+        self.model.decoder.embed_positions = GPT3Positions(config.max_position_embeddings, config.hidden_size)
+
+
 def cut_stage(model: ModelSpec, full: nn.Module, pp: int, stage: int):
     """This stage of an ``OPTForCausalLM`` on meta (its decoder holds embeddings, layers and final norm)."""
     body = full.model.decoder
@@ -45,5 +65,5 @@ def shard_heads(layer: nn.Module, tp: int) -> None:
             module.num_heads //= tp
 
 
-register(TorchFamily(name="gpt3", config=config, model_class=OPTForCausalLM, cut_stage=cut_stage,
+register(TorchFamily(name="gpt3", config=config, model_class=GPT3ForCausalLM, cut_stage=cut_stage,
                      layer_plan=lambda layer: LAYER_PLAN, shard_heads=shard_heads, fake_batch=causal_fake_batch))
