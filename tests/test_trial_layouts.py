@@ -101,6 +101,9 @@ def test_failure_on_one_rank_leaves_failed_status_without_hanging(tmp_path):
     assert proc.returncode != 0
     result = read_result(out)
     assert result["status"] == "failed" and result["stop_reason"] is None
-    assert result["reason"].startswith("rank 1: RuntimeError: injected failure")
+    # the failing rank, the phase it was in (the second step, the first one's time listed), the exception
+    assert result["reason"].startswith("rank 1 in step 2 after ")
+    assert "first optimizer step" in result["reason"].splitlines()[0]
+    assert "RuntimeError: injected failure on rank 1 at step 2" in result["reason"].splitlines()[0]
     assert "Traceback" in result["reason"]
     assert len(read_metrics(out)) == 1  # step 1 finished, step 2 failed
