@@ -1,12 +1,20 @@
 """Searches of gpt3/tiny run in the test process on the in-process backend (cluster=in_process), one process
-per trial; the real-subprocess searches (cluster=local) build their own command lines. No tests here."""
+per trial; the real-subprocess searches (cluster=local) build their own command lines; ``start``, ``wait_for``,
+``ledger`` and ``steps`` watch such a search from outside (the Ctrl-C tests, local and SLURM). No tests here."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import time
 from pathlib import Path
+from typing import Optional
+
+import pytest
 
 from hp_tool.cli import compose, results_dir, run
 from hp_tool.config import AppConfig, to_app_config
+from hp_tool.vocab import LEDGER_FILE, METRICS_FILE
 
 TS = "search_config.train_settings"
 ONE_PROCESS = (f"{TS}.gpus_per_node=1", f"{TS}.tensor_parallel_sizes=[1]", f"{TS}.pipeline_parallel_sizes=[1]")
@@ -23,3 +31,36 @@ def search_here(tmp_path: Path, *overrides: str) -> tuple[int, Path]:
     """Run the command `python3 main.py` would, in this process; returns (exit code, results folder)."""
     app, name = in_process_app(tmp_path, *overrides)
     return run(app, name), results_dir(app, name)
+
+
+def start(cmd: list[str], log: Path) -> subprocess.Popen:
+    """The orchestrator in its own session (so a test can Ctrl-C its process group), its output in ``log``:
+    a file, not a pipe, which the job it starts would hold open past its exit."""
+    with log.open("w") as sink:
+        return subprocess.Popen(cmd, cwd=log.parent, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_for(what: str, check, proc: Optional[subprocess.Popen] = None, timeout_s: float = 60.0,
+             interval_s: float = 0.2):
+    """``check()``'s first true value; fails when ``proc`` (the orchestrator) exits first or at the deadline."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        value = check()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            pytest.fail(f"the orchestrator exited {proc.returncode} while waiting for {what}")
+        time.sleep(interval_s)
+    pytest.fail(f"no {what} after {timeout_s:.0f} s")
+
+
+def ledger(results: Path) -> list[dict]:
+    """The search's ledger lines (jobs.jsonl), none before its first submission."""
+    path = results / LEDGER_FILE
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def steps(out: Path) -> int:
+    """Steps a trial has logged in its metrics.jsonl."""
+    path = out / METRICS_FILE
+    return len(path.read_text().splitlines()) if path.exists() else 0

@@ -18,13 +18,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 import pandas as pd
 import pytest
 
 from hp_tool.contracts.result import request_stop
-from hp_tool.vocab import LOSING, METRICS_FILE
+from hp_tool.vocab import LOSING
+from search_helpers import ledger, start, steps, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 TS = "search_config.train_settings"
@@ -39,41 +39,12 @@ def command(tmp_path: Path) -> list[str]:
             f"{TS}.max_steps_per_run=1000000", f"{TS}.max_minutes_per_run=2"]
 
 
-def start(cmd: list[str], log: Path) -> subprocess.Popen:
-    """The orchestrator in its own session, its output in ``log``: a file, not a pipe, which the job it
-    starts would hold open past its exit."""
-    with log.open("w") as sink:
-        return subprocess.Popen(cmd, cwd=log.parent, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def ledger(results: Path) -> list[dict]:
-    path = results / "jobs.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def wait_for(what: str, check, timeout_s: float = 60.0, proc: Optional[subprocess.Popen] = None):
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        value = check()
-        if value:
-            return value
-        if proc is not None and proc.poll() is not None:
-            pytest.fail(f"the orchestrator exited {proc.returncode} while waiting for {what}")
-        time.sleep(0.2)
-    pytest.fail(f"no {what} after {timeout_s:.0f} s")
-
-
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     return True
-
-
-def steps(out: Path) -> int:
-    path = out / METRICS_FILE
-    return len(path.read_text().splitlines()) if path.exists() else 0
 
 
 @pytest.mark.e2e

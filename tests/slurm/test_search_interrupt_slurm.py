@@ -5,25 +5,24 @@ submits nothing, and collects its result. sacct is the witness. The local-backen
 orchestrator alone) is tests/test_search_interrupt.py.
 """
 
-import json
 import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
-from typing import Optional
 
 import pandas as pd
 import pytest
 
 from hp_tool.contracts.result import request_stop
-from hp_tool.vocab import LOSING, METRICS_FILE
+from hp_tool.vocab import LOSING
+from search_helpers import ledger, start, steps, wait_for  # tests/ is on sys.path (its conftest)
 from test_search_on_slurm import REPO, results, sacct_jobs, settled_jobs  # tests/slurm is on sys.path
 
 pytestmark = pytest.mark.slurm
 TS = "search_config.train_settings"
+SLURM_WAIT = (120.0, 0.5)  # seconds to wait for a step of the search, and between looks (the scheduler is slower)
 
 
 def command(tmp_path: Path, prefix: str) -> list[str]:
@@ -35,33 +34,8 @@ def command(tmp_path: Path, prefix: str) -> list[str]:
             f"{TS}.stable_cv=0", f"{TS}.max_steps_per_run=1000000", f"{TS}.max_minutes_per_run=4"]
 
 
-def start(cmd: list[str], log: Path) -> subprocess.Popen:
-    """The orchestrator in its own process group (so the test can Ctrl-C that group), output in ``log``."""
-    with log.open("w") as sink:
-        return subprocess.Popen(cmd, cwd=log.parent, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def wait_for(what: str, check, proc: Optional[subprocess.Popen], timeout_s: float = 120.0):
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        value = check()
-        if value:
-            return value
-        if proc is not None and proc.poll() is not None:
-            pytest.fail(f"the orchestrator exited {proc.returncode} while waiting for {what}")
-        time.sleep(0.5)
-    pytest.fail(f"no {what} after {timeout_s:.0f} s")
-
-
 def submitted(res: Path) -> list[dict]:
-    path = res / "jobs.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
-    return [e for e in map(json.loads, lines) if e["state"] == "submitted"]
-
-
-def steps(out: Path) -> int:
-    path = out / METRICS_FILE
-    return len(path.read_text().splitlines()) if path.exists() else 0
+    return [e for e in ledger(res) if e["state"] == "submitted"]
 
 
 def test_ctrl_c_exits_130_the_slurm_job_keeps_running_and_the_next_run_reattaches(tmp_path):
@@ -71,23 +45,23 @@ def test_ctrl_c_exits_130_the_slurm_job_keeps_running_and_the_next_run_reattache
     try:
         first = start(command(tmp_path, p), tmp_path / "first.log")
         started.append(first)
-        [entry] = wait_for("submitted job", lambda: submitted(res), first)
+        [entry] = wait_for("submitted job", lambda: submitted(res), first, *SLURM_WAIT)
         out = res / "training_logs" / entry["trial_id"]
-        wait_for("trained step", lambda: steps(out) >= 2, first)
+        wait_for("trained step", lambda: steps(out) >= 2, first, *SLURM_WAIT)
 
         os.killpg(first.pid, signal.SIGINT)  # Ctrl-C: the orchestrator's whole process group
         said = (tmp_path / "first.log").read_text
         assert first.wait(timeout=60) == 130, said()[-3000:]
         assert "Interrupted: submitted jobs keep running" in said() and "cancel=true" in said()
         trained = steps(out)
-        wait_for("step after the interrupt", lambda: steps(out) > trained, None)  # the job still trains
+        wait_for("step after the interrupt", lambda: steps(out) > trained, None, *SLURM_WAIT)  # the job still trains
         assert [state for _, state in sacct_jobs(p)] == ["RUNNING"]
 
         log = tmp_path / "second.log"
         second = start(command(tmp_path, p), log)
         started.append(second)
         wait_for("re-attachment", lambda: f"re-attached {entry['trial_id']} to job {entry['job_id']}" in log.read_text(),
-                 second)
+                 second, *SLURM_WAIT)
         request_stop(out, LOSING, "asked to stop by the test")  # ends the endless trial after its current step
         assert second.wait(timeout=120) == 0, log.read_text()[-3000:]
     except BaseException:
