@@ -3,6 +3,7 @@ real processes through the local backend, otherwise in this process on the in-pr
 adaptive search's decisions at launch time. The sbatch script: tests/test_backends.py (golden file)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -159,3 +160,37 @@ def test_adaptive_search_stops_a_losing_trial_early_keeps_its_measurement_and_re
     assert len(Ledger(out).submissions()) == 2  # resumed: the stopped trial's measurement stands
     rows_again = pd.read_csv(out / "final_results" / "all_trials_1nodes.csv").set_index("tp")
     assert rows_again.loc[2, "steps_run"] == slow["steps_run"] and rows_again.loc[2, "stop_reason"] == "losing"
+
+
+def test_jobs_sharing_a_node_rendezvous_on_distinct_ports_outside_the_ephemeral_range(monkeypatch):
+    """Two trials on one node once met EADDRINUSE: submitit drew MASTER_PORT at random from 20000-60000,
+    inside Linux's ephemeral range, where gloo's sockets and outgoing connections already held it. Each job
+    entry (here under a SLURM job's variables, 100 consecutive job ids) must export a port the kernel never
+    hands out on its own and no neighbouring job shares; a MASTER_PORT the user set is kept."""
+    from hp_tool.launch.job import SubmititEntry
+
+    low, _high = (int(n) for n in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    def exported(_path):  # what the trial would read; cleared so the next job starts as a fresh process
+        found = os.environ["MASTER_PORT"], os.environ["MASTER_ADDR"]
+        for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+            os.environ.pop(key, None)
+        return found
+
+    entry = SubmititEntry(exported)
+    env = dict(SUBMITIT_EXECUTOR="slurm", SLURM_JOB_NODELIST="node1", SLURM_NTASKS="2", SLURM_JOB_NUM_NODES="1",
+               SLURM_NODEID="0", SLURM_PROCID="1", SLURM_LOCALID="1")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.setenv(key, "")  # recorded, so the test leaves them as it found them
+        monkeypatch.delenv(key)
+    ports = []
+    for job_id in range(4_300, 4_400):
+        monkeypatch.setenv("SLURM_JOB_ID", str(job_id))
+        port, addr = entry("unused.yaml")
+        assert addr == "node1"
+        ports.append(int(port))
+    assert all(1024 <= port < low for port in ports), sorted(ports)[-5:]
+    assert len(set(ports)) == len(ports)
+    os.environ["MASTER_PORT"] = "29511"
+    assert entry("unused.yaml")[0] == "29511"

@@ -229,9 +229,9 @@ def run_inference(config_path: str | os.PathLike) -> dict:
 
 def inference_job(config_path: str) -> dict:
     """Entry point of a submitit job: export torch.distributed's environment, then run."""
-    import submitit
+    from hp_tool.launch.job import export_torch_distributed
 
-    submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+    export_torch_distributed()
     return run_inference(config_path)
 
 

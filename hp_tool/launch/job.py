@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
 import threading
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -19,6 +22,10 @@ from hp_tool.fsutil import atomic_write_json
 from hp_tool.vocab import METRICS_FILE, RESULT_FILE
 
 SIGNAL_DELAY_S = 60  # submitit signals a job this long before its limit
+# A job's rendezvous port: below Linux's ephemeral range (32768-60999 by default), where the kernel hands out
+# the local ports of outgoing connections and gloo's listening sockets, so a busy node never holds it already;
+# consecutive job ids get different ports, so jobs that share a node do not meet on one.
+RENDEZVOUS_PORTS = range(20000, 32768)
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,24 @@ def job_name(prefix: str, search_id: str, name: str) -> str:
     return f"{prefix}{search_id}:{name}"
 
 
+def rendezvous_port(job_id: str) -> int:
+    """MASTER_PORT for a job, the same on every rank: from the job id's number (an array task's index
+    added), else a checksum of the id."""
+    numbers = [int(n) for n in re.findall(r"\d+", job_id)]
+    key = sum(numbers) if numbers else zlib.crc32(job_id.encode())
+    return RENDEZVOUS_PORTS.start + key % len(RENDEZVOUS_PORTS)
+
+
+def export_torch_distributed() -> None:
+    """torch.distributed's variables from submitit's environment (SLURM's or the local executor's), the
+    rendezvous port from ``rendezvous_port`` unless the user set MASTER_PORT."""
+    env = submitit.helpers.TorchDistributedEnvironment()
+    if "MASTER_PORT" not in os.environ:
+        env.master_port = rendezvous_port(submitit.JobEnvironment().job_id)
+    os.environ.pop("MASTER_PORT", None)  # export refuses a variable already set; env holds its value
+    env.export(set_cuda_visible_devices=False)
+
+
 @dataclass(frozen=True)
 class SubmititEntry:
     """What a submitit job runs: torch.distributed's variables exported from submitit's environment
@@ -75,7 +100,7 @@ class SubmititEntry:
     entry: Callable[[str], Any]
 
     def __call__(self, config_path: str) -> Any:
-        submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+        export_torch_distributed()
         return self.entry(config_path)
 
 

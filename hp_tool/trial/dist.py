@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from hp_tool.errors import require
+from hp_tool.launch.job import rendezvous_port
 from hp_tool.contracts.spec import ParallelSpec
 
 log = logging.getLogger(__name__)
@@ -57,14 +58,14 @@ def read_env(environ: Optional[dict] = None) -> DistEnv:
 
 
 def _export_slurm_rendezvous() -> None:
-    """Under plain srun, point MASTER_ADDR/PORT at the job's first node (a port derived from the job id)."""
+    """Under plain srun, point MASTER_ADDR/PORT at the job's first node (the port from the job id)."""
     if "MASTER_ADDR" not in os.environ:
         nodelist = os.environ.get("SLURM_JOB_NODELIST", "")
         hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
                                text=True, check=True).stdout.split()
         os.environ["MASTER_ADDR"] = hosts[0]
     if "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(20000 + int(os.environ.get("SLURM_JOB_ID", "0")) % 20000)
+        os.environ["MASTER_PORT"] = str(rendezvous_port(os.environ.get("SLURM_JOB_ID", "0")))
 
 
 def select_device(env: DistEnv) -> torch.device:
