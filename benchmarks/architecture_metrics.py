@@ -1,6 +1,7 @@
 """Structure of the hp_tool package, measured from its source: where model-family knowledge lives, the
-import graph's cycles, function-level imports, the types that describe a parallel layout, and the
-busiest module's internal imports.
+import graph's cycles, function-level imports, the types that describe a parallel layout, the busiest
+module's internal imports, how many files name each searched dimension, the engine-name branches outside
+the engine registry and the family module-name literals in trial code outside ``hp_tool/trial/families/``.
 
     python benchmarks/architecture_metrics.py [--list]
 
@@ -8,7 +9,10 @@ Family branches: comparisons of a family name (``family ==``/``!=``/``in``, a fa
 "llama" compared to anything, or a use of an encoder-decoder name list) outside the registry folders
 ``hp_tool/families/`` and ``hp_tool/trial/families/``. Import cycles: strongly connected components of
 the graph of every internal import, module-level and function-level (a function-level import that dodges
-a cycle is still the cycle). Layout types: classes that carry both a ``tp`` and a ``pp`` integer field.
+a cycle is still the cycle). Layout types: classes that carry both a ``tp`` and a ``pp`` integer field. Dimension files: files of
+hp_tool whose code names a searched dimension (``hp_tool/dimensions.py``'s rows) as a word, comments and
+docstrings aside. Engine branches: comparisons with an engine name (``engine ==``/``!=``/``in``, or
+"torch"/"deepspeed" compared to anything) outside ``hp_tool/trial/engines/``.
 """
 
 from __future__ import annotations
@@ -23,7 +27,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "hp_tool"
 REGISTRY_DIRS = (PKG / "families", PKG / "trial" / "families")
-FAMILY_NAMES = ("gpt3", "llama", "t5", "mt5")
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from family_literals import module_name_literals  # noqa: E402
+from hp_tool.dimensions import DIMENSIONS  # noqa: E402
+from hp_tool.families import family_names  # noqa: E402
+
+FAMILY_NAMES = tuple(family_names())
+ENGINE_DIR = PKG / "trial" / "engines"
+ENGINE_BRANCH = re.compile(r"\bengine\b[\w.\]\)]*\s*(==|!=|\bin\b|\bnot in\b)|"
+                           r"(==|!=)\s*[\"'](torch|deepspeed)[\"']|[\"'](torch|deepspeed)[\"']\s*(==|!=|\bin\b)")
 FAMILY_BRANCH = re.compile(r"\bfamily\b[\w.\]\)]*\s*(==|!=|\bin\b|\bnot in\b)|ENCODER_DECODER|"
                            r"(==|!=)\s*[\"'](" + "|".join(FAMILY_NAMES) + r")[\"']|"
                            r"[\"'](" + "|".join(FAMILY_NAMES) + r")[\"']\s*(==|!=|\bin\b)")
@@ -143,7 +156,7 @@ def family_branches(mods: dict[str, Path]) -> list[str]:
 # worker and benchmarks reach into it.
 FLOORS = (
     ("vocabulary and contracts", ("hp_tool.errors", "hp_tool.registry", "hp_tool.fsutil", "hp_tool.fingerprint", "hp_tool.vocab",
-                                  "hp_tool.cost", "hp_tool.tables")),
+                                  "hp_tool.cost", "hp_tool.tables", "hp_tool.dimensions")),
     ("model facts", ("hp_tool.throughput", "hp_tool.families", "hp_tool.architectures", "hp_tool.sizing", "hp_tool.sharding",
                      "hp_tool.layout", "hp_tool.estimate")),
     ("contracts", ("hp_tool.contracts", "hp_tool.config", "hp_tool.wandb_key", "hp_tool.hf_config")),
@@ -178,6 +191,38 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
     return sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps
                   if floor_of(d) > floor_of(m) and not d.startswith(m + ".")
                   and not (m in DOORS and floor_of(d) == len(FLOORS) - 1))
+
+
+def code_lines(path: Path) -> list[tuple[int, str]]:
+    """(line number, code) of a file with comments and docstrings blanked."""
+    text = path.read_text()
+    docs = set()
+    for n in ast.walk(ast.parse(text)):
+        if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and n.body and \
+                isinstance(n.body[0], ast.Expr) and isinstance(getattr(n.body[0], "value", None), ast.Constant) \
+                and isinstance(n.body[0].value.value, str):
+            docs.update(range(n.body[0].lineno, n.body[0].end_lineno + 1))
+    return [(i, line.split("#", 1)[0]) for i, line in enumerate(text.splitlines(), 1) if i not in docs]
+
+
+def dimension_files(mods: dict[str, Path]) -> dict[str, list[str]]:
+    """Per searched dimension, the files of hp_tool whose code names it."""
+    out = {}
+    for d in DIMENSIONS:
+        word = re.compile(rf"\b{d.name}\b")
+        out[d.name] = sorted(str(p.relative_to(ROOT)) for p in mods.values()
+                             if any(word.search(code) for _, code in code_lines(p)))
+    return out
+
+
+def engine_branches(mods: dict[str, Path]) -> list[str]:
+    hits = []
+    for path in mods.values():
+        if path.is_relative_to(ENGINE_DIR):
+            continue
+        hits += [f"{path.relative_to(ROOT)}:{i}: {code.strip()}" for i, code in code_lines(path)
+                 if ENGINE_BRANCH.search(code)]
+    return hits
 
 
 def layout_types(mods: dict[str, Path]) -> list[str]:
@@ -217,6 +262,14 @@ def main() -> None:
     engine_users = sorted(m for m, deps in graph.items() if not m.startswith("hp_tool.trial")
                           and any(d.startswith("hp_tool.trial") for d in deps))
     print(f"modules outside hp_tool.trial importing it: {len(engine_users)}")
+    dims = dimension_files(mods)
+    print("files naming each searched dimension: " + ", ".join(f"{k} {len(v)}" for k, v in dims.items()))
+    print(f"dimensions named in at most 6 files: {sum(len(v) <= 6 for v in dims.values())} of {len(dims)}")
+    engines = engine_branches(mods)
+    print(f"engine-name branches outside hp_tool/trial/engines/: {len(engines)} in "
+          f"{len({e.split(':')[0] for e in engines})} files")
+    literals = module_name_literals(PKG / "trial")
+    print(f"family module-name literals in trial code outside hp_tool/trial/families/: {len(literals)}")
     if args.list:
         print("\n".join(["", "family branches:"] + branches))
         print("\n".join(["", "cycles:"] + [" <-> ".join(c) for c in cyc]))
@@ -224,6 +277,8 @@ def main() -> None:
         print("\n".join(["", "imports running back up:"] + ups))
         print("\n".join(["", "function-level imports per file:"] + [f"{m}: {n}" for m, n in sorted(nested_files.items())]))
         print("\n".join(["", "importers of hp_tool.trial outside it:"] + engine_users))
+        print("\n".join(["", "engine-name branches:"] + engines))
+        print("\n".join(["", "files naming each dimension:"] + [f"{k}: {' '.join(v)}" for k, v in dims.items()]))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,8 @@ from hp_tool.families import family
 from hp_tool.hf_config import HFModel, load_hf_model
 from hp_tool.tables import lookup
 from hp_tool.contracts.spec import (FullRunSpec, LoraSpec, ModelSpec, ParallelSpec, ResourcesSpec, RunSpec, TrainingSpec,
-                                TrialSpec, make_trial_id)
+                                TrialSpec)
+from hp_tool.dimensions import trial_id
 
 TS = "search_config.train_settings"
 
@@ -253,8 +254,9 @@ def base_spec(app: AppConfig, model: ModelChoice, cluster: Cluster) -> TrialSpec
             f"use a multiple of {dp}, or change num_nodes")
     hw = cluster.hw
     return TrialSpec(
-        trial_id=make_trial_id(s.family, model.label, tp, pp, 1, 0, "torch", 3, seq=model_seq(model, s),
-                               ep=1 if s.moe else None),
+        trial_id=trial_id(s.family, model.label, dict(tp=tp, pp=pp, mbs=1, act_ckpt_layers=0, engine="torch",
+                                                      zero_stage=3, seq_length=model_seq(model, s),
+                                                      ep=1 if s.moe else None)),
         model=model_spec(s, model.num_parameters, model.hf),
         parallel=ParallelSpec(tp=tp, pp=pp, dp=dp, mbs=1, act_ckpt_layers=0, engine="torch", zero_stage=3),
         training=TrainingSpec(global_batch_size=gbs, precision=training_precision(app), lr=model.lr,

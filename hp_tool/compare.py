@@ -2,9 +2,10 @@
 
     python3 main.py -m gpu=a10g,a100_80gb,h100_80gb search_config=gpt3/8b dry_run=true
 
-A fine-tuning search (``search_config=finetune/...``) adds the sequence length, engine, ZeRO stage, offload,
-optimizer, MFU, tokens per hour and hours and dollars per epoch of each GPU type's fastest layout: which GPU
-type is cheapest for a model.
+Each row names every searched dimension of the job's fastest layout (hp_tool/dimensions.py: sequence length,
+method, TP, PP, ..., activation offload); a fine-tuning search adds the MFU, tokens per hour and hours and
+dollars per epoch: which GPU type is cheapest for a model. The printed table names the dimensions that differ
+between the jobs' picks.
 
 Each job plans as usual into ``<sweep dir>/<job number>/<search_config>/``; each row is the job's
 predicted fastest layout from its plan (the rank-1 row of its plan.csv) with the days to train and the
@@ -29,25 +30,20 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
+from hp_tool.dimensions import cell, layout_columns, layout_headers, varied
 from hp_tool.fsutil import atomic_write_text
 from hp_tool.plan_output import plan_rows
 from hp_tool.vocab import COMPARISON_FILE
 
 log = logging.getLogger(__name__)
 
-COLUMNS = (
-    "rank", "job", "search_config", "gpu", "num_nodes", "num_gpus", "model_size_b", "status",
-    "best_trial_id", "tp", "pp", "dp", "mbs", "act_ckpt_layers", "predicted_memory_gib", "gpu_memory_gib",
-    "predicted_step_time_s", "predicted_tokens_per_s_per_gpu", "predicted_days_to_train",
-    "gpu_hour_price_usd", "predicted_full_run_cost_usd", "predicted_cost_usd_per_million_tokens",
-    "results_dir", "reason", "engine", "zero_stage", "offload", "optimizer", "seq_length", "predicted_mfu",
-    "predicted_tokens_per_hour", "predicted_hours_per_epoch", "predicted_cost_usd_per_epoch", "act_ckpt_mode",
-)
-PLAN_FIELDS = ("model_size_b", "tp", "pp", "dp", "mbs", "act_ckpt_layers", "predicted_memory_gib",
-               "predicted_step_time_s", "predicted_tokens_per_s_per_gpu", "predicted_days_to_train",
-               "predicted_full_run_cost_usd", "predicted_cost_usd_per_million_tokens", "engine", "zero_stage",
-               "offload", "optimizer", "seq_length", "predicted_mfu", "predicted_tokens_per_hour",
-               "predicted_hours_per_epoch", "predicted_cost_usd_per_epoch", "act_ckpt_mode")
+# the best layout's columns: every searched dimension, then the plan's predictions
+PLAN_FIELDS = ("model_size_b", *layout_columns(), "lora_rank", "predicted_memory_gib", "predicted_step_time_s",
+               "predicted_tokens_per_s_per_gpu", "predicted_days_to_train", "predicted_full_run_cost_usd",
+               "predicted_cost_usd_per_million_tokens", "predicted_mfu", "predicted_tokens_per_hour",
+               "predicted_hours_per_epoch", "predicted_cost_usd_per_epoch")
+COLUMNS = ("rank", "job", "search_config", "gpu", "num_nodes", "num_gpus", "status", "best_trial_id", *PLAN_FIELDS,
+           "gpu_memory_gib", "gpu_hour_price_usd", "results_dir", "reason")
 
 
 def _common(app, search_name: str, job: int) -> dict[str, Any]:
@@ -102,15 +98,14 @@ def render(rows: list[dict[str, Any]]) -> str:
     for col in ("rank", "gpu", "search_config", "GPUs", "best layout", "mem GiB", "step s", "days",
                 "$/GPU-h", "$ per run", "$/M tokens"):
         table.add_column(col, justify="left" if col in ("gpu", "search_config", "best layout") else "right")
+    dims = layout_headers(varied((r for r in rows if r["status"] == "ok"), also=("seq_length",) if any(
+        r.get("predicted_hours_per_epoch") is not None for r in rows) else ()))
     for r in rows:
         if r["status"] != "ok":
             table.add_row("-", r["gpu"], r["search_config"], str(r["num_gpus"]), r["reason"][:60],
                           "", "", "", _fmt(r.get("gpu_hour_price_usd"), "{:g}"), "", "")
             continue
-        layout = f"TP{r['tp']} PP{r['pp']} DP{r['dp']} MBS{r['mbs']} ckpt{r['act_ckpt_layers']}" + \
-            (" sel" if r.get("act_ckpt_mode") == "selective" else "")
-        if r.get("predicted_hours_per_epoch") is not None:  # fine-tuning: the sequence length and savers too
-            layout = f"seq {r['seq_length']} {layout} {r['engine']} Z{r['zero_stage']} {r['offload']}"
+        layout = " ".join(f"{header} {cell(column, r.get(column))}" for column, header in dims)
         table.add_row(str(r["rank"]), r["gpu"], r["search_config"], str(r["num_gpus"]), layout,
                       _fmt(r["predicted_memory_gib"], "{:.1f}"), _fmt(r["predicted_step_time_s"], "{:.3g}"),
                       _fmt(r["predicted_days_to_train"], "{:.2f}"), _fmt(r.get("gpu_hour_price_usd"), "{:g}"),

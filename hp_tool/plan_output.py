@@ -11,10 +11,10 @@ from typing import Any, Iterable
 from hp_tool.architectures import active_parameters
 from hp_tool.candidates import Candidate
 from hp_tool.cost import cost_columns, epoch_columns
-from hp_tool.estimate.layout import Layout
+from hp_tool.dimensions import cell, layout_columns, layout_headers, varied
 from hp_tool.estimate.methods import trainable_parameters
 from hp_tool.fsutil import atomic_write_text
-from hp_tool.planner import Plan, candidate_trial_id
+from hp_tool.planner import Plan, candidate_dimensions, candidate_trial_id
 from hp_tool.sizing import SECONDS_PER_DAY
 from hp_tool.contracts.spec import dump_spec
 from hp_tool.vocab import INVALID, OVER_LIMIT, PRUNED, SELECTED, TRACE_CACHE_FILE
@@ -22,17 +22,16 @@ from hp_tool.vocab import INVALID, OVER_LIMIT, PRUNED, SELECTED, TRACE_CACHE_FIL
 log = logging.getLogger(__name__)
 
 PLAN_COLUMNS = (
-    "trial_id", "model_family", "model_size_b", "tp", "pp", "virtual_stages", "dp", "mbs", "act_ckpt_layers",
-    "act_ckpt_mode", "engine", "zero_stage", "offload", "global_batch_size", "num_nodes", "trial_num_nodes", "trial_dp", "trial_global_batch_size",
+    "trial_id", "model_family", "model_size_b", *layout_columns(), "lora_rank",
+    "global_batch_size", "num_nodes", "trial_num_nodes", "trial_dp", "trial_global_batch_size",
     "fingerprint", "predicted_memory_gib", "traced_memory_gib", "memory_check",
     "predicted_full_memory_gib", "predicted_host_memory_gib", "predicted_step_time_s", "predicted_compute_s",
     "predicted_comm_s", "predicted_tokens_per_s_per_gpu",
     "predicted_model_tflops_per_gpu", "predicted_days_to_train", "predicted_full_run_cost_usd",
     "predicted_cost_usd_per_million_tokens", "predicted_rank", "plan_status", "reason",
-    "seq_length", "predicted_mfu", "predicted_tokens_per_hour", "predicted_hours_per_epoch",
-    "predicted_cost_usd_per_epoch", "predicted_rank0_host_memory_gib", "optimizer", "method", "lora_rank",
-    "trainable_parameters", "experts", "top_k", "ep", "active_parameters",
-    "cp", "sequence_parallel", "loss", "activation_offload",
+    "predicted_mfu", "predicted_tokens_per_hour", "predicted_hours_per_epoch",
+    "predicted_cost_usd_per_epoch", "predicted_rank0_host_memory_gib",
+    "trainable_parameters", "experts", "top_k", "active_parameters",
 )
 
 
@@ -58,10 +57,8 @@ def plan_rows(plan: Plan) -> Iterable[dict[str, Any]]:
         yield {
             "trial_id": trial_id,
             "model_family": m.shape.family, "model_size_b": round(m.num_parameters / 1e9, 6),
-            "tp": c.tp, "pp": c.pp, "virtual_stages": c.virtual_stages, "dp": c.dp, "mbs": c.mbs,
-            "act_ckpt_layers": c.act_ckpt_layers, "act_ckpt_mode": c.full.act_ckpt_mode,
-            "engine": c.engine, "zero_stage": c.zero_stage, "offload": c.offload,
-            "global_batch_size": c.full.global_batch_size, "num_nodes": full.num_nodes,
+            **candidate_dimensions(c),  # every searched dimension, as the trial's spec runs it
+            "dp": c.dp, "global_batch_size": c.full.global_batch_size, "num_nodes": full.num_nodes,
             "trial_num_nodes": spec.resources.num_nodes if spec else c.trial_nodes or None,
             "trial_dp": spec.parallel.dp if spec else c.trial_dp or None,
             "trial_global_batch_size": spec.training.global_batch_size if spec else None,
@@ -79,21 +76,16 @@ def plan_rows(plan: Plan) -> Iterable[dict[str, Any]]:
             "predicted_cost_usd_per_million_tokens": _round(cost.get("cost_usd_per_million_tokens"), 6),
             "predicted_rank": c.rank,
             "plan_status": c.status, "reason": c.reason,
-            "seq_length": c.shape.seq_length,
             "predicted_mfu": None if c.model_tflops_per_gpu is None else round(
                 c.model_tflops_per_gpu / plan.cluster.hw.peak_tflops, 4),
             "predicted_tokens_per_hour": _round(epoch.get("tokens_per_hour"), 0),
             "predicted_hours_per_epoch": _round(epoch.get("hours_per_epoch"), 4),
             "predicted_cost_usd_per_epoch": _round(epoch.get("cost_usd_per_epoch"), 2),
             "predicted_rank0_host_memory_gib": _round(c.rank0_host_memory_gib, 2),
-            "optimizer": c.optimizer,
-            "method": c.shape.method, "lora_rank": c.shape.lora_rank or None,
+            "lora_rank": c.shape.lora_rank or None,
             "trainable_parameters": trainable_parameters(c.shape, m.num_parameters),
             "experts": c.shape.num_experts or None, "top_k": c.shape.top_k or None,
-            "ep": c.ep if c.shape.moe else None, "active_parameters": active_parameters(c.shape),
-            # the long-context savers, as the trial's spec runs them
-            "cp": c.cp, "sequence_parallel": c.full.sequence_parallel, "loss": c.full.loss,
-            "activation_offload": c.full.activation_offload,
+            "active_parameters": active_parameters(c.shape),
         }
 
 
@@ -177,12 +169,6 @@ def _memory_line(plan: Plan) -> str:
             + (f", {untraced} kept the analytic figure (see memory_check in plan.csv)" if untraced else "") + ".")
 
 
-def ckpt_cell(layout: Layout) -> str:
-    """The printed table's checkpointing: the checkpointed layers per stage, ``sel`` after them when the per-op
-    policy recomputes them (selective)."""
-    return f"{layout.act_ckpt_layers}{' sel' if layout.act_ckpt_mode == 'selective' else ''}"
-
-
 def _money(x: float | None) -> str:
     return "-" if x is None else f"{x:,.2f}"
 
@@ -194,40 +180,26 @@ def render_plan(plan: Plan, max_rows: int = 25) -> str:
 
     table = Table(title=f"Training candidates for {plan.search_name} ({_counts(plan.candidates)})")
     finetune = plan.base.full_run.epoch_tokens is not None
-    columns = ["rank", "trial_id", "TP", "PP", "DP", "MBS", "ckpt", "engine", "ZeRO", "offload", "GPU GiB",
-               "traced GiB", "host GiB", "step s", "tok/s/GPU"]
+    rows = list(plan_rows(plan))
+    named = varied((r for r in rows if r["plan_status"] != INVALID), also=("seq_length", "method") if finetune else ())
+    dims = layout_headers(named)
+    figures = ["GPU GiB", "traced GiB", "host GiB", "step s", "tok/s/GPU"]
     if finetune:  # the fine-tuning table: context length x batch per device -> tokens/hour, MFU, cost
-        columns[2:2] = ["seq"]
-        columns[11:11] = ["optimizer"]
-        columns += ["MFU", "M tok/h", "$/M tok", "h/epoch", "$/epoch"]
-    moe = plan.model.shape.moe
-    if moe:  # a mixture of experts: its expert-parallel size after PP
-        columns[columns.index("PP") + 1:columns.index("PP") + 1] = ["EP"]
-    cp = any(c.cp > 1 for c in plan.candidates if c.status == SELECTED)
-    if cp:  # context parallelism searched: its size after PP (and EP); the other savers are in the trial id
-        at = columns.index("EP" if moe else "PP") + 1
-        columns[at:at] = ["CP"]
-    for col in columns:
+        figures += ["MFU", "M tok/h", "$/M tok", "h/epoch", "$/epoch"]
+    for col in ["rank", "trial_id", *(header for _, header in dims), *figures]:
         table.add_column(col, justify="left" if col in ("trial_id", "engine", "offload") else "right")
-    rows = {r["trial_id"]: r for r in plan_rows(plan) if r["plan_status"] == SELECTED}
+    by_id = {r["trial_id"]: r for r in rows if r["plan_status"] == SELECTED}
     for c, spec in zip(sorted((c for c in plan.candidates if c.status == SELECTED), key=lambda c: c.rank),
                        plan.specs[:max_rows]):
-        cells = [str(c.rank), spec.trial_id, str(c.tp), str(c.pp), str(c.dp), str(c.mbs),
-                 ckpt_cell(c.full), c.engine, str(c.zero_stage), c.offload,
+        r = by_id[spec.trial_id]
+        cells = [str(c.rank), spec.trial_id, *(cell(column, r[column]) for column, _ in dims),
                  f"{max(c.memory_gib, c.full_memory_gib):.2f}",
                  "-" if c.traced_memory_gib is None else f"{c.traced_memory_gib:.2f}", f"{c.host_memory_gib:.1f}",
                  f"{c.step_time_s:.4g}", f"{c.tokens_per_s_per_gpu:,.0f}"]
         if finetune:
-            r = rows[spec.trial_id]
-            cells[2:2] = [str(c.shape.seq_length)]
-            cells[11:11] = [c.optimizer]
             cells += [f"{r['predicted_mfu']:.2f}", f"{r['predicted_tokens_per_hour'] / 1e6:,.3g}",
                       _money(r["predicted_cost_usd_per_million_tokens"]), f"{r['predicted_hours_per_epoch']:.3g}",
                       _money(r["predicted_cost_usd_per_epoch"])]
-        if moe:
-            cells[columns.index("EP"):columns.index("EP")] = [str(c.ep)]
-        if cp:
-            cells[columns.index("CP"):columns.index("CP")] = [str(c.cp)]
         table.add_row(*cells)
     console = Console(file=io.StringIO(), width=240 if finetune else 190, force_terminal=False)
     console.print(plan.sentence, soft_wrap=True)

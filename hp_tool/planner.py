@@ -16,22 +16,14 @@ from hp_tool.vocab import INVALID, OVER_LIMIT, PRUNED, SELECTED
 from hp_tool.candidates import Candidate, plan_candidates, rank_candidates
 from hp_tool.config import AppConfig
 from hp_tool.errors import ConfigError
-from hp_tool.contracts.spec import EstimatesSpec, FullRunSpec, ParallelSpec, RunSpec, TrialSpec, make_trial_id
+from hp_tool.contracts.spec import EstimatesSpec, FullRunSpec, ParallelSpec, RunSpec, TrialSpec
+from hp_tool.dimensions import BY_KEY, DIMENSIONS, trial_id
 
+# how to mend a train_settings key that leaves no valid candidate: each dimension's list, and the other keys
 FIXES = {
-    "tensor_parallel_sizes": "use TP values that divide the (key/value) head count and fit in one node",
-    "pipeline_parallel_sizes": "use PP values that divide the layer count (T5/mT5: 1, or an even PP whose half "
-                               "divides the layers per stack)",
+    **{key: d.fix for key, d in BY_KEY.items()},
     "global_batch_size": "use a global_batch_size (and micro_batch_sizes) with GBS % (MBS*DP) == 0",
-    "act_ckpt_layers": "use values between 0 and the layers per pipeline stage (num_layers / PP; T5/mT5: "
-                       "2 x num_layers / PP)",
-    "engines": "use engines=[torch]",
-    "act_ckpt_modes": "use act_ckpt_modes=[full], or selective with the torch engine and checkpointed layers",
-    "virtual_pipeline_sizes": "use virtual stages that divide the layers per pipeline stage (num_layers / PP), "
-                              "1 without a pipeline or for T5/mT5",
     "num_nodes": "use a GPU count divisible by TP*PP",
-    "optimizers": "use adamw with offload, or the other optimizers without it",
-    "methods": "use TP=1 for lora and qlora, and the torch engine with ZeRO 0-1 for qlora",
     "max_model_parallel_size": "widen min_model_parallel_size / max_model_parallel_size",
 }
 
@@ -130,11 +122,18 @@ def _require_selection(candidates: list[Candidate], ts, cluster: Cluster) -> Non
                       "or use GPUs (nodes) with more memory")
 
 
+def candidate_dimensions(c: Candidate) -> dict:
+    """A candidate's value of every searched dimension (hp_tool/dimensions.py), by name: its layout's fields,
+    its sequence length and method; experts only for a mixture of experts (None for a dense model)."""
+    values = {d.name: getattr(c.full, d.name) for d in DIMENSIONS if hasattr(c.full, d.name)}
+    values.update(seq_length=c.shape.seq_length, method=c.shape.method, ep=c.ep if c.shape.moe else None)
+    return values
+
+
 def candidate_trial_id(model: ModelChoice, c: Candidate) -> str:
-    return make_trial_id(model.shape.family, model.label, c.tp, c.pp, c.mbs, c.act_ckpt_layers, c.engine,
-                         c.zero_stage, c.offload, c.virtual_stages, model_seq(model, c.shape), c.optimizer,
-                         c.shape.method, c.shape.lora_rank, c.ep if c.shape.moe else None, c.full.cp,
-                         c.full.sequence_parallel, c.full.loss, c.full.activation_offload, c.full.act_ckpt_mode)
+    """A candidate's trial id: its dimensions, the sequence length named only in a fine-tuning search."""
+    values = {**candidate_dimensions(c), "seq_length": model_seq(model, c.shape)}
+    return trial_id(model.shape.family, model.label, values, c.shape.lora_rank)
 
 
 def candidate_spec(base: TrialSpec, c: Candidate, model: ModelChoice, app: AppConfig,

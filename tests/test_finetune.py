@@ -271,6 +271,8 @@ def test_gpu_types_compared_for_a_fine_tune(tmp_path):
     assert costs == sorted(costs) and rows[0]["rank"] == "1"
     for r in rows:
         assert r["seq_length"] == "2048" and r["engine"] and r["optimizer"] == "adamw"
+        assert r["method"] in ("full", "lora", "qlora") and (r["lora_rank"] == "") == (r["method"] == "full")
+        assert f"_{r['method']}{r['lora_rank']}_" in r["best_trial_id"] or r["method"] == "full"
         hours = float(r["predicted_hours_per_epoch"])
         assert hours == pytest.approx(100e6 / float(r["predicted_tokens_per_hour"]), rel=1e-3)
         assert float(r["predicted_cost_usd_per_epoch"]) == pytest.approx(

@@ -11,7 +11,8 @@ import pytest
 from hp_tool.candidates import CHUNKED_LOSS_FROM, Grid, build_grid, context_parallel_sizes, long_context_values
 from hp_tool.cli import compose
 from hp_tool.config import to_app_config
-from hp_tool.contracts.spec import ModelSpec, ParallelSpec, ResourcesSpec, TrainingSpec, TrialSpec, make_trial_id
+from hp_tool.contracts.spec import ModelSpec, ParallelSpec, ResourcesSpec, TrainingSpec, TrialSpec
+from hp_tool.dimensions import trial_id
 from hp_tool.errors import ConfigError
 from hp_tool.estimate.layout import GB, GIB, Hardware, Layout
 from hp_tool.estimate.memory import (estimate_memory, host_phases_gib, logits_bytes, loss_freed_bytes,
@@ -229,9 +230,9 @@ def test_heuristic_grid_at_long_context():
 
 
 def test_trial_ids_name_the_savers_in_use_and_old_layouts_keep_their_ids_and_fingerprints():
-    assert make_trial_id("llama", "8.03b", 2, 1, 1, 32, seq=32768, cp=2, sequence_parallel=True, loss="chunked",
-                         activation_offload=True) == "llama_8.03b_s32768_tp2sp_pp1_cp2_mbs1_ac32_torch_z3_noff_lchunk_aoff"
-    assert make_trial_id("llama", "8.03b", 2, 1, 1, 32, seq=4096) == "llama_8.03b_s4096_tp2_pp1_mbs1_ac32_torch_z3_noff"
+    assert trial_id("llama", "8.03b", dict(tp=2, pp=1, mbs=1, act_ckpt_layers=32, seq_length=32768, cp=2,
+                                     sequence_parallel=True, loss="chunked", activation_offload=True)) == "llama_8.03b_s32768_tp2sp_pp1_cp2_mbs1_ac32_torch_z3_noff_lchunk_aoff"
+    assert trial_id("llama", "8.03b", dict(tp=2, pp=1, mbs=1, act_ckpt_layers=32, seq_length=4096)) == "llama_8.03b_s4096_tp2_pp1_mbs1_ac32_torch_z3_noff"
     s = spec()
     d = s.to_dict()
     old = {k: v for k, v in d["parallel"].items()

@@ -17,7 +17,8 @@ from torch.utils.checkpoint import CheckpointPolicy
 from hp_tool.architectures import recompute_flops_per_step
 from hp_tool.cli import compose
 from hp_tool.config import to_app_config
-from hp_tool.contracts.spec import TrialSpec, load_spec, make_trial_id
+from hp_tool.contracts.spec import TrialSpec, load_spec
+from hp_tool.dimensions import trial_id
 from hp_tool.errors import ConfigError
 from hp_tool.estimate.memory import estimate_memory
 from hp_tool.families.shape import Shape
@@ -219,8 +220,9 @@ def test_a_search_asking_only_for_selective_where_it_cannot_run_fails_before_pla
 # ---- the grid, trial ids and the CSVs ----
 
 def test_trial_ids_name_selective_and_leave_other_layouts_as_they_were():
-    assert make_trial_id("gpt3", "5b", 2, 1, 4, 24) == "gpt3_5b_tp2_pp1_mbs4_ac24_torch_z3_noff"
-    assert make_trial_id("llama", "8.03b", 1, 1, 1, 32, seq=32768, loss="chunked", act_ckpt_mode="selective") == \
+    assert trial_id("gpt3", "5b", dict(tp=2, pp=1, mbs=4, act_ckpt_layers=24)) == "gpt3_5b_tp2_pp1_mbs4_ac24_torch_z3_noff"
+    assert trial_id("llama", "8.03b", dict(tp=1, pp=1, mbs=1, act_ckpt_layers=32, seq_length=32768, loss="chunked",
+                                     act_ckpt_mode="selective")) == \
         "llama_8.03b_s32768_tp1_pp1_mbs1_ac32_torch_z3_noff_sac_lchunk"
     spec = checkpointed(tiny_spec("llama"), "full")
     assert checkpointed(spec, "selective").fingerprint() != spec.fingerprint()

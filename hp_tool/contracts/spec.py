@@ -17,13 +17,14 @@ from typing import Any, Dict, List, Optional
 from omegaconf import OmegaConf
 
 from hp_tool.architectures import Shape
+from hp_tool.dimensions import fingerprint_defaults
 from hp_tool.families import family
 from hp_tool.errors import ConfigError, require
 from hp_tool.estimate.layout import LOSS_CHUNK_TOKENS, Layout
 from hp_tool.fingerprint import fingerprint_of
 from hp_tool.fsutil import atomic_write_text
-from hp_tool.sharding import combination_problem, layout_suffix
-from hp_tool.vocab import (ACT_CKPT_MODES, DATA_SOURCES, ENGINES, METHODS, OFFLOADS, OPTIMIZER_CODES, OPTIMIZERS,
+from hp_tool.sharding import combination_problem
+from hp_tool.vocab import (ACT_CKPT_MODES, DATA_SOURCES, ENGINES, METHODS, OFFLOADS, OPTIMIZERS,
                            PRECISIONS, RUN_MODES, SCHEDULES, ZERO_STAGES)
 
 
@@ -365,6 +366,12 @@ class TrialSpec:
         """The layout this trial runs (its parallel section with the global batch)."""
         return self.parallel.layout(self.training.global_batch_size, self.training.optimizer)
 
+    def full_layout(self) -> Layout:
+        """The layout of the full run this trial stands for: its own, with the full run's data-parallel
+        replicas and global batch."""
+        return dataclasses.replace(self.layout(), dp=self.full_run.dp,
+                                   global_batch_size=self.full_run.global_batch_size)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -399,31 +406,5 @@ def dump_spec(spec: TrialSpec, path: str | os.PathLike) -> Path:
 
 # ParallelSpec's fields added after specs were first written (the long-context savers, the checkpointing mode) and
 # their defaults: what a layout without them runs
-ADDED_FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ParallelSpec)
-                        if f.name in ("cp", "loss", "loss_chunk_tokens", "activation_offload", "sequence_parallel",
-                                      "act_ckpt_mode")}
+ADDED_FIELD_DEFAULTS = {**fingerprint_defaults("parallel"), "loss_chunk_tokens": LOSS_CHUNK_TOKENS}
 
-
-def make_trial_id(family: str, size_label: str, tp: int, pp: int, mbs: int, act_ckpt_layers: int,
-                  engine: str = "torch", zero_stage: int = 3, offload: str = "none", virtual_stages: int = 1,
-                  seq: Optional[int] = None, optimizer: str = "adamw", method: str = "full",
-                  lora_rank: int = 0, ep: Optional[int] = None, cp: int = 1, sequence_parallel: bool = False,
-                  loss: str = "full", activation_offload: bool = False, act_ckpt_mode: str = "full") -> str:
-    """The one place a trial id is built; every file name derives from it. It names every searched
-    dimension, e.g. gpt3_5b_tp2_pp1_mbs4_ac0_torch_z3_noff; interleaved layouts add their virtual stages
-    after PP (gpt3_5b_tp1_pp4_vp2_mbs1_ac0_torch_z3_noff); a fine-tuning search its sequence length after
-    the size (llama_6.74b_s2048_tp1_pp1_mbs4_ac32_ds_z3_offopt); an optimizer other than AdamW its code at
-    the end (..._torch_z3_noff_sgdm); an adapter method its name and rank after the sequence length
-    (llama_6.74b_s2048_lora16_tp1_...); a mixture of experts its expert-parallel size after PP (and the
-    virtual stages), EP 1 included (mixtral_46.7b_s4096_tp1_pp1_ep8_mbs1_...). The long-context savers
-    appear only when used: sequence parallelism as ``sp`` after TP, context parallelism after PP (and EP),
-    the chunked loss and activation offload at the end
-    (llama_8.03b_s32768_tp2sp_pp1_cp2_mbs1_ac32_torch_z3_noff_lchunk_aoff); selective checkpointing as ``sac``
-    before them (llama_6.74b_tp1_pp1_mbs1_ac32_torch_z3_noff_sac)."""
-    vp = (f"_vp{virtual_stages}" if virtual_stages > 1 else "") + (f"_ep{ep}" if ep is not None else "") + \
-        (f"_cp{cp}" if cp > 1 else "")
-    s = (f"_s{seq}" if seq is not None else "") + (f"_{method}{lora_rank}" if method != "full" else "")
-    saver = ("_sac" if act_ckpt_mode == "selective" else "") + ("_lchunk" if loss == "chunked" else "") + \
-        ("_aoff" if activation_offload else "")
-    return (f"{family}_{size_label}{s}_tp{tp}{'sp' if sequence_parallel else ''}_pp{pp}{vp}_mbs{mbs}_"
-            f"ac{act_ckpt_layers}_{layout_suffix(engine, zero_stage, offload)}{OPTIMIZER_CODES[optimizer]}{saver}")

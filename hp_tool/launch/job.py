@@ -7,10 +7,8 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import threading
 import time
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -18,14 +16,11 @@ from typing import Any, Callable, Optional
 import submitit
 
 from hp_tool.contracts import phases
+from hp_tool.contracts.rendezvous import rendezvous_port
 from hp_tool.fsutil import atomic_write_json
 from hp_tool.vocab import METRICS_FILE, RESULT_FILE
 
 SIGNAL_DELAY_S = 60  # submitit signals a job this long before its limit
-# A job's rendezvous port: below Linux's ephemeral range (32768-60999 by default), where the kernel hands out
-# the local ports of outgoing connections and gloo's listening sockets, so a busy node never holds it already;
-# consecutive job ids get different ports, so jobs that share a node do not meet on one.
-RENDEZVOUS_PORTS = range(20000, 32768)
 
 
 @dataclass(frozen=True)
@@ -72,14 +67,6 @@ def job_name(prefix: str, search_id: str, name: str) -> str:
     """<prefix><search id>:<trial or config id>: unique to this results folder, so looking a job up by
     name never finds another search's (or another user's) job."""
     return f"{prefix}{search_id}:{name}"
-
-
-def rendezvous_port(job_id: str) -> int:
-    """MASTER_PORT for a job, the same on every rank: from the job id's number (an array task's index
-    added), else a checksum of the id."""
-    numbers = [int(n) for n in re.findall(r"\d+", job_id)]
-    key = sum(numbers) if numbers else zlib.crc32(job_id.encode())
-    return RENDEZVOUS_PORTS.start + key % len(RENDEZVOUS_PORTS)
 
 
 def export_torch_distributed() -> None:

@@ -21,10 +21,11 @@ from typing import Any, Optional
 
 import pandas as pd
 
+from hp_tool import dimensions
 from hp_tool.calibration import StepPoint, fit_memory_offset, fit_step_factors
 from hp_tool.cost import cost_columns, epoch_columns
 from hp_tool.errors import ConfigError
-from hp_tool.estimate.layout import Layout
+from hp_tool.contracts.spec import TrialSpec, load_spec
 from hp_tool.estimate.speed import extrapolate_step_time_s
 from hp_tool.results.full_run import FullRun, load_full_run
 from hp_tool.fingerprint import STALE
@@ -44,18 +45,20 @@ SELECTED = "selected"
 STATUS_ORDER = ("ok", "timeout", "oom", "failed", "cancelled", "unschedulable", "skipped", "pruned_after_oom",
                 STALE, NOT_RUN, "over_limit",
                 "pruned", "invalid")
-PLAN_INTS = ("seq_length", "lora_rank", "trainable_parameters", "experts", "top_k", "ep", "active_parameters", "tp", "pp", "virtual_stages", "dp", "mbs", "act_ckpt_layers", "zero_stage", "global_batch_size", "num_nodes",
-             "trial_num_nodes", "trial_dp", "trial_global_batch_size", "predicted_rank")
-PLAN_TEXT = ("trial_id", "model_family", "engine", "offload", "plan_status", "reason", "fingerprint", "memory_check",
-             "optimizer", "method", "loss", "act_ckpt_mode")
-PLAN_INTS = PLAN_INTS + ("cp",)
-BOOL_COLUMNS = ("sequence_parallel", "activation_offload")  # written True / False
+# the plan's and the table's columns beside the searched dimensions' (hp_tool/dimensions.py), by type
+PLAN_INTS = dimensions.INT_COLUMNS + ("lora_rank", "trainable_parameters", "experts", "top_k", "active_parameters",
+                                     "global_batch_size", "num_nodes", "trial_num_nodes", "trial_dp",
+                                     "trial_global_batch_size", "predicted_rank")
+PLAN_TEXT = dimensions.TEXT_COLUMNS + ("trial_id", "model_family", "plan_status", "reason", "fingerprint",
+                                       "memory_check")
+BOOL_COLUMNS = dimensions.BOOL_COLUMNS  # written True / False
 
 # Every column of the table, in the order the CSVs use; units in the names.
 TABLE_COLUMNS = (
     "rank", "trial_id", "status", "reason", "plan_status", "model_family", "model_size_b",
-    "tp", "pp", "virtual_stages", "dp", "mbs", "act_ckpt_layers", "act_ckpt_mode", "engine", "zero_stage", "offload",
-    "global_batch_size", "num_nodes", "num_gpus", "trial_num_nodes", "trial_dp", "trial_global_batch_size", "trial_world_size",
+    *dimensions.layout_columns(), "lora_rank",
+    "global_batch_size", "num_nodes", "num_gpus", "trial_num_nodes", "trial_dp", "trial_global_batch_size",
+    "trial_world_size",
     "full_run_step_time_s", "predicted_step_time_s", "step_time_error_pct", "calibrated_step_time_s",
     "calibrated_step_time_error_pct", "predicted_compute_s", "predicted_comm_s", "measured_step_time_s",
     "measured_step_time_mean_s", "measured_step_time_std_s", "steps_run", "steps_measured",
@@ -69,17 +72,11 @@ TABLE_COLUMNS = (
     "gpu_memory_gib", "peak_memory_pct_of_gpu",
     "days_to_train", "predicted_days_to_train", "full_run_cost_usd", "cost_usd_per_million_tokens",
     "gpu_hour_price_usd", "predicted_rank", "stop_reason", "final_loss", "device", "start_time", "end_time",
-    "fingerprint", "seq_length", "tokens_per_hour", "hours_per_epoch", "cost_usd_per_epoch", "optimizer",
-    "method", "lora_rank", "trainable_parameters", "experts", "top_k", "ep", "active_parameters",
-    "cp", "sequence_parallel", "loss", "activation_offload",
+    "fingerprint", "tokens_per_hour", "hours_per_epoch", "cost_usd_per_epoch",
+    "trainable_parameters", "experts", "top_k", "active_parameters",
 )
-INT_COLUMNS = ("cp", "seq_length", "lora_rank", "trainable_parameters", "experts", "top_k", "ep", "active_parameters", "rank", "tp", "pp", "virtual_stages", "dp", "mbs", "act_ckpt_layers", "zero_stage", "global_batch_size", "num_nodes",
-               "num_gpus", "trial_num_nodes", "trial_dp", "trial_global_batch_size", "trial_world_size", "steps_run",
-               "steps_measured", "predicted_rank")
-TEXT_COLUMNS = ("trial_id", "status", "reason", "plan_status", "model_family", "engine", "offload", "optimizer", "method", "loss",
-                "act_ckpt_mode",
-                "memory_check", "stop_reason", "device",
-                "start_time", "end_time", "fingerprint")
+INT_COLUMNS = PLAN_INTS + ("rank", "num_gpus", "trial_world_size", "steps_run", "steps_measured")
+TEXT_COLUMNS = PLAN_TEXT + ("status", "stop_reason", "device", "start_time", "end_time")
 FLOAT_COLUMNS = tuple(c for c in TABLE_COLUMNS if c not in INT_COLUMNS + TEXT_COLUMNS + BOOL_COLUMNS)
 
 
@@ -187,41 +184,43 @@ def _measured(result: dict) -> dict:
     }
 
 
+def candidate_spec(full: FullRun, trial_id: str) -> Optional[TrialSpec]:
+    """What a planned trial runs: its ``candidate_configs/<trial_id>.yaml`` (None when it is gone)."""
+    path = full.path.parent / "candidate_configs" / f"{trial_id}.yaml"
+    if not path.is_file():
+        log.warning("%s is missing: %s is shown without its full-run figures", path, trial_id)
+        return None
+    return load_spec(path)
+
+
 def full_run_columns(row: dict, full: FullRun) -> dict:
-    """Full-run step time (s), throughput, days and cost from a trial's measured step time."""
+    """Full-run step time (s), throughput, days and cost from a trial's measured step time; the layouts and
+    the model are what the trial's spec says it ran and stands for."""
     cols = {"gpu_memory_gib": full.gpu_memory_gib, "gpu_hour_price_usd": full.gpu_hour_price}
-    tp, pp, dp, trial_dp = row.get("tp"), row.get("pp"), row.get("dp"), row.get("trial_dp")
-    cp = row.get("cp") or 1
-    cols["num_gpus"] = tp * pp * cp * dp if tp and pp and dp else None
     if row.get("peak_memory_gib") is not None:
         cols["peak_memory_pct_of_gpu"] = 100 * row["peak_memory_gib"] / full.gpu_memory_gib
-    if row.get("trial_world_size") is None and tp and pp and trial_dp:
-        cols["trial_world_size"] = tp * pp * cp * trial_dp
-    measured = row.get("measured_step_time_s")
-    if measured is None or cols["num_gpus"] is None or not trial_dp or not row.get("trial_global_batch_size"):
+    spec = candidate_spec(full, row["trial_id"])
+    if spec is None:
         return cols
-    gbs, mbs, ckpt = row["global_batch_size"], row["mbs"], row["act_ckpt_layers"]
-    # What the trial ran, as its spec says (plan.csv copies it from candidate_configs/<trial_id>.yaml).
-    stage = row.get("zero_stage")
-    savers = {"zero_stage": 3 if stage is None else stage, "offload": row.get("offload") or "none",
-              "engine": row.get("engine") or "torch", "virtual_stages": row.get("virtual_stages") or 1,
-              "ep": row.get("ep") or 1, "cp": cp, "sequence_parallel": bool(row.get("sequence_parallel")),
-              "loss": row.get("loss") or "full", "activation_offload": bool(row.get("activation_offload")),
-              "act_ckpt_mode": row.get("act_ckpt_mode") or "full"}
-    trial = Layout(tp, pp, trial_dp, mbs, ckpt, row["trial_global_batch_size"], **savers)
-    whole = Layout(tp, pp, dp, mbs, ckpt, gbs, **savers)
-    shape = full.trial_shape(row)  # the trial's sequence length and method, as its spec says
-    step_s = extrapolate_step_time_s(measured, shape, trial, whole, full.hw,
-                                     row.get("trial_num_nodes") or 1, full.num_nodes)
-    tokens_per_s = throughput(shape, gbs, step_s, cols["num_gpus"], full.peak_tflops_per_gpu)["tokens_per_s"]
+    trial, whole, shape = spec.layout(), spec.full_layout(), spec.model.shape()
+    cols["num_gpus"] = whole.gpus
+    if row.get("trial_world_size") is None:
+        cols["trial_world_size"] = trial.gpus
+    measured = row.get("measured_step_time_s")
+    if measured is None:
+        return cols
+    step_s = extrapolate_step_time_s(measured, shape, trial, whole, full.hw, spec.resources.num_nodes,
+                                     spec.full_run.num_nodes)
+    gbs = whole.global_batch_size
+    tokens_per_s = throughput(shape, gbs, step_s, whole.gpus, full.peak_tflops_per_gpu)["tokens_per_s"]
     days = full.max_steps * step_s / SECONDS_PER_DAY
     cols.update(full_run_step_time_s=step_s, full_run_tokens_per_s=tokens_per_s,
-                full_run_tokens_per_s_per_gpu=tokens_per_s / cols["num_gpus"], days_to_train=days)
+                full_run_tokens_per_s_per_gpu=tokens_per_s / whole.gpus, days_to_train=days)
     if row.get("model_tflops_per_gpu") is None:  # derived from metrics.jsonl
         cols.update(_trial_throughput(trial, measured, full, shape))
     if full.gpu_hour_price is not None:
-        cols.update(cost_columns(full.gpu_hour_price, cols["num_gpus"], tokens_per_s, days))
-    cols.update(epoch_columns(full.gpu_hour_price, cols["num_gpus"], tokens_per_s, full.epoch_tokens))
+        cols.update(cost_columns(full.gpu_hour_price, whole.gpus, tokens_per_s, days))
+    cols.update(epoch_columns(full.gpu_hour_price, whole.gpus, tokens_per_s, full.epoch_tokens))
     if row.get("predicted_step_time_s"):
         cols["step_time_error_pct"] = 100 * (step_s / row["predicted_step_time_s"] - 1)
     return cols

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -28,18 +28,6 @@ class FullRun:
     @property
     def shape(self) -> Shape:
         return self.base.model.shape()
-
-    def shape_at(self, seq: Optional[int]) -> Shape:
-        """The model at a trial's sequence length (a fine-tuning search searches several; None: the base's)."""
-        shape = self.shape
-        return shape if seq is None or seq == shape.seq_length else replace(shape, seq_length=int(seq))
-
-    def trial_shape(self, row: dict) -> Shape:
-        """The model a table row's trial trained: at its sequence length, and for an adapter method as its
-        own spec says (``candidate_configs/<trial_id>.yaml``: the adapters)."""
-        if (row.get("method") or "full") == "full":
-            return self.shape_at(row.get("seq_length"))
-        return load_spec(self.path.parent / "candidate_configs" / f"{row['trial_id']}.yaml").model.shape()
 
     @property
     def epoch_tokens(self) -> Optional[float]:

@@ -31,7 +31,9 @@ from hp_tool.results.collect import (FLOAT_COLUMNS, NOT_RUN, RANK_COLUMN, SELECT
 from hp_tool.results.full_run import FullRun
 from hp_tool.results.optimal import ds_config_path, format_usd, optimal_path, write_optimal_config
 from hp_tool.results.plots import write_plots
-from hp_tool.results.report_inputs import layout_text, status_counts, training_report_inputs, write_report_md
+from hp_tool.dimensions import Dimension, cell as dimension_cell, layout_headers, layout_words
+from hp_tool.results.report_inputs import (dimension_columns, searched, status_counts, training_report_inputs,
+                                           write_report_md)
 from hp_tool.sizing import format_days
 from hp_tool.vocab import LOSING, NOT_LAUNCHED
 
@@ -41,30 +43,28 @@ FINAL_DIR = "final_results"
 MEMORY_LIMIT_PCT = 98.0  # above this share of GPU memory a full run is one allocation away from OOM
 SIGNIFICANT_DIGITS = 6
 ALL_TRIALS_COLUMNS = TABLE_COLUMNS
-SUMMARY_COLUMNS = (
-    "rank", "trial_id", "tp", "pp", "dp", "mbs", "act_ckpt_layers", "act_ckpt_mode", "engine", "zero_stage", "offload",
+# the summary's figures, after the columns of the searched dimensions (report_inputs.searched)
+SUMMARY_FIGURES = (
     "global_batch_size", "num_nodes", "num_gpus", RANK_COLUMN, "predicted_step_time_s", "measured_step_time_s",
     "full_run_tokens_per_s_per_gpu", "tokens_per_s_per_gpu", "model_tflops_per_gpu", "mfu",
     "peak_memory_gib", "predicted_memory_gib", "peak_memory_pct_of_gpu", "days_to_train",
     "full_run_cost_usd", "cost_usd_per_million_tokens", "status",
 )
-# a fine-tuning search's summary adds the cookbook's columns: context length -> tokens/hour, hours and $ per epoch
-FINETUNE_SUMMARY_COLUMNS = SUMMARY_COLUMNS[:2] + ("seq_length", "method", "lora_rank", "trainable_parameters",
-                                                  "optimizer") + SUMMARY_COLUMNS[2:] + (
-    "tokens_per_hour", "hours_per_epoch", "cost_usd_per_epoch")
-# a mixture of experts' summary names its experts, the experts per token, the expert-parallel size and the
-# parameters a token runs through beside the total (model_size_b); its MFU counts the active FLOPs only
-MOE_SUMMARY_COLUMNS = ("experts", "top_k", "ep", "active_parameters")
+# a fine-tuning search's summary adds the cookbook's columns: tokens/hour, hours and $ per epoch
+FINETUNE_FIGURES = ("trainable_parameters",) + SUMMARY_FIGURES + ("tokens_per_hour", "hours_per_epoch",
+                                                                   "cost_usd_per_epoch")
+# a mixture of experts' summary names its experts and the experts per token, and the parameters a token runs
+# through beside the total (model_size_b); its MFU counts the active FLOPs only
+MOE_FIGURES = ("experts", "top_k", "active_parameters")
 
 
-def summary_columns(full: FullRun) -> tuple[str, ...]:
-    """The summary CSV's columns: the fine-tuning ones when the run is a fine-tuning run, the expert ones
-    (after the layout's) for a mixture of experts."""
-    columns = SUMMARY_COLUMNS if full.epoch_tokens is None else FINETUNE_SUMMARY_COLUMNS
-    if not full.shape.moe:
-        return columns
-    cut = columns.index("offload") + 1
-    return columns[:cut] + MOE_SUMMARY_COLUMNS + columns[cut:]
+def summary_columns(df: pd.DataFrame, full: FullRun) -> tuple[str, ...]:
+    """The summary CSV's columns: rank and trial id, every dimension the search named (varied, or always
+    named), then the figures (a fine-tuning run's and a mixture of experts' added)."""
+    finetune = full.epoch_tokens is not None
+    figures = FINETUNE_FIGURES if finetune else SUMMARY_FIGURES
+    moe = MOE_FIGURES if full.shape.moe else ()
+    return ("rank", "trial_id") + dimension_columns(searched(df, finetune)) + moe + figures
 
 
 def csv_text(df: pd.DataFrame, columns: tuple[str, ...]) -> str:
@@ -135,14 +135,15 @@ def _memory_note(ranked: pd.DataFrame) -> str:
                    f"{format_days(alt['days_to_train'])}).")
 
 
-def recommendation(ranked: pd.DataFrame, full: FullRun, optimal: Path) -> str:
-    """One sentence naming the fastest trial, its layout, duration and cost (plus a memory warning)."""
+def recommendation(ranked: pd.DataFrame, full: FullRun, optimal: Path, dims: list[Dimension]) -> str:
+    """One sentence naming the fastest trial, its layout (every dimension of ``dims``), duration and cost
+    (plus a memory warning)."""
     best = ranked.iloc[0]
     cost = ""
     if not pd.isna(best["full_run_cost_usd"]):
         cost = (f", about {format_usd(best['full_run_cost_usd'])} "
                 f"({format_usd(best['cost_usd_per_million_tokens'])} per million tokens)")
-    return (f"Recommended: {best['trial_id']} ({layout_text(best)}) on {full.num_nodes} node(s), "
+    return (f"Recommended: {best['trial_id']} ({layout_words(best, dims)}) on {full.num_nodes} node(s), "
             f"{best['num_gpus']} GPUs: {best[RANK_COLUMN]:.4g} s per step, "
             f"{best['full_run_tokens_per_s_per_gpu']:,.0f} tokens/s per GPU; {full.max_steps:,} steps take "
             f"about {format_days(best['days_to_train'])}{cost}. Config: {optimal}."
@@ -166,33 +167,26 @@ def render_summary(df: pd.DataFrame, top_n: int, full: FullRun, paths: dict[str,
         return console.file.getvalue()  # type: ignore[attr-defined]
     table = Table(title=f"Fastest {min(top_n, len(ranked))} of {len(ranked)} on {full.num_nodes} node(s)")
     finetune = full.epoch_tokens is not None
-    headers = ["rank", "trial_id", "TP", "PP", "DP", "MBS", "ckpt", "ZeRO", "step s", "tok/s/GPU", "MFU",
-               "mem GiB", "days", "$ / M tok"]
+    named = searched(df, finetune)
+    dims = layout_headers(named)
+    figures = ["step s", "tok/s/GPU", "MFU", "mem GiB", "days", "$ / M tok"]
     if finetune:
-        headers[2:2] = ["seq"]
-        headers += ["M tok/h", "h/epoch", "$/epoch"]
-    moe = full.shape.moe  # a mixture of experts: its expert-parallel size after PP, as the printed plan has it
-    if moe:
-        headers.insert(headers.index("PP") + 1, "EP")
-    for h in headers:
+        figures += ["M tok/h", "h/epoch", "$/epoch"]
+    for h in ["rank", "trial_id", *(header for _, header in dims), *figures]:
         table.add_column(h, justify="left" if h == "trial_id" else "right")
 
     def cell(x: Any, fmt: str) -> str:
         return "" if pd.isna(x) else format(x, fmt)
 
     for _, r in ranked.head(top_n).iterrows():
-        cells = [str(r["rank"]), r["trial_id"], str(r["tp"]), str(r["pp"]), str(r["dp"]), str(r["mbs"]),
-                 str(r["act_ckpt_layers"]) + (" sel" if r.get("act_ckpt_mode") == "selective" else ""),
-                 str(r["zero_stage"]), f"{r[RANK_COLUMN]:.4g}",
-                 f"{r['full_run_tokens_per_s_per_gpu']:,.0f}", cell(100 * r["mfu"], ".1f") + ("%" if not pd.isna(r["mfu"]) else ""),
+        cells = [str(r["rank"]), r["trial_id"], *(dimension_cell(c, r[c]) for c, _ in dims),
+                 f"{r[RANK_COLUMN]:.4g}", f"{r['full_run_tokens_per_s_per_gpu']:,.0f}",
+                 cell(100 * r["mfu"], ".1f") + ("%" if not pd.isna(r["mfu"]) else ""),
                  cell(r["peak_memory_gib"], ".2f"), f"{r['days_to_train']:.3g}",
                  cell(r["cost_usd_per_million_tokens"], ".3g")]
         if finetune:
-            cells[2:2] = [str(r["seq_length"])]
             cells += [cell(r["tokens_per_hour"] / 1e6, ",.3g"), cell(r["hours_per_epoch"], ".3g"),
                       cell(r["cost_usd_per_epoch"], ",.2f")]
-        if moe:
-            cells.insert(headers.index("EP"), str(r["ep"]))
         table.add_row(*cells)
     console.print(table)
     raw, calibrated = ranked["step_time_error_pct"].abs(), ranked["calibrated_step_time_error_pct"].abs()
@@ -200,7 +194,7 @@ def render_summary(df: pd.DataFrame, top_n: int, full: FullRun, paths: dict[str,
         console.print(f"Step-time model on the {int(raw.notna().sum())} measured trials: median error "
                       f"{raw.median():.0f}% raw, {calibrated.median():.0f}% calibrated on them "
                       f"(calibrated_step_time_s in {paths['all'].name})")
-    console.print(recommendation(ranked, full, paths["optimal"]))
+    console.print(recommendation(ranked, full, paths["optimal"], named))
     return console.file.getvalue()  # type: ignore[attr-defined]
 
 
@@ -209,7 +203,7 @@ def write_reports(results_dir: Path, df: pd.DataFrame, full: FullRun, top_n: int
     paths = report_paths(results_dir, full)
     ranked = successful(df)
     atomic_write_text(paths["all"], csv_text(df, ALL_TRIALS_COLUMNS))
-    atomic_write_text(paths["summary"], csv_text(ranked.head(top_n), summary_columns(full)))
+    atomic_write_text(paths["summary"], csv_text(ranked.head(top_n), summary_columns(df, full)))
     if ranked.empty:
         for stale in (paths["optimal"], paths["ds_config"]):
             if stale.exists():  # an earlier collection's pick is no longer backed by a success
@@ -220,7 +214,8 @@ def write_reports(results_dir: Path, df: pd.DataFrame, full: FullRun, top_n: int
     paths["plots"] = write_plots(df, paths["folder"])  # type: ignore[assignment]
     paths["report"] = write_report_md(paths["folder"], training_report_inputs(
         df, f"{full.base.model.family} {full.label} on {full.num_nodes} node(s)", paths["plots"],
-        [paths[k].name for k in ("summary", "all", "optimal", "ds_config") if paths[k].exists()], _notes(df)))
+        [paths[k].name for k in ("summary", "all", "optimal", "ds_config") if paths[k].exists()], _notes(df),
+        finetune=full.epoch_tokens is not None))
     log.info("Wrote %s, %s, plots and %s in %s", paths["summary"].name, paths["all"].name, paths["report"].name,
              paths["folder"])
     return paths

@@ -14,22 +14,22 @@ from typing import Any, Iterable, Optional
 
 import pandas as pd
 
+from hp_tool.dimensions import Dimension, layout_columns, layout_words, varied
 from hp_tool.fsutil import atomic_write_text
 from hp_tool.inference.report import PLOT_FILE as INFERENCE_PLOT, SUMMARY_CSV as INFERENCE_CSV
+from hp_tool.vocab import INVALID
 from hp_tool.results.collect import CALIBRATION, NOT_RUN, RANK_BASIS, RANK_COLUMN, SELECTED, successful
 from hp_tool.results.plots import CAPTIONS, on_cpu
 from hp_tool.results.report_md import (REPORT_FILE, ModelError, Pick, Plot, RankMetric, ReportInputs, Unranked,
                                        render_report)
 
 TRAINING_METRIC = RankMetric(RANK_COLUMN, "full-run step time", "s", RANK_BASIS)
+# the ranked table's figures, after the columns of the searched dimensions (``searched``)
 REPORT_COLUMNS = (
-    "rank", "trial_id", "tp", "pp", "dp", "mbs", "act_ckpt_layers", "engine", "zero_stage", RANK_COLUMN,
-    "measured_step_time_s", "measured_step_time_mean_s", "predicted_step_time_s", "calibrated_step_time_s",
-    "tokens_per_s_per_gpu", "mfu", "peak_memory_gib", "peak_tensor_memory_gib", "days_to_train",
+    RANK_COLUMN, "measured_step_time_s", "measured_step_time_mean_s", "predicted_step_time_s",
+    "calibrated_step_time_s", "tokens_per_s_per_gpu", "mfu", "peak_memory_gib", "peak_tensor_memory_gib",
+    "days_to_train",
 )
-# searched dimensions shown in the ranked table only when the search varied them
-VARYING_COLUMNS = ("seq_length", "method", "lora_rank", "optimizer", "act_ckpt_mode", "virtual_stages", "offload",
-                   "ep", "cp", "sequence_parallel", "loss", "activation_offload")
 INFERENCE_METRIC = RankMetric("tokens_per_s_per_gpu", "generated tokens/s per GPU", "tokens/s", "median",
                               lower_is_better=False, repeats="timed generations' batch latency",
                               order="configs within the p99 latency bound first")
@@ -62,20 +62,23 @@ def status_counts(df: pd.DataFrame) -> str:
     return ", ".join(f"{counts[s]} {s}" for s in sorted(counts.index))
 
 
-def layout_text(row: pd.Series) -> str:
-    """A trial's layout in words: TP, PP (interleaving), DP, MBS, checkpointing, engine and memory saver."""
-    selective = " (selective, per op)" if row.get("act_ckpt_mode") == "selective" else ""
-    ckpt = (f"{row['act_ckpt_layers']} checkpointed layers per stage{selective}" if row["act_ckpt_layers"]
-            else "no activation checkpointing")
-    saver = f"{row['engine']} engine, ZeRO-{row['zero_stage']}" + (
-        f", offload {row['offload']}" if row["offload"] not in (None, "none") else "")
-    v = row.get("virtual_stages")
-    interleaved = f" interleaved over {int(v)} virtual stages" if not pd.isna(v) and v > 1 else ""
-    return f"TP={row['tp']}, PP={row['pp']}{interleaved}, DP={row['dp']}, MBS={row['mbs']}, {ckpt}, {saver}"
+def searched(df: pd.DataFrame, finetune: bool) -> list[Dimension]:
+    """The dimensions a search's table and sentences name: those always named and every one that varied
+    among its candidates that could exist (not invalid); a fine-tuning search also names its sequence length
+    and method, what a fine-tuning table is read by."""
+    return varied(df[df["plan_status"] != INVALID].to_dict("records"),
+                  also=("seq_length", "method") if finetune else ())
 
 
-def _pick(row: pd.Series, planned: int, cpu: bool) -> Pick:
-    return Pick(row["trial_id"], layout_text(row), float(row[RANK_COLUMN]), _value(row["peak_memory_gib"]),
+def dimension_columns(dims: list[Dimension]) -> tuple[str, ...]:
+    """The columns a table shows for these dimensions: theirs (DP after PP), the adapters' rank after a
+    method."""
+    columns = layout_columns(dims)
+    return columns + ("lora_rank",) if "method" in columns else columns
+
+
+def _pick(row: pd.Series, planned: int, cpu: bool, dims: list[Dimension]) -> Pick:
+    return Pick(row["trial_id"], layout_words(row, dims), float(row[RANK_COLUMN]), _value(row["peak_memory_gib"]),
                 _value(row["gpu_memory_gib"]), _value(row["predicted_rank"]), planned,
                 "peak RSS per process" if cpu else "peak per GPU")
 
@@ -108,12 +111,9 @@ def model_errors(ranked: pd.DataFrame, cpu: bool) -> tuple[ModelError, ...]:
     )
 
 
-def report_columns(df: pd.DataFrame) -> tuple[str, ...]:
-    """REPORT_COLUMNS, with each of VARYING_COLUMNS that takes more than one value in the table after the
-    layout's columns."""
-    varying = tuple(c for c in VARYING_COLUMNS if df[c].dropna().nunique() > 1)
-    cut = REPORT_COLUMNS.index("zero_stage") + 1
-    return REPORT_COLUMNS[:cut] + varying + REPORT_COLUMNS[cut:]
+def report_columns(dims: list[Dimension]) -> tuple[str, ...]:
+    """The ranked table's columns: rank and trial id, the searched dimensions', then REPORT_COLUMNS."""
+    return ("rank", "trial_id") + dimension_columns(dims) + REPORT_COLUMNS
 
 
 def _trust_note(df: pd.DataFrame) -> str:
@@ -134,14 +134,15 @@ def _counts(df: pd.DataFrame) -> str:
 
 
 def training_report_inputs(df: pd.DataFrame, title: str, plots: Iterable[Path], files: Iterable[str] = (),
-                           notes: Iterable[str] = ()) -> ReportInputs:
+                           notes: Iterable[str] = (), finetune: bool = False) -> ReportInputs:
     """The page of a training search from the collector's ranked table; ``plots``: the files written."""
     ranked = successful(df)
     cpu = on_cpu(df)
     planned = int(df["predicted_rank"].notna().sum()) or None
-    picks = [_pick(row, planned, cpu) for _, row in ranked.head(2).iterrows()]
+    dims = searched(df, finetune)
+    picks = [_pick(row, planned, cpu, dims) for _, row in ranked.head(2).iterrows()]
     rest = df[df["rank"].isna()]
-    columns = report_columns(df)
+    columns = report_columns(dims)
     return ReportInputs(
         title=title, metric=TRAINING_METRIC, columns=columns, ranked=_records(ranked, columns),
         pick=picks[0] if picks else None, runner_up=picks[1] if len(picks) > 1 else None,

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from hp_tool.errors import require
-from hp_tool.launch.job import rendezvous_port
+from hp_tool.contracts.rendezvous import rendezvous_port
 from hp_tool.contracts.spec import ParallelSpec
 
 log = logging.getLogger(__name__)

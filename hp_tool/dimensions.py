@@ -1,0 +1,207 @@
+"""The searched dimensions as data: one row per knob of the training grid.
+
+Each row says where a dimension comes from (its ``train_settings`` list), what it sets (the layout or spec
+field), how it is named (its trial-id token, CSV column, printed header, words in a recommendation), how a
+rejected list is mended, and its default (what a layout without it runs, which also keeps the
+fingerprint of a spec written before the dimension existed). The trial id, the CSV columns and their types,
+the printed tables, the recommendation and the fingerprint's defaults are derived here, so they cannot
+drift apart.
+
+Pure data and string building: no torch, no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Optional
+
+from hp_tool.vocab import ENGINE_CODES, OFFLOAD_CODES, OPTIMIZER_CODES
+
+# where a token goes in a trial id: family_size<model>_tp<tp>_pp<pp>_mbs<mbs>_ac<ac>_<engine><saver>
+SLOTS = ("model", "tp", "pp", "mbs", "ac", "saver")
+
+
+@dataclass(frozen=True)
+class Dimension:
+    """One searched knob."""
+
+    name: str  # the field it sets (Layout / ParallelSpec; seq_length and method: the model's)
+    key: str  # its train_settings list
+    kind: type  # int | bool | str: the CSV cell's type
+    default: Any  # what a layout that does not set it runs
+    always: bool  # named in every table and sentence; else only where some layout differs from the default
+    header: str  # the printed tables' column
+    slot: str  # where its token goes in a trial id (SLOTS)
+    token: Callable[[Any], str]  # its part of the trial id, from its value ("" for none)
+    words: Callable[[Any], str]  # its phrase in a layout named in words
+    fix: str  # how to mend a list that leaves no valid candidate
+    added: bool = False  # added after specs were first written: the fingerprint leaves it out at its default
+    spec: str = "parallel"  # the TrialSpec section holding it (parallel, training, model)
+
+    @property
+    def column(self) -> str:
+        """Its column in plan.csv, all_trials, the summaries and comparison.csv."""
+        return self.name
+
+    def shown(self, values: Iterable[Any]) -> bool:
+        """Whether a table or sentence about layouts with these values names this dimension: when some layout
+        has it (a dense model has no experts), and it is always named, or it varied, or the layouts differ
+        from its default."""
+        present = [v for v in values if not _blank(v)]
+        if not present:
+            return False
+        if self.always or len(set(present)) > 1:
+            return True
+        return self.default is not None and present[0] != self.default
+
+
+def _count(prefix: str) -> Callable[[Any], str]:
+    return lambda v: f"{prefix}{v}"
+
+
+def _unless_one(prefix: str) -> Callable[[Any], str]:
+    return lambda v: f"_{prefix}{v}" if v is not None and v > 1 else ""
+
+
+def _flag(token: str) -> Callable[[Any], str]:
+    return lambda v: token if v else ""
+
+
+def _ckpt_words(v: int) -> str:
+    return f"{v} checkpointed layers per stage" if v else "no activation checkpointing"
+
+
+DIMENSIONS: tuple[Dimension, ...] = (
+    Dimension("seq_length", "seq_lengths", int, None, False, "seq", "model", lambda v: f"_s{v}" if v is not None else "",
+              lambda v: f"{v} tokens per sequence", "use sequence lengths the model's positions hold", spec="model"),
+    # an adapter method is named with its rank (trial_id)
+    Dimension("method", "methods", str, "full", False, "method", "model", lambda v: "",
+              lambda v: f"{v} fine-tuning" if v == "full" else v.upper() if v == "qlora" else "LoRA",
+              "use TP=1 for lora and qlora, and the torch engine with ZeRO 0-1 for qlora", spec="model"),
+    Dimension("tp", "tensor_parallel_sizes", int, 1, True, "TP", "tp", _count("tp"), lambda v: f"TP={v}",
+              "use TP values that divide the (key/value) head count and fit in one node"),
+    Dimension("sequence_parallel", "sequence_parallel", bool, False, False, "SP", "tp", _flag("sp"),
+              lambda v: "sequence parallel" if v else "no sequence parallelism",
+              "use sequence_parallel=[false], or TP > 1 on the torch engine", added=True),
+    Dimension("pp", "pipeline_parallel_sizes", int, 1, True, "PP", "pp", _count("pp"), lambda v: f"PP={v}",
+              "use PP values that divide the layer count (T5/mT5: 1, or an even PP whose half divides the layers "
+              "per stack)"),
+    Dimension("virtual_stages", "virtual_pipeline_sizes", int, 1, False, "VP", "pp", _unless_one("vp"),
+              lambda v: f"interleaved over {v} virtual stages" if v > 1 else "no interleaving",
+              "use virtual stages that divide the layers per pipeline stage (num_layers / PP), 1 without a "
+              "pipeline or for T5/mT5"),
+    # a mixture of experts names its EP, 1 included; a dense model has none (None)
+    Dimension("ep", "expert_parallel_sizes", int, 1, True, "EP", "pp", lambda v: f"_ep{v}" if v is not None else "",
+              lambda v: f"EP={v}", "use expert-parallel sizes dividing the experts and the data-parallel ranks"),
+    Dimension("cp", "context_parallel_sizes", int, 1, False, "CP", "pp", _unless_one("cp"), lambda v: f"CP={v}",
+              "use context_parallel_sizes=[1], or sizes leaving each rank whole attention chunks", added=True),
+    Dimension("mbs", "micro_batch_sizes", int, 1, True, "MBS", "mbs", _count("mbs"), lambda v: f"MBS={v}",
+              "use a global_batch_size (and micro_batch_sizes) with GBS % (MBS*DP) == 0"),
+    Dimension("act_ckpt_layers", "act_ckpt_layers", int, 0, True, "ckpt", "ac", _count("ac"), _ckpt_words,
+              "use values between 0 and the layers per pipeline stage (num_layers / PP; T5/mT5: 2 x num_layers / "
+              "PP)"),
+    Dimension("engine", "engines", str, "torch", True, "engine", "saver", lambda v: ENGINE_CODES[v],
+              lambda v: f"{v} engine", "use engines=[torch]"),
+    Dimension("zero_stage", "zero_stages", int, 3, True, "ZeRO", "saver", lambda v: f"_z{v}", lambda v: f"ZeRO-{v}",
+              "choose a ZeRO stage the engine runs at this TP/PP (hp_tool/sharding.py)"),
+    Dimension("offload", "offload", str, "none", False, "offload", "saver", lambda v: f"_{OFFLOAD_CODES[v]}",
+              lambda v: f"offload {v}" if v != "none" else "no offload",
+              "choose an offload the engine runs (hp_tool/sharding.py), or give gpu.host_ram_gib"),
+    Dimension("optimizer", "optimizers", str, "adamw", False, "optimizer", "saver", lambda v: OPTIMIZER_CODES[v],
+              lambda v: f"{v} optimizer", "use adamw with offload, or the other optimizers without it",
+              spec="training"),
+    Dimension("act_ckpt_mode", "act_ckpt_modes", str, "full", False, "ckpt mode", "saver",
+              lambda v: "_sac" if v == "selective" else "",
+              lambda v: "selective checkpointing (per op)" if v == "selective" else "whole-layer checkpointing",
+              "use act_ckpt_modes=[full], or selective with the torch engine and checkpointed layers", added=True),
+    Dimension("loss", "losses", str, "full", False, "loss", "saver", lambda v: "_lchunk" if v == "chunked" else "",
+              lambda v: "chunked loss" if v == "chunked" else "whole-logits loss",
+              "use losses=[full], or chunked on the last pipeline stage's engine that runs it", added=True),
+    Dimension("activation_offload", "activation_offload", bool, False, False, "act offload", "saver", _flag("_aoff"),
+              lambda v: "activations offloaded to host RAM" if v else "activations on the GPU",
+              "use activation_offload=[false], or the torch engine with a host RAM figure", added=True),
+)
+
+BY_NAME = {d.name: d for d in DIMENSIONS}
+BY_KEY = {d.key: d for d in DIMENSIONS}
+
+
+
+def layout_headers(dims: Iterable[Dimension] = DIMENSIONS) -> tuple[tuple[str, str], ...]:
+    """(column, printed header) of these dimensions in table order, the data-parallel size (what the GPUs
+    leave, never searched) after PP."""
+    out: list[tuple[str, str]] = []
+    for d in dims:
+        out += [(d.column, d.header), ("dp", "DP")] if d.name == "pp" else [(d.column, d.header)]
+    return tuple(out)
+
+
+def layout_columns(dims: Iterable[Dimension] = DIMENSIONS) -> tuple[str, ...]:
+    """The columns of these dimensions in table order, DP after PP."""
+    return tuple(column for column, _ in layout_headers(dims))
+
+
+# the CSV types of the dimensions' columns (dp an integer)
+INT_COLUMNS = tuple(d.column for d in DIMENSIONS if d.kind is int) + ("dp",)
+BOOL_COLUMNS = tuple(d.column for d in DIMENSIONS if d.kind is bool)
+TEXT_COLUMNS = tuple(d.column for d in DIMENSIONS if d.kind is str)
+
+
+def fingerprint_defaults(section: str = "parallel") -> dict[str, Any]:
+    """The fields of a spec section added after specs were first written, with the value a layout without
+    them runs: a spec without them keeps its fingerprint."""
+    return {d.name: d.default for d in DIMENSIONS if d.added and d.spec == section}
+
+
+def trial_id(family: str, size_label: str, values: Mapping[str, Any], lora_rank: int = 0) -> str:
+    """The one place a trial id is built; every file name derives from it. ``values``: dimension name ->
+    value; one left out runs its default (``seq_length`` and ``ep`` left out are not named: a
+    pretraining search's one sequence length, a dense model's experts). E.g.
+    gpt3_5b_tp2_pp1_mbs4_ac0_torch_z3_noff; llama_6.74b_s2048_lora16_tp1_pp1_mbs4_ac32_ds_z3_offopt;
+    mixtral_46.7b_s4096_tp1_pp1_ep8_mbs1_...; llama_8.03b_s32768_tp2sp_pp1_cp2_mbs1_ac32_torch_z3_noff_lchunk_aoff;
+    an adapter method adds its name and rank after the sequence length."""
+    parts = dict.fromkeys(SLOTS, "")
+    for d in DIMENSIONS:
+        value = values.get(d.name, None if d.name == "ep" else d.default)
+        parts[d.slot] += f"_{value}{lora_rank}" if d.name == "method" and value != "full" else d.token(value)
+    return (f"{family}_{size_label}{parts['model']}_{parts['tp']}_{parts['pp']}_{parts['mbs']}_{parts['ac']}_"
+            f"{parts['saver']}")
+
+
+def varied(rows: Iterable[Mapping[str, Any]], also: Iterable[str] = ()) -> list[Dimension]:
+    """The dimensions a set of rows (plan or result rows, by column) names: those always named, those any
+    row sets to something other than the default, and those named in ``also``."""
+    rows, also = list(rows), set(also)
+    return [d for d in DIMENSIONS if d.name in also or d.shown(r.get(d.column) for r in rows)]
+
+
+def _blank(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and value != value)  # NaN
+
+
+def layout_words(row: Mapping[str, Any], shown: Optional[Iterable[Dimension]] = None) -> str:
+    """A layout in words from its row (by column), every dimension of ``shown`` (default: those always named
+    and those this row sets to something other than the default) named, DP after PP; e.g. "seq 4096 tokens per sequence, LoRA, TP=1,
+    PP=1, DP=8, MBS=2, 32 checkpointed layers per stage, torch engine, ZeRO-3"."""
+    dims = list(shown) if shown is not None else varied([row])
+    out = []
+    for d in dims:
+        value = row.get(d.column)
+        if _blank(value):
+            continue
+        if d.name == "method" and value != "full" and not _blank(row.get("lora_rank")):
+            out.append(f"{d.words(value)} rank {int(row['lora_rank'])}")
+        else:
+            out.append(d.words(value))
+        if d.name == "pp" and not _blank(row.get("dp")):
+            out.append(f"DP={row['dp']}")
+    return ", ".join(out)
+
+
+def cell(column: str, value: Any) -> str:
+    """A printed table's cell of a dimension's column (or DP's)."""
+    if _blank(value):
+        return ""
+    if column in BY_NAME and BY_NAME[column].kind is bool:
+        return "yes" if value else "no"
+    return str(value)

@@ -1,0 +1,60 @@
+"""The dimension table (hp_tool/dimensions.py) is what the trial id, the CSVs, the printed tables and the
+recommendation are made from: each row must reach every one of them, and a layout is named in words by the
+dimensions that varied, no more."""
+
+import dataclasses
+
+from hp_tool.config import TrainSettings
+from hp_tool.contracts.spec import ADDED_FIELD_DEFAULTS, ParallelSpec, TrainingSpec
+from hp_tool.dimensions import DIMENSIONS, layout_columns, layout_words, trial_id, varied
+from hp_tool.estimate.layout import Layout
+from hp_tool.plan_output import PLAN_COLUMNS
+from hp_tool.planner import FIXES
+from hp_tool.results import collect
+
+
+def test_every_dimension_reaches_its_setting_its_field_its_columns_and_its_fix():
+    settings = {f.name for f in dataclasses.fields(TrainSettings)}
+    layout = {f.name for f in dataclasses.fields(Layout)}
+    sections = {"parallel": {f.name for f in dataclasses.fields(ParallelSpec)},
+                "training": {f.name for f in dataclasses.fields(TrainingSpec)}}
+    for d in DIMENSIONS:
+        assert d.key in settings, f"{d.name}: train_settings.{d.key} does not exist"
+        assert d.name in layout or d.spec == "model", f"{d.name} is not a Layout field"
+        assert d.spec == "model" or d.name in sections[d.spec], f"{d.name} is not in the spec's {d.spec} section"
+        assert d.column in PLAN_COLUMNS and d.column in collect.TABLE_COLUMNS
+        typed = {int: collect.INT_COLUMNS, bool: collect.BOOL_COLUMNS, str: collect.TEXT_COLUMNS}[d.kind]
+        assert d.column in typed and collect._cell(d.column, "1" if d.kind is int else "True") is not None
+        assert FIXES[d.key] == d.fix and d.fix
+    assert layout_columns().index("dp") == layout_columns().index("pp") + 1
+
+
+def test_fields_added_later_keep_old_fingerprints_at_their_defaults():
+    spec = ParallelSpec()
+    added = {name for name in ADDED_FIELD_DEFAULTS if name != "loss_chunk_tokens"}
+    assert added == {"cp", "loss", "activation_offload", "sequence_parallel", "act_ckpt_mode"}
+    assert all(getattr(spec, name) == ADDED_FIELD_DEFAULTS[name] for name in added)
+
+
+def test_trial_ids_name_each_token_in_its_place_and_leave_defaults_out():
+    base = dict(tp=2, pp=4, mbs=1, act_ckpt_layers=8)
+    assert trial_id("gpt3", "5b", base) == "gpt3_5b_tp2_pp4_mbs1_ac8_torch_z3_noff"
+    every = dict(base, seq_length=8192, method="qlora", sequence_parallel=True, virtual_stages=2, ep=4, cp=2,
+                 engine="deepspeed", zero_stage=1, offload="optimizer", optimizer="sgd_momentum",
+                 act_ckpt_mode="selective", loss="chunked", activation_offload=True)
+    assert trial_id("mixtral", "46.7b", every, lora_rank=8) == \
+        "mixtral_46.7b_s8192_qlora8_tp2sp_pp4_vp2_ep4_cp2_mbs1_ac8_ds_z1_offopt_sgdm_sac_lchunk_aoff"
+    assert trial_id("mixtral", "46.7b", dict(base, ep=1)) == "mixtral_46.7b_tp2_pp4_ep1_mbs1_ac8_torch_z3_noff"
+
+
+def test_a_layout_in_words_names_what_varied_and_what_differs_from_the_default():
+    rows = [dict(seq_length=4096, method="full", tp=2, pp=1, dp=4, mbs=1, act_ckpt_layers=0, engine="torch",
+                 zero_stage=3, offload="none", optimizer="adamw", cp=cp, loss="chunked", sequence_parallel=False,
+                 activation_offload=False, virtual_stages=1, act_ckpt_mode="full", ep=None) for cp in (1, 2)]
+    named = {d.name for d in varied(rows)}
+    assert {"cp", "loss"} <= named  # cp varied; the loss is chunked everywhere, not the default
+    assert not named & {"seq_length", "method", "offload", "optimizer", "sequence_parallel", "ep"}
+    words = layout_words(rows[1], varied(rows))
+    assert words.startswith("TP=2, PP=1, DP=4, CP=2, MBS=1") and "chunked loss" in words and "offload" not in words
+    assert layout_words(rows[0], varied(rows, also=("seq_length", "method"))).startswith(
+        "4096 tokens per sequence, full fine-tuning, TP=2")
