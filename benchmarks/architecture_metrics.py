@@ -11,8 +11,9 @@ Family branches: comparisons of a family name (``family ==``/``!=``/``in``, a fa
 the graph of every internal import, module-level and function-level (a function-level import that dodges
 a cycle is still the cycle). Layout types: classes that carry both a ``tp`` and a ``pp`` integer field. Dimension files: files of
 hp_tool whose code names a searched dimension (``hp_tool/dimensions.py``'s rows) as a word, comments and
-docstrings aside. Engine branches: comparisons with an engine name (``engine ==``/``!=``/``in``, or
-"torch"/"deepspeed" compared to anything) outside ``hp_tool/trial/engines/``.
+docstrings aside. Engine branches: comparisons of an engine (``engine ==``/``!=``) or with an engine's
+name ("torch"/"deepspeed" compared to anything) outside ``hp_tool/trial/engines/``; the rules read
+``hp_tool/engine_facts.py`` instead.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ from hp_tool.families import family_names  # noqa: E402
 
 FAMILY_NAMES = tuple(family_names())
 ENGINE_DIR = PKG / "trial" / "engines"
-ENGINE_BRANCH = re.compile(r"\bengine\b[\w.\]\)]*\s*(==|!=|\bin\b|\bnot in\b)|"
-                           r"(==|!=)\s*[\"'](torch|deepspeed)[\"']|[\"'](torch|deepspeed)[\"']\s*(==|!=|\bin\b)")
+ENGINE_BRANCH = re.compile(r"\bengine\s*(==|!=)|(==|!=|\bin\b)\s*\(?[\"'](torch|deepspeed)[\"']|"
+                           r"[\"'](torch|deepspeed)[\"']\s*(==|!=|\bin\b)")
 FAMILY_BRANCH = re.compile(r"\bfamily\b[\w.\]\)]*\s*(==|!=|\bin\b|\bnot in\b)|ENCODER_DECODER|"
                            r"(==|!=)\s*[\"'](" + "|".join(FAMILY_NAMES) + r")[\"']|"
                            r"[\"'](" + "|".join(FAMILY_NAMES) + r")[\"']\s*(==|!=|\bin\b)")
@@ -156,7 +157,8 @@ def family_branches(mods: dict[str, Path]) -> list[str]:
 # worker and benchmarks reach into it.
 FLOORS = (
     ("vocabulary and contracts", ("hp_tool.errors", "hp_tool.registry", "hp_tool.fsutil", "hp_tool.fingerprint", "hp_tool.vocab",
-                                  "hp_tool.cost", "hp_tool.tables", "hp_tool.dimensions")),
+                                  "hp_tool.cost", "hp_tool.tables", "hp_tool.dimensions",
+                                  "hp_tool.engine_facts")),
     ("model facts", ("hp_tool.throughput", "hp_tool.families", "hp_tool.architectures", "hp_tool.sizing", "hp_tool.sharding",
                      "hp_tool.layout", "hp_tool.estimate")),
     ("contracts", ("hp_tool.contracts", "hp_tool.config", "hp_tool.wandb_key", "hp_tool.hf_config")),
@@ -221,7 +223,7 @@ def engine_branches(mods: dict[str, Path]) -> list[str]:
         if path.is_relative_to(ENGINE_DIR):
             continue
         hits += [f"{path.relative_to(ROOT)}:{i}: {code.strip()}" for i, code in code_lines(path)
-                 if ENGINE_BRANCH.search(code)]
+                 if ENGINE_BRANCH.search(code) and not code.lstrip().startswith("for ")]
     return hits
 
 

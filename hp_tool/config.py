@@ -25,6 +25,7 @@ from hp_tool.errors import ConfigError, require
 from hp_tool.estimate.layout import EFFICIENCY_FIELDS
 from hp_tool.sharding import checkpoint_mode_problem
 from hp_tool.vocab import trial_device  # noqa: F401 - re-exported: the planner's callers ask it here
+from hp_tool.engine_facts import engine_facts
 from hp_tool.vocab import ACT_CKPT_MODES, CLUSTER_TYPES, ENGINES, FINETUNE, LOSSES, MEMORY_CHECKS, METHODS, OPTIMIZERS, OFFLOADS, PRECISIONS, STRATEGIES, ZERO_STAGES
 
 DEFAULT_SKIP_MARGIN = 0.25  # train_settings.skip_margin; chosen by benchmarks/search_cost.py
@@ -336,10 +337,12 @@ class TrainSettings:
         require(not ("qlora" in (self.methods or []) and self.precision == "fp32"), f"{p}.precision", self.precision,
                 "QLoRA computes on a dequantised 16-bit copy of its 4-bit weights, not in fp32",
                 "use bf16 or fp16 (null: the GPU's), or search methods [full, lora]")
-        if "deepspeed" in (self.engines or ()) and importlib.util.find_spec("deepspeed") is None:
-            raise ConfigError(f"{p}.engines", self.engines, "the deepspeed engine was asked for but DeepSpeed "
-                              "is not installed", 'pip install "hp_tool[deepspeed]" (or pip install deepspeed), '
-                              "or search engines=[torch]")
+        for engine in self.engines or ():
+            package = engine_facts(engine).package
+            if package is not None and importlib.util.find_spec(package) is None:
+                raise ConfigError(f"{p}.engines", self.engines, f"the {engine} engine was asked for but {package} "
+                                  "is not installed", f'pip install "hp_tool[{package}]" (or pip install {package}), '
+                                  "or search engines=[torch]")
         require(self.search_strategy in STRATEGIES, f"{p}.search_strategy", self.search_strategy,
                 "unknown search strategy", "use adaptive (learn from each trial, skip the hopeless) or exhaustive "
                 "(launch every selected candidate)")

@@ -17,6 +17,7 @@ import time
 from typing import Iterable
 
 from hp_tool.contracts.spec import TrialSpec
+from hp_tool.engine_facts import engine_facts
 from hp_tool.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -26,8 +27,8 @@ ENGINES_KEY = "search_config.train_settings.engines"
 
 
 def needs_deepspeed_ops(specs: Iterable[TrialSpec]) -> bool:
-    """True when any trial runs the DeepSpeed engine."""
-    return any(s.parallel.engine == "deepspeed" for s in specs)
+    """True when any trial runs an engine whose C++ ops are built before its first trial (DeepSpeed's)."""
+    return any(engine_facts(s.parallel.engine).builds_ops for s in specs)
 
 
 def build_deepspeed_ops(python: str = sys.executable, timeout_s: float = BUILD_TIMEOUT_S) -> float:

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 from typing import Optional
 
+from hp_tool.engine_facts import engine_facts
 from hp_tool.families import family
-from hp_tool.vocab import ACT_CKPT_MODES, ENGINE_CODES, LOSSES, OFFLOAD_CODES
+from hp_tool.vocab import ACT_CKPT_MODES, LOSSES, OFFLOAD_CODES
 
 
 # The memory savers from lightest to heaviest, as the heuristic (zero_stages / offload null) tries them;
@@ -30,7 +31,7 @@ SAVING_ORDER = ((0, "none"), (1, "none"), (2, "none"), (3, "none"),
 
 def layout_suffix(engine: str, zero_stage: int, offload: str) -> str:
     """How a trial id names these dimensions, e.g. ``torch_z3_noff``, ``ds_z2_offopt``."""
-    return f"{ENGINE_CODES[engine]}_z{zero_stage}_{OFFLOAD_CODES[offload]}"
+    return f"{engine_facts(engine).code}_z{zero_stage}_{OFFLOAD_CODES[offload]}"
 
 
 def family_problem(family_name: str, engine: str) -> Optional[tuple[str, str]]:
@@ -53,9 +54,10 @@ def method_problem(method: str, engine: str, tp: int, zero_stage: int, offload: 
     if moe and method == "qlora":
         return ("qlora on a mixture of experts: bitsandbytes quantises nn.Linear modules, and the experts (most "
                 "of the weights) are 3-D parameters it would leave in 16 bits")
-    if tp > 1 and engine == "torch":
+    facts = engine_facts(engine)
+    if tp > 1 and not facts.adapters_with_tp:
         return f"{method} with TP={tp}: the torch engine's TP plan splits nn.Linear modules, which peft's LoRA layers wrap"
-    if method == "qlora" and (engine != "torch" or zero_stage > 1 or offload != "none"):
+    if method == "qlora" and (zero_stage not in facts.qlora_zero_stages or offload != "none"):
         return ("qlora runs on the torch engine with ZeRO 0-1 and no offload: bitsandbytes' 4-bit weights are "
                 "not sharded by FSDP2 or DeepSpeed")
     return None
@@ -66,7 +68,8 @@ def expert_problem(num_experts: int, ep: int, dp: int, tp: int, engine: str) -> 
     takes whole experts (it divides their count) from the data-parallel ranks (it divides DP); only the torch
     engine splits experts (transformers' expert-parallel all-to-all dispatch; with TP each TP rank dispatches
     its slice of the tokens). DeepSpeed's AutoTP cannot split transformers' 3-D expert tensors."""
-    if num_experts and engine == "deepspeed" and tp > 1:
+    facts = engine_facts(engine)
+    if num_experts and not facts.experts_with_tp and tp > 1:
         return (f"a mixture of experts on deepspeed with TP={tp}: DeepSpeed's AutoTP cannot split transformers' "
                 "expert tensors (partition styles moe_tp_experts, packed_colwise); use TP 1 or engine torch")
     if ep == 1:
@@ -77,7 +80,7 @@ def expert_problem(num_experts: int, ep: int, dp: int, tp: int, engine: str) -> 
         return f"EP={ep} does not divide the {num_experts} experts"
     if dp % ep:
         return f"EP={ep} does not divide the DP={dp} ranks it spans"
-    if engine != "torch":
+    if not facts.expert_parallel:
         return (f"EP={ep} on engine {engine}: only the torch engine splits experts (DeepSpeed shards them with "
                 "ZeRO as any weight, at EP 1)")
     return None
@@ -99,11 +102,10 @@ def optimizer_problem(optimizer: str, engine: str, zero_stage: int, offload: str
     AdamW does not run; the torch engine's ZeRO-1 shards AdamW and SGD (torch's ZeroRedundancyOptimizer)."""
     if optimizer == "adamw":
         return None
-    if offload != "none" and (engine == "deepspeed" or optimizer == "adamw_8bit"):
-        where = "DeepSpeed steps offloaded states with its CPU Adam" if engine == "deepspeed" else \
-            "bitsandbytes' 8-bit AdamW runs on the GPU only"
-        return f"{optimizer} with offload {offload}: {where}"
-    if engine == "torch" and zero_stage == 1 and optimizer == "adamw_8bit":
+    facts = engine_facts(engine)
+    if offload != "none" and optimizer not in facts.offloaded_optimizers:
+        return f"{optimizer} with offload {offload}: {facts.offload_step_note}"
+    if zero_stage == 1 and facts.zero1_optimizers is not None and optimizer not in facts.zero1_optimizers:
         return "the torch engine's ZeRO-1 shards AdamW and SGD, not bitsandbytes' 8-bit AdamW"
     return None
 
@@ -114,16 +116,14 @@ def combination_problem(engine: str, zero_stage: int, offload: str, tp: int, pp:
         return "offload", f"offload={offload} needs ZeRO stage >= 1 (the offloaded optimizer states are partitioned)"
     if offload == "optimizer_and_params" and zero_stage < 3:
         return "offload", f"parameter offload needs ZeRO stage 3 (stage {zero_stage} keeps whole parameters on the GPU)"
-    if engine == "torch":
-        if offload == "optimizer":
-            return "offload", ("the torch engine offloads through FSDP2's CPUOffloadPolicy, which moves parameters "
-                               "too: use offload optimizer_and_params, or engine deepspeed for optimizer-only offload")
-        return None
-    if pp > 1:
+    facts = engine_facts(engine)
+    if offload not in facts.offloads:
+        return "offload", facts.offload_note
+    if pp > 1 and facts.pp_zero_stages is None:
         if zero_stage >= 2:
             return "zero_stages", f"DeepSpeed pipeline parallelism supports ZeRO stages 0-1, not {zero_stage}"
         return "engines", f"hp_tool's DeepSpeed engine runs without pipeline parallelism (PP={pp}): use the torch engine"
-    if tp > 1 and zero_stage == 3:
+    if tp > 1 and zero_stage not in facts.tp_zero_stages:
         return "zero_stages", "DeepSpeed's tensor parallelism (AutoTP) composes with ZeRO stages 0-2, not 3"
     return None
 
@@ -140,14 +140,14 @@ def sequence_problem(family_name: str, seq_length: int, tp: int, pp: int, cp: in
       expert parallelism, the sequence divisible into 2·CP equal chunks (two per rank, for the causal mask's
       balance);
     - activation offload: the torch engine (``torch.autograd.graph.save_on_cpu``)."""
-    facts = family(family_name)
+    facts, runs = family(family_name), engine_facts(engine)
     if loss not in LOSSES:
         return "loss", f"unknown loss {loss!r} (use one of {list(LOSSES)})"
-    if loss == "chunked" and (tp > 1 or engine != "torch"):
+    if loss == "chunked" and (tp > 1 or not runs.chunked_loss):
         return "loss", (f"the chunked loss runs on the torch engine with TP 1 (here engine {engine}, TP {tp}; with TP "
                         "the vocabulary-parallel loss already splits the logits over TP)")
     if cp > 1:
-        if engine != "torch":
+        if not runs.context_parallel:
             return "cp", f"CP={cp} on engine {engine}: only the torch engine splits the sequence"
         if not facts.context_parallel:
             return "cp", (f"CP={cp} for {family_name}: the engine's ring attention splits causal decoder-only "
@@ -160,7 +160,7 @@ def sequence_problem(family_name: str, seq_length: int, tp: int, pp: int, cp: in
             return "cp", (f"CP={cp} needs the {seq_length}-token sequence in 2*CP={2 * cp} equal chunks (two per "
                           "rank balance the causal mask's work)")
     if sequence_parallel:
-        if tp == 1 or engine != "torch" or pp > 1:
+        if tp == 1 or not runs.sequence_parallel or pp > 1:
             return "sequence_parallel", (f"sequence parallelism splits the sequence over TP on the torch engine "
                                          f"without PP (here TP={tp}, PP={pp}, engine {engine})")
         if not facts.sequence_parallel:
@@ -168,7 +168,7 @@ def sequence_problem(family_name: str, seq_length: int, tp: int, pp: int, cp: in
         if (seq_length // cp) % tp:
             return "sequence_parallel", (f"sequence parallelism splits each rank's {seq_length // cp} tokens over "
                                          f"TP={tp}, which does not divide them")
-    if activation_offload and engine != "torch":
+    if activation_offload and not runs.activation_offload:
         return "activation_offload", f"the {engine} engine does not offload activations (use engine torch)"
     return None
 
@@ -194,7 +194,7 @@ def checkpoint_mode_problem(family_name: Optional[str], act_ckpt_mode: str, act_
     if act_ckpt_layers == 0:
         return ("selective checkpointing with act_ckpt_layers=0: no layer is checkpointed, so nothing is recomputed "
                 "selectively")
-    if engine != "torch":
+    if not engine_facts(engine).selective_checkpointing:
         return (f"selective checkpointing on engine {engine}: DeepSpeed runs its own activation checkpointing of "
                 "whole layers; the per-op policy runs on the torch engine")
     if family_name is not None and family(family_name).layer_matmuls is None:

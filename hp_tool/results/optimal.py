@@ -16,6 +16,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
+from hp_tool.engine_facts import engine_facts
 from hp_tool.fsutil import atomic_write_text
 from hp_tool.results.full_run import FullRun
 from hp_tool.sizing import format_days
@@ -97,7 +98,7 @@ def _header(spec: TrialSpec, best: pd.Series, n_ranked: int, ds_name: str) -> st
         f"# Train on SLURM: {train_sbatch_command(spec, '<this file>')}\n"
         + ("# DeepSpeed config of this layout (deepspeed.initialize, transformers TrainingArguments(deepspeed=...)):\n"
            f"# {ds_name} beside this file.\n"
-           if spec.parallel.engine == "deepspeed" else "")
+           if engine_facts(spec.parallel.engine).config_file else "")
     )
 
 
@@ -122,7 +123,7 @@ def write_optimal_config(results_dir: Path, best: pd.Series, full: FullRun, n_ra
         path.unlink()
         raise ValueError(f"{path} did not reload as written; removed it. Written: {spec.to_dict()}; "
                          f"reloaded: {reloaded.to_dict()}")
-    if spec.parallel.engine == "deepspeed":
+    if engine_facts(spec.parallel.engine).config_file:
         atomic_write_text(ds_path, json.dumps(ds_config(spec), indent=2) + "\n")
     elif ds_path.exists():  # an earlier DeepSpeed pick's config is not this pick's
         ds_path.unlink()

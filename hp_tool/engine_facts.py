@@ -1,0 +1,80 @@
+"""What each trial engine can do, as data: the rules (hp_tool/sharding.py), the memory and step-time models,
+the configuration checks and the results read these facts, never an engine's name.
+
+Pure, no torch. The engines themselves (``hp_tool/trial/engines/``) implement what their record says; a
+new engine is one record here and one implementation there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from hp_tool.vocab import OPTIMIZERS, ZERO_STAGES
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """One trial engine."""
+
+    name: str  # its train_settings.engines value
+    code: str  # how a trial id spells it
+    package: Optional[str]  # the Python package it needs beyond torch (the config check names it), or None
+    # memory savers: the offloads it runs (the others' reason in ``offload_note``), the ZeRO stages it composes
+    # with TP > 1, and with PP > 1 (None: it runs no pipeline)
+    offloads: tuple[str, ...]
+    offload_note: str
+    tp_zero_stages: tuple[int, ...]
+    pp_zero_stages: Optional[tuple[int, ...]]
+    # optimizers: those it steps offloaded states with (why not the others: ``offload_step_note``), and those
+    # its ZeRO-1 shards (None: any)
+    offloaded_optimizers: tuple[str, ...]
+    offload_step_note: str
+    zero1_optimizers: Optional[tuple[str, ...]]
+    # what it runs
+    expert_parallel: bool  # splits a mixture of experts' experts over EP ranks
+    experts_with_tp: bool  # runs a mixture of experts with TP > 1
+    adapters_with_tp: bool  # runs LoRA / QLoRA with TP > 1
+    qlora_zero_stages: tuple[int, ...]  # ZeRO stages it runs QLoRA's 4-bit weights with (no offload)
+    context_parallel: bool
+    sequence_parallel: bool
+    chunked_loss: bool
+    activation_offload: bool
+    selective_checkpointing: bool
+    # how it holds and moves the model: fp32 master weights with a separate 16-bit compute copy only when
+    # sharded (torch: FSDP2's mixed precision keeps fp32 parameters); whether a checkpointed layer's
+    # recompute and a pipeline's stages are timed its way
+    fp32_weights: bool
+    builds_ops: bool  # C++ ops built before its first trial (DeepSpeed's CPU Adam)
+    config_file: Optional[str]  # what the optimal config's folder holds beside it for this engine (name pattern)
+
+
+TORCH = EngineFacts(
+    name="torch", code="torch", package=None,
+    offloads=("none", "optimizer_and_params"),
+    offload_note=("the torch engine offloads through FSDP2's CPUOffloadPolicy, which moves parameters too: use "
+                  "offload optimizer_and_params, or engine deepspeed for optimizer-only offload"),
+    tp_zero_stages=ZERO_STAGES, pp_zero_stages=ZERO_STAGES,
+    offloaded_optimizers=tuple(o for o in OPTIMIZERS if o != "adamw_8bit"),
+    offload_step_note="bitsandbytes' 8-bit AdamW runs on the GPU only",
+    zero1_optimizers=("adamw", "sgd", "sgd_momentum"),
+    expert_parallel=True, experts_with_tp=True, adapters_with_tp=False, qlora_zero_stages=(0, 1),
+    context_parallel=True, sequence_parallel=True, chunked_loss=True, activation_offload=True,
+    selective_checkpointing=True, fp32_weights=True, builds_ops=False, config_file=None,
+)
+DEEPSPEED = EngineFacts(
+    name="deepspeed", code="ds", package="deepspeed",
+    offloads=("none", "optimizer", "optimizer_and_params"), offload_note="",
+    tp_zero_stages=(0, 1, 2), pp_zero_stages=None,
+    offloaded_optimizers=("adamw",), offload_step_note="DeepSpeed steps offloaded states with its CPU Adam",
+    zero1_optimizers=None,
+    expert_parallel=False, experts_with_tp=False, adapters_with_tp=True, qlora_zero_stages=(),
+    context_parallel=False, sequence_parallel=False, chunked_loss=False, activation_offload=False,
+    selective_checkpointing=False, fp32_weights=False, builds_ops=True, config_file="ds_config",
+)
+ENGINE_FACTS = {e.name: e for e in (TORCH, DEEPSPEED)}
+
+
+def engine_facts(name: str) -> EngineFacts:
+    """The record of engine ``name`` (one of vocab.ENGINES)."""
+    return ENGINE_FACTS[name]
