@@ -134,7 +134,8 @@ def folder(strategy: str) -> str:
 
 def real_landscape(steps: int) -> None:
     """Part (b): gpt3/tiny searched for real once per strategy (see the module docstring)."""
-    from hp_tool.results.collect import RANK_COLUMN, SELECTED, collect_trials
+    from hp_tool.results.collect import RANK_COLUMN, collect_trials
+    from hp_tool.vocab import SELECTED
     from hp_tool.results.report import trial_gpu_hours
 
     strategies = {

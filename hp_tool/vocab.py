@@ -39,6 +39,7 @@ STOP_REASONS = ("max_steps", "time_budget", "stable", "signal", LOSING)
 REQUESTED_STOPS = (LOSING,)  # stop reasons a stop request may carry
 SELECTED, PRUNED, INVALID, OVER_LIMIT = "selected", "pruned", "invalid", "over_limit"
 PLAN_STATUSES = (SELECTED, PRUNED, INVALID, OVER_LIMIT)  # plan.csv's plan_status
+NOT_RUN = "not_run"  # a selected trial or inference config with no output yet
 
 # ---- file names ----
 METRICS_FILE = "metrics.jsonl"

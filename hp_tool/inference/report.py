@@ -15,10 +15,10 @@ from typing import Any, Optional
 from hp_tool.fsutil import atomic_write_json, atomic_write_text
 from hp_tool.launch.job import read_result  # noqa: F401  (one reader of result.json for every job)
 from hp_tool.contracts.result import blank_result
+from hp_tool.vocab import RESULT_FILE
 
 log = logging.getLogger(__name__)
 
-RESULT_FILE = "result.json"
 RESULT_FIELDS = (
     "config_id", "fingerprint", "status", "reason", "tp", "pp", "batch_size", "latency_ms_p50", "latency_ms_p95",
     "latency_ms_p99", "time_to_first_token_ms", "samples_per_s", "tokens_per_s", "tokens_per_s_per_gpu",

@@ -29,11 +29,11 @@ from hp_tool.inference.grid import (FP32_BYTES, HALF_BYTES, InferenceCandidate, 
 from hp_tool.launch.job import JobSpec
 from hp_tool.results.report_inputs import write_inference_report
 from hp_tool.session import Hook, LaunchSession, prepare_backend
+from hp_tool.vocab import NOT_RUN
 
 log = logging.getLogger(__name__)
 
 REPEATS, WARMUP = 10, 2  # timed and untimed generations per config
-NOT_RUN = "not_run"
 
 
 def inference_job(config_path: str) -> dict:

@@ -32,15 +32,14 @@ from hp_tool.fingerprint import STALE
 from hp_tool.results.trial_files import OK, number, read_trial
 from hp_tool.sizing import SECONDS_PER_DAY
 from hp_tool.throughput import throughput
+from hp_tool.vocab import NOT_RUN, SELECTED
 
 log = logging.getLogger(__name__)
 
 RANK_COLUMN = "full_run_step_time_s"  # the one column trials are ranked by, ascending
 CALIBRATION = "calibration"  # the table's attrs key: the fitted factors in words (None: nothing measured)
 RANK_BASIS = "median"  # RANK_COLUMN extrapolates measured_step_time_s, the median of the timed steps
-NOT_RUN = "not_run"
 NOT_IN_PLAN = "not_in_plan"
-SELECTED = "selected"
 # Order of unranked rows in the table: trials that ran, then those that never did, then the plan's verdicts.
 STATUS_ORDER = ("ok", "timeout", "oom", "failed", "cancelled", "unschedulable", "skipped", "pruned_after_oom",
                 STALE, NOT_RUN, "over_limit",

@@ -26,7 +26,7 @@ from rich.table import Table
 
 from hp_tool.config import AppConfig
 from hp_tool.fsutil import atomic_write_text
-from hp_tool.results.collect import (FLOAT_COLUMNS, NOT_RUN, RANK_COLUMN, SELECTED, TABLE_COLUMNS, collect_trials,
+from hp_tool.results.collect import (FLOAT_COLUMNS, RANK_COLUMN, TABLE_COLUMNS, collect_trials,
                                      full_run_for, successful)
 from hp_tool.results.full_run import FullRun
 from hp_tool.results.optimal import ds_config_path, format_usd, optimal_path, write_optimal_config
@@ -35,7 +35,7 @@ from hp_tool.dimensions import Dimension, cell as dimension_cell, layout_headers
 from hp_tool.results.report_inputs import (dimension_columns, searched, status_counts, training_report_inputs,
                                            write_report_md)
 from hp_tool.sizing import format_days
-from hp_tool.vocab import LOSING, NOT_LAUNCHED
+from hp_tool.vocab import LOSING, NOT_LAUNCHED, NOT_RUN, SELECTED
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ import pandas as pd
 from hp_tool.dimensions import Dimension, layout_columns, layout_words, varied
 from hp_tool.fsutil import atomic_write_text
 from hp_tool.inference.report import PLOT_FILE as INFERENCE_PLOT, SUMMARY_CSV as INFERENCE_CSV
-from hp_tool.vocab import INVALID
-from hp_tool.results.collect import CALIBRATION, NOT_RUN, RANK_BASIS, RANK_COLUMN, SELECTED, successful
+from hp_tool.vocab import INVALID, NOT_RUN, SELECTED
+from hp_tool.results.collect import CALIBRATION, RANK_BASIS, RANK_COLUMN, successful
 from hp_tool.results.plots import CAPTIONS, on_cpu
 from hp_tool.results.report_md import (REPORT_FILE, ModelError, Pick, Plot, RankMetric, ReportInputs, Unranked,
                                        render_report)
