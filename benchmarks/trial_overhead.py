@@ -6,7 +6,7 @@
 Both loops run in this one process, fp32, from the same transformers config (``hp_tool.trial.models.hf_config``,
 dropout off), with the same global batch, micro-batch (gradient accumulation), AdamW and gradient clipping.
 The plain loop is the textbook one: the transformers model class, for LoRA peft's ``get_peft_model`` with the
-``LoraConfig`` the engine builds (``hp_tool.trial.methods.apply_method``; its adapter dropout stays on in
+``LoraConfig`` the engine builds (``hp_tool.trial.converters.convert_stage``; its adapter dropout stays on in
 both), for QLoRA first the target ``nn.Linear`` layers swapped for bitsandbytes' NF4 ``Linear4bit`` with
 double quantisation, quantised from fp16 as ``hp_tool.trial.methods.quantise_base`` does (transformers'
 ``BitsAndBytesConfig`` loading does the same swap); AdamW over the trainable parameters. The engine adds its

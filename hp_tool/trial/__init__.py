@@ -6,10 +6,12 @@
     rank.py        one rank's model and optimizer, built one way for the torch engine and the tracer:
                    stage on meta, TP, checkpointing, DP per chunk, then a materialiser (real or fake)
     families/      one file per model family registering its ``TorchFamily`` record (config, model class,
-                   stage cut, TP plan, head counts, the tracer's inputs); ``torch_family(name)``
+                   stage cut, TP / sequence-parallel plans, CP's attention module, stage hooks, head counts,
+                   the tracer's inputs): the only place naming a family's modules; ``torch_family(name)``
     models.py      the spec's family's transformers model on meta, cut into this rank's stage(s); the loss
+    converters.py  training transforms applied at one point of the build (LoRA, QLoRA's 4-bit base)
     stage.py       ``StageModule`` (what every stage shares), ``InterleavedStages``, parameter names
-    causal.py      a decoder-only causal LM stage (GPT-3/OPT, Llama)
+    causal.py      a decoder-only causal LM stage (GPT-3/OPT, Llama) and the family hooks of its forward
     encdec.py      an encoder-decoder stage (T5, mT5): both stacks, position tables carried between stages
     parallel.py    TP (parallelize_module), EP (transformers' expert parallelism), activation checkpointing,
                    FSDP2 / replicate, pipeline schedule

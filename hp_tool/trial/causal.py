@@ -8,14 +8,20 @@ each rank holds.
 
 Layers are kept under their global index (``layers.7``), so a parameter's name is the same whatever the
 layout; weight initialisation relies on that to make every layout the same model.
+
+What a family computes beyond calling its modules is its ``DecoderHooks`` (the family record's
+``stage_hooks``): a scale on the token embeddings (Gemma), a soft cap on the final logits (Gemma-2), a
+sliding attention window per layer (families that alternate sliding and global attention). Llama's
+defaults add nothing, so its stage runs the modules as transformers' model does.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from hp_tool.contracts.spec import ModelSpec, TrialSpec
@@ -24,14 +30,42 @@ from hp_tool.trial.stage import StageModule
 
 
 @dataclass(frozen=True)
+class DecoderHooks:
+    """What a family's decoder stage computes beyond calling its modules, each read from the transformers
+    config once, when the stage is cut. The defaults (Llama's) add nothing."""
+
+    embed_scale: Callable[[Any], Optional[float]] = lambda config: None
+    """The factor the token embeddings are multiplied by, in their dtype (Gemma: ``sqrt(hidden_size)``);
+    None: none."""
+    logit_softcap: Callable[[Any], Optional[float]] = lambda config: None
+    """``c`` of the soft cap ``c * tanh(logits / c)`` on the final logits (Gemma-2's
+    ``final_logit_softcapping``); None: none."""
+    attention_window: Callable[[Any, int], Optional[int]] = lambda config, layer: None
+    """``(config, global layer index)`` -> that layer's sliding attention window in tokens (a query attends to
+    itself and the window - 1 tokens before it); None: causal attention over the whole sequence."""
+
+
+def soft_capped(logits: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
+    """``cap * tanh(logits / cap)``; the logits themselves when ``cap`` is None."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def window_mask(positions: torch.Tensor, window: int) -> torch.Tensor:
+    """The ``[1, 1, q, k]`` boolean mask (True: attends) of causal attention over the last ``window`` tokens,
+    for tokens at global ``positions``."""
+    behind = positions[:, None] - positions[None, :]
+    return ((behind >= 0) & (behind < window))[None, None]
+
+
+@dataclass(frozen=True)
 class CausalParts:
     """Where one family's transformers model keeps the modules a stage takes (learned positions: OPT only)."""
 
     layers: nn.ModuleList
-    embed_tokens: nn.Module
-    embed_positions: Optional[nn.Module]
-    norm: nn.Module
-    lm_head: nn.Module
+    embedding: nn.Module
+    positions: Optional[nn.Module]
+    final_norm: nn.Module
+    head: nn.Module
 
 
 def stage_layers(num_layers: int, pp: int, stage: int) -> range:
@@ -46,6 +80,7 @@ class CausalLMStage(StageModule):
     Input: token ids ``[batch, seq]`` on the first stage, hidden states ``[batch, seq, hidden]`` on
     the others. Output: logits ``[batch, seq, vocab]`` on the last stage, hidden states otherwise.
     ``rotary`` builds the rotary position embedding from the config (Llama), None for learned positions.
+    ``hooks``: the family's (``DecoderHooks``).
     ``cp_group``: with context parallelism the ranks splitting each sequence (the input is this rank's two
     chunks of it; :mod:`hp_tool.trial.context_parallel`), else None.
     """
@@ -53,7 +88,7 @@ class CausalLMStage(StageModule):
     def __init__(self, family: str, config, layers: dict[int, nn.Module],
                  embed_tokens: Optional[nn.Module], embed_positions: Optional[nn.Module],
                  norm: Optional[nn.Module], lm_head: Optional[nn.Module],
-                 rotary: Optional[Callable[[object], nn.Module]] = None):
+                 rotary: Optional[Callable[[object], nn.Module]] = None, hooks: DecoderHooks = DecoderHooks()):
         super().__init__()
         self.family = family
         self.config = config
@@ -68,46 +103,61 @@ class CausalLMStage(StageModule):
         # the chunked loss applies the head itself, a chunk of tokens at a time: the stage returns hidden states
         self.head_in_loss = False
         self.cp_group = None  # set by context_parallel.apply_context_parallel
+        self.embed_scale = hooks.embed_scale(config)
+        self.logit_softcap = hooks.logit_softcap(config)
+        self.windows = {str(i): hooks.attention_window(config, i) for i in layers}  # by layer key
 
     def reset_buffers(self, device: torch.device) -> None:
         """Rebuild non-parameter buffers (RoPE frequencies) on ``device`` after materialisation."""
         if self._rotary is not None:
             self.rotary_emb = self._rotary(self.config).to(device)
 
+    def attention_masks(self, positions: torch.Tensor) -> dict[str, Optional[torch.Tensor]]:
+        """Each layer's attention mask for tokens at global ``positions``: None for causal attention over the
+        whole sequence (SDPA then runs causal attention, ``is_causal``, with its fastest kernel), and for a
+        window that spans the whole sequence; else the window's mask, one per distinct window."""
+        whole = positions.shape[0] * (dist.get_world_size(self.cp_group) if self.cp_group is not None else 1)
+        masks = {window: window_mask(positions, window) for window in set(self.windows.values())
+                 if window is not None and window < whole}
+        return {key: masks.get(window) for key, window in self.windows.items()}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        position_ids = token_positions(self.cp_group, x.shape[1], x.device).unsqueeze(0)
+        positions = token_positions(self.cp_group, x.shape[1], x.device)
+        position_ids = positions.unsqueeze(0)
         h = x
         if self.embed_tokens is not None:
             h = self.embed_tokens(x)
+            if self.embed_scale is not None:
+                h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
             if self.embed_positions is not None:
                 h = h + self.embed_positions(None, 0, position_ids=position_ids)
         extra = {}
         if self.rotary_emb is not None:
             extra["position_embeddings"] = self.rotary_emb(h, position_ids)
-        for layer in self.layers.values():
-            # No mask: SDPA then runs causal attention (is_causal) with its fastest kernel.
-            h = layer(h, attention_mask=None, position_ids=position_ids, **extra)
+        masks = self.attention_masks(positions)
+        for key, layer in self.layers.items():
+            h = layer(h, attention_mask=masks[key], position_ids=position_ids, **extra)
         if self.norm is not None:
             h = self.norm(h)
         if self.lm_head is not None and not self.head_in_loss:
-            h = self.lm_head(h)
+            h = soft_capped(self.lm_head(h), self.logit_softcap)
         return h
 
 
 def cut_causal_stage(model: ModelSpec, config, parts: CausalParts, pp: int, stage: int,
-                     rotary: Optional[Callable[[object], nn.Module]] = None) -> CausalLMStage:
+                     rotary: Optional[Callable[[object], nn.Module]] = None,
+                     hooks: DecoderHooks = DecoderHooks()) -> CausalLMStage:
     """Pipeline stage ``stage`` of ``pp`` from a whole model on meta (``parts``); the other stages' modules
-    are dropped."""
+    are dropped. ``hooks``: the family's (``TorchFamily.stage_hooks``)."""
     first, last = stage == 0, stage == pp - 1
     layers = {i: parts.layers[i] for i in stage_layers(model.num_layers, pp, stage)}
-    lm_head = parts.lm_head if last else None
-    if lm_head is not None and config.tie_word_embeddings and not first:
+    head = parts.head if last else None
+    if head is not None and config.tie_word_embeddings and not first:
         # The tied head lives apart from the embedding on another stage: give it its own weight
         # (kept equal to the embedding by identical init and summed gradients, see optim.py).
-        lm_head.weight = nn.Parameter(torch.empty_like(lm_head.weight))
-    return CausalLMStage(model.family, config, layers,
-                         parts.embed_tokens if first else None, parts.embed_positions if first else None,
-                         parts.norm if last else None, lm_head, rotary)
+        head.weight = nn.Parameter(torch.empty_like(head.weight))
+    return CausalLMStage(model.family, config, layers, parts.embedding if first else None,
+                         parts.positions if first else None, parts.final_norm if last else None, head, rotary, hooks)
 
 
 def causal_fake_batch(spec: TrialSpec, stage_index: int, dtype: Optional[torch.dtype]):

@@ -28,6 +28,7 @@ from hp_tool.trial.families import torch_family
 from hp_tool.trial.families.base import StoredParts
 from hp_tool.trial.methods import is_adapter
 from hp_tool.trial.models import build_full_model_on_meta
+from hp_tool.trial.stage import HEAD
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -109,9 +110,10 @@ def check_checkpoint(model: ModelSpec, folder: str | Path, key: str = "model.che
     reader = CheckpointReader(folder, key)
     whole = build_full_model_on_meta(model)
     hf_parts = torch_family(model.family).hf_parts
+    head = whole.get_output_embeddings()
     for name, param in whole.named_parameters():
         shape = reader.fused_shape(name, hf_parts(model, name))
-        if shape is None and name == "lm_head.weight" and whole.config.tie_word_embeddings:
+        if shape is None and whole.config.tie_word_embeddings and head is not None and param is head.weight:
             continue  # tied: the embedding's matrix
         require(shape is not None, key, str(folder), f"has no tensor {name!r}",
                 "give the checkpoint of the model model.hf_config describes")
@@ -194,7 +196,7 @@ def save_checkpoint(state: dict[str, torch.Tensor], model: ModelSpec, folder: st
     for name, t in sorted(state.items()):
         tensors.update(split_parts(hf_key(name), t, hf_parts(model, hf_key(name))))
     if config.tie_word_embeddings:
-        tensors.pop(hf_key("lm_head.weight"), None)
+        tensors.pop(hf_key(f"{HEAD}.weight"), None)
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / SINGLE), metadata={"format": "pt"})

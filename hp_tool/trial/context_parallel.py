@@ -10,8 +10,9 @@ changes, each in one place:
   each, labels shifted on the whole sequence first (:class:`hp_tool.trial.data.TokenBatches`);
 - the stage's position ids are the global positions of the rank's tokens (``token_positions``), which RoPE
   and the ring's causal mask both read;
-- attention: ``apply_context_parallel`` switches the stage's attention to ``RING_ATTENTION``, a function
-  registered in transformers' attention interface, so nothing changes for a stage without CP;
+- attention: ``apply_context_parallel`` switches the attention module of each layer (the family's
+  ``TorchFamily.attention``) to ``RING_ATTENTION``, a function registered in transformers' attention
+  interface, so nothing changes for a stage without CP;
 - the loss: each rank's mean over its tokens (equal counts, so the mean of the CP ranks' means is the
   sequence's); the reported loss is that mean over the CP group (``whole_sequence_mean``), the gradients are
   left to the data-parallel reduction.
@@ -66,15 +67,17 @@ def token_positions(group: Optional[dist.ProcessGroup], tokens: int, device: tor
     return positions(cp, dist.get_rank(group), tokens * cp, device)
 
 
-def apply_context_parallel(stage: nn.Module, cp_mesh: DeviceMesh) -> None:
+def apply_context_parallel(stage: nn.Module, cp_mesh: DeviceMesh, attention: str) -> None:
     """Split ``stage``'s sequences over ``cp_mesh`` (with TP, the CP ranks at this rank's TP coordinate, which
-    hold the same heads): the stage computes its tokens' global positions and every layer's attention runs
-    the ring over the group. Only this stage's config changes (each build has its own)."""
+    hold the same heads): the stage computes its tokens' global positions and every layer's attention module
+    (``attention``, its name in the layer: the family's ``TorchFamily.attention``) runs the ring over the
+    group. Only this stage's config changes (each build has its own)."""
     group = cp_mesh.get_group()
     stage.cp_group = group
     for layer in stage.layers.values():
-        layer.self_attn.cp_group = group
-        layer.self_attn.config._attn_implementation = RING_ATTENTION
+        module = layer.get_submodule(attention)
+        module.cp_group = group
+        module.config._attn_implementation = RING_ATTENTION
 
 
 def whole_sequence_mean(loss: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:

@@ -21,6 +21,7 @@ gated FFN uses the tanh GeLU of ``torch.nn.functional.gelu`` (T5 v1.1's gated-Ge
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -34,7 +35,18 @@ from hp_tool.contracts.spec import ModelSpec, TrialSpec
 from hp_tool.trial.stage import StageModule
 
 MAX_DISTANCE = 128  # T5's relative_attention_max_distance
-BIAS_PATH = "layer.0.SelfAttention.relative_attention_bias"  # a stack's first block's position table
+
+
+@dataclass(frozen=True)
+class EncDecParts:
+    """Where one family's transformers model keeps the modules a stage takes."""
+
+    blocks: list[nn.Module]  # the encoder's blocks, then the decoder's
+    embedding: nn.Module  # shared by both stacks, tied to the head
+    encoder_norm: nn.Module
+    decoder_norm: nn.Module
+    head: nn.Module
+    bias_path: str  # a stack's relative-position table, in the stack's first block
 
 
 def position_bias(table: torch.Tensor, query: int, key: int, bidirectional: bool) -> torch.Tensor:
@@ -60,7 +72,7 @@ class EncDecStage(StageModule):
 
     def __init__(self, family: str, config, model: ModelSpec, pp: int, stage: int, layers: dict[int, nn.Module],
                  embed_tokens: Optional[nn.Module], enc_norm: Optional[nn.Module], dec_norm: Optional[nn.Module],
-                 lm_head: Optional[nn.Module]):
+                 lm_head: Optional[nn.Module], bias_path: str):
         super().__init__()
         self.family = family
         self.config = config
@@ -75,9 +87,10 @@ class EncDecStage(StageModule):
         self.tied = True
         self._encoder_keys = [str(i) for i in layers if i < self.num_layers]
         self._decoder_keys = [str(i) for i in layers if i >= self.num_layers]
-        # The stacks' first blocks own the relative-position tables; found by index, not registered
-        # again as submodules, so every parameter keeps one name.
+        # The stacks' first blocks own the relative-position tables (at ``bias_path`` in the block); found by
+        # index, not registered again as submodules, so every parameter keeps one name.
         self._bias_blocks = [index for index in (0, self.num_layers) if index in layers]
+        self.bias_path = bias_path
 
     def reset_buffers(self, device: torch.device) -> None:
         """No buffers: the position bias is computed from the tables in every forward."""
@@ -88,7 +101,7 @@ class EncDecStage(StageModule):
         return [self._bias_module(index) for index in self._bias_blocks]
 
     def _bias_module(self, index: int) -> nn.Module:
-        return _unwrapped(self.layers[str(index)]).get_submodule(BIAS_PATH)
+        return _unwrapped(self.layers[str(index)]).get_submodule(self.bias_path)
 
     def _table(self, index: int) -> torch.Tensor:
         """The ``[buckets, heads on this TP rank]`` table of the stack whose first block is ``index``."""
@@ -137,23 +150,21 @@ def _unwrapped(module: nn.Module) -> nn.Module:
     return getattr(module, "_checkpoint_wrapped_module", module)
 
 
-def cut_encdec_stage(model: ModelSpec, full: nn.Module, pp: int, stage: int) -> EncDecStage:
-    """Pipeline stage ``stage`` of ``pp`` from a whole T5/mT5 model on meta (``full``); the other stages'
+def cut_encdec_stage(model: ModelSpec, config, parts: EncDecParts, pp: int, stage: int) -> EncDecStage:
+    """Pipeline stage ``stage`` of ``pp`` from a whole T5/mT5 model on meta (``parts``); the other stages'
     modules are dropped."""
-    config = full.config
     n_layers = model.num_layers
     n_enc, n_dec = stage_layer_counts(model.shape(), pp, stage)
     first_index = stage * (2 * n_layers // pp)
-    blocks = list(full.encoder.block) + list(full.decoder.block)
-    layers = {i: blocks[i] for i in range(first_index, first_index + n_enc + n_dec)}
+    layers = {i: parts.blocks[i] for i in range(first_index, first_index + n_enc + n_dec)}
     first, last = stage == 0, stage == pp - 1
     ends_encoder = (n_layers - 1) in layers
-    lm_head = full.lm_head if last else None
-    if lm_head is not None and not first:
-        lm_head.weight = nn.Parameter(torch.empty_like(lm_head.weight))  # kept equal to the embedding
-    return EncDecStage(model.family, config, model, pp, stage, layers, full.shared if first else None,
-                       full.encoder.final_layer_norm if ends_encoder else None,
-                       full.decoder.final_layer_norm if last else None, lm_head)
+    head = parts.head if last else None
+    if head is not None and not first:
+        head.weight = nn.Parameter(torch.empty_like(head.weight))  # kept equal to the embedding
+    return EncDecStage(model.family, config, model, pp, stage, layers, parts.embedding if first else None,
+                       parts.encoder_norm if ends_encoder else None, parts.decoder_norm if last else None, head,
+                       parts.bias_path)
 
 
 def encdec_fake_batch(spec: TrialSpec, stage_index: int, dtype: Optional[torch.dtype]):

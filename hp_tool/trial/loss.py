@@ -25,10 +25,12 @@ IGNORE_INDEX = -100
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy of ``hidden @ weight.T`` against ``labels``, gradients computed in forward."""
+    """Mean cross-entropy of ``hidden @ weight.T`` (soft-capped to ``softcap * tanh(logits / softcap)`` when
+    ``softcap`` is given) against ``labels``, gradients computed in forward."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int):
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int,
+                softcap: Optional[float] = None):
         counted = labels != IGNORE_INDEX
         total = counted.sum().clamp(min=1)
         grad_hidden = torch.empty_like(hidden) if hidden.requires_grad else None
@@ -40,6 +42,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             rows = slice(start, start + chunk_tokens)
             h, target, keep = hidden[rows], labels[rows], counted[rows]
             logits = (h @ weight.t()).to(dtype)
+            if softcap is not None:
+                tanh = torch.tanh(logits / softcap)
+                logits = tanh * softcap
             safe = target.clamp(min=0)
             # ignored tokens masked to zero, not dropped: a boolean index has a data-dependent shape, which the
             # pre-launch trace's fake tensors cannot give
@@ -50,6 +55,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             del logits  # one chunk's fp32 logits at a time: their softmax is the gradient from here
             grad[torch.arange(grad.shape[0], device=grad.device), safe] -= 1.0
             grad *= (keep.to(grad.dtype) / total)[:, None]
+            if softcap is not None:  # through the cap: d(c·tanh(z/c))/dz = 1 - tanh(z/c)²
+                grad *= 1.0 - tanh * tanh
+                del tanh
             if grad_hidden is not None:
                 grad_hidden[rows] = (grad.to(weight.dtype) @ weight).to(hidden.dtype)
             if grad_weight is not None:
@@ -63,21 +71,25 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         saved = list(ctx.saved_tensors)
         grad_hidden = saved.pop(0) * grad_output if ctx.has[0] else None
         grad_weight = saved.pop(0) * grad_output if ctx.has[1] else None
-        return grad_hidden, grad_weight, None, None
+        return grad_hidden, grad_weight, None, None, None
 
 
 def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                                 chunk_tokens: int = LOSS_CHUNK_TOKENS) -> torch.Tensor:
+                                 chunk_tokens: int = LOSS_CHUNK_TOKENS,
+                                 softcap: Optional[float] = None) -> torch.Tensor:
     """Mean next-token cross-entropy of ``hidden`` ([..., h]) through the output projection ``weight``
     ([vocab, h]) against ``labels`` ([...], IGNORE_INDEX skipped), never holding more than ``chunk_tokens``
-    tokens' logits."""
+    tokens' logits; ``softcap``: the logits soft-capped first (``softcap * tanh(logits / softcap)``)."""
     return _ChunkedLinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
-                                            chunk_tokens)
+                                            chunk_tokens, softcap)
 
 
-def full_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def full_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                              softcap: Optional[float] = None) -> torch.Tensor:
     """The same loss with whole logits (the reference the chunked form equals)."""
     logits = hidden.reshape(-1, hidden.shape[-1]) @ weight.t()
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
     return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), labels.reshape(-1),
                            ignore_index=IGNORE_INDEX)
 
@@ -92,11 +104,12 @@ def liger_available(device: torch.device) -> bool:
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                         chunk_tokens: Optional[int] = None) -> torch.Tensor:
-    """The chunked loss: Liger's fused kernel where it runs, else ``chunked_linear_cross_entropy``."""
-    if liger_available(hidden.device):
+                         chunk_tokens: Optional[int] = None, softcap: Optional[float] = None) -> torch.Tensor:
+    """The chunked loss: Liger's fused kernel where it runs (logits without a soft cap), else
+    ``chunked_linear_cross_entropy``."""
+    if liger_available(hidden.device) and softcap is None:
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
         return liger_fused_linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
                                                 ignore_index=IGNORE_INDEX)
-    return chunked_linear_cross_entropy(hidden, weight, labels, chunk_tokens or LOSS_CHUNK_TOKENS)
+    return chunked_linear_cross_entropy(hidden, weight, labels, chunk_tokens or LOSS_CHUNK_TOKENS, softcap)

@@ -1,10 +1,8 @@
-"""A fine-tuning method applied to a stage on the meta device, before parallelisation: LoRA adapters by peft
-(``inject_adapter_in_model`` on the stage's layers; the base frozen). The adapters' A matrices get the
-layout-independent seeded initialisation, their B matrices zeros, so a trial starts from the base model's
-loss whatever the layout (hp_tool/trial/weights.py).
-
-QLoRA: the target linears become bitsandbytes' ``Linear4bit`` (NF4, double quantisation) before the adapters
-go on; their weights are filled like any other and quantised once materialised (``quantise_base``).
+"""The fine-tuning methods' transforms of a stage, which :mod:`hp_tool.trial.converters` applies: LoRA adapters
+by peft (``inject_adapters``: ``inject_adapter_in_model`` on the stage's layers, the base frozen), and QLoRA's
+4-bit base (``four_bit_linears`` on the meta stage before the adapters go on, ``quantise_base`` once
+materialised). The adapters' A matrices get the layout-independent seeded initialisation, their B matrices
+zeros, so a trial starts from the base model's loss whatever the layout (hp_tool/trial/weights.py).
 """
 
 from __future__ import annotations
@@ -15,7 +13,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from hp_tool.contracts.spec import ModelSpec
+from hp_tool.contracts.spec import LoraSpec
 
 ADAPTER_MARK = ".lora_"  # in the name of every adapter parameter (lora_A, lora_B)
 
@@ -25,24 +23,18 @@ def is_adapter(name: str) -> bool:
     return ADAPTER_MARK in name
 
 
-def apply_method(stage: nn.Module, model: ModelSpec) -> nn.Module:
-    """``stage`` with the spec's method applied in place: nothing for full training; LoRA's adapters on the
-    target modules of every layer, every other parameter frozen."""
-    if model.method == "full":
-        return stage
+def inject_adapters(stage: nn.Module, lora: LoraSpec) -> None:
+    """LoRA's adapters (peft) on ``lora``'s target modules of every layer of ``stage`` (on meta), every other
+    parameter frozen."""
     from peft import LoraConfig, inject_adapter_in_model  # optional: only adapter methods import peft
 
-    lora = model.lora
-    if model.method == "qlora":
-        _four_bit_linears(stage, set(lora.target_modules))
     inject_adapter_in_model(LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                                        target_modules=list(lora.target_modules), bias="none"), stage)
     for name, param in stage.named_parameters():
         param.requires_grad_(is_adapter(name))
-    return stage
 
 
-def _four_bit_linears(stage: nn.Module, targets: set[str]) -> None:
+def four_bit_linears(stage: nn.Module, targets: set[str]) -> None:
     """Replace every target ``nn.Linear`` of ``stage`` (on meta) by bitsandbytes' NF4 ``Linear4bit`` with
     double quantisation, computing in the dtype of its input."""
     import bitsandbytes as bnb  # optional: QLoRA only

@@ -9,6 +9,7 @@ What differs by family (config, model class, how a stage is cut) is the family's
 from __future__ import annotations
 
 import contextlib
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +20,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from hp_tool.contracts.spec import ModelSpec
 from hp_tool.estimate.layout import LOSS_CHUNK_TOKENS
 from hp_tool.trial.families import torch_family
-from hp_tool.trial.methods import apply_method
+from hp_tool.trial.converters import convert_stage
 from hp_tool.trial.stage import StageModule
 
 
@@ -37,9 +38,12 @@ def build_full_model_on_meta(model: ModelSpec) -> nn.Module:
 
 
 def build_stage(model: ModelSpec, pp: int, stage: int) -> StageModule:
-    """Pipeline stage ``stage`` of ``pp`` on the meta device; the other stages' modules are dropped.
+    """Pipeline stage ``stage`` of ``pp`` on the meta device; the other stages' modules are dropped; the
+    training transforms the spec asks for applied (:mod:`hp_tool.trial.converters`: LoRA, QLoRA).
     A :class:`hp_tool.trial.causal.CausalLMStage`, or for T5/mT5 an :class:`hp_tool.trial.encdec.EncDecStage`."""
-    return apply_method(torch_family(model.family).cut_stage(model, build_full_model_on_meta(model), pp, stage), model)
+    family = torch_family(model.family)
+    cut = family.cut_stage(model, build_full_model_on_meta(model), pp, stage, family.stage_hooks)
+    return convert_stage(cut, model)
 
 
 def build_rank_stages(model: ModelSpec, pp: int, pp_rank: int, virtual_stages: int = 1) -> list[StageModule]:
@@ -53,17 +57,18 @@ def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
 
-def make_loss_fn(tp_mesh=None, head: nn.Module | None = None, chunk_tokens: int = LOSS_CHUNK_TOKENS):
+def make_loss_fn(tp_mesh=None, head: nn.Module | None = None, chunk_tokens: int = LOSS_CHUNK_TOKENS,
+                 softcap: Optional[float] = None):
     """The loss for this layout: with tensor parallelism the head's logits arrive sharded along the
     vocabulary ([batch, seq, vocab/tp] per rank) and the cross-entropy runs on the shards (DTensor's
     ``loss_parallel``: a max, a sum of exponentials and the target's logit, each all-reduced), so no rank
     ever holds the whole logits. Forward and backward must run inside ``loss_parallel_context``. With
     ``head`` (the chunked loss, :mod:`hp_tool.trial.loss`) the stage returns hidden states and the loss
-    applies the head a chunk of tokens at a time."""
+    applies the head a chunk of tokens at a time, and the stage's soft cap on the logits (``softcap``)."""
     if head is not None:
         from hp_tool.trial.loss import linear_cross_entropy
 
-        return lambda hidden, labels: linear_cross_entropy(hidden, head.weight, labels, chunk_tokens)
+        return lambda hidden, labels: linear_cross_entropy(hidden, head.weight, labels, chunk_tokens, softcap)
     if tp_mesh is None or tp_mesh.size() == 1:
         return loss_fn
 
@@ -81,7 +86,7 @@ def stage_loss_fn(stage: nn.Module, par, tp_mesh=None):
     last = stage.chunks[-1] if hasattr(stage, "chunks") else stage
     if par.loss == "chunked" and getattr(last, "lm_head", None) is not None:
         last.head_in_loss = True
-        return make_loss_fn(tp_mesh, last.lm_head, par.loss_chunk_tokens)
+        return make_loss_fn(tp_mesh, last.lm_head, par.loss_chunk_tokens, last.logit_softcap)
     return make_loss_fn(tp_mesh)
 
 

@@ -45,7 +45,7 @@ from hp_tool.contracts.spec import ParallelSpec
 from hp_tool.errors import ConfigError, require
 from hp_tool.trial.context_parallel import apply_context_parallel
 from hp_tool.trial.dist import weight_dp_dim, weight_dp_size
-from hp_tool.trial.families import torch_family
+from hp_tool.trial.families import TorchFamily, torch_family
 from hp_tool.trial.methods import four_bit_weights
 from hp_tool.trial.models import loss_fn
 from hp_tool.trial.selective_checkpoint import checkpointed
@@ -53,35 +53,33 @@ from hp_tool.trial.stage import StageModule
 
 log = logging.getLogger(__name__)
 
-_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-
-
-def layer_tp_plan(stage: StageModule, layer: nn.Module) -> dict:
-    """The ``parallelize_module`` plan of one layer of ``stage``: its family's (``TorchFamily.layer_plan``)."""
-    return {name: _STYLES[style]() for name, style in torch_family(stage.family).layer_plan(layer).items()}
-
-
-def sequence_parallel_plan(plan: dict) -> dict:
-    """A Llama-layout layer's TP plan with sequence parallelism (Korthikanti et al. 2022; torchtitan's plan):
-    the two RMSNorms run on sequence shards, the attention and the MLP gather the sequence at their input
-    and their row-split output projections reduce-scatter it back (an all-reduce becomes an all-gather and a
-    reduce-scatter of the same volume)."""
-    out = dict(plan)
-    out["input_layernorm"] = SequenceParallel()
-    out["post_attention_layernorm"] = SequenceParallel()
-    out["self_attn"] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
-                                          desired_input_kwarg_layouts={"hidden_states": Replicate()})
-    out["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-    for name in ("self_attn.o_proj", "mlp.down_proj"):
-        if name in out:
-            out[name] = RowwiseParallel(output_layouts=Shard(1))
-    return out
+def layer_tp_plan(family: TorchFamily, layer: nn.Module, sequence_parallel: bool = False) -> dict:
+    """The ``parallelize_module`` plan of one layer of ``family``: its TP plan (``TorchFamily.layer_plan``),
+    q/k/v-style projections by columns and output projections by rows; with ``sequence_parallel`` also its
+    sequence plan (``TorchFamily.sequence_plan``): the row-split projections reduce-scatter their outputs to
+    sequence shards, the sharded modules run on the shards, the gathered ones gather the sequence first."""
+    shards = Shard(1) if sequence_parallel else None  # None: RowwiseParallel's all-reduce to a replica
+    plan = {name: ColwiseParallel() if style == "colwise" else RowwiseParallel(output_layouts=shards)
+            for name, style in family.layer_plan(layer).items()}
+    if not sequence_parallel:
+        return plan
+    sequence = family.sequence_plan
+    require(sequence is not None, "parallel.sequence_parallel", True,
+            f"the engine has no sequence-parallel plan for family {family.name}'s layers",
+            "use sequence_parallel false")
+    plan.update({name: SequenceParallel() for name in sequence.sharded})
+    for name, keyword in sequence.gathered.items():
+        plan[name] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)) \
+            if keyword is None else PrepareModuleInput(input_kwarg_layouts={keyword: Shard(1)},
+                                                       desired_input_kwarg_layouts={keyword: Replicate()})
+    return plan
 
 
 def apply_tensor_parallel(stage: StageModule, tp_mesh: DeviceMesh, vocab_parallel: bool = True,
                           sequence_parallel: bool = False) -> None:
-    """Shard each layer's projections over ``tp_mesh`` with ``parallelize_module``; with
-    ``vocab_parallel``, also the input embedding and the output head along the vocabulary.
+    """Shard each layer's projections over ``tp_mesh`` with ``parallelize_module`` (the family's plans,
+    ``layer_tp_plan``); with ``vocab_parallel``, also the input embedding and the output head along the
+    vocabulary.
 
     Vocab-parallel: the embedding's rows are split (each rank looks up the ids it holds, one all-reduce
     joins them) and the head's output columns, so each rank computes logits for its slice of the
@@ -89,23 +87,20 @@ def apply_tensor_parallel(stage: StageModule, tp_mesh: DeviceMesh, vocab_paralle
     ``loss_parallel``). A tied head shares the embedding's vocabulary-sharded weight."""
     tp, family = tp_mesh.size(), torch_family(stage.family)  # the spec's rules admit sequence_parallel here
     for layer in stage.layers.values():
-        plan = layer_tp_plan(stage, layer)
-        parallelize_module(layer, tp_mesh, sequence_parallel_plan(plan) if sequence_parallel else plan)
+        parallelize_module(layer, tp_mesh, layer_tp_plan(family, layer, sequence_parallel))
         family.shard_heads(layer, tp)
     if not vocab_parallel:
         return
     between = Shard(1) if sequence_parallel else Replicate()  # the hidden states between the layers
-    vocab_plan = {}
-    if stage.embed_tokens is not None:
-        vocab_plan["embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
+    if stage.is_first:
+        parallelize_module(stage.embed_tokens, tp_mesh,
+                           RowwiseParallel(input_layouts=Replicate(), output_layouts=between))
     if sequence_parallel and stage.norm is not None:
-        vocab_plan["norm"] = SequenceParallel()
-    if stage.lm_head is not None:
-        vocab_plan["lm_head"] = ColwiseParallel(input_layouts=between, output_layouts=Shard(-1),
-                                                use_local_output=True)
-    if vocab_plan:
-        parallelize_module(stage, tp_mesh, vocab_plan)
-        stage.retie()  # both are Shard(0) of the same [vocab, hidden] matrix, so one tensor serves both
+        parallelize_module(stage.norm, tp_mesh, SequenceParallel())
+    if stage.is_last:
+        parallelize_module(stage.lm_head, tp_mesh,
+                           ColwiseParallel(input_layouts=between, output_layouts=Shard(-1), use_local_output=True))
+    stage.retie()  # both are Shard(0) of the same [vocab, hidden] matrix, so one tensor serves both
 
 
 EP_DISPATCH = "ep_dispatch_experts"  # the style of an expert plan's module that receives the routed tokens
@@ -220,7 +215,10 @@ def parallelize_stage(stage: StageModule, par: ParallelSpec, mesh: Optional[Devi
     if par.ep > 1:
         apply_expert_parallel(stage, mesh["ep"], mesh["tp"])
     if par.cp > 1:
-        apply_context_parallel(stage, mesh["cp"])
+        attention = torch_family(stage.family).attention
+        require(attention is not None, "parallel.cp", par.cp,
+                f"family {stage.family}'s attention is not split over context-parallel ranks", "use cp 1")
+        apply_context_parallel(stage, mesh["cp"], attention)
     if par.act_ckpt_layers > 0:
         apply_activation_checkpointing(stage, par.act_ckpt_layers, par.act_ckpt_mode)
     if weight_dp_size(par) > 1 or par.offload != "none":  # FSDP2 on one data-parallel rank still offloads

@@ -1,11 +1,12 @@
 """One rank's model and optimizer, built the one way both the torch engine and the memory tracer use.
 
 Build order (torchtitan's): this rank's pipeline stage on the meta device (its v chunks under interleaved
-1F1B) -> per chunk TP, activation checkpointing, DDP / FSDP2 (:func:`hp_tool.trial.parallel.parallelize_stage`,
-still on meta) -> a *materialiser* gives the local shards storage: ``Initialise`` allocates them on the
-device and fills the layout-independent weights (a trial), ``FakeMaterialise`` gives them fake tensors
-that allocate nothing (the pre-launch trace, as torchtitan's estimator ran the trainer's own
-``parallelize_fn`` under ``FakeTensorMode``) -> the optimizer over the materialised shards.
+1F1B), with the spec's training transforms applied (:mod:`hp_tool.trial.converters`) -> per chunk TP,
+activation checkpointing, DDP / FSDP2 (:func:`hp_tool.trial.parallel.parallelize_stage`, still on meta) ->
+a *materialiser* gives the local shards storage: ``Initialise`` allocates them on the device and fills the
+layout-independent weights (a trial), then runs the converters' materialised steps, ``FakeMaterialise``
+gives them fake tensors that allocate nothing (the pre-launch trace, as torchtitan's estimator ran the
+trainer's own ``parallelize_fn`` under ``FakeTensorMode``) -> the optimizer over the materialised shards.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from hp_tool.trial.parallel import parallelize_stage
 from hp_tool.trial.stage import InterleavedStages, StageModule
 from hp_tool.trial.checkpoint import weight_source
 from hp_tool.trial.dist import weight_dp_dim, weight_dp_size
-from hp_tool.trial.methods import quantise_base
+from hp_tool.trial.converters import Converter, converters_for
 from hp_tool.trial.weights import Source, materialize
 
 
@@ -71,29 +72,33 @@ class Materialiser(Protocol):
 class Initialise:
     """A trial's materialiser: the local shards allocated on ``device`` and filled with the deterministic,
     layout-independent weights of ``seed``, or with a checkpoint's (``source``, :mod:`hp_tool.trial.checkpoint`)
-    (:func:`hp_tool.trial.weights.materialize`)."""
+    (:func:`hp_tool.trial.weights.materialize`); then the materialised steps of the spec's converters
+    (:mod:`hp_tool.trial.converters`: QLoRA quantises its 4-bit base)."""
 
     device: torch.device
     seed: int
     std: float
     source: Optional[Source] = None
-    method: str = "full"
+    converters: tuple[Converter, ...] = ()
     compute_dtype: Optional[torch.dtype] = None  # QLoRA's 4-bit matmuls (the autocast dtype; None: fp32)
 
     @classmethod
     def of(cls, spec: TrialSpec, device: torch.device) -> "Initialise":
         """The spec's weights: its checkpoint's when it names one, else its seed's."""
         return cls(device, spec.training.seed, spec.model.init_method_std, weight_source(spec.model),
-                   spec.model.method, compute_dtype(spec, device))
+                   converters_for(spec.model), compute_dtype(spec, device))
 
     def __call__(self, stage: nn.Module) -> int:
-        """Allocate and fill ``stage``'s local shards (QLoRA: then quantise its 4-bit layers); returns their
-        element count."""
+        """Allocate and fill ``stage``'s local shards, then run the converters' materialised steps, each timed
+        as its phase; returns the shards' element count."""
         numel = materialize(stage, self.device, self.seed, self.std, self.source)
-        phases.mark("weights", "quantise" if self.method == "qlora" else "optimizer")
-        if self.method == "qlora":
-            quantise_base(stage, self.device, self.compute_dtype)
-            phases.mark("quantise", "optimizer")
+        phase = "weights"
+        for converter in self.converters:
+            if converter.phase is not None:
+                phases.mark(phase, converter.phase)
+                converter.materialised(stage, self.device, self.compute_dtype)
+                phase = converter.phase
+        phases.mark(phase, "optimizer")
         return numel
 
 

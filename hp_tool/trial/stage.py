@@ -4,6 +4,11 @@ layout-independent parameter names.
 
 Family-specific stages (:mod:`hp_tool.trial.causal`, :mod:`hp_tool.trial.encdec`) derive from
 ``StageModule``; the family records (:mod:`hp_tool.trial.families`) build them.
+
+A stage names its parts the same for every family, whatever the transformers model calls them (T5's shared
+embedding is the stage's ``embed_tokens`` too): ``embed_tokens``, ``layers.<global index>``, the final norm
+and ``lm_head``. These are the canonical, layout-independent parameter names the weight initialisation
+seeds by and a family's ``hf_key`` maps to checkpoint keys.
 """
 
 from __future__ import annotations
@@ -13,6 +18,9 @@ from typing import Optional
 
 import torch
 from torch import nn
+
+EMBEDDING = "embed_tokens"  # the stage's input embedding, by name
+HEAD = "lm_head"  # the stage's output head, by name
 
 
 class StageModule(nn.Module):
@@ -26,6 +34,7 @@ class StageModule(nn.Module):
     lm_head: Optional[nn.Module]
     layers: nn.ModuleDict
     tied: bool
+    logit_softcap: Optional[float] = None  # c of the head's soft cap c·tanh(logits / c) (causal.DecoderHooks)
 
     @property
     def is_first(self) -> bool:
@@ -101,6 +110,6 @@ def canonical_name(name: str, tied: bool) -> str:
     embedding."""
     name = _CHUNK_PREFIX.sub("", name.replace("_checkpoint_wrapped_module.", "").replace("module.", "")
                              .replace(".base_layer.", "."))
-    if tied and name == "lm_head.weight":
-        return "embed_tokens.weight"
+    if tied and name == f"{HEAD}.weight":
+        return f"{EMBEDDING}.weight"
     return name

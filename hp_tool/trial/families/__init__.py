@@ -1,12 +1,14 @@
 """The torch half of the model-family registry: one module per family, each registering a
-:class:`~hp_tool.trial.families.base.TorchFamily` (config, model class, stage cut, TP plan, head counts,
-the tracer's fake inputs, stacks). Every module in this folder is imported here, so a new family is one
-file; the engine asks ``torch_family(spec.model.family)`` and never compares family names itself.
+:class:`~hp_tool.trial.families.base.TorchFamily` (config, model class, stage cut, TP and sequence-parallel
+plans, the attention module context parallelism splits, the stage's forward hooks, head counts, the
+tracer's fake inputs, stacks). Every module in this folder is imported here, so a new family is one file;
+the engine asks ``torch_family(spec.model.family)``, never compares family names and never names a
+family's modules itself.
 
     base.py    the record, ``register``, ``torch_family`` (unknown names fail naming the known ones)
     gpt3.py    GPT-3 as transformers' OPT: learned positions, LayerNorm, GELU MLP with biases, tied head
     llama.py   Llama: RoPE, RMSNorm, SwiGLU, grouped-query attention, untied head; ``decoder_family`` for
-               models with its module layout
+               models with its module layout (its plans, and stage hooks a family may set)
     mistral.py Mistral (Llama's layout, sliding-window attention), from its Hugging Face config
     qwen2.py   Qwen2 / Qwen2.5 (Llama's layout, q/k/v biases), from its Hugging Face config
     moe.py     mixtures of experts: moe and mixtral (transformers' Mixtral), qwen2_moe (a shared expert);

@@ -9,7 +9,7 @@ from transformers import OPTConfig, OPTForCausalLM
 from transformers.models.opt.modeling_opt import OPTLearnedPositionalEmbedding
 
 from hp_tool.contracts.spec import ModelSpec
-from hp_tool.trial.causal import CausalParts, causal_fake_batch, cut_causal_stage
+from hp_tool.trial.causal import CausalParts, DecoderHooks, causal_fake_batch, cut_causal_stage
 from hp_tool.trial.families.base import TorchFamily, TPStyle, register
 
 # Megatron's split: q/k/v and the MLP's up projection by columns, the attention output and the MLP's down
@@ -51,11 +51,11 @@ class GPT3ForCausalLM(OPTForCausalLM):
         self.model.decoder.embed_positions = GPT3Positions(config.max_position_embeddings, config.hidden_size)
 
 
-def cut_stage(model: ModelSpec, full: nn.Module, pp: int, stage: int):
+def cut_stage(model: ModelSpec, full: nn.Module, pp: int, stage: int, hooks: DecoderHooks):
     """This stage of an ``OPTForCausalLM`` on meta (its decoder holds embeddings, layers and final norm)."""
     body = full.model.decoder
     parts = CausalParts(body.layers, body.embed_tokens, body.embed_positions, body.final_layer_norm, full.lm_head)
-    return cut_causal_stage(model, full.config, parts, pp, stage)
+    return cut_causal_stage(model, full.config, parts, pp, stage, hooks=hooks)
 
 
 def shard_heads(layer: nn.Module, tp: int) -> None:
@@ -65,5 +65,8 @@ def shard_heads(layer: nn.Module, tp: int) -> None:
             module.num_heads //= tp
 
 
+# No sequence-parallel plan (OPT's layer calls its MLP's linears itself, no module to gather the sequence at)
+# and no context parallelism (learned positions): the planner's record refuses both for gpt3.
 register(TorchFamily(name="gpt3", config=config, model_class=GPT3ForCausalLM, cut_stage=cut_stage,
-                     layer_plan=lambda layer: LAYER_PLAN, shard_heads=shard_heads, fake_batch=causal_fake_batch))
+                     layer_plan=lambda layer: LAYER_PLAN, shard_heads=shard_heads, sequence_plan=None, attention=None,
+                     fake_batch=causal_fake_batch))

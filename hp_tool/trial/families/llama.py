@@ -17,8 +17,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from hp_tool.contracts.spec import ModelSpec
-from hp_tool.trial.causal import CausalParts, causal_fake_batch, cut_causal_stage
-from hp_tool.trial.families.base import TorchFamily, TPStyle, register
+from hp_tool.trial.causal import CausalParts, DecoderHooks, causal_fake_batch, cut_causal_stage
+from hp_tool.trial.families.base import SequencePlan, TorchFamily, TPStyle, register
 
 # Megatron's split: q/k/v and both SwiGLU inputs (gate, up) by columns, the attention output and the MLP's
 # down projection by rows.
@@ -26,6 +26,11 @@ LAYER_PLAN: dict[str, TPStyle] = {
     "self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
     "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "self_attn.o_proj": "rowwise", "mlp.down_proj": "rowwise",
 }
+# Sequence parallelism (torchtitan's plan): the two RMSNorms on sequence shards; the attention (called with its
+# hidden states by keyword) and the MLP (positionally) gather the sequence at their input.
+SEQUENCE_PLAN = SequencePlan(sharded=("input_layernorm", "post_attention_layernorm"),
+                             gathered={"self_attn": "hidden_states", "mlp": None})
+ATTENTION = "self_attn"  # the attention module context parallelism runs as the ring
 
 # config.json keys that describe a checkpoint's file rather than the architecture, and ``layer_types``, one
 # entry per layer of the config's depth: the spec's depth decides, and the config derives it again
@@ -64,23 +69,26 @@ def decoder_family(name: str, config_class: type, model_class: type, rotary: typ
                    family_sizes: Callable[[ModelSpec], dict] = lambda model: {},
                    layer_plan: dict[str, TPStyle] = LAYER_PLAN, expert_plan: Optional[dict[str, str]] = None,
                    hf_key: Optional[Callable[[str], str]] = hf_key,
-                   hf_parts: Callable = lambda model, key: None) -> TorchFamily:
+                   hf_parts: Callable = lambda model, key: None,
+                   stage_hooks: DecoderHooks = DecoderHooks()) -> TorchFamily:
     """The record of a model with Llama's module layout (``model.layers``, ``embed_tokens``, ``norm``,
-    ``lm_head``, the same attention projections); RoPE's frequencies are rebuilt after materialising.
-    ``family_sizes``: config keys the spec sets besides ``decoder_config``'s (a mixture of experts' experts),
-    ``layer_plan``: one layer's TP plan, ``expert_plan``: its EP plan (``TorchFamily.expert_plan``),
-    ``hf_key``: checkpoint names (None: no checkpoint loads), ``hf_parts``: tensors a published checkpoint
-    stores in parts (``TorchFamily.hf_parts``)."""
+    ``lm_head``, the same attention projections and norms); RoPE's frequencies are rebuilt after
+    materialising. ``family_sizes``: config keys the spec sets besides ``decoder_config``'s (a mixture of
+    experts' experts), ``layer_plan``: one layer's TP plan, ``expert_plan``: its EP plan
+    (``TorchFamily.expert_plan``), ``hf_key``: checkpoint names (None: no checkpoint loads), ``hf_parts``:
+    tensors a published checkpoint stores in parts (``TorchFamily.hf_parts``), ``stage_hooks``: what its
+    stage computes beyond its modules (``TorchFamily.stage_hooks``; Llama's add nothing)."""
 
-    def cut_stage(model: ModelSpec, full: nn.Module, pp: int, stage: int):
+    def cut_stage(model: ModelSpec, full: nn.Module, pp: int, stage: int, hooks: DecoderHooks):
         body = full.model
         parts = CausalParts(body.layers, body.embed_tokens, None, body.norm, full.lm_head)
-        return cut_causal_stage(model, full.config, parts, pp, stage, rotary=rotary)
+        return cut_causal_stage(model, full.config, parts, pp, stage, rotary=rotary, hooks=hooks)
 
     return TorchFamily(name=name, config=lambda model: decoder_config(model, config_class, family_sizes(model)),
                        model_class=model_class, cut_stage=cut_stage, layer_plan=lambda layer: layer_plan,
-                       shard_heads=shard_heads, fake_batch=causal_fake_batch, hf_key=hf_key,
-                       expert_plan=expert_plan, hf_parts=hf_parts)
+                       shard_heads=shard_heads, sequence_plan=SEQUENCE_PLAN, attention=ATTENTION,
+                       fake_batch=causal_fake_batch, hf_key=hf_key, expert_plan=expert_plan, hf_parts=hf_parts,
+                       stage_hooks=stage_hooks)
 
 
 register(decoder_family("llama", LlamaConfig, LlamaForCausalLM, LlamaRotaryEmbedding))

@@ -10,7 +10,8 @@ from transformers import MT5Config, MT5ForConditionalGeneration, T5Config, T5For
 
 from hp_tool.families.t5 import RELATIVE_ATTENTION_BUCKETS
 from hp_tool.contracts.spec import ModelSpec
-from hp_tool.trial.encdec import BIAS_PATH, MAX_DISTANCE, cut_encdec_stage, encdec_fake_batch
+from hp_tool.trial.causal import DecoderHooks
+from hp_tool.trial.encdec import MAX_DISTANCE, EncDecParts, cut_encdec_stage, encdec_fake_batch
 from hp_tool.trial.families.base import TorchFamily, TPStyle, register
 
 # Per block: self-attention (and the decoder's cross-attention) q/k/v by columns and o by rows, both
@@ -19,6 +20,7 @@ from hp_tool.trial.families.base import TorchFamily, TPStyle, register
 _ATTENTION = (("SelfAttention.q", "SelfAttention.k", "SelfAttention.v"), ("SelfAttention.o",))
 _CROSS = (("EncDecAttention.q", "EncDecAttention.k", "EncDecAttention.v"), ("EncDecAttention.o",))
 _FFN = (("DenseReluDense.wi_0", "DenseReluDense.wi_1"), ("DenseReluDense.wo",))
+BIAS_PATH = "layer.0.SelfAttention.relative_attention_bias"  # a stack's first block's position table
 
 
 def _block_plan(parts: tuple) -> dict[str, TPStyle]:
@@ -49,6 +51,15 @@ def shard_heads(block: nn.Module, tp: int) -> None:
             module.inner_dim //= tp
 
 
+def cut_stage(model: ModelSpec, full: nn.Module, pp: int, stage: int, hooks: DecoderHooks):
+    """This stage of a T5/mT5 model on meta: the encoder's blocks then the decoder's, the shared embedding,
+    each stack's final norm, the head (``hooks``, a decoder-only stage's, do not apply: T5's record keeps
+    the defaults)."""
+    parts = EncDecParts(list(full.encoder.block) + list(full.decoder.block), full.shared,
+                        full.encoder.final_layer_norm, full.decoder.final_layer_norm, full.lm_head, BIAS_PATH)
+    return cut_encdec_stage(model, full.config, parts, pp, stage)
+
+
 def _config_builder(config_cls: type):
     """The ``TorchFamily.config`` of a family whose config class is ``config_cls`` (T5Config, MT5Config)."""
 
@@ -69,9 +80,10 @@ def _config_builder(config_cls: type):
 
 def _encdec_family(name: str, config_cls: type, model_class: type) -> TorchFamily:
     """One encoder-decoder family: the encoder on the first PP/2 stages, the decoder on the rest."""
+    # no sequence or context parallelism for T5's blocks (the planner's record refuses both)
     return TorchFamily(name=name, config=_config_builder(config_cls), model_class=model_class,
-                       cut_stage=cut_encdec_stage, layer_plan=layer_plan, shard_heads=shard_heads,
-                       fake_batch=encdec_fake_batch, stacks=2, stack_starts=lambda pp: (0, pp // 2))
+                       cut_stage=cut_stage, layer_plan=layer_plan, shard_heads=shard_heads, sequence_plan=None,
+                       attention=None, fake_batch=encdec_fake_batch, stacks=2, stack_starts=lambda pp: (0, pp // 2))
 
 
 register(_encdec_family("t5", T5Config, T5ForConditionalGeneration))
