@@ -46,6 +46,7 @@ class EngineFacts:
     # recompute and a pipeline's stages are timed its way
     fp32_weights: bool
     builds_ops: bool  # C++ ops built before its first trial (DeepSpeed's CPU Adam)
+    traceable: bool  # the memory check traces its rank build under fake tensors
     config_file: Optional[str]  # what the optimal config's folder holds beside it for this engine (name pattern)
 
 
@@ -60,7 +61,7 @@ TORCH = EngineFacts(
     zero1_optimizers=("adamw", "sgd", "sgd_momentum"),
     expert_parallel=True, experts_with_tp=True, adapters_with_tp=False, qlora_zero_stages=(0, 1),
     context_parallel=True, sequence_parallel=True, chunked_loss=True, activation_offload=True,
-    selective_checkpointing=True, fp32_weights=True, builds_ops=False, config_file=None,
+    selective_checkpointing=True, fp32_weights=True, builds_ops=False, traceable=True, config_file=None,
 )
 DEEPSPEED = EngineFacts(
     name="deepspeed", code="ds", package="deepspeed",
@@ -70,7 +71,7 @@ DEEPSPEED = EngineFacts(
     zero1_optimizers=None,
     expert_parallel=False, experts_with_tp=False, adapters_with_tp=True, qlora_zero_stages=(),
     context_parallel=False, sequence_parallel=False, chunked_loss=False, activation_offload=False,
-    selective_checkpointing=False, fp32_weights=False, builds_ops=True, config_file="ds_config",
+    selective_checkpointing=False, fp32_weights=False, builds_ops=True, traceable=False, config_file="ds_config",
 )
 ENGINE_FACTS = {e.name: e for e in (TORCH, DEEPSPEED)}
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Optional
 
 from hp_tool.contracts.spec import TrialSpec
+from hp_tool.engine_facts import engine_facts
 
 
 class Untraceable(ValueError):
@@ -27,7 +28,7 @@ class Untraceable(ValueError):
 
 def untraceable_reason(spec: TrialSpec) -> Optional[str]:
     """Why the trace cannot model ``spec``'s memory, or None."""
-    if spec.parallel.engine != "torch":
+    if not engine_facts(spec.parallel.engine).traceable:
         return f"the {spec.parallel.engine} engine is not traced"
     if spec.parallel.offload != "none":
         return "offloaded states live in host RAM, which a trace cannot tell from GPU memory"
