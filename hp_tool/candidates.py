@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ from typing import Optional
 from hp_tool.architectures import Shape, pipeline_problem
 from hp_tool.base_config import TS, Cluster
 from hp_tool.config import TrainSettings
-from hp_tool.estimate.layout import Layout
+from hp_tool.estimate.layout import Layout, Problem
 from hp_tool.estimate.memory import estimate_memory, host_phases_gib
 from hp_tool.estimate.speed import estimate_step_time
 from hp_tool.tables import ACT_CKPT_STEP, lookup
@@ -79,7 +80,10 @@ class Candidate:
         self.status, self.reason_key, self.reason = status, key, reason
 
     def layout(self, dp: int, global_batch_size: int) -> Layout:
-        """This layout with ``dp`` data-parallel replicas sharing ``global_batch_size`` sequences."""
+        """This layout with ``dp`` data-parallel replicas sharing ``global_batch_size`` sequences (the full
+        run's own Layout when those are its own)."""
+        if (dp, global_batch_size) == (self.full.dp, self.full.global_batch_size):
+            return self.full
         return dataclasses.replace(self.full, dp=dp, global_batch_size=global_batch_size)
 
     def trial_layout(self) -> Layout:
@@ -243,9 +247,10 @@ def act_ckpt_mode_values(grid: Grid, shape: Shape, layout: Layout) -> list[str]:
     if grid.act_ckpt_modes is not None:
         return list(grid.act_ckpt_modes)
     per_stage = shape.pipeline_layers // layout.pp if pipeline_problem(shape, layout.pp) is None else 0
-    every_layer = layout.act_ckpt_layers == per_stage
+    if layout.act_ckpt_layers != per_stage:
+        return ["full"]
     selective = dataclasses.replace(layout, act_ckpt_mode="selective")
-    return ["full", "selective"] if every_layer and selective.checkpoint_mode_problem(shape) is None else ["full"]
+    return ["full", "selective"] if selective.checkpoint_mode_problem(shape) is None else ["full"]
 
 
 # train_settings keys of the Layout fields a problem can name
@@ -261,33 +266,59 @@ FIELD_KEYS = {"tp": "tensor_parallel_sizes", "pp": "pipeline_parallel_sizes", "a
 PER_SAVER_RULES = ("savers", "optimizer", "method", "expert_savers")
 
 
-def invalid_reason(shape: Shape, c: Candidate, cluster: Cluster, mp_range: tuple[int, int]) -> Optional[tuple[str, str]]:
-    """(train_settings key, reason) when the layout cannot exist on the cluster, else None: the Layout's own
-    rules (but the memory savers', judged per saver) and the cluster's (TP*PP dividing its GPUs, within
-    the grid's model-parallel range)."""
-    problems = [p for p in c.full.problems(shape, cluster.hw.gpus_per_node) if p.rule not in PER_SAVER_RULES]
+@functools.lru_cache(maxsize=4096)
+def per_saver_problem(shape: Shape, engine: str, tp: int, pp: int, ep: int, optimizer: str, zero_stage: int,
+                      offload: str) -> Optional[Problem]:
+    """The first problem of the rules judged per saver (``PER_SAVER_RULES``), which read no more of a layout
+    than these fields; cached, as every layout of the same degrees asks the same."""
+    layout = Layout(tp, pp, 1, 1, 0, 1, zero_stage, offload, engine, optimizer=optimizer, ep=ep)
+    return layout.saver_problem() or layout.optimizer_problem() or layout.method_problem(shape) or \
+        layout.expert_saver_problem()
+
+
+@functools.lru_cache(maxsize=4096)
+def degree_reason(shape: Shape, gpus: int, gpus_per_node: int, mp_range: tuple[int, int], engine: str, tp: int,
+                  pp: int, ep: int, cp: int, dp: int) -> Optional[tuple[str, str]]:
+    """(train_settings key, reason) when no layout of these degrees can exist on ``gpus`` GPUs, whatever its
+    micro-batch, checkpointing or savers, else None; in this order: a problem naming TP or PP (the heads, a
+    node, the layers), TP*PP (*CP) not dividing the GPUs, a problem naming EP, TP*PP outside the
+    model-parallel range. The rules whose problems name TP, PP or EP read no more of a layout than these
+    fields; cached, as every layout of the same degrees asks the same."""
+    layout = Layout(tp, pp, dp, 1, 0, dp, engine=engine, ep=ep, cp=cp)
+    problems = [p for p in layout.problems(shape, gpus_per_node) if p.rule not in PER_SAVER_RULES]
     for p in problems:
         if p.field in ("tp", "pp"):
             return FIELD_KEYS[p.field], p.reason
-    mp = c.tp * c.pp
-    if cluster.gpus % (mp * c.cp):
-        what = f"TP*PP={mp}" if c.cp == 1 else f"TP*PP*CP={mp * c.cp}"
-        return "num_nodes", f"{what} does not divide the {cluster.gpus} GPUs"
+    mp = tp * pp
+    if gpus % (mp * cp):
+        what = f"TP*PP={mp}" if cp == 1 else f"TP*PP*CP={mp * cp}"
+        return "num_nodes", f"{what} does not divide the {gpus} GPUs"
     for p in problems:
         if p.field == "ep":
             return FIELD_KEYS[p.field], p.reason
     if not mp_range[0] <= mp <= mp_range[1]:
         return "max_model_parallel_size", f"TP*PP={mp} outside model-parallel range {list(mp_range)}"
+    return None
+
+
+def invalid_reason(shape: Shape, c: Candidate, cluster: Cluster, mp_range: tuple[int, int]) -> Optional[tuple[str, str]]:
+    """(train_settings key, reason) when the layout cannot exist on the cluster, else None: its degrees'
+    (``degree_reason``), then the rest of the Layout's own rules (but the memory savers', judged per saver)."""
+    bad = degree_reason(shape, cluster.gpus, cluster.hw.gpus_per_node, tuple(mp_range), c.engine, c.tp, c.pp, c.ep,
+                        c.cp, c.dp)
+    if bad:
+        return bad
+    problems = [p for p in c.full.problems(shape, cluster.hw.gpus_per_node) if p.rule not in PER_SAVER_RULES]
     return (FIELD_KEYS[problems[0].field], problems[0].reason) if problems else None
 
 
-def trial_node_counts(mp: int, gpn: int, num_nodes: int) -> list[int]:
+@functools.cache
+def trial_node_counts(mp: int, gpn: int, num_nodes: int) -> tuple[int, ...]:
     """Node counts a benchmark of a TP*PP=mp layout can use, fewest first: whole nodes holding whole
     model replicas (the fewest is ceil(mp / gpn) nodes), up to the full run's. With expert parallelism ``mp``
     is TP*PP*EP: the trial needs the EP data-parallel ranks its experts are split over."""
     fewest = math.ceil(mp / gpn)
-    more = [k for k in range(fewest + 1, num_nodes + 1) if (k * gpn) % mp == 0]
-    return [fewest] + more
+    return (fewest, *(k for k in range(fewest + 1, num_nodes + 1) if (k * gpn) % mp == 0))
 
 
 def _set_trial(c: Candidate, gpn: int, nodes: int) -> Layout:
@@ -307,25 +338,32 @@ def estimate(shape: Shape, c: Candidate, cluster: Cluster, usable_gib: float) ->
     The trial runs on the fewest whole nodes whose data-parallel shards make it fit in ``usable_gib``
     per GPU (a sharded stage may need more ranks than one model replica to fit; the full run's nodes
     at most)."""
-    hw = cluster.hw
+    hw, gpn = cluster.hw, cluster.hw.gpus_per_node
     full = c.full
     c.full_memory_gib = estimate_memory(shape, full, hw).total_gib
+    trial_gib: dict[int, float] = {}  # trial nodes -> predicted peak per GPU
 
-    def trial_fits(nodes: int) -> bool:
-        return estimate_memory(shape, _set_trial(c, hw.gpus_per_node, nodes), hw).total_gib <= usable_gib
+    def trial_memory(nodes: int) -> float:
+        if nodes not in trial_gib:
+            trial = _set_trial(c, gpn, nodes)
+            trial_gib[nodes] = c.full_memory_gib if trial is full else estimate_memory(shape, trial, hw).total_gib
+        return trial_gib[nodes]
 
     # Memory per GPU never grows with more data-parallel shards, so bisect for the first count that fits
     # (the largest when none does). The largest is the full run's own nodes: when the full run does not
-    # fit, no trial does, and the bisection is skipped.
-    counts = trial_node_counts(c.tp * c.pp * c.cp * c.full.ep, hw.gpus_per_node, cluster.num_nodes)
-    if c.full_memory_gib > usable_gib:
+    # fit, no trial does, and the bisection is skipped (as it is when there is one count).
+    counts = trial_node_counts(c.tp * c.pp * c.cp * c.full.ep, gpn, cluster.num_nodes)
+    if c.full_memory_gib > usable_gib or len(counts) == 1:
         nodes = counts[-1]
     else:
-        nodes = counts[min(bisect.bisect_left(counts, True, key=trial_fits), len(counts) - 1)]
-    trial = _set_trial(c, hw.gpus_per_node, nodes)
-    c.memory_gib = estimate_memory(shape, trial, hw).total_gib
-    full_host = host_phases_gib(shape, full, hw.gpus_per_node, hw)
-    c.host_memory_gib = max(host_phases_gib(shape, trial, c.trial_gpus_per_node, hw).node_gib, full_host.node_gib)
+        fits = bisect.bisect_left(counts, True, key=lambda n: trial_memory(n) <= usable_gib)
+        nodes = counts[min(fits, len(counts) - 1)]
+    c.memory_gib = trial_memory(nodes)
+    trial = _set_trial(c, gpn, nodes)
+    full_host = host_phases_gib(shape, full, gpn, hw)
+    trial_host = full_host if trial is full and c.trial_gpus_per_node == gpn else \
+        host_phases_gib(shape, trial, c.trial_gpus_per_node, hw)
+    c.host_memory_gib = max(trial_host.node_gib, full_host.node_gib)
     c.rank0_host_memory_gib = full_host.save_rank0_gib
     split = estimate_step_time(shape, full, hw, cluster.num_nodes)
     step = c.step_time_s = split.total_s
@@ -354,39 +392,35 @@ def _fit(shape: Shape, c: Candidate, cluster: Cluster, ts: TrainSettings) -> Non
                      f"({hw.host_ram_gib:g} GiB - {ts.memory_margin:.0%} margin)")
 
 
-def _layout_candidates(shape: Shape, grid: Grid, ts: TrainSettings, cluster: Cluster, gbs: int, engine: str,
-                       tp: int, pp: int, mbs: int, ac: int, vp: int = 1, optimizer: str = "adamw",
-                       ep: int = 1, long_context: Optional[Layout] = None) -> list[Candidate]:
-    """The candidates of one layout over the grid's memory savers (see the module docstring);
-    ``long_context``: a Layout whose cp, sequence_parallel, loss, activation_offload and act_ckpt_mode this one
-    takes."""
-    lc = long_context or Layout(1, 1, 1, 1, 0, 1)
-
+def _layout_candidates(shape: Shape, grid: Grid, ts: TrainSettings, cluster: Cluster,
+                       layout: Layout) -> list[Candidate]:
+    """The candidates of one layout over the grid's memory savers (see the module docstring); ``layout``
+    carries the first of them."""
     def make(stage: int, offload: str) -> Candidate:
-        dp = max(1, cluster.gpus // (tp * pp * lc.cp))
-        return Candidate(Layout(tp, pp, dp, mbs, ac, gbs, stage, offload, engine, lc.sequence_parallel,
-                                virtual_stages=vp, optimizer=optimizer, ep=ep, cp=lc.cp, loss=lc.loss,
-                                activation_offload=lc.activation_offload, act_ckpt_mode=lc.act_ckpt_mode), shape)
+        if (stage, offload) == (layout.zero_stage, layout.offload):
+            return Candidate(layout, shape)
+        return Candidate(dataclasses.replace(layout, zero_stage=stage, offload=offload), shape)
 
     first = make(*grid.savers[0])
     bad = invalid_reason(shape, first, cluster, grid.mp_range)
     if bad:  # the layout itself cannot exist: one row says so
         first.reject(INVALID, f"{TS}.{bad[0]}", bad[1])
         return [first]
+    fewest_nodes = trial_node_counts(layout.tp * layout.pp * layout.cp * layout.ep, cluster.hw.gpus_per_node,
+                                     cluster.num_nodes)[0]
     out, unrunnable = [], []
     for stage, offload in grid.savers:
+        bad = per_saver_problem(shape, layout.engine, layout.tp, layout.pp, layout.ep, layout.optimizer, stage, offload)
+        if bad and grid.heuristic_savers and unrunnable:
+            continue  # of the savers the engine cannot run, the heuristic lists the first at most
         c = make(stage, offload)
-        bad = c.full.saver_problem() or c.full.optimizer_problem() or c.full.method_problem(shape) or \
-            c.full.expert_saver_problem()
         if bad:
             c.reject(INVALID, f"{TS}.{FIELD_KEYS[bad.field]}", bad.reason)
             (unrunnable if grid.heuristic_savers else out).append(c)
             continue
         _fit(shape, c, cluster, ts)
         out.append(c)
-        if grid.heuristic_savers and c.status == SELECTED and c.offload == "none" and \
-                c.trial_nodes == trial_node_counts(tp * pp * lc.cp * ep, cluster.hw.gpus_per_node,
-                                                   cluster.num_nodes)[0]:
+        if grid.heuristic_savers and c.status == SELECTED and c.offload == "none" and c.trial_nodes == fewest_nodes:
             break  # nothing after it can be chosen over it (see the ordering below)
     if not grid.heuristic_savers:
         return out
@@ -402,17 +436,21 @@ def plan_candidates(shape: Shape, size_b: float, ts: TrainSettings, cluster: Clu
     """Every candidate of the grid (default: ``build_grid``), with status and reason; selected ones
     ranked fastest first."""
     grid = grid or build_grid(ts, shape, size_b, cluster.hw.host_ram_gib is not None, cluster.hw.gpus_per_node)
+    stage, offload = grid.savers[0]
     out: list[Candidate] = []
     for opt, engine, tp, pp, ep, cp, mbs, ao in itertools.product(grid.optimizers, grid.engines, grid.tp, grid.pp,
                                                                   grid.ep, grid.cp, grid.mbs, grid.activation_offload):
+        dp = max(1, cluster.gpus // (tp * pp * cp))
         base = Layout(tp, pp, 1, mbs, 0, 1, engine=engine, ep=ep, cp=cp, activation_offload=ao)
         for sp, loss in long_context_values(grid, shape, base):
-            lc = dataclasses.replace(base, sequence_parallel=sp, loss=loss)
             for vp in virtual_stage_values(grid, shape, pp):
                 for ac in act_ckpt_values(grid, shape, pp, vp):
-                    for mode in act_ckpt_mode_values(grid, shape, dataclasses.replace(lc, act_ckpt_layers=ac)):
-                        out += _layout_candidates(shape, grid, ts, cluster, gbs, engine, tp, pp, mbs, ac, vp, opt, ep,
-                                                  dataclasses.replace(lc, act_ckpt_mode=mode))
+                    layout = Layout(tp, pp, dp, mbs, ac, gbs, stage, offload, engine, sp, virtual_stages=vp,
+                                    optimizer=opt, ep=ep, cp=cp, loss=loss, activation_offload=ao)
+                    for mode in act_ckpt_mode_values(grid, shape, layout):
+                        if mode != layout.act_ckpt_mode:
+                            layout = dataclasses.replace(layout, act_ckpt_mode=mode)
+                        out += _layout_candidates(shape, grid, ts, cluster, layout)
     rank_candidates(out, ts.limit_search_runs)
     return out
 

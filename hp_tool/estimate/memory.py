@@ -58,14 +58,36 @@ LOAD_COPY_BYTES = 6
 HOST_PROCESS_OVERHEAD_GIB = 3.0  # host RAM of one training process (torch, CUDA libraries, data); calibrate
 
 
+# The planner asks the model's own terms (and those of a few integers) for every candidate: cached by their
+# arguments (shapes, layouts and hardware are frozen).
+cached = functools.lru_cache(maxsize=4096)
+
+
+@cached
+def layer_parameter_counts(shape: Shape) -> tuple[int, int, int]:
+    """(one decoder-stack layer's parameters, an encoder layer's, one layer's routed experts')."""
+    return layer_parameters(shape), layer_parameters(shape, encoder=True), expert_parameters(shape)
+
+
+model_parameters = cached(count_parameters)
+adapter_parameters = cached(adapter_parameters_per_layer)
+linear_parameters = cached(linear_parameters_per_layer)
+
+
 def layer_activation_bytes(shape: Shape, layout: Layout, hw: Hardware, encoder: bool = False) -> float:
     """One layer's stored activations for the family (an encoder layer when ``encoder``), one micro-batch,
     bytes; with an adapter method what it changes (``methods.activation_delta_bytes``: dropout's mask is a
     byte an element on a GPU, a value of the input's dtype on a CPU)."""
-    mbs, tp, sp, bpv = layout.mbs, layout.tp, layout.sequence_parallel, hw.bytes_per_value
-    return (shape.facts.activation_bytes(shape, mbs, tp, sp, bpv, hw.flash_attention, encoder)
-            + activation_delta_bytes(shape, mbs, tp, sp, bpv, bpv if hw.device_is_host else 1,
-                                     autocast_casts_weights(layout, hw)))
+    bpv = hw.bytes_per_value
+    return _layer_activation_bytes(shape, layout.mbs, layout.tp, layout.sequence_parallel, bpv, hw.flash_attention,
+                                   encoder, bpv if hw.device_is_host else 1, autocast_casts_weights(layout, hw))
+
+
+@cached
+def _layer_activation_bytes(shape: Shape, mbs: int, tp: int, sp: bool, bpv: int, flash: bool, encoder: bool,
+                            mask_bytes: int, casts: bool) -> float:
+    return (shape.facts.activation_bytes(shape, mbs, tp, sp, bpv, flash, encoder)
+            + activation_delta_bytes(shape, mbs, tp, sp, bpv, mask_bytes, casts))
 
 
 def autocast_casts_weights(layout: Layout, hw: Hardware) -> bool:
@@ -130,7 +152,7 @@ def compute_copy_bytes(params: float, gathered_layer: float, layout: Layout, hw:
     return bpv * params if autocast_casts_weights(layout, hw) else 0.0
 
 
-@functools.lru_cache(maxsize=4096)
+@cached
 def stage_parameters(shape: Shape, tp: int, pp: int, ep: int = 1) -> tuple[float, ...]:
     """Parameters one GPU holds on each pipeline stage (after TP and EP): its layers, the embedding on the
     first stage, the head on the last. A mixture of experts' routed experts are split over the ``ep`` ranks
@@ -148,9 +170,9 @@ def sharded_state_bytes(shape: Shape, layout: Layout, params: float, stage: int)
     """``model_state_bytes`` of a stage's ``params`` local parameters, its routed experts sharded by ZeRO over
     the data-parallel ranks holding the same experts (DP / EP) and the rest over all DP ranks."""
     experts = stage_expert_parameters(shape, layout.pp, stage, layout.ep)
-    states = functools.partial(model_state_bytes, zero_stage=layout.zero_stage, offload=layout.offload,
-                               engine=layout.engine, optimizer=layout.optimizer)
-    return states(params - experts, layout.zero_ranks) + (states(experts, layout.edp) if experts else 0.0)
+    savers = layout.zero_stage, layout.offload, layout.engine, layout.optimizer
+    return model_state_bytes(params - experts, layout.zero_ranks, *savers) + \
+        (model_state_bytes(experts, layout.edp, *savers) if experts else 0.0)
 
 
 @dataclass(frozen=True)
@@ -186,7 +208,7 @@ def host_phases_gib(shape: Shape, layout: Layout, gpus_on_node: int, hw: Optiona
                 for stage, params in enumerate(stage_parameters(shape, layout.tp, layout.pp, layout.ep)))
     offloaded = per_param * shard
     if shape.method in ADAPTED and per_param:  # the adapters' states; parameter offload moves the frozen base too
-        adapters = shape.num_layers / layout.pp * adapter_parameters_per_layer(shape) / layout.tp / layout.zero_ranks
+        adapters = shape.num_layers / layout.pp * adapter_parameters(shape) / layout.tp / layout.zero_ranks
         base = shard * (2 if layout.offload == "optimizer_and_params" else 0)
         offloaded = per_param * adapters + base
     if layout.activation_offload:
@@ -194,7 +216,7 @@ def host_phases_gib(shape: Shape, layout: Layout, gpus_on_node: int, hw: Optiona
         offloaded += offloaded_activation_bytes(shape, layout, hw)  # (none where the device is the host)
     train = gpus_on_node * (offloaded + HOST_PROCESS_OVERHEAD_GIB * GIB)
     load = train + (gpus_on_node * LOAD_COPY_BYTES * largest_tensor(shape) if shape.pretrained else 0.0)
-    save = train + (PRETRAINED_GATHER_BYTES if shape.pretrained else CHECKPOINT_GATHER_BYTES) * count_parameters(shape)
+    save = train + (PRETRAINED_GATHER_BYTES if shape.pretrained else CHECKPOINT_GATHER_BYTES) * model_parameters(shape)
     return HostPhases(load / GIB, train / GIB, save / GIB)
 
 
@@ -242,6 +264,7 @@ def stage_activation_bytes(shape: Shape, layout: Layout, hw: Hardware, stage: in
     return stored, buffer
 
 
+@cached
 def selective_kept_bytes(shape: Shape, mbs: int, tp: int, sequence_parallel: bool, bytes_per_value: int) -> float:
     """What selective checkpointing's per-op policy keeps of one checkpointed layer beyond its input, one
     micro-batch, bytes per TP rank: the outputs of the matmuls it keeps (``architectures.selective_kept_matmuls``,
@@ -283,7 +306,7 @@ def ring_transient_bytes(shape: Shape, layout: Layout) -> float:
 
 def stage_adapter_parameters(shape: Shape, layout: Layout, stage: int) -> float:
     """Adapter parameters one GPU holds on pipeline ``stage`` (0 for full training)."""
-    return sum(stage_layer_counts(shape, layout.pp, stage)) * adapter_parameters_per_layer(shape) / layout.tp
+    return sum(stage_layer_counts(shape, layout.pp, stage)) * adapter_parameters(shape) / layout.tp
 
 
 def stage_compute_copy_bytes(shape: Shape, layout: Layout, hw: Hardware, params: float, stage: int,
@@ -292,7 +315,7 @@ def stage_compute_copy_bytes(shape: Shape, layout: Layout, hw: Hardware, params:
     dequantised one layer at a time instead (``stage_state_bytes``)."""
     quantised = 0.0
     if shape.method == "qlora":
-        quantised = sum(stage_layer_counts(shape, layout.pp, stage)) * linear_parameters_per_layer(shape) / layout.tp
+        quantised = sum(stage_layer_counts(shape, layout.pp, stage)) * linear_parameters(shape) / layout.tp
     return compute_copy_bytes(params - quantised + stage_adapter_parameters(shape, layout, stage), gathered_layer,
                               layout, hw)
 
@@ -318,7 +341,7 @@ def stage_state_bytes(shape: Shape, layout: Layout, hw: Hardware, params: float,
     weight_bytes = 4.0 if layout.engine == "torch" else float(bpv)
     base, dequantised = params * weight_bytes, 0.0
     if shape.method == "qlora":
-        quantised = layers * linear_parameters_per_layer(shape) / layout.tp
+        quantised = layers * linear_parameters(shape) / layout.tp
         base = (params - quantised) * weight_bytes + quantised * NF4_BITS / 8
         dequantised = max(i * o for i, o in linear_shapes(shape).values()) / layout.tp * bpv
     sharded = layout.zero_stage >= 3 and (layout.zero_ranks > 1 or layout.offload == "optimizer_and_params")
@@ -390,9 +413,8 @@ def estimate_memory(shape: Shape, layout: Layout, hw: Hardware) -> MemoryEstimat
     bpv = hw.bytes_per_value
     rank = rank_shape(shape, layout)
     logits = logits_bytes(rank, layout, hw)
-    experts = expert_parameters(shape)
-    gathered_layer = max(layer_parameters(shape) - experts, layer_parameters(shape, encoder=True)) / tp + \
-        experts / layout.ep
+    layer, encoder_layer, experts = layer_parameter_counts(shape)
+    gathered_layer = max(layer - experts, encoder_layer) / tp + experts / layout.ep
     best: MemoryEstimate | None = None
     best_total = -1.0
     for stage, params in enumerate(stage_parameters(shape, tp, pp, layout.ep)):

@@ -41,10 +41,9 @@ from hp_tool.architectures import (Shape, checkpointed_layer_counts, model_flops
                                    stage_expert_parameters, stage_layer_counts, stage_layer_parameters,
                                    vocab_parallel_parameters)
 from hp_tool.estimate.layout import GB, Hardware, Layout, rank_shape
-from hp_tool.estimate.memory import stage_activation_bytes
+from hp_tool.estimate.memory import adapter_parameters, cached, linear_parameters, stage_activation_bytes
 from hp_tool.families.decoder import expert_forward_flops
-from hp_tool.estimate.methods import (ADAPTED, NF4_BITS, adapter_parameters_per_layer, attention_core_flops_per_layer,
-                                      linear_parameters_per_layer)
+from hp_tool.estimate.methods import ADAPTED, NF4_BITS, attention_core_flops_per_layer
 
 # attention kernels (FlashAttention-2, Dao 2023, Fig. 4-7: causal forward + backward on A100 80 GiB at head dim 128
 # reaches 118, 171, 187 and 192 TFLOPS at 512, 2K, 8K and 16K tokens, about 62% of peak x s / (s + 330); at head
@@ -61,6 +60,11 @@ FLASH_BACKWARD = 2.5
 COMPILED_SPEEDUP = 1.16
 CPU_ADAM_PARAMS_PER_S = 4e9  # parameters per second a node's CPUs update with Adam (DeepSpeed CPU-Adam,
 #                              about 1B parameters in 0.25 s on a 2-socket server; Ren et al. 2021)
+
+
+cached_model_flops = cached(model_flops_per_step)
+cached_recompute_flops = cached(recompute_flops_per_step)
+cached_expert_forward_flops = cached(expert_forward_flops)
 
 
 @dataclass(frozen=True)
@@ -137,15 +141,27 @@ def _ring_allreduce_s(nbytes: float, ranks: int, bandwidth_gbps: float) -> float
 def _local_parameters(shape: Shape, layout: Layout) -> float:
     """Parameters one GPU holds (the largest stage's layers, after TP, with the vocabulary matrices split
     over TP), its routed experts (``_local_expert_parameters``) included."""
-    embed, head = vocab_parallel_parameters(shape, layout.tp, layout.pp)
-    dense = max(stage_layer_parameters(shape, layout.pp, stage) - stage_expert_parameters(shape, layout.pp, stage)
-                for stage in range(layout.pp))
-    return dense / layout.tp + embed + head + _local_expert_parameters(shape, layout)
+    return local_parameters(shape, layout.tp, layout.pp, layout.ep)
+
+
+@cached
+def local_parameters(shape: Shape, tp: int, pp: int, ep: int) -> float:
+    """``_local_parameters`` of a TP x PP x EP layout."""
+    embed, head = vocab_parallel_parameters(shape, tp, pp)
+    dense = max(stage_layer_parameters(shape, pp, stage) - stage_expert_parameters(shape, pp, stage)
+                for stage in range(pp))
+    return dense / tp + embed + head + local_expert_parameters(shape, pp, ep)
 
 
 def _local_expert_parameters(shape: Shape, layout: Layout) -> float:
     """Routed-expert parameters one GPU holds: the busiest stage's experts over EP, whole on every TP rank."""
-    return max(stage_expert_parameters(shape, layout.pp, stage, layout.ep) for stage in range(layout.pp))
+    return local_expert_parameters(shape, layout.pp, layout.ep)
+
+
+@cached
+def local_expert_parameters(shape: Shape, pp: int, ep: int) -> float:
+    """``_local_expert_parameters`` of a PP x EP layout."""
+    return max(stage_expert_parameters(shape, pp, stage, ep) for stage in range(pp))
 
 
 def expert_flops_per_step(shape: Shape, layout: Layout) -> float:
@@ -154,9 +170,10 @@ def expert_flops_per_step(shape: Shape, layout: Layout) -> float:
     per_stage = shape.pipeline_layers // layout.pp
     passes = (2.0 if shape.method in ADAPTED else 3.0) * shape.pipeline_layers + \
         layout.pp * min(layout.act_ckpt_layers, per_stage)
-    return layout.global_batch_size * passes * expert_forward_flops(shape)
+    return layout.global_batch_size * passes * cached_expert_forward_flops(shape)
 
 
+@cached
 def compute_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
     """Seconds of matmul work per optimizer step (model and recompute FLOPs) on each GPU: the linears at
     ``matmul_efficiency`` (at the GPU's Float8 peak where they run in it), and with flash kernels the causal
@@ -165,8 +182,9 @@ def compute_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
     are not divided by TP); with EP each TP rank dispatches its slice of the tokens, at the busiest EP rank's
     load; GEMMs of the tokens each expert gets (top_k / experts of the micro-batch's)."""
     gpus = layout.gpus
-    flops = model_flops_per_step(shape, layout.global_batch_size)
-    flops += recompute_flops_per_step(shape, layout.global_batch_size, layout.act_ckpt_layers, layout.pp, layout.act_ckpt_mode)
+    flops = cached_model_flops(shape, layout.global_batch_size)
+    flops += cached_recompute_flops(shape, layout.global_batch_size, layout.act_ckpt_layers, layout.pp,
+                                    layout.act_ckpt_mode)
     experts = expert_flops_per_step(shape, layout)
     peak = gpus * (hw.gemm_peak_tflops or hw.peak_tflops) * 1e12
     attention = 0.0
@@ -295,15 +313,19 @@ def dp_comm_s(shape: Shape, layout: Layout, hw: Hardware, num_nodes: int) -> flo
     experts = _local_expert_parameters(shape, layout) if layout.ep > 1 else 0.0
     dense = params - experts
     adapted = shape.method in ADAPTED
-    trained = dense if not adapted else shape.pipeline_layers / layout.pp * adapter_parameters_per_layer(shape) / layout.tp
+    trained = dense if not adapted else shape.pipeline_layers / layout.pp * adapter_parameters(shape) / layout.tp
     per_node = zero_ranks_per_node(layout, hw, num_nodes)
     bpv, rbytes = hw.bytes_per_value, REDUCE_BYTES.get(layout.engine, hw.bytes_per_value)
 
     def gather(count: float) -> float:  # the weights, trained or frozen
+        if not count:
+            return 0.0
         return count * (collective_s(dense * bpv, layout.zero_ranks, per_node, hw) +
                         collective_s(experts * bpv, layout.edp, per_node, hw))
 
     def reduce(count: float) -> float:  # the trained gradients
+        if not count:
+            return 0.0
         return count * (collective_s(trained * rbytes, layout.zero_ranks, per_node, hw) +
                         (0.0 if adapted else collective_s(experts * rbytes, layout.edp, per_node, hw)))
 
@@ -419,7 +441,7 @@ def dequant_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
         return 0.0
     per_stage = shape.pipeline_layers / layout.pp
     passes = 2 * per_stage + min(layout.act_ckpt_layers, per_stage)  # layers dequantised per micro-batch
-    nbytes = passes * linear_parameters_per_layer(shape) / layout.tp * (NF4_BITS / 8 + hw.bytes_per_value)
+    nbytes = passes * linear_parameters(shape) / layout.tp * (NF4_BITS / 8 + hw.bytes_per_value)
     return layout.num_microbatches * nbytes / (hw.memory_bandwidth_gbps * GB)
 
 
