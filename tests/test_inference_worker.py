@@ -66,6 +66,40 @@ def test_kv_cache_matches_full_recomputation(tmp_path):
     assert torch.equal(cached, seq[:, cfg.input_seq_len:])
 
 
+@torch.no_grad()
+def test_serving_applies_the_familys_forward_hooks_as_training_does(tmp_path, monkeypatch):
+    """A family whose record scales its embeddings, soft-caps its logits and slides a 4-token window over its
+    last two layers: KV-cache generation (the prompt step, then one token at a time over the cache) gives
+    the tokens of the training stage's own forward over the whole sequence, and other tokens than the same
+    weights without the hooks."""
+    import dataclasses
+
+    from hp_tool.inference.grid import load_job_config
+    from hp_tool.trial.causal import DecoderHooks
+    from hp_tool.trial.families import base as family_base, torch_family
+
+    cfg = load_job_config(job_config(tmp_path, model=LLAMA_TINY))
+
+    def generated(srv):
+        prompt = make_prompt(cfg, srv.device)
+        cached, _, _ = generate(srv, prompt)
+        seq = prompt
+        for _ in range(cfg.output_seq_len):
+            seq = torch.cat([seq, srv.stage(seq)[:, -1].argmax(-1, keepdim=True)], dim=1)
+        return cached, seq[:, cfg.input_seq_len:]
+
+    plain, _ = generated(build_server(cfg, DistEnv(), torch.device("cpu")))
+    hooks = DecoderHooks(embed_scale=lambda c: c.hidden_size ** 0.5, logit_softcap=lambda c: 0.5,
+                         attention_window=lambda c, layer: 4 if layer >= 2 else None)
+    monkeypatch.setitem(family_base._FAMILIES._records, "llama",
+                        dataclasses.replace(torch_family("llama"), stage_hooks=hooks))
+    srv = build_server(cfg, DistEnv(), torch.device("cpu"))
+    assert srv.stage.windows == {"0": None, "1": None, "2": 4, "3": 4}
+    cached, recomputed = generated(srv)
+    assert torch.equal(cached, recomputed)
+    assert not torch.equal(cached, plain)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -32,7 +32,7 @@ from hp_tool.inference.report import empty_result, latency_stats, write_result
 from hp_tool.trial import dist as tdist
 from hp_tool.contracts import result as res
 from hp_tool.trial.measure import now_s, synchronize
-from hp_tool.trial.causal import CausalLMStage
+from hp_tool.trial.causal import CausalLMStage, soft_capped
 from hp_tool.trial.models import build_stage
 from hp_tool.trial.parallel import apply_tensor_parallel
 from hp_tool.trial.weights import materialize
@@ -107,14 +107,24 @@ def make_prompt(cfg: InferenceJobConfig, device: torch.device) -> torch.Tensor:
     return ids.to(device)
 
 
+def cache_masks(stage: CausalLMStage, positions: torch.Tensor) -> dict[str, Optional[torch.Tensor]]:
+    """Each layer's mask for queries at ``positions`` [length] over the cache's keys (positions 0 to the last
+    query): None where the layer attends causally to the whole sequence (a prompt step is causal under SDPA's
+    is_causal, a one-token step sees the whole cache), else its sliding window's ``[1, 1, q, k]`` mask."""
+    keys = torch.arange(int(positions[-1]) + 1, device=positions.device)
+    behind = positions[:, None] - keys[None, :]
+    return {key: None if window is None or window >= keys.numel() else ((behind >= 0) & (behind < window))[None, None]
+            for key, window in stage.windows.items()}
+
+
 def _layers(srv: Server, h: torch.Tensor, pos: torch.Tensor, cache) -> torch.Tensor:
     stage = srv.stage
     extra = {}
     if stage.rotary_emb is not None:
         extra["position_embeddings"] = stage.rotary_emb(h, pos)
-    for layer in stage.layers.values():
-        # No mask: the prompt step is causal (SDPA's is_causal), a one-token step sees the whole cache.
-        h = layer(h, attention_mask=None, position_ids=pos, past_key_values=cache, use_cache=True, **extra)
+    masks = cache_masks(stage, pos[0])
+    for key, layer in stage.layers.items():
+        h = layer(h, attention_mask=masks[key], position_ids=pos, past_key_values=cache, use_cache=True, **extra)
     return h
 
 
@@ -127,6 +137,8 @@ def forward_step(srv: Server, tokens: Optional[torch.Tensor], start: int, length
     pos = torch.arange(start, start + length, device=srv.device).unsqueeze(0)
     if srv.is_first:
         h = stage.embed_tokens(tokens)
+        if stage.embed_scale is not None:  # the family's forward hooks, as the training stage applies them
+            h = h * torch.tensor(stage.embed_scale, dtype=h.dtype)
         if stage.embed_positions is not None:
             h = h + stage.embed_positions(None, 0, position_ids=pos)
     else:
@@ -135,7 +147,7 @@ def forward_step(srv: Server, tokens: Optional[torch.Tensor], start: int, length
     h = _layers(srv, h, pos, cache)
     token = None
     if srv.is_last:
-        logits = stage.lm_head(stage.norm(h[:, -1]))
+        logits = soft_capped(stage.lm_head(stage.norm(h[:, -1])), stage.logit_softcap)
         token = logits.float().argmax(dim=-1)
     else:
         dist.send(h.contiguous(), dst=srv.next_rank)
