@@ -41,13 +41,23 @@ class EngineFacts:
     chunked_loss: bool
     activation_offload: bool
     selective_checkpointing: bool
-    # how it holds and moves the model: fp32 master weights with a separate 16-bit compute copy only when
-    # sharded (torch: FSDP2's mixed precision keeps fp32 parameters); whether a checkpointed layer's
-    # recompute and a pipeline's stages are timed its way
+    # how it holds and moves the model (the memory and step-time models read these):
+    # the fp32 parameter is the master weight, autocast or FSDP2's mixed precision computing in 16 bits (torch);
+    # else 16-bit weights and gradients with the fp32 master among the optimizer states (DeepSpeed)
     fp32_weights: bool
+    zero2_shards_weights: bool  # ZeRO-2 shards the weights between steps too (FSDP2 without resharding after forward)
+    pipeline_defers_reshard: bool  # under PP the stage is gathered and reduced once per step, not per micro-batch
+    zero2_gathers_each_forward: bool  # ZeRO-2 gathers in each forward (else once after the step)
+    recompute_gathers: bool  # ZeRO-3 gathers a checkpointed layer again for its recompute forward
+    host_offload_bytes: tuple[tuple[str, int], ...]  # (offload, host bytes per parameter shard it keeps in RAM)
+    reduce_bytes: Optional[int]  # bytes per reduced gradient value (None: the training precision's)
     builds_ops: bool  # C++ ops built before its first trial (DeepSpeed's CPU Adam)
     traceable: bool  # the memory check traces its rank build under fake tensors
     config_file: Optional[str]  # what the optimal config's folder holds beside it for this engine (name pattern)
+
+    def host_bytes(self, offload: str) -> int:
+        """Host bytes per parameter shard that ``offload`` keeps in RAM (0 without offload)."""
+        return dict(self.host_offload_bytes).get(offload, 0)
 
 
 TORCH = EngineFacts(
@@ -61,7 +71,11 @@ TORCH = EngineFacts(
     zero1_optimizers=("adamw", "sgd", "sgd_momentum"),
     expert_parallel=True, experts_with_tp=True, adapters_with_tp=False, qlora_zero_stages=(0, 1),
     context_parallel=True, sequence_parallel=True, chunked_loss=True, activation_offload=True,
-    selective_checkpointing=True, fp32_weights=True, builds_ops=False, traceable=True, config_file=None,
+    selective_checkpointing=True, fp32_weights=True, zero2_shards_weights=True, pipeline_defers_reshard=True,
+    zero2_gathers_each_forward=True, recompute_gathers=False,
+    # FSDP2's CPUOffloadPolicy keeps the fp32 parameter as the master: fp32 master, m, v and the fp32 gradient
+    host_offload_bytes=(("optimizer_and_params", 16),), reduce_bytes=4,  # FSDP2's reduce_dtype; DDP's fp32 grads
+    builds_ops=False, traceable=True, config_file=None,
 )
 DEEPSPEED = EngineFacts(
     name="deepspeed", code="ds", package="deepspeed",
@@ -71,7 +85,11 @@ DEEPSPEED = EngineFacts(
     zero1_optimizers=None,
     expert_parallel=False, experts_with_tp=False, adapters_with_tp=True, qlora_zero_stages=(),
     context_parallel=False, sequence_parallel=False, chunked_loss=False, activation_offload=False,
-    selective_checkpointing=False, fp32_weights=False, builds_ops=True, traceable=False, config_file="ds_config",
+    selective_checkpointing=False, fp32_weights=False, zero2_shards_weights=False, pipeline_defers_reshard=False,
+    zero2_gathers_each_forward=False, recompute_gathers=True,
+    # fp32 master, m, v and gradient (16); parameter offload adds the 16-bit parameter (18: REFERENCE §5)
+    host_offload_bytes=(("optimizer", 16), ("optimizer_and_params", 18)), reduce_bytes=None,
+    builds_ops=True, traceable=False, config_file="ds_config",
 )
 ENGINE_FACTS = {e.name: e for e in (TORCH, DEEPSPEED)}
 

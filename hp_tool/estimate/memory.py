@@ -37,6 +37,7 @@ from hp_tool.architectures import (Shape, checkpointed_layer_counts, count_param
                                    stage_layer_counts, stage_layer_parameters, vocab_parallel_parameters)
 from hp_tool.estimate.layout import (GIB, Hardware, Layout, interleave_held_tensors,
                                      microbatches_in_flight, rank_shape, ring_tile_rows)
+from hp_tool.engine_facts import engine_facts
 from hp_tool.estimate.methods import (ADAPTED, NF4_BITS, activation_delta_bytes, adapter_parameters_per_layer,
                                       linear_parameters_per_layer, linear_shapes)
 
@@ -44,11 +45,6 @@ MODEL_STATE_BYTES = 16  # 2 (16-bit weights) + 2 (16-bit grads) + 12 (fp32 maste
 # Optimizer states per trainable parameter beyond the fp32 master (REFERENCE §13): Adam's m and v in fp32 (8),
 # none for SGD without momentum, the momentum buffer (4), bitsandbytes' 8-bit m and v (2, block scales aside).
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "sgd": 0, "sgd_momentum": 4, "adamw_8bit": 2}
-# Host bytes per parameter shard that offload keeps in RAM: fp32 master, m, v and the fp32 gradient (16),
-# DeepSpeed's parameter offload adds the 16-bit parameter (18: REFERENCE §5, "18·M/N·K"); FSDP2's
-# CPUOffloadPolicy keeps the fp32 parameter as the master, so 16 either way.
-HOST_OFFLOAD_BYTES = {("deepspeed", "optimizer"): 16, ("deepspeed", "optimizer_and_params"): 18,
-                      ("torch", "optimizer_and_params"): 16}
 CHECKPOINT_GATHER_BYTES = 4  # per parameter of the whole model: a full fp32 checkpoint gathered on rank 0
 # a published model is gathered in its 16-bit dtype to be written (hp_tool/trial/checkpoint.py)
 PRETRAINED_GATHER_BYTES = 2
@@ -94,7 +90,7 @@ def autocast_casts_weights(layout: Layout, hw: Hardware) -> bool:
     """Whether the weights stay fp32 and 16-bit autocast casts them for each forward: the torch engine's
     parameters on one rank, where no data-parallel wrapper (FSDP2, replicate) holds them in the compute dtype."""
     fsdp = layout.zero_stage >= 3 and (layout.zero_ranks > 1 or layout.offload == "optimizer_and_params")
-    return layout.engine == "torch" and layout.zero_ranks == 1 and not fsdp and hw.bytes_per_value < 4
+    return engine_facts(layout.engine).fp32_weights and layout.zero_ranks == 1 and not fsdp and hw.bytes_per_value < 4
 
 
 def model_state_bytes(params: float, dp: int, zero_stage: int = 3, offload: str = "none",
@@ -113,12 +109,13 @@ def model_state_bytes(params: float, dp: int, zero_stage: int = 3, offload: str 
     n = max(1, dp)
     on_gpu = offload != "optimizer_and_params"
     states = OPTIMIZER_STATE_BYTES[optimizer]
-    if engine == "deepspeed":
-        weights, grads, opt_bytes = 2.0, 2.0, 4.0 + states
-        weights_div, grads_div = (n if zero_stage >= 3 else 1), (n if zero_stage >= 2 else 1)
-    else:
+    facts = engine_facts(engine)
+    if facts.fp32_weights:  # the fp32 parameter is the master
         weights, grads, opt_bytes = 4.0, 4.0, float(states)
-        weights_div = grads_div = n if zero_stage >= 2 else 1
+    else:  # 16-bit weights and gradients, the fp32 master among the optimizer states
+        weights, grads, opt_bytes = 2.0, 2.0, 4.0 + states
+    grads_div = n if zero_stage >= 2 else 1
+    weights_div = n if zero_stage >= 3 or (zero_stage == 2 and facts.zero2_shards_weights) else 1
     gpu_weights = weights * params / weights_div if on_gpu else 0.0
     gpu_grads = grads * params / grads_div if on_gpu else 0.0
     gpu_optimizer = opt_bytes * params / (n if zero_stage >= 1 else 1) if offload == "none" else 0.0
@@ -137,7 +134,8 @@ def compute_copy_bytes(params: float, gathered_layer: float, layout: Layout, hw:
     one rank, autocast's 16-bit casts of the weights (none in fp32). DeepSpeed keeps 16-bit weights: no copy.
     Measured against the trace in tests/test_memory_check.py."""
     bpv = hw.bytes_per_value
-    if (layout.engine == "torch" and layout.pp > 1 and layout.zero_ranks > 1 and layout.zero_stage >= 2
+    facts = engine_facts(layout.engine)
+    if (facts.pipeline_defers_reshard and layout.pp > 1 and layout.zero_ranks > 1 and layout.zero_stage >= 2
             and layout.offload == "none"):
         # torch.distributed.pipelining defers FSDP2's reduction and resharding to the step's last backward:
         # the stage stays unsharded in the compute dtype and its gradients accumulate unsharded in fp32
@@ -145,7 +143,7 @@ def compute_copy_bytes(params: float, gathered_layer: float, layout: Layout, hw:
         return bpv * params + 4 * params * (1 - 1 / layout.zero_ranks)
     if layout.zero_stage >= 3 and (layout.zero_ranks > 1 or layout.offload == "optimizer_and_params"):
         return 2 * bpv * gathered_layer
-    if layout.engine == "deepspeed":
+    if not facts.fp32_weights:  # 16-bit weights: computed on as they are
         return 0.0
     if layout.zero_ranks > 1:
         return bpv * params
@@ -196,12 +194,12 @@ def largest_tensor(shape: Shape) -> int:
 
 def host_phases_gib(shape: Shape, layout: Layout, gpus_on_node: int, hw: Optional[Hardware] = None) -> HostPhases:
     """Host RAM per phase of a node with ``gpus_on_node`` processes of ``layout``, GiB:
-    train: each process (HOST_PROCESS_OVERHEAD_GIB) with its offloaded shard (HOST_OFFLOAD_BYTES per
+    train: each process (HOST_PROCESS_OVERHEAD_GIB) with its offloaded shard (the engine's ``host_offload_bytes`` per
     parameter of it, for Adam; another optimizer's own states in place of Adam's 8 bytes) and, with
     activation offload, its offloaded activations (``offloaded_activation_bytes``; ``hw`` needed); load (a pretrained model, read tensor by tensor): each process also holds one full
     tensor (LOAD_COPY_BYTES per element of the largest); save on rank 0: the whole model gathered in fp32
     (4·M, REFERENCE §5), a pretrained model in its 16-bit dtype (2·M)."""
-    per_param = HOST_OFFLOAD_BYTES.get((layout.engine, layout.offload), 0)
+    per_param = engine_facts(layout.engine).host_bytes(layout.offload)
     if per_param:  # the offloaded optimizer's own states in place of Adam's 8 bytes
         per_param += OPTIMIZER_STATE_BYTES[layout.optimizer] - OPTIMIZER_STATE_BYTES["adamw"]
     shard = max(layout.shard(params, stage_expert_parameters(shape, layout.pp, stage, layout.ep))
@@ -338,7 +336,7 @@ def stage_state_bytes(shape: Shape, layout: Layout, hw: Hardware, params: float,
     adapters = stage_adapter_parameters(shape, layout, stage)
     # the frozen base as the engines hold it: the torch engine in fp32 with its compute copies, as full
     # training's parameters; DeepSpeed in 16 bits
-    weight_bytes = 4.0 if layout.engine == "torch" else float(bpv)
+    weight_bytes = 4.0 if engine_facts(layout.engine).fp32_weights else float(bpv)
     base, dequantised = params * weight_bytes, 0.0
     if shape.method == "qlora":
         quantised = layers * linear_parameters(shape) / layout.tp

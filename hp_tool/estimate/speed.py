@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from hp_tool.architectures import (Shape, checkpointed_layer_counts, model_flops_per_step, recompute_flops_per_step,
                                    stage_expert_parameters, stage_layer_counts, stage_layer_parameters,
                                    vocab_parallel_parameters)
+from hp_tool.engine_facts import engine_facts
 from hp_tool.estimate.layout import GB, Hardware, Layout, rank_shape
 from hp_tool.estimate.memory import adapter_parameters, cached, linear_parameters, stage_activation_bytes
 from hp_tool.families.decoder import expert_forward_flops
@@ -247,14 +248,15 @@ def dp_traffic(shape: Shape, layout: Layout) -> DataParallelTraffic:
       FSDP2 recomputes inside the backward's gather."""
     if layout.zero_stage <= 1:
         return DataParallelTraffic(step_reduces=2.0)
-    if layout.engine == "torch" and layout.pp > 1:
+    facts = engine_facts(layout.engine)
+    if facts.pipeline_defers_reshard and layout.pp > 1:
         return DataParallelTraffic(step_gathers=1.0, step_reduces=1.0)
     if layout.zero_stage == 2:
-        if layout.engine == "torch":
+        if facts.zero2_gathers_each_forward:
             return DataParallelTraffic(forward_gathers=1.0, backward_reduces=1.0)
         return DataParallelTraffic(backward_reduces=1.0, step_after=1.0)
     per_stage = shape.pipeline_layers // layout.pp
-    recompute = min(layout.act_ckpt_layers, per_stage) / per_stage if layout.engine == "deepspeed" else 0.0
+    recompute = min(layout.act_ckpt_layers, per_stage) / per_stage if facts.recompute_gathers else 0.0
     return DataParallelTraffic(forward_gathers=1.0, backward_gathers=1.0 + recompute, backward_reduces=1.0)
 
 
@@ -290,16 +292,12 @@ def zero_ranks_per_node(layout: Layout, hw: Hardware, num_nodes: int) -> int:
     return max(1, min(layout.zero_ranks, per_node // layout.tp))
 
 
-# bytes per value of a reduced gradient: the torch engine reduces in fp32 (FSDP2's reduce_dtype; DDP's fp32
-# gradients of autocast's fp32 weights), DeepSpeed in the training precision
-REDUCE_BYTES = {"torch": 4}
-
 
 def dp_comm_s(shape: Shape, layout: Layout, hw: Hardware, num_nodes: int) -> float:
     """Exposed data-parallel communication per step (``dp_traffic``). Each collective costs ``collective_s``
     over the ZeRO ranks (DP x CP; a mixture of experts' routed experts over the DP / EP ranks holding them):
     gathers of the weights in the training precision, reductions of the trained gradients at the engine's
-    ``REDUCE_BYTES``. The engines overlap them with compute layer by layer (FSDP2 prefetches the next layer's
+    the engine's ``reduce_bytes``. The engines overlap them with compute layer by layer (FSDP2 prefetches the next layer's
     gather and reduce-scatters each layer's gradients as its backward ends; DeepSpeed's overlap_comm likewise),
     so each phase exposes what outruns the compute it overlaps, plus one layer's share that nothing hides (the
     first gather, the last reduction): a forward's gathers its forward, a backward's gathers and
@@ -315,7 +313,7 @@ def dp_comm_s(shape: Shape, layout: Layout, hw: Hardware, num_nodes: int) -> flo
     adapted = shape.method in ADAPTED
     trained = dense if not adapted else shape.pipeline_layers / layout.pp * adapter_parameters(shape) / layout.tp
     per_node = zero_ranks_per_node(layout, hw, num_nodes)
-    bpv, rbytes = hw.bytes_per_value, REDUCE_BYTES.get(layout.engine, hw.bytes_per_value)
+    bpv, rbytes = hw.bytes_per_value, engine_facts(layout.engine).reduce_bytes or hw.bytes_per_value
 
     def gather(count: float) -> float:  # the weights, trained or frozen
         if not count:
