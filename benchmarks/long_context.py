@@ -29,7 +29,7 @@ from hp_tool.cli import compose  # noqa: E402
 from hp_tool.config import to_app_config  # noqa: E402
 from hp_tool.estimate.memory import estimate_memory  # noqa: E402
 from hp_tool.memory_check import Tracer, trace_device  # noqa: E402
-from hp_tool.planner import candidate_trial_id, make_plan  # noqa: E402
+from hp_tool.planner import make_plan  # noqa: E402
 from hp_tool.vocab import OVER_LIMIT, SELECTED  # noqa: E402
 
 TS = "search_config.train_settings"
@@ -99,7 +99,7 @@ def savings_table(traced: bool) -> None:
         for overrides in (base, (*base, *saver)):
             p, c = one(gpus, overrides, traced)
             m = estimate_memory(c.shape, c.trial_layout(), p.cluster.hw)
-            rows.append((candidate_trial_id(p.model, c).split("_s32768_")[1], m, c.memory_gib, c.traced_memory_gib))
+            rows.append((c.trial_id.split("_s32768_")[1], m, c.memory_gib, c.traced_memory_gib))
         for (lay, m, pred, tr), name in zip(rows, ("  without", "  with")):
             print(f"{label if name == '  without' else '':<30} {name[2:] + ': ' + lay:<44} {m.model_states_gib:>7.2f} "
                   f"{m.activations_gib:>7.2f} {m.logits_gib:>7.2f} {pred:>9.2f} "

@@ -31,7 +31,7 @@ from hp_tool.cli import available_search_configs, compose
 from hp_tool.config import to_app_config
 from hp_tool.errors import ConfigError
 from hp_tool.plan_output import funnel_line, plan_csv_text, write_plan
-from hp_tool.planner import make_plan
+from hp_tool.planner import make_plan, name_candidates
 
 TS = "search_config.train_settings"
 EVERY_LIST = [f"{TS}.tensor_parallel_sizes=[1,2,4,8]", f"{TS}.pipeline_parallel_sizes=[1,2,4,8,16,32]",
@@ -99,6 +99,7 @@ def main() -> int:
 
     t0 = time.perf_counter()
     candidates = plan_candidates(model.shape, model.size_b, ts, cluster, gbs, grid)
+    name_candidates(model, candidates)
     t1 = time.perf_counter()
     n = len(candidates)
     print(f"candidates: {n} ({dict(Counter(c.status for c in candidates))})")

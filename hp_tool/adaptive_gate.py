@@ -16,7 +16,7 @@ from typing import Optional
 
 from hp_tool.adaptive import Option, Outcome, launch_order, losing, verdicts
 from hp_tool.launch.job import JobSpec
-from hp_tool.planner import Plan, candidate_trial_id
+from hp_tool.planner import Plan
 from hp_tool.results.collect import RANK_COLUMN, collect_trials, full_run_columns, full_run_for, read_plan
 from hp_tool.results.trial_files import number, read_metrics, timing_of
 from hp_tool.vocab import METRICS_FILE, SELECTED
@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 def plan_options(plan: Plan) -> list[Option]:
     """The adaptive search's view of the plan's selected candidates (hp_tool/adaptive.py's Option)."""
-    return [Option(candidate_trial_id(plan.model, c), c.tp, c.pp, c.compute_time_s, c.comm_time_s, c.memory_gib)
+    return [Option(c.trial_id, c.tp, c.pp, c.compute_time_s, c.comm_time_s, c.memory_gib)
             for c in plan.candidates if c.status == SELECTED]
 
 

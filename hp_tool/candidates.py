@@ -56,6 +56,7 @@ class Candidate:
 
     full: Layout  # the full run's layout: its data-parallel replicas and global batch
     shape: Optional[Shape] = None  # the model at this candidate's sequence length
+    trial_id: str = ""  # named once by the planner (planner.name_candidates); every file name derives from it
     status: str = SELECTED
     reason: str = ""
     reason_key: str = ""  # the config key a rejection is about

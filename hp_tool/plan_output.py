@@ -14,7 +14,7 @@ from hp_tool.cost import cost_columns, epoch_columns
 from hp_tool.dimensions import cell, layout_columns, layout_headers, varied
 from hp_tool.estimate.methods import trainable_parameters
 from hp_tool.fsutil import atomic_write_text
-from hp_tool.planner import Plan, candidate_dimensions, candidate_trial_id
+from hp_tool.planner import Plan, candidate_dimensions
 from hp_tool.sizing import SECONDS_PER_DAY
 from hp_tool.contracts.spec import dump_spec
 from hp_tool.vocab import INVALID, OVER_LIMIT, PRUNED, SELECTED, TRACE_CACHE_FILE
@@ -46,7 +46,7 @@ def plan_rows(plan: Plan) -> Iterable[dict[str, Any]]:
     specs = {s.trial_id: s for s in plan.specs}  # what each selected trial runs, as its YAML says
     epoch_tokens = full.epoch_tokens
     for c in plan.candidates:
-        trial_id = candidate_trial_id(m, c)
+        trial_id = c.trial_id
         spec = specs.get(trial_id)
         days = None if c.step_time_s is None else full.max_steps * c.step_time_s / SECONDS_PER_DAY
         cost, epoch = {}, {}

@@ -55,6 +55,7 @@ def make_plan(app: AppConfig, search_name: str, results_dir: Path, tracer: Optio
         gbs = global_batch_size(model.shape.family, ts, model.size_b, seq, app.search_config.finetune)
         for method in model.methods:
             candidates += plan_candidates(model.at(seq, method), model.size_b, ts, cluster, gbs)
+    name_candidates(model, candidates)
     if len(model.seq_lengths) > 1 or len(model.methods) > 1:
         rank_candidates(candidates, ts.limit_search_runs)
     if tracer is not None:
@@ -130,17 +131,19 @@ def candidate_dimensions(c: Candidate) -> dict:
     return values
 
 
-def candidate_trial_id(model: ModelChoice, c: Candidate) -> str:
-    """A candidate's trial id: its dimensions, the sequence length named only in a fine-tuning search."""
-    values = {**candidate_dimensions(c), "seq_length": model_seq(model, c.shape)}
-    return trial_id(model.shape.family, model.label, values, c.shape.lora_rank)
+def name_candidates(model: ModelChoice, candidates: list[Candidate]) -> None:
+    """Give each candidate its trial id, the one place one is made: its dimensions, the sequence length named
+    only in a fine-tuning search."""
+    for c in candidates:
+        values = {**candidate_dimensions(c), "seq_length": model_seq(model, c.shape)}
+        c.trial_id = trial_id(model.shape.family, model.label, values, c.shape.lora_rank)
 
 
 def candidate_spec(base: TrialSpec, c: Candidate, model: ModelChoice, app: AppConfig,
                    results_dir: Path) -> TrialSpec:
     """The benchmark TrialSpec of a selected candidate: its layout on the fewest whole nodes."""
     ts = app.search_config.train_settings
-    trial_id = candidate_trial_id(model, c)
+    trial_id = c.trial_id
     gbs, seq = c.full.global_batch_size, c.shape.seq_length
     tokens_b = base.full_run.num_tokens_in_b
     max_steps, warmup, constant = schedule(c.shape.family, tokens_b, seq, gbs, model.hf is not None)

@@ -18,7 +18,7 @@ from hp_tool.cli import compose
 from hp_tool.config import memory_check_mode, to_app_config
 from hp_tool.errors import ConfigError
 from hp_tool.memory_check import Tracer
-from hp_tool.planner import candidate_trial_id, make_plan
+from hp_tool.planner import make_plan
 from hp_tool.trial.memterms import unit_terms, with_layout
 from hp_tool.trial.trace.extrapolate import extrapolated_stages, traced_stages
 from hp_tool.trial.trace.replay import trace_stage
@@ -125,7 +125,7 @@ def test_a_layout_the_formula_fits_but_the_trace_does_not_is_pruned_with_the_tra
     assert max(same.memory_gib, same.full_memory_gib) < between  # the formula says it fits
     assert same.status == PRUNED and same.reason_key == "gpu.memory_gib"
     assert same.reason.startswith(f"traced {same.traced_memory_gib:.4g} GiB per GPU")
-    assert same.rank is None and candidate_trial_id(tight.model, same) not in [s.trial_id for s in tight.specs]
+    assert same.rank is None and same.trial_id not in [s.trial_id for s in tight.specs]
     kept = sorted((c for c in tight.candidates if c.status == SELECTED), key=lambda c: c.rank)
     assert kept and [c.rank for c in kept] == list(range(1, len(kept) + 1))
     assert all(c.traced_memory_gib <= between for c in kept)
