@@ -187,8 +187,8 @@ def layout_words(row: Mapping[str, Any], shown: Optional[Iterable[Dimension]] = 
     out = []
     for d in dims:
         value = row.get(d.column)
-        if _blank(value):
-            continue
+        if _blank(value) or (d.name == "act_ckpt_mode" and not row.get("act_ckpt_layers")):
+            continue  # a checkpointing mode without checkpointed layers means nothing
         if d.name == "method" and value != "full" and not _blank(row.get("lora_rank")):
             out.append(f"{d.words(value)} rank {int(row['lora_rank'])}")
         else:

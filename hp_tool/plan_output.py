@@ -169,13 +169,23 @@ def _memory_line(plan: Plan) -> str:
             + (f", {untraced} kept the analytic figure (see memory_check in plan.csv)" if untraced else "") + ".")
 
 
+def console_for(table, minimum: int = 160):
+    """A text console wide enough for ``table`` at its natural width (none of its cells cut), at least
+    ``minimum`` columns for the sentences around it."""
+    from rich.console import Console
+    from rich.measure import Measurement
+
+    probe = Console(file=io.StringIO(), width=10_000, force_terminal=False)
+    width = Measurement.get(probe, probe.options, table).maximum
+    return Console(file=io.StringIO(), width=max(minimum, width), force_terminal=False)
+
+
 def _money(x: float | None) -> str:
     return "-" if x is None else f"{x:,.2f}"
 
 
 def render_plan(plan: Plan, max_rows: int = 25) -> str:
     """The plan as text: the sentence, then the selected candidates, predicted fastest first."""
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"Training candidates for {plan.search_name} ({_counts(plan.candidates)})")
@@ -187,7 +197,8 @@ def render_plan(plan: Plan, max_rows: int = 25) -> str:
     if finetune:  # the fine-tuning table: context length x batch per device -> tokens/hour, MFU, cost
         figures += ["MFU", "M tok/h", "$/M tok", "h/epoch", "$/epoch"]
     for col in ["rank", "trial_id", *(header for _, header in dims), *figures]:
-        table.add_column(col, justify="left" if col in ("trial_id", "engine", "offload") else "right")
+        table.add_column(col, justify="left" if col in ("trial_id", "engine", "offload") else "right",
+                         no_wrap=col == "trial_id")
     by_id = {r["trial_id"]: r for r in rows if r["plan_status"] == SELECTED}
     for c, spec in zip(sorted((c for c in plan.candidates if c.status == SELECTED), key=lambda c: c.rank),
                        plan.specs[:max_rows]):
@@ -201,7 +212,7 @@ def render_plan(plan: Plan, max_rows: int = 25) -> str:
                       _money(r["predicted_cost_usd_per_million_tokens"]), f"{r['predicted_hours_per_epoch']:.3g}",
                       _money(r["predicted_cost_usd_per_epoch"])]
         table.add_row(*cells)
-    console = Console(file=io.StringIO(), width=240 if finetune else 190, force_terminal=False)
+    console = console_for(table, 190)
     console.print(plan.sentence, soft_wrap=True)
     console.print(table)
     console.print(funnel_line(plan.candidates), soft_wrap=True)

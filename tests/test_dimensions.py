@@ -58,3 +58,10 @@ def test_a_layout_in_words_names_what_varied_and_what_differs_from_the_default()
     assert words.startswith("TP=2, PP=1, DP=4, CP=2, MBS=1") and "chunked loss" in words and "offload" not in words
     assert layout_words(rows[0], varied(rows, also=("seq_length", "method"))).startswith(
         "4096 tokens per sequence, full fine-tuning, TP=2")
+
+
+def test_a_mode_without_checkpointed_layers_is_not_named():
+    row = dict(tp=1, pp=1, dp=2, mbs=4, act_ckpt_layers=0, engine="torch", zero_stage=0, act_ckpt_mode="full")
+    rows = [row, dict(row, act_ckpt_layers=4, act_ckpt_mode="selective")]
+    assert "checkpointing" not in layout_words(row, varied(rows)).replace("no activation checkpointing", "")
+    assert "selective checkpointing" in layout_words(rows[1], varied(rows))

@@ -28,6 +28,7 @@ from hp_tool.config import AppConfig
 from hp_tool.fsutil import atomic_write_text
 from hp_tool.results.collect import (FLOAT_COLUMNS, RANK_COLUMN, TABLE_COLUMNS, collect_trials,
                                      full_run_for, successful)
+from hp_tool.plan_output import console_for
 from hp_tool.results.full_run import FullRun
 from hp_tool.results.optimal import ds_config_path, format_usd, optimal_path, write_optimal_config
 from hp_tool.results.plots import write_plots
@@ -173,7 +174,7 @@ def render_summary(df: pd.DataFrame, top_n: int, full: FullRun, paths: dict[str,
     if finetune:
         figures += ["M tok/h", "h/epoch", "$/epoch"]
     for h in ["rank", "trial_id", *(header for _, header in dims), *figures]:
-        table.add_column(h, justify="left" if h == "trial_id" else "right")
+        table.add_column(h, justify="left" if h == "trial_id" else "right", no_wrap=h == "trial_id")
 
     def cell(x: Any, fmt: str) -> str:
         return "" if pd.isna(x) else format(x, fmt)
@@ -188,6 +189,8 @@ def render_summary(df: pd.DataFrame, top_n: int, full: FullRun, paths: dict[str,
             cells += [cell(r["tokens_per_hour"] / 1e6, ",.3g"), cell(r["hours_per_epoch"], ".3g"),
                       cell(r["cost_usd_per_epoch"], ",.2f")]
         table.add_row(*cells)
+    head = console.file.getvalue()  # type: ignore[attr-defined]
+    console = console_for(table, 160)
     console.print(table)
     raw, calibrated = ranked["step_time_error_pct"].abs(), ranked["calibrated_step_time_error_pct"].abs()
     if raw.notna().any() and calibrated.notna().any():
@@ -195,7 +198,7 @@ def render_summary(df: pd.DataFrame, top_n: int, full: FullRun, paths: dict[str,
                       f"{raw.median():.0f}% raw, {calibrated.median():.0f}% calibrated on them "
                       f"(calibrated_step_time_s in {paths['all'].name})")
     console.print(recommendation(ranked, full, paths["optimal"], named))
-    return console.file.getvalue()  # type: ignore[attr-defined]
+    return head + console.file.getvalue()  # type: ignore[attr-defined]
 
 
 def write_reports(results_dir: Path, df: pd.DataFrame, full: FullRun, top_n: int) -> dict[str, Path]:
