@@ -39,6 +39,7 @@ from typing import Optional
 from hp_tool.architectures import Shape, pipeline_problem
 from hp_tool.base_config import TS, Cluster
 from hp_tool.config import TrainSettings
+from hp_tool.dimensions import DIMENSIONS
 from hp_tool.estimate.layout import Layout, Problem
 from hp_tool.estimate.memory import estimate_memory, host_phases_gib
 from hp_tool.estimate.speed import estimate_step_time
@@ -254,13 +255,8 @@ def act_ckpt_mode_values(grid: Grid, shape: Shape, layout: Layout) -> list[str]:
     return ["full", "selective"] if selective.checkpoint_mode_problem(shape) is None else ["full"]
 
 
-# train_settings keys of the Layout fields a problem can name
-FIELD_KEYS = {"tp": "tensor_parallel_sizes", "pp": "pipeline_parallel_sizes", "act_ckpt_layers": "act_ckpt_layers",
-              "virtual_stages": "virtual_pipeline_sizes", "engine": "engines", "zero_stage": "zero_stages",
-              "offload": "offload", "global_batch_size": "global_batch_size", "optimizer": "optimizers", "method": "methods",
-              "ep": "expert_parallel_sizes", "cp": "context_parallel_sizes", "sequence_parallel": "sequence_parallel",
-              "loss": "losses", "activation_offload": "activation_offload",
-              "act_ckpt_mode": "act_ckpt_modes"}
+# train_settings keys of the Layout fields a problem can name: each dimension's list, and the global batch
+FIELD_KEYS = {**{d.name: d.key for d in DIMENSIONS}, "global_batch_size": "global_batch_size"}
 
 
 # rules judged per (ZeRO stage, offload), not per layout

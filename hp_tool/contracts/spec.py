@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional
 from omegaconf import OmegaConf
 
 from hp_tool.architectures import Shape
-from hp_tool.dimensions import fingerprint_defaults
+from hp_tool.dimensions import BY_NAME, fingerprint_defaults
 from hp_tool.families import family
 from hp_tool.errors import ConfigError, require
 from hp_tool.estimate.layout import LOSS_CHUNK_TOKENS, Layout
@@ -352,8 +352,8 @@ class TrialSpec:
                 "make the parallel degrees multiply to the number of processes")
         layout = self.layout()
         for problem in layout.problems(m.shape()):
-            key = {"global_batch_size": "training.global_batch_size", "optimizer": "training.optimizer",
-                   "method": "model.method"}.get(problem.field, f"parallel.{problem.field}")
+            section = BY_NAME[problem.field].spec if problem.field in BY_NAME else "training"  # the global batch
+            key = f"{section}.{problem.field}"
             value = m.method if problem.field == "method" else getattr(layout, problem.field)
             raise ConfigError(key, value, problem.reason, SPEC_FIXES[problem.rule])
 

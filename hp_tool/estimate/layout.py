@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 from hp_tool.architectures import interleave_problem, pipeline_problem
+from hp_tool.dimensions import DIMENSIONS
 from hp_tool.sharding import (checkpoint_mode_problem, combination_problem, expert_problem, expert_saver_problem,
                               family_problem, method_problem, optimizer_problem, sequence_problem)
 
@@ -193,7 +194,7 @@ class Layout:
 
 
 # combination_problem names train_settings keys; the Layout's fields they are about
-SAVER_FIELDS = {"offload": "offload", "zero_stages": "zero_stage", "engines": "engine"}
+SAVER_FIELDS = {d.key: d.name for d in DIMENSIONS}
 
 
 @dataclass(frozen=True)
