@@ -65,3 +65,19 @@ def test_a_mode_without_checkpointed_layers_is_not_named():
     rows = [row, dict(row, act_ckpt_layers=4, act_ckpt_mode="selective")]
     assert "checkpointing" not in layout_words(row, varied(rows)).replace("no activation checkpointing", "")
     assert "selective checkpointing" in layout_words(rows[1], varied(rows))
+
+
+def test_a_layout_and_its_spec_section_convert_field_by_field():
+    """Every Layout field but the global batch and the optimizer (the training section's) is a ParallelSpec
+    field of the same name, and a layout with its fields off their defaults (but the engine and offload, which
+    PP=3 ties to torch without offload) comes back whole."""
+    from hp_tool.contracts.spec import LAYOUT_FIELDS
+
+    layout_fields = {f.name for f in dataclasses.fields(Layout)}
+    assert set(LAYOUT_FIELDS) == layout_fields - {"global_batch_size", "optimizer"}
+    odd = Layout(tp=2, pp=3, dp=5, mbs=7, act_ckpt_layers=4, global_batch_size=70, zero_stage=2,
+                 sequence_parallel=True, virtual_stages=2, optimizer="sgd", ep=5, cp=2, loss="chunked",
+                 activation_offload=True, loss_chunk_tokens=1024, act_ckpt_mode="selective")
+    at_default = {f.name for f in dataclasses.fields(Layout) if getattr(odd, f.name) == f.default}
+    assert at_default == {"engine", "offload"}
+    assert ParallelSpec.of(odd).layout(odd.global_batch_size, odd.optimizer) == odd

@@ -190,20 +190,15 @@ class ParallelSpec:
                               "choose a combination the engine supports (hp_tool/sharding.py)")
 
     def layout(self, global_batch_size: int, optimizer: str = "adamw") -> Layout:
-        """This section as a Layout, the global batch (and the training section's optimizer) added."""
-        return Layout(self.tp, self.pp, self.dp, self.mbs, self.act_ckpt_layers, global_batch_size, self.zero_stage,
-                      self.offload, self.engine, sequence_parallel=self.sequence_parallel,
-                      virtual_stages=self.virtual_stages, optimizer=optimizer, ep=self.ep, cp=self.cp, loss=self.loss,
-                      activation_offload=self.activation_offload, loss_chunk_tokens=self.loss_chunk_tokens,
-                      act_ckpt_mode=self.act_ckpt_mode)
+        """This section as a Layout, field by field, the global batch (and the training section's optimizer)
+        added."""
+        return Layout(**{name: getattr(self, name) for name in LAYOUT_FIELDS}, global_batch_size=global_batch_size,
+                      optimizer=optimizer)
 
     @classmethod
     def of(cls, layout: Layout, pipeline_schedule: str = "1F1B") -> "ParallelSpec":
-        """A Layout's YAML form (its global batch goes to the training section)."""
-        return cls(layout.tp, layout.pp, layout.dp, layout.mbs, layout.act_ckpt_layers, layout.act_ckpt_mode,
-                   pipeline_schedule, layout.engine, layout.zero_stage, layout.offload, layout.virtual_stages,
-                   layout.ep, layout.cp, layout.loss, layout.loss_chunk_tokens, layout.activation_offload,
-                   layout.sequence_parallel)
+        """A Layout's YAML form, field by field (its global batch and optimizer go to the training section)."""
+        return cls(**{name: getattr(layout, name) for name in LAYOUT_FIELDS}, pipeline_schedule=pipeline_schedule)
 
     def checkpointing(self, act_ckpt_layers: int) -> "ParallelSpec":
         """This section with ``act_ckpt_layers`` checkpointed layers in its mode, or in mode full with none (a
@@ -211,6 +206,10 @@ class ParallelSpec:
         tracer builds."""
         return dataclasses.replace(self, act_ckpt_layers=act_ckpt_layers,
                                    act_ckpt_mode=self.act_ckpt_mode if act_ckpt_layers else "full")
+
+
+# the fields a ParallelSpec and a Layout share, by name: everything of the section but the pipeline schedule
+LAYOUT_FIELDS = tuple(f.name for f in dataclasses.fields(ParallelSpec) if f.name != "pipeline_schedule")
 
 
 @dataclass
