@@ -25,8 +25,9 @@ from hp_tool.errors import ConfigError, require
 from hp_tool.estimate.layout import EFFICIENCY_FIELDS
 from hp_tool.sharding import checkpoint_mode_problem
 from hp_tool.vocab import trial_device  # noqa: F401 - re-exported: the planner's callers ask it here
+from hp_tool.dimensions import DIMENSIONS
 from hp_tool.engine_facts import engine_facts
-from hp_tool.vocab import ACT_CKPT_MODES, CLUSTER_TYPES, ENGINES, FINETUNE, LOSSES, MEMORY_CHECKS, METHODS, OPTIMIZERS, OFFLOADS, PRECISIONS, STRATEGIES, ZERO_STAGES
+from hp_tool.vocab import CLUSTER_TYPES, FINETUNE, MEMORY_CHECKS, PRECISIONS, STRATEGIES
 
 DEFAULT_SKIP_MARGIN = 0.25  # train_settings.skip_margin; chosen by benchmarks/search_cost.py
 SIZING_MFU = 140 / 312  # tflops_per_gpu default: the MFU of NeMo's 140 TFLOPS on a 312-TFLOPS A100 (45%)
@@ -304,16 +305,14 @@ class TrainSettings:
                             "max_model_parallel_size", "global_batch_tokens", "dataset_tokens_in_m", "epochs"))
         _seq_and_vocab(p, self.seq_length, self.vocab_size)
         _length(f"{p}.decoder_seq_length", self.decoder_seq_length, "decoder length", "128 (or null for 128)")
-        _positive_list(self, p, ("tensor_parallel_sizes", "pipeline_parallel_sizes", "virtual_pipeline_sizes",
-                                 "micro_batch_sizes", "seq_lengths", "expert_parallel_sizes", "context_parallel_sizes"))
-        _members(self, p, "losses", LOSSES)
-        for name in ("sequence_parallel", "activation_offload"):
-            _members(self, p, name, (False, True))
+        for d in DIMENSIONS:  # every searched dimension's list: known values, or integers from its least
+            if d.choices is None:
+                _positive_list(self, p, (d.key,), allow_zero=d.least == 0)
+            else:
+                _members(self, p, d.key, d.choices)
         require(self.expert_imbalance >= 1.0, f"{p}.expert_imbalance", self.expert_imbalance,
                 "must be at least 1 (the busiest expert gets at least the mean of the routed tokens)",
                 "use 1.0 for perfectly balanced routing, 1.25 (default) as Switch Transformer's capacity factor")
-        _positive_list(self, p, ("act_ckpt_layers",), allow_zero=True)
-        _members(self, p, "act_ckpt_modes", ACT_CKPT_MODES)
         if self.act_ckpt_modes is not None and "full" not in self.act_ckpt_modes:  # selective only: some layout runs it
             layers = max(self.act_ckpt_layers or [1])
             bad = [checkpoint_mode_problem(None, "selective", layers, engine) for engine in self.engines or ["torch"]]
@@ -322,11 +321,6 @@ class TrainSettings:
                     "act_ckpt_layers above 0")
         require(self.precision is None or self.precision in PRECISIONS, f"{p}.precision", self.precision,
                 "unknown precision", "use bf16, fp16 or fp32, or null for bf16 where the GPU has it, else fp16")
-        _members(self, p, "engines", ENGINES)
-        _members(self, p, "zero_stages", ZERO_STAGES)
-        _members(self, p, "offload", OFFLOADS)
-        _members(self, p, "optimizers", OPTIMIZERS)
-        _members(self, p, "methods", METHODS)
         if set(self.methods or ()) & {"lora", "qlora"} and importlib.util.find_spec("peft") is None:
             raise ConfigError(f"{p}.methods", self.methods, "the adapter methods need peft, which is not installed",
                               'pip install "hp_tool[finetune]" (or pip install peft), or search methods [full]')

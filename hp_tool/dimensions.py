@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Optional
 
-from hp_tool.vocab import ENGINE_CODES, OFFLOAD_CODES, OPTIMIZER_CODES
+from hp_tool.vocab import (ACT_CKPT_MODES, ENGINE_CODES, ENGINES, LOSSES, METHODS, OFFLOAD_CODES, OFFLOADS,
+                           OPTIMIZER_CODES, OPTIMIZERS, ZERO_STAGES)
 
 # where a token goes in a trial id: family_size<model>_tp<tp>_pp<pp>_mbs<mbs>_ac<ac>_<engine><saver>
 SLOTS = ("model", "tp", "pp", "mbs", "ac", "saver")
@@ -37,6 +38,8 @@ class Dimension:
     fix: str  # how to mend a list that leaves no valid candidate
     added: bool = False  # added after specs were first written: the fingerprint leaves it out at its default
     spec: str = "parallel"  # the TrialSpec section holding it (parallel, training, model)
+    choices: Optional[tuple] = None  # the values its list may hold; None: integers from ``least``
+    least: int = 1
 
     @property
     def column(self) -> str:
@@ -77,12 +80,13 @@ DIMENSIONS: tuple[Dimension, ...] = (
     # an adapter method is named with its rank (trial_id)
     Dimension("method", "methods", str, "full", False, "method", "model", lambda v: "",
               lambda v: f"{v} fine-tuning" if v == "full" else v.upper() if v == "qlora" else "LoRA",
-              "use TP=1 for lora and qlora, and the torch engine with ZeRO 0-1 for qlora", spec="model"),
+              "use TP=1 for lora and qlora, and the torch engine with ZeRO 0-1 for qlora", spec="model",
+              choices=METHODS),
     Dimension("tp", "tensor_parallel_sizes", int, 1, True, "TP", "tp", _count("tp"), lambda v: f"TP={v}",
               "use TP values that divide the (key/value) head count and fit in one node"),
     Dimension("sequence_parallel", "sequence_parallel", bool, False, False, "SP", "tp", _flag("sp"),
               lambda v: "sequence parallel" if v else "no sequence parallelism",
-              "use sequence_parallel=[false], or TP > 1 on the torch engine", added=True),
+              "use sequence_parallel=[false], or TP > 1 on the torch engine", added=True, choices=(False, True)),
     Dimension("pp", "pipeline_parallel_sizes", int, 1, True, "PP", "pp", _count("pp"), lambda v: f"PP={v}",
               "use PP values that divide the layer count (T5/mT5: 1, or an even PP whose half divides the layers "
               "per stack)"),
@@ -99,27 +103,30 @@ DIMENSIONS: tuple[Dimension, ...] = (
               "use a global_batch_size (and micro_batch_sizes) with GBS % (MBS*DP) == 0"),
     Dimension("act_ckpt_layers", "act_ckpt_layers", int, 0, True, "ckpt", "ac", _count("ac"), _ckpt_words,
               "use values between 0 and the layers per pipeline stage (num_layers / PP; T5/mT5: 2 x num_layers / "
-              "PP)"),
+              "PP)", least=0),
     Dimension("engine", "engines", str, "torch", True, "engine", "saver", lambda v: ENGINE_CODES[v],
-              lambda v: f"{v} engine", "use engines=[torch]"),
+              lambda v: f"{v} engine", "use engines=[torch]", choices=ENGINES),
     Dimension("zero_stage", "zero_stages", int, 3, True, "ZeRO", "saver", lambda v: f"_z{v}", lambda v: f"ZeRO-{v}",
-              "choose a ZeRO stage the engine runs at this TP/PP (hp_tool/sharding.py)"),
+              "choose a ZeRO stage the engine runs at this TP/PP (hp_tool/sharding.py)", choices=ZERO_STAGES),
     Dimension("offload", "offload", str, "none", False, "offload", "saver", lambda v: f"_{OFFLOAD_CODES[v]}",
               lambda v: f"offload {v}" if v != "none" else "no offload",
-              "choose an offload the engine runs (hp_tool/sharding.py), or give gpu.host_ram_gib"),
+              "choose an offload the engine runs (hp_tool/sharding.py), or give gpu.host_ram_gib", choices=OFFLOADS),
     Dimension("optimizer", "optimizers", str, "adamw", False, "optimizer", "saver", lambda v: OPTIMIZER_CODES[v],
               lambda v: f"{v} optimizer", "use adamw with offload, or the other optimizers without it",
-              spec="training"),
+              spec="training", choices=OPTIMIZERS),
     Dimension("act_ckpt_mode", "act_ckpt_modes", str, "full", False, "ckpt mode", "saver",
               lambda v: "_sac" if v == "selective" else "",
               lambda v: "selective checkpointing (per op)" if v == "selective" else "whole-layer checkpointing",
-              "use act_ckpt_modes=[full], or selective with the torch engine and checkpointed layers", added=True),
+              "use act_ckpt_modes=[full], or selective with the torch engine and checkpointed layers", added=True,
+              choices=ACT_CKPT_MODES),
     Dimension("loss", "losses", str, "full", False, "loss", "saver", lambda v: "_lchunk" if v == "chunked" else "",
               lambda v: "chunked loss" if v == "chunked" else "whole-logits loss",
-              "use losses=[full], or chunked on the last pipeline stage's engine that runs it", added=True),
+              "use losses=[full], or chunked on the last pipeline stage's engine that runs it", added=True,
+              choices=LOSSES),
     Dimension("activation_offload", "activation_offload", bool, False, False, "act offload", "saver", _flag("_aoff"),
               lambda v: "activations offloaded to host RAM" if v else "activations on the GPU",
-              "use activation_offload=[false], or the torch engine with a host RAM figure", added=True),
+              "use activation_offload=[false], or the torch engine with a host RAM figure", added=True,
+              choices=(False, True)),
 )
 
 BY_NAME = {d.name: d for d in DIMENSIONS}

@@ -4,6 +4,8 @@ dimensions that varied, no more."""
 
 import dataclasses
 
+import pytest
+
 from hp_tool.config import TrainSettings
 from hp_tool.contracts.spec import ADDED_FIELD_DEFAULTS, ParallelSpec, TrainingSpec
 from hp_tool.dimensions import DIMENSIONS, layout_columns, layout_words, trial_id, varied
@@ -81,3 +83,21 @@ def test_a_layout_and_its_spec_section_convert_field_by_field():
     at_default = {f.name for f in dataclasses.fields(Layout) if getattr(odd, f.name) == f.default}
     assert at_default == {"engine", "offload"}
     assert ParallelSpec.of(odd).layout(odd.global_batch_size, odd.optimizer) == odd
+
+
+@pytest.mark.parametrize("dimension", [d for d in DIMENSIONS if d.kind is not bool], ids=lambda d: d.key)
+def test_every_dimensions_list_is_checked_before_planning(dimension):
+    """A value a dimension cannot take is refused naming its train_settings key (integers below the least,
+    names outside the known ones); the least itself is accepted."""
+    from hp_tool.cli import compose
+    from hp_tool.config import to_app_config
+    from hp_tool.errors import ConfigError
+
+    key = f"search_config.train_settings.{dimension.key}"
+    bad = f"[{dimension.least - 1}]" if not dimension.choices else "[9]" if dimension.kind is int else "[bogus]"
+    cfg, _ = compose(["search_config=finetune/tiny", f"{key}={bad}"])
+    with pytest.raises(ConfigError) as err:
+        to_app_config(cfg)
+    assert err.value.key == key
+    good = f"[{dimension.choices[0]}]" if dimension.choices else f"[{max(dimension.least, 1)}]"
+    to_app_config(compose(["search_config=finetune/tiny", f"{key}={good}"])[0])
