@@ -105,7 +105,7 @@ def render(rows: list[dict[str, Any]]) -> str:
             table.add_row("-", r["gpu"], r["search_config"], str(r["num_gpus"]), r["reason"][:60],
                           "", "", "", _fmt(r.get("gpu_hour_price_usd"), "{:g}"), "", "")
             continue
-        layout = " ".join(f"{header} {cell(column, r.get(column))}" for column, header in dims)
+        layout = " ".join(f"{header} {cell(column, r)}" for column, header in dims)
         table.add_row(str(r["rank"]), r["gpu"], r["search_config"], str(r["num_gpus"]), layout,
                       _fmt(r["predicted_memory_gib"], "{:.1f}"), _fmt(r["predicted_step_time_s"], "{:.3g}"),
                       _fmt(r["predicted_days_to_train"], "{:.2f}"), _fmt(r.get("gpu_hour_price_usd"), "{:g}"),

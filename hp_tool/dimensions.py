@@ -205,9 +205,11 @@ def layout_words(row: Mapping[str, Any], shown: Optional[Iterable[Dimension]] = 
     return ", ".join(out)
 
 
-def cell(column: str, value: Any) -> str:
-    """A printed table's cell of a dimension's column (or DP's)."""
-    if _blank(value):
+def cell(column: str, row: Mapping[str, Any]) -> str:
+    """A printed table's cell of a dimension's column (or DP's) in ``row``; blank where the row has no value,
+    and for a checkpointing mode without checkpointed layers (it means nothing there)."""
+    value = row.get(column)
+    if _blank(value) or (column == "act_ckpt_mode" and not row.get("act_ckpt_layers")):
         return ""
     if column in BY_NAME and BY_NAME[column].kind is bool:
         return "yes" if value else "no"

@@ -203,7 +203,7 @@ def render_plan(plan: Plan, max_rows: int = 25) -> str:
     for c, spec in zip(sorted((c for c in plan.candidates if c.status == SELECTED), key=lambda c: c.rank),
                        plan.specs[:max_rows]):
         r = by_id[spec.trial_id]
-        cells = [str(c.rank), spec.trial_id, *(cell(column, r[column]) for column, _ in dims),
+        cells = [str(c.rank), spec.trial_id, *(cell(column, r) for column, _ in dims),
                  f"{max(c.memory_gib, c.full_memory_gib):.2f}",
                  "-" if c.traced_memory_gib is None else f"{c.traced_memory_gib:.2f}", f"{c.host_memory_gib:.1f}",
                  f"{c.step_time_s:.4g}", f"{c.tokens_per_s_per_gpu:,.0f}"]

@@ -101,3 +101,12 @@ def test_every_dimensions_list_is_checked_before_planning(dimension):
     assert err.value.key == key
     good = f"[{dimension.choices[0]}]" if dimension.choices else f"[{max(dimension.least, 1)}]"
     to_app_config(compose(["search_config=finetune/tiny", f"{key}={good}"])[0])
+
+
+def test_table_cells_leave_a_mode_without_checkpointed_layers_blank():
+    from hp_tool.dimensions import cell
+
+    assert cell("act_ckpt_mode", {"act_ckpt_layers": 0, "act_ckpt_mode": "full"}) == ""
+    assert cell("act_ckpt_mode", {"act_ckpt_layers": 4, "act_ckpt_mode": "selective"}) == "selective"
+    assert cell("sequence_parallel", {"sequence_parallel": True}) == "yes"
+    assert cell("ep", {"ep": None}) == "" and cell("dp", {"dp": 8}) == "8"

@@ -180,7 +180,7 @@ def render_summary(df: pd.DataFrame, top_n: int, full: FullRun, paths: dict[str,
         return "" if pd.isna(x) else format(x, fmt)
 
     for _, r in ranked.head(top_n).iterrows():
-        cells = [str(r["rank"]), r["trial_id"], *(dimension_cell(c, r[c]) for c, _ in dims),
+        cells = [str(r["rank"]), r["trial_id"], *(dimension_cell(c, r) for c, _ in dims),
                  f"{r[RANK_COLUMN]:.4g}", f"{r['full_run_tokens_per_s_per_gpu']:,.0f}",
                  cell(100 * r["mfu"], ".1f") + ("%" if not pd.isna(r["mfu"]) else ""),
                  cell(r["peak_memory_gib"], ".2f"), f"{r['days_to_train']:.3g}",
