@@ -31,6 +31,7 @@ from hp_tool.trial.trace.limits import untraceable_reason
 from hp_tool.fingerprint import fingerprint_of
 from hp_tool.config import trial_device
 from hp_tool.contracts.spec import TrialSpec
+from hp_tool.estimate.layout import GIB
 from hp_tool.vocab import TRACE_CACHE_FILE
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,6 @@ def trace_one(spec: TrialSpec, device_type: str) -> TraceOutcome:
     import warnings
 
     from hp_tool.trial.trace.extrapolate import traced_peak_bytes
-    from hp_tool.trial.trace.inflight import GIB
 
     start = time.monotonic()
     try:

@@ -22,10 +22,10 @@ from typing import Optional
 import torch
 
 from hp_tool.contracts.spec import RunSpec
+from hp_tool.estimate.layout import GIB
 
 log = logging.getLogger(__name__)
 
-GIB = 2 ** 30  # memory in GiB, as torch.cuda.mem_get_info and nvidia-smi report it
 STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
 
 

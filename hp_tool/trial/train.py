@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from hp_tool.contracts import phases
 from hp_tool.contracts import result as res
+from hp_tool.estimate.layout import GIB
 from hp_tool.contracts.spec import TrialSpec, load_spec
 from hp_tool.trial import dist as tdist
 from hp_tool.trial import measure
@@ -49,12 +50,12 @@ def apply_memory_cap(spec: TrialSpec, device: torch.device) -> None:
     cap = spec.run.memory_cap_gib
     if cap is None or device.type != "cpu":
         return
-    limit = int(cap * measure.GIB)
+    limit = int(cap * GIB)
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     if hard != resource.RLIM_INFINITY:
         limit = min(limit, hard)
     resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
-    log.info("address space capped at %.2f GIB (run.memory_cap_gib)", limit / measure.GIB)
+    log.info("address space capped at %.2f GIB (run.memory_cap_gib)", limit / GIB)
 
 
 def _reduce(values: list[float], op, device: torch.device) -> list[float]:
@@ -156,7 +157,7 @@ def _finish(spec: TrialSpec, result: dict, outcome: dict, device: torch.device, 
     stats = res.step_stats(outcome["timed"])
     peak, reserved = measure.peak_memory_gib(device)
     tensors = outcome["tensor_peak_bytes"]
-    peak, reserved_max, tensors_max = _reduce([peak, reserved or 0.0, (tensors or 0) / measure.GIB],
+    peak, reserved_max, tensors_max = _reduce([peak, reserved or 0.0, (tensors or 0) / GIB],
                                               dist.ReduceOp.MAX, device)
     measured = stats["count"] > 0
     result.update(

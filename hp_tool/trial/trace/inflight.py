@@ -11,10 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from hp_tool.contracts.spec import TrialSpec
-from hp_tool.estimate.layout import interleave_held_tensors, microbatches_in_flight
+from hp_tool.estimate.layout import GIB, interleave_held_tensors, microbatches_in_flight
 from hp_tool.trial.rank import compute_dtype
-
-GIB = 2 ** 30  # memory in GiB, as torch.cuda.mem_get_info and nvidia-smi report it
 
 
 @dataclass(frozen=True)
