@@ -30,7 +30,7 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
-from hp_tool.dimensions import cell, layout_columns, layout_headers, varied
+from hp_tool.dimensions import cell, layout_columns, layout_headers, searched
 from hp_tool.fsutil import atomic_write_text
 from hp_tool.plan_output import plan_rows
 from hp_tool.vocab import COMPARISON_FILE
@@ -98,14 +98,14 @@ def render(rows: list[dict[str, Any]]) -> str:
     for col in ("rank", "gpu", "search_config", "GPUs", "best layout", "mem GiB", "step s", "days",
                 "$/GPU-h", "$ per run", "$/M tokens"):
         table.add_column(col, justify="left" if col in ("gpu", "search_config", "best layout") else "right")
-    dims = layout_headers(varied((r for r in rows if r["status"] == "ok"), also=("seq_length",) if any(
-        r.get("predicted_hours_per_epoch") is not None for r in rows) else ()))
+    finetune = any(r.get("predicted_hours_per_epoch") is not None for r in rows)
+    dims = layout_headers(searched([r for r in rows if r["status"] == "ok"], finetune))
     for r in rows:
         if r["status"] != "ok":
             table.add_row("-", r["gpu"], r["search_config"], str(r["num_gpus"]), r["reason"][:60],
                           "", "", "", _fmt(r.get("gpu_hour_price_usd"), "{:g}"), "", "")
             continue
-        layout = " ".join(f"{header} {cell(column, r)}" for column, header in dims)
+        layout = " ".join(f"{header} {value}" for column, header in dims if (value := cell(column, r)))
         table.add_row(str(r["rank"]), r["gpu"], r["search_config"], str(r["num_gpus"]), layout,
                       _fmt(r["predicted_memory_gib"], "{:.1f}"), _fmt(r["predicted_step_time_s"], "{:.3g}"),
                       _fmt(r["predicted_days_to_train"], "{:.2f}"), _fmt(r.get("gpu_hour_price_usd"), "{:g}"),

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Optional
 
 from hp_tool.vocab import (ACT_CKPT_MODES, ENGINE_CODES, ENGINES, LOSSES, METHODS, OFFLOAD_CODES, OFFLOADS,
-                           OPTIMIZER_CODES, OPTIMIZERS, ZERO_STAGES)
+                           OPTIMIZER_CODES, OPTIMIZERS, INVALID, ZERO_STAGES)
 
 # where a token goes in a trial id: family_size<model>_tp<tp>_pp<pp>_mbs<mbs>_ac<ac>_<engine><saver>
 SLOTS = ("model", "tp", "pp", "mbs", "ac", "saver")
@@ -133,7 +133,6 @@ BY_NAME = {d.name: d for d in DIMENSIONS}
 BY_KEY = {d.key: d for d in DIMENSIONS}
 
 
-
 def layout_headers(dims: Iterable[Dimension] = DIMENSIONS) -> tuple[tuple[str, str], ...]:
     """(column, printed header) of these dimensions in table order, the data-parallel size (what the GPUs
     leave, never searched) after PP."""
@@ -186,16 +185,32 @@ def _blank(value: Any) -> bool:
     return value is None or (isinstance(value, float) and value != value)  # NaN
 
 
+def named_value(column: str, row: Mapping[str, Any]) -> Any:
+    """The value a table or sentence names for ``column`` of ``row``: None where the row has none, and for a
+    checkpointing mode without checkpointed layers (it means nothing there)."""
+    value = row.get(column)
+    if _blank(value) or (column == "act_ckpt_mode" and not row.get("act_ckpt_layers")):
+        return None
+    return value
+
+
+def searched(rows: Iterable[Mapping[str, Any]], finetune: bool) -> list[Dimension]:
+    """The dimensions a search's tables and sentences name: those always named and every one that varied among
+    its candidates that could exist (not invalid); a fine-tuning search also names its sequence length and
+    method, what a fine-tuning table is read by."""
+    return varied((r for r in rows if r.get("plan_status") != INVALID), also=("seq_length", "method") if finetune else ())
+
+
 def layout_words(row: Mapping[str, Any], shown: Optional[Iterable[Dimension]] = None) -> str:
     """A layout in words from its row (by column), every dimension of ``shown`` (default: those always named
-    and those this row sets to something other than the default) named, DP after PP; e.g. "seq 4096 tokens per sequence, LoRA, TP=1,
-    PP=1, DP=8, MBS=2, 32 checkpointed layers per stage, torch engine, ZeRO-3"."""
+    and those this row sets to something other than the default) named, DP after PP; e.g. "4096 tokens per
+    sequence, LoRA rank 16, TP=1, PP=1, DP=8, MBS=2, 32 checkpointed layers per stage, torch engine, ZeRO-3"."""
     dims = list(shown) if shown is not None else varied([row])
     out = []
     for d in dims:
-        value = row.get(d.column)
-        if _blank(value) or (d.name == "act_ckpt_mode" and not row.get("act_ckpt_layers")):
-            continue  # a checkpointing mode without checkpointed layers means nothing
+        value = named_value(d.column, row)
+        if value is None:
+            continue
         if d.name == "method" and value != "full" and not _blank(row.get("lora_rank")):
             out.append(f"{d.words(value)} rank {int(row['lora_rank'])}")
         else:
@@ -206,10 +221,10 @@ def layout_words(row: Mapping[str, Any], shown: Optional[Iterable[Dimension]] = 
 
 
 def cell(column: str, row: Mapping[str, Any]) -> str:
-    """A printed table's cell of a dimension's column (or DP's) in ``row``; blank where the row has no value,
-    and for a checkpointing mode without checkpointed layers (it means nothing there)."""
-    value = row.get(column)
-    if _blank(value) or (column == "act_ckpt_mode" and not row.get("act_ckpt_layers")):
+    """A printed table's cell of a dimension's column (or DP's) in ``row``: blank where it names nothing
+    (``named_value``)."""
+    value = named_value(column, row)
+    if value is None:
         return ""
     if column in BY_NAME and BY_NAME[column].kind is bool:
         return "yes" if value else "no"

@@ -11,7 +11,7 @@ from typing import Any, Iterable
 from hp_tool.architectures import active_parameters
 from hp_tool.candidates import Candidate
 from hp_tool.cost import cost_columns, epoch_columns
-from hp_tool.dimensions import cell, layout_columns, layout_headers, varied
+from hp_tool.dimensions import cell, layout_columns, layout_headers, searched
 from hp_tool.estimate.methods import trainable_parameters
 from hp_tool.fsutil import atomic_write_text
 from hp_tool.planner import Plan, candidate_dimensions
@@ -191,8 +191,7 @@ def render_plan(plan: Plan, max_rows: int = 25) -> str:
     table = Table(title=f"Training candidates for {plan.search_name} ({_counts(plan.candidates)})")
     finetune = plan.base.full_run.epoch_tokens is not None
     rows = list(plan_rows(plan))
-    named = varied((r for r in rows if r["plan_status"] != INVALID), also=("seq_length", "method") if finetune else ())
-    dims = layout_headers(named)
+    dims = layout_headers(searched(rows, finetune))
     figures = ["GPU GiB", "traced GiB", "host GiB", "step s", "tok/s/GPU"]
     if finetune:  # the fine-tuning table: context length x batch per device -> tokens/hour, MFU, cost
         figures += ["MFU", "M tok/h", "$/M tok", "h/epoch", "$/epoch"]

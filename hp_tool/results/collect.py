@@ -15,6 +15,7 @@ data-parallel communication (:func:`hp_tool.estimate.speed.extrapolate_step_time
 from __future__ import annotations
 
 import csv
+import functools
 import logging
 from pathlib import Path
 from typing import Any, Optional
@@ -183,12 +184,24 @@ def _measured(result: dict) -> dict:
     }
 
 
-def candidate_spec(full: FullRun, trial_id: str) -> Optional[TrialSpec]:
-    """What a planned trial runs: its ``candidate_configs/<trial_id>.yaml`` (None when it is gone)."""
-    path = full.path.parent / "candidate_configs" / f"{trial_id}.yaml"
+def candidate_spec_path(results_dir: Path, trial_id: str) -> Path:
+    """Where the planner wrote what a selected trial runs: ``candidate_configs/<trial_id>.yaml``."""
+    return Path(results_dir) / "candidate_configs" / f"{trial_id}.yaml"
+
+
+def planned_spec(full: FullRun, trial_id: str) -> Optional[TrialSpec]:
+    """What a planned trial runs, from its candidate spec (None when it is gone)."""
+    path = candidate_spec_path(full.path.parent, trial_id)
     if not path.is_file():
         log.warning("%s is missing: %s is shown without its full-run figures", path, trial_id)
         return None
+    return _read_spec(str(path), path.stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=1024)
+def _read_spec(path: str, mtime_ns: int) -> TrialSpec:
+    """A candidate spec read once per version of its file: the adaptive gate asks for a running trial's at
+    each new step it sees (read only, never changed by its readers)."""
     return load_spec(path)
 
 
@@ -198,7 +211,7 @@ def full_run_columns(row: dict, full: FullRun) -> dict:
     cols = {"gpu_memory_gib": full.gpu_memory_gib, "gpu_hour_price_usd": full.gpu_hour_price}
     if row.get("peak_memory_gib") is not None:
         cols["peak_memory_pct_of_gpu"] = 100 * row["peak_memory_gib"] / full.gpu_memory_gib
-    spec = candidate_spec(full, row["trial_id"])
+    spec = planned_spec(full, row["trial_id"])
     if spec is None:
         return cols
     trial, whole, shape = spec.layout(), spec.full_layout(), spec.model.shape()

@@ -18,6 +18,7 @@ import yaml
 
 from hp_tool.engine_facts import engine_facts
 from hp_tool.fsutil import atomic_write_text
+from hp_tool.results.collect import candidate_spec_path
 from hp_tool.results.full_run import FullRun
 from hp_tool.sizing import format_days
 from hp_tool.throughput import throughput
@@ -112,7 +113,7 @@ def train_sbatch_command(spec: TrialSpec, config: str) -> str:
 def write_optimal_config(results_dir: Path, best: pd.Series, full: FullRun, n_ranked: int,
                          folder: Path) -> Path:
     """Write optimal_config_<label>_<N>nodes.yaml for the ``best`` table row; returns its path."""
-    trial = load_spec(results_dir / "candidate_configs" / f"{best['trial_id']}.yaml")
+    trial = load_spec(candidate_spec_path(results_dir, best["trial_id"]))
     spec = optimal_spec(trial, best, full)  # dataclasses.replace re-runs every __post_init__ check
     path = optimal_path(folder, full)
     ds_path = ds_config_path(folder, full)

@@ -14,10 +14,11 @@ from typing import Any, Iterable, Optional
 
 import pandas as pd
 
-from hp_tool.dimensions import Dimension, layout_columns, layout_words, varied
+from hp_tool import dimensions
+from hp_tool.dimensions import Dimension, layout_columns, layout_words
 from hp_tool.fsutil import atomic_write_text
 from hp_tool.inference.report import PLOT_FILE as INFERENCE_PLOT, SUMMARY_CSV as INFERENCE_CSV
-from hp_tool.vocab import INVALID, NOT_RUN, SELECTED
+from hp_tool.vocab import NOT_RUN, SELECTED
 from hp_tool.results.collect import CALIBRATION, RANK_BASIS, RANK_COLUMN, successful
 from hp_tool.results.plots import CAPTIONS, on_cpu
 from hp_tool.results.report_md import (REPORT_FILE, ModelError, Pick, Plot, RankMetric, ReportInputs, Unranked,
@@ -63,11 +64,8 @@ def status_counts(df: pd.DataFrame) -> str:
 
 
 def searched(df: pd.DataFrame, finetune: bool) -> list[Dimension]:
-    """The dimensions a search's table and sentences name: those always named and every one that varied
-    among its candidates that could exist (not invalid); a fine-tuning search also names its sequence length
-    and method, what a fine-tuning table is read by."""
-    return varied(df[df["plan_status"] != INVALID].to_dict("records"),
-                  also=("seq_length", "method") if finetune else ())
+    """The dimensions a search's table and sentences name (``dimensions.searched`` over its candidates)."""
+    return dimensions.searched(df.to_dict("records"), finetune)
 
 
 def dimension_columns(dims: list[Dimension]) -> tuple[str, ...]:
