@@ -41,7 +41,7 @@ from hp_tool.base_config import TS, Cluster
 from hp_tool.config import TrainSettings
 from hp_tool.dimensions import DIMENSIONS
 from hp_tool.estimate.layout import Layout, Problem
-from hp_tool.estimate.memory import estimate_memory, host_phases_gib
+from hp_tool.estimate.memory import HostPhases, estimate_memory, host_phases_gib
 from hp_tool.estimate.speed import estimate_step_time
 from hp_tool.tables import ACT_CKPT_STEP, lookup
 from hp_tool.sharding import SAVING_ORDER
@@ -329,16 +329,20 @@ def _set_trial(c: Candidate, gpn: int, nodes: int) -> Layout:
     return c.trial_layout()
 
 
-def estimate(shape: Shape, c: Candidate, cluster: Cluster, usable_gib: float) -> None:
+def estimate(shape: Shape, c: Candidate, cluster: Cluster, usable_gib: float,
+             host_usable_gib: Optional[float] = None) -> None:
     """Fill the candidate's predicted memory (trial and full run), host RAM and full-run step time.
 
-    The trial runs on the fewest whole nodes whose data-parallel shards make it fit in ``usable_gib``
-    per GPU (a sharded stage may need more ranks than one model replica to fit; the full run's nodes
-    at most)."""
+    The trial runs on the fewest whole nodes on which it fits: ``usable_gib`` per GPU (a sharded stage may
+    need more ranks than one model replica) and, when given, ``host_usable_gib`` per node (offloaded states
+    are sharded over the trial's ranks, so a one-node trial of a run offloading over several nodes holds all
+    of them); the full run's nodes at most."""
     hw, gpn = cluster.hw, cluster.hw.gpus_per_node
     full = c.full
     c.full_memory_gib = estimate_memory(shape, full, hw).total_gib
+    full_host = host_phases_gib(shape, full, gpn, hw)
     trial_gib: dict[int, float] = {}  # trial nodes -> predicted peak per GPU
+    trial_host: dict[int, HostPhases] = {}  # trial nodes -> predicted host RAM of a node
 
     def trial_memory(nodes: int) -> float:
         if nodes not in trial_gib:
@@ -346,21 +350,30 @@ def estimate(shape: Shape, c: Candidate, cluster: Cluster, usable_gib: float) ->
             trial_gib[nodes] = c.full_memory_gib if trial is full else estimate_memory(shape, trial, hw).total_gib
         return trial_gib[nodes]
 
-    # Memory per GPU never grows with more data-parallel shards, so bisect for the first count that fits
-    # (the largest when none does). The largest is the full run's own nodes: when the full run does not
-    # fit, no trial does, and the bisection is skipped (as it is when there is one count).
+    def host_memory(nodes: int) -> HostPhases:
+        if nodes not in trial_host:
+            trial = _set_trial(c, gpn, nodes)
+            trial_host[nodes] = full_host if trial is full and c.trial_gpus_per_node == gpn else \
+                host_phases_gib(shape, trial, c.trial_gpus_per_node, hw)
+        return trial_host[nodes]
+
+    def fits(nodes: int) -> bool:
+        return trial_memory(nodes) <= usable_gib and (host_usable_gib is None
+                                                      or host_memory(nodes).node_gib <= host_usable_gib)
+
+    # Memory per GPU and host RAM per node never grow with more data-parallel shards, so bisect for the first
+    # count that fits (the largest when none does). The largest is the full run's own nodes: when the full run
+    # does not fit, no trial does, and the bisection is skipped (as it is when there is one count).
     counts = trial_node_counts(c.tp * c.pp * c.cp * c.full.ep, gpn, cluster.num_nodes)
-    if c.full_memory_gib > usable_gib or len(counts) == 1:
+    full_fits = c.full_memory_gib <= usable_gib and (host_usable_gib is None or full_host.node_gib <= host_usable_gib)
+    if not full_fits or len(counts) == 1:
         nodes = counts[-1]
     else:
-        fits = bisect.bisect_left(counts, True, key=lambda n: trial_memory(n) <= usable_gib)
-        nodes = counts[min(fits, len(counts) - 1)]
+        first = bisect.bisect_left(counts, True, key=fits)
+        nodes = counts[min(first, len(counts) - 1)]
     c.memory_gib = trial_memory(nodes)
-    trial = _set_trial(c, gpn, nodes)
-    full_host = host_phases_gib(shape, full, gpn, hw)
-    trial_host = full_host if trial is full and c.trial_gpus_per_node == gpn else \
-        host_phases_gib(shape, trial, c.trial_gpus_per_node, hw)
-    c.host_memory_gib = max(trial_host.node_gib, full_host.node_gib)
+    c.host_memory_gib = max(host_memory(nodes).node_gib, full_host.node_gib)
+    _set_trial(c, gpn, nodes)
     c.rank0_host_memory_gib = full_host.save_rank0_gib
     split = estimate_step_time(shape, full, hw, cluster.num_nodes)
     step = c.step_time_s = split.total_s
@@ -371,22 +384,23 @@ def estimate(shape: Shape, c: Candidate, cluster: Cluster, usable_gib: float) ->
 
 
 def _fit(shape: Shape, c: Candidate, cluster: Cluster, ts: TrainSettings) -> None:
-    """Estimate a valid candidate and prune it when over GPU memory, then when over host RAM."""
+    """Estimate a valid candidate and prune it when over GPU memory, then when over host RAM (each judged on
+    the larger of the trial's and the full run's figure; the trial's nodes are chosen so that it fits
+    wherever the full run does)."""
     hw = cluster.hw
     usable = hw.usable_gib(ts.memory_margin)
-    estimate(shape, c, cluster, usable)
+    host_usable = None if hw.host_ram_gib is None else hw.host_ram_gib * (1 - ts.memory_margin)
+    estimate(shape, c, cluster, usable, host_usable)
     need = max(c.memory_gib, c.full_memory_gib)
     if need > usable:
         c.reject(PRUNED, "gpu.memory_gib",
                  f"predicted {need:.2f} GiB per GPU > {usable:.2f} GiB usable "
                  f"({hw.gpu_memory_gib:g} GiB - {ts.memory_margin:.0%} margin)")
         return
-    if hw.host_ram_gib is not None:
-        host_usable = hw.host_ram_gib * (1 - ts.memory_margin)
-        if c.host_memory_gib > host_usable:
-            c.reject(PRUNED, "gpu.host_ram_gib",
-                     f"predicted {c.host_memory_gib:.1f} GiB host RAM per node > {host_usable:.1f} GiB usable "
-                     f"({hw.host_ram_gib:g} GiB - {ts.memory_margin:.0%} margin)")
+    if host_usable is not None and c.host_memory_gib > host_usable:
+        c.reject(PRUNED, "gpu.host_ram_gib",
+                 f"predicted {c.host_memory_gib:.1f} GiB host RAM per node > {host_usable:.1f} GiB usable "
+                 f"({hw.host_ram_gib:g} GiB - {ts.memory_margin:.0%} margin)")
 
 
 def _layout_candidates(shape: Shape, grid: Grid, ts: TrainSettings, cluster: Cluster,

@@ -137,12 +137,34 @@ def test_a10g_preset_fits_only_sharded_or_offloaded_layouts_and_says_why_not(tmp
 
 
 def test_host_ram_prunes_offload_with_the_number_and_the_key(tmp_path):
-    p = plan(tmp_path, "search_config=finetune/llama2_7b_a10g", "gpu.host_ram_gib=52")
+    p = plan(tmp_path, "search_config=finetune/llama2_7b_a10g", "gpu.host_ram_gib=16")
     host = [c for c in p.candidates if c.reason_key == "gpu.host_ram_gib"]
-    assert host and all(c.status == PRUNED and "GiB host RAM per node > 49.4 GiB usable" in c.reason for c in host)
-    assert all(c.host_memory_gib <= 49.4 for c in p.candidates if c.status == SELECTED)
+    assert host and all(c.status == PRUNED and "GiB host RAM per node > 15.2 GiB usable" in c.reason for c in host)
+    assert all(c.host_memory_gib <= 15.2 for c in p.candidates if c.status == SELECTED)
 
 
+
+def test_a_trial_spans_the_nodes_its_offloaded_shards_need_so_a_run_that_fits_is_not_pruned(tmp_path):
+    # 7B full fine-tuning, ZeRO-3 with parameters and optimizer offloaded over 6 nodes of 64 GiB host RAM: the
+    # full run holds a sixth of the offloaded states per node (about 22 GiB) and fits; a one-node trial would
+    # hold all of them (over 100 GiB). The trial takes the nodes its host RAM needs, not only its GPU memory.
+    p = plan(tmp_path, "search_config=finetune/llama2_7b_a10g")
+    cluster_nodes, usable = 6, 64 * 0.95
+    offall = [c for c in p.candidates if c.offload == "optimizer_and_params" and c.pp == 1 and c.zero_stage == 3
+              and c.status != INVALID]
+    assert {c.engine for c in offall} == {"torch", "deepspeed"}
+    assert not [c for c in offall if c.reason_key == "gpu.host_ram_gib"]
+    ds = [c for c in offall if c.engine == "deepspeed"]
+    assert any(c.status == SELECTED for c in ds)
+    for c in offall:
+        full_host = host_phases_gib(c.shape, c.full, 1, p.cluster.hw).node_gib
+        assert full_host < usable and c.host_memory_gib <= usable
+        assert 1 < c.trial_nodes <= cluster_nodes  # one node cannot hold the shards; more nodes do
+    # with less host RAM than even the full run needs per node, the row is pruned on the full run's figure
+    small = plan(tmp_path / "small", "search_config=finetune/llama2_7b_a10g", "gpu.host_ram_gib=16")
+    pruned = [c for c in small.candidates if c.offload == "optimizer_and_params" and c.pp == 1 and c.zero_stage == 3
+              and c.reason_key == "gpu.host_ram_gib"]
+    assert pruned and all(c.trial_nodes == cluster_nodes for c in pruned)
 @pytest.mark.e2e
 @pytest.mark.parametrize("override, key, words", [
     ("search_config.train_settings.zero_stages=[4]", "search_config.train_settings.zero_stages", "unknown values [4]"),
