@@ -48,6 +48,7 @@ from hp_tool.adaptive import LOSING_MIN_STEPS, Option, Outcome, launch_order, lo
 STARTUP_H = 3 / 60
 OOM_H = 1 / 60
 STEPS, WARMUP = 20, 3  # hp_tool's trial steps, of which untimed
+STEP_JITTER = 0.03  # step-to-step noise of a running trial's timed steps (log-normal sigma)
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -103,7 +104,8 @@ def run(cands: list[Candidate], truth: Truth, steps: int) -> tuple[float, dict[s
     return hours, {c.option.name: truth.step_s[c.option.name] for c in cands if c.option.name not in truth.oom}
 
 
-def adaptive(cands: list[Candidate], truth: Truth, margin: float, parallel: int) -> tuple[float, dict[str, float]]:
+def adaptive(cands: list[Candidate], truth: Truth, margin: float, parallel: int,
+             rng: random.Random) -> tuple[float, dict[str, float]]:
     by_name = {c.option.name: c for c in cands}
     options = [c.option for c in cands]
     queue = launch_order(options)
@@ -116,8 +118,8 @@ def adaptive(cands: list[Candidate], truth: Truth, margin: float, parallel: int)
         earlier = list(outcomes)  # a trial is judged against the waves before its own
         for name in wave:
             c = by_name[name]
-            stopped = name not in truth.oom and losing(name, truth.step_s[name], LOSING_MIN_STEPS,
-                                                       truth.step_s[name], earlier, margin) is not None
+            timed = [truth.step_s[name] * math.exp(rng.gauss(0, STEP_JITTER)) for _ in range(LOSING_MIN_STEPS)]
+            stopped = name not in truth.oom and losing(name, timed, truth.step_s[name], earlier, margin) is not None
             hours += trial_hours(c, truth, WARMUP + LOSING_MIN_STEPS if stopped else STEPS)
             if name in truth.oom:
                 outcomes.append(Outcome(name, "oom"))
@@ -196,7 +198,8 @@ def main() -> None:
         nemo_h, _ = run(cands, truth, 50)
         results = {"exhaustive": run(cands[:args.limit], truth, STEPS)}
         for m in margins:
-            results[f"adaptive({m:g})"] = adaptive(cands[:args.limit], truth, m, args.parallel)
+            results[f"adaptive({m:g})"] = adaptive(cands[:args.limit], truth, m, args.parallel,
+                                                   random.Random(10_000 + seed))
         results["nemo"] = (nemo_h, {n: s for n, s in truth.step_s.items() if n not in truth.oom})
         for name, (hours, measured) in results.items():
             pick = min(measured.values()) if measured else float("inf")

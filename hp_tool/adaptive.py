@@ -10,16 +10,24 @@ seconds of its full-run step, its predicted memory) and the trials that have end
   * ``pruned_after_oom``: a trial of the same TP and PP ran out of memory, and this candidate is
     predicted to need at least as much;
   * ``skipped``: its calibrated prediction (:mod:`hp_tool.calibration`, refitted on every ended trial)
-    is slower than the best measured trial by more than ``skip_margin``; except the best-predicted
-    candidate of a (TP, PP) regime no trial has measured yet, which is launched to calibrate on it.
-- ``losing``: a running trial whose median step after warm-up (``LOSING_MIN_STEPS`` timed steps at
-  least), extrapolated to the full run, is slower than the best measured trial by more than
-  ``skip_margin`` is stopped early (stop reason ``losing``, status ok, its measurement kept).
+    is slower by more than ``skip_margin`` than the best measured trial judged the same way: the larger of
+    that trial's measured step and its own calibrated prediction (like for like: a calibration that
+    over-predicts every layout over-predicts the best one too, and a lucky fast measurement does not
+    lower the bar for the others); except the best-predicted candidate of a (TP, PP) regime no trial has
+    measured yet, which is launched to calibrate on it. Nothing is skipped while the calibration is
+    clamped at its bounds (it does not explain the trials then).
+- ``losing``: a running trial is stopped early (stop reason ``losing``, status ok, its measurement kept)
+  only when it is slower with confidence: after ``LOSING_MIN_STEPS`` timed steps, the lower end of its
+  median's confidence interval (median - 1.57 x IQR / sqrt(n), the box plot's notch), extrapolated to the
+  full run, is more than ``skip_margin`` slower than the best measured trial; a few noisy steps widen
+  the interval and keep it running.
   Each reason carries the numbers the decision used.
 """
 
 from __future__ import annotations
 
+import math
+import statistics
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -28,6 +36,7 @@ from hp_tool.vocab import LOSING, PRUNED_AFTER_OOM, SKIPPED
 
 OK = "ok"
 LOSING_MIN_STEPS = 5  # timed steps a running trial needs before it is judged (the trial's stable_window)
+NOTCH = 1.57  # the box plot's notch: median +- 1.57 IQR / sqrt(n) is about a 95% interval of the median
 
 
 @dataclass(frozen=True)
@@ -75,6 +84,12 @@ def verdicts(options: Sequence[Option], outcomes: Sequence[Outcome], skip_margin
     factors = fit_step_factors([StepPoint(by_name[r.name].compute_s, by_name[r.name].comm_s, r.step_s,
                                           (by_name[r.name].tp, by_name[r.name].pp)) for r in ok])
     best = min(ok, key=lambda r: r.step_s) if ok else None
+    if best is not None:  # the best trial judged like the others: its calibrated prediction, or more
+        b = by_name[best.name]
+        best_calibrated = factors.predict(b.compute_s, b.comm_s, (b.tp, b.pp))
+        bar = max(best.step_s, best_calibrated)
+        bar_words = (f"measured {best.step_s:.4g} s" if bar == best.step_s else
+                     f"its calibrated prediction; measured {best.step_s:.4g} s")
     ooms = [by_name[r.name] for r in outcomes if r.status == "oom" and r.name in by_name]
     measured_regimes = {(by_name[r.name].tp, by_name[r.name].pp) for r in outcomes if r.name in by_name}
     scouts = {}  # each unmeasured regime's best-predicted candidate
@@ -91,28 +106,41 @@ def verdicts(options: Sequence[Option], outcomes: Sequence[Outcome], skip_margin
                            f"{oom.name} (same TP {o.tp}, PP {o.pp}) ran out of memory at a predicted "
                            f"{oom.memory_gib:.2f} GiB per GPU; this one is predicted to need {o.memory_gib:.2f} GiB")
             continue
-        if best is None or scouts.get((o.tp, o.pp)) == o.name:
+        if best is None or factors.clamped or scouts.get((o.tp, o.pp)) == o.name:
             continue
         calibrated = factors.predict(o.compute_s, o.comm_s, (o.tp, o.pp))
-        if calibrated > best.step_s * (1 + skip_margin):
+        if calibrated > bar * (1 + skip_margin):
             out[o.name] = (SKIPPED,
                            f"calibrated prediction {calibrated:.4g} s per step (raw {o.predicted_s:.4g} s) is "
-                           f"more than skip_margin={skip_margin:g} slower than the best measured, {best.name} "
-                           f"at {best.step_s:.4g} s (calibrated on {factors.points} trials)")
+                           f"more than skip_margin={skip_margin:g} slower than the best measured, {best.name} at "
+                           f"{bar:.4g} s ({bar_words}; calibrated on {factors.points} trials)")
     return out
 
 
-def losing(name: str, measured_s: float, timed_steps: int, full_run_s: Optional[float],
-           outcomes: Sequence[Outcome], skip_margin: float) -> Optional[tuple[str, str]]:
-    """(LOSING, reason) when the running trial ``name``, ``measured_s`` per step over ``timed_steps``
-    timed steps so far (``full_run_s`` extrapolated to the full run), is more than ``skip_margin`` slower
-    than the best measured of ``outcomes``; else None."""
+def median_interval(step_s: Sequence[float]) -> tuple[float, float, float]:
+    """(low, median, high) of timed step times: the median and its notch, median +- NOTCH x IQR / sqrt(n)."""
+    xs = sorted(step_s)
+    median = statistics.median(xs)
+    q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else (xs[0],) * 3
+    half = NOTCH * (q3 - q1) / math.sqrt(len(xs))
+    return median - half, median, median + half
+
+
+def losing(name: str, step_s: Sequence[float], full_run_s: Optional[float], outcomes: Sequence[Outcome],
+           skip_margin: float) -> Optional[tuple[str, str]]:
+    """(LOSING, reason) when the running trial ``name``, with timed step times ``step_s`` so far (its median
+    extrapolated to the full run: ``full_run_s``), is slower with confidence than the best measured of
+    ``outcomes`` by more than ``skip_margin``: the low end of its median's interval, extrapolated alike;
+    else None."""
     ok = [r for r in outcomes if r.status == OK and r.step_s and r.name != name]
-    if timed_steps < LOSING_MIN_STEPS or full_run_s is None or not ok:
+    if len(step_s) < LOSING_MIN_STEPS or full_run_s is None or not ok:
         return None
     best = min(ok, key=lambda r: r.step_s)
-    if full_run_s <= best.step_s * (1 + skip_margin):
+    low, median, _ = median_interval(step_s)
+    low_full = full_run_s * max(0.0, low) / median
+    if low_full <= best.step_s * (1 + skip_margin):
         return None
-    return (LOSING, f"stopped early: its median step after warm-up, {measured_s:.4g} s over {timed_steps} timed "
-                    f"steps ({full_run_s:.4g} s for the full run), is more than skip_margin={skip_margin:g} "
-                    f"slower than the best measured, {best.name} at {best.step_s:.4g} s")
+    return (LOSING, f"stopped early: its median step after warm-up, {median:.4g} s over {len(step_s)} timed "
+                    f"steps (at least {low_full:.4g} s for the full run, {full_run_s:.4g} s at the median), is "
+                    f"more than skip_margin={skip_margin:g} slower than the best measured, {best.name} at "
+                    f"{best.step_s:.4g} s")

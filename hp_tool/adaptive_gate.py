@@ -18,7 +18,7 @@ from hp_tool.adaptive import Option, Outcome, launch_order, losing, verdicts
 from hp_tool.launch.job import JobSpec
 from hp_tool.planner import Plan
 from hp_tool.results.collect import RANK_COLUMN, collect_trials, full_run_columns, full_run_for, read_plan
-from hp_tool.results.trial_files import number, read_metrics, timing_of
+from hp_tool.results.trial_files import number, read_metrics, timed_step_times, timing_of
 from hp_tool.vocab import METRICS_FILE, SELECTED
 
 log = logging.getLogger(__name__)
@@ -88,14 +88,12 @@ class AdaptiveGate:
         self._metrics_size[job.name] = size
         steps, _ = read_metrics(path)
         fresh = [s for s in steps if (number(s.get("time")) or 0) >= submitted]  # not an earlier run's
-        timing = timing_of(fresh)
-        measured = timing["step_time_s_median"]
-        if measured is None:
+        timed = timed_step_times(fresh)
+        if not timed:
             return None
-        row = dict(self.plan_rows[job.name], measured_step_time_s=measured)
+        row = dict(self.plan_rows[job.name], measured_step_time_s=timing_of(fresh)["step_time_s_median"])
         full_run_s = full_run_columns(row, self.full).get("full_run_step_time_s")
-        return losing(job.name, measured, timing["steps_measured"], full_run_s, self._decisions()[0],
-                      self.skip_margin)
+        return losing(job.name, timed, full_run_s, self._decisions()[0], self.skip_margin)
 
 
 def adaptive_launch(plan: Plan, jobs: list[JobSpec], skip_margin: float) -> tuple[list[JobSpec], AdaptiveGate]:

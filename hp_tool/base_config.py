@@ -99,18 +99,32 @@ class ModelChoice:
                      f"{self.shape.num_experts} experts")
         return text
 
-    def sentence(self, days: float, cluster: Cluster, ts: TrainSettings) -> str:
+    def sentence(self, days: float, cluster: Cluster, ts: TrainSettings, best: Optional[tuple[float, float]] = None
+                 ) -> str:
+        """The plan's headline: the model and the time to train it. ``days`` is the sizing estimate at
+        ``tflops_per_gpu``; ``best``, (days, achieved TFLOPS per GPU) of the best predicted layout, gives the
+        one time the headline states when there is one, and the sizing estimate is then named as the
+        assumption it is."""
+        gpus = f"{cluster.gpus} {cluster.gpu_name} GPU{'s' if cluster.gpus != 1 else ''}"
+        assumed = f"{cluster.sizing_tflops_per_gpu:g} TFLOPS per GPU (tflops_per_gpu)"
+        if best is None:
+            when = f"at {assumed} takes about {format_days(days)}"
+        else:
+            other = (f"the size was chosen assuming {assumed}, at which it would take" if self.recommended else
+                     f"assuming {assumed} instead, it would take")
+            when = (f"takes about {format_days(best[0])} with the best predicted layout ({best[1]:.3g} TFLOPS per "
+                    f"GPU); {other} {format_days(days)}")
         if self.hf is not None:
+            epochs = f"{ts.epochs:g} epoch{'s' if ts.epochs != 1 else ''}"
             return (f"Fine-tuning {self.hf.source} ({self.hf.model_type}, {self.parameters_text}, "
                     f"{self.shape.num_layers} layers x {self.shape.hidden_size} hidden) on "
-                    f"{ts.dataset_tokens_in_m:g}M tokens x {ts.epochs:g} epoch(s) at sequence lengths "
-                    f"{list(self.seq_lengths)} with {cluster.gpus} {cluster.gpu_name} GPUs at "
-                    f"{cluster.sizing_tflops_per_gpu:g} TFLOPS each takes about {format_days(days)}.")
+                    f"{ts.dataset_tokens_in_m:g}M tokens x {epochs} at sequence lengths "
+                    f"{list(self.seq_lengths)} with {gpus} {when}.")
         how = "Recommended model size" if self.recommended else "Model size"
         per_stack = " per stack" if self.shape.encoder_decoder else ""
         return (f"{how}: {self.parameters_text} ({self.shape.num_layers} layers{per_stack} x "
                 f"{self.shape.hidden_size} hidden); training on {ts.num_tokens_in_b:g}B tokens with "
-                f"{cluster.gpus} {cluster.gpu_name} GPUs at {cluster.sizing_tflops_per_gpu:g} TFLOPS each takes about {format_days(days)}.")
+                f"{gpus} {when}.")
 
 
 def choose_model(app: AppConfig, cluster: Cluster) -> ModelChoice:

@@ -9,7 +9,8 @@ bandwidth. ``fit_step_factors`` finds the two factors that best explain the meas
 
 robustly (least absolute log error, so one straggler does not pull the fit) and bounded to
 [1/10, 10] (beyond, a trial says more about a fault than about the cluster; the CPU preset's rough peak
-sits near the top). With fewer
+sits near the top). A fit that had to stop at a bound (``StepFactors.clamped``) does not explain its trials:
+the adaptive search skips nothing on it, and the report says so. With fewer
 than three trials, or when the trials' communication parts barely differ from their compute parts in
 proportion, the two cannot be told apart and one common factor is fitted.
 
@@ -55,6 +56,7 @@ class StepFactors:
     points: int = 0  # trials the fit used; 0: no calibration (factors 1)
     common: bool = True  # one factor fitted for both parts
     residuals: dict = field(default_factory=dict)  # regime -> measured / factors' prediction, median
+    clamped: bool = False  # a factor or residual stopped at BOUNDS: the fit does not explain its trials
 
     def predict(self, compute_s: float, comm_s: float, regime: Optional[Regime] = None) -> float:
         return (self.compute * compute_s + self.comm * comm_s) * self.residuals.get(regime, 1.0)
@@ -95,8 +97,19 @@ def fit_step_factors(points: Sequence[StepPoint]) -> StepFactors:
     for p in points:
         if p.regime is not None:
             ratios.setdefault(p.regime, []).append(p.measured_s / (a * p.compute_s + b * p.comm_s))
-    residuals = {r: min(BOUNDS[1], max(BOUNDS[0], statistics.median(v))) for r, v in ratios.items()}
-    return StepFactors(a, b, len(points), common, residuals)
+    raw = {r: statistics.median(v) for r, v in ratios.items()}
+    residuals = {r: _bounded(v) for r, v in raw.items()}
+    clamped = any(_at_bound(x) for x in (a, b)) or any(residuals[r] != v for r, v in raw.items())
+    return StepFactors(a, b, len(points), common, residuals, clamped)
+
+
+def _bounded(x: float) -> float:
+    return min(BOUNDS[1], max(BOUNDS[0], x))
+
+
+def _at_bound(x: float) -> bool:
+    """Whether a fitted factor stopped at a bound (the search's grid reaches it only by clamping)."""
+    return any(math.isclose(x, bound, rel_tol=1e-6) for bound in BOUNDS)
 
 
 def fit_memory_offset(predicted_gib: Sequence[float], measured_gib: Sequence[float]) -> Optional[float]:

@@ -15,7 +15,7 @@ from hp_tool.dimensions import cell, layout_columns, layout_headers, searched
 from hp_tool.estimate.methods import trainable_parameters
 from hp_tool.fsutil import atomic_write_text
 from hp_tool.planner import Plan, candidate_dimensions
-from hp_tool.sizing import SECONDS_PER_DAY
+from hp_tool.sizing import run_days
 from hp_tool.contracts.spec import dump_spec
 from hp_tool.vocab import INVALID, OVER_LIMIT, PRUNED, SELECTED, TRACE_CACHE_FILE
 
@@ -48,7 +48,7 @@ def plan_rows(plan: Plan) -> Iterable[dict[str, Any]]:
     for c in plan.candidates:
         trial_id = c.trial_id
         spec = specs.get(trial_id)
-        days = None if c.step_time_s is None else full.max_steps * c.step_time_s / SECONDS_PER_DAY
+        days = None if c.step_time_s is None else run_days(full.max_steps, c.step_time_s)
         cost, epoch = {}, {}
         if days is not None and price is not None:
             cost = cost_columns(price, gpus, c.tokens_per_s_per_gpu * gpus, days)

@@ -18,6 +18,7 @@ from hp_tool.config import AppConfig
 from hp_tool.errors import ConfigError
 from hp_tool.contracts.spec import EstimatesSpec, FullRunSpec, ParallelSpec, RunSpec, TrialSpec
 from hp_tool.dimensions import BY_KEY, DIMENSIONS, trial_id
+from hp_tool.sizing import run_days
 
 # how to mend a train_settings key that leaves no valid candidate: each dimension's list, and the other keys
 FIXES = {
@@ -64,7 +65,9 @@ def make_plan(app: AppConfig, search_name: str, results_dir: Path, tracer: Optio
     _require_selection(candidates, ts, cluster)
     selected = sorted((c for c in candidates if c.status == SELECTED), key=lambda c: c.rank)
     specs = [candidate_spec(base, c, model, app, results_dir) for c in selected]
-    return Plan(search_name, results_dir, model, cluster, days, model.sentence(days, cluster, ts), base,
+    top = selected[0] if selected else None
+    best = None if top is None else (run_days(base.full_run.max_steps, top.step_time_s), top.model_tflops_per_gpu)
+    return Plan(search_name, results_dir, model, cluster, days, model.sentence(days, cluster, ts, best), base,
                 candidates, specs, tracer)
 
 

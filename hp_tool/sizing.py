@@ -34,6 +34,12 @@ def days_to_train(family: str, size_b: float, gpus: int, tflops_per_gpu: float, 
     return days if ndigits is None else round(days, ndigits)
 
 
+def run_days(steps: int, step_time_s: float) -> float:
+    """Days a run of ``steps`` optimizer steps takes at ``step_time_s`` per step: the one rule behind every
+    layout's days to train (the plan's rows and headline, the collector's measured rows)."""
+    return steps * step_time_s / SECONDS_PER_DAY
+
+
 def format_days(days: float) -> str:
     """'33.9 days', '5.2 hours', '42 minutes': three significant digits in the unit that reads best."""
     for unit, per_day in (("days", 1), ("hours", 24), ("minutes", 1440)):

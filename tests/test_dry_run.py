@@ -1,6 +1,7 @@
 """`main.py ... dry_run=true` as a user runs it: files, table, no torch, and bad input writing nothing."""
 
 import csv
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -96,3 +97,25 @@ def test_unknown_key_fails_before_writing(tmp_path):
     assert proc.returncode != 0
     assert "micro_batch" in proc.stdout + proc.stderr
     assert not (tmp_path / "res").exists()
+
+
+@pytest.mark.parametrize("preset, recommended", [("gpt3/unknown_size", True), ("finetune/llama2_7b_a10g", False)])
+def test_the_headline_time_is_the_best_rows_and_names_the_sizing_assumption(tmp_path, preset, recommended):
+    """One time estimate: the headline's time is the rank-1 row's predicted days (what the table's best row
+    says), and the tflops_per_gpu sizing figure, which differs, is named as an assumption with its own time."""
+    from hp_tool.cli import compose
+    from hp_tool.config import to_app_config
+    from hp_tool.planner import make_plan
+    from hp_tool.plan_output import plan_rows
+    from hp_tool.sizing import format_days
+
+    cfg, name = compose([f"search_config={preset}"])
+    plan = make_plan(to_app_config(cfg), name, tmp_path / name)
+    best = next(r for r in plan_rows(plan) if r["predicted_rank"] == 1)
+    said = re.search(r"takes about ([\d.]+) (days|hours|minutes) with the best predicted layout", plan.sentence)
+    per_day = {"days": 1, "hours": 24, "minutes": 1440}[said[2]]
+    assert float(said[1]) == pytest.approx(best["predicted_days_to_train"] * per_day, rel=0.01)
+    assumed = f"{plan.cluster.sizing_tflops_per_gpu:g} TFLOPS per GPU (tflops_per_gpu)"
+    assert assumed in plan.sentence and format_days(plan.days_to_train) in plan.sentence
+    assert format_days(plan.days_to_train) != format_days(best["predicted_days_to_train"])
+    assert ("the size was chosen assuming" in plan.sentence) == recommended

@@ -283,3 +283,19 @@ def test_a_calibrated_step_error_fitted_exactly_is_not_shown_as_zero(tmp_path):
     write_ok(out, next(s.trial_id for s in plan.specs if s.trial_id not in by_regime.values()), 0.9)
     assert finalize(out, app) == 0  # a second trial in one regime: the calibrated error means something again
     assert "exact by construction" not in (out / "final_results" / "report.md").read_text()
+
+
+def test_a_calibration_clamped_at_its_bounds_is_not_called_exact(tmp_path):
+    """One trial per TP/PP regime, each measured thousands of times slower than predicted (a fault, not the
+    cluster): the factors stop at their bound, the calibrated figures do not reproduce the trials, and the
+    report says the fit was clamped instead of calling it exact."""
+    app, out, plan = planned(tmp_path)
+    by_regime = {}
+    for spec in plan.specs:
+        by_regime.setdefault((spec.parallel.tp, spec.parallel.pp), spec.trial_id)
+    for i, tid in enumerate(by_regime.values()):
+        write_ok(out, tid, 5000.0 + 1000 * i)
+    assert len(by_regime) >= 2 and finalize(out, app) == 0
+    page = (out / "final_results" / "report.md").read_text()
+    assert "exact by construction" not in page
+    assert "clamped at a bound (x0.1-x10)" in page

@@ -23,7 +23,7 @@ from typing import Any, Optional
 import pandas as pd
 
 from hp_tool import dimensions
-from hp_tool.calibration import StepPoint, fit_memory_offset, fit_step_factors
+from hp_tool.calibration import BOUNDS, StepPoint, fit_memory_offset, fit_step_factors
 from hp_tool.cost import cost_columns, epoch_columns
 from hp_tool.errors import ConfigError
 from hp_tool.contracts.spec import TrialSpec, load_spec
@@ -31,7 +31,7 @@ from hp_tool.estimate.speed import extrapolate_step_time_s
 from hp_tool.results.full_run import FullRun, load_full_run
 from hp_tool.fingerprint import STALE
 from hp_tool.results.trial_files import OK, number, read_trial
-from hp_tool.sizing import SECONDS_PER_DAY
+from hp_tool.sizing import run_days
 from hp_tool.throughput import throughput
 from hp_tool.vocab import NOT_RUN, SELECTED
 
@@ -225,7 +225,7 @@ def full_run_columns(row: dict, full: FullRun) -> dict:
                                      spec.full_run.num_nodes)
     gbs = whole.global_batch_size
     tokens_per_s = throughput(shape, gbs, step_s, whole.gpus, full.peak_tflops_per_gpu)["tokens_per_s"]
-    days = full.max_steps * step_s / SECONDS_PER_DAY
+    days = run_days(full.max_steps, step_s)
     cols.update(full_run_step_time_s=step_s, full_run_tokens_per_s=tokens_per_s,
                 full_run_tokens_per_s_per_gpu=tokens_per_s / whole.gpus, days_to_train=days)
     if row.get("model_tflops_per_gpu") is None:  # derived from metrics.jsonl
@@ -301,7 +301,10 @@ def calibrate(df: pd.DataFrame) -> pd.DataFrame:
         df.attrs[CALIBRATION] = (
             f"Calibrated on {factors.points} trials: compute x{factors.compute:.3g}, communication "
             f"x{factors.comm:.3g}{' (one common factor)' if factors.common else ''}, per regime {residuals}, "
-            f"memory {offset or 0.0:+.3g} GiB")
+            f"memory {offset or 0.0:+.3g} GiB" + (
+                f"; clamped at a bound (x{BOUNDS[0]:g}-x{BOUNDS[1]:g}): the model does not explain these trials, "
+                f"so their calibrated figures are not exact, and the adaptive search skips nothing on this fit"
+                if factors.clamped else ""))
         log.info("%s", df.attrs[CALIBRATION])
     return df
 

@@ -38,7 +38,8 @@ INFERENCE_COLUMNS = ("config_id", "tp", "pp", "batch_size", "num_gpus", "tokens_
                      "latency_ms_p99", "time_to_first_token_ms", "meets_latency_bound", "predicted_memory_gib")
 IN_SAMPLE = ("Calibrated predictions are fitted to these same measured trials (hp_tool/calibration.py: a compute "
              "and a communication factor, a residual per TP/PP regime, a memory offset), so their error here is "
-             "in-sample: a regime with one measured trial is matched exactly by construction. For a layout "
+             "in-sample: a regime with one measured trial is matched exactly by construction, unless the fit "
+             "was clamped at its bounds (then the factors above say so). For a layout "
              "nobody measured, expect an error between the raw and the calibrated column.")
 
 
@@ -96,7 +97,8 @@ def model_errors(ranked: pd.DataFrame, cpu: bool) -> tuple[ModelError, ...]:
                else "memory per GPU, overhead included")
     step = error("step time", f"{RANK_COLUMN} vs predicted_step_time_s / calibrated_step_time_s",
                  "step_time_error_pct", "calibrated_step_time_error_pct")
-    if step.trials and ranked.groupby(["tp", "pp"]).size().max() == 1:  # each regime's residual fits its trial
+    exact = step.calibrated_pct is not None and step.calibrated_pct < 0.01  # a clamped residual is not exact
+    if step.trials and exact and ranked.groupby(["tp", "pp"]).size().max() == 1:  # each regime's residual fits its trial
         step = replace(step, calibrated_pct=None, calibrated_note="exact by construction: one trial per TP/PP regime")
     return (
         step,

@@ -127,10 +127,15 @@ def _fill_timing(result: dict, steps: list[dict]) -> None:
             result[key] = timing[key]
 
 
+def timed_step_times(steps: list[dict]) -> list[float]:
+    """The timed steps' times (seconds) of metrics.jsonl rows, as ``read_metrics`` returns them."""
+    return [float(s["step_time_s"]) for s in steps if s.get("timed") is True]
+
+
 def timing_of(steps: list[dict]) -> dict:
     """Step-time statistics (seconds) over the timed steps; peak memory (GiB) over all steps (metrics.jsonl
     rows, as ``read_metrics`` returns them)."""
-    timed = [float(s["step_time_s"]) for s in steps if s.get("timed") is True]
+    timed = timed_step_times(steps)
     memory = [m for m in (number(s.get("memory_gib")) for s in steps) if m is not None]
     losses = [x for x in (number(s.get("loss")) for s in steps) if x is not None]
     stats = step_stats(timed)
