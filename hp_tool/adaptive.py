@@ -33,6 +33,7 @@ from typing import Optional, Sequence
 
 from hp_tool.calibration import StepPoint, fit_step_factors
 from hp_tool.vocab import LOSING, PRUNED_AFTER_OOM, SKIPPED
+from hp_tool.words import plural
 
 OK = "ok"
 LOSING_MIN_STEPS = 5  # timed steps a running trial needs before it is judged (the trial's stable_window)
@@ -113,7 +114,7 @@ def verdicts(options: Sequence[Option], outcomes: Sequence[Outcome], skip_margin
             out[o.name] = (SKIPPED,
                            f"calibrated prediction {calibrated:.4g} s per step (raw {o.predicted_s:.4g} s) is "
                            f"more than skip_margin={skip_margin:g} slower than the best measured, {best.name} at "
-                           f"{bar:.4g} s ({bar_words}; calibrated on {factors.points} trials)")
+                           f"{bar:.4g} s ({bar_words}; calibrated on {plural(factors.points, 'trial')})")
     return out
 
 

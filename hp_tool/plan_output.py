@@ -18,6 +18,7 @@ from hp_tool.planner import Plan, candidate_dimensions
 from hp_tool.sizing import run_days
 from hp_tool.contracts.spec import dump_spec
 from hp_tool.vocab import INVALID, OVER_LIMIT, PRUNED, SELECTED, TRACE_CACHE_FILE
+from hp_tool.words import plural
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +133,7 @@ def funnel_line(cands: list[Candidate]) -> str:
     gpu = sum(c.status == PRUNED and c.reason_key == "gpu.memory_gib" for c in cands)
     host = sum(c.status == PRUNED and c.reason_key == "gpu.host_ram_gib" for c in cands)
     rules = ", ".join(f"{n} {k}" for k, n in sorted(invalid.items(), key=lambda kv: -kv[1]))
-    return (f"Plan: {len(cands)} candidates; {sum(invalid.values())} invalid" + (f" ({rules})" if rules else "")
+    return (f"Plan: {plural(len(cands), 'candidate')}; {sum(invalid.values())} invalid" + (f" ({rules})" if rules else "")
             + f"; {estimated} estimated; {gpu} pruned on GPU memory, {host} on host RAM; "
             f"{sum(c.status == OVER_LIMIT for c in cands)} over the run limit; "
             f"{sum(c.status == SELECTED for c in cands)} selected.")
@@ -164,7 +165,7 @@ def _memory_line(plan: Plan) -> str:
     seconds = plan.tracer.seconds
     timing = (f"; {len(seconds)} traced now, at most {max(seconds):.1f} s each on one core" if seconds
               else "; all from the cache")
-    return (f"Memory: traced per rank under fake tensors for {len(traced)} candidates (traced GiB includes the "
+    return (f"Memory: traced per rank under fake tensors for {plural(len(traced), 'candidate')} (traced GiB includes the "
             f"{plan.cluster.hw.memory_overhead_gib:g} GiB overhead){timing}; {pruned} pruned by the trace"
             + (f", {untraced} kept the analytic figure (see memory_check in plan.csv)" if untraced else "") + ".")
 

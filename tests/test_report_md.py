@@ -122,3 +122,13 @@ def test_a_large_grid_lists_the_first_unranked_and_counts_the_rest():
     assert f"{MAX_UNRANKED_ROWS + 7} without a rank ({MAX_UNRANKED_ROWS + 7} invalid)" in body
     assert f"| c{MAX_UNRANKED_ROWS - 1} | invalid |" in body and f"| c{MAX_UNRANKED_ROWS} |" not in body
     assert "... and 7 more, each with its reason in the all-trials CSV." in body
+
+
+def test_a_lead_of_several_times_reads_as_a_ratio_not_hundreds_of_percent():
+    slow = Pick("gpt3_tp2_pp1_mbs1", "TP=2, PP=1, DP=1, MBS=1", 2.16)  # 7.2x the pick's 0.30 s
+    text = render_report(inputs(runner_up=slow))
+    assert "7.2x faster than the runner-up, gpt3_tp2_pp1_mbs1" in text and "620.0%" not in text
+    rate = RankMetric("tokens_per_s_per_gpu", "tokens/s per GPU", "tokens/s", "mean", lower_is_better=False)
+    text = render_report(inputs(metric=rate, pick=Pick("a", "TP=1", 3000.0), runner_up=Pick("b", "TP=2", 1000.0),
+                                ranked=()))
+    assert "3x higher than the runner-up, b" in text

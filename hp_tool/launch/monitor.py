@@ -48,7 +48,7 @@ class Progress:
             t.tokens_per_s_per_gpu = result.get("tokens_per_s_per_gpu")
             t.reason = result.get("reason") or ""
         if not self.live:
-            extra = f" ({t.reason[:160]})" if t.reason else ""
+            extra = f" ({t.reason})" if t.reason else ""
             timing = f" step {t.step_time_s:.4g} s" if t.step_time_s else ""
             log.info("trial %s: %s%s%s [%s]", trial_id, state, timing, extra, self.counts())
         self.refresh()

@@ -164,8 +164,7 @@ class Launcher:
     def submit(self, job: JobSpec) -> None:
         verdict = self.gate(job) if self.gate is not None else None
         if verdict is not None:
-            status, reason = verdict
-            log.info("%s: %s (%s)", job.name, status, reason)
+            status, reason = verdict  # the progress log says it, once, with its whole reason
             self._ended(job, None, jobmod.write_job_failure(job, status, reason))
             return
         if (jobmod.read_result(job.out) or {}).get("status") in NOT_LAUNCHED:

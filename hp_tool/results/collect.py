@@ -34,6 +34,7 @@ from hp_tool.results.trial_files import OK, number, read_trial
 from hp_tool.sizing import run_days
 from hp_tool.throughput import throughput
 from hp_tool.vocab import NOT_RUN, SELECTED
+from hp_tool.words import plural
 
 log = logging.getLogger(__name__)
 
@@ -299,7 +300,7 @@ def calibrate(df: pd.DataFrame) -> pd.DataFrame:
     if factors.points:
         residuals = ", ".join(f"TP{tp} PP{pp} x{r:.3g}" for (tp, pp), r in sorted(factors.residuals.items()))
         df.attrs[CALIBRATION] = (
-            f"Calibrated on {factors.points} trials: compute x{factors.compute:.3g}, communication "
+            f"Calibrated on {plural(factors.points, 'trial')}: compute x{factors.compute:.3g}, communication "
             f"x{factors.comm:.3g}{' (one common factor)' if factors.common else ''}, per regime {residuals}, "
             f"memory {offset or 0.0:+.3g} GiB" + (
                 f"; clamped at a bound (x{BOUNDS[0]:g}-x{BOUNDS[1]:g}): the model does not explain these trials, "

@@ -37,6 +37,7 @@ from hp_tool.results.report_inputs import (dimension_columns, searched, status_c
                                            write_report_md)
 from hp_tool.sizing import format_days
 from hp_tool.vocab import LOSING, NOT_LAUNCHED, NOT_RUN, SELECTED
+from hp_tool.words import plural
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,7 @@ def search_cost_line(selected: pd.DataFrame) -> Optional[str]:
     early = f" ({int(stopped.sum())} stopped early as losing)" if stopped.any() else ""
     skipped = (f"; {int(not_launched.sum())} not launched ({status_counts(selected[not_launched])})"
                if not_launched.any() else "")
-    return (f"Adaptive search: {ran} trials ran{early} for {spent:.3g} GPU-hours{skipped}; launching every selected "
+    return (f"Adaptive search: {plural(ran, 'trial')} ran{early} for {spent:.3g} GPU-hours{skipped}; launching every selected "
             f"candidate and running each to its stop would have spent about {estimate:.3g} GPU-hours "
             f"({spent / estimate:.0%} of it spent).")
 

@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from hp_tool.words import how_much
+
 REPORT_FILE = "report.md"
 NEAR_TIE_PCT = 2.0  # below this lead, a rerun's noise could swap the pick and the runner-up
 MAX_UNRANKED_ROWS = 100  # a large grid's invalid candidates would bury the trials that failed
@@ -128,7 +130,7 @@ def _why(inputs: ReportInputs) -> str:
         return f"the only trial ranked: {_number(pick.value)} {m.unit} on {column}."
     lead = lead_pct(m, pick, runner)
     word = "faster" if m.lower_is_better else "higher"
-    text = (f"{lead:.1f}% {word} than the runner-up, {runner.name}, on {column}: "
+    text = (f"{how_much(1 + lead / 100, word)} than the runner-up, {runner.name}, on {column}: "
             f"{_number(pick.value)} {m.unit} against {_number(runner.value)} {m.unit}.")
     if lead < NEAR_TIE_PCT:
         text += (f" A lead under {NEAR_TIE_PCT:g}% is within a rerun's noise: either layout will do; "
