@@ -23,7 +23,7 @@ from hp_tool.session import prepare_backend
 
 REPO = Path(__file__).resolve().parent.parent
 GPUS = ("a100_40gb", "a100_80gb", "h100_80gb", "h100_96gb_hbm2e", "h200", "a10g", "a10g_g5_4xlarge", "l4", "v100_16gb", "v100_32gb",
-        "t4", "cpu")
+        "t4", "cpu", "l40s", "rtx_3090", "rtx_4090", "rtx_6000_ada", "rtx_a5000", "rtx_a6000")
 
 
 def main(tmp_path, *args, env=None):

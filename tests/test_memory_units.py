@@ -20,7 +20,8 @@ REPO = Path(__file__).resolve().parent.parent
 PRESETS = sorted((REPO / "hp_tool/conf/gpu").glob("*.yaml"))
 # each GPU's datasheet label, GB
 LABELS = {"a100_40gb": 40, "a100_80gb": 80, "a10g": 24, "a10g_g5_4xlarge": 24, "h100_80gb": 80, "h100_96gb_hbm2e": 96,
-          "h200": 141, "l4": 24, "t4": 16, "v100_16gb": 16, "v100_32gb": 32}
+          "h200": 141, "l4": 24, "t4": 16, "v100_16gb": 16, "v100_32gb": 32, "l40s": 48, "rtx_3090": 24,
+          "rtx_4090": 24, "rtx_6000_ada": 48, "rtx_a5000": 24, "rtx_a6000": 48}
 
 
 @pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.stem)
