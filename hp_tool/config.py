@@ -42,14 +42,19 @@ def _positive(obj: object, prefix: str, names: tuple[str, ...]) -> None:
                 "set a positive number (or null for the default)")
 
 
+def _not_empty(key: str, values: Optional[list], fix: str) -> None:
+    """The one rule for list keys: null takes the default, an empty list is refused (it would search nothing,
+    or silently stand for the default)."""
+    require(values is None or len(values) > 0, key, values, "is an empty list", fix)
+
+
 def _positive_list(obj: object, prefix: str, names: tuple[str, ...], allow_zero: bool = False) -> None:
     for name in names:
         values = getattr(obj, name)
         if values is None:
             continue
         key = f"{prefix}.{name}"
-        require(len(values) > 0, key, values, "is an empty list",
-                "give at least one value, or null for the heuristic default")
+        _not_empty(key, values, "give at least one value, or null for the heuristic default")
         low = 0 if allow_zero else 1
         bad = [v for v in values if v < low]
         require(not bad, key, values, f"has values below {low}: {bad}", f"use integers >= {low}")
@@ -60,7 +65,7 @@ def _members(obj: object, prefix: str, name: str, allowed: tuple) -> None:
     if values is None:
         return
     key = f"{prefix}.{name}"
-    require(len(values) > 0, key, values, "is an empty list", f"give some of {list(allowed)}, or null for the heuristic")
+    _not_empty(key, values, f"give some of {list(allowed)}, or null for the heuristic")
     bad = [v for v in values if v not in allowed]
     require(not bad, key, values, f"has unknown values {bad}", f"use values from {list(allowed)}")
 
@@ -196,6 +201,8 @@ class LoraSettings:
                 "use a rank such as 8, 16 or 64 (LoRA with rank 0 trains nothing)")
         require(self.alpha > 0, f"{p}.alpha", self.alpha, "must be positive", "use e.g. 2 x rank")
         require(0 <= self.dropout < 1, f"{p}.dropout", self.dropout, "must be in [0, 1)", "use e.g. 0.05")
+        _not_empty(f"{p}.target_modules", self.target_modules, "give at least one of a layer's linear modules "
+                   "(q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj), or null for all of them")
 
 
 @dataclass
@@ -262,6 +269,7 @@ class TrainSettings:
     search_strategy: str = STRATEGIES[0]  # adaptive | exhaustive (hp_tool/adaptive.py)
     skip_margin: float = DEFAULT_SKIP_MARGIN  # adaptive: skip candidates calibrated this much slower than the best measured,
     # and stop a running trial measured this much slower
+    confirm_top: int = 2  # the fastest trials timed again after the search (0: none), for the run-to-run spread
     tensor_parallel_sizes: Optional[List[int]] = None
     pipeline_parallel_sizes: Optional[List[int]] = None
     virtual_pipeline_sizes: Optional[List[int]] = None  # model chunks per pipeline rank (interleaved 1F1B when > 1);
@@ -342,6 +350,8 @@ class TrainSettings:
                 "(launch every selected candidate)")
         require(self.skip_margin >= 0, f"{p}.skip_margin", self.skip_margin, "must be >= 0",
                 "e.g. 0.25 skips candidates predicted more than 25% slower than the best measured trial")
+        require(isinstance(self.confirm_top, int) and self.confirm_top >= 0, f"{p}.confirm_top", self.confirm_top,
+                "must be an integer >= 0", "e.g. 2 times the two fastest trials again; 0 skips the confirmation round")
         require(0 <= self.memory_margin < 1, f"{p}.memory_margin", self.memory_margin,
                 "must be a fraction in [0, 1)", "e.g. 0.05 keeps 5% of GPU memory free")
         lo, hi = self.min_model_parallel_size, self.max_model_parallel_size

@@ -1,11 +1,14 @@
 """The training search after planning: the plan's trials as jobs, launched through a launch session
 (hp_tool/session.py: resume, detach, cancel, Ctrl-C), in the adaptive order behind the adaptive gate
-(hp_tool/adaptive_gate.py) when ``search_strategy=adaptive``; then the collected table written, printed and,
-with ``wandb.enable=true``, logged to W&B.
+(hp_tool/adaptive_gate.py) when ``search_strategy=adaptive``; then the confirmation round (the fastest
+``confirm_top`` trials timed once more, each into ``training_logs/<trial_id>/confirm/``, so the report can say
+how far a trial's time moves between runs and whether the top picks are apart beyond it); then the collected
+table written, printed and, with ``wandb.enable=true``, logged to W&B.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Optional
@@ -14,13 +17,15 @@ from hp_tool import tracking  # wandb itself is imported only when enabled (trac
 from hp_tool.adaptive_gate import adaptive_launch
 from hp_tool.config import AppConfig
 from hp_tool.contracts.result import empty_result
-from hp_tool.contracts.spec import TrialSpec
+from hp_tool.contracts.spec import TrialSpec, dump_spec
 from hp_tool.deepspeed_ops import build_deepspeed_ops, needs_deepspeed_ops
 from hp_tool.launch.backends import Backend
 from hp_tool.launch.job import JobSpec, trial_job
 from hp_tool.planner import Plan
+from hp_tool.results.collect import collect_trials, successful
 from hp_tool.results.report import FINAL_DIR, FinalResults, collect_and_report
 from hp_tool.session import Hook, LaunchSession, chain, prepare_backend
+from hp_tool.vocab import CONFIRM_DIR
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +75,35 @@ def run_training_search(app: AppConfig, plan: Plan, backend: Backend) -> int:
     code = session.launch(jobs)
     if code is not None:
         return code
+    confirm = confirmation_jobs(plan, ts.confirm_top)
+    if confirm:
+        log.info("Confirmation round: timing the %d fastest trials again", len(confirm))
+        code = LaunchSession(app.cluster, backend, plan.results_dir, plan.results_dir, app.detach, app.cancel,
+                             what="confirmation runs").launch(confirm)
+        if code is not None:
+            return code
     return finalize(plan.results_dir, app)
+
+
+def confirmation_jobs(plan: Plan, top: int) -> list[JobSpec]:
+    """The confirmation round: the ``top`` fastest trials measured so far (by their first run's full-run step
+    time), each to run once more as it ran, into ``training_logs/<trial_id>/confirm/`` from
+    ``candidate_configs/confirm/<trial_id>.yaml`` (the same spec and fingerprint, another folder). The
+    collector ranks these trials among themselves by the mean of their two runs. A resumed search asks for
+    the same trials (the second runs only reorder them), so the ledger finds them done."""
+    if top <= 0:
+        return []
+    specs = {s.trial_id: s for s in plan.specs}
+    first = successful(collect_trials(plan.results_dir))
+    chosen = [t for t in first.sort_values(["full_run_step_time_s", "trial_id"])["trial_id"] if t in specs][:top]
+    jobs = []
+    for trial_id in chosen:
+        spec = specs[trial_id]
+        again = dataclasses.replace(spec, run=dataclasses.replace(
+            spec.run, output_dir=str(Path(spec.run.output_dir) / CONFIRM_DIR)))
+        path = dump_spec(again, plan.results_dir / "candidate_configs" / CONFIRM_DIR / f"{trial_id}.yaml")
+        jobs.append(dataclasses.replace(trial_job_spec(again, path), name=f"{trial_id}.{CONFIRM_DIR}"))
+    return jobs
 
 
 def finalize(results_dir: Path, app: AppConfig) -> int:

@@ -44,6 +44,9 @@ NOT_RUN = "not_run"  # a selected trial or inference config with no output yet
 # ---- file names ----
 METRICS_FILE = "metrics.jsonl"
 RESULT_FILE = "result.json"
+# training_logs/<trial_id>/confirm/ and candidate_configs/confirm/<trial_id>.yaml: the confirmation round's
+# second timing of a top trial (hp_tool/search.py confirmation_jobs)
+CONFIRM_DIR = "confirm"
 FAILURE_DIR = "rank_failures"  # per-rank failure notes, read by rank 0 to name the root cause
 STOP_REQUEST_FILE = "stop_request.json"  # the search asks a running trial to stop after its current step
 LEDGER_FILE = "jobs.jsonl"

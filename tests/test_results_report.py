@@ -4,6 +4,7 @@ the printed summary, a re-run, a search where nothing succeeded, and a real tiny
 import csv
 import re
 
+import pandas as pd
 import pytest
 from search_helpers import search_here
 from test_results_helpers import planned, selected_ids, write_failed, write_metrics, write_ok
@@ -299,3 +300,44 @@ def test_a_calibration_clamped_at_its_bounds_is_not_called_exact(tmp_path):
     page = (out / "final_results" / "report.md").read_text()
     assert "exact by construction" not in page
     assert "clamped at a bound (x0.1-x10)" in page
+
+
+def _confirm(out, trial_id, first, step_time_s):
+    """The confirmation round's second run of a trial: its result.json in training_logs/<id>/confirm/."""
+    from hp_tool.fsutil import atomic_write_json
+
+    again = dict(first, step_time_s_median=step_time_s, step_time_s_mean=1.15 * step_time_s)
+    atomic_write_json(out / "training_logs" / trial_id / "confirm" / "result.json", again)
+
+
+def test_the_confirmation_round_ranks_the_top_trials_by_both_runs_and_says_when_they_are_tied(tmp_path, capsys):
+    app, out, plan = planned(tmp_path)
+    a, b, c = selected_ids(plan)[:3]
+    first = {a: write_ok(out, a, 0.30), b: write_ok(out, b, 0.32)}
+    write_ok(out, c, 0.40)
+    # a was lucky on its first run: 0.30 then 0.40; b 0.32 then 0.31. On the mean of two runs b is faster.
+    _confirm(out, a, first[a], 0.40)
+    _confirm(out, b, first[b], 0.31)
+    df = collect_trials(out)
+    top = df[df["rank"].notna()].sort_values("rank")
+    assert list(top["trial_id"])[:3] == [b, a, c]
+    assert top.iloc[0]["confirmed_step_time_s"] < top.iloc[1]["confirmed_step_time_s"]
+    assert top.iloc[1]["run_to_run_pct"] > 30 and pd.isna(top.iloc[2]["confirmed_step_time_s"])
+    assert finalize(out, app) == 0
+    page = (out / "final_results" / "report.md").read_text()
+    printed = capsys.readouterr().out
+    for text in (page, " ".join(printed.split())):
+        assert f"Confirmation round: the 2 fastest trials timed again: {b} " in text
+        assert "The top two are tied within noise:" in text and "either layout will do" in text
+    assert f"**Pick: {b}**" in page
+
+
+def test_a_confirmed_lead_beyond_the_run_to_run_spread_is_called_a_lead(tmp_path):
+    app, out, plan = planned(tmp_path)
+    a, b = selected_ids(plan)[:2]
+    first = {a: write_ok(out, a, 0.30), b: write_ok(out, b, 0.32)}
+    _confirm(out, a, first[a], 0.31)
+    _confirm(out, b, first[b], 0.33)
+    assert finalize(out, app) == 0
+    page = (out / "final_results" / "report.md").read_text()
+    assert f"{a} leads by " in page and "beyond the" in page and "tied within noise" not in page

@@ -33,7 +33,7 @@ from hp_tool.fingerprint import STALE
 from hp_tool.results.trial_files import OK, number, read_trial
 from hp_tool.sizing import run_days
 from hp_tool.throughput import throughput
-from hp_tool.vocab import NOT_RUN, SELECTED
+from hp_tool.vocab import CONFIRM_DIR, NOT_RUN, SELECTED
 from hp_tool.words import plural
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ TABLE_COLUMNS = (
     *dimensions.layout_columns(), "lora_rank",
     "global_batch_size", "num_nodes", "num_gpus", "trial_num_nodes", "trial_dp", "trial_global_batch_size",
     "trial_world_size",
-    "full_run_step_time_s", "predicted_step_time_s", "step_time_error_pct", "calibrated_step_time_s",
+    "full_run_step_time_s", "confirm_step_time_s", "confirmed_step_time_s", "run_to_run_pct", "predicted_step_time_s", "step_time_error_pct", "calibrated_step_time_s",
     "calibrated_step_time_error_pct", "predicted_compute_s", "predicted_comm_s", "measured_step_time_s",
     "measured_step_time_mean_s", "measured_step_time_std_s", "steps_run", "steps_measured",
     "full_run_tokens_per_s", "full_run_tokens_per_s_per_gpu", "tokens_per_s_per_gpu",
@@ -147,7 +147,24 @@ def _row(plan: dict, trial_dir: Optional[Path], full: FullRun, time_box_s: Optio
     else:
         row.update(_measured(result))
     row.update(full_run_columns(row, full))
+    if result is not None and result["status"] == OK and row.get(RANK_COLUMN) is not None:
+        row.update(_confirmation(row, trial_dir / CONFIRM_DIR, full, time_box_s, plan.get("fingerprint")))
     return row
+
+
+def _confirmation(row: dict, confirm_dir: Path, full: FullRun, time_box_s: Optional[float],
+                  fingerprint: Optional[str]) -> dict:
+    """The confirmation round's second run of a trial (hp_tool/search.py confirmation_jobs), when it ended ok
+    with the same fingerprint: its full-run step time extrapolated as the first's, the mean of the two
+    (``confirmed_step_time_s``, what the top trials are ranked by among themselves) and how far the second
+    moved from the first, in % (``run_to_run_pct``)."""
+    again = read_trial(confirm_dir, time_box_s, fingerprint) if confirm_dir.is_dir() else None
+    if again is None or again["status"] != OK or again.get("step_time_s_median") is None:
+        return {}
+    second = full_run_columns(dict(row, measured_step_time_s=again["step_time_s_median"]), full)[RANK_COLUMN]
+    first = row[RANK_COLUMN]
+    return {"confirm_step_time_s": second, "confirmed_step_time_s": (first + second) / 2,
+            "run_to_run_pct": 100 * (second / first - 1)}
 
 
 def _unplanned_row(trial_id: str, trial_dir: Path, time_box_s: Optional[float]) -> dict:
@@ -322,8 +339,16 @@ def rank_trials(df: pd.DataFrame) -> pd.DataFrame:
     })
     keys = keys.sort_values(["unranked", "status", "speed", "predicted", "trial_id"],
                             na_position="last", kind="mergesort")
-    out = df.loc[keys.index].reset_index(drop=True)
-    is_ranked = ranked.loc[keys.index].to_numpy()
+    order = list(keys.index)
+    # the trials of the confirmation round were timed twice: among the places they hold, the mean of their
+    # two runs orders them (the others keep their one run's order)
+    confirmed = [i for i in order if ranked[i] and pd.notna(df.at[i, "confirmed_step_time_s"])]
+    places = [order.index(i) for i in confirmed]
+    for place, i in zip(places, sorted(confirmed, key=lambda i: (df.at[i, "confirmed_step_time_s"],
+                                                                    df.at[i, "trial_id"]))):
+        order[place] = i
+    out = df.loc[order].reset_index(drop=True)
+    is_ranked = ranked.loc[order].to_numpy()
     out["rank"] = pd.Series(is_ranked.cumsum(), dtype="Int64").where(is_ranked)
     return out
 

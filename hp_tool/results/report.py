@@ -199,6 +199,9 @@ def render_summary(df: pd.DataFrame, top_n: int, full: FullRun, paths: dict[str,
                       f"{raw.median():.0f}% raw, {calibrated.median():.0f}% calibrated on them "
                       f"(calibrated_step_time_s in {paths['all'].name})")
     console.print(recommendation(ranked, full, paths["optimal"], named))
+    confirmed = confirmation_line(ranked)
+    if confirmed:
+        console.print(confirmed)
     return head + console.file.getvalue()  # type: ignore[attr-defined]
 
 
@@ -225,10 +228,34 @@ def write_reports(results_dir: Path, df: pd.DataFrame, full: FullRun, top_n: int
     return paths
 
 
+def confirmation_line(ranked: pd.DataFrame) -> Optional[str]:
+    """What the confirmation round (hp_tool/search.py confirmation_jobs) found, or None when it did not run:
+    each top trial's two full-run step times, how far a time moved between runs, and whether the top two
+    (ranked by the mean of their two runs) are apart by more than that."""
+    confirmed = ranked[ranked["confirmed_step_time_s"].notna()]
+    if confirmed.empty:
+        return None
+    runs = "; ".join(f"{r['trial_id']} {r[RANK_COLUMN]:.4g} s, then {r['confirm_step_time_s']:.4g} s "
+                     f"({r['run_to_run_pct']:+.1f}%)" for _, r in confirmed.iterrows())
+    spread = float(confirmed["run_to_run_pct"].abs().max())
+    text = (f"Confirmation round: the {plural(len(confirmed), 'fastest trial')} timed again: {runs}; "
+            f"between runs a time moved by up to {spread:.1f}%.")
+    if len(confirmed) < 2:
+        return text
+    best, second = confirmed.iloc[0], confirmed.iloc[1]
+    gap = 100 * (second["confirmed_step_time_s"] / best["confirmed_step_time_s"] - 1)
+    if gap <= spread:
+        return text + (f" The top two are tied within noise: {gap:.1f}% apart on the mean of their two runs, "
+                       f"+-{spread:.1f}% between runs; either layout will do.")
+    return text + (f" {best['trial_id']} leads by {gap:.1f}% on the mean of two runs each, beyond the "
+                   f"{spread:.1f}% between runs.")
+
+
 def _notes(df: pd.DataFrame) -> list[str]:
-    """report.md's lines under the pick: the memory warning and the adaptive search's savings."""
+    """report.md's lines under the pick: the memory warning, the confirmation round and the adaptive search's
+    savings."""
     ranked = successful(df)
-    notes = [_memory_note(ranked).strip()] if not ranked.empty else []
+    notes = [_memory_note(ranked).strip(), confirmation_line(ranked) or ""] if not ranked.empty else []
     notes.append(search_cost_line(df[df["plan_status"] == SELECTED]) or "")
     return [n for n in notes if n]
 

@@ -27,7 +27,7 @@ from hp_tool.results.report_md import (REPORT_FILE, ModelError, Pick, Plot, Rank
 TRAINING_METRIC = RankMetric(RANK_COLUMN, "full-run step time", "s", RANK_BASIS)
 # the ranked table's figures, after the columns of the searched dimensions (``searched``)
 REPORT_COLUMNS = (
-    RANK_COLUMN, "measured_step_time_s", "measured_step_time_mean_s", "predicted_step_time_s",
+    RANK_COLUMN, "confirm_step_time_s", "measured_step_time_s", "measured_step_time_mean_s", "predicted_step_time_s",
     "calibrated_step_time_s", "tokens_per_s_per_gpu", "mfu", "peak_memory_gib", "peak_tensor_memory_gib",
     "days_to_train",
 )
@@ -77,7 +77,9 @@ def dimension_columns(dims: list[Dimension]) -> tuple[str, ...]:
 
 
 def _pick(row: pd.Series, planned: int, cpu: bool, dims: list[Dimension]) -> Pick:
-    return Pick(row["trial_id"], layout_words(row, dims), float(row[RANK_COLUMN]), _value(row["peak_memory_gib"]),
+    # a trial of the confirmation round is ranked by the mean of its two runs (collect.rank_trials)
+    value = row["confirmed_step_time_s"] if pd.notna(row.get("confirmed_step_time_s")) else row[RANK_COLUMN]
+    return Pick(row["trial_id"], layout_words(row, dims), float(value), _value(row["peak_memory_gib"]),
                 _value(row["gpu_memory_gib"]), _value(row["predicted_rank"]), planned,
                 "peak RSS per process" if cpu else "peak per GPU")
 
