@@ -24,13 +24,27 @@ from hp_tool.tables import lookup
 from hp_tool.contracts.spec import (FullRunSpec, LoraSpec, ModelSpec, ParallelSpec, ResourcesSpec, RunSpec, TrainingSpec,
                                 TrialSpec)
 from hp_tool.dimensions import trial_id
+from hp_tool.words import plural
 
 TS = "search_config.train_settings"
 
-# Fine-tuning a published model (model_family finetune): AdamW at 2e-5 with 3% warm-up, then cosine decay,
-# the full fine-tuning recipe of Stanford Alpaca and of Llama 2's and Mistral's chat fine-tunes.
-FINETUNE_LR = 2e-5
+# Fine-tuning a published model (model_family finetune): AdamW at finetune_lr(method) with 3% warm-up, then cosine
+# decay to a tenth of the peak.
 FINETUNE_WARMUP_RATIO = 0.03
+MIN_LR_RATIO = 0.1  # the cosine decay ends at this fraction of the peak learning rate
+
+
+def finetune_lr(method: str) -> float:
+    """The peak learning rate of fine-tuning by ``method``, the one default of every fine-tuning spec (the base
+    config, each candidate, ``python3 -m hp_tool.train``): full fine-tuning 2e-5, the recipe of Stanford Alpaca
+    and of Llama 2's and Mistral's chat fine-tunes; LoRA and QLoRA 2e-4, peft's and Meta's llama-recipes' (the
+    adapters start at zero and are few: they need a larger step than the whole model)."""
+    return 2e-5 if method == "full" else 2e-4
+
+
+def with_lr(training: TrainingSpec, lr: float) -> TrainingSpec:
+    """``training`` at peak learning rate ``lr``, its cosine decay ending at ``MIN_LR_RATIO`` of it."""
+    return replace(training, lr=lr, min_lr=round(MIN_LR_RATIO * lr, 10))
 
 
 @dataclass(frozen=True)
@@ -105,7 +119,8 @@ class ModelChoice:
         ``tflops_per_gpu``; ``best``, (days, achieved TFLOPS per GPU) of the best predicted layout, gives the
         one time the headline states when there is one, and the sizing estimate is then named as the
         assumption it is."""
-        gpus = f"{cluster.gpus} {cluster.gpu_name} GPU{'s' if cluster.gpus != 1 else ''}"
+        gpus = plural(cluster.gpus, "CPU process") if cluster.hw.device_is_host else \
+            plural(cluster.gpus, f"{cluster.gpu_name} GPU")
         assumed = f"{cluster.sizing_tflops_per_gpu:g} TFLOPS per GPU (tflops_per_gpu)"
         if best is None:
             when = f"at {assumed} takes about {format_days(days)}"
@@ -115,7 +130,7 @@ class ModelChoice:
             when = (f"takes about {format_days(best[0])} with the best predicted layout ({best[1]:.3g} TFLOPS per "
                     f"GPU); {other} {format_days(days)}")
         if self.hf is not None:
-            epochs = f"{ts.epochs:g} epoch{'s' if ts.epochs != 1 else ''}"
+            epochs = plural(float(ts.epochs), "epoch")
             return (f"Fine-tuning {self.hf.source} ({self.hf.model_type}, {self.parameters_text}, "
                     f"{self.shape.num_layers} layers x {self.shape.hidden_size} hidden) on "
                     f"{ts.dataset_tokens_in_m:g}M tokens x {epochs} at sequence lengths "
@@ -192,7 +207,7 @@ def finetune_model(ts: TrainSettings, hf_config: str, methods: tuple[str, ...] =
         lora_targets(shape, ts.lora)  # checked before anything is written
     # the size the grid tables and the compute take: the parameters a token runs through (a mixture of experts'
     # active ones)
-    return ModelChoice(shape, active_parameters(shape) / 1e9, n, FINETUNE_LR, False, size_label(n), hf, seqs,
+    return ModelChoice(shape, active_parameters(shape) / 1e9, n, finetune_lr("full"), False, size_label(n), hf, seqs,
                        methods, ts.lora)
 
 
@@ -274,7 +289,7 @@ def base_spec(app: AppConfig, model: ModelChoice, cluster: Cluster) -> TrialSpec
         model=model_spec(s, model.num_parameters, model.hf),
         parallel=ParallelSpec(tp=tp, pp=pp, dp=dp, mbs=1, act_ckpt_layers=0, engine="torch", zero_stage=3),
         training=TrainingSpec(global_batch_size=gbs, precision=training_precision(app), lr=model.lr,
-                              min_lr=round(0.1 * model.lr, 10), warmup_steps=warmup,
+                              min_lr=round(MIN_LR_RATIO * model.lr, 10), warmup_steps=warmup,
                               constant_steps=constant, max_steps=max_steps),
         resources=ResourcesSpec(cluster.num_nodes, hw.gpus_per_node, hw.gpu_memory_gib, hw.peak_tflops,
                                 hw.intra_node_bandwidth_gbps, hw.inter_node_bandwidth_gbps,

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from hp_tool.base_config import (Cluster, ModelChoice, base_spec, choose_model, days_for, global_batch_size, model_seq,
-                                 model_spec, resolve_cluster, schedule)
+from hp_tool.base_config import (Cluster, ModelChoice, base_spec, choose_model, days_for, finetune_lr,
+                                 global_batch_size, model_seq, model_spec, resolve_cluster, schedule, with_lr)
 from hp_tool.vocab import INVALID, OVER_LIMIT, PRUNED, SELECTED
 from hp_tool.candidates import Candidate, plan_candidates, rank_candidates
 from hp_tool.config import AppConfig
@@ -155,7 +155,9 @@ def candidate_spec(base: TrialSpec, c: Candidate, model: ModelChoice, app: AppCo
         trial_id=trial_id,
         model=model_spec(c.shape, model.num_parameters, model.hf, model.lora),
         parallel=ParallelSpec.of(c.trial_layout(), base.parallel.pipeline_schedule),
-        training=dataclasses.replace(base.training, global_batch_size=c.trial_global_batch_size,
+        training=dataclasses.replace(base.training if model.hf is None else
+                                     with_lr(base.training, finetune_lr(c.shape.method)),
+                                     global_batch_size=c.trial_global_batch_size,
                                      warmup_steps=warmup, constant_steps=constant, max_steps=max_steps,
                                      optimizer=c.optimizer),
         resources=dataclasses.replace(base.resources, num_nodes=c.trial_nodes,

@@ -84,10 +84,16 @@ def test_search_then_train_the_winner_on_the_real_checkpoint(tmp_path, model_and
     teach(model, SENTENCE)
     data = tmp_path / "sentence.jsonl"
     data.write_text((json.dumps({"text": SENTENCE}) + "\n") * 600)
+    assert "# Train: python3 -m hp_tool.train <this file> model.checkpoint=... data.path=... save_dir=..." in \
+        optimal.read_text()
     proc = run("-m", "hp_tool.train", str(optimal), f"model.checkpoint={model}", f"data.path={data}",
                f"save_dir={tmp_path / 'tuned'}", f"output_dir={tmp_path / 'run'}", "max_steps=3", cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "saved the model to" in proc.stdout
+    # one save message, the method's; the plan (tokens, passes, steps) before the first step's progress line
+    said = proc.stdout + proc.stderr
+    assert said.count("saved the") == 1 and "saved the model to" in said and "adapters" not in said
+    assert 0 <= proc.stdout.index("passes over the data) in 3 steps") < proc.stdout.index("step 1/3  loss ")
+    assert "step 3/3  loss " in proc.stdout
     result = json.loads((tmp_path / "run" / "result.json").read_text())
     assert result["status"] == "ok" and result["steps_run"] == 3
 
@@ -97,7 +103,7 @@ def test_search_then_train_the_winner_on_the_real_checkpoint(tmp_path, model_and
     assert not info["missing_keys"] and not info["unexpected_keys"]
     before = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).state_dict()
     moved = [(tuned.state_dict()[k] - v).abs().max().item() for k, v in before.items()]
-    assert max(moved) > 0 and max(moved) < 1e-3  # a few AdamW steps at the config's 2e-5 from the checkpoint
+    assert max(moved) > 0 and max(moved) < 1e-3  # a few AdamW steps at full fine-tuning's 2e-5 from the checkpoint
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "tuned")
     ids = tokenizer("the cat sat on the mat", return_tensors="pt")["input_ids"]
     loss = tuned(input_ids=ids, labels=ids).loss
@@ -111,7 +117,7 @@ def test_search_then_train_the_winner_on_the_real_checkpoint(tmp_path, model_and
 @pytest.mark.parametrize("bad, key, words", [
     ("shape", "model.checkpoint", "in the checkpoint but"),
     ("data", "data.path", "no such file"),
-    ("key", "epochs", "is not a key of hp_tool.train"),
+    ("key", "lr", "is not a key of hp_tool.train"),
 ])
 def test_bad_train_input_fails_before_anything_is_written(tmp_path, model_and_data, bad, key, words):
     model, data = model_and_data
@@ -132,7 +138,7 @@ def test_bad_train_input_fails_before_anything_is_written(tmp_path, model_and_da
             tmp_path / "other")
         model = tmp_path / "other"
     args = [str(config), f"model.checkpoint={model}", f"data.path={tmp_path / 'none.jsonl' if bad == 'data' else data}",
-            f"output_dir={tmp_path / 'run'}"] + (["epochs=2"] if bad == "key" else [])
+            f"output_dir={tmp_path / 'run'}"] + (["lr=1e-3"] if bad == "key" else [])
     proc = run("-m", "hp_tool.train", *args, cwd=REPO)
     assert proc.returncode == 2 and key in proc.stderr and words in proc.stderr and "Fix:" in proc.stderr
     assert not (tmp_path / "run").exists()

@@ -94,13 +94,27 @@ def _header(spec: TrialSpec, best: pd.Series, n_ranked: int, ds_name: str) -> st
         f"{cost}"
         f"# estimates.memory_gib is the trial's measured peak per GPU (GiB); more data-parallel shards in the\n"
         f"# full run can only lower it under FSDP.\n"
-        f"# Train: torchrun --nnodes {spec.resources.num_nodes} --nproc-per-node "
-        f"{spec.resources.gpus_per_node} -m hp_tool.trial.train <this file>   ({gpus} processes)\n"
-        f"# Train on SLURM: {train_sbatch_command(spec, '<this file>')}\n"
+        + train_lines(spec, gpus)
         + ("# DeepSpeed config of this layout (deepspeed.initialize, transformers TrainingArguments(deepspeed=...)):\n"
            f"# {ds_name} beside this file.\n"
            if engine_facts(spec.parallel.engine).config_file else "")
     )
+
+
+def train_lines(spec: TrialSpec, gpus: int) -> str:
+    """The header's lines that train the config. A fine-tuning config: ``python3 -m hp_tool.train``, which
+    tokenizes the data and loads the checkpoint (on several nodes it writes the run's spec and prints the sbatch
+    line that trains it); a pretraining config: torchrun on its nodes, or sbatch."""
+    if spec.model.hf_config is not None:
+        line = ("# Train: python3 -m hp_tool.train <this file> model.checkpoint=... data.path=... save_dir=...   "
+                f"({gpus} processes)\n")
+        if spec.resources.num_nodes > 1:
+            line += (f"#   on {spec.resources.num_nodes} nodes it prepares the run and prints: "
+                     f"{train_sbatch_command(spec, '<output_dir>/run_spec.yaml')}\n")
+        return line
+    return (f"# Train: torchrun --nnodes {spec.resources.num_nodes} --nproc-per-node "
+            f"{spec.resources.gpus_per_node} -m hp_tool.trial.train <this file>   ({gpus} processes)\n"
+            f"# Train on SLURM: {train_sbatch_command(spec, '<this file>')}\n")
 
 
 def train_sbatch_command(spec: TrialSpec, config: str) -> str:

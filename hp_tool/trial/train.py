@@ -29,7 +29,7 @@ import torch.distributed as dist
 from hp_tool.contracts import phases
 from hp_tool.contracts import result as res
 from hp_tool.estimate.layout import GIB
-from hp_tool.contracts.spec import TrialSpec, load_spec
+from hp_tool.contracts.spec import ModelSpec, TrialSpec, load_spec
 from hp_tool.trial import dist as tdist
 from hp_tool.trial import measure
 from hp_tool.trial.checkpoint import save_checkpoint, save_dtype
@@ -152,6 +152,16 @@ class _TensorPeakSteps:
         self.peak = max(self.peak or 0, self.tracker.peak_bytes())
 
 
+def saved_message(model: ModelSpec, save_dir: str) -> str:
+    """The one line saying what a run saved and what loads it: the whole model, or a LoRA / QLoRA run's adapters
+    (peft's format, loaded over the base model)."""
+    if model.method == "full":
+        return f"saved the model to {save_dir}: AutoModelForCausalLM.from_pretrained({save_dir!r}) loads it"
+    base = model.checkpoint or "<the base model>"
+    return (f"saved the {model.method} adapters to {save_dir}: PeftModel.from_pretrained("
+            f"AutoModelForCausalLM.from_pretrained({base!r}), {save_dir!r}) loads them")
+
+
 def _finish(spec: TrialSpec, result: dict, outcome: dict, device: torch.device, world: int) -> dict:
     """Fill the result's measurements from the loop outcome (peak memory: max over ranks)."""
     stats = res.step_stats(outcome["timed"])
@@ -234,7 +244,7 @@ def run_trial(spec_path: str | os.PathLike, output_dir: Optional[str] = None,
             state = engine.full_state_dict(save_dtype(spec.model))  # collective
             if env.rank == 0:
                 save_checkpoint(state, spec.model, spec.run.save_dir)
-                log.info("saved the model to %s (AutoModelForCausalLM.from_pretrained loads it)", spec.run.save_dir)
+                log.info("%s", saved_message(spec.model, spec.run.save_dir))
         _finish(spec, result, outcome, device, env.world_size)
         if env.rank == 0:
             res.write_result(out, result)
