@@ -1,4 +1,5 @@
-"""Counts in the sentences hp_tool prints: one trial is a trial, a verdict is logged once and whole."""
+"""Counts in the sentences hp_tool prints: one trial is a trial, a verdict is logged once and whole; a library line
+that tells a trial's reader nothing is dropped."""
 
 import logging
 
@@ -34,3 +35,17 @@ def test_a_verdict_is_logged_once_with_its_whole_reason(caplog):
         progress.update("gpt3_241k_tp2_pp1_mbs1_ac0_torch_z3_noff", "skipped", {"reason": reason})
     said = [r.getMessage() for r in caplog.records if "skip_margin" in r.getMessage()]
     assert len(said) == 1 and reason in said[0]
+
+
+def test_bitsandbytes_missing_hub_kernel_line_is_dropped_and_its_other_warnings_kept():
+    import subprocess
+    import sys
+
+    code = ("import logging, hp_tool.trial\n"
+            "import bitsandbytes\n"
+            "log = logging.getLogger('bitsandbytes.backends.cpu.ops')\n"
+            "log.warning('Failed to load CPU gemm_4bit_forward from kernels-community: x')\n"
+            "log.warning('a real bitsandbytes warning')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "kernels-community" not in proc.stderr and "a real bitsandbytes warning" in proc.stderr

@@ -29,3 +29,11 @@ The contracts it reads and writes (TrialSpec, result.json, metrics.jsonl, the De
 ``hp_tool/contracts/``, below every reader. Importing this package does not import torch; only the engine
 modules do.
 """
+
+import logging as _logging
+
+# bitsandbytes' CPU backend logs, when it is imported (by QLoRA's build and by peft on every adapter run), that an
+# optional hub package of faster CPU kernels is missing; its own CPU kernels run instead, so the line says
+# nothing a trial's reader can act on. Only that line is dropped; bitsandbytes' other messages stay.
+_logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
+    lambda record: "kernels-community" not in record.getMessage())
