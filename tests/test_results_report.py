@@ -341,3 +341,22 @@ def test_a_confirmed_lead_beyond_the_run_to_run_spread_is_called_a_lead(tmp_path
     assert finalize(out, app) == 0
     page = (out / "final_results" / "report.md").read_text()
     assert f"{a} leads by " in page and "beyond the" in page and "tied within noise" not in page
+
+
+def test_the_throughput_chart_draws_every_selected_trial_measured_or_predicted(tmp_path):
+    """A trial without a measurement (never ran, failed) is drawn at its calibrated prediction, hollow; a measured
+    one at its full-run figure; the chart's numbers come from the collector's columns."""
+    from hp_tool.results.plots import full_run_tokens_per_gpu
+
+    app, out, ids, fastest = finished_search(tmp_path)
+    df = collect_trials(out)
+    selected = df[df["plan_status"] == "selected"]
+    values, measured = full_run_tokens_per_gpu(selected)
+    # 3 ran ok and one killed trial left timed steps: measured; the other selected ones predicted
+    assert measured.sum() == 4 and set(selected.loc[measured, "status"]) == {"ok", "failed"} and values.notna().all()
+    ok = measured
+    assert (values[ok] == selected.loc[ok, "full_run_tokens_per_s_per_gpu"]).all()
+    rest = selected[~ok]
+    expected = rest["predicted_tokens_per_s_per_gpu"] * rest["predicted_step_time_s"] / rest["calibrated_step_time_s"]
+    assert values[~ok].to_numpy() == pytest.approx(expected.to_numpy())
+    assert (values[~ok] != rest["predicted_tokens_per_s_per_gpu"]).any()  # calibrated, not the raw plan figure

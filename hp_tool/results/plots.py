@@ -12,6 +12,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from hp_tool.words import plural
+
 log = logging.getLogger(__name__)
 
 # every status a selected trial can end in, so the throughput plot leaves none out
@@ -19,6 +21,7 @@ STATUS_COLORS = {"ok": "#2a9d8f", "timeout": "#e9c46a", "oom": "#e76f51", "faile
                  "cancelled": "#6c757d", "unschedulable": "#495057", "stale": "#8d99ae",
                  "pruned_after_oom": "#f4a261", "skipped": "#a8dadc", "not_run": "#ced4da"}
 OTHER_COLOR = "#adb5bd"
+DID_NOT_FIT = ("oom", "pruned_after_oom")  # statuses whose layout cannot run: drawn without a speed
 MAX_LABELLED_BARS = 60  # beyond this, trial ids no longer fit on the axis
 
 
@@ -29,28 +32,44 @@ def _save(fig: Figure, path: Path) -> Path:
     return path
 
 
+def full_run_tokens_per_gpu(df: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
+    """(full-run tokens/s per GPU, whether it was measured) per row: the measured trial's, extrapolated to the
+    full run as the ranking is; else the calibrated prediction's (the plan's figure rescaled by its calibrated
+    step time), as a trial the search skipped or never ran would run by the model."""
+    measured = df["full_run_tokens_per_s_per_gpu"]
+    calibrated = df["predicted_tokens_per_s_per_gpu"] * df["predicted_step_time_s"] / df["calibrated_step_time_s"]
+    return measured.fillna(calibrated), measured.notna()
+
+
 def plot_throughput(df: pd.DataFrame, path: Path) -> Path:
-    """Measured tokens/s per GPU of every trial the planner selected, coloured by status (fastest at top;
-    a trial without a measurement shows as an empty bar in its status colour)."""
+    """Full-run tokens/s per GPU of every trial the planner selected, coloured by status (in ranking order):
+    filled bars measured, hollow bars the calibrated prediction of a trial without a measurement (skipped,
+    never run, failed), so the chart shows where every selected layout stands."""
     trials = df[df["status"].isin(list(STATUS_COLORS))]
-    values = trials["tokens_per_s_per_gpu"].fillna(0.0).to_numpy()
+    values, measured = full_run_tokens_per_gpu(trials)
+    values = values.where(measured | ~trials["status"].isin(DID_NOT_FIT))  # no speed for what cannot run
     colors = [STATUS_COLORS.get(s, OTHER_COLOR) for s in trials["status"]]
     n = len(trials)
     fig = Figure(figsize=(9, min(2 + 0.28 * max(n, 1), 30)), layout="constrained")
     ax = fig.add_subplot()
-    ax.barh(range(n), values, color=colors, edgecolor=colors)
-    if n <= MAX_LABELLED_BARS:  # say why a bar is empty instead of leaving a silent gap
-        measured = trials["tokens_per_s_per_gpu"].notna()
-        for i, (status, has_value) in enumerate(zip(trials["status"], measured, strict=True)):
-            if not has_value:
-                ax.text(0, i, f" {status}: no measurement", va="center", fontsize=7, color="#495057")
+    for i, (value, was_measured, color) in enumerate(zip(values.fillna(0.0), measured, colors, strict=True)):
+        ax.barh(i, value, color=color if was_measured else "none", edgecolor=color, linewidth=1.5,
+                hatch=None if was_measured else "//")
+    if n <= MAX_LABELLED_BARS:  # say what a hollow or empty bar is instead of leaving it to the legend
+        for i, (status, value, was_measured) in enumerate(zip(trials["status"], values, measured, strict=True)):
+            if not was_measured:
+                what = ("predicted" if pd.notna(value) else "did not fit" if status in DID_NOT_FIT
+                        else "no measurement nor prediction")
+                ax.text(0 if pd.isna(value) else value, i, f" {status}: {what}", va="center", fontsize=7,
+                        color="#495057")
     ax.invert_yaxis()
     if n <= MAX_LABELLED_BARS:
         ax.set_yticks(range(n), list(trials["trial_id"]), fontsize=8)
-    ax.set_xlabel("measured tokens/s per GPU (trial)")
-    ax.set_title(f"Throughput per trial ({int((trials['status'] == 'ok').sum())} ok of {n})")
+    ax.set_xlabel("full-run tokens/s per GPU (filled: measured; hollow: calibrated prediction)")
+    ax.set_title(f"Throughput per selected trial ({plural(int(measured.sum()), 'measured trial')} of {n})")
     present = [s for s in STATUS_COLORS if s in set(trials["status"])]
-    ax.legend(handles=[Patch(color=STATUS_COLORS[s], label=s) for s in present], loc="lower right")
+    ax.legend(handles=[Patch(color=STATUS_COLORS[s], label=s) for s in present], loc="upper left",
+              bbox_to_anchor=(1.01, 1.0), fontsize=8)
     if n == 0:
         ax.text(0.5, 0.5, "no trial selected", ha="center", va="center", transform=ax.transAxes)
     return _save(fig, path)
@@ -99,16 +118,28 @@ def on_cpu(df: pd.DataFrame) -> bool:
     return bool(devices) and devices <= {"cpu"}
 
 
-def _process_rss(ax, df: pd.DataFrame) -> None:
-    """CPU trials' peak RSS per process, apart from the predictions: it is not what they predict."""
-    pts = df[df["peak_memory_gib"].notna()]
-    colors = [STATUS_COLORS.get(s, OTHER_COLOR) for s in pts["status"]]
-    ax.barh(range(len(pts)), pts["peak_memory_gib"], color=colors)
-    ax.invert_yaxis()
-    if len(pts) <= MAX_LABELLED_BARS:
-        ax.set_yticks(range(len(pts)), list(pts["trial_id"]), fontsize=6)
-    ax.set_xlabel("peak RSS per process (GiB): tensors + interpreter + libraries")
-    ax.set_title("process RSS (not comparable)")
+def _ranking(ax, df: pd.DataFrame) -> None:
+    """The plan's predicted rank against the measured rank of the trials that ran: whether the model
+    ordered the layouts as they ran (what a search on CPU processes can compare, where process memory is
+    not what the predictions describe)."""
+    pts = df[df["rank"].notna() & df["predicted_rank"].notna()]
+    ax.set_xlabel("predicted rank (plan)")
+    ax.set_ylabel("measured rank")
+    if pts.empty:
+        ax.text(0.5, 0.5, "no ranked trial", ha="center", va="center", transform=ax.transAxes)
+        ax.set_title("Ranking, predicted and measured")
+        return
+    predicted, measured = pts["predicted_rank"].rank(), pts["rank"].astype(float).rank()
+    ax.scatter(predicted, measured, s=26, color=STATUS_COLORS["ok"])
+    if len(pts) <= 20:
+        for x, y, name in zip(predicted, measured, pts["trial_id"], strict=True):
+            ax.annotate(name.split("_", 2)[-1], (x, y), fontsize=6, xytext=(3, 2), textcoords="offset points")
+    top = len(pts) + 0.5
+    ax.plot([0.5, top], [0.5, top], color="black", linewidth=0.8, linestyle="--", label="same order")
+    rho = predicted.corr(measured) if len(pts) > 1 else float("nan")
+    ax.set_title(f"Ranking of the {plural(len(pts), 'ranked trial')}" +
+                 (f": Spearman {rho:.2f}" if rho == rho else ""))
+    ax.legend(fontsize=8)
 
 
 @dataclass(frozen=True)
@@ -141,9 +172,9 @@ def plot_predicted_vs_measured(df: pd.DataFrame, path: Path) -> Path:
     """Three panels; points on a dashed line were predicted exactly.
 
     Tensor memory (:func:`memory_comparison`): the trial's measured tensor peak against the analytic and
-    traced predictions without the preset's overhead (the collector's ``*_tensor_memory_gib``). Process
-    memory: on CPU the peak RSS per process in its own panel, not set against a prediction; on GPUs the
-    peak per GPU against the raw and the calibrated prediction. Step time: the full run's (s) against the
+    traced predictions without the preset's overhead (the collector's ``*_tensor_memory_gib``). Middle: on
+    GPUs the peak per GPU against the raw and the calibrated prediction; on CPU processes, whose RSS is not
+    what the predictions describe, the predicted rank against the measured rank of the trials that ran. Step time: the full run's (s) against the
     raw and the calibrated prediction."""
     fig = Figure(figsize=(16, 5.2), layout="constrained")
     mem_ax, proc_ax, time_ax = fig.subplots(1, 3)
@@ -156,7 +187,7 @@ def plot_predicted_vs_measured(df: pd.DataFrame, path: Path) -> Path:
         _scatter(mem_ax, df, list(memory.predicted), memory.measured, memory.label, log=False)
         mem_ax.set_title(memory.title)
     if on_cpu(df):
-        _process_rss(proc_ax, df)
+        _ranking(proc_ax, df)
     else:
         _scatter(proc_ax, df, [("predicted_memory_gib", "raw"), ("calibrated_memory_gib", "calibrated")],
                  "peak_memory_gib", "peak memory per GPU (GiB)", log=False)
@@ -168,9 +199,11 @@ def plot_predicted_vs_measured(df: pd.DataFrame, path: Path) -> Path:
 
 
 PLOTS = (  # file name, plot, caption (report.md's)
-    ("throughput.png", plot_throughput, "Measured tokens/s per GPU of every selected trial, by status"),
+    ("throughput.png", plot_throughput,
+     "Full-run tokens/s per GPU of every selected trial, by status: measured, or hollow where predicted"),
     ("predicted_vs_measured.png", plot_predicted_vs_measured,
-     "Predicted against measured: tensor memory, process memory, step time (raw and calibrated)"),
+     "Predicted against measured: tensor memory, memory per GPU (on CPU: the ranking), step time (raw and "
+     "calibrated)"),
 )
 CAPTIONS = {name: caption for name, _, caption in PLOTS}
 
