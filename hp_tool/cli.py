@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -18,11 +19,12 @@ from hydra import compose as hydra_compose
 from hydra import initialize_config_module
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from hp_tool.compare import comparison_row, error_row
 from hp_tool.config import GROUPS, AppConfig, check_override_keys, memory_check_mode, to_app_config
 from hp_tool.errors import ConfigError
+from hp_tool.hf_config import model_name
 from hp_tool.memory_check import Tracer, trace_device
 from hp_tool.plan_output import render_plan, write_plan
 from hp_tool.planner import Plan, make_plan
@@ -49,8 +51,32 @@ def compose(overrides: list[str] = ()) -> tuple[DictConfig, str]:
 
 
 def results_dir(app: AppConfig, search_name: str) -> Path:
-    """<base_results_dir>/<search_config>/, relative to the directory the user runs from."""
-    return Path(app.base_results_dir) / search_name
+    """<base_results_dir>/<search_folder>/, relative to the directory the user runs from."""
+    return Path(app.base_results_dir) / search_folder(app, search_name)
+
+
+def search_folder(app: AppConfig, search_name: str) -> Path:
+    """A search's folder under the results root: its search_config name (results/finetune/llama2_7b), except
+    for a search config that names no model (finetune/custom: the model comes from the command line), whose
+    searches would otherwise all share one folder and overwrite each other's plan: it is named after the model,
+    finetune/<model name> (hf_config.model_name), with ``_custom`` added where that name is also a shipped
+    preset's, so a preset's folder holds only its own search."""
+    hf_config = app.search_config.model.hf_config
+    if not app.search_config.finetune or not hf_config or _names_its_model(search_name):
+        return Path(search_name)
+    group = Path(search_name).parent
+    name = model_name(hf_config)
+    if (CONF_DIR / "search_config" / group / f"{name}.yaml").is_file():
+        name += "_custom"
+    return group / name
+
+
+@lru_cache(maxsize=None)
+def _names_its_model(search_name: str) -> bool:
+    """Whether the search config sets model.hf_config itself (every preset but finetune/custom). One this
+    package does not ship counts as naming its model: its folder stays its name."""
+    path = CONF_DIR / "search_config" / f"{search_name}.yaml"
+    return not path.is_file() or OmegaConf.select(OmegaConf.load(path), "model.hf_config", default=None) is not None
 
 
 def _log_to_file(out: Path) -> logging.Handler:
@@ -128,7 +154,7 @@ def _write_and_search(app: AppConfig, plan: Plan, search_name: str, out: Path,
 
 def _multirun_job(app: AppConfig, search_name: str) -> dict[str, Any]:
     """One job of a multirun: its plan under the job's own folder, and its row of the comparison."""
-    out = Path(HydraConfig.get().runtime.output_dir) / search_name
+    out = Path(HydraConfig.get().runtime.output_dir) / search_folder(app, search_name)
     plans: list = []
     try:
         code = run(app, search_name, out, plans)

@@ -8,14 +8,17 @@
   - a hub id (``meta-llama/Llama-2-7b-hf``), resolved from the local Hugging Face cache only.
 
 Every shape fact (layers, hidden, heads, kv heads, head dim, FFN, vocabulary, tied embeddings, q/k/v biases,
-RoPE and its scaling) comes from the config. This is the one file planning reads; everything it raises is a
-``ConfigError`` naming ``search_config.model.hf_config`` (or the sequence length), before anything is
-written.
+RoPE and its scaling) comes from the config. The sizes (``SIZE_KEYS``, ``FFN_KEYS``, ``EXPERT_KEYS``) must be in
+the file itself: transformers would fill a missing one with its class default (Llama's 4096 hidden, 32 layers),
+which plans some other model. This is the one file planning reads; everything it raises (transformers' own
+errors included) is a ``ConfigError`` naming ``search_config.model.hf_config`` (or the sequence length), before
+anything is written.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -28,6 +31,17 @@ from hp_tool.families.shape import Shape
 KEY = "search_config.model.hf_config"
 SHIPPED = Path(__file__).parent / "hf_configs"
 
+# config.json keys of the sizes every supported model_type is planned from; each must be in the file
+SIZE_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings")
+# the FFN's widths: intermediate_size, but Qwen2-MoE's routed and shared experts have their own
+FFN_KEYS = {"qwen2_moe": ("moe_intermediate_size", "shared_expert_intermediate_size")}
+# a mixture of experts' routing; a tuple names one key and its alias (Mixtral's num_local_experts, num_experts)
+EXPERT_KEYS = {"mixtral": (("num_local_experts", "num_experts"), "num_experts_per_tok"),
+               "qwen2_moe": ("num_experts", "num_experts_per_tok")}
+MAY_BE_ZERO = ("shared_expert_intermediate_size",)  # 0: no shared expert
+# keys a config may leave out (transformers' default is what the trial builds too), positive where given
+OPTIONAL_SIZE_KEYS = ("num_key_value_heads", "head_dim")
+
 
 def shipped_configs() -> list[str]:
     """Names of the configs shipped with hp_tool (``model.hf_config=<name>``)."""
@@ -37,7 +51,8 @@ def shipped_configs() -> list[str]:
 @dataclass(frozen=True)
 class HFModel:
     """What hp_tool reads from a Hugging Face config: the raw ``config.json`` (the trial builds exactly this
-    architecture from it) and the shape facts, with transformers' defaults filled in."""
+    architecture from it) and the shape facts: the sizes from the file itself, the optional keys (kv heads,
+    head dim, tied embeddings, ...) with transformers' defaults filled in, as the trial's model has them."""
 
     source: str  # the model.hf_config value
     path: str  # the config.json read
@@ -84,6 +99,21 @@ class HFModel:
                 f"use sequence lengths up to {self.sliding_window}")
 
 
+def model_name(value: str) -> str:
+    """The model ``model.hf_config`` names, as one folder name: a model directory's name (a config.json's
+    folder), a shipped config's name, or a hub id's last part; characters other than letters, digits, ``.``,
+    ``_`` and ``-`` become ``_``. Never raises: the config itself is checked by load_hf_model."""
+    given = Path(value).expanduser()
+    if given.is_file():
+        given = given.resolve()
+        part = given.parent.name if given.name == "config.json" else given.stem
+    elif given.is_dir():
+        part = given.resolve().name
+    else:  # a shipped name, a hub id (owner/name), or a path that does not exist (refused when loaded)
+        part = value.rstrip("/").rsplit("/", 1)[-1]
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", part).strip("._-") or "model"
+
+
 def config_path(value: str) -> Path:
     """The ``config.json`` that ``model.hf_config`` names (see the module docstring)."""
     given = Path(value).expanduser()
@@ -126,34 +156,92 @@ def load_hf_model(value: str) -> HFModel:
     require(isinstance(raw, dict) and raw.get("model_type") in supported, KEY, value,
             f"model_type {raw.get('model_type') if isinstance(raw, dict) else None!r} is not supported",
             f"use a config of a supported model_type: {supported}")
+    _check_sizes(raw, value, path)
     from transformers import AutoConfig
 
     try:
         cfg = AutoConfig.for_model(**raw)
-    except (TypeError, ValueError, KeyError) as exc:
-        raise ConfigError(KEY, value, f"transformers cannot read {path}: {exc}",
+    except Exception as exc:  # noqa: BLE001 - its strict-dataclass validators raise their own types
+        raise ConfigError(KEY, value, f"transformers cannot read {path}: {type(exc).__name__}: "
+                          f"{' '.join(str(exc).split())}",
                           "check the config.json against the model's published one") from exc
     facts = family(raw["model_type"])
     for flag in facts.hf_unmodelled:
         require(not raw.get(flag), KEY, value, f"{flag}=true describes layers hp_tool does not model for "
                 f"{raw['model_type']}", "use a config without it (the published models of this type have none)")
-    heads = cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    heads = raw["num_attention_heads"]
+    head_dim = getattr(cfg, "head_dim", None) or raw["hidden_size"] // heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    if raw.get("num_key_value_heads") is None:  # transformers' default for this model_type: checked the same
+        _check_kv_heads(raw, value, path, kv_heads)
     rope = raw.get("rope_scaling")
     experts = _experts(cfg, value) if facts.moe else {}
     return HFModel(
         source=value, path=str(path), config=raw, model_type=raw["model_type"],
-        num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, num_attention_heads=heads,
-        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads, head_dim=head_dim,
-        ffn_hidden_size=experts.get("ffn", cfg.intermediate_size), vocab_size=cfg.vocab_size,
+        num_layers=raw["num_hidden_layers"], hidden_size=raw["hidden_size"], num_attention_heads=heads,
+        num_kv_heads=kv_heads, head_dim=head_dim,
+        ffn_hidden_size=experts.get("ffn", cfg.intermediate_size), vocab_size=raw["vocab_size"],
         tied_embeddings=bool(cfg.tie_word_embeddings), qkv_bias=facts.hf_qkv_bias(cfg),
-        max_positions=cfg.max_position_embeddings,
+        max_positions=raw["max_position_embeddings"],
         rope_scaling=rope if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) != "default" else None,
         # transformers sets it only where it is used (Qwen2-MoE's 0 without use_sliding_window: none)
         sliding_window=getattr(cfg, "sliding_window", None) or None,
         num_experts=experts.get("num_experts", 0), top_k=experts.get("top_k", 0),
         shared_expert_ffn=experts.get("shared", 0),
     )
+
+
+def _size_keys(model_type: str) -> tuple:
+    """The keys (or alternatives of one key) the model's sizes are read from, for this model_type."""
+    return SIZE_KEYS + FFN_KEYS.get(model_type, ("intermediate_size",)) + EXPERT_KEYS.get(model_type, ())
+
+
+def _is_size(number: Any, least: int = 1) -> bool:
+    return isinstance(number, int) and not isinstance(number, bool) and number >= least
+
+
+def _check_sizes(raw: dict, value: str, path: Path) -> None:
+    """Before transformers reads the config: every size key in the file as a positive integer, and the
+    heads dividing the hidden size where no head_dim says otherwise (transformers' validators would raise
+    their own errors, or it would plan its defaults)."""
+    model_type = raw["model_type"]
+    for names in _size_keys(model_type):
+        names = names if isinstance(names, tuple) else (names,)
+        given = [n for n in names if raw.get(n) is not None]
+        either = " or ".join(f'"{n}"' for n in names)
+        require(bool(given), KEY, value,
+                f"{path} has no {either}, so transformers would fill in its {model_type} default (the size of some "
+                "other model)", f"add {either} to the config.json with the model's own value (save_pretrained writes "
+                "it; the model's published config.json has it)")
+        least = 0 if names[0] in MAY_BE_ZERO else 1
+        _require_size(raw, given[0], value, path, least)
+    for name in OPTIONAL_SIZE_KEYS:
+        if raw.get(name) is not None:
+            _require_size(raw, name, value, path)
+    hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
+    require(raw.get("head_dim") is not None or hidden % heads == 0, KEY, value,
+            f'{path}: "num_attention_heads"={heads} does not divide "hidden_size"={hidden} (each head is '
+            "hidden_size / num_attention_heads wide when the config has no head_dim)",
+            f"use a num_attention_heads that divides {hidden} (the model's published config.json has one)")
+    if raw.get("num_key_value_heads") is not None:
+        _check_kv_heads(raw, value, path, raw["num_key_value_heads"])
+
+
+def _require_size(raw: dict, name: str, value: str, path: Path, least: int = 1) -> None:
+    number = raw[name]
+    require(_is_size(number, least), KEY, value,
+            f'{path}: "{name}"={number!r} is not a {"non-negative" if least == 0 else "positive"} integer',
+            f'set "{name}" to the model\'s own size (an integer, as the published config.json has it)')
+
+
+def _check_kv_heads(raw: dict, value: str, path: Path, kv_heads: int) -> None:
+    """Grouped-query attention: every key/value head serves the same number of query heads."""
+    heads = raw["num_attention_heads"]
+    origin = "" if raw.get("num_key_value_heads") is not None else \
+        f" (transformers' {raw['model_type']} default: the file has none)"
+    require(_is_size(kv_heads) and heads % kv_heads == 0, KEY, value,
+            f'{path}: "num_key_value_heads"={kv_heads!r}{origin} does not divide "num_attention_heads"={heads}',
+            f'set "num_key_value_heads" to a divisor of {heads} (equal to it for multi-head attention)')
 
 
 def _experts(cfg: Any, value: str) -> dict[str, int]:
