@@ -32,7 +32,7 @@ from hp_tool.vocab import FAILURE_DIR, METRICS_FILE, NOT_LAUNCHED, RESULT_FILE, 
 log = logging.getLogger(__name__)
 
 GRACE_S = 300.0  # past a job's time limit (from its start) before it is cancelled and recorded as timeout
-POLL_MIN_S = 1.0  # the longest wait is the backend's max_poll_s
+POLL_MIN_S = 1.0  # the shortest wait by default (a backend's min_poll_s); the longest is its max_poll_s
 RESULT_FILES = (RESULT_FILE, METRICS_FILE, FAILURE_DIR, STOP_REQUEST_FILE)  # what a stale result consists of
 
 
@@ -49,10 +49,10 @@ class Active:
         return str(self.handle.job_id)
 
 
-def next_poll_delay(delay: float, changed: bool, ceiling: float) -> float:
-    """Seconds until the next look at the jobs: back to POLL_MIN_S after a change, else 1.5x longer, at most
-    ``ceiling`` (the backend's ``max_poll_s``)."""
-    return POLL_MIN_S if changed else min(ceiling, delay * 1.5)
+def next_poll_delay(delay: float, changed: bool, ceiling: float, floor: float = POLL_MIN_S) -> float:
+    """Seconds until the next look at the jobs: back to ``floor`` (the backend's ``min_poll_s``) after a
+    change, else 1.5x longer, at most ``ceiling`` (its ``max_poll_s``)."""
+    return floor if changed else min(ceiling, delay * 1.5)
 
 
 def set_aside(out: Path) -> Optional[Path]:
@@ -192,12 +192,12 @@ class Launcher:
         """Submit (at most ``max_parallel`` at once, default the backend's parallelism) and watch until
         every job has ended."""
         limit = max_parallel or self.backend.parallelism
-        delay = POLL_MIN_S
+        delay = self.backend.min_poll_s
         while self.pending or self.active:
             while self.pending and len(self.active) < limit:
                 self.submit(self.pending.pop(0))
             changed = self.poll()
-            delay = next_poll_delay(delay, changed, self.backend.max_poll_s)
+            delay = next_poll_delay(delay, changed, self.backend.max_poll_s, self.backend.min_poll_s)
             if self.active:
                 time.sleep(delay)
 

@@ -60,11 +60,12 @@ class Backend(ABC):
     the command that submitted them (``detach=true`` is refused otherwise); ``max_poll_s``: the longest the
     launcher waits between two looks at its jobs (backing off while nothing changes): a scheduler is asked
     sparingly, a process on this machine costs nothing to look at, and a job's end noticed late leaves its
-    GPUs idle until the next one starts."""
+    GPUs idle until the next one starts; ``min_poll_s``: the wait after something changed."""
 
     kind: str
     detachable: bool = False
     max_poll_s: float = 15.0
+    min_poll_s: float = 1.0
 
     def __init__(self, cluster: ClusterConfig):
         self.cluster = cluster

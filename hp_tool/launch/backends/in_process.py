@@ -61,7 +61,8 @@ class InProcessBackend(Backend):
     """``cluster=in_process``."""
 
     kind = "in_process"
-    max_poll_s = 2.0  # a job on this machine: looking costs nothing
+    max_poll_s = 1.0  # a job on this machine: looking costs nothing, and the next trial waits for the look
+    min_poll_s = 0.2
 
     def __init__(self, cluster: ClusterConfig, gpu: GpuConfig):
         super().__init__(cluster)
