@@ -27,7 +27,9 @@ on two CPU processes) with ``main.py`` once per strategy, trials of at most ``--
 ``nemo`` (exhaustive, the stable-time stop off: every trial runs all its steps), ``exhaustive`` (every
 candidate, the stable-time stop on) and ``adaptive`` (the default). Its truth is ``nemo``'s measured
 landscape: each strategy's pick is scored by nemo's full-run step time of the same candidate. The
-GPU-hours are process-hours of the trials (start to end), as the search's summary counts them.
+GPU-hours are process-hours of the trials (start to end), as the search's summary counts them, against nemo's
+and the exhaustive search's; each line also gives the search's wall time and the share of it its trials spent
+in their steps (the rest: process start-up, the gaps between trials, planning and collecting).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -145,21 +148,26 @@ def real_landscape(steps: int) -> None:
         "exhaustive": ["search_strategy=exhaustive"],
         "adaptive(0.25)": ["search_strategy=adaptive", "skip_margin=0.25"],
     }
-    tables = {}
+    tables, walls, training = {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, settings in strategies.items():
             cmd = [sys.executable, str(REPO / "main.py"), "search_config=gpt3/tiny", "cluster=local",
                    "memory_check=analytic", f"base_results_dir={tmp}/{folder(name)}",
                    f"search_config.train_settings.max_steps_per_run={steps}",
                    *(f"search_config.train_settings.{s}" for s in settings)]
+            start = time.monotonic()
             proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True)
+            walls[name] = time.monotonic() - start
             if proc.returncode != 0:
                 raise SystemExit(f"{name}: main.py failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-            df = collect_trials(Path(tmp) / folder(name) / "gpt3" / "tiny")
+            results = Path(tmp) / folder(name) / "gpt3" / "tiny"
+            df = collect_trials(results)
             tables[name] = df[df["plan_status"] == SELECTED]
+            training[name] = steps_seconds(results)
     nemo = tables["nemo"]
     truth = nemo[nemo["rank"].notna()].set_index("trial_id")[RANK_COLUMN]
     nemo_h = float(trial_gpu_hours(nemo).sum())
+    exhaustive_h = float(trial_gpu_hours(tables["exhaustive"]).sum())
     print(f"gpt3/tiny on CPU processes (real): {len(nemo)} candidates, {len(truth)} measured by nemo, best "
           f"{truth.idxmin()} at {truth.min():.4g} s per step")
     for name, table in tables.items():
@@ -167,8 +175,25 @@ def real_landscape(steps: int) -> None:
         pick = ranked["trial_id"].iloc[0]
         ran = int(trial_gpu_hours(table).notna().sum())
         stopped = int((table["stop_reason"] == "losing").sum())
-        print(f"  {name:16} GPU-hours vs nemo: {float(trial_gpu_hours(table).sum()) / nemo_h:6.1%} ({ran} trials ran, "
-              f"{stopped} stopped early);  pick {pick} / true best: {truth.get(pick, math.nan) / truth.min():.3f}x")
+        hours = float(trial_gpu_hours(table).sum())
+        print(f"  {name:16} GPU-hours vs nemo: {hours / nemo_h:6.1%}, vs exhaustive: {hours / exhaustive_h:6.1%} "
+              f"({ran} trials ran, {stopped} stopped early);  pick {pick} / true best: "
+              f"{truth.get(pick, math.nan) / truth.min():.3f}x;  wall {walls[name]:.0f} s, "
+              f"{training[name] / walls[name]:.0%} of it in trial steps")
+
+
+def steps_seconds(results: Path) -> float:
+    """Seconds a search's trials spent in their steps (rank 0's metrics.jsonl, warm-up steps included): the
+    part of its wall time spent training, the rest being start-up, gaps between trials, planning and
+    collecting."""
+    from hp_tool.results.trial_files import read_metrics
+    from hp_tool.vocab import METRICS_FILE
+
+    total = 0.0
+    for path in (results / "training_logs").glob(f"*/{METRICS_FILE}"):
+        steps, _ = read_metrics(path)
+        total += sum(float(s["step_time_s"]) for s in steps)
+    return total
 
 
 def main() -> None:
