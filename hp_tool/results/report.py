@@ -145,8 +145,9 @@ def recommendation(ranked: pd.DataFrame, full: FullRun, optimal: Path, dims: lis
     if not pd.isna(best["full_run_cost_usd"]):
         cost = (f", about {format_usd(best['full_run_cost_usd'])} "
                 f"({format_usd(best['cost_usd_per_million_tokens'])} per million tokens)")
-    return (f"Recommended: {best['trial_id']} ({layout_words(best, dims)}) on {full.num_nodes} node(s), "
-            f"{best['num_gpus']} GPUs: {best[RANK_COLUMN]:.4g} s per step, "
+    processes = plural(int(best["num_gpus"]), "CPU process" if best.get("device") == "cpu" else "GPU")
+    return (f"Recommended: {best['trial_id']} ({layout_words(best, dims)}) on {plural(full.num_nodes, 'node')}, "
+            f"{processes}: {best[RANK_COLUMN]:.4g} s per step, "
             f"{best['full_run_tokens_per_s_per_gpu']:,.0f} tokens/s per GPU; {full.max_steps:,} steps take "
             f"about {format_days(best['days_to_train'])}{cost}. Config: {optimal}."
             + _memory_note(ranked))

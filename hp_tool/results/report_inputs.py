@@ -113,9 +113,11 @@ def model_errors(ranked: pd.DataFrame, cpu: bool) -> tuple[ModelError, ...]:
     )
 
 
-def report_columns(dims: list[Dimension]) -> tuple[str, ...]:
-    """The ranked table's columns: rank and trial id, the searched dimensions', then REPORT_COLUMNS."""
-    return ("rank", "trial_id") + dimension_columns(dims) + REPORT_COLUMNS
+def report_columns(dims: list[Dimension], confirmed: bool = True) -> tuple[str, ...]:
+    """The ranked table's columns: rank and trial id, the searched dimensions', then REPORT_COLUMNS (the
+    confirmation round's second time only when ``confirmed``: some trial has one)."""
+    figures = REPORT_COLUMNS if confirmed else tuple(c for c in REPORT_COLUMNS if c != "confirm_step_time_s")
+    return ("rank", "trial_id") + dimension_columns(dims) + figures
 
 
 def _trust_note(df: pd.DataFrame) -> str:
@@ -144,7 +146,7 @@ def training_report_inputs(df: pd.DataFrame, title: str, plots: Iterable[Path], 
     dims = searched(df, finetune)
     picks = [_pick(row, planned, cpu, dims) for _, row in ranked.head(2).iterrows()]
     rest = df[df["rank"].isna()]
-    columns = report_columns(dims)
+    columns = report_columns(dims, bool(ranked["confirm_step_time_s"].notna().any()))
     return ReportInputs(
         title=title, metric=TRAINING_METRIC, columns=columns, ranked=_records(ranked, columns),
         pick=picks[0] if picks else None, runner_up=picks[1] if len(picks) > 1 else None,
