@@ -121,6 +121,14 @@ GPU_PRESETS = [(r"rtx 4090", "rtx_4090"), (r"rtx 3090", "rtx_3090"), (r"(rtx )?(
                (r"\bh100 80gb", "h100_80gb"), (r"\bt4\b", "t4"), (r"a100[- ](sxm4-)?80g", "a100_80gb"),
                (r"a100 40gb", "a100_40gb"), (r"v100.*32 ?gb", "v100_32gb")]
 
+# the host a row's GPU names -> its CPU threads per node (``Hardware.host_cpu_cores``: the offloaded optimizer's CPU
+# step), where it differs from the preset's node or the preset's node is not the row's; first match wins. Sources:
+# ZeRO-Offload (Ren et al. 2021) Table 2 for the DGX-2 (2 x 24-core Xeon Platinum 8168; V100-SXM3 is its GPU);
+# REFERENCE §17 (public system and instance specs) for the others
+HOST_THREADS = [(r"dgx-?2\b|v100-sxm3", 96), (r"dgx[- ]?a100", 256), (r"dgx[- ]?h(100|200)", 224),
+                (r"g5\.4xlarge", 16), (r"g5\.12xlarge", 48), (r"g5\.24xlarge", 96), (r"g5\.48xlarge", 192),
+                (r"p3\.16xlarge", 64), (r"p3dn\.24xlarge", 96), (r"p4de?\.24xlarge", 96), (r"p5e?\.48xlarge", 192)]
+
 # a source's module names -> the family's (hp_tool/families: q_proj ... down_proj)
 TARGET_NAMES = {"output_proj": ("o_proj",), "mlp": ("gate_proj", "up_proj", "down_proj"),
                 "c_attn": ("q_proj", "k_proj", "v_proj"), "c_proj": ("o_proj", "down_proj"),
@@ -183,6 +191,12 @@ def gpu_preset(name: Optional[str]) -> tuple[str, list[str]]:
     if "not stated" in low or "gpu with" in low or "gpus" in low:
         raise Unexpressible("GPU model not stated", name)
     raise Unexpressible(f"no gpu preset for {name}")
+
+
+def host_threads(name: Optional[str]) -> Optional[int]:
+    """CPU threads per node of the host a row's GPU names (``HOST_THREADS``); None: the preset's own."""
+    low = str(name or "").lower()
+    return next((threads for pattern, threads in HOST_THREADS if re.search(pattern, low)), None)
 
 
 @lru_cache(maxsize=None)
@@ -444,6 +458,9 @@ def express(row: dict) -> Case:
         raise Unexpressible("precision the GPU lacks", f"{preset} {precision}") from exc
     eager = kernels.strip() in ("HF", "Hugging Face (baseline)")
     hw = replace(hw, compiled=bool(value(other.get("torch_compile"))), flash_attention=not eager)
+    threads = host_threads(value(hw_info["gpu"]))
+    if threads is not None:
+        hw = replace(hw, host_cpu_cores=threads)
     if eager:
         notes.append("eager attention (scores stored)")
     problems = layout.problems(shape, gpn)

@@ -75,6 +75,7 @@ def resolve_cluster(app: AppConfig) -> Cluster:
         memory_overhead_gib=gpu.memory_overhead_gib,
         precision=precision,
         host_ram_gib=gpu.host_ram_gib,
+        host_cpu_cores=gpu.host_cpu_cores,
         pcie_bandwidth_gbps=gpu.pcie_bandwidth_gbps,
         memory_bandwidth_gbps=gpu.memory_bandwidth_gbps or Hardware.memory_bandwidth_gbps,
         device_is_host=trial_device(gpu.name) == "cpu",

@@ -121,6 +121,7 @@ class GpuConfig:
     intra_node_bandwidth_gbps: float = MISSING  # GB/s per GPU and direction within a node
     inter_node_bandwidth_gbps: float = MISSING  # GB/s per GPU across nodes
     host_ram_gib: Optional[float] = None  # host RAM per node, GiB; null = unknown (no offload planning)
+    host_cpu_cores: Optional[float] = None  # host CPU threads (vCPUs) per node, for offload's CPU Adam; null = unknown
     pcie_bandwidth_gbps: float = MISSING  # GB/s per GPU and direction between host and GPU (offload)
     memory_bandwidth_gbps: Optional[float] = None  # GB/s of GPU memory; null = unknown (QLoRA cannot be priced)
     memory_overhead_gib: float = MISSING  # calibrated per-GPU framework overhead (context, buffers), GiB
@@ -137,6 +138,10 @@ class GpuConfig:
         _positive(self, "gpu", ("memory_gib", "intra_node_bandwidth_gbps", "inter_node_bandwidth_gbps",
                                 "host_ram_gib", "pcie_bandwidth_gbps", "price_per_gpu_hour", "memory_bandwidth_gbps"))
         _positive(self.peak_tflops, "gpu.peak_tflops", PRECISIONS)
+        require(self.host_cpu_cores is None or self.host_cpu_cores > 0, "gpu.host_cpu_cores", self.host_cpu_cores,
+                "must be a positive number of CPU threads",
+                "give the node's CPU threads (vCPUs, as nproc prints them), e.g. 96 for a p4d.24xlarge, "
+                "or null if unknown")
         require(0 <= self.memory_overhead_gib < self.memory_gib, "gpu.memory_overhead_gib",
                 self.memory_overhead_gib, f"must be at least 0 and below gpu.memory_gib={self.memory_gib}",
                 "measure the framework overhead per GPU, in GiB")

@@ -249,6 +249,9 @@ class Hardware:
     memory_overhead_gib: float  # framework overhead: CUDA context, allocator slack, comm buffers
     precision: str = "bf16"
     host_ram_gib: Optional[float] = None  # host RAM per node; None = unknown (offload cannot be planned)
+    # host CPU threads (vCPUs) per node, which step an offloaded optimizer (speed.cpu_adam_params_per_s);
+    # None = unknown (the reference host's rate)
+    host_cpu_cores: Optional[float] = None
     pcie_bandwidth_gbps: float = 25.0  # GB/s per GPU and direction between host and GPU (offload traffic)
     memory_bandwidth_gbps: float = 2000.0  # GB/s of GPU memory (QLoRA's dequantisation)
     flash_attention: bool = True  # attention scores are not stored (SDPA / flash kernels)

@@ -28,7 +28,9 @@ act. offload = the saved activations copied to pinned host RAM in forward and ba
             bandwidth, not overlapped (``activation_offload_s``);
 offload   = host-device PCIe traffic of the offloaded shard (gradients down, updated weights up, and
             with parameter offload the weights up for every micro-batch's forward and backward) plus
-            the optimizer step on the CPU (CPU_ADAM_PARAMS_PER_S per node, shared by its GPUs).
+            the optimizer step on the CPU at the node's CPU Adam rate (``cpu_adam_params_per_s``: its host
+            threads, ``gpu.host_cpu_cores``, at a per-thread rate up to a memory-bandwidth ceiling), shared by
+            its GPUs.
 The constants are deliberately few; trials measure the truth and calibrate them. Validated on published
 runs (REFERENCE §12) by benchmarks/published_runs.py.
 """
@@ -59,8 +61,25 @@ FLASH_BACKWARD = 2.5
 # same layouts run 16% faster compiled on H100 (torchtitan 2024-12, Llama 3.1 8B FSDP on 8 and 128 GPUs: 5762 ->
 # 6667 and 5605 -> 6514 tokens/s per GPU), which the linears' efficiency takes, as it prices that work
 COMPILED_SPEEDUP = 1.16
-CPU_ADAM_PARAMS_PER_S = 4e9  # parameters per second a node's CPUs update with Adam (DeepSpeed CPU-Adam,
-#                              about 1B parameters in 0.25 s on a 2-socket server; Ren et al. 2021)
+# CPU Adam (``cpu_adam_params_per_s``). DeepSpeed's CPU-Adam steps 1 to 10 billion parameters in 0.22 to 2.57 s, about
+# 4e9 parameters per second (Ren et al. 2021, ZeRO-Offload, Table 3), on a DGX-2's host: 2 x 24-core Xeon Platinum
+# 8168, 96 threads, 12 channels of DDR4-2666 (Table 2). The step is an OpenMP loop that streams about 30 bytes per
+# parameter through host memory (fp32 weight, gradient and both moments read; weight and moments written back; the
+# 16-bit copy for the GPU), so on a whole node memory bandwidth bounds it, not the threads' arithmetic: one thread on
+# its own steps about 1.3e9 parameters per second (DeepSpeed 0.19.8 on one core of an AMD EPYC cloud VM), while the
+# paper's 4e9 is about 120 GB/s, under half the DGX-2's 256 GB/s peak, 1.25 GB/s per thread. Servers give each
+# hardware thread a similar share of DRAM bandwidth (peak over threads, from the CPUs' memory channels: 1.6 GB/s on a
+# DGX A100, 2.1 on a g5.48xlarge, 2.7 on a DGX-2 or DGX H100, 2.9 on a p4d), so a node steps in proportion to its
+# threads, at the paper's rate per thread; an instance that is a slice of a server (g5.4xlarge: 16 of a host's 192
+# vCPUs) is priced at its threads' share, what it gets when its neighbours are busy. Where a preset names no host
+# (gpu.host_cpu_cores null) the node steps at the paper's rate, as its 96 threads did.
+CPU_ADAM_PARAMS_PER_S = 4e9  # parameters per second a node of unknown host steps (the paper's DGX-2)
+CPU_ADAM_REFERENCE_THREADS = 96  # the DGX-2 host's threads that rate was measured on
+CPU_ADAM_PARAMS_PER_S_PER_THREAD = CPU_ADAM_PARAMS_PER_S / CPU_ADAM_REFERENCE_THREADS  # about 4.2e7
+# The ceiling: a 2-socket host with 16 channels of DDR4-3200 (410 GB/s peak: DGX A100's 2 x EPYC 7742, g5.48xlarge's
+# and p5's EPYC hosts) sustains about 300 GB/s (STREAM reaches 70-75% of peak), about 1e10 parameters per second at
+# 30 bytes each, whatever its thread count. It binds above 240 threads (the DGX A100's 256).
+CPU_ADAM_MAX_PARAMS_PER_S = 1e10
 
 
 cached_model_flops = cached(model_flops_per_step)
@@ -343,15 +362,30 @@ def dp_comm_s(shape: Shape, layout: Layout, hw: Hardware, num_nodes: int) -> flo
 
 
 def offload_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
-    """Seconds per step spent moving the offloaded shard over PCIe and stepping it on the CPU."""
+    """Seconds per step spent moving the offloaded shard over PCIe and stepping it on the CPU. Under LoRA only the
+    adapters are stepped and their gradients moved (the frozen base has none); parameter offload moves every
+    weight up for each forward and backward."""
     if layout.offload == "none":
         return 0.0
     shard = layout.shard(_local_parameters(shape, layout), _local_expert_parameters(shape, layout))
-    pcie = 2 * 2 * shard  # 16-bit gradients down, updated 16-bit weights up
+    trained = shard
+    if shape.method in ADAPTED:  # the rank's share of its stage's adapters (memory.host_phases_gib's count)
+        trained = shape.pipeline_layers / layout.pp * adapter_parameters(shape) / layout.tp / layout.zero_ranks
+    pcie = 2 * 2 * trained  # 16-bit gradients down, updated 16-bit weights up
     if layout.offload == "optimizer_and_params":
         pcie += 2 * layout.num_microbatches * 2 * shard  # weights up for each forward and backward
-    cpu_step = shard / (CPU_ADAM_PARAMS_PER_S / hw.gpus_per_node)
+    cpu_step = trained / (cpu_adam_params_per_s(hw) / hw.gpus_per_node)  # the node's GPUs share its host
     return pcie / (hw.pcie_bandwidth_gbps * GB) + cpu_step
+
+
+def cpu_adam_params_per_s(hw: Hardware) -> float:
+    """Parameters per second the node's host CPUs step with Adam, all its GPUs' processes together: its threads
+    (``host_cpu_cores``) at ``CPU_ADAM_PARAMS_PER_S_PER_THREAD``, at most ``CPU_ADAM_MAX_PARAMS_PER_S`` (host memory
+    bandwidth); ``CPU_ADAM_PARAMS_PER_S`` where the host is unknown. A 16-thread g5.4xlarge steps 6.7e8 per second,
+    a 96-thread p4d 4e9, a 192-thread g5.48xlarge 8e9, a 256-thread DGX A100 1e10."""
+    if hw.host_cpu_cores is None:
+        return CPU_ADAM_PARAMS_PER_S
+    return min(CPU_ADAM_PARAMS_PER_S_PER_THREAD * hw.host_cpu_cores, CPU_ADAM_MAX_PARAMS_PER_S)
 
 
 def tp_allreduce_bytes(shape: Shape, layout: Layout, hw: Hardware) -> float:
