@@ -154,3 +154,22 @@ def test_gpu_preset_files_parse_with_a_number_or_null():
         data = yaml.safe_load((GPU_DIR / f"{preset}.yaml").read_text())
         value = data.get("host_cpu_cores", "absent")
         assert value is None or isinstance(value, (int, float)), (preset, value)
+
+
+def test_the_collector_prices_the_full_run_with_the_same_host_as_the_planner(tmp_path):
+    """The base config written with the plan carries the node's threads, so the collector's full-run
+    extrapolation steps the optimizer at the planner's rate (6 x g5.4xlarge: 16 threads, not the default)."""
+    from hp_tool.estimate.speed import offload_s
+    from hp_tool.plan_output import write_plan
+    from hp_tool.planner import make_plan
+    from hp_tool.results.full_run import load_full_run
+
+    cfg, name = compose(["search_config=finetune/llama2_7b_a10g"])
+    plan = make_plan(to_app_config(cfg), name, tmp_path / "res")
+    write_plan(plan)
+    full = load_full_run(tmp_path / "res")
+    assert full.hw.host_cpu_cores == plan.cluster.hw.host_cpu_cores == 16
+    offloaded = next(c for c in plan.candidates if c.offload != "none" and c.step_time_s is not None)
+    shape, layout = offloaded.shape, offloaded.full
+    assert offload_s(shape, layout, full.hw) == pytest.approx(offload_s(shape, layout, plan.cluster.hw))
+    assert offload_s(shape, layout, full.hw) > offload_s(shape, layout, dataclasses.replace(full.hw, host_cpu_cores=None))

@@ -268,6 +268,7 @@ class ResourcesSpec:
     gpu: Optional[str] = None  # the gpu preset the plan assumed, e.g. h100_80gb (cpu: CPU processes)
     host_ram_gib: Optional[float] = None  # host RAM per node, GiB
     pcie_bandwidth_gbps: float = 25.0  # GB/s per GPU and direction between host and GPU
+    host_cpu_cores: Optional[float] = None  # host CPU threads per node (CPU Adam under offload); None: unknown
     # the gpu preset's compute-efficiency constants (hp_tool/estimate/layout.py EFFICIENCY_FIELDS); {}: defaults
     efficiency: dict[str, float] = field(default_factory=dict)
 
