@@ -337,7 +337,9 @@ def sharding_of(row: dict, gpus: int) -> tuple[str, int, str, bool, list[str]]:
     if gpus == 1 and engine == "torch":
         stage = 0  # one GPU: nothing to shard (FSDP2 size 1 is a plain module)
     offload, activations = "none", "activation" in offload_text
-    if "paged" in offload_text:
+    if offload_text.startswith("none"):
+        pass  # e.g. "none (offload_optimizer_device/offload_param_device: none)": the devices named are none
+    elif "paged" in offload_text:
         notes.append("paged optimizer (unified memory) not modelled")
     elif "param" in offload_text:
         offload = "optimizer_and_params"

@@ -120,3 +120,13 @@ def test_what_hp_tool_does_not_model_is_named_not_guessed(rows):
         with pytest.raises(bench.Unexpressible) as why:
             bench.express(by_id[row_id])
         assert words in str(why.value), (row_id, str(why.value))
+
+
+@pytest.mark.parametrize("text, offload", [
+    ("none (offload_optimizer_device/offload_param_device: none)", "none"),
+    ("cpu (offload_param and offload_optimizer)", "optimizer_and_params"),
+    ("optimizer states to cpu", "optimizer"),
+])
+def test_an_offload_naming_its_devices_as_none_is_no_offload(text, offload):
+    row = {"sharding": {"strategy": "DeepSpeed ZeRO-3", "offload": text}}
+    assert bench.sharding_of(row, 8)[2] == offload
