@@ -21,6 +21,7 @@ from hp_tool.contracts.spec import TrialSpec, dump_spec
 from hp_tool.deepspeed_ops import build_deepspeed_ops, needs_deepspeed_ops
 from hp_tool.launch.backends import Backend
 from hp_tool.launch.job import JobSpec, trial_job
+from hp_tool.launch.ledger import Ledger
 from hp_tool.planner import Plan
 from hp_tool.results.collect import collect_trials, successful
 from hp_tool.results.report import FINAL_DIR, FinalResults, collect_and_report
@@ -74,6 +75,8 @@ def run_training_search(app: AppConfig, plan: Plan, backend: Backend) -> int:
                             on_end=on_end, gate=gate, watch=None if gate is None else gate.watch)
     code = session.launch(jobs)
     if code is not None:
+        if app.cancel:
+            _cancel_confirmation(app, plan, backend)
         return code
     confirm = confirmation_jobs(plan, ts.confirm_top)
     if confirm:
@@ -83,6 +86,16 @@ def run_training_search(app: AppConfig, plan: Plan, backend: Backend) -> int:
         if code is not None:
             return code
     return finalize(plan.results_dir, app)
+
+
+def _cancel_confirmation(app: AppConfig, plan: Plan, backend: Backend) -> None:
+    """``cancel=true`` also cancels the confirmation round's jobs this search submitted (they are its jobs)."""
+    submitted = Ledger(plan.results_dir).latest()
+    confirm = [j for j in confirmation_jobs(plan, app.search_config.train_settings.confirm_top)
+               if j.name in submitted]
+    if confirm:
+        LaunchSession(app.cluster, backend, plan.results_dir, plan.results_dir, cancel=True,
+                      what="confirmation runs").launch(confirm)
 
 
 def confirmation_jobs(plan: Plan, top: int) -> list[JobSpec]:

@@ -8,7 +8,7 @@ from search_helpers import TS, ledger, search_here
 
 
 @pytest.mark.e2e
-def test_a_search_times_its_two_fastest_trials_again_and_a_resume_runs_nothing(tmp_path):
+def test_a_search_times_its_two_fastest_trials_again_and_a_resume_runs_nothing(tmp_path, monkeypatch):
     overrides = (f"{TS}.limit_search_runs=3", f"{TS}.max_steps_per_run=8", f"{TS}.search_strategy=exhaustive",
                  f"{TS}.confirm_top=2")
     code, out = search_here(tmp_path, *overrides)
@@ -28,3 +28,17 @@ def test_a_search_times_its_two_fastest_trials_again_and_a_resume_runs_nothing(t
 
     assert search_here(tmp_path, *overrides)[0] == 0
     assert len([e for e in ledger(out) if e["state"] == "submitted"]) == 5  # resumed: nothing ran again
+
+    # cancel=true cancels the confirmation round's submitted jobs too (they are the search's)
+    from hp_tool import search
+    from hp_tool.cli import results_dir
+    from hp_tool.planner import make_plan
+    from search_helpers import in_process_app
+
+    asked = []
+    monkeypatch.setattr(search.LaunchSession, "launch", lambda session, jobs: asked.append((session.cancel, jobs)))
+    app, name = in_process_app(tmp_path, *overrides, "cancel=true")
+    plan = make_plan(app, name, results_dir(app, name))
+    search._cancel_confirmation(app, plan, backend=None)
+    (cancel, jobs), = asked
+    assert cancel and sorted(j.name for j in jobs) == sorted(f"{t}.confirm" for t in confirmed["trial_id"])
