@@ -208,10 +208,12 @@ def test_two_custom_models_plan_into_two_folders_and_a_preset_keeps_its_own(tmp_
 
 @pytest.mark.e2e
 def test_two_custom_models_searched_on_cpu_keep_their_own_results(tmp_path):
-    """The documented CPU route (docs/fine-tuning.md, "Your own small model on CPU"), cut to one short trial a
-    model: each search's winner lands in its model's folder, and the second leaves the first's untouched."""
-    cpu = ["search_config=finetune/custom", "gpu=cpu", "cluster=local", f"{TS}.seq_lengths=[128]",
-           f"{TS}.global_batch_tokens=1024", f"{TS}.gpus_per_node=2", f"{TS}.engines=[torch]", f"{TS}.precision=fp32",
+    """The documented CPU route (docs/fine-tuning.md, "Your own small model on CPU"), cut to one short
+    one-process trial a model run in the orchestrator's process (cluster=in_process): each search's winner
+    lands in its model's folder, and the second leaves the first's untouched."""
+    cpu = ["search_config=finetune/custom", "gpu=cpu", "cluster=in_process", f"{TS}.seq_lengths=[128]",
+           f"{TS}.global_batch_tokens=1024", f"{TS}.gpus_per_node=1", f"{TS}.tensor_parallel_sizes=[1]",
+           f"{TS}.pipeline_parallel_sizes=[1]", f"{TS}.engines=[torch]", f"{TS}.precision=fp32",
            f"{TS}.limit_search_runs=1", f"{TS}.max_steps_per_run=4", f"{TS}.methods=[full]",
            f"{TS}.search_strategy=exhaustive", "memory_check=analytic"]
     first, second = write_config(tmp_path / "alpha"), write_config(tmp_path / "beta", num_hidden_layers=2)
