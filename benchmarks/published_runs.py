@@ -11,6 +11,11 @@ Runs (see ``load_runs``):
   torchtitan's FSDP2 / TP / PP / CP Llama runs on A100 80 GiB and on 500 W H100 96 GiB HBM2e, bf16 and Float8,
   eager and compiled. Step time = global batch x sequence / (tokens/s per GPU x GPUs); where the global batch
   is not stated the per-GPU rate does not depend on it (one micro-batch per data-parallel rank).
+- benchmarks/data/published_runs_sxm.json: bf16 runs on SXM H100 80 GB (700 W), in the same row format:
+  NVIDIA's DGX Cloud Benchmarking recipes v24.11.1 (NeMo on DGX H100: Llama 3.1 8B-405B, Nemotron-4 15B and
+  340B, GPT-3 175B; TP, PP, interleaved PP, CP, distributed optimizer) and MosaicML llm-foundry's MPT tables
+  (760M-70B, PyTorch FSDP, 8-512 GPUs, sequences 512-65536). Step time = the stated step time where the source
+  gives one, else from tokens/s as above (tokens/s of all GPUs where only that is stated).
 
 What each run is given, and what the model cannot express (said per run in the ``note`` column):
 - a Llama 3.1 405B split over PP 8 (126 layers; torchtitan splits unevenly) is priced as its busiest stage,
@@ -19,10 +24,16 @@ What each run is given, and what the model cannot express (said per run in the `
   op" is act_ckpt_mode = selective on every layer (torchtitan's per-op policy, hp_tool's too);
 - Float8 runs (torchao Float8 linears) keep bf16 weights, gradients and activations: their memory is priced as
   bf16, their linears at the GPU's fp8 peak;
-- asynchronous TP (overlapping TP's collectives with matmuls) is not modelled: priced as synchronous TP.
+- asynchronous TP (overlapping TP's collectives with matmuls) is not modelled: priced as synchronous TP, and so
+  is NeMo's TP communication overlap (ub_tp_comm_overlap);
+- NeMo's distributed optimizer (one reduce-scatter of the gradients and one all-gather of the weights per step:
+  an all-reduce's traffic) is ZeRO-1; Megatron's selective recompute (the core attention's forward again) is
+  priced as no recompute; Nemotron-4 (squared-ReLU 4h MLP) and MPT (GeLU 4h MLP, learned positions) are the gpt3
+  family's matmuls.
 
 Per source and per GPU type: median and max |step-time error|, the Spearman rank correlation of the predicted
-and measured tokens/s per GPU within each (model, GPU, sequence length) group of 3 or more runs (their size-weighted mean),
+and measured tokens/s per GPU within each (source, model, GPU, sequence length) group of 3 or more runs whose
+measured rates do not all tie (their size-weighted mean; a source's campaign is one software stack and cluster),
 median |memory error| over the runs with a measured peak, and how many of those the planner would call
 "does not fit". Leave-one-source-out: the step-time constants refitted without a source (``fit``), and that
 source's error under them. Targets (``TARGETS``; the script exits 1 when one is missed, naming it): step time
@@ -46,6 +57,7 @@ from hp_tool.estimate.speed import estimate_step_time
 
 ROOT = Path(__file__).resolve().parent.parent
 TORCHTITAN = ROOT / "benchmarks/data/published_runs_torchtitan.json"
+SXM = ROOT / "benchmarks/data/published_runs_sxm.json"  # SXM H100 80 GB: DGX Cloud Benchmarking (NeMo), llm-foundry
 MEMORY_MARGIN = 0.05  # the planner's default train_settings.memory_margin
 
 # REFERENCE §12, Narayanan et al. 2021 Table 1
@@ -71,7 +83,13 @@ FLOAT8_LINEAR_SPEEDUP = 1.4
 
 # the gpu preset each published GPU runs on
 GPU_PRESETS = {"A100 80GB": "a100_80gb", "H100 96GB HBM2e (500 W)": "h100_96gb_hbm2e",
-               "H100 94-95GB HBM2e lower-TDP": "h100_96gb_hbm2e"}
+               "H100 94-95GB HBM2e lower-TDP": "h100_96gb_hbm2e", "H100 80GB SXM (DGX H100)": "h100_80gb",
+               "H100 80GB SXM (MosaicML h100_80gb)": "h100_80gb"}
+
+# the ZeRO stage each row's sharding is (FSDP2's full shard, torchtitan's every row, where not named here)
+ZERO_STAGES = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2,
+               # NeMo's distributed Adam: the gradients reduce-scattered and the weights all-gathered once a step
+               "NeMo distributed_fused_adam (optimizer state sharded over DP)": 1}
 
 
 # shapes the torchtitan rows leave out (REFERENCE §9): layers, hidden, heads, kv heads, ffn, vocabulary
@@ -94,6 +112,7 @@ class Run:
     step_s: float  # measured seconds per optimizer step
     memory_gib: Optional[float]  # measured peak per GPU (torch's max reserved), GiB
     note: str = ""
+    unjudged: str = ""  # why the planner's "fits" verdict is not judged on this run ("": judged)
 
     @property
     def tokens_per_s_per_gpu(self) -> float:
@@ -123,12 +142,13 @@ def narayanan_runs() -> list[Run]:
         # Eq. 3: F = 96·B·s·L·h²·(1 + s/(6h) + V/(16·L·h)) per iteration, over the GPUs' achieved FLOP/s
         flops = 96 * batch * SEQ * layers * hidden ** 2 * (1 + SEQ / (6 * hidden) + VOCAB / (16 * layers * hidden))
         out.append(Run(f"n{size:g}B", "narayanan_2021", f"GPT {size:g}B", "a100_80gb", shape, layout, hw, gpus // 8,
-                       flops / (gpus * tflops * 1e12), None))
+                       flops / (gpus * tflops * 1e12), None, unjudged=MEGATRON_RUNTIME))
     return out
 
 
-def torchtitan_runs() -> list[Run]:
-    data = json.loads(TORCHTITAN.read_text())
+def json_runs(path: Path) -> list[Run]:
+    """The rows of a published-runs file (torchtitan's, the SXM one) as the models see them."""
+    data = json.loads(path.read_text())
     out = []
     for r in data["rows"]:
         s = r["model_shape"] or LLAMA2[r["model"]]
@@ -139,28 +159,40 @@ def torchtitan_runs() -> list[Run]:
         seq = r["seq_length"] or 8192
         if not r["seq_length"]:
             notes.append("seq 8192 (torchtitan's config; not stated)")
-        shape = Shape("llama", layers, s["hidden"], s["heads"], s["kv_heads"], s["ffn"], s["vocab"], seq)
+        shape = Shape(s.get("family", "llama"), layers, s["hidden"], s["heads"], s["kv_heads"], s["ffn"], s["vocab"],
+                      seq, tied_embeddings=s.get("tied"))
         dp, cp, tp = r["fsdp"] or r["dp"], r["cp"], r["tp"]
         mbs, gbs = r["micro_batch_size"], r["global_batch_size"]
-        if pp > 1:
+        if pp > 1 and r["framework"].startswith("torchtitan"):
             local = gbs // dp if gbs else 8  # r015-r018: "local batch size 8"
             v = 2 if "Interleaved" in (r["pp_schedule"] or "") else 1
             microbatches = pp * v  # torchtitan's default: as many micro-batches as the pipeline has stages
             mbs, gbs = local // microbatches, local * dp
             notes.append(f"{microbatches} micro-batches of {mbs} (torchtitan's default), v={v}")
         else:
-            v = 1
+            v = r["vp"] or 1
             gbs = gbs or dp * mbs
         ac = r["activation_checkpointing"] or "none"
         per_stage = layers // pp
+        if ac.startswith("selective (Megatron"):  # the core attention's forward again: priced as no recompute
+            ac = "none"
+            notes.append("Megatron's selective recompute priced as none")
         ckpt, mode = {"full": per_stage, "none": 0}.get(ac), "full"
         if ckpt is None:  # torchtitan's selective: every second layer whole ("layer") or the per-op policy ("op")
             ckpt, mode = (per_stage // 2, "full") if "layer" in ac else (per_stage, "selective")
         optimizations = r["other_optimizations"] or ""
         if "async TP" in optimizations:
             notes.append("async TP priced as TP")
-        layout = Layout(tp, pp, dp, mbs, ckpt, gbs, zero_stage=3, virtual_stages=v, cp=cp,
-                        sequence_parallel=bool(r["sequence_parallel"]), act_ckpt_mode=mode)
+        if "ub_tp_comm_overlap" in optimizations:
+            notes.append("TP comm overlap priced as TP")
+        unjudged = ""
+        if r["framework"].startswith(("NeMo", "Megatron")):
+            unjudged = MEGATRON_RUNTIME
+        elif "fused cross entropy" in optimizations:
+            unjudged = FUSED_LOSS
+            notes.append("fused cross entropy priced as torch's (verdict not judged)")
+        layout = Layout(tp, pp, dp, mbs, ckpt, gbs, zero_stage=ZERO_STAGES.get(r["sharding"], 3), virtual_stages=v,
+                        cp=cp, sequence_parallel=bool(r["sequence_parallel"]), act_ckpt_mode=mode)
         preset = GPU_PRESETS[r["gpu"]]
         hw = hardware(preset)
         # Float8 linears (torchao) with weights, gradients and activations in bf16
@@ -168,14 +200,23 @@ def torchtitan_runs() -> list[Run]:
                      gemm_peak_tflops=FLOAT8_LINEAR_SPEEDUP * hw.peak_tflops if r["precision"].startswith("fp8")
                      else None)
         gpus = r["num_gpus"]
-        step = gbs * seq / (r["tokens_per_s_per_gpu"] * gpus)
+        per_gpu = r["tokens_per_s_per_gpu"] or r["tokens_per_s_total"] / gpus
+        step = r["step_time_s"] or gbs * seq / (per_gpu * gpus)
         out.append(Run(r["id"], r["source"], r["model"], preset, shape, layout, hw, gpus // 8, step,
-                       r["peak_memory_gib"], "; ".join(notes)))
+                       r["peak_memory_gib"], "; ".join(notes), unjudged))
     return out
 
 
+def torchtitan_runs() -> list[Run]:
+    return json_runs(TORCHTITAN)
+
+
+def sxm_runs() -> list[Run]:
+    return json_runs(SXM)
+
+
 def load_runs() -> list[Run]:
-    return narayanan_runs() + torchtitan_runs()
+    return narayanan_runs() + torchtitan_runs() + sxm_runs()
 
 
 def predicted_step_s(run: Run) -> float:
@@ -191,15 +232,22 @@ def fits(run: Run) -> bool:
     return estimate_memory(run.shape, run.layout, run.hw).total_gib <= run.hw.usable_gib(MEMORY_MARGIN)
 
 
-def trained_in_torch(run: Run) -> bool:
-    """Whether the run is one that trained in a torch runtime (every torchtitan run), whose verdict must be
-    "fits"; Megatron-LM's 2021 runs are left out: their runtime holds no torch pipeline buffers."""
-    return run.source != "narayanan_2021"
+# runs whose memory the planner's model does not express, so its "fits" verdict is not judged on them
+MEGATRON_RUNTIME = "Megatron's runtime (Megatron-LM 2021, NeMo) holds no torch pipeline buffers"
+FUSED_LOSS = ("llm-foundry's loss is flash-attn's fused cross entropy; the planner prices torch's, whose logits, their "
+              "fp32 copy and gradient it keeps whole")
+
+
+def judged(run: Run) -> bool:
+    """Whether the run's "fits" verdict is judged: it trained (every published run did) in a runtime whose memory
+    the planner's model expresses (every torchtitan run), so the verdict must be "fits" (``unjudged`` says why
+    not)."""
+    return not run.unjudged
 
 
 def wrongly_no_fit(runs: list[Run]) -> list[str]:
-    """The runs that trained and that the planner calls "does not fit"."""
-    return [r.id for r in runs if trained_in_torch(r) and not fits(r)]
+    """The judged runs (they trained) that the planner calls "does not fit"."""
+    return [r.id for r in runs if judged(r) and not fits(r)]
 
 
 MEASURED_TIE = 0.01  # measured rates within 1% rank as ties: each is one reading (torchtitan's at iteration 90)
@@ -238,28 +286,31 @@ class Summary:
     groups: int
     memory_runs: int
     memory_median: Optional[float]
-    wrong_no_fit: int  # runs that trained called "does not fit"
-    trained: int  # runs that trained in a torch runtime (the verdict is judged on them)
+    wrong_no_fit: int  # judged runs (they trained) called "does not fit"
+    trained: int  # runs that trained whose verdict is judged (``judged``)
 
 
 def summarise(runs: list[Run], step: Callable[[Run], float]) -> Summary:
     errors = [abs(step(r) / r.step_s - 1) for r in runs]
-    groups: dict[tuple[str, str, int], list[Run]] = {}
-    for r in runs:  # the layouts of one model on one GPU at one sequence length
-        groups.setdefault((r.model, r.gpu, r.shape.seq_length), []).append(r)
-    rho, weight = 0.0, 0
+    groups: dict[tuple[str, str, str, int], list[Run]] = {}
+    for r in runs:  # the layouts of one model on one GPU at one sequence length, measured by one source
+        groups.setdefault((r.source, r.model, r.gpu, r.shape.seq_length), []).append(r)
+    rho, weight, ranked = 0.0, 0, 0
     for members in groups.values():
         if len(members) >= 3:
             measured = [m.tokens_per_s_per_gpu for m in members]
+            if len(set(ranks(measured, MEASURED_TIE))) == 1:
+                continue  # the measured rates all tie: no order to reproduce
             guessed = [m.layout.global_batch_size * m.shape.seq_length / step(m) / m.layout.gpus for m in members]
             rho += len(members) * spearman(measured, guessed)
             weight += len(members)
+            ranked += 1
     mem = [r for r in runs if r.memory_gib is not None]
     mem_errors = [abs(predicted_memory_gib(r) / r.memory_gib - 1) for r in mem]
     return Summary(len(runs), statistics.median(errors), max(errors), rho / weight if weight else None,
-                   sum(len(m) >= 3 for m in groups.values()), len(mem),
+                   ranked, len(mem),
                    statistics.median(mem_errors) if mem_errors else None, len(wrongly_no_fit(runs)),
-                   sum(trained_in_torch(r) for r in runs))
+                   sum(judged(r) for r in runs))
 
 
 def summary_line(name: str, s: Summary) -> str:
@@ -387,11 +438,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     for gpu in sorted({r.gpu for r in runs}):
         print(summary_line(gpu, summarise([r for r in runs if r.gpu == gpu], predicted_step_s)))
     print(summary_line("all", summarise(runs, predicted_step_s)))
-    trained = [r for r in runs if trained_in_torch(r)]
+    trained = [r for r in runs if judged(r)]
     wrong = wrongly_no_fit(runs)
-    print(f"\nEvery torchtitan run trained: {len(trained) - len(wrong)} of {len(trained)} called fitting; "
-          f"called \"does not fit\": {', '.join(wrong) or 'none'} (Megatron-LM's 2021 runs are left out: their "
-          f"runtime holds no torch pipeline buffers)")
+    fused = [r for r in runs if r.unjudged == FUSED_LOSS]
+    print(f"\nEvery torchtitan run trained: {len(trained) - len(wrong)} of {len(trained)} called fitting; called "
+          f"\"does not fit\": {', '.join(wrong) or 'none'}. Left out: Megatron's runs (Megatron-LM 2021, NeMo: their "
+          f"runtime holds no torch pipeline buffers) and llm-foundry's (flash-attn's fused cross entropy, which the "
+          f"planner prices as torch's: {sum(not fits(r) for r in fused)} of its {len(fused)} would be called \"does "
+          f"not fit\")")
     leave_one_source_out(runs)
     if args.fit:
         for gpu in sorted({r.gpu for r in runs}):
