@@ -20,7 +20,6 @@ import concurrent.futures
 import dataclasses
 import json
 import logging
-import multiprocessing
 import os
 import time
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from typing import Optional
 
 from hp_tool.trial.trace.limits import untraceable_reason
 from hp_tool.fingerprint import fingerprint_of
+from hp_tool.launch.backends import warm
 from hp_tool.config import trial_device
 from hp_tool.contracts.spec import TrialSpec
 from hp_tool.estimate.layout import GIB
@@ -173,7 +173,7 @@ class Tracer:
             groups.setdefault(sibling_key(spec), []).append(key)
         workers = min(self.workers, len(groups))
         log.info("Tracing the memory of %d candidates on %d processes", len(jobs), workers)
-        context = multiprocessing.get_context("spawn")  # a fresh interpreter: no state shared with ours
+        context = warm.context()  # forks of a fresh interpreter that has imported the engine: no state of ours
         done: dict[str, TraceOutcome] = {}
         with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_init) as pool:
             futures = {pool.submit(trace_siblings, [jobs[k] for k in keys], self.device_type): keys

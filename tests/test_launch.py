@@ -118,7 +118,7 @@ def test_adaptive_search_skips_with_reasons_resumes_without_reruns_and_exhaustiv
     assert skipped["reason"].str.contains("skip_margin=0 slower than the best measured").all()
     assert skipped["calibrated_step_time_s"].gt(first.loc[first["status"] == "ok", "full_run_step_time_s"].iloc[0]).all()
     assert not any((out / "training_logs" / t / "metrics.jsonl").exists() for t in skipped.index)  # never ran
-    assert "Adaptive search: 1 trials ran" in capsys.readouterr().out
+    assert "Adaptive search: 1 trial ran" in capsys.readouterr().out
     assert len(Ledger(out).submissions()) == 1
 
     assert search_here(tmp_path, *adaptive)[0] == 0

@@ -2,7 +2,8 @@
 one place that reads the cluster type; everything after it asks the backend.
 
     slurm       cluster=bcm, and cluster=auto where sinfo answers     submitit's SLURM executor
-    local       cluster=local, and cluster=auto without SLURM         submitit's local executor
+    local       cluster=local, and cluster=auto without SLURM         submitit's local executor (CPU jobs:
+                                                                      forked from a warm process, warm.py)
     in_process  cluster=in_process                                    threads of this process, one process per job
 """
 

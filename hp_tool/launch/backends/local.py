@@ -1,5 +1,7 @@
 """This machine through submitit's local executor: one process per task, started by a controller process
-whose pid is the job id, so a restarted orchestrator follows a job it did not start by that pid."""
+whose pid is the job id, so a restarted orchestrator follows a job it did not start by that pid. CPU jobs
+(``gpu=cpu``) run the same way from a warm process (warm.py): their tasks fork from one that has already
+imported the trial engine."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import submitit
 
 from hp_tool.config import ClusterConfig, GpuConfig
 from hp_tool.errors import ConfigError
+from hp_tool.launch.backends import warm
 from hp_tool.launch.backends.base import Backend, Handle, Sized
 from hp_tool.launch.job import JobSpec, SubmititEntry
 from hp_tool.launch.ledger import Entry
@@ -98,6 +101,10 @@ class LocalBackend(Backend):
                           f"run on a SLURM cluster (cluster=bcm cluster.partition=<partition>), or {FIX}")
 
     def submit(self, job: JobSpec, name: str) -> Handle:
+        if self.gpu.name == "cpu":  # CPU processes: forked from a process that has imported the engine
+            return warm.submit(warm.WarmSpec(SubmititEntry(job.entry), job.config_path, str(job.folder),
+                                             job.tasks_per_node, 60 * job.timeout_min, job.signal_delay_s,
+                                             dict(os.environ), os.getcwd()))
         ex = submitit.LocalExecutor(folder=job.folder)
         ex.update_parameters(timeout_min=job.timeout_min, tasks_per_node=job.tasks_per_node, nodes=1,
                              signal_delay_s=job.signal_delay_s)
