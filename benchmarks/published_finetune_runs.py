@@ -3,7 +3,8 @@
     python3 benchmarks/published_finetune_runs.py             # every row, then the summaries
     python3 benchmarks/published_finetune_runs.py --summary   # the summaries only
 
-Data: ``../shared/published_finetune_runs.json`` (beside this checkout; ``--data`` for another copy): published
+Data: ``benchmarks/data/published_finetune_runs.json`` (a copy of ``../shared/published_finetune_runs.json``;
+``--data`` for another copy): published
 fine-tuning measurements (torchtune, LLaMA-Factory, Unsloth, PEFT, DeepSpeed, QLoRA, Qwen, NeMo, AnswerDotAI) with
 the setup behind each, and its peak memory, throughput and whether it fitted or ran out of memory. Nothing
 measured is written here: each row is read, turned into the question a user would ask hp_tool (the model's
@@ -69,7 +70,7 @@ from hp_tool.families.shape import Shape  # noqa: E402
 from hp_tool.hf_config import load_hf_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "published_finetune_runs.json"
+DATA = ROOT / "benchmarks" / "data" / "published_finetune_runs.json"
 
 # model name (as the rows print it) -> a shipped Hugging Face config, or a key of SHAPES; first match wins
 MODELS = [
