@@ -18,7 +18,8 @@ from hp_tool.adaptive import Option, Outcome, launch_order, losing, verdicts
 from hp_tool.launch.job import JobSpec
 from hp_tool.planner import Plan
 from hp_tool.results.collect import RANK_COLUMN, collect_trials, full_run_columns, full_run_for, read_plan
-from hp_tool.results.trial_files import number, read_metrics, timed_step_times, timing_of
+from hp_tool.contracts.result import step_stats
+from hp_tool.results.trial_files import number, read_metrics, timed_step_times
 from hp_tool.vocab import METRICS_FILE, SELECTED
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ class AdaptiveGate:
         timed = timed_step_times(fresh)
         if not timed:
             return None
-        row = dict(self.plan_rows[job.name], measured_step_time_s=timing_of(fresh)["step_time_s_median"])
+        row = dict(self.plan_rows[job.name], measured_step_time_s=step_stats(timed)["median"])
         full_run_s = full_run_columns(row, self.full).get("full_run_step_time_s")
         return losing(job.name, timed, full_run_s, self._decisions()[0], self.skip_margin)
 

@@ -24,7 +24,7 @@ from hp_tool.tables import lookup
 from hp_tool.contracts.spec import (FullRunSpec, LoraSpec, ModelSpec, ParallelSpec, ResourcesSpec, RunSpec, TrainingSpec,
                                 TrialSpec)
 from hp_tool.dimensions import trial_id
-from hp_tool.words import plural
+from hp_tool.words import plural, processes
 
 TS = "search_config.train_settings"
 
@@ -120,8 +120,7 @@ class ModelChoice:
         ``tflops_per_gpu``; ``best``, (days, achieved TFLOPS per GPU) of the best predicted layout, gives the
         one time the headline states when there is one, and the sizing estimate is then named as the
         assumption it is."""
-        gpus = plural(cluster.gpus, "CPU process") if cluster.hw.device_is_host else \
-            plural(cluster.gpus, f"{cluster.gpu_name} GPU")
+        gpus = processes(cluster.gpus, cluster.hw.device_is_host, f"{cluster.gpu_name} GPU")
         assumed = f"{cluster.sizing_tflops_per_gpu:g} TFLOPS per GPU (tflops_per_gpu)"
         if best is None:
             when = f"at {assumed} takes about {format_days(days)}"
@@ -289,9 +288,8 @@ def base_spec(app: AppConfig, model: ModelChoice, cluster: Cluster) -> TrialSpec
                                                       ep=1 if s.moe else None)),
         model=model_spec(s, model.num_parameters, model.hf),
         parallel=ParallelSpec(tp=tp, pp=pp, dp=dp, mbs=1, act_ckpt_layers=0, engine="torch", zero_stage=3),
-        training=TrainingSpec(global_batch_size=gbs, precision=training_precision(app), lr=model.lr,
-                              min_lr=round(MIN_LR_RATIO * model.lr, 10), warmup_steps=warmup,
-                              constant_steps=constant, max_steps=max_steps),
+        training=with_lr(TrainingSpec(global_batch_size=gbs, precision=training_precision(app), warmup_steps=warmup,
+                                      constant_steps=constant, max_steps=max_steps), model.lr),
         resources=ResourcesSpec(cluster.num_nodes, hw.gpus_per_node, hw.gpu_memory_gib, hw.peak_tflops,
                                 hw.intra_node_bandwidth_gbps, hw.inter_node_bandwidth_gbps,
                                 cluster.gpu_hour_price, gpu=cluster.gpu_name, host_ram_gib=hw.host_ram_gib,

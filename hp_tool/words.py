@@ -11,6 +11,12 @@ def plural(n: float, noun: str, many: Optional[str] = None) -> str:
     return f"{n:g} {word}" if isinstance(n, float) else f"{n} {word}"
 
 
+def processes(n: int, on_host: bool, gpu: str = "GPU") -> str:
+    """A run's ``n`` processes by what they run on: "2 CPU processes" where the device is the host (gpu=cpu),
+    else "8 GPUs" (``gpu``: the noun, e.g. "a100_80gb GPU")."""
+    return plural(n, "CPU process" if on_host else gpu)
+
+
 def how_much(ratio: float, word: str) -> str:
     """A lead of ``ratio`` (>= 1: the better figure over the worse) in words: "12.0% faster" under 2x,
     "7.2x faster" from there (a percentage of several hundred reads as a typo)."""

@@ -189,7 +189,7 @@ def test_a_job_on_this_machine_is_looked_at_every_second_at_most_a_scheduler_eve
     from hp_tool.launch.backends.in_process import InProcessBackend
     from hp_tool.launch.backends.local import LocalBackend
     from hp_tool.launch.backends.slurm import SlurmBackend
-    from hp_tool.launch.runner import POLL_MIN_S, next_poll_delay
+    from hp_tool.launch.runner import next_poll_delay
 
     def waits(backend_cls, polls=20):
         delay, out = backend_cls.min_poll_s, []
@@ -200,4 +200,4 @@ def test_a_job_on_this_machine_is_looked_at_every_second_at_most_a_scheduler_eve
 
     local, slurm = waits(LocalBackend), waits(SlurmBackend)
     assert max(local) == 1.0 and local[10] == 0.2 and local[11] == pytest.approx(0.3) and waits(InProcessBackend) == local
-    assert max(slurm) == 15.0 and slurm[10] == POLL_MIN_S and slurm[11] == 1.5
+    assert max(slurm) == 15.0 and slurm[10] == SlurmBackend.min_poll_s == 1.0 and slurm[11] == 1.5

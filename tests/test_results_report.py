@@ -269,15 +269,22 @@ def test_a_real_tiny_search_writes_report_md_linking_only_files_it_wrote(tmp_pat
     assert "process RSS, not comparable" in trust
 
 
-def test_a_calibrated_step_error_fitted_exactly_is_not_shown_as_zero(tmp_path):
-    """One measured trial per TP/PP regime: each regime's residual reproduces its trial, so a 0% calibrated
-    error would claim a precision nobody measured."""
-    app, out, plan = planned(tmp_path)
+def one_trial_per_regime(out, plan, step_time_s) -> dict:
+    """The first selected trial of each TP/PP regime measured ok, the i-th at ``step_time_s(i)``;
+    {(tp, pp): trial id}."""
     by_regime = {}
     for spec in plan.specs:
         by_regime.setdefault((spec.parallel.tp, spec.parallel.pp), spec.trial_id)
     for i, tid in enumerate(by_regime.values()):
-        write_ok(out, tid, 0.3 + 0.1 * i)
+        write_ok(out, tid, step_time_s(i))
+    return by_regime
+
+
+def test_a_calibrated_step_error_fitted_exactly_is_not_shown_as_zero(tmp_path):
+    """One measured trial per TP/PP regime: each regime's residual reproduces its trial, so a 0% calibrated
+    error would claim a precision nobody measured."""
+    app, out, plan = planned(tmp_path)
+    by_regime = one_trial_per_regime(out, plan, lambda i: 0.3 + 0.1 * i)
     assert len(by_regime) >= 2 and finalize(out, app) == 0
     page = (out / "final_results" / "report.md").read_text()
     assert f"| {len(by_regime)} |" in page and "| exact by construction: one trial per TP/PP regime |" in page
@@ -291,11 +298,7 @@ def test_a_calibration_clamped_at_its_bounds_is_not_called_exact(tmp_path):
     cluster): the factors stop at their bound, the calibrated figures do not reproduce the trials, and the
     report says the fit was clamped instead of calling it exact."""
     app, out, plan = planned(tmp_path)
-    by_regime = {}
-    for spec in plan.specs:
-        by_regime.setdefault((spec.parallel.tp, spec.parallel.pp), spec.trial_id)
-    for i, tid in enumerate(by_regime.values()):
-        write_ok(out, tid, 5000.0 + 1000 * i)
+    by_regime = one_trial_per_regime(out, plan, lambda i: 5000.0 + 1000 * i)
     assert len(by_regime) >= 2 and finalize(out, app) == 0
     page = (out / "final_results" / "report.md").read_text()
     assert "exact by construction" not in page

@@ -32,7 +32,6 @@ from hp_tool.vocab import FAILURE_DIR, METRICS_FILE, NOT_LAUNCHED, RESULT_FILE, 
 log = logging.getLogger(__name__)
 
 GRACE_S = 300.0  # past a job's time limit (from its start) before it is cancelled and recorded as timeout
-POLL_MIN_S = 1.0  # the shortest wait by default (a backend's min_poll_s); the longest is its max_poll_s
 RESULT_FILES = (RESULT_FILE, METRICS_FILE, FAILURE_DIR, STOP_REQUEST_FILE)  # what a stale result consists of
 
 
@@ -49,7 +48,7 @@ class Active:
         return str(self.handle.job_id)
 
 
-def next_poll_delay(delay: float, changed: bool, ceiling: float, floor: float = POLL_MIN_S) -> float:
+def next_poll_delay(delay: float, changed: bool, ceiling: float, floor: float) -> float:
     """Seconds until the next look at the jobs: back to ``floor`` (the backend's ``min_poll_s``) after a
     change, else 1.5x longer, at most ``ceiling`` (its ``max_poll_s``)."""
     return floor if changed else min(ceiling, delay * 1.5)

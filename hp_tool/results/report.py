@@ -37,7 +37,7 @@ from hp_tool.results.report_inputs import (dimension_columns, searched, status_c
                                            write_report_md)
 from hp_tool.sizing import format_days
 from hp_tool.vocab import LOSING, NOT_LAUNCHED, NOT_RUN, SELECTED
-from hp_tool.words import plural
+from hp_tool.words import plural, processes
 
 log = logging.getLogger(__name__)
 
@@ -145,9 +145,9 @@ def recommendation(ranked: pd.DataFrame, full: FullRun, optimal: Path, dims: lis
     if not pd.isna(best["full_run_cost_usd"]):
         cost = (f", about {format_usd(best['full_run_cost_usd'])} "
                 f"({format_usd(best['cost_usd_per_million_tokens'])} per million tokens)")
-    processes = plural(int(best["num_gpus"]), "CPU process" if best.get("device") == "cpu" else "GPU")
+    ran_on = processes(int(best["num_gpus"]), best.get("device") == "cpu")
     return (f"Recommended: {best['trial_id']} ({layout_words(best, dims)}) on {plural(full.num_nodes, 'node')}, "
-            f"{processes}: {best[RANK_COLUMN]:.4g} s per step, "
+            f"{ran_on}: {best[RANK_COLUMN]:.4g} s per step, "
             f"{best['full_run_tokens_per_s_per_gpu']:,.0f} tokens/s per GPU; {full.max_steps:,} steps take "
             f"about {format_days(best['days_to_train'])}{cost}. Config: {optimal}."
             + _memory_note(ranked))
