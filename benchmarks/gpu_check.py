@@ -5,13 +5,15 @@ measured, written to docs/validation/<gpu>.md.
     python3 benchmarks/gpu_check.py --rehearse        # the same on CPU: gpu=cpu, finetune/tiny (minutes)
 
 Three runs of `python3 main.py ... cluster=local`, each in its own results folder under --work-dir:
-full fine-tuning (ZeRO 3, offload none and optimizer_and_params; the planner prunes what does not fit and
-the table shows it), LoRA and QLoRA in one search, each at two micro-batch sizes, exhaustive, a few steps
-per trial; then the inference search at two batch sizes for the same shape as a llama preset
-(llama/llama2_7b, llama/tiny: the inference search does not take finetune configs). The tables come from the
-searches' own CSVs (final_results/all_trials_<N>nodes.csv, inference/final_summary/final_output.csv;
-columns in docs/results.md); nothing they give is recomputed. The page is rewritten after each search, so a
-run cut short still leaves what it measured. Exit 1 when a search wrote no table or a launched trial (or
+LoRA and QLoRA in one search, each at two micro-batch sizes, exhaustive, a few steps per trial; the inference
+search at two batch sizes for the same shape as a llama preset (llama/llama2_7b, llama/tiny: the inference search
+does not take finetune configs); last, full fine-tuning (ZeRO 3, offload none and optimizer_and_params; the
+planner prunes what does not fit and the table shows it), whose offloaded trial holds the most host RAM. The gpu
+preset's host RAM and CPU threads are set to this machine's (/proc/meminfo, os.cpu_count()), so offloaded
+layouts are planned, and CPU Adam priced, for the node they run on. The tables come from the searches' own CSVs
+(final_results/all_trials_<N>nodes.csv, inference/final_summary/final_output.csv; columns in docs/results.md);
+nothing they give is recomputed. The page is rewritten after each search, so a run cut short still leaves what
+it measured. Exit 1 when a search wrote no table or a launched trial (or
 inference config) measured no step; 0 otherwise.
 """
 
@@ -95,6 +97,24 @@ class Search:
         return found[0] if found else None
 
 
+@dataclass(frozen=True)
+class Host:
+    """The node the check runs on, as the gpu preset's host keys take it."""
+
+    ram_gib: float
+    cpu_threads: int
+
+    def overrides(self) -> list[str]:
+        return [f"gpu.host_ram_gib={self.ram_gib:.1f}", f"gpu.host_cpu_cores={self.cpu_threads}"]
+
+
+def this_host() -> Host:
+    """This machine's RAM (MemTotal) and CPU threads."""
+    kib = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
+               if line.startswith("MemTotal:"))
+    return Host(kib / 1024 ** 2, os.cpu_count() or 1)
+
+
 def scale_for(gpu: str) -> Scale:
     return CPU_SCALE if gpu == "cpu" else GPU_SCALE
 
@@ -109,9 +129,11 @@ def shown_path(path: Path) -> str:
     return str(path.relative_to(REPO)) if path.is_absolute() and path.is_relative_to(REPO) else str(path)
 
 
-def searches(gpu: str, work_dir: Path, minutes_per_trial: Optional[float] = None) -> list[Search]:
+def searches(gpu: str, work_dir: Path, minutes_per_trial: Optional[float] = None,
+             host: Optional[Host] = None) -> list[Search]:
     """The three CLI runs of a check on ``gpu`` (a gpu preset name; cpu: the rehearsal), each trial and
-    inference config limited to ``minutes_per_trial`` (default: the scale's)."""
+    inference config limited to ``minutes_per_trial`` (default: the scale's), on ``host`` (default: the
+    preset's host RAM and CPU threads)."""
     s = scale_for(gpu)
     if minutes_per_trial is not None:
         s = dataclasses.replace(s, max_minutes=minutes_per_trial)
@@ -119,7 +141,7 @@ def searches(gpu: str, work_dir: Path, minutes_per_trial: Optional[float] = None
     def base(name: str, search_config: str) -> list[str]:
         return [f"search_config={search_config}", f"gpu={gpu}", "cluster=local",
                 f"base_results_dir={shown_path(work_dir / name)}", f"{TS}.num_nodes=1", f"{TS}.gpus_per_node=1",
-                f"{TS}.max_minutes_per_run={s.max_minutes:g}"]
+                f"{TS}.max_minutes_per_run={s.max_minutes:g}", *(host.overrides() if host else ())]
 
     train = [f"{TS}.seq_lengths=[{s.seq_length}]", f"{TS}.global_batch_tokens={s.global_batch_tokens}",
              f"{TS}.engines=[torch]", f"{TS}.tensor_parallel_sizes=[1]", f"{TS}.pipeline_parallel_sizes=[1]",
@@ -134,8 +156,9 @@ def searches(gpu: str, work_dir: Path, minutes_per_trial: Optional[float] = None
     inference = base("inference", s.inference_config) + [
         "run_training_hp_search=false", "run_inference_hp_search=true", f"{IS}.tensor_parallel_sizes=[1]",
         f"{IS}.pipeline_parallel_sizes=[1]", f"{IS}.max_batch_sizes={hydra_list(s.inference_batches)}"]
-    return [Search("full", s.search_config, tuple(full)), Search("adapters", s.search_config, tuple(adapters)),
-            Search("inference", s.inference_config, tuple(inference), inference=True)]
+    return [Search("adapters", s.search_config, tuple(adapters)),
+            Search("inference", s.inference_config, tuple(inference), inference=True),
+            Search("full", s.search_config, tuple(full))]
 
 
 # ---- the tables: (header, CSV column, format) rows; the page only formats what the CSVs hold ----
@@ -319,7 +342,8 @@ def run_search(search: Search, work_dir: Path) -> SearchRun:
     start, tail = time.monotonic(), collections.deque(maxlen=30)
     with (work_dir / f"{search.name}.log").open("w") as log, \
             subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             env={**os.environ, "PYTHONPATH": str(REPO)}) as proc:
+                             env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                 [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}) as proc:
         for line in proc.stdout:
             sys.stdout.write(line)
             log.write(line)
@@ -384,8 +408,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     command = shlex.join(["python3", "benchmarks/gpu_check.py", *(sys.argv[1:] if argv is None else argv)])
     args.work_dir.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
+    host = this_host()
     page = Page(args.gpu, command, datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-                versions(), [SearchRun(s) for s in searches(args.gpu, args.work_dir, args.minutes_per_trial)], 0.0)
+                {**versions(), "host (as gpu.host_ram_gib, gpu.host_cpu_cores)":
+                 f"{host.ram_gib:.1f} GiB RAM, {host.cpu_threads} CPU threads"},
+                [SearchRun(s) for s in searches(args.gpu, args.work_dir, args.minutes_per_trial, host)], 0.0)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(render_page(page) + "\n")  # rewritten after each search: a cut-short run keeps its part
     for i, pending in enumerate(page.runs):

@@ -6,6 +6,7 @@ and takes about 5-10 minutes on 2 CPU cores, so no test runs it."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -42,7 +43,7 @@ def value(search, key: str) -> str:
 
 def test_a_gpu_check_runs_full_adapters_and_inference_on_one_gpu_of_the_7b_shape(tmp_path):
     runs = by_name(gc.searches("h200", tmp_path))
-    assert list(runs) == ["full", "adapters", "inference"]
+    assert list(runs) == ["adapters", "inference", "full"]  # the offloaded full trial, most host RAM, last
     full, adapters, inference = runs["full"], runs["adapters"], runs["inference"]
     for s in runs.values():
         assert value(s, "gpu") == "h200" and value(s, "cluster") == "local"
@@ -75,6 +76,17 @@ def test_the_rehearsal_is_the_same_check_on_cpu_with_the_tiny_model(tmp_path):
     assert not any(o.startswith(f"{TS}.precision=") for o in runs["full"].overrides)
     assert all(value(s, f"{TS}.max_minutes_per_run") == "3" and value(s, "gpu") == "cpu" for s in runs.values())
     assert [s.name for s in gc.searches("h100_80gb", tmp_path)] == list(runs)
+
+
+def test_the_offloaded_layouts_are_planned_for_the_host_the_check_runs_on(tmp_path):
+    host = gc.Host(ram_gib=125.84, cpu_threads=16)
+    for s in gc.searches("h100_80gb", tmp_path, host=host):
+        assert value(s, "gpu.host_ram_gib") == "125.8" and value(s, "gpu.host_cpu_cores") == "16"
+        app = to_app_config(compose(list(s.overrides))[0])
+        assert (app.gpu.host_ram_gib, app.gpu.host_cpu_cores) == (125.8, 16)
+    assert not any(o.startswith("gpu.host") for s in gc.searches("h100_80gb", tmp_path) for o in s.overrides)
+    mine = gc.this_host()
+    assert mine.cpu_threads == os.cpu_count() and 0.1 < mine.ram_gib < 1e5
 
 
 def test_a_results_folder_inside_the_repository_is_shown_relative_to_it():
@@ -216,7 +228,7 @@ def test_a_column_the_csv_lacks_is_named_not_shown_as_unmeasured():
 def test_a_search_that_fails_at_start_up_is_on_the_page_and_the_check_exits_1(tmp_path, monkeypatch):
     """The I/O path in seconds: one real CLI run with a key the schema lacks (exit 2, no table)."""
     bad = gc.Search("bad", "finetune/tiny", ("search_config=finetune/tiny", "gpu=cpu", "no_such_key=1"))
-    monkeypatch.setattr(gc, "searches", lambda gpu, work_dir, minutes=None: [bad])
+    monkeypatch.setattr(gc, "searches", lambda gpu, work_dir, minutes=None, host=None: [bad])
     monkeypatch.setattr(gc, "versions", lambda: {"torch": "x"})
     out = tmp_path / "page.md"
     assert gc.main(["--rehearse", "--work-dir", str(tmp_path / "work"), "--out", str(out)]) == 1
