@@ -391,9 +391,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--rehearse", action="store_true", help="the same check on CPU: gpu=cpu, finetune/tiny")
     p.add_argument("--work-dir", type=Path, help="results folders (default results/gpu_check/<gpu>)")
     p.add_argument("--out", type=Path, help="the page to write (default docs/validation/<gpu>.md)")
+    p.add_argument("--searches", default="adapters,inference,full",
+                   help="which of the three searches to run, in this order (default: all three)")
     p.add_argument("--minutes-per-trial", type=float,
                    help="each trial's and inference config's time limit (default 1.5 on a GPU, 2 on CPU)")
     args = p.parse_args(argv)
+    args.searches = [name.strip() for name in args.searches.split(",") if name.strip()]
+    if not args.searches or set(args.searches) - {"adapters", "inference", "full"}:
+        p.error(f"--searches {','.join(args.searches)}: name some of adapters, inference, full")
     if args.rehearse:
         args.gpu = "cpu"
     if not args.gpu:
@@ -412,7 +417,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     page = Page(args.gpu, command, datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
                 {**versions(), "host (as gpu.host_ram_gib, gpu.host_cpu_cores)":
                  f"{host.ram_gib:.1f} GiB RAM, {host.cpu_threads} CPU threads"},
-                [SearchRun(s) for s in searches(args.gpu, args.work_dir, args.minutes_per_trial, host)], 0.0)
+                [SearchRun(s) for s in searches(args.gpu, args.work_dir, args.minutes_per_trial, host)
+                 if s.name in args.searches], 0.0)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(render_page(page) + "\n")  # rewritten after each search: a cut-short run keeps its part
     for i, pending in enumerate(page.runs):

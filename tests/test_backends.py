@@ -101,6 +101,30 @@ def test_local_backend_runs_a_real_job_reattaches_by_pid_and_cancels(tmp_path):
     assert backend.end_state(again, slow, ran_s=60.0, log_tail="")[0] == "timeout"  # its 1-minute limit
 
 
+def write_visible_gpus(config_path: str) -> dict:
+    """A job: write the CUDA_VISIBLE_DEVICES it was started with beside its config."""
+    seen = os.environ.get("CUDA_VISIBLE_DEVICES")
+    (Path(config_path).parent / "result.json").write_text(json.dumps({"status": "ok", "visible": seen}))
+    return {"visible": seen}
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("parent, tasks, expected", [(None, 1, "0"), (None, 2, "0,1"), ("2,3", 1, "2"),
+                                                     ("3,1,2", 2, "3,1")])
+def test_a_local_gpu_job_sees_one_gpu_per_task(tmp_path, monkeypatch, parent, tasks, expected):
+    """A GPU preset's local job is started with its GPUs visible (submitit hides them unless asked): the
+    machine's first ones, or the first of those this orchestrator was given. No GPU is needed to see what the
+    job is handed; whether torch then finds one is the GPU check's (benchmarks/gpu_check.py)."""
+    if parent is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", parent)
+    backend = backend_for(app_for("cluster=local").cluster, app_for("gpu=h100_80gb").gpu)
+    job = tiny_job(tmp_path / "gpu", 0, entry=write_visible_gpus, tasks=tasks)
+    wait_done(backend.submit(job, "gpu"))
+    assert json.loads((job.out / "result.json").read_text())["visible"] == expected
+
+
 def test_local_backend_refuses_a_search_this_machine_cannot_hold(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi: no GPU here
     app = app_for("cluster=local", "gpu=h100_80gb")

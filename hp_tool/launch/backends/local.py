@@ -51,6 +51,24 @@ def local_problem(gpu: GpuConfig, jobs: Iterable[tuple[int, int]],
     return None
 
 
+def visible_gpus(environ: Optional[dict] = None) -> tuple[int, ...]:
+    """The GPU indices this process may use: its CUDA_VISIBLE_DEVICES when that lists indices, else () (all)."""
+    value = (os.environ if environ is None else environ).get("CUDA_VISIBLE_DEVICES", "")
+    parts = [v.strip() for v in value.split(",") if v.strip()]
+    return tuple(int(v) for v in parts) if parts and all(v.isdigit() for v in parts) else ()
+
+
+def executor_parameters(timeout_min: int, tasks: int, signal_delay_s: int,
+                        environ: Optional[dict] = None) -> dict:
+    """submitit LocalExecutor parameters for a GPU job: one GPU per task. Without ``gpus_per_node`` submitit
+    sets CUDA_VISIBLE_DEVICES to nothing and every task would train on the CPU."""
+    params = dict(timeout_min=timeout_min, tasks_per_node=tasks, nodes=1, signal_delay_s=signal_delay_s,
+                  gpus_per_node=tasks)
+    if visible := visible_gpus(environ):
+        params["visible_gpus"] = visible
+    return params
+
+
 class PidJob:
     """A local job started by an earlier orchestrator, followed by its controller's pid."""
 
@@ -106,8 +124,7 @@ class LocalBackend(Backend):
                                              job.tasks_per_node, 60 * job.timeout_min, job.signal_delay_s,
                                              dict(os.environ), os.getcwd()))
         ex = submitit.LocalExecutor(folder=job.folder)
-        ex.update_parameters(timeout_min=job.timeout_min, tasks_per_node=job.tasks_per_node, nodes=1,
-                             signal_delay_s=job.signal_delay_s)
+        ex.update_parameters(**executor_parameters(job.timeout_min, job.tasks_per_node, job.signal_delay_s))
         return ex.submit(SubmititEntry(job.entry), job.config_path)
 
     def reattach(self, job: JobSpec, entry: Entry, job_id: str) -> Optional[Handle]:
