@@ -227,12 +227,12 @@ def test_a_column_the_csv_lacks_is_named_not_shown_as_unmeasured():
 @pytest.mark.e2e
 def test_a_search_that_fails_at_start_up_is_on_the_page_and_the_check_exits_1(tmp_path, monkeypatch):
     """The I/O path in seconds: one real CLI run with a key the schema lacks (exit 2, no table)."""
-    bad = gc.Search("bad", "finetune/tiny", ("search_config=finetune/tiny", "gpu=cpu", "no_such_key=1"))
+    bad = gc.Search("full", "finetune/tiny", ("search_config=finetune/tiny", "gpu=cpu", "no_such_key=1"))
     monkeypatch.setattr(gc, "searches", lambda gpu, work_dir, minutes=None, host=None: [bad])
     monkeypatch.setattr(gc, "versions", lambda: {"torch": "x"})
     out = tmp_path / "page.md"
     assert gc.main(["--rehearse", "--work-dir", str(tmp_path / "work"), "--out", str(out)]) == 1
     page = out.read_text()
     assert page.startswith("# GPU check: cpu\n\nFAIL: 0 of 0 launched")
-    assert "`bad` (exit 2, " in page and "no_such_key" in page.split("No table; the output ended with:")[1]
-    assert "no_such_key" in (tmp_path / "work" / "bad.log").read_text()
+    assert "`full` (exit 2, " in page and "no_such_key" in page.split("No table; the output ended with:")[1]
+    assert "no_such_key" in (tmp_path / "work" / "full.log").read_text()
