@@ -212,3 +212,36 @@ def test_one_process_offloads_and_trains_like_no_offload(tmp_path, engine):
     assert base["status"] == "ok" and off["status"] == "ok", (base["reason"], off["reason"])
     assert off["first_losses"] == pytest.approx(base["first_losses"], rel=1e-5)
     assert off["first_losses"][0] != pytest.approx(off["first_losses"][-1], rel=1e-3)  # it trained
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("offload, on_host", [("optimizer_and_params", True), ("none", False)])
+def test_fsdp2_offload_materialises_every_parameter_on_the_host(tmp_path, monkeypatch, offload, on_host):
+    """FSDP2's CPU offload refuses a parameter not on the host at its first forward, the root's (embeddings,
+    final norm, head) too: on a GPU the torch engine must materialise the stage there, buffers and the random
+    draws on the GPU. No GPU here, so the compute device is the CPU as well: this checks what the engine
+    asks its materialiser for, and that every parameter ends where it asked."""
+    from hp_tool.trial import rank as trial_rank
+    from hp_tool.trial.engines import torch_engine
+
+    asked, built = [], []
+
+    class Recording(trial_rank.Initialise):
+        @classmethod
+        def of(cls, spec, device, params_on_host=False):
+            asked.append(params_on_host)
+            return trial_rank.Initialise.of(spec, device, params_on_host)
+
+    real = trial_rank.Initialise.__call__
+
+    def call(self, stage):
+        numel = real(self, stage)
+        built.append({p.device.type for p in stage.parameters()})
+        return numel
+
+    monkeypatch.setattr(torch_engine, "Initialise", Recording)
+    monkeypatch.setattr(trial_rank.Initialise, "__call__", call)
+    spec = tiny_spec("llama", max_steps=2, engine="torch", zero_stage=3, offload=offload)
+    result = run_trial(write_spec(spec, tmp_path), str(tmp_path / "out"))
+    assert result["status"] == "ok", result["reason"]
+    assert asked == [on_host] and built == [{"cpu"}]

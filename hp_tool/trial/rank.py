@@ -81,17 +81,20 @@ class Initialise:
     source: Optional[Source] = None
     converters: tuple[Converter, ...] = ()
     compute_dtype: Optional[torch.dtype] = None  # QLoRA's 4-bit matmuls (the autocast dtype; None: fp32)
+    params_device: Optional[torch.device] = None  # where the parameters live (None: ``device``)
 
     @classmethod
-    def of(cls, spec: TrialSpec, device: torch.device) -> "Initialise":
-        """The spec's weights: its checkpoint's when it names one, else its seed's."""
+    def of(cls, spec: TrialSpec, device: torch.device, params_on_host: bool = False) -> "Initialise":
+        """The spec's weights: its checkpoint's when it names one, else its seed's; on the host with
+        ``params_on_host`` (FSDP2's offload keeps them there, and wants them there from the start)."""
         return cls(device, spec.training.seed, spec.model.init_method_std, weight_source(spec.model),
-                   converters_for(spec.model), compute_dtype(spec, device))
+                   converters_for(spec.model), compute_dtype(spec, device),
+                   torch.device("cpu") if params_on_host else None)
 
     def __call__(self, stage: nn.Module) -> int:
         """Allocate and fill ``stage``'s local shards, then run the converters' materialised steps, each timed
         as its phase; returns the shards' element count."""
-        numel = materialize(stage, self.device, self.seed, self.std, self.source)
+        numel = materialize(stage, self.device, self.seed, self.std, self.source, self.params_device)
         phase = "weights"
         for converter in self.converters:
             if converter.phase is not None:

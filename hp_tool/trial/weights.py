@@ -42,16 +42,20 @@ Source = Callable[[str, torch.Size], torch.Tensor]  # (canonical name, shape) ->
 
 
 @torch.no_grad()
-def init_weights(module: nn.Module, seed: int, std: float, tied: bool, source: Optional[Source] = None) -> int:
+def init_weights(module: nn.Module, seed: int, std: float, tied: bool, source: Optional[Source] = None,
+                 draw_device: Optional[torch.device] = None) -> int:
     """Fill every (materialised) parameter of ``module`` in place, from ``source`` (a checkpoint,
-    :mod:`hp_tool.trial.checkpoint`) or the seeded initial values; returns the local element count."""
+    :mod:`hp_tool.trial.checkpoint`) or the seeded initial values drawn on ``draw_device`` (default: where
+    each parameter lives; the compute device for parameters held on the host, so an offloaded run starts from
+    the weights of one that is not); returns the local element count."""
     local_numel = 0
     for raw_name, param in module.named_parameters():
         name = canonical_name(raw_name, tied)
+        where = draw_device or param.device
         if source is not None and not is_adapter(name):  # adapters are not in the base checkpoint
-            full = source(name, param.shape).to(param.device)
+            full = source(name, param.shape).to(where)
         else:
-            full = _full_value(name, param.shape, std, seed, param.device)
+            full = _full_value(name, param.shape, std, seed, where)
         if isinstance(param, DTensor):
             shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
             local = param.to_local()
@@ -63,11 +67,13 @@ def init_weights(module: nn.Module, seed: int, std: float, tied: bool, source: O
     return local_numel
 
 
-def materialize(stage, device: torch.device, seed: int, std: float, source: Optional[Source] = None) -> int:
-    """Allocate a meta-device stage's (local shards of) parameters on ``device``, re-tie its head, rebuild
-    its buffers and fill the weights with ``init_weights`` (from ``source`` when given); returns the local
-    element count."""
-    stage.to_empty(device=device)
+def materialize(stage, device: torch.device, seed: int, std: float, source: Optional[Source] = None,
+                params_device: Optional[torch.device] = None) -> int:
+    """Allocate a meta-device stage's (local shards of) parameters on ``params_device`` (default ``device``;
+    the host where FSDP2 offloads them, which requires every parameter there, the root's too), re-tie its
+    head, rebuild its buffers on ``device`` and fill the weights with ``init_weights`` (from ``source`` when
+    given, drawn on ``device``); returns the local element count."""
+    stage.to_empty(device=params_device or device)
     stage.retie()
     stage.reset_buffers(device)
-    return init_weights(stage, seed, std, stage.tied, source)
+    return init_weights(stage, seed, std, stage.tied, source, draw_device=device)
