@@ -261,3 +261,43 @@ def test_nf4_bits_per_parameter_match_bitsandbytes_storage():
     stored += state.state2.absmax.numel() * state.state2.absmax.element_size()  # the second level's fp32 scales
     bits = 8 * stored / (n_out * n_in)
     assert NF4_BITS == pytest.approx(4.127, abs=1e-3) and bits == pytest.approx(NF4_BITS, rel=0.002)
+
+
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_a_16_bit_adapter_trial_holds_its_frozen_base_in_16_bits(method):
+    """As peft users load a base (torch_dtype=bfloat16): the frozen weights in the compute dtype, the adapters in
+    fp32; on a CPU (no compute dtype) everything stays fp32. Built on meta, as the engine builds it before any
+    storage exists, so no fp32 copy of the base is ever allocated."""
+    if method == "qlora":
+        pytest.importorskip("bitsandbytes")
+    from hp_tool.trial.rank import OnMeta, build_rank_model
+
+    spec = lora_spec(zero_stage=0)
+    spec = dataclasses.replace(spec, model=dataclasses.replace(spec.model, method=method))
+    from hp_tool.trial.methods import four_bit_weights
+
+    stage = build_rank_model(spec, None, 0, OnMeta(), torch.bfloat16).stage
+    on_gpu, four_bit = dict(stage.named_parameters()), four_bit_weights(stage)  # QLoRA quantises its own
+    assert bool(four_bit) == (method == "qlora")
+    adapters = {n for n in on_gpu if ".lora_" in n}
+    assert adapters and all(on_gpu[n].dtype == torch.float32 and on_gpu[n].requires_grad for n in adapters)
+    base = {n: p for n, p in on_gpu.items() if n not in adapters and p not in four_bit}
+    assert base and all(p.dtype == torch.bfloat16 and not p.requires_grad for p in base.values())
+    on_cpu = build_rank_model(spec, None, 0, OnMeta(), None).stage.parameters()
+    assert {p.dtype for p in on_cpu if p.is_floating_point()} == {torch.float32}
+
+
+def test_lora_7b_on_one_gpu_holds_a_16_bit_base_and_no_copy_of_it(tmp_path):
+    """Llama-2 7B LoRA r16 on one 80 GB GPU, bf16: the states are the 16-bit base (2 bytes a parameter) and the
+    adapters' fp32 weights, gradients, moments and bf16 casts (18 bytes each); not an fp32 base plus autocast's
+    bf16 copy of it (6 bytes a parameter: 38 GiB where 13 GiB is held)."""
+    from hp_tool.estimate.memory import estimate_memory
+
+    p = plan(tmp_path, "search_config=finetune/llama2_7b", "gpu=h100_80gb", "dry_run=true",
+             "search_config.train_settings.methods=[lora]", "search_config.train_settings.seq_lengths=[2048]",
+             "search_config.train_settings.engines=[torch]", "search_config.train_settings.num_nodes=1",
+             "search_config.train_settings.gpus_per_node=1")
+    one = next(c for c in p.candidates if c.full.gpus == 1 and c.full.zero_stage == 0 and c.full.offload == "none")
+    states = estimate_memory(one.shape, one.full, p.cluster.hw).model_states_gib * 2**30
+    adapters = trainable_parameters(one.shape, 6_738_415_616)
+    assert states == pytest.approx(2 * 6_738_415_616 + 18 * adapters, rel=0.01)

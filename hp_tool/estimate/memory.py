@@ -310,12 +310,22 @@ def stage_adapter_parameters(shape: Shape, layout: Layout, stage: int) -> float:
 def stage_compute_copy_bytes(shape: Shape, layout: Layout, hw: Hardware, params: float, stage: int,
                              gathered_layer: float) -> float:
     """``compute_copy_bytes`` of the stage's parameters, its adapters included; QLoRA's 4-bit weights are
-    dequantised one layer at a time instead (``stage_state_bytes``)."""
+    dequantised one layer at a time instead (``stage_state_bytes``). Under LoRA / QLoRA on one rank only the
+    fp32 adapters are cast: the frozen base is held in the compute dtype (``frozen_base_bytes``)."""
+    adapters = stage_adapter_parameters(shape, layout, stage)
+    if shape.method in ADAPTED and autocast_casts_weights(layout, hw):
+        return compute_copy_bytes(adapters, gathered_layer, layout, hw)
     quantised = 0.0
     if shape.method == "qlora":
         quantised = sum(stage_layer_counts(shape, layout.pp, stage)) * linear_parameters(shape) / layout.tp
-    return compute_copy_bytes(params - quantised + stage_adapter_parameters(shape, layout, stage), gathered_layer,
-                              layout, hw)
+    return compute_copy_bytes(params - quantised + adapters, gathered_layer, layout, hw)
+
+
+def frozen_base_bytes(hw: Hardware) -> float:
+    """Bytes per parameter of an adapter method's frozen base as every engine holds it: the training precision's
+    (the torch engine casts it to its 16-bit compute dtype, hp_tool/trial/methods.py frozen_base_in; DeepSpeed
+    holds 16-bit weights); fp32 in fp32."""
+    return float(hw.bytes_per_value)
 
 
 def stage_state_bytes(shape: Shape, layout: Layout, hw: Hardware, params: float, stage: int,
@@ -324,7 +334,7 @@ def stage_state_bytes(shape: Shape, layout: Layout, hw: Hardware, params: float,
     parameters on this GPU after TP).
 
     Full training: ``model_state_bytes`` + ``compute_copy_bytes``. LoRA / QLoRA (estimate/methods.py): the
-    frozen base as the engine holds it (torch: fp32, DeepSpeed: 16-bit; QLoRA: its layers' linear weights in
+    frozen base as the engines hold it (``frozen_base_bytes``; QLoRA: its layers' linear weights in
     NF4_BITS per parameter) with no gradient or optimizer state, sharded by ZeRO-3 / FSDP2 and moved to the
     host by parameter offload as for full training, with full training's compute copies; QLoRA's transient
     dequantised copy of the layer's largest weight; the adapters' own states as full training's."""
@@ -334,9 +344,7 @@ def stage_state_bytes(shape: Shape, layout: Layout, hw: Hardware, params: float,
     bpv = hw.bytes_per_value
     layers = sum(stage_layer_counts(shape, layout.pp, stage))
     adapters = stage_adapter_parameters(shape, layout, stage)
-    # the frozen base as the engines hold it: the torch engine in fp32 with its compute copies, as full
-    # training's parameters; DeepSpeed in 16 bits
-    weight_bytes = 4.0 if engine_facts(layout.engine).fp32_weights else float(bpv)
+    weight_bytes = frozen_base_bytes(hw)
     base, dequantised = params * weight_bytes, 0.0
     if shape.method == "qlora":
         quantised = layers * linear_parameters(shape) / layout.tp
