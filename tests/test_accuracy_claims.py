@@ -98,15 +98,26 @@ def finetune_errors() -> list[float]:
     return benchmark("finetune_table").tokens_per_hour_errors()
 
 
-def test_readme_fine_tuning_sentence_is_the_benchmarks_median(finetune_errors):
-    """README: "Llama-2 7B fine-tuning on 8 x A100: tokens/hour within N% (median)"; N is the median error of
-    finetune_table.py's four contexts rounded up to a whole percent: neither wrong nor looser than measured."""
-    claim = re.search(r"Llama-2 7B fine-tuning on 8 x A100: tokens/hour within ([\d.]+)% \(median\)",
-                      flat(README.read_text()))
+def test_readme_and_accuracy_page_fine_tuning_figures_are_the_published_finetune_runs_benchmarks():
+    """README: "On N published fine-tuning runs: memory median error M%, tokens/s T%, fit verdicts A of N right";
+    docs/accuracy.md the same figures and the per-method memory medians: each is what
+    benchmarks/published_finetune_runs.py computes over its rows (rounded to a whole percent, as it prints)."""
+    bench = benchmark("published_finetune_runs")
+    card = bench.score(bench.load_rows())
+    every = bench.Summary.of(card.scored)
+    claim = re.search(r"On (\d+) published fine-tuning runs: memory median error (\d+)%, tokens/s (\d+)%, fit "
+                      r"verdicts (\d+) of (\d+) right", flat(README.read_text()))
     assert claim, "README's fine-tuning sentence is not where this test looks for it"
-    median = abs(statistics.median(finetune_errors))
-    assert median <= float(claim.group(1)) / 100
-    assert float(claim.group(1)) == max(1, math.ceil(round(100 * median, 6)))
+    got = tuple(int(g) for g in claim.groups())
+    assert got == (every.rows, round(100 * bench.median_abs(every.memory)), round(100 * bench.median_abs(every.speed)),
+                   every.agree, every.rows)
+    page = flat(ACCURACY.read_text())
+    full, lora, qlora = (round(100 * bench.median_abs(bench.Summary.of(
+        [s for s in card.scored if s.case.method == m]).memory)) for m in ("full", "lora", "qlora"))
+    expected = (f"{every.rows} of them expressible: memory median error {got[1]}% ({len(every.memory)} rows; full "
+                f"{full}%, LoRA {lora}%, QLoRA {qlora}%), tokens/s {got[2]}% ({len(every.speed)} rows), fit verdicts "
+                f"{every.agree} of {every.rows} right")
+    assert expected in page, expected
 
 
 def test_accuracy_page_fine_tuning_table_is_the_benchmarks(finetune_errors):
