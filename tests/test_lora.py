@@ -301,3 +301,29 @@ def test_lora_7b_on_one_gpu_holds_a_16_bit_base_and_no_copy_of_it(tmp_path):
     states = estimate_memory(one.shape, one.full, p.cluster.hw).model_states_gib * 2**30
     adapters = trainable_parameters(one.shape, 6_738_415_616)
     assert states == pytest.approx(2 * 6_738_415_616 + 18 * adapters, rel=0.01)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_lora_replicated_over_gpus_keeps_no_copy_of_its_frozen_base(zero_stage):
+    """LoRA over 2 data-parallel GPUs (ZeRO 0-1, torch's replicate) holds what one GPU does, not a second,
+    unsharded compute copy of the frozen base besides it (replicate leaves the frozen parameters alone): traced
+    for a bf16 GPU on fake tensors, a model whose base outweighs its activations, and the memory model agrees."""
+    from hp_tool.estimate.memory import estimate_memory
+    from hp_tool.trial.memterms import target_hardware, with_layout
+    from hp_tool.trial.trace.replay import trace_stage
+
+    def traced_and_analytic(**layout):
+        spec = with_layout(tiny_spec("llama", gbs=4), **layout)
+        spec = dataclasses.replace(spec, training=dataclasses.replace(spec.training, precision="bf16"))
+        spec = dataclasses.replace(spec, model=dataclasses.replace(
+            spec.model, num_layers=4, hidden_size=1024, ffn_hidden_size=2816, seq_length=32, num_attention_heads=8,
+            num_kv_heads=8, method="lora", lora=LoraSpec(rank=8, alpha=16, dropout=0.0, target_modules=list(ALL))))
+        e = estimate_memory(spec.model.shape(), spec.layout(), target_hardware(spec, "cuda"))
+        return trace_stage(spec, 0, "cuda").peak_bytes, (e.total_gib - e.overhead_gib) * 2**30
+
+    one, one_analytic = traced_and_analytic()
+    two, two_analytic = traced_and_analytic(dp=2, zero_stage=zero_stage)
+    base = 4 * 12 * 1024 * 1024 * 2  # the layers' bf16 linears: 96 MiB
+    assert two == pytest.approx(one, abs=0.1 * base)
+    assert two_analytic == pytest.approx(two, rel=0.03) and one_analytic == pytest.approx(one, rel=0.03)

@@ -311,9 +311,11 @@ def stage_compute_copy_bytes(shape: Shape, layout: Layout, hw: Hardware, params:
                              gathered_layer: float) -> float:
     """``compute_copy_bytes`` of the stage's parameters, its adapters included; QLoRA's 4-bit weights are
     dequantised one layer at a time instead (``stage_state_bytes``). Under LoRA / QLoRA on one rank only the
-    fp32 adapters are cast: the frozen base is held in the compute dtype (``frozen_base_bytes``)."""
+    fp32 adapters are cast: the frozen base is held in the compute dtype (``frozen_base_bytes``); replicated
+    over data-parallel ranks (ZeRO 0-1) the base is left out of the replica's copy too."""
     adapters = stage_adapter_parameters(shape, layout, stage)
-    if shape.method in ADAPTED and autocast_casts_weights(layout, hw):
+    replicated = layout.zero_ranks > 1 and layout.zero_stage <= 1 and engine_facts(layout.engine).fp32_weights
+    if shape.method in ADAPTED and (autocast_casts_weights(layout, hw) or replicated):
         return compute_copy_bytes(adapters, gathered_layer, layout, hw)
     quantised = 0.0
     if shape.method == "qlora":

@@ -46,7 +46,6 @@ from hp_tool.errors import ConfigError, require
 from hp_tool.trial.context_parallel import apply_context_parallel
 from hp_tool.trial.dist import weight_dp_dim, weight_dp_size
 from hp_tool.trial.families import TorchFamily, torch_family
-from hp_tool.trial.methods import four_bit_weights
 from hp_tool.trial.models import loss_fn
 from hp_tool.trial.selective_checkpoint import checkpointed
 from hp_tool.trial.stage import StageModule
@@ -188,9 +187,10 @@ def apply_data_parallel(stage: StageModule, dp_mesh: DeviceMesh, zero_stage: int
     if zero_stage <= 1:
         for module in experts:
             replicate(module, mesh=expert_mesh, mp_policy=mp)
-        # QLoRA's 4-bit weights stay plain tensors (bitsandbytes' Params4bit): frozen, identical on every
-        # replica, never reduced
-        replicate(stage, mesh=dp_mesh, mp_policy=mp, ignored_params=four_bit_weights(stage) or None)
+        # a frozen base (LoRA, QLoRA's 4-bit weights) stays plain tensors: identical on every replica, never
+        # reduced, and computed on as held, without the unsharded compute-dtype copy replicate keeps of its own
+        frozen = {p for p in stage.parameters() if not p.requires_grad}
+        replicate(stage, mesh=dp_mesh, mp_policy=mp, ignored_params=frozen or None)
         return
     extra = {}
     if offload != "none":
