@@ -119,6 +119,7 @@ class Grid:
     heuristic_savers: bool = False  # search one saver per layout (zero_stages/offload null)
     virtual: Optional[list[int]] = None  # virtual stages per pipeline rank; None: heuristic per PP
     optimizers: list[str] = dataclasses.field(default_factory=lambda: ["adamw"])
+    master_weights: list[str] = dataclasses.field(default_factory=lambda: ["fp32"])
     ep: list[int] = dataclasses.field(default_factory=lambda: [1])  # expert-parallel sizes (mixture of experts)
     cp: list[int] = dataclasses.field(default_factory=lambda: [1])  # context-parallel sizes
     sequence_parallel: Optional[list[bool]] = None  # None: wherever it runs
@@ -205,6 +206,7 @@ def build_grid(ts: TrainSettings, shape: Shape, size_b: float, host_ram_known: b
         heuristic_savers=heuristic,
         virtual=None if ts.virtual_pipeline_sizes is None else list(ts.virtual_pipeline_sizes),
         optimizers=list(ts.optimizers or ["adamw"]),
+        master_weights=list(ts.master_weights or ["fp32"]),
         ep=expert_parallel_sizes(ts, shape, gpus_per_node),
         cp=context_parallel_sizes(ts, shape, gpus_per_node),
         sequence_parallel=None if ts.sequence_parallel is None else list(ts.sequence_parallel),
@@ -265,10 +267,11 @@ PER_SAVER_RULES = ("savers", "optimizer", "method", "expert_savers")
 
 @functools.lru_cache(maxsize=4096)
 def per_saver_problem(shape: Shape, engine: str, tp: int, pp: int, ep: int, optimizer: str, zero_stage: int,
-                      offload: str) -> Optional[Problem]:
+                      offload: str, master_weights: str = "fp32") -> Optional[Problem]:
     """The first problem of the rules judged per saver (``PER_SAVER_RULES``), which read no more of a layout
     than these fields; cached, as every layout of the same degrees asks the same."""
-    layout = Layout(tp, pp, 1, 1, 0, 1, zero_stage, offload, engine, optimizer=optimizer, ep=ep)
+    layout = Layout(tp, pp, 1, 1, 0, 1, zero_stage, offload, engine, optimizer=optimizer, ep=ep,
+                    master_weights=master_weights)
     return layout.saver_problem() or layout.optimizer_problem() or layout.method_problem(shape) or \
         layout.expert_saver_problem()
 
@@ -421,7 +424,8 @@ def _layout_candidates(shape: Shape, grid: Grid, ts: TrainSettings, cluster: Clu
                                      cluster.num_nodes)[0]
     out, unrunnable = [], []
     for stage, offload in grid.savers:
-        bad = per_saver_problem(shape, layout.engine, layout.tp, layout.pp, layout.ep, layout.optimizer, stage, offload)
+        bad = per_saver_problem(shape, layout.engine, layout.tp, layout.pp, layout.ep, layout.optimizer, stage, offload,
+                                layout.master_weights)
         if bad and grid.heuristic_savers and unrunnable:
             continue  # of the savers the engine cannot run, the heuristic lists the first at most
         c = make(stage, offload)
@@ -449,15 +453,17 @@ def plan_candidates(shape: Shape, size_b: float, ts: TrainSettings, cluster: Clu
     grid = grid or build_grid(ts, shape, size_b, cluster.hw.host_ram_gib is not None, cluster.hw.gpus_per_node)
     stage, offload = grid.savers[0]
     out: list[Candidate] = []
-    for opt, engine, tp, pp, ep, cp, mbs, ao in itertools.product(grid.optimizers, grid.engines, grid.tp, grid.pp,
-                                                                  grid.ep, grid.cp, grid.mbs, grid.activation_offload):
+    for opt, mw, engine, tp, pp, ep, cp, mbs, ao in itertools.product(
+            grid.optimizers, grid.master_weights, grid.engines, grid.tp, grid.pp, grid.ep, grid.cp, grid.mbs,
+            grid.activation_offload):
         dp = max(1, cluster.gpus // (tp * pp * cp))
         base = Layout(tp, pp, 1, mbs, 0, 1, engine=engine, ep=ep, cp=cp, activation_offload=ao)
         for sp, loss in long_context_values(grid, shape, base):
             for vp in virtual_stage_values(grid, shape, pp):
                 for ac in act_ckpt_values(grid, shape, pp, vp):
                     layout = Layout(tp, pp, dp, mbs, ac, gbs, stage, offload, engine, sp, virtual_stages=vp,
-                                    optimizer=opt, ep=ep, cp=cp, loss=loss, activation_offload=ao)
+                                    optimizer=opt, ep=ep, cp=cp, loss=loss, activation_offload=ao,
+                                    master_weights=mw)
                     for mode in act_ckpt_mode_values(grid, shape, layout):
                         if mode != layout.act_ckpt_mode:
                             layout = dataclasses.replace(layout, act_ckpt_mode=mode)

@@ -287,6 +287,9 @@ class TrainSettings:
     min_model_parallel_size: Optional[int] = None
     max_model_parallel_size: Optional[int] = None
     optimizers: Optional[List[str]] = None  # adamw | sgd | sgd_momentum (0.9) | adamw_8bit (CUDA); null = [adamw]
+    # what holds the trained weights: fp32 (mixed precision's fp32 masters) | bf16 (weights, gradients and optimizer
+    # moments in bf16, no fp32 master: torchtune's dtype=bf16; torch engine, precision bf16, a GPU); null = [fp32]
+    master_weights: Optional[List[str]] = None
     methods: Optional[List[str]] = None  # fine-tuning: full | lora | qlora; null = [full]
     lora: LoraSettings = field(default_factory=LoraSettings)  # the adapters of lora and qlora
     # mixture of experts: EP sizes searched (null: 1 and the powers of two dividing the experts within a node)
@@ -500,6 +503,15 @@ class AppConfig:
         require("adamw_8bit" not in optimizers or self.gpu.name != "cpu", "search_config.train_settings.optimizers",
                 optimizers, "adamw_8bit is bitsandbytes' 8-bit AdamW, which runs on CUDA GPUs only, and gpu=cpu",
                 "search adamw, sgd or sgd_momentum on CPU, or plan for a GPU preset")
+        if "bf16" in (self.search_config.train_settings.master_weights or []):
+            trained = precision or self.gpu.default_precision()
+            require(self.gpu.name != "cpu", "search_config.train_settings.master_weights",
+                    self.search_config.train_settings.master_weights, "bf16 master weights are a GPU recipe, and "
+                    "gpu=cpu trials train in fp32", "search master_weights=[fp32] on CPU, or plan for a GPU preset")
+            require(trained == "bf16", "search_config.train_settings.master_weights",
+                    self.search_config.train_settings.master_weights, f"bf16 master weights need bf16 training, and "
+                    f"this search trains in {trained}", "set search_config.train_settings.precision=bf16 (a GPU with "
+                    "bf16), or search master_weights=[fp32]")
         activation_offload = self.search_config.train_settings.activation_offload or []
         require(True not in activation_offload or self.gpu.host_ram_gib is not None, "gpu.host_ram_gib",
                 self.gpu.host_ram_gib, "activation offload keeps the saved activations in host RAM, and the gpu preset "

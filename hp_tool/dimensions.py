@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Optional
 
-from hp_tool.vocab import (ACT_CKPT_MODES, ENGINE_CODES, ENGINES, LOSSES, METHODS, OFFLOAD_CODES, OFFLOADS,
-                           OPTIMIZER_CODES, OPTIMIZERS, INVALID, ZERO_STAGES)
+from hp_tool.vocab import (ACT_CKPT_MODES, ENGINE_CODES, ENGINES, LOSSES, MASTER_WEIGHTS, METHODS, OFFLOAD_CODES,
+                           OFFLOADS, OPTIMIZER_CODES, OPTIMIZERS, INVALID, ZERO_STAGES)
 
 # where a token goes in a trial id: family_size<model>_tp<tp>_pp<pp>_mbs<mbs>_ac<ac>_<engine><saver>
 SLOTS = ("model", "tp", "pp", "mbs", "ac", "saver")
@@ -114,6 +114,11 @@ DIMENSIONS: tuple[Dimension, ...] = (
     Dimension("optimizer", "optimizers", str, "adamw", False, "optimizer", "saver", lambda v: OPTIMIZER_CODES[v],
               lambda v: f"{v} optimizer", "use adamw with offload, or the other optimizers without it",
               spec="training", choices=OPTIMIZERS),
+    Dimension("master_weights", "master_weights", str, "fp32", False, "master", "saver",
+              lambda v: "_bf16w" if v == "bf16" else "",
+              lambda v: "bf16 weights and optimizer states (no fp32 master)" if v == "bf16" else "fp32 master weights",
+              "use master_weights=[fp32], or bf16 with the torch engine, precision bf16 and no offload", added=True,
+              choices=MASTER_WEIGHTS),
     Dimension("act_ckpt_mode", "act_ckpt_modes", str, "full", False, "ckpt mode", "saver",
               lambda v: "_sac" if v == "selective" else "",
               lambda v: "selective checkpointing (per op)" if v == "selective" else "whole-layer checkpointing",

@@ -45,6 +45,7 @@ class EngineFacts:
     # the fp32 parameter is the master weight, autocast or FSDP2's mixed precision computing in 16 bits (torch);
     # else 16-bit weights and gradients with the fp32 master among the optimizer states (DeepSpeed)
     fp32_weights: bool
+    bf16_master: bool  # trains bf16 weights with bf16 optimizer states and no fp32 master (master_weights bf16)
     zero2_shards_weights: bool  # ZeRO-2 shards the weights between steps too (FSDP2 without resharding after forward)
     pipeline_defers_reshard: bool  # under PP the stage is gathered and reduced once per step, not per micro-batch
     zero2_gathers_each_forward: bool  # ZeRO-2 gathers in each forward (else once after the step)
@@ -71,7 +72,8 @@ TORCH = EngineFacts(
     zero1_optimizers=("adamw", "sgd", "sgd_momentum"),
     expert_parallel=True, experts_with_tp=True, adapters_with_tp=False, qlora_zero_stages=(0, 1),
     context_parallel=True, sequence_parallel=True, chunked_loss=True, activation_offload=True,
-    selective_checkpointing=True, fp32_weights=True, zero2_shards_weights=True, pipeline_defers_reshard=True,
+    selective_checkpointing=True, fp32_weights=True, bf16_master=True, zero2_shards_weights=True,
+    pipeline_defers_reshard=True,
     zero2_gathers_each_forward=True, recompute_gathers=False,
     # FSDP2's CPUOffloadPolicy keeps the fp32 parameter as the master: fp32 master, m, v and the fp32 gradient
     host_offload_bytes=(("optimizer_and_params", 16),), reduce_bytes=4,  # FSDP2's reduce_dtype; DDP's fp32 grads
@@ -85,7 +87,8 @@ DEEPSPEED = EngineFacts(
     zero1_optimizers=None,
     expert_parallel=False, experts_with_tp=False, adapters_with_tp=True, qlora_zero_stages=(),
     context_parallel=False, sequence_parallel=False, chunked_loss=False, activation_offload=False,
-    selective_checkpointing=False, fp32_weights=False, zero2_shards_weights=False, pipeline_defers_reshard=False,
+    selective_checkpointing=False, fp32_weights=False, bf16_master=False, zero2_shards_weights=False,
+    pipeline_defers_reshard=False,
     zero2_gathers_each_forward=False, recompute_gathers=True,
     # fp32 master, m, v and gradient (16); parameter offload adds the 16-bit parameter (18: REFERENCE §5)
     host_offload_bytes=(("optimizer", 16), ("optimizer_and_params", 18)), reduce_bytes=None,

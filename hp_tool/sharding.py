@@ -96,6 +96,18 @@ def expert_saver_problem(ep: int, zero_stage: int, offload: str) -> Optional[str
     return None
 
 
+def master_weights_problem(master_weights: str, engine: str, offload: str) -> Optional[str]:
+    """Why an engine cannot hold its trained weights as ``master_weights``, or None: bf16 weights with bf16
+    optimizer states and no fp32 copy on an engine that trains them so (the torch engine), without offload."""
+    if master_weights == "fp32":
+        return None
+    if not engine_facts(engine).bf16_master:
+        return f"master_weights bf16: the {engine} engine keeps an fp32 master copy of its 16-bit weights"
+    if offload != "none":
+        return f"master_weights bf16 with offload {offload}: bf16 weights are planned on the GPU, without offload"
+    return None
+
+
 def optimizer_problem(optimizer: str, engine: str, zero_stage: int, offload: str) -> Optional[str]:
     """Why an engine cannot run ``optimizer`` with this ZeRO stage and offload, or None: offloaded states
     are stepped by DeepSpeed's CPU Adam (deepspeed) or on the host (torch), where bitsandbytes' 8-bit

@@ -18,6 +18,10 @@ ZERO_STAGES = (0, 1, 2, 3)
 OPTIMIZERS = ("adamw", "sgd", "sgd_momentum", "adamw_8bit")
 # full: every weight trains; lora: frozen base, trainable low-rank adapters (peft); qlora: the same over a 4-bit base
 METHODS = ("full", "lora", "qlora")
+# what holds the trained weights: fp32 master weights (mixed precision: fp32 parameters, gradients and optimizer
+# states, 16-bit compute), or bf16 (weights, gradients and optimizer moments all bf16, no fp32 master: torchtune's
+# dtype=bf16, Lightning's bf16-true)
+MASTER_WEIGHTS = ("fp32", "bf16")
 OPTIMIZER_CODES = {"adamw": "", "sgd": "_sgd", "sgd_momentum": "_sgdm", "adamw_8bit": "_adam8"}  # in a trial id
 OFFLOADS = ("none", "optimizer", "optimizer_and_params")
 ENGINE_CODES = {"torch": "torch", "deepspeed": "ds"}  # how a trial id spells an engine

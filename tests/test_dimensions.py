@@ -34,7 +34,7 @@ def test_every_dimension_reaches_its_setting_its_field_its_columns_and_its_fix()
 def test_fields_added_later_keep_old_fingerprints_at_their_defaults():
     spec = ParallelSpec()
     added = {name for name in ADDED_FIELD_DEFAULTS if name != "loss_chunk_tokens"}
-    assert added == {"cp", "loss", "activation_offload", "sequence_parallel", "act_ckpt_mode"}
+    assert added == {"cp", "loss", "activation_offload", "sequence_parallel", "act_ckpt_mode", "master_weights"}
     assert all(getattr(spec, name) == ADDED_FIELD_DEFAULTS[name] for name in added)
 
 
@@ -46,6 +46,7 @@ def test_trial_ids_name_each_token_in_its_place_and_leave_defaults_out():
                  act_ckpt_mode="selective", loss="chunked", activation_offload=True)
     assert trial_id("mixtral", "46.7b", every, lora_rank=8) == \
         "mixtral_46.7b_s8192_qlora8_tp2sp_pp4_vp2_ep4_cp2_mbs1_ac8_ds_z1_offopt_sgdm_sac_lchunk_aoff"
+    assert trial_id("gpt3", "5b", dict(base, master_weights="bf16")) == "gpt3_5b_tp2_pp4_mbs1_ac8_torch_z3_noff_bf16w"
     assert trial_id("mixtral", "46.7b", dict(base, ep=1)) == "mixtral_46.7b_tp2_pp4_ep1_mbs1_ac8_torch_z3_noff"
 
 
@@ -79,7 +80,8 @@ def test_a_layout_and_its_spec_section_convert_field_by_field():
     assert set(LAYOUT_FIELDS) == layout_fields - {"global_batch_size", "optimizer"}
     odd = Layout(tp=2, pp=3, dp=5, mbs=7, act_ckpt_layers=4, global_batch_size=70, zero_stage=2,
                  sequence_parallel=True, virtual_stages=2, optimizer="sgd", ep=5, cp=2, loss="chunked",
-                 activation_offload=True, loss_chunk_tokens=1024, act_ckpt_mode="selective")
+                 activation_offload=True, loss_chunk_tokens=1024, act_ckpt_mode="selective",
+                 master_weights="bf16")
     at_default = {f.name for f in dataclasses.fields(Layout) if getattr(odd, f.name) == f.default}
     assert at_default == {"engine", "offload"}
     assert ParallelSpec.of(odd).layout(odd.global_batch_size, odd.optimizer) == odd

@@ -24,7 +24,7 @@ from hp_tool.estimate.layout import LOSS_CHUNK_TOKENS, Layout
 from hp_tool.fingerprint import fingerprint_of
 from hp_tool.fsutil import atomic_write_text
 from hp_tool.sharding import combination_problem
-from hp_tool.vocab import (ACT_CKPT_MODES, DATA_SOURCES, ENGINES, METHODS, OFFLOADS, OPTIMIZERS,
+from hp_tool.vocab import (ACT_CKPT_MODES, DATA_SOURCES, ENGINES, MASTER_WEIGHTS, METHODS, OFFLOADS, OPTIMIZERS,
                            PRECISIONS, RUN_MODES, SCHEDULES, ZERO_STAGES)
 
 
@@ -166,6 +166,9 @@ class ParallelSpec:
     loss_chunk_tokens: int = LOSS_CHUNK_TOKENS  # tokens per chunk of the chunked loss
     activation_offload: bool = False  # tensors saved for backward kept in (pinned) host memory (torch engine)
     sequence_parallel: bool = False  # with TP: norms on sequence shards, TP's all-reduces as gather + scatter
+    # fp32: fp32 master weights (mixed precision) | bf16: weights, gradients and optimizer moments in bf16 (torch
+    # engine, on a GPU in bf16; a CPU trial trains in fp32)
+    master_weights: str = "fp32"
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "mbs", "virtual_stages", "ep", "cp", "loss_chunk_tokens"):
@@ -183,6 +186,8 @@ class ParallelSpec:
                 f"use one of {list(ZERO_STAGES)}")
         require(self.offload in OFFLOADS, "parallel.offload", self.offload, "unknown offload",
                 f"use one of {list(OFFLOADS)}")
+        require(self.master_weights in MASTER_WEIGHTS, "parallel.master_weights", self.master_weights,
+                "unknown master weights", f"use one of {list(MASTER_WEIGHTS)}")
         bad = combination_problem(self.engine, self.zero_stage, self.offload, self.tp, self.pp)
         if bad is not None:
             raise ConfigError("parallel", f"engine={self.engine} zero_stage={self.zero_stage} "

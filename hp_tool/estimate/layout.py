@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Optional
 from hp_tool.architectures import interleave_problem, pipeline_problem
 from hp_tool.dimensions import DIMENSIONS
 from hp_tool.sharding import (checkpoint_mode_problem, combination_problem, expert_problem, expert_saver_problem,
-                              family_problem, method_problem, optimizer_problem, sequence_problem)
+                              family_problem, master_weights_problem, method_problem, optimizer_problem,
+                              sequence_problem)
 
 if TYPE_CHECKING:
     from hp_tool.families.shape import Shape
@@ -65,6 +66,9 @@ class Layout:
     # how the act_ckpt_layers checkpointed layers are recomputed: full (whole, only their input kept) | selective
     # (torchtitan's per-op policy; hp_tool/vocab.py ACT_CKPT_MODES, hp_tool/sharding.py checkpoint_mode_problem)
     act_ckpt_mode: str = "full"
+    # what holds the trained weights (hp_tool/vocab.py MASTER_WEIGHTS): fp32 masters, or bf16 with bf16 optimizer
+    # states (hp_tool/sharding.py optimizer_problem)
+    master_weights: str = "fp32"
 
     @property
     def gpus(self) -> int:
@@ -183,6 +187,9 @@ class Layout:
     def optimizer_problem(self) -> Optional["Problem"]:
         """Why the engine cannot step this optimizer at this ZeRO stage and offload (rule "optimizer"), or
         None; judged per saver like ``saver_problem``."""
+        bad = master_weights_problem(self.master_weights, self.engine, self.offload)
+        if bad is not None:
+            return Problem("master_weights", "optimizer", bad)
         bad = optimizer_problem(self.optimizer, self.engine, self.zero_stage, self.offload)
         return None if bad is None else Problem("optimizer", "optimizer", bad)
 

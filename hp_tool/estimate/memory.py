@@ -90,11 +90,12 @@ def autocast_casts_weights(layout: Layout, hw: Hardware) -> bool:
     """Whether the weights stay fp32 and 16-bit autocast casts them for each forward: the torch engine's
     parameters on one rank, where no data-parallel wrapper (FSDP2, replicate) holds them in the compute dtype."""
     fsdp = layout.zero_stage >= 3 and (layout.zero_ranks > 1 or layout.offload == "optimizer_and_params")
-    return engine_facts(layout.engine).fp32_weights and layout.zero_ranks == 1 and not fsdp and hw.bytes_per_value < 4
+    return (engine_facts(layout.engine).fp32_weights and layout.master_weights == "fp32" and layout.zero_ranks == 1
+            and not fsdp and hw.bytes_per_value < 4)
 
 
 def model_state_bytes(params: float, dp: int, zero_stage: int = 3, offload: str = "none",
-                      engine: str = "torch", optimizer: str = "adamw") -> float:
+                      engine: str = "torch", optimizer: str = "adamw", master_weights: str = "fp32") -> float:
     """GPU bytes of the weights, gradients and optimizer states of ``params`` local parameters.
 
     ``deepspeed``: 16-bit weights (2) and gradients (2), fp32 master and Adam moments (12); ZeRO-1 divides
@@ -105,12 +106,15 @@ def model_state_bytes(params: float, dp: int, zero_stage: int = 3, offload: str 
     parameters either way) all three: 16Ψ, 8Ψ + 8Ψ/N, 16Ψ/N, 16Ψ/N (the moments' 8 is
     ``OPTIMIZER_STATE_BYTES[optimizer]``). The 16-bit compute copy is
     ``compute_copy_bytes``. Offload leaves the optimizer part (and with optimizer_and_params the weights
-    and gradients too) in host RAM."""
+    and gradients too) in host RAM. ``master_weights`` bf16 (torch): bf16 weights (2) and gradients (2) and the
+    optimizer's moments in bf16 (half of ``OPTIMIZER_STATE_BYTES``; 8-bit AdamW's stay 8-bit), no fp32 master."""
     n = max(1, dp)
     on_gpu = offload != "optimizer_and_params"
     states = OPTIMIZER_STATE_BYTES[optimizer]
     facts = engine_facts(engine)
-    if facts.fp32_weights:  # the fp32 parameter is the master
+    if master_weights == "bf16":  # everything the step keeps in bf16
+        weights, grads, opt_bytes = 2.0, 2.0, float(states if optimizer == "adamw_8bit" else states / 2)
+    elif facts.fp32_weights:  # the fp32 parameter is the master
         weights, grads, opt_bytes = 4.0, 4.0, float(states)
     else:  # 16-bit weights and gradients, the fp32 master among the optimizer states
         weights, grads, opt_bytes = 2.0, 2.0, 4.0 + states
@@ -168,7 +172,7 @@ def sharded_state_bytes(shape: Shape, layout: Layout, params: float, stage: int)
     """``model_state_bytes`` of a stage's ``params`` local parameters, its routed experts sharded by ZeRO over
     the data-parallel ranks holding the same experts (DP / EP) and the rest over all DP ranks."""
     experts = stage_expert_parameters(shape, layout.pp, stage, layout.ep)
-    savers = layout.zero_stage, layout.offload, layout.engine, layout.optimizer
+    savers = layout.zero_stage, layout.offload, layout.engine, layout.optimizer, layout.master_weights
     return model_state_bytes(params - experts, layout.zero_ranks, *savers) + \
         (model_state_bytes(experts, layout.edp, *savers) if experts else 0.0)
 
@@ -356,7 +360,8 @@ def stage_state_bytes(shape: Shape, layout: Layout, hw: Hardware, params: float,
     experts = stage_expert_parameters(shape, layout.pp, stage, layout.ep) * weight_bytes
     on_gpu = 0.0 if layout.offload == "optimizer_and_params" else layout.shard(base, experts) if sharded else base
     return on_gpu + copies + dequantised + model_state_bytes(
-        adapters, layout.zero_ranks, layout.zero_stage, layout.offload, layout.engine, layout.optimizer)
+        adapters, layout.zero_ranks, layout.zero_stage, layout.offload, layout.engine, layout.optimizer,
+        layout.master_weights)
 
 
 # Bytes per logit the whole-logits loss holds at its peak (cross-entropy's backward), as traced in fp32 and bf16

@@ -34,18 +34,6 @@ def inject_adapters(stage: nn.Module, lora: LoraSpec) -> None:
         param.requires_grad_(is_adapter(name))
 
 
-def frozen_base_in(stage: nn.Module, dtype: torch.dtype) -> None:
-    """Hold the frozen base of an adapter method's ``stage`` (on meta) in ``dtype``, the trial's 16-bit compute
-    dtype, as peft users load a base (``torch_dtype=torch.bfloat16``): half the bytes of fp32, and autocast
-    computes on the weights as they are instead of keeping a 16-bit copy of each for backward. The adapters
-    stay fp32 (peft's default); QLoRA's 4-bit linears quantise their own filled weights."""
-    four_bit = four_bit_weights(stage)
-    for module in stage.modules():
-        for name, param in list(module.named_parameters(recurse=False)):
-            if not param.requires_grad and param.is_floating_point() and param not in four_bit:
-                setattr(module, name, nn.Parameter(param.to(dtype), requires_grad=False))
-
-
 def four_bit_linears(stage: nn.Module, targets: set[str]) -> None:
     """Replace every target ``nn.Linear`` of ``stage`` (on meta) by bitsandbytes' NF4 ``Linear4bit`` with
     double quantisation, computing in the dtype of its input."""

@@ -167,14 +167,15 @@ def apply_activation_checkpointing(stage: StageModule, num_layers: int, mode: st
 
 def apply_data_parallel(stage: StageModule, dp_mesh: DeviceMesh, zero_stage: int, offload: str,
                         param_dtype: Optional[torch.dtype], device: torch.device,
-                        expert_mesh: Optional[DeviceMesh] = None) -> None:
+                        expert_mesh: Optional[DeviceMesh] = None, master_weights: str = "fp32") -> None:
     """Data parallelism over ``dp_mesh`` for a ZeRO stage: 0 and 1 replicate the stage (DDP; stage 1
     shards the optimizer, optim.ShardedAdamW), 2 = FSDP2 without resharding after forward, 3 = FSDP2
     full shard. Offload (stages 2-3): FSDP2's CPUOffloadPolicy keeps the sharded parameters, their
     gradients and so the optimizer step on the host (pinned buffers with a GPU).
 
     ``param_dtype`` (bf16 on GPU) makes FSDP gather and compute in that dtype while the optimizer keeps
-    fp32 master weights; gradients are reduced in fp32.
+    fp32 master weights; gradients are reduced in fp32, and in the parameters' bf16 with ``master_weights`` bf16
+    (no fp32 copy of anything, as torchtune's bf16 recipes reduce).
 
     ``expert_mesh`` (with expert parallelism): the ``edp`` ranks holding the same experts. Each layer's
     experts are wrapped first, over it, so the dense wrappers skip them: their gradients must not be
@@ -182,7 +183,8 @@ def apply_data_parallel(stage: StageModule, dp_mesh: DeviceMesh, zero_stage: int
     """
     # OPT's layer returns a view; harmless here because the stage never modifies a layer output in place.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype,
+                              reduce_dtype=torch.float32 if master_weights == "fp32" else param_dtype)
     experts = expert_modules(stage) if expert_mesh is not None else []
     if zero_stage <= 1:
         for module in experts:
@@ -223,7 +225,7 @@ def parallelize_stage(stage: StageModule, par: ParallelSpec, mesh: Optional[Devi
         apply_activation_checkpointing(stage, par.act_ckpt_layers, par.act_ckpt_mode)
     if weight_dp_size(par) > 1 or par.offload != "none":  # FSDP2 on one data-parallel rank still offloads
         apply_data_parallel(stage, mesh[weight_dp_dim(par)], par.zero_stage, par.offload, param_dtype, device,
-                            expert_mesh=mesh["edp"] if par.ep > 1 else None)
+                            expert_mesh=mesh["edp"] if par.ep > 1 else None, master_weights=par.master_weights)
 
 
 def build_schedule(chunks: list[StageModule], par: ParallelSpec, mesh: DeviceMesh, pp_rank: int,

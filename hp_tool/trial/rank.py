@@ -31,8 +31,7 @@ from hp_tool.trial.stage import InterleavedStages, StageModule
 from hp_tool.trial.checkpoint import weight_source
 from hp_tool.trial.dist import weight_dp_dim, weight_dp_size
 from hp_tool.trial.converters import Converter, converters_for
-from hp_tool.trial.methods import frozen_base_in
-from hp_tool.trial.weights import Source, materialize
+from hp_tool.trial.weights import Source, hold_in, materialize
 
 
 def compute_dtype(spec: TrialSpec, device: torch.device) -> Optional[torch.dtype]:
@@ -153,8 +152,8 @@ def build_rank_model(spec: TrialSpec, mesh: Optional[DeviceMesh], pp_rank: int, 
     chunks = build_rank_stages(spec.model, par.pp, pp_rank, par.virtual_stages)
     chunk_par = dataclasses.replace(par, act_ckpt_layers=par.act_ckpt_layers // par.virtual_stages)
     for chunk in chunks:
-        if spec.model.method != "full" and param_dtype is not None:  # an adapter method in 16 bits: 16-bit base
-            frozen_base_in(chunk, param_dtype)
+        if param_dtype is not None:  # 16-bit training: an adapter method's base, or everything with bf16 masters
+            hold_in(chunk, param_dtype, trained=spec.parallel.master_weights == "bf16")
         parallelize_stage(chunk, chunk_par, mesh, param_dtype, materialise.device)
     stage = chunks[0] if len(chunks) == 1 else InterleavedStages(chunks)
     phases.mark("model_build", "weights")

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from hp_tool.trial.methods import is_adapter
+from hp_tool.trial.methods import four_bit_weights, is_adapter
 from hp_tool.trial.stage import canonical_name
 
 
@@ -65,6 +65,22 @@ def init_weights(module: nn.Module, seed: int, std: float, tied: bool, source: O
             local.copy_(full.to(param.dtype))
         local_numel += local.numel()
     return local_numel
+
+
+def hold_in(stage: nn.Module, dtype: torch.dtype, trained: bool) -> None:
+    """Hold ``stage``'s parameters (on meta, before any storage exists) in ``dtype``, the trial's 16-bit compute
+    dtype: the frozen ones, as peft users load an adapter method's base (``torch_dtype=torch.bfloat16``: half the
+    bytes of fp32, and autocast computes on the weights as they are instead of keeping a 16-bit copy of each for
+    backward), and with ``trained`` the trained ones too (master_weights bf16: no fp32 master, the optimizer's
+    moments made in their dtype). Adapters otherwise stay fp32 (peft's default); QLoRA's 4-bit linears quantise
+    their own filled weights."""
+    four_bit, held = four_bit_weights(stage), {}  # held: a tied weight stays one parameter
+    for module in stage.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if (trained or not param.requires_grad) and param.is_floating_point() and param not in four_bit:
+                if id(param) not in held:
+                    held[id(param)] = nn.Parameter(param.to(dtype), requires_grad=param.requires_grad)
+                setattr(module, name, held[id(param)])
 
 
 def materialize(stage, device: torch.device, seed: int, std: float, source: Optional[Source] = None,
