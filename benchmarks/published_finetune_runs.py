@@ -449,14 +449,15 @@ def express(row: dict) -> Case:
     chunked = value(other.get("chunked_cross_entropy")) or "Chunked" in str(value(other.get("loss")))
     act_offload = act_offload or bool(value(other.get("activation_offloading")))
     # bf16 weights and optimizer states with no fp32 master (master_weights bf16) where the framework trains so
-    pure = str(row["source"].get("repo")) in PURE_16BIT and precision == "bf16" and offload == "none"
+    trains_in_dtype = str(row["source"].get("repo")) in PURE_16BIT
+    pure = trains_in_dtype and precision == "bf16" and offload == "none"
     layout = Layout(tp, pp, dp, mbs, shape.num_layers // pp if checkpointing else 0, mbs * dp * ga, stage, offload,
                     engine, optimizer=optimizer, loss="chunked" if chunked else "full",
                     activation_offload=act_offload,
                     # torchtune's CEWithChunkedOutputLoss: the micro-batch's tokens in TORCHTUNE_LOSS_CHUNKS chunks
                     loss_chunk_tokens=max(1, mbs * seq // TORCHTUNE_LOSS_CHUNKS) if chunked else LOSS_CHUNK_TOKENS,
                     master_weights="bf16" if pure else "fp32")
-    if str(row["source"].get("repo")) in PURE_16BIT and not pure:
+    if trains_in_dtype and not pure:
         notes.append("trained in its dtype (no fp32 master); hp_tool plans that in bf16 without offload only")
     try:
         hw = hardware(preset, precision, gpn, nodes)

@@ -504,7 +504,7 @@ class AppConfig:
                 optimizers, "adamw_8bit is bitsandbytes' 8-bit AdamW, which runs on CUDA GPUs only, and gpu=cpu",
                 "search adamw, sgd or sgd_momentum on CPU, or plan for a GPU preset")
         if "bf16" in (self.search_config.train_settings.master_weights or []):
-            trained = precision or self.gpu.default_precision()
+            trained = training_precision(self)
             require(self.gpu.name != "cpu", "search_config.train_settings.master_weights",
                     self.search_config.train_settings.master_weights, "bf16 master weights are a GPU recipe, and "
                     "gpu=cpu trials train in fp32", "search master_weights=[fp32] on CPU, or plan for a GPU preset")

@@ -67,7 +67,7 @@ class Layout:
     # (torchtitan's per-op policy; hp_tool/vocab.py ACT_CKPT_MODES, hp_tool/sharding.py checkpoint_mode_problem)
     act_ckpt_mode: str = "full"
     # what holds the trained weights (hp_tool/vocab.py MASTER_WEIGHTS): fp32 masters, or bf16 with bf16 optimizer
-    # states (hp_tool/sharding.py optimizer_problem)
+    # states (hp_tool/sharding.py master_weights_problem)
     master_weights: str = "fp32"
 
     @property

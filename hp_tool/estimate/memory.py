@@ -318,7 +318,7 @@ def stage_compute_copy_bytes(shape: Shape, layout: Layout, hw: Hardware, params:
     fp32 adapters are cast: the frozen base is held in the compute dtype (``frozen_base_bytes``); replicated
     over data-parallel ranks (ZeRO 0-1) the base is left out of the replica's copy too."""
     adapters = stage_adapter_parameters(shape, layout, stage)
-    replicated = layout.zero_ranks > 1 and layout.zero_stage <= 1 and engine_facts(layout.engine).fp32_weights
+    replicated = layout.zero_ranks > 1 and layout.zero_stage <= 1
     if shape.method in ADAPTED and (autocast_casts_weights(layout, hw) or replicated):
         return compute_copy_bytes(adapters, gathered_layer, layout, hw)
     quantised = 0.0
@@ -329,7 +329,7 @@ def stage_compute_copy_bytes(shape: Shape, layout: Layout, hw: Hardware, params:
 
 def frozen_base_bytes(hw: Hardware) -> float:
     """Bytes per parameter of an adapter method's frozen base as every engine holds it: the training precision's
-    (the torch engine casts it to its 16-bit compute dtype, hp_tool/trial/methods.py frozen_base_in; DeepSpeed
+    (the torch engine casts it to its 16-bit compute dtype, hp_tool/trial/weights.py hold_in; DeepSpeed
     holds 16-bit weights); fp32 in fp32."""
     return float(hw.bytes_per_value)
 
