@@ -131,3 +131,18 @@ def test_the_memory_model_of_bf16_masters_matches_the_trace_of_a_bf16_gpu_rank(p
         assert a16 == pytest.approx(t16, rel=0.05), (a16 / 2**30, t16 / 2**30)
     else:  # FSDP2: what bf16 masters save (the model misses 9.7 GiB of FSDP2's own either way, a known gap)
         assert a32 - a16 == pytest.approx(t32 - t16, rel=0.05), ((a32 - a16) / 2**30, (t32 - t16) / 2**30)
+
+
+def test_bf16_masters_reduce_their_gradients_in_bf16():
+    """The trial reduces bf16 masters' gradients in bf16 (trial/parallel.py), fp32 masters' in fp32: FSDP2 over
+    two nodes' 16 GPUs moves half the gradient bytes, and the step-time model prices what the engine sends."""
+    from hp_tool.estimate.layout import Hardware
+    from hp_tool.estimate.speed import dp_comm_s
+
+    shape = dataclasses.replace(LLAMA2_7B, seq_length=512)
+    hw = Hardware(8, 80.0, 989.0, 450.0, 12.5, 3.0)
+    fp32 = Layout(1, 1, 16, 1, 0, 16, 3, "none", "torch")
+    bf16 = dataclasses.replace(fp32, master_weights="bf16")
+    assert 0 < dp_comm_s(shape, bf16, hw, 2) < dp_comm_s(shape, fp32, hw, 2)
+    zero1 = dataclasses.replace(fp32, zero_stage=1)  # ZeRO-1: one all-reduce of the gradients a step, partly hidden
+    assert 0 < dp_comm_s(shape, dataclasses.replace(zero1, master_weights="bf16"), hw, 2) < dp_comm_s(shape, zero1, hw, 2)
