@@ -14,13 +14,17 @@ seconds of its full-run step, its predicted memory) and the trials that have end
     that trial's measured step and its own calibrated prediction (like for like: a calibration that
     over-predicts every layout over-predicts the best one too, and a lucky fast measurement does not
     lower the bar for the others); except the best-predicted candidate of a (TP, PP) regime no trial has
-    measured yet, which is launched to calibrate on it. Nothing is skipped while the calibration is
-    clamped at its bounds (it does not explain the trials then).
+    measured yet, which is launched to calibrate on it unless it is calibrated more than ``SCOUT_RANGE``
+    (2x) behind that bar (or ``1 + skip_margin`` when larger): a regime's own error would have to be more
+    than that in its favour. Nothing is skipped while the calibration is clamped at its bounds (it does
+    not explain the trials then).
 - ``losing``: a running trial is stopped early (stop reason ``losing``, status ok, its measurement kept)
   only when it is slower with confidence: after ``LOSING_MIN_STEPS`` timed steps, the lower end of its
   median's confidence interval (median - 1.57 x IQR / sqrt(n), the box plot's notch), extrapolated to the
   full run, is more than ``skip_margin`` slower than the best measured trial; a few noisy steps widen
-  the interval and keep it running.
+  the interval and keep it running. A trial far behind is judged sooner: after ``LOSING_FAST_STEPS``
+  timed steps, when even its fastest step, extrapolated, is more than ``FAR`` (2) times that bar (a gap
+  no step-to-step noise explains; stalls only slow a step down).
   Each reason carries the numbers the decision used.
 """
 
@@ -38,6 +42,9 @@ from hp_tool.words import plural
 OK = "ok"
 LOSING_MIN_STEPS = 5  # timed steps a running trial needs before it is judged (the trial's stable_window)
 NOTCH = 1.57  # the box plot's notch: median +- 1.57 IQR / sqrt(n) is about a 95% interval of the median
+LOSING_FAST_STEPS = 3  # timed steps after which a trial FAR behind the bar on every one of them is stopped
+FAR = 2.0  # how far behind the losing bar (best x (1 + skip_margin)) every timed step must be to stop it sooner
+SCOUT_RANGE = 2.0  # an unmeasured regime's best candidate is scouted when calibrated within this x the best
 
 
 @dataclass(frozen=True)
@@ -107,9 +114,18 @@ def verdicts(options: Sequence[Option], outcomes: Sequence[Outcome], skip_margin
                            f"{oom.name} (same TP {o.tp}, PP {o.pp}) ran out of memory at a predicted "
                            f"{oom.memory_gib:.2f} GiB per GPU; this one is predicted to need {o.memory_gib:.2f} GiB")
             continue
-        if best is None or factors.clamped or scouts.get((o.tp, o.pp)) == o.name:
+        if best is None or factors.clamped:
             continue
         calibrated = factors.predict(o.compute_s, o.comm_s, (o.tp, o.pp))
+        if scouts.get((o.tp, o.pp)) == o.name:
+            scout_range = max(SCOUT_RANGE, 1 + skip_margin)
+            if calibrated > bar * scout_range:
+                out[o.name] = (SKIPPED,
+                               f"no trial of its regime (TP {o.tp}, PP {o.pp}) yet, but its calibrated prediction "
+                               f"{calibrated:.4g} s per step (raw {o.predicted_s:.4g} s) is {calibrated / bar:.2f}x "
+                               f"the best measured, {best.name} at {bar:.4g} s ({bar_words}): its regime's own error "
+                               f"would have to be more than {scout_range:g}x in its favour")
+            continue
         if calibrated > bar * (1 + skip_margin):
             out[o.name] = (SKIPPED,
                            f"calibrated prediction {calibrated:.4g} s per step (raw {o.predicted_s:.4g} s) is "
@@ -134,9 +150,18 @@ def losing(name: str, step_s: Sequence[float], full_run_s: Optional[float], outc
     ``outcomes`` by more than ``skip_margin``: the low end of its median's interval, extrapolated alike;
     else None."""
     ok = [r for r in outcomes if r.status == OK and r.step_s and r.name != name]
-    if len(step_s) < LOSING_MIN_STEPS or full_run_s is None or not ok:
+    if len(step_s) < LOSING_FAST_STEPS or full_run_s is None or not ok:
         return None
     best = min(ok, key=lambda r: r.step_s)
+    median = statistics.median(step_s)
+    fastest_full = full_run_s * min(step_s) / median
+    if fastest_full > FAR * best.step_s * (1 + skip_margin):
+        return (LOSING, f"stopped early: every one of its {len(step_s)} timed steps after warm-up, the fastest "
+                        f"{min(step_s):.4g} s ({fastest_full:.4g} s for the full run), is more than {FAR:g}x "
+                        f"{best.step_s * (1 + skip_margin):.4g} s: skip_margin={skip_margin:g} over the best measured, "
+                        f"{best.name} at {best.step_s:.4g} s")
+    if len(step_s) < LOSING_MIN_STEPS:
+        return None
     low, median, _ = median_interval(step_s)
     low_full = full_run_s * max(0.0, low) / median
     if low_full <= best.step_s * (1 + skip_margin):

@@ -25,6 +25,7 @@ from hp_tool.compare import comparison_row, error_row
 from hp_tool.config import GROUPS, AppConfig, check_override_keys, memory_check_mode, to_app_config
 from hp_tool.errors import ConfigError
 from hp_tool.hf_config import model_name
+from hp_tool.launch.backends import warm
 from hp_tool.memory_check import Tracer, trace_device
 from hp_tool.plan_output import render_plan, write_plan
 from hp_tool.planner import Plan, make_plan
@@ -115,6 +116,9 @@ def run(app: AppConfig, search_name: str, out: Optional[Path] = None, plans: Opt
     so does a results folder that another orchestrator holds (unless wait_for_lock)."""
     out = out or results_dir(app, search_name)
     check_key_file(app.wandb)
+    if memory_check_mode(app) == "traced" or (app.gpu.name == "cpu" and app.cluster.type in ("local", "auto")
+                                                and not app.dry_run and app.run_training_hp_search):
+        warm.start()  # traces and local CPU trials fork from it: its imports overlap the planning
     plan = make_plan(app, search_name, out)
     backend = _launch_backend(app, plan)  # a SLURM target that can never run the trials fails here, in seconds
     tracer = _tracer(app, out)

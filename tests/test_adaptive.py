@@ -99,3 +99,31 @@ def test_nothing_is_skipped_while_the_calibration_is_clamped_at_its_bounds():
     assert verdicts(options, outcomes, skip_margin=0.25) == {}
     fitted = verdicts(options, [Outcome("a", "ok", 2.0)], skip_margin=0.25)
     assert fitted["slow"][0] == SKIPPED  # the same case with a factor of 2 skips it
+
+
+def test_an_unmeasured_regime_calibrated_more_than_twice_the_best_is_not_scouted():
+    # a (2, 1) measured 3x its prediction; (1, 2)'s best, d, is calibrated 1.14x the best: it runs once to
+    # calibrate its regime. (4, 1)'s f is calibrated 1.73x: still within the 2x a regime's own error may
+    # span, it runs. A regime g calibrated 2.7x the best would need its own error to be more than 2x in its
+    # favour: it is skipped, and the reason says why its regime was not scouted.
+    options = [*grid(), Option("g", 8, 1, 2.9, 0.1, 10)]
+    got = verdicts(options, [Outcome("a", "ok", 3.3)], skip_margin=0.0)
+    assert "d" not in got and "f" not in got
+    status, reason = got["g"]
+    assert status == SKIPPED
+    assert "no trial of its regime (TP 8, PP 1) yet" in reason and "more than 2x" in reason
+    # a user who keeps everything within 3x (skip_margin=2) scouts it
+    assert "g" not in verdicts(options, [Outcome("a", "ok", 3.3)], skip_margin=2.0)
+
+
+def test_a_trial_far_behind_on_every_step_is_stopped_after_three_timed_steps():
+    ended = [Outcome("a", "ok", 0.04)]
+    far = [0.78, 0.80, 0.77]  # 20x the best: no run-to-run noise explains it
+    stop = losing("tp2", far, 0.78, ended, skip_margin=0.25)
+    assert stop is not None and stop[0] == LOSING
+    assert "every one of its 3 timed steps" in stop[1]
+    # two steps are not enough, and one fast step among three keeps it running until the usual test
+    assert losing("tp2", far[:2], 0.78, ended, skip_margin=0.25) is None
+    assert losing("tp2", [0.78, 0.09, 0.77], 0.78, ended, skip_margin=0.25) is None
+    # behind by less than twice the margin's bar: judged after the usual five timed steps only
+    assert losing("slow", [0.09, 0.09, 0.09], 0.09, ended, skip_margin=0.25) is None

@@ -132,7 +132,8 @@ def test_adaptive_search_skips_with_reasons_resumes_without_reruns_and_exhaustiv
 def test_adaptive_search_stops_a_losing_trial_early_keeps_its_measurement_and_resumes_without_reruns(tmp_path):
     """Two candidates, TP1 and TP2 (about 10x slower on CPU processes, gloo all-reduces per layer), run one
     at a time with the stable-time stop off: TP1 runs first and sets the best; TP2, its regime's only
-    candidate, is launched to measure it, and stopped after a few timed steps as losing, status ok.
+    candidate (calibrated 1.8x the best: within the 2x a regime is scouted at), is launched to measure it, and
+    stopped after a few timed steps as losing, status ok.
     Real processes through the local backend: only a two-process trial is slower by a margin that holds on a
     loaded machine (one-process layouts differ by less than the noise of shared cores)."""
     steps = 200
@@ -149,9 +150,10 @@ def test_adaptive_search_stops_a_losing_trial_early_keeps_its_measurement_and_re
     fast, slow = rows.loc[1], rows.loc[2]
     assert fast["status"] == "ok" and fast["stop_reason"] == "max_steps" and fast["steps_run"] == steps
     assert slow["status"] == "ok" and slow["stop_reason"] == "losing"
-    assert 3 + 5 <= slow["steps_run"] < steps  # warm-up and the steps the verdict needs, then stopped
+    # warm-up and the steps the verdict needs (3 when every timed step is far behind, else 5), then stopped
+    assert 3 + 3 <= slow["steps_run"] < steps
     assert slow["full_run_step_time_s"] > 1.25 * fast["full_run_step_time_s"] and slow["rank"] == 2
-    assert "skip_margin=0.25 slower than the best measured, " in slow["reason"]
+    assert "skip_margin=0.25" in slow["reason"] and " the best measured, " in slow["reason"]
     assert f"{fast['trial_id']} at {fast['full_run_step_time_s']:.4g} s" in slow["reason"]
     assert "2 trials ran (1 stopped early as losing)" in proc.stdout and "not launched" not in proc.stdout
 

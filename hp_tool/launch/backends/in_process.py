@@ -61,7 +61,8 @@ class InProcessBackend(Backend):
     """``cluster=in_process``."""
 
     kind = "in_process"
-    max_poll_s = 1.0  # a job on this machine: looking costs nothing, and the next trial waits for the look
+    max_poll_s = 0.3  # a job on this machine: looking costs nothing; the next trial, and the stop of a losing
+                      # one (judged on its steps as they come), wait for the look
     min_poll_s = 0.2
 
     def __init__(self, cluster: ClusterConfig, gpu: GpuConfig):

@@ -46,6 +46,15 @@ def context():
     return _context
 
 
+def start() -> None:
+    """Start the forkserver now: its imports of ``PRELOAD`` (seconds) run in the background while the caller
+    plans, instead of before the first trial or trace."""
+    from multiprocessing import forkserver
+
+    context()
+    forkserver.ensure_running()
+
+
 @dataclass(frozen=True)
 class WarmSpec:
     """What a warm job's controller needs: the entry and its argument, the tasks, the limits, and the
