@@ -15,7 +15,7 @@ tensors (no GPU needed); ``cpu`` the CPU trials' fp32.
 
 LoRA instead: Llama-2 7B (its shipped config, 32 layers) at 2048 tokens, r16 on all 7 linears of a layer, on one
 rank and on FSDP2 over 2 ranks, adapter dropout 0 and 0.05, micro-batches 1, 2, 4 and 8: the whole peak per
-rank, analytic and traced (extrapolated from 1- and 2-layer builds, as the memory check traces), and the
+rank, analytic and traced (extrapolated from 3- and 4-layer builds, as the memory check traces), and the
 analytic figure's error against the trace. About 2-5 s a trace on a CPU core.
 """
 

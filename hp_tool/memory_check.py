@@ -36,7 +36,7 @@ from hp_tool.vocab import TRACE_CACHE_FILE
 
 log = logging.getLogger(__name__)
 
-TRACE_VERSION = 7  # bump when the trace counts differently: cached traces of another version are redone
+TRACE_VERSION = 8  # bump when the trace counts differently: cached traces of another version are redone
 
 
 @dataclass(frozen=True)

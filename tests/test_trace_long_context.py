@@ -101,7 +101,7 @@ def test_a_cpu_rank_keeps_its_saved_activations():
 ], ids=lambda v: "-".join(f"{k}{x}" for k, x in v.items()))
 def test_memory_check_traces_the_savers(savers):
     """``memory_check`` traces specs with the savers (none is refused, each has its own cache key), and an
-    8-layer stage extrapolated from 1 and 2 layers is its whole trace within 1%."""
+    8-layer stage extrapolated from shallow builds is its whole trace within 1%."""
     spec = long_context_spec(**savers)
     spec = dataclasses.replace(spec, model=dataclasses.replace(spec.model, num_layers=8))
     plain = dataclasses.replace(spec, parallel=dataclasses.replace(

@@ -1,6 +1,6 @@
 """Extrapolation: a stage's traced peak from shallow builds, and the busiest rank's peak before launch.
 
-Deep stages are extrapolated from 1 and 2 units of layers and 1 and 2 micro-batches in flight, phase by
+Deep stages are extrapolated from 3 and 4 units of layers and 1 and 2 micro-batches in flight, phase by
 phase (``extrapolated_stages``); the stages whose peaks differ in kind are traced (``traced_stages``: the
 first, the last, and each stack's first); ``traced_peak_bytes`` is the busiest rank's peak. Interleaved
 layouts are traced as the rank's layers in one stage at the schedule's fractional count in flight plus the
@@ -50,7 +50,7 @@ def with_units(spec: TrialSpec, units: int, checkpointed_layers: int) -> TrialSp
 
 def _increment_donor(spec: TrialSpec, stage_index: int) -> Optional[int]:
     """The traced stage whose layers are this stage's kind, whose per-unit increments (at one micro-batch in
-    flight) this stage can use, tracing only its one-unit fixed part: the first stage's for the last stage
+    flight) this stage can use, tracing only its own fixed part (BASE_UNITS units): the first stage's for the last stage
     of a decoder-only pipeline; T5/mT5's decoder's first stage for the last. None: trace its own."""
     pp = spec.parallel.pp
     if pp < 2 or stage_index != pp - 1 or spec.parallel.virtual_stages > 1:  # interleaved: K > 1 there
@@ -59,37 +59,44 @@ def _increment_donor(spec: TrialSpec, stage_index: int) -> Optional[int]:
     return donor if donor != stage_index else None
 
 
+BASE_UNITS = 3  # extrapolation starts from this many units and adds one: the increment is a middle unit's
+
+
 def _unit_traces(spec: TrialSpec, stage_index: int, device_type: str, counts: tuple[int, ...],
                  mixed: bool) -> dict[str, list[StageTrace]]:
-    """The traces extrapolation needs, each at every count in flight: "A" one unit, "B" two units (both
-    checkpointed when the whole stage is), and when only some units are checkpointed "C", two units of
-    which the first is."""
+    """The traces extrapolation needs, each at every count in flight: "A" ``BASE_UNITS`` units, "B" one unit
+    more (all checkpointed when the whole stage is), and when only some units are checkpointed "C", as many
+    as B of which the first is."""
     units, per_unit, _ = stage_units(spec)
     ckpt = 1 if spec.parallel.act_ckpt_layers == units * per_unit else 0
 
     def at(n: int, checkpointed_units: int) -> list[StageTrace]:
         return traced_counts(with_units(spec, n, checkpointed_units * per_unit), stage_index, device_type, counts)
 
-    traces = {"A": at(1, ckpt)}
+    traces = {"A": at(BASE_UNITS, BASE_UNITS * ckpt)}
     if mixed:
-        traces["B"], traces["C"] = at(2, 0), at(2, 1)
+        traces["B"], traces["C"] = at(BASE_UNITS + 1, 0), at(BASE_UNITS + 1, 1)
     else:
-        traces["B"] = at(2, 2 * ckpt)
+        traces["B"] = at(BASE_UNITS + 1, (BASE_UNITS + 1) * ckpt)
     return traces
 
 
 def extrapolated_stages(spec: TrialSpec, device_type: str = "cpu",
                         whole_units: int = WHOLE_UNITS) -> dict[int, StageTrace]:
-    """Each of ``traced_stages`` traced with one and two units of layers (see ``stage_units``) and with one
+    """Each of ``traced_stages`` traced with three and four units of layers (see ``stage_units``) and with one
     and two micro-batches in flight, and extrapolated, phase by phase, to its ``U`` units of which ``j``
     are checkpointed (act_ckpt_layers / layers per unit; the engine recomputes the first ones) and its
     ``K`` micro-batches in flight (``in_flight``).
 
-    Layers, for each count in flight: A(1 unit), B(2 units), none checkpointed: per phase A + (U - 1)(B - A).
-    All checkpointed: the same with A and B checkpointed. Some: C(2 units, the first checkpointed) adds a
-    checkpointed unit's increment, A + (U - 1 - j)(B - A) + j(C - A). The fixed part (embedding, head,
+    Layers, for each count in flight: A(3 units), B(4 units), none checkpointed: per phase A + (U - 3)(B - A).
+    All checkpointed: the same with A and B checkpointed. Some: C(4 units, the first checkpointed) adds a
+    checkpointed unit's increment, A + (U - 3 - j)(B - A) + j(C - A). The fixed part (embedding, head,
     logits and loss, the gathered unit FSDP2 prefetches, a checkpointed layer's recompute) is in A; each
-    unit's states and the activations of every micro-batch in flight grow with the increments.
+    unit's states and the activations of every micro-batch in flight grow with the increments. Not from
+    fewer units: the increments of the first units are not a middle unit's (FSDP2 prefetches a next unit only
+    when there is one; the first layer's input needs no gradient): under FSDP2 in bf16, the 1-to-2 and
+    2-to-3 increments are 20% and 11% above every later one, and extrapolating from 1 and 2 units was 12-28%
+    high (tests/test_memory_check.py).
     In flight, when K > 2: T(1) + (K - 1)(T(2) - T(1)); each micro-batch in flight adds its activations
     (the receive buffers, one per micro-batch of the step, are there at any count). One build traces both
     counts. The last stage (K = 1) traces only its own A and takes the increments at one in flight from
@@ -107,20 +114,22 @@ def _extrapolated_layers(spec: TrialSpec, traced: TrialSpec, device_type: str,
     units, per_unit, _ = stage_units(spec)
     stages = traced_stages(spec)
     out: dict[int, StageTrace] = {}
-    if units <= max(2, whole_units):
+    if units <= max(BASE_UNITS + 1, whole_units):
         for stage in stages:
             counts, weights = in_flight_counts(spec, stage)
             out[stage] = combine(list(zip(traced_counts(traced, stage, device_type, counts), weights, strict=True)))
         return out
     j = spec.parallel.act_ckpt_layers / per_unit
     mixed = j not in (0, units)
-    unit_weights = {"A": 2 - units, "B": units - 1 - (j if mixed else 0), "C": j}
+    # A + (U - BASE - j)(B - A) + j(C - A), as weights of A, B and C
+    unit_weights = {"A": BASE_UNITS + 1 - units, "B": units - BASE_UNITS - (j if mixed else 0), "C": j}
     lenders = {_increment_donor(spec, stage) for stage in stages}
     lent: dict[int, dict[str, StageTrace]] = {}
     for stage in stages:  # donors come first
         donor = _increment_donor(spec, stage)
         if donor is not None:
-            (a,) = traced_counts(with_units(traced, 1, per_unit if j == units else 0), stage, device_type, (1,))
+            (a,) = traced_counts(with_units(traced, BASE_UNITS, BASE_UNITS * per_unit if j == units else 0), stage,
+                                 device_type, (1,))
             terms = [(a, 1.0), (lent[donor]["A"], unit_weights["A"] - 1)]
             out[stage] = combine(terms + [(t, unit_weights[key]) for key, t in lent[donor].items() if key != "A"])
             continue
@@ -144,5 +153,5 @@ def traced_stages(spec: TrialSpec) -> list[int]:
 
 def traced_peak_bytes(spec: TrialSpec, device_type: str = "cpu") -> float:
     """Peak tensor bytes of the busiest rank of ``spec`` before launch: the most of ``traced_stages``, each
-    extrapolated from 1-2 layers (``extrapolated_stages``)."""
+    extrapolated from shallow builds (``extrapolated_stages``)."""
     return max(trace.peak_bytes for trace in extrapolated_stages(spec, device_type).values())
