@@ -147,24 +147,24 @@ def losing(name: str, step_s: Sequence[float], full_run_s: Optional[float], outc
            skip_margin: float) -> Optional[tuple[str, str]]:
     """(LOSING, reason) when the running trial ``name``, with timed step times ``step_s`` so far (its median
     extrapolated to the full run: ``full_run_s``), is slower with confidence than the best measured of
-    ``outcomes`` by more than ``skip_margin``: the low end of its median's interval, extrapolated alike;
-    else None."""
+    ``outcomes`` by more than ``skip_margin``: the low end of its median's interval, extrapolated alike; or,
+    after ``LOSING_FAST_STEPS``, its fastest step ``FAR`` times that bar; else None."""
     ok = [r for r in outcomes if r.status == OK and r.step_s and r.name != name]
     if len(step_s) < LOSING_FAST_STEPS or full_run_s is None or not ok:
         return None
     best = min(ok, key=lambda r: r.step_s)
-    median = statistics.median(step_s)
+    bar = best.step_s * (1 + skip_margin)
+    low, median, _ = median_interval(step_s)
     fastest_full = full_run_s * min(step_s) / median
-    if fastest_full > FAR * best.step_s * (1 + skip_margin):
+    if fastest_full > FAR * bar:
         return (LOSING, f"stopped early: every one of its {len(step_s)} timed steps after warm-up, the fastest "
                         f"{min(step_s):.4g} s ({fastest_full:.4g} s for the full run), is more than {FAR:g}x "
-                        f"{best.step_s * (1 + skip_margin):.4g} s: skip_margin={skip_margin:g} over the best measured, "
+                        f"{bar:.4g} s: skip_margin={skip_margin:g} over the best measured, "
                         f"{best.name} at {best.step_s:.4g} s")
     if len(step_s) < LOSING_MIN_STEPS:
         return None
-    low, median, _ = median_interval(step_s)
     low_full = full_run_s * max(0.0, low) / median
-    if low_full <= best.step_s * (1 + skip_margin):
+    if low_full <= bar:
         return None
     return (LOSING, f"stopped early: its median step after warm-up, {median:.4g} s over {len(step_s)} timed "
                     f"steps (at least {low_full:.4g} s for the full run, {full_run_s:.4g} s at the median), is "

@@ -116,8 +116,8 @@ def run(app: AppConfig, search_name: str, out: Optional[Path] = None, plans: Opt
     so does a results folder that another orchestrator holds (unless wait_for_lock)."""
     out = out or results_dir(app, search_name)
     check_key_file(app.wandb)
-    if memory_check_mode(app) == "traced" or (app.gpu.name == "cpu" and app.cluster.type in ("local", "auto")
-                                                and not app.dry_run and app.run_training_hp_search):
+    local_trials = app.cluster.type in ("local", "auto") and not app.dry_run and app.run_training_hp_search
+    if memory_check_mode(app) == "traced" or (local_trials and warm.forks_trials(app.gpu.name)):
         warm.start()  # traces and local CPU trials fork from it: its imports overlap the planning
     plan = make_plan(app, search_name, out)
     backend = _launch_backend(app, plan)  # a SLURM target that can never run the trials fails here, in seconds

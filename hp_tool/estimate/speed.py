@@ -316,8 +316,9 @@ def dp_comm_s(shape: Shape, layout: Layout, hw: Hardware, num_nodes: int) -> flo
     """Exposed data-parallel communication per step (``dp_traffic``). Each collective costs ``collective_s``
     over the ZeRO ranks (DP x CP; a mixture of experts' routed experts over the DP / EP ranks holding them):
     gathers of the weights in the training precision, reductions of the trained gradients at the engine's
-    ``reduce_bytes`` (with ``master_weights`` bf16 in the training precision: no fp32 copy to reduce). The engines overlap them with compute layer by layer (FSDP2 prefetches the next layer's
-    gather and reduce-scatters each layer's gradients as its backward ends; DeepSpeed's overlap_comm likewise),
+    ``reduce_bytes`` (with ``master_weights`` bf16 in the training precision: no fp32 copy to reduce). The
+    engines overlap them with compute layer by layer (FSDP2 prefetches the next layer's gather and
+    reduce-scatters each layer's gradients as its backward ends; DeepSpeed's overlap_comm likewise),
     so each phase exposes what outruns the compute it overlaps, plus one layer's share that nothing hides (the
     first gather, the last reduction): a forward's gathers its forward, a backward's gathers and
     reduce-scatters its backward (and recompute), once-a-step collectives the first forward or the last

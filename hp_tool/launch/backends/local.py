@@ -120,7 +120,7 @@ class LocalBackend(Backend):
                           f"run on a SLURM cluster (cluster=bcm cluster.partition=<partition>), or {FIX}")
 
     def submit(self, job: JobSpec, name: str) -> Handle:
-        if self.gpu.name == "cpu":  # CPU processes: forked from a process that has imported the engine
+        if warm.forks_trials(self.gpu.name):  # forked from a process that has imported the engine
             return warm.submit(warm.WarmSpec(SubmititEntry(job.entry), job.config_path, str(job.folder),
                                              job.tasks_per_node, 60 * job.timeout_min, job.signal_delay_s,
                                              dict(os.environ), os.getcwd()))

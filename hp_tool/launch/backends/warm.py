@@ -46,6 +46,12 @@ def context():
     return _context
 
 
+def forks_trials(gpu_name: str) -> bool:
+    """Whether a trial on this machine forks from the warm process: CPU processes do (``gpu=cpu``); GPU trials
+    start through submitit, which hands each its GPU."""
+    return gpu_name == "cpu"
+
+
 def start() -> None:
     """Start the forkserver now: its imports of ``PRELOAD`` (seconds) run in the background while the caller
     plans, instead of before the first trial or trace."""
