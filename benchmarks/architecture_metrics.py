@@ -157,7 +157,7 @@ def family_branches(mods: dict[str, Path]) -> list[str]:
 # worker and benchmarks reach into it.
 FLOORS = (
     ("vocabulary and contracts", ("hp_tool.errors", "hp_tool.registry", "hp_tool.fsutil", "hp_tool.fingerprint", "hp_tool.vocab",
-                                  "hp_tool.cost", "hp_tool.tables", "hp_tool.dimensions", "hp_tool.words",
+                                  "hp_tool.cost", "hp_tool.tables", "hp_tool.recipe", "hp_tool.dimensions", "hp_tool.words",
                                   "hp_tool.engine_facts")),
     ("model facts", ("hp_tool.throughput", "hp_tool.families", "hp_tool.architectures", "hp_tool.sizing", "hp_tool.sharding",
                      "hp_tool.layout", "hp_tool.estimate")),

@@ -22,20 +22,18 @@ analytic figure's error against the trace. About 2-5 s a trace on a CPU core.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import warnings
 
 from hp_tool.architectures import count_parameters
 from hp_tool.base_config import model_spec
-from hp_tool.config import LoraSettings
 from hp_tool.estimate.layout import GIB
 from hp_tool.estimate.memory import estimate_memory
 from hp_tool.estimate.methods import linear_shapes
 from hp_tool.hf_config import load_hf_model
-from hp_tool.trial.memterms import target_hardware, unit_terms, with_layout
+from hp_tool.trial.memterms import target_hardware, target_layout, unit_terms, with_layout
 from hp_tool.trial.trace.extrapolate import traced_peak_bytes
 from hp_tool.trial.trace.replay import trace_stage
-from hp_tool.contracts.spec import ModelSpec, ParallelSpec, ResourcesSpec, RunSpec, TrainingSpec, TrialSpec
+from hp_tool.contracts.spec import LoraSpec, ModelSpec, ParallelSpec, ResourcesSpec, RunSpec, TrainingSpec, TrialSpec
 
 LAYOUTS = [{}, {"dp": 2, "zero_stage": 0}, {"dp": 2, "zero_stage": 1}, {"dp": 2, "zero_stage": 2},
            {"dp": 2, "zero_stage": 3}, {"tp": 2}, {"tp": 2, "act_ckpt_layers": 8},
@@ -62,7 +60,7 @@ def row(family: str, layout: dict, device: str) -> None:
     spec = spec_for(family, layout, "bf16" if device == "cuda" else "fp32")
     t = unit_terms(spec, device)
     whole = trace_stage(spec, 0, device).peak_bytes
-    analytic = estimate_memory(spec.model.shape(), spec.layout(), target_hardware(spec, device)).total_gib * 1e9
+    analytic = estimate_memory(spec.model.shape(), target_layout(spec, device), target_hardware(device)).total_gib * 1e9
     name = "-".join(f"{k.replace('_layers', '')}{v}" for k, v in layout.items()) or "single"
     print(f"{device:4} {family:5} {name:26} state/unit {t.state / 1e6:7.3f} MB vs {t.analytic_state / 1e6:7.3f} "
           f"({t.state_ratio:4.2f})  kept/unit {t.kept / 1e6:7.3f} MB vs {t.analytic_kept / 1e6:7.3f} "
@@ -77,10 +75,9 @@ def lora_spec(mbs: int, dropout: float, precision: str, layout: dict) -> TrialSp
     """Llama-2 7B at 2048 tokens with LoRA r16 on every linear of a layer, ``dropout`` on the adapters' input."""
     hf = load_hf_model("llama2_7b")
     base = hf.shape(2048)
-    shape = dataclasses.replace(base, method="lora", lora_rank=16, lora_dropout=dropout,
-                                lora_targets=tuple(linear_shapes(base)))
+    adapters = LoraSpec(16, 32.0, dropout, list(linear_shapes(base)))
     spec = TrialSpec(
-        trial_id="terms_lora", model=model_spec(shape, count_parameters(shape), hf, LoraSettings()),
+        trial_id="terms_lora", model=model_spec(base, count_parameters(base), hf, "lora", adapters),
         parallel=ParallelSpec(tp=1, pp=1, dp=1, mbs=mbs, act_ckpt_layers=0, zero_stage=0),
         training=TrainingSpec(global_batch_size=mbs, precision=precision, max_steps=100),
         resources=ResourcesSpec(num_nodes=1, gpus_per_node=1),
@@ -97,7 +94,7 @@ def lora_rows(device: str) -> None:
             for mbs in (1, 2, 4, 8):
                 spec = lora_spec(mbs, dropout, "bf16" if device == "cuda" else "fp32", layout)
                 traced = traced_peak_bytes(spec, device) / GIB
-                e = estimate_memory(spec.model.shape(), spec.layout(), target_hardware(spec, device))
+                e = estimate_memory(spec.model.shape(), target_layout(spec, device), target_hardware(device))
                 analytic = e.total_gib - e.overhead_gib
                 print(f"{device:6} {name:10} {dropout:7.2f} {mbs:3} {analytic:12.1f} {traced:10.1f} "
                       f"{100 * (analytic / traced - 1):+6.1f}%", flush=True)

@@ -33,7 +33,7 @@ from hp_tool.contracts.spec import (ModelSpec, ParallelSpec, ResourcesSpec, RunS
 LAYOUTS = [{}, {"dp": 2}, {"dp": 2, "act_ckpt": 4}, {"tp": 2}, {"tp": 2, "dp": 2}, {"pp": 2},
            {"pp": 2, "act_ckpt": 1}]
 CPU = Hardware(gpus_per_node=2, gpu_memory_gib=4, peak_tflops=1, intra_node_bandwidth_gbps=5,
-               inter_node_bandwidth_gbps=5, memory_overhead_gib=0.0, precision="fp32", flash_attention=True)
+               inter_node_bandwidth_gbps=5, memory_overhead_gib=0.0, flash_attention=True)
 
 
 def spec_for(family: str, layout: dict) -> TrialSpec:
@@ -65,7 +65,7 @@ def measure(spec: TrialSpec) -> float:
 
 
 def analytic(spec: TrialSpec) -> float:
-    return estimate_memory(spec.model.shape(), spec.layout(), CPU).total_gib
+    return estimate_memory(spec.model.shape(), spec.layout(), CPU).total_gib  # the spec trains in fp32, as on CPU
 
 
 def trace_175b_grid(workers: int) -> None:

@@ -98,7 +98,7 @@ def main() -> int:
                 mbs=list(range(1, 17)), act_ckpt=None, mp_range=(1, 1024), act_ckpt_step=1)
 
     t0 = time.perf_counter()
-    candidates = plan_candidates(model.shape, model.size_b, ts, cluster, gbs, grid)
+    candidates = plan_candidates(model.shape, model.size_b, ts, cluster, gbs, grid=grid)
     name_candidates(model, candidates)
     t1 = time.perf_counter()
     n = len(candidates)

@@ -67,6 +67,7 @@ from hp_tool.estimate.layout import GIB, LOSS_CHUNK_TOKENS, Hardware, Layout  # 
 from hp_tool.estimate.memory import estimate_memory  # noqa: E402
 from hp_tool.estimate.speed import estimate_step_time  # noqa: E402
 from hp_tool.families.shape import Shape  # noqa: E402
+from hp_tool.recipe import Adapters  # noqa: E402
 from hp_tool.hf_config import load_hf_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -295,9 +296,10 @@ def targets_of(row: dict) -> Optional[list[str]]:
     return out
 
 
-def with_method(shape: Shape, row: dict, method: str) -> Shape:
+def adapters_of(shape: Shape, row: dict, method: str) -> Optional[Adapters]:
+    """The adapters the row's method trains (None for full training)."""
     if method == "full":
-        return shape
+        return None
     quant = str(value(row["method"].get("base_quantization")) or "").lower()
     if method == "qlora" and "gptq" in quant:
         raise Unexpressible("QLoRA on a GPTQ int4 checkpoint: hp_tool prices bitsandbytes NF4")
@@ -312,7 +314,7 @@ def with_method(shape: Shape, row: dict, method: str) -> Shape:
         targets = lora_targets(shape, lora)
     except ConfigError as exc:
         raise Unexpressible("LoRA targets hp_tool cannot place", exc.problem) from exc
-    return replace(shape, method=method, lora_rank=rank, lora_targets=targets, lora_dropout=lora.dropout)
+    return Adapters(rank, lora.alpha, lora.dropout, targets)
 
 
 def sharding_of(row: dict, gpus: int) -> tuple[str, int, str, bool, list[str]]:
@@ -436,7 +438,7 @@ def express(row: dict) -> Case:
     params = value(row["model"].get("params_b"))
     if isinstance(params, (int, float)) and abs(count_parameters(shape) / (params * 1e9) - 1) > 0.03:
         notes.append(f"shape has {count_parameters(shape) / 1e9:.2f}B parameters, the row {params}B")
-    shape = with_method(shape, row, method)
+    lora = adapters_of(shape, row, method)
     par = row.get("parallelism") or {}
     tp, pp = int(par.get("tp") or 1), int(par.get("pp") or 1)
     dp = gpus // (tp * pp)
@@ -451,12 +453,11 @@ def express(row: dict) -> Case:
     # bf16 weights and optimizer states with no fp32 master (master_weights bf16) where the framework trains so
     trains_in_dtype = str(row["source"].get("repo")) in PURE_16BIT
     pure = trains_in_dtype and precision == "bf16" and offload == "none"
-    layout = Layout(tp, pp, dp, mbs, shape.num_layers // pp if checkpointing else 0, mbs * dp * ga, stage, offload,
-                    engine, optimizer=optimizer, loss="chunked" if chunked else "full",
-                    activation_offload=act_offload,
-                    # torchtune's CEWithChunkedOutputLoss: the micro-batch's tokens in TORCHTUNE_LOSS_CHUNKS chunks
-                    loss_chunk_tokens=max(1, mbs * seq // TORCHTUNE_LOSS_CHUNKS) if chunked else LOSS_CHUNK_TOKENS,
-                    master_weights="bf16" if pure else "fp32")
+    layout = Layout.of(tp=tp, pp=pp, dp=dp, mbs=mbs, act_ckpt_layers=shape.num_layers // pp if checkpointing else 0,
+                       global_batch_size=mbs * dp * ga, zero_stage=stage, offload=offload, engine=engine,
+                       optimizer=optimizer, loss="chunked" if chunked else "full", activation_offload=act_offload,
+                       loss_chunk_tokens=max(1, mbs * seq // TORCHTUNE_LOSS_CHUNKS) if chunked else LOSS_CHUNK_TOKENS,
+                       master_weights="bf16" if pure else "fp32", precision=precision, method=method, lora=lora)
     if trains_in_dtype and not pure:
         notes.append("trained in its dtype (no fp32 master); hp_tool plans that in bf16 without offload only")
     try:

@@ -120,14 +120,14 @@ class Run:
 
 
 def hardware(preset: str, precision: str = "bf16") -> Hardware:
-    """The gpu preset as the planner builds it (8 GPUs per node)."""
+    """The gpu preset as the planner builds it (8 GPUs per node), its peak in ``precision``."""
     import yaml
 
     p = yaml.safe_load((ROOT / f"hp_tool/conf/gpu/{preset}.yaml").read_text())
     return Hardware(gpus_per_node=8, gpu_memory_gib=p["memory_gib"], peak_tflops=p["peak_tflops"][precision],
                     intra_node_bandwidth_gbps=p["intra_node_bandwidth_gbps"],
                     inter_node_bandwidth_gbps=p["inter_node_bandwidth_gbps"],
-                    memory_overhead_gib=p["memory_overhead_gib"], precision=precision,
+                    memory_overhead_gib=p["memory_overhead_gib"],
                     host_ram_gib=p.get("host_ram_gib"), pcie_bandwidth_gbps=p["pcie_bandwidth_gbps"],
                     memory_bandwidth_gbps=p.get("memory_bandwidth_gbps") or 2000.0, **p.get("efficiency", {}))
 
@@ -138,7 +138,8 @@ def narayanan_runs() -> list[Run]:
     out = []
     for size, layers, hidden, heads, tp, pp, gpus, batch, mbs, v, tflops in TABLE_1:
         shape = Shape("gpt3", layers, hidden, heads, heads, 4 * hidden, VOCAB, SEQ)
-        layout = Layout(tp, pp, gpus // (tp * pp), mbs, layers // pp, batch, zero_stage=0, virtual_stages=v)
+        layout = Layout.of(tp=tp, pp=pp, dp=gpus // (tp * pp), mbs=mbs, act_ckpt_layers=layers // pp,
+                           global_batch_size=batch, zero_stage=0, virtual_stages=v, precision="fp16")
         # Eq. 3: F = 96·B·s·L·h²·(1 + s/(6h) + V/(16·L·h)) per iteration, over the GPUs' achieved FLOP/s
         flops = 96 * batch * SEQ * layers * hidden ** 2 * (1 + SEQ / (6 * hidden) + VOCAB / (16 * layers * hidden))
         out.append(Run(f"n{size:g}B", "narayanan_2021", f"GPT {size:g}B", "a100_80gb", shape, layout, hw, gpus // 8,
@@ -191,8 +192,9 @@ def json_runs(path: Path) -> list[Run]:
         elif "fused cross entropy" in optimizations:
             unjudged = FUSED_LOSS
             notes.append("fused cross entropy priced as torch's (verdict not judged)")
-        layout = Layout(tp, pp, dp, mbs, ckpt, gbs, zero_stage=ZERO_STAGES.get(r["sharding"], 3), virtual_stages=v,
-                        cp=cp, sequence_parallel=bool(r["sequence_parallel"]), act_ckpt_mode=mode)
+        layout = Layout.of(tp=tp, pp=pp, dp=dp, mbs=mbs, act_ckpt_layers=ckpt, global_batch_size=gbs,
+                           zero_stage=ZERO_STAGES.get(r["sharding"], 3), virtual_stages=v, cp=cp,
+                           sequence_parallel=bool(r["sequence_parallel"]), act_ckpt_mode=mode)
         preset = GPU_PRESETS[r["gpu"]]
         hw = hardware(preset)
         # Float8 linears (torchao) with weights, gradients and activations in bf16

@@ -17,6 +17,7 @@ from hp_tool.families import family
 from hp_tool.families.decoder import expert_forward_flops, skipped_expert_parameters
 from hp_tool.families.registry import Matmul
 from hp_tool.families.shape import Shape
+from hp_tool.recipe import Adapters
 
 
 def pipeline_problem(shape: Shape, pp: int) -> Optional[str]:
@@ -172,16 +173,17 @@ def layer_forward_flops_per_sample(shape: Shape, encoder: bool = False) -> float
     return shape.facts.layer_forward_flops(shape, encoder)
 
 
-def model_flops_per_step(shape: Shape, global_batch_size: int) -> float:
+def model_flops_per_step(shape: Shape, global_batch_size: int, lora: Optional[Adapters] = None) -> float:
     """Model FLOPs of one training step (forward + backward = 3x forward for full training; what a LoRA or
-    QLoRA step computes otherwise: estimate/methods.py), recomputation excluded.
+    QLoRA step with adapters ``lora`` computes otherwise: estimate/methods.py), recomputation excluded.
 
     For GPT with ffn = 4h this equals 72·B·s·L·h²·(1 + s/(6h) + V/(12·L·h)).
     """
-    layers = shape.num_layers * layer_training_flops(shape, layer_forward_flops_per_sample(shape))
+    layers = shape.num_layers * layer_training_flops(shape, layer_forward_flops_per_sample(shape), lora)
     if shape.encoder_decoder:
-        layers += shape.num_layers * layer_training_flops(shape, layer_forward_flops_per_sample(shape, encoder=True))
-    logits = head_training_flops(shape, 2 * shape.target_length * shape.hidden_size * shape.vocab_size)
+        layers += shape.num_layers * layer_training_flops(shape, layer_forward_flops_per_sample(shape, encoder=True),
+                                                          lora)
+    logits = head_training_flops(2 * shape.target_length * shape.hidden_size * shape.vocab_size, lora)
     return global_batch_size * (layers + logits)
 
 

@@ -17,6 +17,7 @@ from hp_tool.config import (SIZING_MFU, trial_device, AppConfig, LoraSettings, M
 from hp_tool.estimate.methods import linear_shapes
 from hp_tool.errors import ConfigError, require
 from hp_tool.estimate.layout import EFFICIENCY_FIELDS, Hardware
+from hp_tool.recipe import Adapters, Recipe
 from hp_tool.sizing import days_to_train, format_days, recommend_model_size_b, size_label
 from hp_tool.families import family
 from hp_tool.hf_config import HFModel, load_hf_model
@@ -73,7 +74,6 @@ def resolve_cluster(app: AppConfig) -> Cluster:
         intra_node_bandwidth_gbps=gpu.intra_node_bandwidth_gbps,
         inter_node_bandwidth_gbps=gpu.inter_node_bandwidth_gbps,
         memory_overhead_gib=gpu.memory_overhead_gib,
-        precision=precision,
         host_ram_gib=gpu.host_ram_gib,
         host_cpu_cores=gpu.host_cpu_cores,
         pcie_bandwidth_gbps=gpu.pcie_bandwidth_gbps,
@@ -98,12 +98,17 @@ class ModelChoice:
     methods: tuple[str, ...] = ("full",)  # fine-tuning: the methods searched
     lora: Optional[LoraSettings] = None  # the adapters of lora and qlora
 
-    def at(self, seq: int, method: str = "full") -> Shape:
-        """The model's shape at ``seq`` tokens per sequence, trained by ``method`` (its adapters, if any)."""
+    def at(self, seq: int) -> Shape:
+        """The model's shape at ``seq`` tokens per sequence."""
+        return replace(self.shape, seq_length=seq)
+
+    def recipe(self, method: str, precision: str) -> Recipe:
+        """The recipe every layout of this model trained by ``method`` (with its adapters, if any) in
+        ``precision`` starts from; the grid sets the rest."""
         if method == "full":
-            return replace(self.shape, seq_length=seq)
-        return replace(self.shape, seq_length=seq, method=method, lora_rank=self.lora.rank,
-                       lora_targets=lora_targets(self.shape, self.lora), lora_dropout=self.lora.dropout)
+            return Recipe(precision=precision)
+        lora = Adapters(self.lora.rank, self.lora.alpha, self.lora.dropout, lora_targets(self.shape, self.lora))
+        return Recipe(precision=precision, method=method, lora=lora)
 
     @property
     def parameters_text(self) -> str:
@@ -306,17 +311,16 @@ def model_seq(model: ModelChoice, shape: Shape) -> Optional[int]:
     return shape.seq_length if model.hf is not None else None
 
 
-def model_spec(s: Shape, num_parameters: int, hf: Optional[HFModel] = None,
-               lora: Optional[LoraSettings] = None) -> ModelSpec:
-    """The TrialSpec model section of a shape (with the Hugging Face config it comes from and the method's
-    adapters, if any)."""
-    adapters = None if s.method == "full" else LoraSpec(s.lora_rank, lora.alpha, s.lora_dropout, list(s.lora_targets))
+def model_spec(s: Shape, num_parameters: int, hf: Optional[HFModel] = None, method: str = "full",
+               lora: Optional[LoraSpec] = None) -> ModelSpec:
+    """The TrialSpec model section of a shape (with the Hugging Face config it comes from, and what trains: the
+    method and its adapters, a layout's ``section_values(layout, "model")``)."""
     return ModelSpec(s.family, s.num_layers, s.hidden_size, s.num_attention_heads, s.num_kv_heads,
                      s.ffn_hidden_size, s.vocab_size, s.seq_length, init_method_std=init_std(s),
                      num_parameters=num_parameters, kv_channels=s.kv_channels,
                      decoder_seq_length=s.decoder_seq_length, qkv_bias=s.qkv_bias,
                      tied_embeddings=s.tied_embeddings, hf_config=None if hf is None else dict(hf.config),
-                     method=s.method, lora=adapters, num_experts=s.num_experts, top_k=s.top_k,
+                     method=method, lora=lora, num_experts=s.num_experts, top_k=s.top_k,
                      shared_expert_ffn_hidden_size=s.shared_expert_ffn)
 
 

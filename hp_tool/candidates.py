@@ -41,6 +41,7 @@ from hp_tool.base_config import TS, Cluster
 from hp_tool.config import TrainSettings
 from hp_tool.dimensions import DIMENSIONS
 from hp_tool.estimate.layout import Layout, Problem
+from hp_tool.recipe import Degrees, Recipe
 from hp_tool.estimate.memory import HostPhases, estimate_memory, host_phases_gib
 from hp_tool.estimate.speed import estimate_step_time
 from hp_tool.tables import ACT_CKPT_STEP, lookup
@@ -86,7 +87,7 @@ class Candidate:
         run's own Layout when those are its own)."""
         if (dp, global_batch_size) == (self.full.dp, self.full.global_batch_size):
             return self.full
-        return dataclasses.replace(self.full, dp=dp, global_batch_size=global_batch_size)
+        return self.full.replace(dp=dp, global_batch_size=global_batch_size)
 
     def trial_layout(self) -> Layout:
         """The layout the benchmark trial runs."""
@@ -148,7 +149,7 @@ def long_context_values(grid: Grid, shape: Shape, layout: Layout) -> list[tuple[
     """(sequence parallel, loss) pairs to search for a layout: the user's lists, or the heuristic's one
     pair: sequence parallelism and the chunked loss (from CHUNKED_LOSS_FROM tokens) where each runs."""
     def runs(**change) -> bool:
-        return dataclasses.replace(layout, **change).sequence_problem(shape) is None
+        return layout.replace(**change).sequence_problem(shape) is None
 
     sps = grid.sequence_parallel if grid.sequence_parallel is not None else \
         [runs(sequence_parallel=True)]
@@ -253,7 +254,7 @@ def act_ckpt_mode_values(grid: Grid, shape: Shape, layout: Layout) -> list[str]:
     per_stage = shape.pipeline_layers // layout.pp if pipeline_problem(shape, layout.pp) is None else 0
     if layout.act_ckpt_layers != per_stage:
         return ["full"]
-    selective = dataclasses.replace(layout, act_ckpt_mode="selective")
+    selective = layout.replace(act_ckpt_mode="selective")
     return ["full", "selective"] if selective.checkpoint_mode_problem(shape) is None else ["full"]
 
 
@@ -265,13 +266,21 @@ FIELD_KEYS = {**{d.name: d.key for d in DIMENSIONS}, "global_batch_size": "globa
 PER_SAVER_RULES = ("savers", "optimizer", "method", "expert_savers")
 
 
+# the recipe's fields the rules judged per saver read
+SAVER_RULE_FIELDS = ("engine", "zero_stage", "offload", "optimizer", "master_weights", "method", "lora")
+
+
+def per_saver_problem(shape: Shape, layout: Layout) -> Optional[Problem]:
+    """The first problem of the rules judged per saver (``PER_SAVER_RULES``) for ``layout``."""
+    fields = layout.__dict__
+    return _per_saver_problem(shape, layout.tp, layout.pp, layout.ep, *(fields[k] for k in SAVER_RULE_FIELDS))
+
+
 @functools.lru_cache(maxsize=4096)
-def per_saver_problem(shape: Shape, engine: str, tp: int, pp: int, ep: int, optimizer: str, zero_stage: int,
-                      offload: str, master_weights: str = "fp32") -> Optional[Problem]:
-    """The first problem of the rules judged per saver (``PER_SAVER_RULES``), which read no more of a layout
-    than these fields; cached, as every layout of the same degrees asks the same."""
-    layout = Layout(tp, pp, 1, 1, 0, 1, zero_stage, offload, engine, optimizer=optimizer, ep=ep,
-                    master_weights=master_weights)
+def _per_saver_problem(shape: Shape, tp: int, pp: int, ep: int, *recipe) -> Optional[Problem]:
+    """``per_saver_problem`` of the rules, which read no more of a layout than these degrees and the recipe's
+    ``SAVER_RULE_FIELDS``; cached, as every layout of the same degrees and savers asks the same."""
+    layout = Layout(Degrees(tp, pp, ep=ep), Recipe(**dict(zip(SAVER_RULE_FIELDS, recipe))))
     return layout.saver_problem() or layout.optimizer_problem() or layout.method_problem(shape) or \
         layout.expert_saver_problem()
 
@@ -284,7 +293,7 @@ def degree_reason(shape: Shape, gpus: int, gpus_per_node: int, mp_range: tuple[i
     node, the layers), TP*PP (*CP) not dividing the GPUs, a problem naming EP, TP*PP outside the
     model-parallel range. The rules whose problems name TP, PP or EP read no more of a layout than these
     fields; cached, as every layout of the same degrees asks the same."""
-    layout = Layout(tp, pp, dp, 1, 0, dp, engine=engine, ep=ep, cp=cp)
+    layout = Layout.of(tp=tp, pp=pp, dp=dp, global_batch_size=dp, engine=engine, ep=ep, cp=cp)
     problems = [p for p in layout.problems(shape, gpus_per_node) if p.rule not in PER_SAVER_RULES]
     for p in problems:
         if p.field in ("tp", "pp"):
@@ -382,7 +391,7 @@ def estimate(shape: Shape, c: Candidate, cluster: Cluster, usable_gib: float,
     step = c.step_time_s = split.total_s
     c.compute_time_s = split.compute_s + split.bubble_s
     c.comm_time_s = step - c.compute_time_s
-    rate = throughput(shape, c.full.global_batch_size, step, cluster.gpus, hw.peak_tflops)
+    rate = throughput(shape, c.full.global_batch_size, step, cluster.gpus, hw.peak_tflops, c.full.lora)
     c.tokens_per_s_per_gpu, c.model_tflops_per_gpu = rate["tokens_per_s_per_gpu"], rate["model_tflops_per_gpu"]
 
 
@@ -410,12 +419,12 @@ def _layout_candidates(shape: Shape, grid: Grid, ts: TrainSettings, cluster: Clu
                        layout: Layout) -> list[Candidate]:
     """The candidates of one layout over the grid's memory savers (see the module docstring); ``layout``
     carries the first of them."""
-    def make(stage: int, offload: str) -> Candidate:
+    def saving(stage: int, offload: str) -> Layout:
         if (stage, offload) == (layout.zero_stage, layout.offload):
-            return Candidate(layout, shape)
-        return Candidate(dataclasses.replace(layout, zero_stage=stage, offload=offload), shape)
+            return layout
+        return layout.replace(zero_stage=stage, offload=offload)
 
-    first = make(*grid.savers[0])
+    first = Candidate(saving(*grid.savers[0]), shape)
     bad = invalid_reason(shape, first, cluster, grid.mp_range)
     if bad:  # the layout itself cannot exist: one row says so
         first.reject(INVALID, f"{TS}.{bad[0]}", bad[1])
@@ -424,11 +433,11 @@ def _layout_candidates(shape: Shape, grid: Grid, ts: TrainSettings, cluster: Clu
                                      cluster.num_nodes)[0]
     out, unrunnable = [], []
     for stage, offload in grid.savers:
-        bad = per_saver_problem(shape, layout.engine, layout.tp, layout.pp, layout.ep, layout.optimizer, stage, offload,
-                                layout.master_weights)
+        saved = saving(stage, offload)
+        bad = per_saver_problem(shape, saved)
         if bad and grid.heuristic_savers and unrunnable:
             continue  # of the savers the engine cannot run, the heuristic lists the first at most
-        c = make(stage, offload)
+        c = Candidate(saved, shape)
         if bad:
             c.reject(INVALID, f"{TS}.{FIELD_KEYS[bad.field]}", bad.reason)
             (unrunnable if grid.heuristic_savers else out).append(c)
@@ -447,9 +456,10 @@ def _layout_candidates(shape: Shape, grid: Grid, ts: TrainSettings, cluster: Clu
 
 
 def plan_candidates(shape: Shape, size_b: float, ts: TrainSettings, cluster: Cluster, gbs: int,
-                    grid: Optional[Grid] = None) -> list[Candidate]:
-    """Every candidate of the grid (default: ``build_grid``), with status and reason; selected ones
-    ranked fastest first."""
+                    recipe: Recipe = Recipe(), grid: Optional[Grid] = None) -> list[Candidate]:
+    """Every candidate of the grid (default: ``build_grid``), each recipe the grid's choices made on
+    ``recipe`` (what trains and in which precision), with status and reason; selected ones ranked fastest
+    first."""
     grid = grid or build_grid(ts, shape, size_b, cluster.hw.host_ram_gib is not None, cluster.hw.gpus_per_node)
     stage, offload = grid.savers[0]
     out: list[Candidate] = []
@@ -457,16 +467,17 @@ def plan_candidates(shape: Shape, size_b: float, ts: TrainSettings, cluster: Clu
             grid.optimizers, grid.master_weights, grid.engines, grid.tp, grid.pp, grid.ep, grid.cp, grid.mbs,
             grid.activation_offload):
         dp = max(1, cluster.gpus // (tp * pp * cp))
-        base = Layout(tp, pp, 1, mbs, 0, 1, engine=engine, ep=ep, cp=cp, activation_offload=ao)
+        base = Layout(Degrees(tp, pp, mbs=mbs, ep=ep, cp=cp), recipe).replace(engine=engine, activation_offload=ao)
         for sp, loss in long_context_values(grid, shape, base):
+            chosen = base.replace(zero_stage=stage, offload=offload, sequence_parallel=sp, optimizer=opt, loss=loss,
+                                  master_weights=mw).recipe
             for vp in virtual_stage_values(grid, shape, pp):
+                at = Layout(Degrees(tp, pp, dp, mbs, gbs, vp, ep, cp), chosen)
                 for ac in act_ckpt_values(grid, shape, pp, vp):
-                    layout = Layout(tp, pp, dp, mbs, ac, gbs, stage, offload, engine, sp, virtual_stages=vp,
-                                    optimizer=opt, ep=ep, cp=cp, loss=loss, activation_offload=ao,
-                                    master_weights=mw)
+                    layout = at.replace(act_ckpt_layers=ac)
                     for mode in act_ckpt_mode_values(grid, shape, layout):
                         if mode != layout.act_ckpt_mode:
-                            layout = dataclasses.replace(layout, act_ckpt_mode=mode)
+                            layout = layout.replace(act_ckpt_mode=mode)
                         out += _layout_candidates(shape, grid, ts, cluster, layout)
     rank_candidates(out, ts.limit_search_runs)
     return out

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Optional
 
+from hp_tool.recipe import SECTIONS
 from hp_tool.vocab import (ACT_CKPT_MODES, ENGINE_CODES, ENGINES, LOSSES, MASTER_WEIGHTS, METHODS, OFFLOAD_CODES,
                            OFFLOADS, OPTIMIZER_CODES, OPTIMIZERS, INVALID, ZERO_STAGES)
 
@@ -37,9 +38,14 @@ class Dimension:
     words: Callable[[Any], str]  # its phrase in a layout named in words
     fix: str  # how to mend a list that leaves no valid candidate
     added: bool = False  # added after specs were first written: the fingerprint leaves it out at its default
-    spec: str = "parallel"  # the TrialSpec section holding it (parallel, training, model)
     choices: Optional[tuple] = None  # the values its list may hold; None: integers from ``least``
     least: int = 1
+
+    @property
+    def spec(self) -> str:
+        """The TrialSpec section holding it: its layout field's (hp_tool/recipe.py ``SECTIONS``); the sequence
+        length the model's."""
+        return SECTIONS.get(self.name, "model")
 
     @property
     def column(self) -> str:
@@ -76,11 +82,11 @@ def _ckpt_words(v: int) -> str:
 
 DIMENSIONS: tuple[Dimension, ...] = (
     Dimension("seq_length", "seq_lengths", int, None, False, "seq", "model", lambda v: f"_s{v}" if v is not None else "",
-              lambda v: f"{v} tokens per sequence", "use sequence lengths the model's positions hold", spec="model"),
+              lambda v: f"{v} tokens per sequence", "use sequence lengths the model's positions hold"),
     # an adapter method is named with its rank (trial_id)
     Dimension("method", "methods", str, "full", False, "method", "model", lambda v: "",
               lambda v: f"{v} fine-tuning" if v == "full" else v.upper() if v == "qlora" else "LoRA",
-              "use TP=1 for lora and qlora, and the torch engine with ZeRO 0-1 for qlora", spec="model",
+              "use TP=1 for lora and qlora, and the torch engine with ZeRO 0-1 for qlora",
               choices=METHODS),
     Dimension("tp", "tensor_parallel_sizes", int, 1, True, "TP", "tp", _count("tp"), lambda v: f"TP={v}",
               "use TP values that divide the (key/value) head count and fit in one node"),
@@ -113,7 +119,7 @@ DIMENSIONS: tuple[Dimension, ...] = (
               "choose an offload the engine runs (hp_tool/sharding.py), or give gpu.host_ram_gib", choices=OFFLOADS),
     Dimension("optimizer", "optimizers", str, "adamw", False, "optimizer", "saver", lambda v: OPTIMIZER_CODES[v],
               lambda v: f"{v} optimizer", "use adamw with offload, or the other optimizers without it",
-              spec="training", choices=OPTIMIZERS),
+              choices=OPTIMIZERS),
     Dimension("master_weights", "master_weights", str, "fp32", False, "master", "saver",
               lambda v: "_bf16w" if v == "bf16" else "",
               lambda v: "bf16 weights and optimizer states (no fp32 master)" if v == "bf16" else "fp32 master weights",

@@ -83,8 +83,8 @@ def plan_rows(plan: Plan) -> Iterable[dict[str, Any]]:
             "predicted_hours_per_epoch": _round(epoch.get("hours_per_epoch"), 4),
             "predicted_cost_usd_per_epoch": _round(epoch.get("cost_usd_per_epoch"), 2),
             "predicted_rank0_host_memory_gib": _round(c.rank0_host_memory_gib, 2),
-            "lora_rank": c.shape.lora_rank or None,
-            "trainable_parameters": trainable_parameters(c.shape, m.num_parameters),
+            "lora_rank": c.full.lora.rank if c.full.lora else None,
+            "trainable_parameters": trainable_parameters(c.shape, c.full.lora, m.num_parameters),
             "experts": c.shape.num_experts or None, "top_k": c.shape.top_k or None,
             "active_parameters": active_parameters(c.shape),
         }

@@ -14,9 +14,9 @@ from hp_tool.base_config import (Cluster, ModelChoice, base_spec, choose_model, 
                                  global_batch_size, model_seq, model_spec, resolve_cluster, schedule, with_lr)
 from hp_tool.vocab import INVALID, OVER_LIMIT, PRUNED, SELECTED
 from hp_tool.candidates import Candidate, plan_candidates, rank_candidates
-from hp_tool.config import AppConfig
+from hp_tool.config import AppConfig, training_precision
 from hp_tool.errors import ConfigError
-from hp_tool.contracts.spec import EstimatesSpec, FullRunSpec, ParallelSpec, RunSpec, TrialSpec
+from hp_tool.contracts.spec import EstimatesSpec, ParallelSpec, RunSpec, TrialSpec, section_values
 from hp_tool.dimensions import BY_KEY, DIMENSIONS, trial_id
 from hp_tool.sizing import run_days
 
@@ -55,7 +55,8 @@ def make_plan(app: AppConfig, search_name: str, results_dir: Path, tracer: Optio
     for seq in model.seq_lengths or (model.shape.seq_length,):  # several for a fine-tuning search
         gbs = global_batch_size(model.shape.family, ts, model.size_b, seq, app.search_config.finetune)
         for method in model.methods:
-            candidates += plan_candidates(model.at(seq, method), model.size_b, ts, cluster, gbs)
+            recipe = model.recipe(method, training_precision(app))
+            candidates += plan_candidates(model.at(seq), model.size_b, ts, cluster, gbs, recipe)
     name_candidates(model, candidates)
     if len(model.seq_lengths) > 1 or len(model.methods) > 1:
         rank_candidates(candidates, ts.limit_search_runs)
@@ -127,10 +128,11 @@ def _require_selection(candidates: list[Candidate], ts, cluster: Cluster) -> Non
 
 
 def candidate_dimensions(c: Candidate) -> dict:
-    """A candidate's value of every searched dimension (hp_tool/dimensions.py), by name: its layout's fields,
-    its sequence length and method; experts only for a mixture of experts (None for a dense model)."""
-    values = {d.name: getattr(c.full, d.name) for d in DIMENSIONS if hasattr(c.full, d.name)}
-    values.update(seq_length=c.shape.seq_length, method=c.shape.method, ep=c.ep if c.shape.moe else None)
+    """A candidate's value of every searched dimension (hp_tool/dimensions.py), by name: its layout's fields
+    and its sequence length; experts only for a mixture of experts (None for a dense model)."""
+    fields = c.full.__dict__
+    values = {d.name: fields[d.name] for d in DIMENSIONS if d.name in fields}
+    values.update(seq_length=c.shape.seq_length, ep=c.ep if c.shape.moe else None)
     return values
 
 
@@ -139,27 +141,26 @@ def name_candidates(model: ModelChoice, candidates: list[Candidate]) -> None:
     only in a fine-tuning search."""
     for c in candidates:
         values = {**candidate_dimensions(c), "seq_length": model_seq(model, c.shape)}
-        c.trial_id = trial_id(model.shape.family, model.label, values, c.shape.lora_rank)
+        c.trial_id = trial_id(model.shape.family, model.label, values, c.full.lora.rank if c.full.lora else 0)
 
 
 def candidate_spec(base: TrialSpec, c: Candidate, model: ModelChoice, app: AppConfig,
                    results_dir: Path) -> TrialSpec:
     """The benchmark TrialSpec of a selected candidate: its layout on the fewest whole nodes."""
     ts = app.search_config.train_settings
-    trial_id = c.trial_id
+    trial_id, trial = c.trial_id, c.trial_layout()
     gbs, seq = c.full.global_batch_size, c.shape.seq_length
     tokens_b = base.full_run.num_tokens_in_b
     max_steps, warmup, constant = schedule(c.shape.family, tokens_b, seq, gbs, model.hf is not None)
     return dataclasses.replace(
         base,
         trial_id=trial_id,
-        model=model_spec(c.shape, model.num_parameters, model.hf, model.lora),
-        parallel=ParallelSpec.of(c.trial_layout(), base.parallel.pipeline_schedule),
+        model=model_spec(c.shape, model.num_parameters, model.hf, **section_values(trial, "model")),
+        parallel=ParallelSpec.of(trial, base.parallel.pipeline_schedule),
         training=dataclasses.replace(base.training if model.hf is None else
-                                     with_lr(base.training, finetune_lr(c.shape.method)),
-                                     global_batch_size=c.trial_global_batch_size,
-                                     warmup_steps=warmup, constant_steps=constant, max_steps=max_steps,
-                                     optimizer=c.optimizer),
+                                     with_lr(base.training, finetune_lr(trial.method)),
+                                     **section_values(trial, "training"),
+                                     warmup_steps=warmup, constant_steps=constant, max_steps=max_steps),
         resources=dataclasses.replace(base.resources, num_nodes=c.trial_nodes,
                                       gpus_per_node=c.trial_gpus_per_node),
         run=RunSpec(mode="benchmark", max_minutes=ts.max_minutes_per_run, max_steps=ts.max_steps_per_run,

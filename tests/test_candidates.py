@@ -135,9 +135,7 @@ def test_trial_runs_on_fewest_whole_nodes_it_fits_on(tmp_path):
         for nodes in range(fewest, spec.resources.num_nodes):  # every smaller whole-replica trial is over
             if (nodes * 8) % mp == 0 or nodes == fewest:
                 dp = nodes * 8 // mp
-                lay = Layout(c.tp, c.pp, dp, c.mbs, c.act_ckpt_layers, c.trial_global_batch_size // c.trial_dp * dp,
-                             c.zero_stage, c.offload, c.engine, virtual_stages=c.virtual_stages,
-                             act_ckpt_mode=c.full.act_ckpt_mode)
+                lay = Layout.of(tp=c.tp, pp=c.pp, dp=dp, mbs=c.mbs, act_ckpt_layers=c.act_ckpt_layers, global_batch_size=c.trial_global_batch_size // c.trial_dp * dp, zero_stage=c.zero_stage, offload=c.offload, engine=c.engine, virtual_stages=c.virtual_stages, act_ckpt_mode=c.full.act_ckpt_mode)
                 assert estimate_memory(p.model.shape, lay, p.cluster.hw).total_gib > usable
         grown += spec.resources.num_nodes > fewest
         assert spec.full_run.num_nodes == 128

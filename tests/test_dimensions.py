@@ -16,14 +16,18 @@ from hp_tool.results import collect
 
 
 def test_every_dimension_reaches_its_setting_its_field_its_columns_and_its_fix():
+    from hp_tool.contracts.spec import ModelSpec
+    from hp_tool.estimate.layout import PART_OF
+
     settings = {f.name for f in dataclasses.fields(TrainSettings)}
-    layout = {f.name for f in dataclasses.fields(Layout)}
+    layout = set(PART_OF)
     sections = {"parallel": {f.name for f in dataclasses.fields(ParallelSpec)},
-                "training": {f.name for f in dataclasses.fields(TrainingSpec)}}
+                "training": {f.name for f in dataclasses.fields(TrainingSpec)},
+                "model": {f.name for f in dataclasses.fields(ModelSpec)}}
     for d in DIMENSIONS:
         assert d.key in settings, f"{d.name}: train_settings.{d.key} does not exist"
-        assert d.name in layout or d.spec == "model", f"{d.name} is not a Layout field"
-        assert d.spec == "model" or d.name in sections[d.spec], f"{d.name} is not in the spec's {d.spec} section"
+        assert d.name in layout or d.name == "seq_length", f"{d.name} is not a Layout field"
+        assert d.name in sections[d.spec], f"{d.name} is not in the spec's {d.spec} section"
         assert d.column in PLAN_COLUMNS and d.column in collect.TABLE_COLUMNS
         typed = {int: collect.INT_COLUMNS, bool: collect.BOOL_COLUMNS, str: collect.TEXT_COLUMNS}[d.kind]
         assert d.column in typed and collect._cell(d.column, "1" if d.kind is int else "True") is not None
@@ -70,21 +74,40 @@ def test_a_mode_without_checkpointed_layers_is_not_named():
     assert "selective checkpointing" in layout_words(rows[1], varied(rows))
 
 
-def test_a_layout_and_its_spec_section_convert_field_by_field():
-    """Every Layout field but the global batch and the optimizer (the training section's) is a ParallelSpec
-    field of the same name, and a layout with its fields off their defaults (but the engine and offload, which
-    PP=3 ties to torch without offload) comes back whole."""
-    from hp_tool.contracts.spec import LAYOUT_FIELDS
+def test_a_layout_and_its_trial_spec_convert_field_by_field():
+    """Every field of a layout's degrees and recipe is a field of the same name of the TrialSpec section it names
+    (parallel unless its metadata says training or model), and layouts that set every field off its default (but
+    the engine and offload) come back whole from the specs they write (four layouts: the rules forbid some pairs,
+    such as LoRA or the chunked loss with TP, sequence or context parallelism with PP, experts with CP)."""
+    from hp_tool.contracts.spec import (LAYOUT_SECTIONS, ModelSpec, RunSpec, ResourcesSpec, TrialSpec,
+                                        section_values)
+    from hp_tool.recipe import Adapters, Degrees, Recipe
 
-    layout_fields = {f.name for f in dataclasses.fields(Layout)}
-    assert set(LAYOUT_FIELDS) == layout_fields - {"global_batch_size", "optimizer"}
-    odd = Layout(tp=2, pp=3, dp=5, mbs=7, act_ckpt_layers=4, global_batch_size=70, zero_stage=2,
-                 sequence_parallel=True, virtual_stages=2, optimizer="sgd", ep=5, cp=2, loss="chunked",
-                 activation_offload=True, loss_chunk_tokens=1024, act_ckpt_mode="selective",
-                 master_weights="bf16")
-    at_default = {f.name for f in dataclasses.fields(Layout) if getattr(odd, f.name) == f.default}
-    assert at_default == {"engine", "offload"}
-    assert ParallelSpec.of(odd).layout(odd.global_batch_size, odd.optimizer) == odd
+    sections = {"parallel": ParallelSpec, "training": TrainingSpec, "model": ModelSpec}
+    for name, section in LAYOUT_SECTIONS.items():
+        assert name in {f.name for f in dataclasses.fields(sections[section])}, (name, section)
+    assert {LAYOUT_SECTIONS[n] for n in ("global_batch_size", "optimizer", "precision")} == {"training"}
+    assert {LAYOUT_SECTIONS[n] for n in ("method", "lora")} == {"model"}
+    odd = Layout.of(tp=2, pp=3, dp=5, mbs=7, act_ckpt_layers=4, global_batch_size=70, zero_stage=2,
+                    virtual_stages=2, optimizer="sgd", act_ckpt_mode="selective",
+                    master_weights="bf16", precision="fp16")
+    long = Layout.of(dp=3, mbs=2, global_batch_size=12, cp=2, act_ckpt_layers=12, loss="chunked",
+                     loss_chunk_tokens=1024, activation_offload=True, method="lora",
+                     lora=Adapters(8, 16.0, 0.0, ("q_proj", "v_proj")))
+    split = Layout.of(tp=2, sequence_parallel=True)
+    experts = Layout.of(dp=2, global_batch_size=2, ep=2)
+    defaults = {**{f.name: f.default for f in dataclasses.fields(Degrees)},
+                **{f.name: f.default for f in dataclasses.fields(Recipe)}}
+    at_default = [{k for k, v in layout.values().items() if v == defaults[k]} for layout in (odd, long, split, experts)]
+    assert set.intersection(*at_default) == {"engine", "offload"}
+    for layout in (odd, long, split, experts):
+        model = ModelSpec("mixtral" if layout.ep > 1 else "llama", 12, 256, 8, 8, 704, 1024, 8192,
+                          num_experts=2 if layout.ep > 1 else 0, top_k=1 if layout.ep > 1 else 0,
+                          **section_values(layout, "model"))
+        spec = TrialSpec(model=model, parallel=ParallelSpec.of(layout),
+                         training=TrainingSpec(**section_values(layout, "training")),
+                         resources=ResourcesSpec(num_nodes=1, gpus_per_node=layout.gpus), run=RunSpec())
+        assert spec.layout() == layout
 
 
 @pytest.mark.parametrize("dimension", [d for d in DIMENSIONS if d.kind is not bool], ids=lambda d: d.key)

@@ -60,7 +60,7 @@ def test_null_precision_is_bf16_where_the_gpu_has_it_else_fp16(tmp_path, gpu, pr
     app, search = load(f"gpu={gpu}", "search_config=gpt3/1b", f"{PRECISION}=null")
     assert app.search_config.train_settings.precision is None and training_precision(app) == precision
     plan = make_plan(app, search, tmp_path)
-    assert plan.cluster.hw.precision == precision and plan.cluster.hw.peak_tflops == peak
+    assert plan.cluster.hw.peak_tflops == peak and {c.full.precision for c in plan.candidates} == {precision}
     assert plan.base.training.precision == precision
     assert {s.training.precision for s in plan.specs} == {precision}
 

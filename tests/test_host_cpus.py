@@ -20,6 +20,7 @@ from hp_tool.estimate.speed import (CPU_ADAM_MAX_PARAMS_PER_S, CPU_ADAM_PARAMS_P
                                     CPU_ADAM_PARAMS_PER_S_PER_THREAD, _local_parameters, cpu_adam_params_per_s,
                                     estimate_step_time, offload_s)
 from hp_tool.families.shape import Shape
+from hp_tool.recipe import Adapters
 
 GPU_DIR = Path(__file__).resolve().parent.parent / "hp_tool" / "conf" / "gpu"
 PRESETS = sorted(p.stem for p in GPU_DIR.glob("*.yaml"))
@@ -34,7 +35,7 @@ def hardware(threads, gpus_per_node=8) -> Hardware:
 
 
 def zero3(offload: str, engine: str = "deepspeed", dp: int = 8) -> Layout:
-    return Layout(1, 1, dp, 1, 32, 8 * dp, 3, offload, engine)
+    return Layout.of(tp=1, pp=1, dp=dp, mbs=1, act_ckpt_layers=32, global_batch_size=8 * dp, zero_stage=3, offload=offload, engine=engine)
 
 
 def app(*overrides: str):
@@ -140,12 +141,11 @@ def test_no_offload_does_not_depend_on_the_host():
 def test_lora_offload_steps_only_the_adapters_on_the_host():
     """Under LoRA the frozen base has no gradients and no optimizer states: the CPU step covers the adapters,
     so a 16-thread host costs a LoRA layout far less than a full one."""
-    lora = dataclasses.replace(LLAMA_7B, method="lora", lora_rank=16,
-                               lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"))
     layout = zero3("optimizer_and_params", "torch", dp=1)
+    lora = layout.replace(method="lora", lora=Adapters(16, target_modules=("q_proj", "k_proj", "v_proj", "o_proj")))
     small, big = hardware(16, gpus_per_node=1), hardware(192, gpus_per_node=1)
     full_gap = offload_s(LLAMA_7B, layout, small) - offload_s(LLAMA_7B, layout, big)
-    lora_gap = offload_s(lora, layout, small) - offload_s(lora, layout, big)
+    lora_gap = offload_s(LLAMA_7B, lora, small) - offload_s(LLAMA_7B, lora, big)
     assert 0 < lora_gap < full_gap / 100
 
 

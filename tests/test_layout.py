@@ -2,7 +2,6 @@
 and the planner, the TrialSpec and the inference grid read them; every family hp_tool plans has a pure
 record and a torch half, and nothing else compares family names."""
 
-import dataclasses
 import re
 import subprocess
 import sys
@@ -27,19 +26,19 @@ def fields(layout: Layout, shape: Shape, gpus_per_node=None) -> list[tuple[str, 
 
 
 def test_a_valid_layout_has_no_problems():
-    assert fields(Layout(tp=2, pp=3, dp=2, mbs=2, act_ckpt_layers=4, global_batch_size=16), GQA, 8) == []
+    assert fields(Layout.of(tp=2, pp=3, dp=2, mbs=2, act_ckpt_layers=4, global_batch_size=16), GQA, 8) == []
 
 
 @pytest.mark.parametrize("layout, gpn, expected, words", [
-    (Layout(3, 1, 1, 1, 0, 4), None, [("tp", "heads")], "TP=3 does not divide the 8 key/value heads (24 query heads)"),
-    (Layout(16, 1, 1, 1, 0, 4), 8, [("tp", "heads"), ("tp", "node")], "TP=16 does not divide the 24 heads"),
-    (Layout(8, 1, 1, 1, 0, 4), 4, [("tp", "node")], "TP=8 spans nodes (4 GPUs per node)"),
-    (Layout(1, 5, 1, 1, 0, 4), None, [("pp", "pipeline")], "PP=5 does not divide the 12 layers"),
-    (Layout(1, 2, 1, 1, 7, 4), None, [("act_ckpt_layers", "checkpointing")], "7 checkpointed layers exceed the 6"),
-    (Layout(1, 1, 3, 2, 0, 8), None, [("global_batch_size", "batch")], "GBS=8 not divisible by MBS*DP=2*3"),
-    (Layout(1, 3, 1, 1, 0, 6, virtual_stages=3), None, [("virtual_stages", "interleave")], "do not divide the 4"),
-    (Layout(1, 1, 2, 1, 0, 4, zero_stage=0, offload="optimizer"), None, [("offload", "savers")], "needs ZeRO"),
-    (Layout(2, 1, 2, 1, 0, 4, zero_stage=3, engine="deepspeed"), None, [("zero_stage", "savers")], "AutoTP"),
+    (Layout.of(tp=3, pp=1, dp=1, mbs=1, act_ckpt_layers=0, global_batch_size=4), None, [("tp", "heads")], "TP=3 does not divide the 8 key/value heads (24 query heads)"),
+    (Layout.of(tp=16, pp=1, dp=1, mbs=1, act_ckpt_layers=0, global_batch_size=4), 8, [("tp", "heads"), ("tp", "node")], "TP=16 does not divide the 24 heads"),
+    (Layout.of(tp=8, pp=1, dp=1, mbs=1, act_ckpt_layers=0, global_batch_size=4), 4, [("tp", "node")], "TP=8 spans nodes (4 GPUs per node)"),
+    (Layout.of(tp=1, pp=5, dp=1, mbs=1, act_ckpt_layers=0, global_batch_size=4), None, [("pp", "pipeline")], "PP=5 does not divide the 12 layers"),
+    (Layout.of(tp=1, pp=2, dp=1, mbs=1, act_ckpt_layers=7, global_batch_size=4), None, [("act_ckpt_layers", "checkpointing")], "7 checkpointed layers exceed the 6"),
+    (Layout.of(tp=1, pp=1, dp=3, mbs=2, act_ckpt_layers=0, global_batch_size=8), None, [("global_batch_size", "batch")], "GBS=8 not divisible by MBS*DP=2*3"),
+    (Layout.of(tp=1, pp=3, dp=1, mbs=1, act_ckpt_layers=0, global_batch_size=6, virtual_stages=3), None, [("virtual_stages", "interleave")], "do not divide the 4"),
+    (Layout.of(tp=1, pp=1, dp=2, mbs=1, act_ckpt_layers=0, global_batch_size=4, zero_stage=0, offload="optimizer"), None, [("offload", "savers")], "needs ZeRO"),
+    (Layout.of(tp=2, pp=1, dp=2, mbs=1, act_ckpt_layers=0, global_batch_size=4, zero_stage=3, engine="deepspeed"), None, [("zero_stage", "savers")], "AutoTP"),
 ])
 def test_each_rule_names_its_field(layout, gpn, expected, words):
     problems = layout.problems(GQA, gpn)
@@ -48,9 +47,9 @@ def test_each_rule_names_its_field(layout, gpn, expected, words):
 
 
 def test_the_family_record_decides_the_engines():
-    torch_t5 = Layout(1, 2, 1, 1, 0, 2)
+    torch_t5 = Layout.of(tp=1, pp=2, dp=1, mbs=1, act_ckpt_layers=0, global_batch_size=2)
     assert fields(torch_t5, T5) == []
-    assert fields(dataclasses.replace(torch_t5, pp=1, engine="deepspeed"), T5) == [("engine", "family")]
+    assert fields(torch_t5.replace(pp=1, engine="deepspeed"), T5) == [("engine", "family")]
     assert family("t5").engines == ("torch",) and "deepspeed" in family("llama").engines
 
 

@@ -31,7 +31,7 @@ A100 = Hardware(gpus_per_node=8, gpu_memory_gib=80, peak_tflops=312, intra_node_
 
 def lay(**kw) -> Layout:
     base = dict(tp=1, pp=1, dp=1, mbs=1, act_ckpt_layers=0, global_batch_size=2)
-    return Layout(**{**base, **kw})
+    return Layout.of(**{**base, **kw})
 
 
 # ---- the loss ----

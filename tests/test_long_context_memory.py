@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from hp_tool.estimate.memory import estimate_memory
-from hp_tool.trial.memterms import target_hardware
+from hp_tool.trial.memterms import target_hardware, target_layout
 from hp_tool.trial.trace.replay import trace_stage
 from trial_helpers import long_context_spec
 
@@ -40,7 +40,7 @@ def long_spec(**layout):
 def test_the_memory_model_matches_the_trace_for_each_saver(device, layout, tolerance):
     spec = long_spec(**layout)
     traced = trace_stage(spec, 0, device).peak_bytes
-    predicted = estimate_memory(spec.model.shape(), spec.layout(), target_hardware(spec, device)).total_gib * 2**30
+    predicted = estimate_memory(spec.model.shape(), target_layout(spec, device), target_hardware(device)).total_gib * 2**30
     assert predicted == pytest.approx(traced, rel=tolerance)
 
 
@@ -56,6 +56,6 @@ def test_each_saver_lowers_the_traced_peak_by_what_the_model_says():
         for layout in (without, with_saver):
             spec = long_spec(**layout)
             peaks.append(trace_stage(spec, 0, "cpu").peak_bytes)
-            models.append(estimate_memory(spec.model.shape(), spec.layout(), target_hardware(spec, "cpu")).total_gib * 2**30)
+            models.append(estimate_memory(spec.model.shape(), target_layout(spec, "cpu"), target_hardware("cpu")).total_gib * 2**30)
         assert peaks[1] < peaks[0]
         assert models[0] - models[1] == pytest.approx(peaks[0] - peaks[1], rel=tolerance), (without, with_saver)

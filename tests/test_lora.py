@@ -18,6 +18,7 @@ from hp_tool.contracts.spec import DataSpec, LoraSpec
 from hp_tool.estimate.methods import trainable_parameters
 from hp_tool.hf_config import load_hf_model
 from hp_tool.planner import make_plan
+from hp_tool.recipe import Adapters
 from trial_helpers import read_metrics, tiny_spec, torchrun, write_spec
 
 REPO = Path(__file__).resolve().parent.parent
@@ -40,8 +41,8 @@ def peft_count(config: dict, rank: int, targets) -> int:
                                                  ("qwen2_5_7b", 16, ALL), ("mistral_7b", 64, ("o_proj", "down_proj"))])
 def test_adapter_counts_equal_pefts(name, rank, targets):
     hf = load_hf_model(name)
-    shape = dataclasses.replace(hf.shape(512), method="lora", lora_rank=rank, lora_targets=targets)
-    n = trainable_parameters(shape, count_parameters(shape))
+    shape = hf.shape(512)
+    n = trainable_parameters(shape, Adapters(rank, target_modules=targets), count_parameters(shape))
     assert n == peft_count(hf.config, rank, targets)
     if name == "llama2_7b":
         assert n == 4_194_304  # peft's printout for Llama-2 7B, r=8 on q_proj and v_proj (REFERENCE §13)
@@ -61,14 +62,14 @@ def test_per_gpu_memory_orders_full_over_lora_over_qlora(tmp_path):
     same = {}
     for c in p.candidates:
         if c.full_memory_gib is not None:
-            same.setdefault((c.engine, c.pp, c.mbs, c.act_ckpt_layers, c.zero_stage, c.offload), {})[c.shape.method] = c
+            same.setdefault((c.engine, c.pp, c.mbs, c.act_ckpt_layers, c.zero_stage, c.offload), {})[c.full.method] = c
     trios = [v for k, v in same.items() if len(v) == 3]
     assert trios
     for trio in trios:
         assert trio["full"].full_memory_gib > trio["lora"].full_memory_gib > trio["qlora"].full_memory_gib
-    lora_alone = [c for c in p.candidates if c.shape.method == "lora" and c.status in ("selected", "over_limit")
+    lora_alone = [c for c in p.candidates if c.full.method == "lora" and c.status in ("selected", "over_limit")
                   and c.zero_stage == 0 and c.offload == "none"]
-    assert lora_alone and not any(c.shape.method == "full" and c.zero_stage == 0 and c.status == "selected"
+    assert lora_alone and not any(c.full.method == "full" and c.zero_stage == 0 and c.status == "selected"
                                   for c in p.candidates)
     from hp_tool.plan_output import plan_rows
 
@@ -82,7 +83,7 @@ def test_per_gpu_memory_orders_full_over_lora_over_qlora(tmp_path):
                          ids=["one", "ddp", "zero1", "fsdp2"])
 def test_lora_memory_model_matches_the_trace(layout):
     from hp_tool.estimate.memory import estimate_memory
-    from hp_tool.trial.memterms import target_hardware, with_layout
+    from hp_tool.trial.memterms import target_hardware, target_layout, with_layout
     from hp_tool.trial.trace.replay import trace_stage
 
     spec = with_layout(tiny_spec("llama", gbs=16), **layout)
@@ -90,7 +91,7 @@ def test_lora_memory_model_matches_the_trace(layout):
                                 method="lora", lora=LoraSpec(rank=8, alpha=16, dropout=0.0, target_modules=list(ALL)))
     spec = dataclasses.replace(spec, model=model)
     traced = trace_stage(spec, 0, "cpu").peak_bytes
-    e = estimate_memory(spec.model.shape(), spec.layout(), target_hardware(spec, "cpu"))
+    e = estimate_memory(spec.model.shape(), target_layout(spec, "cpu"), target_hardware("cpu"))
     assert (e.total_gib - e.overhead_gib) * 2**30 == pytest.approx(traced, rel=0.03)
 
 
@@ -240,9 +241,10 @@ def test_tiny_search_ranks_trials_of_the_three_methods(tmp_path):
 
     full = next(r for r in ranked if r["method"] == "full")
     per_token = {r["method"]: float(r["model_tflops_per_gpu"]) / float(r["tokens_per_s_per_gpu"]) for r in (full, lora)}
-    shapes = {r["method"]: load_spec(tmp_path / "finetune" / "tiny" / "candidate_configs" / f"{r['trial_id']}.yaml"
-                                     ).model.shape() for r in (full, lora)}
-    expected = model_flops_per_step(shapes["lora"], 1) / model_flops_per_step(shapes["full"], 1)
+    models = {r["method"]: load_spec(tmp_path / "finetune" / "tiny" / "candidate_configs" / f"{r['trial_id']}.yaml"
+                                     ).model for r in (full, lora)}
+    expected = model_flops_per_step(models["lora"].shape(), 1, models["lora"].adapters) / \
+        model_flops_per_step(models["full"].shape(), 1)
     assert per_token["lora"] / per_token["full"] == pytest.approx(expected, rel=1e-3) and expected != 1
 
 
@@ -299,7 +301,7 @@ def test_lora_7b_on_one_gpu_holds_a_16_bit_base_and_no_copy_of_it(tmp_path):
              "search_config.train_settings.gpus_per_node=1")
     one = next(c for c in p.candidates if c.full.gpus == 1 and c.full.zero_stage == 0 and c.full.offload == "none")
     states = estimate_memory(one.shape, one.full, p.cluster.hw).model_states_gib * 2**30
-    adapters = trainable_parameters(one.shape, 6_738_415_616)
+    adapters = trainable_parameters(one.shape, one.full.lora, 6_738_415_616)
     assert states == pytest.approx(2 * 6_738_415_616 + 18 * adapters, rel=0.01)
 
 
@@ -310,7 +312,7 @@ def test_lora_replicated_over_gpus_keeps_no_copy_of_its_frozen_base(zero_stage):
     unsharded compute copy of the frozen base besides it (replicate leaves the frozen parameters alone): traced
     for a bf16 GPU on fake tensors, a model whose base outweighs its activations, and the memory model agrees."""
     from hp_tool.estimate.memory import estimate_memory
-    from hp_tool.trial.memterms import target_hardware, with_layout
+    from hp_tool.trial.memterms import target_hardware, target_layout, with_layout
     from hp_tool.trial.trace.replay import trace_stage
 
     def traced_and_analytic(**layout):
@@ -319,7 +321,7 @@ def test_lora_replicated_over_gpus_keeps_no_copy_of_its_frozen_base(zero_stage):
         spec = dataclasses.replace(spec, model=dataclasses.replace(
             spec.model, num_layers=4, hidden_size=1024, ffn_hidden_size=2816, seq_length=32, num_attention_heads=8,
             num_kv_heads=8, method="lora", lora=LoraSpec(rank=8, alpha=16, dropout=0.0, target_modules=list(ALL))))
-        e = estimate_memory(spec.model.shape(), spec.layout(), target_hardware(spec, "cuda"))
+        e = estimate_memory(spec.model.shape(), target_layout(spec, "cuda"), target_hardware("cuda"))
         return trace_stage(spec, 0, "cuda").peak_bytes, (e.total_gib - e.overhead_gib) * 2**30
 
     one, one_analytic = traced_and_analytic()

@@ -10,8 +10,9 @@ import pytest
 from hp_tool.architectures import count_parameters
 from hp_tool.base_config import ModelChoice, model_spec
 from hp_tool.config import LoraSettings
-from hp_tool.contracts.spec import ParallelSpec, ResourcesSpec, RunSpec, TrainingSpec, TrialSpec
+from hp_tool.contracts.spec import LoraSpec, ParallelSpec, ResourcesSpec, RunSpec, TrainingSpec, TrialSpec, section_values
 from hp_tool.estimate.layout import Hardware, Layout
+from hp_tool.recipe import Adapters
 from hp_tool.estimate.memory import estimate_memory, layer_activation_bytes, stage_activation_bytes
 from hp_tool.estimate.methods import activation_delta_bytes, adapter_input_bytes
 from hp_tool.families.shape import Shape
@@ -20,12 +21,20 @@ ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 H, F = 4096, 11008  # Llama-2 7B's hidden and FFN widths
 LLAMA2_7B = Shape("llama", 32, H, 32, 32, F, 32000, 2048)
 GPU = Hardware(gpus_per_node=8, gpu_memory_gib=80, peak_tflops=312, intra_node_bandwidth_gbps=300,
-               inter_node_bandwidth_gbps=25, memory_overhead_gib=0.0, precision="bf16")
-CPU = dataclasses.replace(GPU, precision="fp32", device_is_host=True)
+               inter_node_bandwidth_gbps=25, memory_overhead_gib=0.0)
+CPU = dataclasses.replace(GPU, device_is_host=True)
+PRECISION = {GPU: "bf16", CPU: "fp32"}  # what each computes in
 
 
-def lora(dropout: float, targets=ALL, method: str = "lora") -> Shape:
-    return dataclasses.replace(LLAMA2_7B, method=method, lora_rank=16, lora_targets=targets, lora_dropout=dropout)
+def lora(dropout: float, targets=ALL) -> Adapters:
+    return Adapters(16, 32.0, dropout, targets)
+
+
+def fsdp(dropout: float, hw: Hardware, method: str = "lora", **change) -> Layout:
+    """FSDP2 over 8 GPUs, 2 sequences a micro-batch, training ``method`` with rank-16 adapters on every linear."""
+    return Layout.of(**{"tp": 1, "pp": 1, "dp": 8, "mbs": 2, "act_ckpt_layers": 0, "zero_stage": 3,
+                        "global_batch_size": 16, "precision": PRECISION[hw], "method": method, "lora": lora(dropout),
+                        **change})
 
 
 # per token and layer: what the adapted linears read (q, k, v, gate, up: hidden; o: hidden; down: FFN), and what
@@ -40,49 +49,49 @@ READ, FREED = 6 * H + F, 2 * H + F
     (4, 4, False, 8 * READ - 4 * FREED),  # a CPU in fp32: the dropped-out input and the fp32 noise torch keeps
 ])
 def test_dropout_term_is_each_adapters_copy_and_mask_less_the_freed_inputs(p, mask, casts, expected):
-    assert adapter_input_bytes(lora(0.05), 1, p, mask, casts) == expected
-    assert adapter_input_bytes(lora(0.3), 1, p, mask, casts) == expected  # the rate does not change the bytes
+    assert adapter_input_bytes(LLAMA2_7B, lora(0.05), 1, p, mask, casts) == expected
+    assert adapter_input_bytes(LLAMA2_7B, lora(0.3), 1, p, mask, casts) == expected  # the rate does not change the bytes
 
 
 def test_dropout_0_keeps_the_inputs_once_as_full_training_does():
-    assert adapter_input_bytes(lora(0.0), 1, 2, 1, casts_inputs=False) == 0
+    assert adapter_input_bytes(LLAMA2_7B, lora(0.0), 1, 2, 1, casts_inputs=False) == 0
     # autocast's casts for fp32 adapters (one GPU): each adapter's A keeps its own bf16 copy of its input
-    assert adapter_input_bytes(lora(0.0), 1, 2, 1, casts_inputs=True) == 2 * READ - 2 * FREED
+    assert adapter_input_bytes(LLAMA2_7B, lora(0.0), 1, 2, 1, casts_inputs=True) == 2 * READ - 2 * FREED
     # q and v only: the MLP's inputs (its norm's output, down's input) are kept by nothing
-    assert adapter_input_bytes(lora(0.0, ("q_proj", "v_proj")), 1, 2) == -2 * (H + F)
+    assert adapter_input_bytes(LLAMA2_7B, lora(0.0, ("q_proj", "v_proj")), 1, 2) == -2 * (H + F)
     # with dropout q and v each keep a copy and a mask, and nothing keeps the attention norm's output
-    assert adapter_input_bytes(lora(0.05, ("q_proj", "v_proj")), 1, 2) == 2 * 3 * H - 2 * (2 * H + F)
+    assert adapter_input_bytes(LLAMA2_7B, lora(0.05, ("q_proj", "v_proj")), 1, 2) == 2 * 3 * H - 2 * (2 * H + F)
 
 
 def test_the_term_is_in_each_layer_of_lora_and_qlora_but_not_full_training():
-    tokens = 4 * 2048
+    tokens = 2 * 2048
     for method in ("lora", "qlora"):
-        delta = activation_delta_bytes(lora(0.05, method=method), 4, 1, False, 2) - \
-            activation_delta_bytes(lora(0.0, method=method), 4, 1, False, 2)
+        delta = layer_activation_bytes(LLAMA2_7B, fsdp(0.05, GPU, method), GPU) - \
+            layer_activation_bytes(LLAMA2_7B, fsdp(0.0, GPU, method), GPU)
         assert delta == tokens * (3 * READ - 2 * FREED)
-    assert activation_delta_bytes(LLAMA2_7B, 4, 1, False, 2) == 0
+    assert activation_delta_bytes(LLAMA2_7B, None, 4, 1, False, 2) == 0
 
 
 def test_memory_model_counts_a_byte_mask_on_a_gpu_and_none_in_checkpointed_layers():
-    fsdp = Layout(tp=1, pp=1, dp=8, mbs=2, act_ckpt_layers=0, zero_stage=3, global_batch_size=16)
     tokens = 2 * 2048
     for hw, per_token in ((GPU, 3 * READ - 2 * FREED), (CPU, 8 * READ - 4 * FREED)):
-        grown = layer_activation_bytes(lora(0.05), fsdp, hw) - layer_activation_bytes(lora(0.0), fsdp, hw)
+        grown = layer_activation_bytes(LLAMA2_7B, fsdp(0.05, hw), hw) - layer_activation_bytes(LLAMA2_7B, fsdp(0.0, hw), hw)
         assert grown == tokens * per_token
     # every layer checkpointed: each keeps its input whatever the dropout; only the one layer recomputed in
     # backward holds the adapters' copies and masks
-    ckpt = dataclasses.replace(fsdp, act_ckpt_layers=32)
-    (stored, buffer), (stored0, buffer0) = (stage_activation_bytes(lora(p), ckpt, GPU, 0) for p in (0.05, 0.0))
+    (stored, buffer), (stored0, buffer0) = (stage_activation_bytes(LLAMA2_7B, fsdp(p, GPU, act_ckpt_layers=32), GPU, 0)
+                                            for p in (0.05, 0.0))
     assert stored == stored0 and buffer - buffer0 == tokens * (3 * READ - 2 * FREED)
 
 
 def test_the_planner_and_the_trial_spec_carry_the_same_dropout():
     choice = ModelChoice(LLAMA2_7B, 6.7, count_parameters(LLAMA2_7B), 2e-5, False, "6.74b", seq_lengths=(2048,),
                          methods=("lora",), lora=LoraSettings(rank=16, dropout=0.1))
-    shape = choice.at(2048, "lora")
-    spec = model_spec(shape, choice.num_parameters, None, choice.lora)
-    assert shape.lora_dropout == spec.lora.dropout == 0.1 and spec.shape() == shape
-    assert Shape("llama", 1, 8, 1, 1, 8, 8, 8).lora_dropout == LoraSettings().dropout  # the same default
+    layout = Layout(Layout.of().degrees, choice.recipe("lora", "bf16"))
+    spec = model_spec(choice.at(2048), choice.num_parameters, None, **section_values(layout, "model"))
+    assert layout.lora.dropout == spec.lora.dropout == 0.1 and spec.adapters == layout.lora
+    assert spec.shape() == choice.at(2048)
+    assert Adapters().dropout == LoraSettings().dropout  # the same default
 
 
 # -- against the trace --------------------------------------------------------------------------------------------
@@ -90,10 +99,11 @@ def test_the_planner_and_the_trial_spec_carry_the_same_dropout():
 def traced_spec(mbs: int, dropout: float, precision: str, **parallel) -> TrialSpec:
     """Llama-2 7B (32 layers, 2048 tokens) with LoRA r16 on all 7 linears, one rank or the data-parallel layout
     ``parallel`` gives."""
-    shape = lora(dropout)
+    adapters = LoraSpec(16, 32.0, dropout, list(ALL))
     par = ParallelSpec(tp=1, pp=1, dp=parallel.get("dp", 1), mbs=mbs, act_ckpt_layers=0,
                        zero_stage=parallel.get("zero_stage", 0))
-    return TrialSpec(trial_id="lora_dropout", model=model_spec(shape, count_parameters(shape), None, LoraSettings()),
+    model = model_spec(LLAMA2_7B, count_parameters(LLAMA2_7B), None, "lora", adapters)
+    return TrialSpec(trial_id="lora_dropout", model=model,
                      parallel=par, training=TrainingSpec(global_batch_size=mbs * par.dp, precision=precision),
                      resources=ResourcesSpec(num_nodes=1, gpus_per_node=par.dp),
                      run=RunSpec(max_steps=3, warmup_steps=1, stable_cv=0.0))
@@ -114,12 +124,12 @@ def test_analytic_lora_peak_is_within_5_percent_of_the_trace(device, parallel, m
     whole depth costs what 7 layers do (2-5 s a trace on a CPU core), and the fixed parts (logits, embedding)
     weigh what they do in the real model. "cuda": a bf16 GPU traced on fake CPU tensors, with the engine's
     dtypes and CUDA's dropout (a bool mask)."""
-    from hp_tool.trial.memterms import target_hardware
+    from hp_tool.trial.memterms import target_hardware, target_layout
     from hp_tool.trial.trace.extrapolate import traced_peak_bytes
 
     for mbs in micro_batches:
         spec = traced_spec(mbs, dropout, "bf16", **parallel)
         traced = traced_peak_bytes(spec, device)
-        estimate = estimate_memory(spec.model.shape(), spec.layout(), target_hardware(spec, device))
+        estimate = estimate_memory(spec.model.shape(), target_layout(spec, device), target_hardware(device))
         analytic = (estimate.total_gib - estimate.overhead_gib) * 2**30
         assert analytic == pytest.approx(traced, rel=0.05), (mbs, analytic / 2**30, traced / 2**30)

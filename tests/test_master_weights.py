@@ -12,7 +12,7 @@ import torch
 from hp_tool.architectures import count_parameters
 from hp_tool.base_config import model_spec
 from hp_tool.cli import compose
-from hp_tool.config import LoraSettings, to_app_config
+from hp_tool.config import to_app_config
 from hp_tool.contracts.spec import ParallelSpec, ResourcesSpec, RunSpec, TrainingSpec, TrialSpec
 from hp_tool.errors import ConfigError
 from hp_tool.estimate.layout import Layout
@@ -35,11 +35,11 @@ def test_bf16_masters_hold_8_bytes_a_parameter_with_adam_where_mixed_precision_h
 
 
 def test_only_the_torch_engine_without_offload_holds_bf16_masters():
-    ok = Layout(1, 1, 8, 1, 0, 8, 3, "none", "torch", master_weights="bf16")
+    ok = Layout.of(tp=1, pp=1, dp=8, mbs=1, act_ckpt_layers=0, global_batch_size=8, zero_stage=3, offload="none", engine="torch", master_weights="bf16")
     assert ok.optimizer_problem() is None
-    ds = dataclasses.replace(ok, engine="deepspeed")
+    ds = ok.replace(engine="deepspeed")
     assert ds.optimizer_problem().field == "master_weights" and "fp32 master copy" in ds.optimizer_problem().reason
-    off = dataclasses.replace(ok, offload="optimizer_and_params")
+    off = ok.replace(offload="optimizer_and_params")
     assert off.optimizer_problem().field == "master_weights" and "without offload" in off.optimizer_problem().reason
 
 
@@ -82,7 +82,7 @@ def spec_7b(master_weights: str, **parallel) -> TrialSpec:
     """Llama-2 7B full training at 2048 tokens, every layer checkpointed, one rank or ``parallel``'s layout."""
     par = ParallelSpec(tp=1, pp=1, dp=parallel.get("dp", 1), mbs=1, act_ckpt_layers=32,
                        zero_stage=parallel.get("zero_stage", 0), master_weights=master_weights)
-    return TrialSpec(trial_id="bf16w", model=model_spec(LLAMA2_7B, count_parameters(LLAMA2_7B), None, LoraSettings()),
+    return TrialSpec(trial_id="bf16w", model=model_spec(LLAMA2_7B, count_parameters(LLAMA2_7B)),
                      parallel=par, training=TrainingSpec(global_batch_size=par.dp, precision="bf16"),
                      resources=ResourcesSpec(num_nodes=1, gpus_per_node=par.dp),
                      run=RunSpec(max_steps=3, warmup_steps=1, stable_cv=0.0))
@@ -119,13 +119,13 @@ def test_the_memory_model_of_bf16_masters_matches_the_trace_of_a_bf16_gpu_rank(p
     bf16 GPU: on one rank the analytic peak within 5%; under FSDP2 the analytic peak within 5% with either
     masters (it was 9.7 GiB under the trace, which had extrapolated the first layer's increment to the second,
     FSDP2's prefetch included, over the whole depth) and the saving against fp32 masters."""
-    from hp_tool.trial.memterms import target_hardware
+    from hp_tool.trial.memterms import target_hardware, target_layout
     from hp_tool.trial.trace.extrapolate import traced_peak_bytes
 
     out = {}
     for mw in ("fp32", "bf16"):
         spec = spec_7b(mw, **parallel)
-        e = estimate_memory(spec.model.shape(), spec.layout(), target_hardware(spec, "cuda"))
+        e = estimate_memory(spec.model.shape(), target_layout(spec, "cuda"), target_hardware("cuda"))
         out[mw] = (e.total_gib - e.overhead_gib) * 2**30, traced_peak_bytes(spec, "cuda")
     (a32, t32), (a16, t16) = out["fp32"], out["bf16"]
     if not parallel:  # one rank: the whole peak (with fp32 masters the model counts autocast's bf16 copy of every
@@ -145,8 +145,8 @@ def test_bf16_masters_reduce_their_gradients_in_bf16():
 
     shape = dataclasses.replace(LLAMA2_7B, seq_length=512)
     hw = Hardware(8, 80.0, 989.0, 450.0, 12.5, 3.0)
-    fp32 = Layout(1, 1, 16, 1, 0, 16, 3, "none", "torch")
-    bf16 = dataclasses.replace(fp32, master_weights="bf16")
+    fp32 = Layout.of(tp=1, pp=1, dp=16, mbs=1, act_ckpt_layers=0, global_batch_size=16, zero_stage=3, offload="none", engine="torch")
+    bf16 = fp32.replace(master_weights="bf16")
     assert 0 < dp_comm_s(shape, bf16, hw, 2) < dp_comm_s(shape, fp32, hw, 2)
-    zero1 = dataclasses.replace(fp32, zero_stage=1)  # ZeRO-1: one all-reduce of the gradients a step, partly hidden
-    assert 0 < dp_comm_s(shape, dataclasses.replace(zero1, master_weights="bf16"), hw, 2) < dp_comm_s(shape, zero1, hw, 2)
+    zero1 = fp32.replace(zero_stage=1)  # ZeRO-1: one all-reduce of the gradients a step, partly hidden
+    assert 0 < dp_comm_s(shape, zero1.replace(master_weights="bf16"), hw, 2) < dp_comm_s(shape, zero1, hw, 2)

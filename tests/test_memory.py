@@ -59,9 +59,9 @@ HW = Hardware(gpus_per_node=8, gpu_memory_gib=80, peak_tflops=312, intra_node_ba
 
 def test_checkpointing_and_smaller_microbatch_lower_activations():
     shape, _ = gpt3_shape(5, 51200, 2048)
-    base = estimate_memory(shape, Layout(1, 1, 8, 4, 0, 256), HW)
-    ckpt = estimate_memory(shape, Layout(1, 1, 8, 4, 12, 256), HW)
-    small = estimate_memory(shape, Layout(1, 1, 8, 1, 0, 256), HW)
+    base = estimate_memory(shape, Layout.of(tp=1, pp=1, dp=8, mbs=4, act_ckpt_layers=0, global_batch_size=256), HW)
+    ckpt = estimate_memory(shape, Layout.of(tp=1, pp=1, dp=8, mbs=4, act_ckpt_layers=12, global_batch_size=256), HW)
+    small = estimate_memory(shape, Layout.of(tp=1, pp=1, dp=8, mbs=1, act_ckpt_layers=0, global_batch_size=256), HW)
     assert ckpt.activations_gib < base.activations_gib
     assert small.activations_gib == pytest.approx(base.activations_gib / 4)
     assert base.overhead_gib == 3.0
@@ -69,8 +69,8 @@ def test_checkpointing_and_smaller_microbatch_lower_activations():
 
 def test_pipeline_first_stage_holds_about_all_layers_in_flight():
     shape, _ = gpt3_shape(20, 51200, 2048)
-    pp1 = estimate_memory(shape, Layout(1, 1, 8, 1, 0, 64), HW).activations_gib
-    pp4 = estimate_memory(shape, Layout(1, 4, 2, 1, 0, 64), HW).activations_gib
+    pp1 = estimate_memory(shape, Layout.of(tp=1, pp=1, dp=8, mbs=1, act_ckpt_layers=0, global_batch_size=64), HW).activations_gib
+    pp4 = estimate_memory(shape, Layout.of(tp=1, pp=4, dp=2, mbs=1, act_ckpt_layers=0, global_batch_size=64), HW).activations_gib
     assert pp4 == pytest.approx(pp1, rel=0.01)  # 4 micro-batches in flight x L/4 layers
 
 
@@ -78,9 +78,9 @@ def test_logits_term_uses_the_vocabulary():
     """The whole-logits loss at its traced 12 bytes per logit (16 per local logit under TP's vocabulary-parallel
     loss; tests/test_long_context_memory.py measures both)."""
     shape, _ = gpt3_shape(1, 51200, 2048)
-    est = estimate_memory(shape, Layout(1, 1, 8, 2, 0, 256), HW)
+    est = estimate_memory(shape, Layout.of(tp=1, pp=1, dp=8, mbs=2, act_ckpt_layers=0, global_batch_size=256), HW)
     assert est.logits_gib == pytest.approx(2 * 2048 * 51200 * 12 / 2**30)
-    tp2 = estimate_memory(shape, Layout(2, 1, 4, 2, 0, 256), HW)
+    tp2 = estimate_memory(shape, Layout.of(tp=2, pp=1, dp=4, mbs=2, act_ckpt_layers=0, global_batch_size=256), HW)
     assert tp2.logits_gib == pytest.approx(2 * 2048 * 51200 / 2 * 16 / 2**30)
 
 
@@ -104,8 +104,8 @@ def test_micro_batches_in_flight_follow_torchs_interleaved_schedule(pp, v, m):
                 continue
             live += {_ComputationType.FORWARD: 1, _ComputationType.FULL_BACKWARD: -1}.get(action.computation_type, 0)
             most = max(most, live)
-        layout = Layout(1, pp, 1, 1, 0, m, virtual_stages=v)
+        layout = Layout.of(tp=1, pp=pp, dp=1, mbs=1, act_ckpt_layers=0, global_batch_size=m, virtual_stages=v)
         assert microbatches_in_flight(layout, rank) == pytest.approx(most / v)
     if m % pp == 0 and m >= 2 * pp:  # Korthikanti et al.'s first-stage factor (full rounds, warm-up not capped)
-        assert microbatches_in_flight(Layout(1, pp, 1, 1, 0, m, virtual_stages=v), 0) == \
+        assert microbatches_in_flight(Layout.of(tp=1, pp=pp, dp=1, mbs=1, act_ckpt_layers=0, global_batch_size=m, virtual_stages=v), 0) == \
             pytest.approx(pp * (1 + (pp - 1) / (pp * v)))

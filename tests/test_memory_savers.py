@@ -43,7 +43,7 @@ SHAPE, _ = llama_shape(7, 32000, 4096)
 
 
 def lay(stage, offload="none", engine="deepspeed", dp=8):
-    return Layout(1, 1, dp, 1, 32, 8 * dp, stage, offload, engine)
+    return Layout.of(tp=1, pp=1, dp=dp, mbs=1, act_ckpt_layers=32, global_batch_size=8 * dp, zero_stage=stage, offload=offload, engine=engine)
 
 
 def test_gpu_memory_falls_with_each_stage_by_the_zero_table():

@@ -42,8 +42,8 @@ def test_estimates_divide_bytes_by_two_to_the_thirty():
     """DDP's states are 16 bytes a parameter: 2**26 parameters of states are exactly 1 GiB (1.07 GB)."""
     shape = Shape("gpt3", 1, 64, 1, 1, 256, 16, 8)
     hw = Hardware(gpus_per_node=1, gpu_memory_gib=80, peak_tflops=1, intra_node_bandwidth_gbps=1,
-                  inter_node_bandwidth_gbps=1, memory_overhead_gib=0, precision="fp32")
-    layout = Layout(1, 1, 1, 1, 0, 1, zero_stage=0)
+                  inter_node_bandwidth_gbps=1, memory_overhead_gib=0)
+    layout = Layout.of(tp=1, pp=1, dp=1, mbs=1, act_ckpt_layers=0, global_batch_size=1, zero_stage=0, precision="fp32")
     from hp_tool.estimate.memory import stage_parameters
     params = sum(stage_parameters(shape, 1, 1))
     est = estimate_memory(shape, layout, hw)

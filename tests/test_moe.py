@@ -94,26 +94,26 @@ def test_zero_shards_experts_over_the_ranks_holding_them():
     holding it, the same bytes as EP 1 (everything over 8); only the layer ZeRO-3 gathers (and prefetches) in
     16 bits holds a quarter of the experts. ZeRO-0 keeps the experts' states whole per EP rank, a quarter of
     EP 1's."""
-    z3 = [estimate_memory(MIXTRAL, Layout(1, 1, 8, 1, 32, 64, 3, ep=ep), HW).model_states_gib for ep in (1, 4)]
+    z3 = [estimate_memory(MIXTRAL, Layout.of(tp=1, pp=1, dp=8, mbs=1, act_ckpt_layers=32, global_batch_size=64, zero_stage=3, ep=ep), HW).model_states_gib for ep in (1, 4)]
     layer_experts = 8 * 3 * 4096 * 14336
     assert z3[0] - z3[1] == pytest.approx(2 * 2 * layer_experts * 3 / 4 / 2**30, rel=1e-6)
-    z0 = [estimate_memory(MIXTRAL, Layout(1, 1, 8, 1, 32, 64, 0, ep=ep), HW).model_states_gib for ep in (1, 4)]
+    z0 = [estimate_memory(MIXTRAL, Layout.of(tp=1, pp=1, dp=8, mbs=1, act_ckpt_layers=32, global_batch_size=64, zero_stage=0, ep=ep), HW).model_states_gib for ep in (1, 4)]
     # fp32 weights, gradients and Adam moments (16 bytes) and the 16-bit compute copy data parallelism keeps (2)
     experts_gib = 32 * layer_experts * (16 + 2) / 2**30
     assert z0[0] - z0[1] == pytest.approx(experts_gib * 3 / 4, rel=0.01)
 
 
 def test_expert_parallel_costs_the_all_to_all_and_the_imbalance():
-    one = estimate_step_time(MIXTRAL, Layout(1, 1, 8, 1, 0, 64, 3, ep=1), HW, 1)
-    eight = estimate_step_time(MIXTRAL, Layout(1, 1, 8, 1, 0, 64, 3, ep=8), HW, 1)
+    one = estimate_step_time(MIXTRAL, Layout.of(tp=1, pp=1, dp=8, mbs=1, act_ckpt_layers=0, global_batch_size=64, zero_stage=3, ep=1), HW, 1)
+    eight = estimate_step_time(MIXTRAL, Layout.of(tp=1, pp=1, dp=8, mbs=1, act_ckpt_layers=0, global_batch_size=64, zero_stage=3, ep=8), HW, 1)
     assert one.ep_comm_s == 0 and eight.ep_comm_s > 0
     assert eight.dp_comm_s < one.dp_comm_s  # experts no longer gathered and reduced over all 8 ranks
     balanced = estimate_step_time(dataclasses.replace(MIXTRAL, expert_imbalance=1.0),
-                                  Layout(1, 1, 8, 1, 0, 64, 3, ep=8), HW, 1)
+                                  Layout.of(tp=1, pp=1, dp=8, mbs=1, act_ckpt_layers=0, global_batch_size=64, zero_stage=3, ep=8), HW, 1)
     assert eight.compute_s > balanced.compute_s == pytest.approx(one.compute_s)
     # the group within a node talks over NVLink; 8 EP ranks on 4 GPUs per node cross the network
     four_per_node = dataclasses.replace(HW, gpus_per_node=4)
-    layout = Layout(1, 1, 16, 1, 0, 64, 3, ep=8)
+    layout = Layout.of(tp=1, pp=1, dp=16, mbs=1, act_ckpt_layers=0, global_batch_size=64, zero_stage=3, ep=8)
     assert ep_comm_s(MIXTRAL, layout, four_per_node) == pytest.approx(
         ep_comm_s(MIXTRAL, layout, HW) * HW.intra_node_bandwidth_gbps / HW.inter_node_bandwidth_gbps)
 
@@ -145,9 +145,9 @@ def test_mixtral_on_8_a100_fits_lora_not_full_without_offload(tmp_path):
     p = plan(tmp_path, "search_config=finetune/mixtral_8x7b", "dry_run=true",
              "search_config.train_settings.seq_lengths=[2048]", "search_config.train_settings.engines=[torch]",
              "search_config.train_settings.offload=[none]", "search_config.train_settings.zero_stages=[0,3]")
-    fits = {c.shape.method for c in p.candidates if c.status in ("selected", "over_limit")}
+    fits = {c.full.method for c in p.candidates if c.status in ("selected", "over_limit")}
     assert fits == {"lora"}
-    full = [c for c in p.candidates if c.shape.method == "full" and c.memory_gib is not None]
+    full = [c for c in p.candidates if c.full.method == "full" and c.memory_gib is not None]
     # full fine-tuning needs 16 bytes per parameter: 46.7B over 8 GPUs is 93 GiB before activations
     assert min(c.memory_gib for c in full) > 93
 
@@ -181,7 +181,7 @@ def test_ep_with_zero1_is_invalid_per_saver(tmp_path):
 def test_qlora_on_experts_is_invalid_with_the_reason(tmp_path):
     p = plan(tmp_path, "search_config=finetune/tiny_moe", "dry_run=true", "search_config.train_settings.methods=[full,qlora]",
              "gpu=a10g_g5_4xlarge", "search_config.train_settings.precision=bf16")
-    qlora = [c for c in p.candidates if c.shape.method == "qlora"]
+    qlora = [c for c in p.candidates if c.full.method == "qlora"]
     assert qlora and all(c.status == "invalid" and "3-D parameters" in c.reason for c in qlora)
 
 
@@ -225,7 +225,7 @@ def test_offloaded_expert_shards_are_split_over_the_ranks_holding_them():
     from hp_tool.estimate.memory import host_phases_gib
     from hp_tool.estimate.speed import offload_s
 
-    one, eight = (Layout(1, 1, 8, 1, 32, 64, 3, "optimizer_and_params", ep=ep) for ep in (1, 8))
+    one, eight = (Layout.of(tp=1, pp=1, dp=8, mbs=1, act_ckpt_layers=32, global_batch_size=64, zero_stage=3, offload="optimizer_and_params", ep=ep) for ep in (1, 8))
     assert offload_s(MIXTRAL, eight, HW) == pytest.approx(offload_s(MIXTRAL, one, HW), rel=0.01)
     assert host_phases_gib(MIXTRAL, eight, 8).train_gib == pytest.approx(host_phases_gib(MIXTRAL, one, 8).train_gib,
                                                                        rel=0.01)

@@ -47,7 +47,7 @@ def test_rank_uses_full_run_step_time_with_extrapolated_communication(tmp_path):
     assert {a, b} <= set(selected_ids(plan))
 
     def extra(tp, trial_dp, dp):
-        lay = lambda d: Layout(tp, 1, d, 4, 0, 32 // dp * d, 0)  # noqa: E731
+        lay = lambda d: Layout.of(tp=tp, pp=1, dp=d, mbs=4, act_ckpt_layers=0, global_batch_size=32 // dp * d, zero_stage=0)  # noqa: E731
         return dp_comm_s(full.shape, lay(dp), full.hw, 4) - dp_comm_s(full.shape, lay(trial_dp), full.hw, 1)
 
     extra_a, extra_b = extra(1, 2, 8), extra(2, 1, 4)
@@ -60,8 +60,8 @@ def test_rank_uses_full_run_step_time_with_extrapolated_communication(tmp_path):
     assert list(ranked["trial_id"][:2]) == [less, more]
     row = ranked.set_index("trial_id").loc[more]
     hw = Hardware(2, 4.0, full.hw.peak_tflops, full.hw.intra_node_bandwidth_gbps, 0.01, 0.0, **full.hw.efficiency())
-    expected = extrapolate_step_time_s(1.0, full.shape, Layout(tp, 1, trial_dp, 4, 0, 32 // full_dp * trial_dp, 0),
-                                       Layout(tp, 1, full_dp, 4, 0, 32, 0), hw, 1, 4)
+    expected = extrapolate_step_time_s(1.0, full.shape, Layout.of(tp=tp, pp=1, dp=trial_dp, mbs=4, act_ckpt_layers=0, global_batch_size=32 // full_dp * trial_dp, zero_stage=0),
+                                       Layout.of(tp=tp, pp=1, dp=full_dp, mbs=4, act_ckpt_layers=0, global_batch_size=32, zero_stage=0), hw, 1, 4)
     assert row[RANK_COLUMN] == pytest.approx(expected) and row["measured_step_time_s"] == 1.0
 
 

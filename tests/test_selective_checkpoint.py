@@ -23,7 +23,7 @@ from hp_tool.errors import ConfigError
 from hp_tool.estimate.memory import estimate_memory
 from hp_tool.families.shape import Shape
 from hp_tool.results.collect import collect_trials, read_plan
-from hp_tool.trial.memterms import target_hardware, unit_terms, with_layout
+from hp_tool.trial.memterms import target_hardware, target_layout, unit_terms, with_layout
 from hp_tool.trial.selective_checkpoint import selective_policy
 from hp_tool.trial.trace.replay import trace_stage
 from hp_tool.trial.train import run_trial
@@ -152,7 +152,7 @@ def test_the_memory_model_matches_the_traced_peak_of_checkpointed_layers(device,
     here)."""
     spec = long_llama(mode, 2, **layout)
     traced = trace_stage(spec, 0, device).peak_bytes
-    predicted = estimate_memory(spec.model.shape(), spec.layout(), target_hardware(spec, device)).total_gib * 2**30
+    predicted = estimate_memory(spec.model.shape(), target_layout(spec, device), target_hardware(device)).total_gib * 2**30
     assert predicted == pytest.approx(traced, rel=0.03)
 
 

@@ -31,11 +31,11 @@ def published():
 
 
 def test_efficiency_rises_with_width_per_tp_rank_and_tokens_and_saturates_at_the_gpus_own_curve():
-    base = Layout(tp=8, pp=1, dp=1, mbs=1, act_ckpt_layers=0, global_batch_size=8)
+    base = Layout.of(tp=8, pp=1, dp=1, mbs=1, act_ckpt_layers=0, global_batch_size=8)
     a100 = published().hardware("a100_80gb")
     h100 = published().hardware("h100_96gb_hbm2e")
-    by_tp = [matmul_efficiency(GPT_20B, dataclasses.replace(base, tp=tp), a100) for tp in (8, 4, 2, 1)]
-    by_mbs = [matmul_efficiency(GPT_20B, dataclasses.replace(base, mbs=mbs), a100) for mbs in (1, 2, 4, 8)]
+    by_tp = [matmul_efficiency(GPT_20B, base.replace(tp=tp), a100) for tp in (8, 4, 2, 1)]
+    by_mbs = [matmul_efficiency(GPT_20B, base.replace(mbs=mbs), a100) for mbs in (1, 2, 4, 8)]
     assert by_tp == sorted(by_tp) and by_mbs == sorted(by_mbs)
     assert by_tp[0] < by_tp[-1] < a100.max_efficiency
     # each preset carries its generation's curve: the 500 W H100 reaches less of its (SXM) peak than an A100
@@ -58,9 +58,9 @@ def test_collectives_cost_nvlink_within_a_node_and_the_nodes_aggregate_network_b
     assert collective_s(size, 1, 8, hw) == 0.0
     # a TP-8 layout leaves one of each TP rank's data-parallel peers per node: its own NIC, not the node's eight
     from hp_tool.estimate.speed import zero_ranks_per_node
-    assert zero_ranks_per_node(Layout(8, 1, 8, 1, 0, 8), hw, num_nodes=8) == 1
-    assert zero_ranks_per_node(Layout(1, 1, 64, 1, 0, 64), hw, num_nodes=8) == 8
-    assert zero_ranks_per_node(Layout(1, 1, 8, 1, 0, 8), hw, num_nodes=1) == 8
+    assert zero_ranks_per_node(Layout.of(tp=8, pp=1, dp=8, mbs=1, act_ckpt_layers=0, global_batch_size=8), hw, num_nodes=8) == 1
+    assert zero_ranks_per_node(Layout.of(tp=1, pp=1, dp=64, mbs=1, act_ckpt_layers=0, global_batch_size=64), hw, num_nodes=8) == 8
+    assert zero_ranks_per_node(Layout.of(tp=1, pp=1, dp=8, mbs=1, act_ckpt_layers=0, global_batch_size=8), hw, num_nodes=1) == 8
 
 
 def test_fsdp_gathers_hide_behind_the_compute_they_overlap_and_show_when_they_outrun_it():
@@ -69,19 +69,19 @@ def test_fsdp_gathers_hide_behind_the_compute_they_overlap_and_show_when_they_ou
     from hp_tool.estimate.speed import dp_comm_s
     hw = published().hardware("a100_80gb")
     llama = Shape("llama", 32, 4096, 32, 8, 14336, 128256, 8192)
-    long_mb = Layout(1, 1, 64, 2, 0, 128, 3)
+    long_mb = Layout.of(tp=1, pp=1, dp=64, mbs=2, act_ckpt_layers=0, global_batch_size=128, zero_stage=3)
     short = dataclasses.replace(llama, seq_length=256)
-    hidden, exposed = dp_comm_s(llama, long_mb, hw, 8), dp_comm_s(short, Layout(1, 1, 64, 1, 0, 64, 3), hw, 8)
+    hidden, exposed = dp_comm_s(llama, long_mb, hw, 8), dp_comm_s(short, Layout.of(tp=1, pp=1, dp=64, mbs=1, act_ckpt_layers=0, global_batch_size=64, zero_stage=3), hw, 8)
     step = estimate_step_time(llama, long_mb, hw, 8)
     assert 0 < hidden < 0.05 * step.compute_s
-    assert exposed > estimate_step_time(short, Layout(1, 1, 64, 1, 0, 64, 3), hw, 8).compute_s
+    assert exposed > estimate_step_time(short, Layout.of(tp=1, pp=1, dp=64, mbs=1, act_ckpt_layers=0, global_batch_size=64, zero_stage=3), hw, 8).compute_s
 
 
 def test_virtual_stages_divide_the_bubble_multiply_the_p2p_and_raise_activation_memory():
     hw = Hardware(gpus_per_node=8, gpu_memory_gib=80, peak_tflops=312, intra_node_bandwidth_gbps=300,
-                  inter_node_bandwidth_gbps=25, memory_overhead_gib=3, precision="bf16")
-    plain = Layout(tp=8, pp=4, dp=1, mbs=1, act_ckpt_layers=0, global_batch_size=16)
-    inter = dataclasses.replace(plain, virtual_stages=2)
+                  inter_node_bandwidth_gbps=25, memory_overhead_gib=3)
+    plain = Layout.of(tp=8, pp=4, dp=1, mbs=1, act_ckpt_layers=0, global_batch_size=16)
+    inter = plain.replace(virtual_stages=2)
     a, b = (estimate_step_time(GPT_20B, x, hw, num_nodes=4) for x in (plain, inter))
     assert b.compute_s == a.compute_s
     assert b.bubble_s == pytest.approx(a.bubble_s / 2)
@@ -99,7 +99,7 @@ def test_virtual_stages_divide_the_bubble_multiply_the_p2p_and_raise_activation_
 
 def test_sharded_data_parallel_collectives_follow_each_engine_per_micro_batch():
     m = 6  # micro-batches per replica
-    lay = lambda z, engine, ckpt=0, pp=1: Layout(1, pp, 4, 2, ckpt, 2 * 4 * m, z, "none", engine)  # noqa: E731
+    lay = lambda z, engine, ckpt=0, pp=1: Layout.of(tp=1, pp=pp, dp=4, mbs=2, act_ckpt_layers=ckpt, global_batch_size=2 * 4 * m, zero_stage=z, offload="none", engine=engine)  # noqa: E731
     every = GPT_20B.pipeline_layers
     assert dp_collectives(GPT_20B, lay(0, "torch")) == dp_collectives(GPT_20B, lay(1, "deepspeed")) == 2
     assert dp_collectives(GPT_20B, lay(2, "torch")) == 2 * m  # FSDP2: a gather and a reduce-scatter each
@@ -122,16 +122,17 @@ def test_lora_data_parallel_traffic_gathers_the_frozen_base_and_reduces_only_the
     and once per step under PP; DeepSpeed's ZeRO-2 never shards them) and reduces only the adapters'
     gradients: never less traffic than the adapters' all-reduce, never negative (a 64-micro-batch step under
     PP over FSDP2 once came out at minus 1.7 s)."""
-    import dataclasses as dc
     from hp_tool.estimate.speed import dp_comm_s
     from hp_tool.families.shape import Shape
+    from hp_tool.recipe import Adapters
     llama = Shape("llama", 32, 4096, 32, 8, 14336, 32000, 512, pretrained=True)
-    lora = dc.replace(llama, method="lora", lora_rank=16, lora_targets=("q_proj", "v_proj"))
     # a 1 GB/s network, so that the traffic outruns the compute it overlaps and shows whole
     hw = Hardware(8, 80, 312, 300, 1, 3)
-    layout = Layout(1, pp, 8, 1, 0, 512, zero, "none", engine)  # 64 micro-batches per replica
-    full, adapters = dp_comm_s(llama, layout, hw, 2), dp_comm_s(lora, layout, hw, 2)
-    step = estimate_step_time(lora, layout, hw, 2)
+    layout = Layout.of(tp=1, pp=pp, dp=8, mbs=1, act_ckpt_layers=0, global_batch_size=512, zero_stage=zero,
+                       offload="none", engine=engine)  # 64 micro-batches per replica
+    lora = layout.replace(method="lora", lora=Adapters(16, target_modules=("q_proj", "v_proj")))
+    full, adapters = dp_comm_s(llama, layout, hw, 2), dp_comm_s(llama, lora, hw, 2)
+    step = estimate_step_time(llama, lora, hw, 2)
     assert step.dp_comm_s >= 0 and step.total_s > step.compute_s > 0
     assert 0 < adapters < full
     if zero >= 3 or (zero == 2 and engine == "torch" and pp == 1):  # the frozen base is gathered as in full training

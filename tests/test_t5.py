@@ -114,8 +114,8 @@ def test_pipeline_stages_split_the_two_stacks():
 def test_memory_model_uses_each_stacks_length_and_the_vocabulary():
     t5 = Shape("t5", 24, 4096, 64, 64, 10240, 29000, 512, 64, 128)
     mt5 = Shape("mt5", 24, 4096, 64, 64, 10240, 250000, 512, 64, 128)
-    layout = Layout(tp=4, pp=2, dp=20, mbs=4, act_ckpt_layers=0, global_batch_size=1920)
-    logits = estimate_memory(mt5, Layout(4, 1, 40, 4, 0, 1920), H100).logits_gib
+    layout = Layout.of(tp=4, pp=2, dp=20, mbs=4, act_ckpt_layers=0, global_batch_size=1920)
+    logits = estimate_memory(mt5, Layout.of(tp=4, pp=1, dp=40, mbs=4, act_ckpt_layers=0, global_batch_size=1920), H100).logits_gib
     # the decoder's 128 tokens, vocab-parallel: 16 bytes per local logit (memory.WHOLE_LOSS_BYTES under TP)
     assert logits == pytest.approx(4 * 128 * 250000 * 16 / 4 / 2**30)
     # the encoder stage does not see the decoder length; the decoder stage does
@@ -123,7 +123,7 @@ def test_memory_model_uses_each_stacks_length_and_the_vocabulary():
     assert stage_activation_bytes(longer, layout, H100, 0) == stage_activation_bytes(t5, layout, H100, 0)
     assert stage_activation_bytes(longer, layout, H100, 1)[0] > stage_activation_bytes(t5, layout, H100, 1)[0]
     # checkpointing every layer leaves only the layers' inputs (plus the encoder output for cross-attention)
-    full = Layout(4, 2, 20, 4, 24, 1920)
+    full = Layout.of(tp=4, pp=2, dp=20, mbs=4, act_ckpt_layers=24, global_batch_size=1920)
     stored, buffer = stage_activation_bytes(t5, full, H100, 1)
     assert stored == pytest.approx(24 * 4 * 128 * 4096 * 2 + 4 * 512 * 4096 * 2)
     assert buffer > 0

@@ -71,7 +71,7 @@ def throughput(spec: TrialSpec, median_step_s: Optional[float], world_size: int)
     if not median_step_s:
         return dict.fromkeys(keys)
     return step_throughput(spec.model.shape(), spec.training.global_batch_size, median_step_s, world_size,
-                           spec.resources.peak_tflops_per_gpu)
+                           spec.resources.peak_tflops_per_gpu, spec.model.adapters)
 
 
 def step_stats(timed: list[float]) -> dict:

@@ -17,10 +17,11 @@ from typing import Any, Dict, List, Optional
 from omegaconf import OmegaConf
 
 from hp_tool.architectures import Shape
-from hp_tool.dimensions import BY_NAME, fingerprint_defaults
+from hp_tool.dimensions import fingerprint_defaults
 from hp_tool.families import family
 from hp_tool.errors import ConfigError, require
 from hp_tool.estimate.layout import LOSS_CHUNK_TOKENS, Layout
+from hp_tool.recipe import SECTIONS, Adapters
 from hp_tool.fingerprint import fingerprint_of
 from hp_tool.fsutil import atomic_write_text
 from hp_tool.sharding import combination_problem
@@ -75,17 +76,19 @@ class ModelSpec:
     shared_expert_ffn_hidden_size: int = 0
 
     def shape(self) -> Shape:
-        """The planner's view of this model (for parameter and FLOP counts)."""
-        adapters = self.lora if self.method != "full" else None
+        """The planner's view of this model (for parameter and FLOP counts); what trains (the method and its
+        adapters) is the layout's recipe (``TrialSpec.layout``)."""
         return Shape(self.family, self.num_layers, self.hidden_size, self.num_attention_heads,
                      self.num_kv_heads, self.ffn_hidden_size, self.vocab_size, self.seq_length,
                      self.kv_channels, self.decoder_seq_length, self.qkv_bias, self.tied_embeddings,
-                     pretrained=self.hf_config is not None, method=self.method,
-                     lora_rank=adapters.rank if adapters else 0,
-                     lora_targets=tuple(adapters.target_modules) if adapters else (),
-                     lora_dropout=adapters.dropout if adapters else Shape.lora_dropout,
-                     num_experts=self.num_experts, top_k=self.top_k,
+                     pretrained=self.hf_config is not None, num_experts=self.num_experts, top_k=self.top_k,
                      shared_expert_ffn=self.shared_expert_ffn_hidden_size)
+
+    @property
+    def adapters(self) -> Optional[Adapters]:
+        """The method's adapters as a recipe holds them (None for full training)."""
+        lora = self.lora
+        return None if lora is None else Adapters(lora.rank, lora.alpha, lora.dropout, tuple(lora.target_modules))
 
     def __post_init__(self) -> None:
         facts = family(self.family)  # an unknown family fails here, naming model.family
@@ -194,16 +197,10 @@ class ParallelSpec:
                               f"offload={self.offload} tp={self.tp} pp={self.pp}", bad[1],
                               "choose a combination the engine supports (hp_tool/sharding.py)")
 
-    def layout(self, global_batch_size: int, optimizer: str = "adamw") -> Layout:
-        """This section as a Layout, field by field, the global batch (and the training section's optimizer)
-        added."""
-        return Layout(**{name: getattr(self, name) for name in LAYOUT_FIELDS}, global_batch_size=global_batch_size,
-                      optimizer=optimizer)
-
     @classmethod
     def of(cls, layout: Layout, pipeline_schedule: str = "1F1B") -> "ParallelSpec":
-        """A Layout's YAML form, field by field (its global batch and optimizer go to the training section)."""
-        return cls(**{name: getattr(layout, name) for name in LAYOUT_FIELDS}, pipeline_schedule=pipeline_schedule)
+        """A Layout's YAML form, field by field (the fields other sections hold go there: ``section_values``)."""
+        return cls(**section_values(layout, "parallel"), pipeline_schedule=pipeline_schedule)
 
     def checkpointing(self, act_ckpt_layers: int) -> "ParallelSpec":
         """This section with ``act_ckpt_layers`` checkpointed layers in its mode, or in mode full with none (a
@@ -213,8 +210,18 @@ class ParallelSpec:
                                    act_ckpt_mode=self.act_ckpt_mode if act_ckpt_layers else "full")
 
 
-# the fields a ParallelSpec and a Layout share, by name: everything of the section but the pipeline schedule
-LAYOUT_FIELDS = tuple(f.name for f in dataclasses.fields(ParallelSpec) if f.name != "pipeline_schedule")
+# the TrialSpec section holding each field of a layout's degrees and recipe (hp_tool/recipe.py), by name
+LAYOUT_SECTIONS = SECTIONS
+
+
+def section_values(layout: Layout, section: str) -> dict[str, Any]:
+    """The fields of ``layout`` that TrialSpec section ``section`` holds, by name, as the section types them
+    (the model's adapters as a LoraSpec)."""
+    values = {name: getattr(layout, name) for name, held in LAYOUT_SECTIONS.items() if held == section}
+    if "lora" in values and values["lora"] is not None:
+        values["lora"] = LoraSpec(**{**dataclasses.asdict(values["lora"]),
+                                     "target_modules": list(values["lora"].target_modules)})
+    return values
 
 
 @dataclass
@@ -357,9 +364,8 @@ class TrialSpec:
                 "make the parallel degrees multiply to the number of processes")
         layout = self.layout()
         for problem in layout.problems(m.shape()):
-            section = BY_NAME[problem.field].spec if problem.field in BY_NAME else "training"  # the global batch
-            key = f"{section}.{problem.field}"
-            value = m.method if problem.field == "method" else getattr(layout, problem.field)
+            key = f"{LAYOUT_SECTIONS[problem.field]}.{problem.field}"
+            value = getattr(layout, problem.field)
             raise ConfigError(key, value, problem.reason, SPEC_FIXES[problem.rule])
 
     @property
@@ -368,14 +374,16 @@ class TrialSpec:
         return self.training.global_batch_size // (self.parallel.mbs * self.parallel.dp)
 
     def layout(self) -> Layout:
-        """The layout this trial runs (its parallel section with the global batch)."""
-        return self.parallel.layout(self.training.global_batch_size, self.training.optimizer)
+        """The layout this trial runs: each field of its degrees and recipe from the section holding it, by
+        name (``LAYOUT_SECTIONS``)."""
+        sections = {"parallel": self.parallel, "training": self.training, "model": self.model}
+        values = {name: getattr(sections[section], name) for name, section in LAYOUT_SECTIONS.items()}
+        return Layout.of(**{**values, "lora": self.model.adapters})
 
     def full_layout(self) -> Layout:
         """The layout of the full run this trial stands for: its own, with the full run's data-parallel
         replicas and global batch."""
-        return dataclasses.replace(self.layout(), dp=self.full_run.dp,
-                                   global_batch_size=self.full_run.global_batch_size)
+        return self.layout().replace(dp=self.full_run.dp, global_batch_size=self.full_run.global_batch_size)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -1,8 +1,9 @@
 """A parallel layout with every rule on whether it can run, and the cluster's hardware: the inputs the
 memory and speed models share.
 
-``Layout`` is the one type for a layout: the planner's candidates wrap one, the TrialSpec's parallel section
-is its YAML form (``TrialSpec.layout()``), the collector and the inference grid build one. Its
+``Layout`` is the one type for a layout: its parallel degrees and its training recipe (hp_tool/recipe.py), each
+field read as the layout's own. The planner's candidates wrap one, the TrialSpec holds its fields by name
+(``TrialSpec.layout()``), the collector and the inference grid build one. Its
 ``problems()`` holds every validity rule; each ``Problem`` names the Layout field at fault, and each caller
 maps fields to its own config keys.
 """
@@ -10,11 +11,12 @@ maps fields to its own config keys.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Optional
 
 from hp_tool.architectures import interleave_problem, pipeline_problem
 from hp_tool.dimensions import DIMENSIONS
+from hp_tool.recipe import BYTES_PER_VALUE, LOSS_CHUNK_TOKENS, Adapters, Degrees, Recipe  # noqa: F401
 from hp_tool.sharding import (checkpoint_mode_problem, combination_problem, expert_problem, expert_saver_problem,
                               family_problem, master_weights_problem, method_problem, optimizer_problem,
                               sequence_problem)
@@ -25,9 +27,6 @@ if TYPE_CHECKING:
 GB = 1e9  # bandwidths are in GB/s of 1e9 bytes, as vendors label links
 GIB = 2 ** 30  # memory is in GiB, as torch.cuda.mem_get_info and nvidia-smi report it
 
-BYTES_PER_VALUE = {"bf16": 2, "fp16": 2, "fp32": 4}
-# tokens per chunk of the chunked loss by default: 4096 x a 128K vocabulary x 4 bytes = 2.1 GiB of fp32 logits
-LOSS_CHUNK_TOKENS = 4096
 # context parallelism's ring attention computes a block's scores tile by tile of the query rows, each tile's fp32
 # scores at most RING_SCORE_BYTES, but at least RING_MIN_ROWS query rows, so that a long block is not cut into
 # thousands of thin matmuls (hp_tool/trial/ring_attention.py query_tiles; memory.ring_transient_bytes)
@@ -42,64 +41,50 @@ def ring_tile_rows(batch_heads: int, keys: int) -> int:
 
 @dataclass(frozen=True)
 class Layout:
-    """One candidate's parallel layout for the full run."""
+    """One candidate's layout for the full run: its degrees and its recipe. Each field of either, and what they
+    derive, reads as an attribute of the layout (``layout.tp``, ``layout.engine``, ``layout.gpus``);
+    ``Layout.of`` and ``replace`` take the fields by name."""
 
-    tp: int
-    pp: int
-    dp: int
-    mbs: int
-    act_ckpt_layers: int  # layers per pipeline stage whose activations are recomputed
-    global_batch_size: int
-    zero_stage: int = 3  # ZeRO stage over the data-parallel group (hp_tool/sharding.py)
-    offload: str = "none"  # none | optimizer | optimizer_and_params
-    engine: str = "torch"  # torch | deepspeed
-    sequence_parallel: bool = False
-    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved 1F1B when > 1)
-    optimizer: str = "adamw"  # adamw | sgd | sgd_momentum | adamw_8bit (hp_tool/vocab.py OPTIMIZERS)
-    ep: int = 1  # expert parallel: an MoE model's experts split over ep of the dp ranks
-    # long context (hp_tool/sharding.py sequence_problem): the sequence split over cp ranks (ring attention;
-    # data-parallel ranks for everything else), the loss over chunks of tokens, saved activations in host RAM
-    cp: int = 1
-    loss: str = "full"  # full | chunked (hp_tool/vocab.py LOSSES)
-    activation_offload: bool = False
-    loss_chunk_tokens: int = LOSS_CHUNK_TOKENS  # tokens per chunk of the chunked loss
-    # how the act_ckpt_layers checkpointed layers are recomputed: full (whole, only their input kept) | selective
-    # (torchtitan's per-op policy; hp_tool/vocab.py ACT_CKPT_MODES, hp_tool/sharding.py checkpoint_mode_problem)
-    act_ckpt_mode: str = "full"
-    # what holds the trained weights (hp_tool/vocab.py MASTER_WEIGHTS): fp32 masters, or bf16 with bf16 optimizer
-    # states (hp_tool/sharding.py master_weights_problem)
-    master_weights: str = "fp32"
+    degrees: Degrees
+    recipe: Recipe = Recipe()
 
-    @property
-    def gpus(self) -> int:
-        """GPUs of the layout: TP x PP x CP x DP."""
-        return self.tp * self.pp * self.cp * self.dp
+    def __post_init__(self) -> None:
+        # every field of both parts, and what the recipe derives, read as the layout's own attribute: a plain
+        # lookup, as the planner reads them millions of times (the parts, frozen, stay what the layout is: its
+        # equality and hash)
+        self.__dict__.update(self.degrees.__dict__)
+        self.__dict__.update(self.recipe.__dict__)
+        self.__dict__.update(bytes_per_value=self.recipe.bytes_per_value, adapted=self.recipe.adapted)
 
-    @property
-    def zero_ranks(self) -> int:
-        """Ranks holding the same weights, over which ZeRO shards them and the gradients are reduced: the DP
-        replicas and, within each, the CP ranks (which split the sequence, not the weights)."""
-        return self.dp * self.cp
+    @classmethod
+    def of(cls, **values) -> "Layout":
+        """A layout from its fields by name, each given to the part that holds it (the rest at their defaults)."""
+        unknown = set(values) - PART_OF.keys()
+        if unknown:
+            raise TypeError(f"not a layout field: {sorted(unknown)}")
+        return cls(Degrees(**{k: v for k, v in values.items() if PART_OF[k] == "degrees"}),
+                   Recipe(**{k: v for k, v in values.items() if PART_OF[k] == "recipe"}))
 
-    @property
-    def edp(self) -> int:
-        """Data-parallel ranks holding each expert: DP / EP (the group ZeRO shards the experts over)."""
-        return max(1, self.zero_ranks // self.ep)
+    def replace(self, **changes) -> "Layout":
+        """This layout with ``changes`` (fields by name) made to the parts that hold them. The planner makes
+        tens of thousands of these, so a part is copied with its changed fields set rather than rebuilt through
+        ``dataclasses.replace``; a recipe whose method or adapters change is checked again."""
+        degrees, recipe = {}, {}
+        for k, v in changes.items():
+            (degrees if PART_OF[k] == "degrees" else recipe)[k] = v
+        new = _evolve(self, changes)  # its own copy of every field, the changed ones set
+        new.__dict__["degrees"] = _evolve(self.degrees, degrees)
+        new.__dict__["recipe"] = _evolve(self.recipe, recipe)
+        if recipe:
+            new.__dict__.update(bytes_per_value=new.recipe.bytes_per_value, adapted=new.recipe.adapted)
+        if "method" in recipe or "lora" in recipe:
+            new.recipe.__post_init__()
+        return new
 
-    def shard(self, params: float, experts: float = 0.0) -> float:
-        """One data-parallel rank's share of ``params`` local parameters, ``experts`` of them routed experts:
-        the dense ones split over the ZeRO ranks (DP x CP), the experts over the DP / EP ranks holding the
-        same ones."""
-        return (params - experts) / max(1, self.zero_ranks) + experts / self.edp
-
-    @property
-    def num_microbatches(self) -> int:
-        """Micro-batches per optimizer step on each data-parallel replica."""
-        return self.global_batch_size // (self.mbs * self.dp)
-
-    @property
-    def model_parallel(self) -> int:
-        return self.tp * self.pp
+    def values(self) -> dict:
+        """Every field of both parts by name."""
+        return {**{f.name: getattr(self.degrees, f.name) for f in fields(Degrees)},
+                **{f.name: getattr(self.recipe, f.name) for f in fields(Recipe)}}
 
     def problems(self, shape: "Shape", gpus_per_node: Optional[int] = None) -> list["Problem"]:
         """Every reason this layout cannot run ``shape``, most basic first; empty when it can. With
@@ -163,7 +148,7 @@ class Layout:
     def checkpoint_mode_problem(self, shape: "Shape") -> Optional["Problem"]:
         """Why the checkpointed layers cannot be recomputed in this mode (rule "checkpoint_mode"), or None."""
         bad = checkpoint_mode_problem(shape.family, self.act_ckpt_mode, self.act_ckpt_layers, self.engine, self.cp,
-                                      self.activation_offload, shape.method)
+                                      self.activation_offload, self.method)
         return None if bad is None else Problem("act_ckpt_mode", "checkpoint_mode", bad)
 
     def sequence_problem(self, shape: "Shape") -> Optional["Problem"]:
@@ -181,7 +166,7 @@ class Layout:
 
     def method_problem(self, shape: "Shape") -> Optional["Problem"]:
         """Why this layout cannot train ``shape`` by its method (rule "method"), or None; judged per saver."""
-        bad = method_problem(shape.method, self.engine, self.tp, self.zero_stage, self.offload, shape.moe)
+        bad = method_problem(self.method, self.engine, self.tp, self.zero_stage, self.offload, shape.moe)
         return None if bad is None else Problem("method", "method", bad)
 
     def optimizer_problem(self) -> Optional["Problem"]:
@@ -198,6 +183,24 @@ class Layout:
         the last of ``problems()``, which a planner judging one saver at a time asks alone."""
         bad = combination_problem(self.engine, self.zero_stage, self.offload, self.tp, self.pp)
         return None if bad is None else Problem(SAVER_FIELDS[bad[0]], "savers", bad[1])
+
+
+def _evolve(part, changes: dict):
+    """A copy of frozen dataclass ``part`` with ``changes`` (field -> value) set; ``part`` itself without any."""
+    if not changes:
+        return part
+    new = object.__new__(type(part))
+    new.__dict__.update(part.__dict__)
+    new.__dict__.update(changes)
+    return new
+
+
+# which part holds each field of a layout; what the parts derive, read as the layout's own
+PART_OF = {**{f.name: "degrees" for f in fields(Degrees)}, **{f.name: "recipe" for f in fields(Recipe)}}
+for _part in (Degrees,):  # the degrees' own properties and methods, which read the fields the layout holds
+    for _name, _value in vars(_part).items():
+        if isinstance(_value, property) or (callable(_value) and not _name.startswith("_")):
+            setattr(Layout, _name, _value)
 
 
 # combination_problem names train_settings keys; the Layout's fields they are about
@@ -250,11 +253,10 @@ class Hardware:
 
     gpus_per_node: int
     gpu_memory_gib: float
-    peak_tflops: float
+    peak_tflops: float  # dense peak in the run's compute precision (the recipe's)
     intra_node_bandwidth_gbps: float
     inter_node_bandwidth_gbps: float
     memory_overhead_gib: float  # framework overhead: CUDA context, allocator slack, comm buffers
-    precision: str = "bf16"
     host_ram_gib: Optional[float] = None  # host RAM per node; None = unknown (offload cannot be planned)
     # host CPU threads (vCPUs) per node, which step an offloaded optimizer (speed.cpu_adam_params_per_s);
     # None = unknown (the reference host's rate)
@@ -276,10 +278,6 @@ class Hardware:
         """Whether ``layout``'s activation offload takes saved tensors off the device: not where the device is
         the host (the engine leaves a CPU rank's tensors where they are)."""
         return layout.activation_offload and not self.device_is_host
-
-    @property
-    def bytes_per_value(self) -> int:
-        return BYTES_PER_VALUE[self.precision]
 
     def usable_gib(self, margin: float) -> float:
         """GPU memory a layout may fill: the device's total less the fraction ``margin`` kept free

@@ -38,7 +38,8 @@ from hp_tool.architectures import (Shape, checkpointed_layer_counts, count_param
 from hp_tool.estimate.layout import (GIB, Hardware, Layout, interleave_held_tensors,
                                      microbatches_in_flight, rank_shape, ring_tile_rows)
 from hp_tool.engine_facts import engine_facts
-from hp_tool.estimate.methods import (ADAPTED, NF4_BITS, activation_delta_bytes, adapter_parameters_per_layer,
+from hp_tool.recipe import Adapters
+from hp_tool.estimate.methods import (NF4_BITS, activation_delta_bytes, adapter_parameters_per_layer,
                                       linear_parameters_per_layer, linear_shapes)
 
 MODEL_STATE_BYTES = 16  # 2 (16-bit weights) + 2 (16-bit grads) + 12 (fp32 master, Adam m, v)
@@ -74,16 +75,17 @@ def layer_activation_bytes(shape: Shape, layout: Layout, hw: Hardware, encoder: 
     """One layer's stored activations for the family (an encoder layer when ``encoder``), one micro-batch,
     bytes; with an adapter method what it changes (``methods.activation_delta_bytes``: dropout's mask is a
     byte an element on a GPU, a value of the input's dtype on a CPU)."""
-    bpv = hw.bytes_per_value
-    return _layer_activation_bytes(shape, layout.mbs, layout.tp, layout.sequence_parallel, bpv, hw.flash_attention,
-                                   encoder, bpv if hw.device_is_host else 1, autocast_casts_weights(layout, hw))
+    bpv = layout.bytes_per_value
+    return _layer_activation_bytes(shape, layout.lora, layout.mbs, layout.tp, layout.sequence_parallel, bpv,
+                                   hw.flash_attention, encoder, bpv if hw.device_is_host else 1,
+                                   autocast_casts_weights(layout, hw))
 
 
 @cached
-def _layer_activation_bytes(shape: Shape, mbs: int, tp: int, sp: bool, bpv: int, flash: bool, encoder: bool,
-                            mask_bytes: int, casts: bool) -> float:
+def _layer_activation_bytes(shape: Shape, lora: Optional[Adapters], mbs: int, tp: int, sp: bool, bpv: int, flash: bool,
+                            encoder: bool, mask_bytes: int, casts: bool) -> float:
     return (shape.facts.activation_bytes(shape, mbs, tp, sp, bpv, flash, encoder)
-            + activation_delta_bytes(shape, mbs, tp, sp, bpv, mask_bytes, casts))
+            + activation_delta_bytes(shape, lora, mbs, tp, sp, bpv, mask_bytes, casts))
 
 
 def autocast_casts_weights(layout: Layout, hw: Hardware) -> bool:
@@ -91,7 +93,7 @@ def autocast_casts_weights(layout: Layout, hw: Hardware) -> bool:
     parameters on one rank, where no data-parallel wrapper (FSDP2, replicate) holds them in the compute dtype."""
     fsdp = layout.zero_stage >= 3 and (layout.zero_ranks > 1 or layout.offload == "optimizer_and_params")
     return (engine_facts(layout.engine).fp32_weights and layout.master_weights == "fp32" and layout.zero_ranks == 1
-            and not fsdp and hw.bytes_per_value < 4)
+            and not fsdp and layout.bytes_per_value < 4)
 
 
 def model_state_bytes(params: float, dp: int, zero_stage: int = 3, offload: str = "none",
@@ -137,7 +139,7 @@ def compute_copy_bytes(params: float, gathered_layer: float, layout: Layout, hw:
     the compute dtype until backward ends (fp32 too: the unsharded parameters are their own tensors); on
     one rank, autocast's 16-bit casts of the weights (none in fp32). DeepSpeed keeps 16-bit weights: no copy.
     Measured against the trace in tests/test_memory_check.py."""
-    bpv = hw.bytes_per_value
+    bpv = layout.bytes_per_value
     facts = engine_facts(layout.engine)
     if (facts.pipeline_defers_reshard and layout.pp > 1 and layout.zero_ranks > 1 and layout.zero_stage >= 2
             and layout.offload == "none"):
@@ -209,8 +211,8 @@ def host_phases_gib(shape: Shape, layout: Layout, gpus_on_node: int, hw: Optiona
     shard = max(layout.shard(params, stage_expert_parameters(shape, layout.pp, stage, layout.ep))
                 for stage, params in enumerate(stage_parameters(shape, layout.tp, layout.pp, layout.ep)))
     offloaded = per_param * shard
-    if shape.method in ADAPTED and per_param:  # the adapters' states; parameter offload moves the frozen base too
-        adapters = shape.num_layers / layout.pp * adapter_parameters(shape) / layout.tp / layout.zero_ranks
+    if layout.adapted and per_param:  # the adapters' states; parameter offload moves the frozen base too
+        adapters = shape.num_layers / layout.pp * adapter_parameters(shape, layout.lora) / layout.tp / layout.zero_ranks
         base = shard * (2 if layout.offload == "optimizer_and_params" else 0)
         offloaded = per_param * adapters + base
     if layout.activation_offload:
@@ -243,7 +245,7 @@ def stage_activation_bytes(shape: Shape, layout: Layout, hw: Hardware, stage: in
     output their cross-attention reads; while a checkpointed layer is recomputed in backward its full
     activations are live once more (under selective checkpointing, those the policy did not keep)."""
     tp, sp = layout.tp, layout.sequence_parallel
-    bpv, b, h = hw.bytes_per_value, layout.mbs, shape.hidden_size
+    bpv, b, h = layout.bytes_per_value, layout.mbs, shape.hidden_size
     sp_div = tp if sp else 1
     n_enc, n_dec = stage_layer_counts(shape, layout.pp, stage)
     k_enc, k_dec = checkpointed_layer_counts(shape, layout.pp, stage, layout.act_ckpt_layers)
@@ -308,7 +310,7 @@ def ring_transient_bytes(shape: Shape, layout: Layout) -> float:
 
 def stage_adapter_parameters(shape: Shape, layout: Layout, stage: int) -> float:
     """Adapter parameters one GPU holds on pipeline ``stage`` (0 for full training)."""
-    return sum(stage_layer_counts(shape, layout.pp, stage)) * adapter_parameters(shape) / layout.tp
+    return sum(stage_layer_counts(shape, layout.pp, stage)) * adapter_parameters(shape, layout.lora) / layout.tp
 
 
 def stage_compute_copy_bytes(shape: Shape, layout: Layout, hw: Hardware, params: float, stage: int,
@@ -319,19 +321,19 @@ def stage_compute_copy_bytes(shape: Shape, layout: Layout, hw: Hardware, params:
     over data-parallel ranks (ZeRO 0-1) the base is left out of the replica's copy too."""
     adapters = stage_adapter_parameters(shape, layout, stage)
     replicated = layout.zero_ranks > 1 and layout.zero_stage <= 1
-    if shape.method in ADAPTED and (autocast_casts_weights(layout, hw) or replicated):
+    if layout.adapted and (autocast_casts_weights(layout, hw) or replicated):
         return compute_copy_bytes(adapters, gathered_layer, layout, hw)
     quantised = 0.0
-    if shape.method == "qlora":
+    if layout.method == "qlora":
         quantised = sum(stage_layer_counts(shape, layout.pp, stage)) * linear_parameters(shape) / layout.tp
     return compute_copy_bytes(params - quantised + adapters, gathered_layer, layout, hw)
 
 
-def frozen_base_bytes(hw: Hardware) -> float:
+def frozen_base_bytes(layout: Layout) -> float:
     """Bytes per parameter of an adapter method's frozen base as every engine holds it: the training precision's
     (the torch engine casts it to its 16-bit compute dtype, hp_tool/trial/weights.py hold_in; DeepSpeed
     holds 16-bit weights); fp32 in fp32."""
-    return float(hw.bytes_per_value)
+    return float(layout.bytes_per_value)
 
 
 def stage_state_bytes(shape: Shape, layout: Layout, hw: Hardware, params: float, stage: int,
@@ -345,14 +347,14 @@ def stage_state_bytes(shape: Shape, layout: Layout, hw: Hardware, params: float,
     host by parameter offload as for full training, with full training's compute copies; QLoRA's transient
     dequantised copy of the layer's largest weight; the adapters' own states as full training's."""
     copies = stage_compute_copy_bytes(shape, layout, hw, params, stage, gathered_layer)
-    if shape.method not in ADAPTED:
+    if not layout.adapted:
         return sharded_state_bytes(shape, layout, params, stage) + copies
-    bpv = hw.bytes_per_value
+    bpv = layout.bytes_per_value
     layers = sum(stage_layer_counts(shape, layout.pp, stage))
     adapters = stage_adapter_parameters(shape, layout, stage)
-    weight_bytes = frozen_base_bytes(hw)
+    weight_bytes = frozen_base_bytes(layout)
     base, dequantised = params * weight_bytes, 0.0
-    if shape.method == "qlora":
+    if layout.method == "qlora":
         quantised = layers * linear_parameters(shape) / layout.tp
         base = (params - quantised) * weight_bytes + quantised * NF4_BITS / 8
         dequantised = max(i * o for i, o in linear_shapes(shape).values()) / layout.tp * bpv
@@ -381,7 +383,7 @@ def logits_bytes(shape: Shape, layout: Layout, hw: Hardware) -> float:
     weight's fp32 gradient (vocabulary x hidden) it computes in forward, and one chunk in flight: 12 bytes per
     logit, the fp32 logits with logsumexp's two temporaries of their size (then the logits and their softmax),
     as traced (tests/test_long_context_memory.py)."""
-    bpv, tokens = hw.bytes_per_value, layout.mbs * shape.target_length
+    bpv, tokens = layout.bytes_per_value, layout.mbs * shape.target_length
     if layout.loss == "full":
         # with activation offload the log-softmax output waits in host RAM until backward brings it back
         per_logit = WHOLE_LOSS_BYTES[layout.tp > 1] - (2 if hw.offloads_activations(layout) else 0)
@@ -423,7 +425,7 @@ def estimate_memory(shape: Shape, layout: Layout, hw: Hardware) -> MemoryEstimat
     backward, after the loss has freed the logits: the last stage holds the larger of the two, not both
     (tests/test_selective_checkpoint.py measures both modes of checkpointing against the trace)."""
     tp, pp = layout.tp, layout.pp
-    bpv = hw.bytes_per_value
+    bpv = layout.bytes_per_value
     rank = rank_shape(shape, layout)
     logits = logits_bytes(rank, layout, hw)
     layer, encoder_layer, experts = layer_parameter_counts(shape)
@@ -458,6 +460,6 @@ def working_layer_bytes(shape: Shape, layout: Layout, hw: Hardware) -> float:
     sub-layer's backward brings back at once, the largest being the MLP's (its four saved products of the FFN
     width for a gated MLP, two otherwise) with its norm's fp32 input; as traced for a bf16 GPU
     (tests/test_long_context_memory.py)."""
-    b, s, p = layout.mbs, shape.seq_length, hw.bytes_per_value
+    b, s, p = layout.mbs, shape.seq_length, layout.bytes_per_value
     products = (4 if shape.gated_mlp else 2) * p * s * b * shape.ffn_hidden_size / layout.tp
     return products + 4.0 * s * b * shape.hidden_size / (layout.tp if layout.sequence_parallel else 1)

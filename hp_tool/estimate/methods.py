@@ -12,10 +12,15 @@ its matmul (a transient copy of the largest one).
 
 from __future__ import annotations
 
+from typing import Optional
+
 from hp_tool.families.shape import Shape
+from hp_tool.recipe import Adapters
 
 NF4_BITS = 4 + 8 / 64 + 32 / (64 * 256)  # 4.127 bits per 4-bit parameter
 ADAPTED = ("lora", "qlora")  # methods that train adapters over a frozen base
+
+# Each term below takes the adapters a method trains (a Recipe's ``lora``): None for full training.
 
 
 def linear_shapes(shape: Shape) -> dict[str, tuple[int, int]]:
@@ -24,17 +29,17 @@ def linear_shapes(shape: Shape) -> dict[str, tuple[int, int]]:
     return {} if shapes is None else shapes(shape)
 
 
-def adapter_parameters_per_layer(shape: Shape) -> int:
+def adapter_parameters_per_layer(shape: Shape, lora: Optional[Adapters]) -> int:
     """Trainable adapter parameters of one layer: r·(in + out) per adapted linear; 0 for full training."""
-    if shape.method not in ADAPTED:
+    if lora is None:
         return 0
     linears = linear_shapes(shape)
-    return sum(shape.lora_rank * (linears[t][0] + linears[t][1]) for t in shape.lora_targets)
+    return sum(lora.rank * (linears[t][0] + linears[t][1]) for t in lora.target_modules)
 
 
-def trainable_parameters(shape: Shape, total: int) -> int:
+def trainable_parameters(shape: Shape, lora: Optional[Adapters], total: int) -> int:
     """Parameters the method trains, of a model of ``total``: all of them, or the adapters of every layer."""
-    return total if shape.method not in ADAPTED else shape.num_layers * adapter_parameters_per_layer(shape)
+    return total if lora is None else shape.num_layers * adapter_parameters_per_layer(shape, lora)
 
 
 def linear_parameters_per_layer(shape: Shape) -> int:
@@ -42,9 +47,9 @@ def linear_parameters_per_layer(shape: Shape) -> int:
     return sum(i * o for i, o in linear_shapes(shape).values())
 
 
-def adapter_forward_flops_per_layer(shape: Shape) -> float:
+def adapter_forward_flops_per_layer(shape: Shape, lora: Optional[Adapters]) -> float:
     """Forward FLOPs of one layer's adapters for one sample: x·Aᵀ then ·Bᵀ, per token."""
-    return 2.0 * shape.seq_length * adapter_parameters_per_layer(shape)
+    return 2.0 * shape.seq_length * adapter_parameters_per_layer(shape, lora)
 
 
 def attention_core_flops_per_layer(shape: Shape) -> float:
@@ -53,32 +58,33 @@ def attention_core_flops_per_layer(shape: Shape) -> float:
     return 2 * 2 * shape.seq_length * shape.seq_length * shape.attention_dim
 
 
-def layer_training_flops(shape: Shape, forward: float) -> float:
+def layer_training_flops(shape: Shape, forward: float, lora: Optional[Adapters] = None) -> float:
     """Forward + backward FLOPs of one layer whose forward costs ``forward`` for one sample: 3x forward in
     full training; with frozen weights the linears' backward is one matmul (input gradients), the attention
     core's two, and the adapters train in full (3x their forward)."""
-    if shape.method not in ADAPTED:
+    if lora is None:
         return 3.0 * forward
     core = attention_core_flops_per_layer(shape)
-    adapters = adapter_forward_flops_per_layer(shape)
+    adapters = adapter_forward_flops_per_layer(shape, lora)
     return forward + (forward - core) + 2 * core + 3 * adapters
 
 
-def activation_delta_bytes(shape: Shape, mbs: int, tp: int, sequence_parallel: bool, bytes_per_value: int,
-                           mask_bytes: int = 1, casts_inputs: bool = False) -> float:
+def activation_delta_bytes(shape: Shape, lora: Optional[Adapters], mbs: int, tp: int, sequence_parallel: bool,
+                           bytes_per_value: int, mask_bytes: int = 1, casts_inputs: bool = False) -> float:
     """What an adapter method changes in one layer's saved activations, one micro-batch: each adapter keeps
     its A's output (r values a token) for B's gradient; the layer's two norms, their weights frozen, no
     longer keep their normalised output (kept for the weights' gradients only); and what the adapters keep
     of the linears' inputs (``adapter_input_bytes``). 0 for full training."""
-    if shape.method not in ADAPTED:
+    if lora is None:
         return 0.0
     tokens = mbs * shape.seq_length
-    adapters = tokens * shape.lora_rank * len(shape.lora_targets) * bytes_per_value
+    adapters = tokens * lora.rank * len(lora.target_modules) * bytes_per_value
     norms = 2 * tokens * shape.hidden_size * bytes_per_value / (tp if sequence_parallel else 1)
-    return adapters - norms + tokens * adapter_input_bytes(shape, tp, bytes_per_value, mask_bytes, casts_inputs)
+    return adapters - norms + tokens * adapter_input_bytes(shape, lora, tp, bytes_per_value, mask_bytes,
+                                                           casts_inputs)
 
 
-def adapter_input_bytes(shape: Shape, tp: int, bytes_per_value: int, mask_bytes: int = 1,
+def adapter_input_bytes(shape: Shape, lora: Adapters, tp: int, bytes_per_value: int, mask_bytes: int = 1,
                         casts_inputs: bool = False) -> float:
     """Bytes per token (on a TP rank: a row-split linear's input is 1/TP of its width) by which what one layer
     keeps of its linear modules' inputs differs from the family's formula, which keeps each input once (the
@@ -95,21 +101,21 @@ def adapter_input_bytes(shape: Shape, tp: int, bytes_per_value: int, mask_bytes:
     (``bytes_per_value``, 4 in fp32). The trace runs each as its target does (hp_tool/trial/trace/replay.py
     ``dropout_as_on``). Not counted: the first layer's q, k and v keep no mask (its input needs no gradient).
     Checked against the trace in tests/test_lora_dropout_memory.py."""
-    linears, adapted = linear_shapes(shape), set(shape.lora_targets)
+    linears, targets = linear_shapes(shape), set(lora.target_modules)
     rowwise = {m.name for m in shape.facts.layer_matmuls(shape) if m.split == "rowwise"} \
         if shape.facts.layer_matmuls is not None else set()
-    dropout = shape.lora_dropout > 0
+    dropout = lora.dropout > 0
     own = dropout or casts_inputs
     per_adapter = (bytes_per_value if own else 0) + (mask_bytes if dropout else 0)
     total = 0.0
     for tensor in shape.facts.linear_inputs:
         width = linears[tensor.readers[0]][0] / (tp if tensor.readers[0] in rowwise else 1)
-        readers = sum(name in adapted for name in tensor.readers)
+        readers = sum(name in targets for name in tensor.readers)
         kept = tensor.held or (readers > 0 and not own)
         total += readers * per_adapter * width - (0 if kept else bytes_per_value * width)
     return total
 
 
-def head_training_flops(shape: Shape, forward: float) -> float:
+def head_training_flops(forward: float, lora: Optional[Adapters] = None) -> float:
     """Forward + backward FLOPs of the output head (``forward`` per sample): 3x trained, 2x frozen."""
-    return (2.0 if shape.method in ADAPTED else 3.0) * forward
+    return (2.0 if lora is not None else 3.0) * forward

@@ -46,7 +46,7 @@ from hp_tool.engine_facts import engine_facts
 from hp_tool.estimate.layout import GB, Hardware, Layout, rank_shape
 from hp_tool.estimate.memory import adapter_parameters, cached, linear_parameters, stage_activation_bytes
 from hp_tool.families.decoder import expert_forward_flops
-from hp_tool.estimate.methods import ADAPTED, NF4_BITS, attention_core_flops_per_layer
+from hp_tool.estimate.methods import NF4_BITS, attention_core_flops_per_layer
 
 # attention kernels (FlashAttention-2, Dao 2023, Fig. 4-7: causal forward + backward on A100 80 GiB at head dim 128
 # reaches 118, 171, 187 and 192 TFLOPS at 512, 2K, 8K and 16K tokens, about 62% of peak x s / (s + 330); at head
@@ -188,7 +188,7 @@ def expert_flops_per_step(shape: Shape, layout: Layout) -> float:
     """The routed experts' share of a step's model and recompute FLOPs: forward and backward of every layer
     (backward one matmul less with frozen experts under LoRA) and the forward of each recomputed layer."""
     per_stage = shape.pipeline_layers // layout.pp
-    passes = (2.0 if shape.method in ADAPTED else 3.0) * shape.pipeline_layers + \
+    passes = (2.0 if layout.adapted else 3.0) * shape.pipeline_layers + \
         layout.pp * min(layout.act_ckpt_layers, per_stage)
     return layout.global_batch_size * passes * cached_expert_forward_flops(shape)
 
@@ -202,7 +202,7 @@ def compute_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
     are not divided by TP); with EP each TP rank dispatches its slice of the tokens, at the busiest EP rank's
     load; GEMMs of the tokens each expert gets (top_k / experts of the micro-batch's)."""
     gpus = layout.gpus
-    flops = cached_model_flops(shape, layout.global_batch_size)
+    flops = cached_model_flops(shape, layout.global_batch_size, layout.lora)
     flops += cached_recompute_flops(shape, layout.global_batch_size, layout.act_ckpt_layers, layout.pp,
                                     layout.act_ckpt_mode)
     experts = expert_flops_per_step(shape, layout)
@@ -231,7 +231,7 @@ def ep_comm_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
         return 0.0
     per_stage = shape.pipeline_layers // layout.pp
     exchanges = 4 * per_stage + 2 * min(layout.act_ckpt_layers, per_stage)
-    nbytes = layout.mbs * shape.seq_length * shape.top_k * shape.hidden_size * hw.bytes_per_value * \
+    nbytes = layout.mbs * shape.seq_length * shape.top_k * shape.hidden_size * layout.bytes_per_value * \
         (layout.ep - 1) / layout.ep / layout.tp
     within_node = layout.ep * layout.tp <= hw.gpus_per_node
     bandwidth = hw.intra_node_bandwidth_gbps if within_node else hw.inter_node_bandwidth_gbps
@@ -330,10 +330,11 @@ def dp_comm_s(shape: Shape, layout: Layout, hw: Hardware, num_nodes: int) -> flo
     # routed experts are gathered and reduced over the DP / EP ranks holding the same experts
     experts = _local_expert_parameters(shape, layout) if layout.ep > 1 else 0.0
     dense = params - experts
-    adapted = shape.method in ADAPTED
-    trained = dense if not adapted else shape.pipeline_layers / layout.pp * adapter_parameters(shape) / layout.tp
+    adapted = layout.adapted
+    trained = dense if not adapted else \
+        shape.pipeline_layers / layout.pp * adapter_parameters(shape, layout.lora) / layout.tp
     per_node = zero_ranks_per_node(layout, hw, num_nodes)
-    bpv = hw.bytes_per_value
+    bpv = layout.bytes_per_value
     rbytes = bpv if layout.master_weights == "bf16" else engine_facts(layout.engine).reduce_bytes or bpv
 
     def gather(count: float) -> float:  # the weights, trained or frozen
@@ -371,8 +372,9 @@ def offload_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
         return 0.0
     shard = layout.shard(_local_parameters(shape, layout), _local_expert_parameters(shape, layout))
     trained = shard
-    if shape.method in ADAPTED:  # the rank's share of its stage's adapters (memory.host_phases_gib's count)
-        trained = shape.pipeline_layers / layout.pp * adapter_parameters(shape) / layout.tp / layout.zero_ranks
+    if layout.adapted:  # the rank's share of its stage's adapters (memory.host_phases_gib's count)
+        trained = (shape.pipeline_layers / layout.pp * adapter_parameters(shape, layout.lora) / layout.tp
+                   / layout.zero_ranks)
     pcie = 2 * 2 * trained  # 16-bit gradients down, updated 16-bit weights up
     if layout.offload == "optimizer_and_params":
         pcie += 2 * layout.num_microbatches * 2 * shard  # weights up for each forward and backward
@@ -394,7 +396,7 @@ def tp_allreduce_bytes(shape: Shape, layout: Layout, hw: Hardware) -> float:
     """Bytes all-reduced over TP per micro-batch on the busiest stage: one layer activation for each
     sub-layer (attention and MLP; a T5 decoder layer adds cross-attention) in forward and in backward,
     and again in the recomputed forward of a checkpointed layer."""
-    per_token = shape.hidden_size * hw.bytes_per_value * layout.mbs
+    per_token = shape.hidden_size * layout.bytes_per_value * layout.mbs
     dec_sublayers = 3 if shape.encoder_decoder else 2
     busiest = 0.0
     for stage in range(layout.pp):
@@ -422,7 +424,7 @@ def estimate_step_time(shape: Shape, layout: Layout, hw: Hardware, num_nodes: in
         pp_bw = hw.inter_node_bandwidth_gbps if spans_nodes else hw.intra_node_bandwidth_gbps
         # an encoder-decoder's stages pass the encoder's and the decoder's hidden states
         tokens = rank.seq_length + (shape.decoder_seq_length or 0)
-        boundary_bytes = layout.mbs * tokens * shape.hidden_size * hw.bytes_per_value
+        boundary_bytes = layout.mbs * tokens * shape.hidden_size * layout.bytes_per_value
         crossings = layout.virtual_stages * (m + layout.pp - 1)  # each micro-batch crosses v times more
         pp_comm = 2 * crossings * boundary_bytes / layout.tp / (pp_bw * GB)
 
@@ -443,7 +445,7 @@ def cp_comm_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
         return 0.0
     cp, tp, b = layout.cp, layout.tp, layout.mbs
     local = shape.seq_length / cp
-    block = 2 * b * local * shape.kv_dim / tp * hw.bytes_per_value  # one rank's keys and values
+    block = 2 * b * local * shape.kv_dim / tp * layout.bytes_per_value  # one rank's keys and values
     bandwidth = hw.intra_node_bandwidth_gbps if cp * tp <= hw.gpus_per_node else hw.inter_node_bandwidth_gbps
     hop_s = block / (bandwidth * GB)
     # the attention over one received block: 2·2·(rank tokens)·(block tokens)·(attention width / TP) FLOPs
@@ -471,11 +473,11 @@ def dequant_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
     """QLoRA's dequantisation per step: every micro-batch's forward and backward (and the recompute of a
     checkpointed layer) read each 4-bit weight of the stage's layers and write its 16-bit copy, bound by
     the GPU's memory bandwidth. 0 for the other methods."""
-    if shape.method != "qlora":
+    if layout.method != "qlora":
         return 0.0
     per_stage = shape.pipeline_layers / layout.pp
     passes = 2 * per_stage + min(layout.act_ckpt_layers, per_stage)  # layers dequantised per micro-batch
-    nbytes = passes * linear_parameters(shape) / layout.tp * (NF4_BITS / 8 + hw.bytes_per_value)
+    nbytes = passes * linear_parameters(shape) / layout.tp * (NF4_BITS / 8 + layout.bytes_per_value)
     return layout.num_microbatches * nbytes / (hw.memory_bandwidth_gbps * GB)
 
 

@@ -31,12 +31,6 @@ class Shape:
     qkv_bias: bool = False  # q, k and v projections carry biases (Qwen2)
     tied_embeddings: Optional[bool] = None  # the head is the embedding's matrix; None: the family's rule
     pretrained: bool = False  # a published model (a Hugging Face config): the run loads and saves its checkpoint
-    method: str = "full"  # what trains: full | lora | qlora (frozen base, low-rank adapters: estimate/methods.py)
-    lora_rank: int = 0  # the adapters' rank (lora, qlora)
-    lora_targets: tuple[str, ...] = ()  # the linear modules adapted in every layer (lora, qlora)
-    # dropout on the adapters' input (lora, qlora; LoraSettings.dropout's default): above 0 each adapter keeps
-    # its own dropped-out input and mask for backward (estimate/methods.py)
-    lora_dropout: float = 0.05
     # mixture of experts (hp_tool/families/moe.py): every layer's MLP is num_experts experts of
     # ffn_hidden_size each, top_k of them run per token; 0 = a dense model
     num_experts: int = 0

@@ -55,7 +55,7 @@ def inference_shape(shape: Shape, settings: InferenceSettings) -> Shape:
 def layout_problem(shape: Shape, tp: int, pp: int, gpus_per_node: int) -> Optional[str]:
     """Why a TP x PP layout cannot serve this model on one node, or None when it can: the training layout's
     rules (heads and kv heads over TP, the pipeline split), then the server's own (one node)."""
-    problems = Layout(tp, pp, 1, 1, 0, 1).problems(shape)
+    problems = Layout.of(tp=tp, pp=pp).problems(shape)
     if problems:
         return problems[0].reason
     if tp * pp > gpus_per_node:

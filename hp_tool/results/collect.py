@@ -27,6 +27,7 @@ from hp_tool.calibration import BOUNDS, StepPoint, fit_memory_offset, fit_step_f
 from hp_tool.cost import cost_columns, epoch_columns
 from hp_tool.errors import ConfigError
 from hp_tool.contracts.spec import TrialSpec, load_spec
+from hp_tool.estimate.layout import Layout
 from hp_tool.estimate.speed import extrapolate_step_time_s
 from hp_tool.results.full_run import FullRun, load_full_run
 from hp_tool.fingerprint import STALE
@@ -242,7 +243,7 @@ def full_run_columns(row: dict, full: FullRun) -> dict:
     step_s = extrapolate_step_time_s(measured, shape, trial, whole, full.hw, spec.resources.num_nodes,
                                      spec.full_run.num_nodes)
     gbs = whole.global_batch_size
-    tokens_per_s = throughput(shape, gbs, step_s, whole.gpus, full.peak_tflops_per_gpu)["tokens_per_s"]
+    tokens_per_s = throughput(shape, gbs, step_s, whole.gpus, full.peak_tflops_per_gpu, whole.lora)["tokens_per_s"]
     days = run_days(full.max_steps, step_s)
     cols.update(full_run_step_time_s=step_s, full_run_tokens_per_s=tokens_per_s,
                 full_run_tokens_per_s_per_gpu=tokens_per_s / whole.gpus, days_to_train=days)
@@ -258,8 +259,7 @@ def full_run_columns(row: dict, full: FullRun) -> dict:
 
 def _trial_throughput(trial: Layout, step_time_s: float, full: FullRun, shape) -> dict:
     """tokens/s and model TFLOPS per GPU and MFU of the trial, by the engine's own definition."""
-    rate = throughput(shape, trial.global_batch_size, step_time_s, trial.gpus,
-                      full.peak_tflops_per_gpu)
+    rate = throughput(shape, trial.global_batch_size, step_time_s, trial.gpus, full.peak_tflops_per_gpu, trial.lora)
     return {k: rate[k] for k in ("tokens_per_s_per_gpu", "model_tflops_per_gpu", "mfu")}
 
 

@@ -49,7 +49,8 @@ def optimal_spec(trial: TrialSpec, best: pd.Series, full: FullRun) -> TrialSpec:
     step_s = float(best["full_run_step_time_s"])
     gpus = fr.num_nodes * base.resources.gpus_per_node
     minutes = max(base.run.max_minutes, math.ceil(fr.max_steps * step_s / 60 * RUN_TIME_MARGIN))
-    rate = throughput(trial.model.shape(), fr.global_batch_size, step_s, gpus, base.resources.peak_tflops_per_gpu)
+    rate = throughput(trial.model.shape(), fr.global_batch_size, step_s, gpus, base.resources.peak_tflops_per_gpu,
+                      trial.model.adapters)
     peak = best["peak_memory_gib"]
     return dataclasses.replace(
         trial,

@@ -20,7 +20,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from hp_tool.architectures import layer_parameters
-from hp_tool.estimate.layout import Hardware
+from hp_tool.estimate.layout import Hardware, Layout
 from hp_tool.estimate.memory import (stage_activation_bytes, stage_compute_copy_bytes, stage_parameters,
                                      stage_state_bytes)
 from hp_tool.contracts.spec import TrialSpec
@@ -46,18 +46,23 @@ class UnitTerms:
         return self.kept / self.analytic_kept
 
 
-def target_hardware(spec: TrialSpec, device_type: str) -> Hardware:
-    """The analytic model's view of the trial's device: its precision on a GPU, fp32 on CPU (as the engine
-    computes there); sizes and speeds do not enter the terms."""
-    precision = spec.training.precision if device_type == "cuda" else "fp32"
+def target_hardware(device_type: str) -> Hardware:
+    """The analytic model's view of the trial's device (whether it is the host); sizes and speeds do not enter
+    the terms."""
     return Hardware(gpus_per_node=8, gpu_memory_gib=80, peak_tflops=1, intra_node_bandwidth_gbps=1,
-                    inter_node_bandwidth_gbps=1, memory_overhead_gib=0.0, precision=precision,
-                    device_is_host=device_type == "cpu")
+                    inter_node_bandwidth_gbps=1, memory_overhead_gib=0.0, device_is_host=device_type == "cpu")
+
+
+def target_layout(spec: TrialSpec, device_type: str) -> Layout:
+    """The trial's layout as its device runs it: in its precision on a GPU, in fp32 on a CPU (as the engine
+    computes there)."""
+    layout = spec.layout()
+    return layout if device_type == "cuda" else layout.replace(precision="fp32")
 
 
 def analytic_terms(spec: TrialSpec, device_type: str, stage: int = 0) -> tuple[float, float]:
     """(states, kept by one micro-batch) of ``stage`` by the analytic model, bytes."""
-    shape, layout, hw = spec.model.shape(), spec.layout(), target_hardware(spec, device_type)
+    shape, layout, hw = spec.model.shape(), target_layout(spec, device_type), target_hardware(device_type)
     params = stage_parameters(shape, layout.tp, layout.pp)[stage]
     gathered = max(layer_parameters(shape), layer_parameters(shape, encoder=True)) / layout.tp
     copies = stage_compute_copy_bytes(shape, layout, hw, params, stage, gathered)  # counted with what the step keeps
