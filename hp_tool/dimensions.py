@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Optional
 
+from hp_tool.errors import require
 from hp_tool.recipe import SECTIONS
 from hp_tool.vocab import (ACT_CKPT_MODES, ENGINE_CODES, ENGINES, LOSSES, MASTER_WEIGHTS, METHODS, OFFLOAD_CODES,
                            OFFLOADS, OPTIMIZER_CODES, OPTIMIZERS, INVALID, ZERO_STAGES)
@@ -51,6 +52,15 @@ class Dimension:
     def column(self) -> str:
         """Its column in plan.csv, all_trials, the summaries and comparison.csv."""
         return self.name
+
+    def require(self, value: Any, section: str) -> None:
+        """Refuse a spec's value of this dimension (``section``.name) that none of its lists may hold: one not
+        among its choices, or an integer below its least."""
+        key = f"{section}.{self.name}"
+        if self.choices is not None:
+            require(value in self.choices, key, value, f"is not a known {self.name}", f"use one of {list(self.choices)}")
+        else:
+            require(value >= self.least, key, value, f"must be at least {self.least}", f"use an integer >= {self.least}")
 
     def shown(self, values: Iterable[Any]) -> bool:
         """Whether a table or sentence about layouts with these values names this dimension: when some layout

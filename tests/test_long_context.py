@@ -151,7 +151,7 @@ def spec(model=TINY, **parallel) -> TrialSpec:
     (dict(sequence_parallel=True), "parallel.sequence_parallel", "TP=1"),
     (dict(tp=2, sequence_parallel=True, cp=2), None, None),  # 96 / 2 = 48 tokens a rank, split over TP 2: runs
     (dict(loss="chunked", tp=2), "parallel.loss", "TP 1"),
-    (dict(loss="sampled"), "parallel.loss", "unknown loss"),
+    (dict(loss="sampled"), "parallel.loss", "is not a known loss"),
     (dict(activation_offload=True, engine="deepspeed", zero_stage=2), "parallel.activation_offload", "deepspeed"),
 ])
 def test_a_layout_the_savers_cannot_run_is_refused_naming_the_key(parallel, key, words):

@@ -201,7 +201,7 @@ def test_a_spec_selective_cannot_run_fails_naming_the_key_value_and_fix(family, 
 def test_an_unknown_mode_in_a_spec_file_fails_on_load(tmp_path):
     path = write_spec(tiny_spec("llama"), tmp_path)
     path.write_text(path.read_text().replace("act_ckpt_mode: full", "act_ckpt_mode: partial"))
-    with pytest.raises(ConfigError, match=r"parallel.act_ckpt_mode='partial': unknown checkpointing mode"):
+    with pytest.raises(ConfigError, match=r"parallel.act_ckpt_mode='partial': is not a known act_ckpt_mode"):
         load_spec(path)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -17,16 +18,15 @@ from typing import Any, Dict, List, Optional
 from omegaconf import OmegaConf
 
 from hp_tool.architectures import Shape
-from hp_tool.dimensions import fingerprint_defaults
+from hp_tool.dimensions import BY_NAME, DIMENSIONS, fingerprint_defaults
 from hp_tool.families import family
 from hp_tool.errors import ConfigError, require
 from hp_tool.estimate.layout import LOSS_CHUNK_TOKENS, Layout
-from hp_tool.recipe import SECTIONS, Adapters
+from hp_tool.recipe import SECTIONS, Adapters, Degrees, Recipe
 from hp_tool.fingerprint import fingerprint_of
 from hp_tool.fsutil import atomic_write_text
 from hp_tool.sharding import combination_problem
-from hp_tool.vocab import (ACT_CKPT_MODES, DATA_SOURCES, ENGINES, MASTER_WEIGHTS, METHODS, OFFLOADS, OPTIMIZERS,
-                           PRECISIONS, RUN_MODES, SCHEDULES, ZERO_STAGES)
+from hp_tool.vocab import DATA_SOURCES, PRECISIONS, RUN_MODES, SCHEDULES
 
 
 
@@ -110,7 +110,7 @@ class ModelSpec:
         require(self.num_attention_heads % self.num_kv_heads == 0, "model.num_kv_heads",
                 self.num_kv_heads, f"does not divide num_attention_heads={self.num_attention_heads}",
                 "use a divisor of the head count")
-        require(self.method in METHODS, "model.method", self.method, "unknown method", f"use one of {list(METHODS)}")
+        BY_NAME["method"].require(self.method, "model")
         require((self.lora is not None) == (self.method != "full"), "model.lora", self.lora,
                 f"is given exactly for the adapter methods (lora, qlora), and the method is {self.method}",
                 "give model.lora for lora and qlora, null for full")
@@ -146,51 +146,31 @@ SPEC_FIXES = {
 }
 
 
-@dataclass
-class ParallelSpec:
-    """Parallel layout: world size = tp * pp * cp * dp. The long-context fields' rules need the model
-    (``Layout.sequence_problem``), and ``TrialSpec`` checks them."""
+def layout_fields(section: str) -> list[tuple[str, type, Any]]:
+    """(name, type, field with the recipe's default) of each layout field that TrialSpec section ``section`` holds
+    (hp_tool/recipe.py ``SECTIONS``): a section declares them once, where the layout does."""
+    hints = {**typing.get_type_hints(Degrees), **typing.get_type_hints(Recipe)}
+    return [(f.name, hints[f.name], field(default=f.default)) for part in (Degrees, Recipe)
+            for f in dataclasses.fields(part) if SECTIONS[f.name] == section]
 
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    mbs: int = 1  # micro-batch size, sequences per forward pass per data-parallel replica
-    act_ckpt_layers: int = 0  # transformer layers per pipeline stage whose activations are recomputed
-    # how they are recomputed: full (whole layers) | selective (torchtitan's per-op policy, torch engine)
-    act_ckpt_mode: str = "full"
+
+@dataclass
+class ParallelSpec(dataclasses.make_dataclass("ParallelFields", layout_fields("parallel"))):
+    """Parallel layout: world size = tp * pp * cp * dp. Its fields are the layout's parallel ones (hp_tool/recipe.py
+    ``Degrees`` and ``Recipe``, by name, with their defaults), and the pipeline schedule. The long-context fields'
+    rules need the model (``Layout.sequence_problem``), and ``TrialSpec`` checks them."""
+
     pipeline_schedule: str = "1F1B"  # one of SCHEDULES
-    engine: str = "torch"  # torch (TP/PP/FSDP2) | deepspeed (ZeRO, AutoTP)
-    zero_stage: int = 3  # 0 DDP | 1 optimizer sharded | 2 + gradients | 3 + parameters (hp_tool/sharding.py)
-    offload: str = "none"  # none | optimizer | optimizer_and_params (to host RAM)
-    virtual_stages: int = 1  # model chunks per pipeline rank: interleaved 1F1B when > 1 (torch engine)
-    ep: int = 1  # expert parallel: MoE experts split over ep of the dp ranks (ep divides dp)
-    cp: int = 1  # context parallel: each sequence split over cp ranks (ring attention), 2 chunks per rank
-    loss: str = "full"  # full: whole logits | chunked: output projection and cross-entropy over chunks of tokens
-    loss_chunk_tokens: int = LOSS_CHUNK_TOKENS  # tokens per chunk of the chunked loss
-    activation_offload: bool = False  # tensors saved for backward kept in (pinned) host memory (torch engine)
-    sequence_parallel: bool = False  # with TP: norms on sequence shards, TP's all-reduces as gather + scatter
-    # fp32: fp32 master weights (mixed precision) | bf16: weights, gradients and optimizer moments in bf16 (torch
-    # engine, on a GPU in bf16; a CPU trial trains in fp32)
-    master_weights: str = "fp32"
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "mbs", "virtual_stages", "ep", "cp", "loss_chunk_tokens"):
+        for d in DIMENSIONS:  # each searched field's known values (the dimension table's, as its list's)
+            if d.spec == "parallel":
+                d.require(getattr(self, d.name), "parallel")
+        for name in ("dp", "loss_chunk_tokens"):
             require(getattr(self, name) >= 1, f"parallel.{name}", getattr(self, name),
                     "must be at least 1", "set a positive integer")
-        require(self.act_ckpt_layers >= 0, "parallel.act_ckpt_layers", self.act_ckpt_layers,
-                "must not be negative", "use 0 for no activation checkpointing")
-        require(self.act_ckpt_mode in ACT_CKPT_MODES, "parallel.act_ckpt_mode", self.act_ckpt_mode,
-                "unknown checkpointing mode", f"use one of {list(ACT_CKPT_MODES)}")
         require(self.pipeline_schedule in SCHEDULES, "parallel.pipeline_schedule",
                 self.pipeline_schedule, "unknown schedule", f"use one of {list(SCHEDULES)}")
-        require(self.engine in ENGINES, "parallel.engine", self.engine, "unknown trial engine",
-                f"use one of {list(ENGINES)}")
-        require(self.zero_stage in ZERO_STAGES, "parallel.zero_stage", self.zero_stage, "unknown ZeRO stage",
-                f"use one of {list(ZERO_STAGES)}")
-        require(self.offload in OFFLOADS, "parallel.offload", self.offload, "unknown offload",
-                f"use one of {list(OFFLOADS)}")
-        require(self.master_weights in MASTER_WEIGHTS, "parallel.master_weights", self.master_weights,
-                "unknown master weights", f"use one of {list(MASTER_WEIGHTS)}")
         bad = combination_problem(self.engine, self.zero_stage, self.offload, self.tp, self.pp)
         if bad is not None:
             raise ConfigError("parallel", f"engine={self.engine} zero_stage={self.zero_stage} "
@@ -262,8 +242,7 @@ class TrainingSpec:
                 "must be positive", "set a positive integer")
         require(self.precision in PRECISIONS, "training.precision", self.precision,
                 "unknown precision", f"use one of {list(PRECISIONS)}")
-        require(self.optimizer in OPTIMIZERS, "training.optimizer", self.optimizer,
-                "unsupported optimizer", f"use one of {list(OPTIMIZERS)}")
+        BY_NAME["optimizer"].require(self.optimizer, "training")
         require(self.max_steps >= 1, "training.max_steps", self.max_steps, "must be positive",
                 "set the number of optimizer steps of the full run")
 

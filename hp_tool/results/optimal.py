@@ -16,6 +16,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
+from hp_tool.dimensions import layout_words, varied
 from hp_tool.engine_facts import engine_facts
 from hp_tool.fsutil import atomic_write_text
 from hp_tool.results.collect import candidate_spec_path
@@ -79,15 +80,8 @@ def _header(spec: TrialSpec, best: pd.Series, n_ranked: int, ds_name: str) -> st
                 f"GPUs / (tokens per hour / 1e6)).\n")
     return (
         f"# Optimal training config: {spec.trial_id}, fastest of {n_ranked} successful trial(s).\n"
-        f"# Full run: {spec.resources.num_nodes} node(s) x {spec.resources.gpus_per_node} GPUs, "
-        f"TP={spec.parallel.tp} PP={spec.parallel.pp}"
-        + (f" (interleaved, {spec.parallel.virtual_stages} virtual stages per rank)"
-           if spec.parallel.virtual_stages > 1 else "")
-        + f" DP={spec.parallel.dp} MBS={spec.parallel.mbs} "
-        f"act_ckpt_layers={spec.parallel.act_ckpt_layers}"
-        + (f" ({spec.parallel.act_ckpt_mode})" if spec.parallel.act_ckpt_layers else "")
-        + f", global batch {spec.training.global_batch_size}, "
-        f"{spec.parallel.engine} engine, ZeRO-{spec.parallel.zero_stage}, offload {spec.parallel.offload}.\n"
+        f"# Full run: {spec.resources.num_nodes} node(s) x {spec.resources.gpus_per_node} GPUs: {layout_words(best, shown(spec, best))}, "
+        f"global batch {spec.training.global_batch_size}.\n"
         f"# Measured {best['measured_step_time_s']:.6g} s per step in the trial; full run "
         f"{best['full_run_step_time_s']:.6g} s per step (plus modelled data-parallel communication).\n"
         f"# Estimated days to train: {days:.4g} ({spec.run.max_steps:,} steps x "
@@ -100,6 +94,12 @@ def _header(spec: TrialSpec, best: pd.Series, n_ranked: int, ds_name: str) -> st
            f"# {ds_name} beside this file.\n"
            if engine_facts(spec.parallel.engine).config_file else "")
     )
+
+
+def shown(spec: TrialSpec, best: pd.Series) -> list:
+    """The dimensions the header names: those always named, those the pick sets off their defaults, and for a
+    fine-tuning config its sequence length and method, as the "Recommended:" sentence names them."""
+    return varied([best], also=("seq_length", "method") if spec.model.hf_config is not None else ())
 
 
 def train_lines(spec: TrialSpec, gpus: int) -> str:
