@@ -368,13 +368,13 @@ def test_the_throughput_chart_draws_every_selected_trial_measured_or_predicted(t
 def test_the_optimal_configs_header_names_every_dimension_the_pick_sets():
     """The optimal config's header names the pick's layout as the "Recommended:" sentence does (the dimension
     table's words): a LoRA fine-tuning pick names its method and rank, its sequence length and its context
-    parallelism, which the header once left out."""
+    parallelism, which the header once left out; a dense model's experts (a missing value) are not named."""
     import pandas as pd
 
     from hp_tool.contracts.spec import LoraSpec, ModelSpec, TrialSpec
     from hp_tool.results.optimal import _header
 
-    best = pd.Series(dict(seq_length=4096, method="lora", lora_rank=16, tp=1, pp=1, dp=4, cp=2, mbs=1,
+    best = pd.Series(dict(seq_length=4096, method="lora", lora_rank=16, tp=1, pp=1, dp=4, ep=pd.NA, cp=2, mbs=1,
                           act_ckpt_layers=32, engine="torch", zero_stage=3, offload="none", days_to_train=0.5,
                           full_run_cost_usd=float("nan"), measured_step_time_s=1.5, full_run_step_time_s=1.6))
     spec = TrialSpec(model=ModelSpec("llama", 2, 64, 4, 4, 176, 512, 4096, hf_config={"model_type": "llama"},

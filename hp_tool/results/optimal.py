@@ -80,7 +80,7 @@ def _header(spec: TrialSpec, best: pd.Series, n_ranked: int, ds_name: str) -> st
                 f"GPUs / (tokens per hour / 1e6)).\n")
     return (
         f"# Optimal training config: {spec.trial_id}, fastest of {n_ranked} successful trial(s).\n"
-        f"# Full run: {spec.resources.num_nodes} node(s) x {spec.resources.gpus_per_node} GPUs: {layout_words(best, shown(spec, best))}, "
+        f"# Full run: {spec.resources.num_nodes} node(s) x {spec.resources.gpus_per_node} GPUs: {pick_words(spec, best)}, "
         f"global batch {spec.training.global_batch_size}.\n"
         f"# Measured {best['measured_step_time_s']:.6g} s per step in the trial; full run "
         f"{best['full_run_step_time_s']:.6g} s per step (plus modelled data-parallel communication).\n"
@@ -96,10 +96,12 @@ def _header(spec: TrialSpec, best: pd.Series, n_ranked: int, ds_name: str) -> st
     )
 
 
-def shown(spec: TrialSpec, best: pd.Series) -> list:
-    """The dimensions the header names: those always named, those the pick sets off their defaults, and for a
-    fine-tuning config its sequence length and method, as the "Recommended:" sentence names them."""
-    return varied([best], also=("seq_length", "method") if spec.model.hf_config is not None else ())
+def pick_words(spec: TrialSpec, best: pd.Series) -> str:
+    """The pick's layout in the dimension table's words, naming those always named, those it sets off their
+    defaults, and for a fine-tuning config its sequence length and method, as the "Recommended:" sentence names
+    them (a summary's missing value, such as a dense model's experts, names nothing)."""
+    row = {k: None if pd.isna(v) else v for k, v in best.items()}
+    return layout_words(row, varied([row], also=("seq_length", "method") if spec.model.hf_config is not None else ()))
 
 
 def train_lines(spec: TrialSpec, gpus: int) -> str:
