@@ -28,7 +28,7 @@ from pathlib import Path
 from hp_tool.base_config import base_spec, choose_model, resolve_cluster
 from hp_tool.candidates import Grid, plan_candidates
 from hp_tool.cli import available_search_configs, compose
-from hp_tool.config import to_app_config
+from hp_tool.config import to_app_config, training_precision
 from hp_tool.errors import ConfigError
 from hp_tool.plan_output import funnel_line, plan_csv_text, write_plan
 from hp_tool.planner import make_plan, name_candidates
@@ -98,7 +98,8 @@ def main() -> int:
                 mbs=list(range(1, 17)), act_ckpt=None, mp_range=(1, 1024), act_ckpt_step=1)
 
     t0 = time.perf_counter()
-    candidates = plan_candidates(model.shape, model.size_b, ts, cluster, gbs, grid=grid)
+    candidates = plan_candidates(model.shape, model.size_b, ts, cluster, gbs, model.recipe("full", training_precision(app)),
+                                 grid)
     name_candidates(model, candidates)
     t1 = time.perf_counter()
     n = len(candidates)

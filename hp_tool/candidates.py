@@ -455,8 +455,8 @@ def _layout_candidates(shape: Shape, grid: Grid, ts: TrainSettings, cluster: Clu
     return [c for c in out[:out.index(best)] if c.status != SELECTED] + [best]
 
 
-def plan_candidates(shape: Shape, size_b: float, ts: TrainSettings, cluster: Cluster, gbs: int,
-                    recipe: Recipe = Recipe(), grid: Optional[Grid] = None) -> list[Candidate]:
+def plan_candidates(shape: Shape, size_b: float, ts: TrainSettings, cluster: Cluster, gbs: int, recipe: Recipe,
+                    grid: Optional[Grid] = None) -> list[Candidate]:
     """Every candidate of the grid (default: ``build_grid``), each recipe the grid's choices made on
     ``recipe`` (what trains and in which precision), with status and reason; selected ones ranked fastest
     first."""

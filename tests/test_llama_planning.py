@@ -15,7 +15,7 @@ from hp_tool.base_config import base_spec, choose_model, resolve_cluster
 from hp_tool.vocab import PRUNED, SELECTED
 from hp_tool.candidates import plan_candidates
 from hp_tool.cli import available_search_configs, compose
-from hp_tool.config import to_app_config
+from hp_tool.config import to_app_config, training_precision
 from hp_tool.errors import ConfigError
 from hp_tool.families.llama import llama_activation_bytes_per_layer, llama_ffn, llama_shape
 from hp_tool.planner import make_plan
@@ -102,7 +102,8 @@ def test_70b_at_seq_8192_never_proposes_an_unsharded_layout_that_cannot_fit(tmp_
     cluster = resolve_cluster(app)
     model = choose_model(app, cluster)
     gbs = base_spec(app, model, cluster).training.global_batch_size
-    forced = plan_candidates(model.shape, model.size_b, app.search_config.train_settings, cluster, gbs)
+    forced = plan_candidates(model.shape, model.size_b, app.search_config.train_settings, cluster, gbs,
+                             model.recipe("full", training_precision(app)))
     unsharded = [c for c in forced if c.tp == 1 and c.pp == 1]
     assert unsharded and all(c.status == PRUNED and c.memory_gib > 80 for c in unsharded)
 

@@ -69,6 +69,9 @@ class Layout:
         """This layout with ``changes`` (fields by name) made to the parts that hold them. The planner makes
         tens of thousands of these, so a part is copied with its changed fields set rather than rebuilt through
         ``dataclasses.replace``; a recipe whose method or adapters change is checked again."""
+        unknown = set(changes) - PART_OF.keys()
+        if unknown:
+            raise TypeError(f"not a layout field: {sorted(unknown)}")
         degrees, recipe = {}, {}
         for k, v in changes.items():
             (degrees if PART_OF[k] == "degrees" else recipe)[k] = v
