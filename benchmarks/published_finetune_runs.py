@@ -63,11 +63,11 @@ from hp_tool.base_config import lora_targets, resolve_cluster  # noqa: E402
 from hp_tool.cli import compose  # noqa: E402
 from hp_tool.config import LoraSettings, to_app_config  # noqa: E402
 from hp_tool.errors import ConfigError  # noqa: E402
-from hp_tool.estimate.layout import GIB, LOSS_CHUNK_TOKENS, Hardware, Layout  # noqa: E402
+from hp_tool.estimate.layout import GIB, Hardware, Layout  # noqa: E402
 from hp_tool.estimate.memory import estimate_memory  # noqa: E402
 from hp_tool.estimate.speed import estimate_step_time  # noqa: E402
 from hp_tool.families.shape import Shape  # noqa: E402
-from hp_tool.recipe import Adapters  # noqa: E402
+from hp_tool.recipe import LOSS_CHUNK_TOKENS, Adapters  # noqa: E402
 from hp_tool.hf_config import load_hf_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -79,15 +79,14 @@ def test_a_layout_and_its_trial_spec_convert_field_by_field():
     (parallel unless its metadata says training or model), and layouts that set every field off its default (but
     the engine and offload) come back whole from the specs they write (four layouts: the rules forbid some pairs,
     such as LoRA or the chunked loss with TP, sequence or context parallelism with PP, experts with CP)."""
-    from hp_tool.contracts.spec import (LAYOUT_SECTIONS, ModelSpec, RunSpec, ResourcesSpec, TrialSpec,
-                                        section_values)
-    from hp_tool.recipe import Adapters, Degrees, Recipe
+    from hp_tool.contracts.spec import ModelSpec, RunSpec, ResourcesSpec, TrialSpec, section_values
+    from hp_tool.recipe import SECTIONS, Adapters, Degrees, Recipe
 
     sections = {"parallel": ParallelSpec, "training": TrainingSpec, "model": ModelSpec}
-    for name, section in LAYOUT_SECTIONS.items():
+    for name, section in SECTIONS.items():
         assert name in {f.name for f in dataclasses.fields(sections[section])}, (name, section)
-    assert {LAYOUT_SECTIONS[n] for n in ("global_batch_size", "optimizer", "precision")} == {"training"}
-    assert {LAYOUT_SECTIONS[n] for n in ("method", "lora")} == {"model"}
+    assert {SECTIONS[n] for n in ("global_batch_size", "optimizer", "precision")} == {"training"}
+    assert {SECTIONS[n] for n in ("method", "lora")} == {"model"}
     odd = Layout.of(tp=2, pp=3, dp=5, mbs=7, act_ckpt_layers=4, global_batch_size=70, zero_stage=2,
                     virtual_stages=2, optimizer="sgd", act_ckpt_mode="selective",
                     master_weights="bf16", precision="fp16")

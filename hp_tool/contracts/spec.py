@@ -21,8 +21,8 @@ from hp_tool.architectures import Shape
 from hp_tool.dimensions import BY_NAME, DIMENSIONS, fingerprint_defaults
 from hp_tool.families import family
 from hp_tool.errors import ConfigError, require
-from hp_tool.estimate.layout import LOSS_CHUNK_TOKENS, Layout
-from hp_tool.recipe import SECTIONS, Adapters, Degrees, Recipe
+from hp_tool.estimate.layout import Layout
+from hp_tool.recipe import LOSS_CHUNK_TOKENS, SECTIONS, Adapters, Degrees, Recipe
 from hp_tool.fingerprint import fingerprint_of
 from hp_tool.fsutil import atomic_write_text
 from hp_tool.sharding import combination_problem
@@ -190,14 +190,10 @@ class ParallelSpec(dataclasses.make_dataclass("ParallelFields", layout_fields("p
                                    act_ckpt_mode=self.act_ckpt_mode if act_ckpt_layers else "full")
 
 
-# the TrialSpec section holding each field of a layout's degrees and recipe (hp_tool/recipe.py), by name
-LAYOUT_SECTIONS = SECTIONS
-
-
 def section_values(layout: Layout, section: str) -> dict[str, Any]:
     """The fields of ``layout`` that TrialSpec section ``section`` holds, by name, as the section types them
     (the model's adapters as a LoraSpec)."""
-    values = {name: getattr(layout, name) for name, held in LAYOUT_SECTIONS.items() if held == section}
+    values = {name: getattr(layout, name) for name, held in SECTIONS.items() if held == section}
     if "lora" in values and values["lora"] is not None:
         values["lora"] = LoraSpec(**{**dataclasses.asdict(values["lora"]),
                                      "target_modules": list(values["lora"].target_modules)})
@@ -343,7 +339,7 @@ class TrialSpec:
                 "make the parallel degrees multiply to the number of processes")
         layout = self.layout()
         for problem in layout.problems(m.shape()):
-            key = f"{LAYOUT_SECTIONS[problem.field]}.{problem.field}"
+            key = f"{SECTIONS[problem.field]}.{problem.field}"
             value = getattr(layout, problem.field)
             raise ConfigError(key, value, problem.reason, SPEC_FIXES[problem.rule])
 
@@ -354,9 +350,9 @@ class TrialSpec:
 
     def layout(self) -> Layout:
         """The layout this trial runs: each field of its degrees and recipe from the section holding it, by
-        name (``LAYOUT_SECTIONS``)."""
+        name (``SECTIONS``)."""
         sections = {"parallel": self.parallel, "training": self.training, "model": self.model}
-        values = {name: getattr(sections[section], name) for name, section in LAYOUT_SECTIONS.items()}
+        values = {name: getattr(sections[section], name) for name, section in SECTIONS.items()}
         return Layout.of(**{**values, "lora": self.model.adapters})
 
     def full_layout(self) -> Layout:

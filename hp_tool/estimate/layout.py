@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Optional
 
 from hp_tool.architectures import interleave_problem, pipeline_problem
 from hp_tool.dimensions import DIMENSIONS
-from hp_tool.recipe import BYTES_PER_VALUE, LOSS_CHUNK_TOKENS, Adapters, Degrees, Recipe  # noqa: F401
+from hp_tool.recipe import Degrees, Recipe
 from hp_tool.sharding import (checkpoint_mode_problem, combination_problem, expert_problem, expert_saver_problem,
                               family_problem, master_weights_problem, method_problem, optimizer_problem,
                               sequence_problem)
@@ -200,10 +200,9 @@ def _evolve(part, changes: dict):
 
 # which part holds each field of a layout; what the parts derive, read as the layout's own
 PART_OF = {**{f.name: "degrees" for f in fields(Degrees)}, **{f.name: "recipe" for f in fields(Recipe)}}
-for _part in (Degrees,):  # the degrees' own properties and methods, which read the fields the layout holds
-    for _name, _value in vars(_part).items():
-        if isinstance(_value, property) or (callable(_value) and not _name.startswith("_")):
-            setattr(Layout, _name, _value)
+for _name, _value in vars(Degrees).items():  # the degrees' own properties and methods, which read the fields
+    if isinstance(_value, property) or (callable(_value) and not _name.startswith("_")):  # the layout holds
+        setattr(Layout, _name, _value)
 
 
 # combination_problem names train_settings keys; the Layout's fields they are about

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from hp_tool.estimate.layout import LOSS_CHUNK_TOKENS
+from hp_tool.recipe import LOSS_CHUNK_TOKENS
 
 IGNORE_INDEX = -100
 

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import loss_parallel
 
 from hp_tool.contracts.spec import ModelSpec
-from hp_tool.estimate.layout import LOSS_CHUNK_TOKENS
+from hp_tool.recipe import LOSS_CHUNK_TOKENS
 from hp_tool.trial.families import torch_family
 from hp_tool.trial.converters import convert_stage
 from hp_tool.trial.stage import StageModule
