@@ -53,13 +53,13 @@ def test_a_gpu_check_runs_full_adapters_and_inference_on_one_gpu_of_the_7b_shape
     assert value(full, "search_config") == value(adapters, "search_config") == "finetune/llama2_7b"
     assert value(full, f"{TS}.methods") == "[full]" and value(full, f"{TS}.zero_stages") == "[3]"
     assert value(full, f"{TS}.offload") == "[none,optimizer_and_params]"
-    assert value(full, f"{TS}.micro_batch_sizes") == "[1,2]" and value(full, f"{TS}.act_ckpt_layers") == "[32]"
+    assert value(full, f"{TS}.micro_batch_sizes") == "[2]" and value(full, f"{TS}.act_ckpt_layers") == "[32]"
     assert value(adapters, f"{TS}.methods") == "[lora,qlora]"
     assert value(adapters, f"{TS}.micro_batch_sizes") == "[2,8]" and value(adapters, f"{TS}.act_ckpt_layers") == "[0]"
     assert not any(o.startswith(f"{TS}.precision=") for o in adapters.overrides)  # the GPU's own: bf16
     for s in (full, adapters):
         assert value(s, f"{TS}.search_strategy") == "exhaustive" and value(s, f"{TS}.max_steps_per_run") == "6"
-        assert value(s, f"{TS}.max_minutes_per_run") == "1.5" and value(s, f"{TS}.seq_lengths") == "[2048]"
+        assert value(s, f"{TS}.max_minutes_per_run") == "3" and value(s, f"{TS}.seq_lengths") == "[2048]"
     assert inference.inference and value(inference, "search_config") == "llama/llama2_7b"
     assert value(inference, "run_training_hp_search") == "false"
     assert value(inference, "run_inference_hp_search") == "true"
@@ -236,3 +236,12 @@ def test_a_search_that_fails_at_start_up_is_on_the_page_and_the_check_exits_1(tm
     assert page.startswith("# GPU check: cpu\n\nFAIL: 0 of 0 launched")
     assert "`full` (exit 2, " in page and "no_such_key" in page.split("No table; the output ended with:")[1]
     assert "no_such_key" in (tmp_path / "work" / "full.log").read_text()
+
+
+def test_the_searches_run_in_the_order_given(tmp_path, monkeypatch):
+    """A short GPU lease runs the search never yet seen on a GPU first: --searches full,adapters keeps that order."""
+    ran = []
+    monkeypatch.setattr(gc, "versions", lambda: {"torch": "x"})
+    monkeypatch.setattr(gc, "run_search", lambda search, work_dir: ran.append(search.name) or gc.SearchRun(search))
+    gc.main(["--rehearse", "--searches", "full,adapters", "--work-dir", str(tmp_path), "--out", str(tmp_path / "p.md")])
+    assert ran == ["full", "adapters"]
