@@ -19,6 +19,8 @@ SHAPE = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key
 EXPERTS = {"mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
            "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=176,
                              shared_expert_intermediate_size=64)}
+# Qwen3 with its heads wider than hidden / heads (4 heads of 32 over 64), as Qwen3-0.6B's 16 of 128 over 1024
+HEAD_DIM = {"qwen3": dict(head_dim=32)}
 
 
 def make_checkpoint(folder, model_type: str = "llama", tie: bool = False) -> dict:
@@ -28,7 +30,8 @@ def make_checkpoint(folder, model_type: str = "llama", tie: bool = False) -> dic
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(7)
-    config = AutoConfig.for_model(model_type, tie_word_embeddings=tie, **SHAPE, **EXPERTS.get(model_type, {}))
+    config = AutoConfig.for_model(model_type, tie_word_embeddings=tie, **SHAPE, **EXPERTS.get(model_type, {}),
+                                  **HEAD_DIM.get(model_type, {}))
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -48,7 +51,8 @@ def spec_for(folder, config: dict, ep: int = 1, **layout):
                       tied_embeddings=config["tie_word_embeddings"], hf_config=config, checkpoint=str(folder),
                       num_experts=config.get("num_local_experts", config.get("num_experts", 0)),
                       top_k=config.get("num_experts_per_tok", 0),
-                      shared_expert_ffn_hidden_size=config.get("shared_expert_intermediate_size", 0))
+                      shared_expert_ffn_hidden_size=config.get("shared_expert_intermediate_size", 0),
+                      kv_channels=HEAD_DIM.get(config["model_type"], {}).get("head_dim"))
     return dataclasses.replace(spec, model=model, parallel=dataclasses.replace(spec.parallel, ep=ep),
                                trial_id=spec.trial_id.replace("llama", config["model_type"]))
 
@@ -81,6 +85,11 @@ LAYOUTS = [
     # load, split over EP ranks
     ("mixtral", False, dict(dp=2, ep=2, zero_stage=3)),
     ("qwen2_moe", False, dict(dp=2, ep=2, zero_stage=0)),
+    # per-head q and k norms, heads wider than hidden / heads: DDP, FSDP2, and TP (the norms whole beside each
+    # rank's heads) with a tied head
+    ("qwen3", False, dict(dp=2, zero_stage=0)),
+    ("qwen3", False, dict(dp=2, zero_stage=3)),
+    ("qwen3", True, dict(tp=2, zero_stage=0)),
 ]
 
 

@@ -101,13 +101,14 @@ def llama_activation_bytes_per_layer(shape: Shape, mbs: int, tp: int = 1, sequen
 
     Derived tensor by tensor as Korthikanti et al. do for GPT, for the engine's modules (transformers'
     LlamaDecoderLayer, SDPA flash/efficient attention, no dropout, no biases). s = sequence, b = micro-batch,
-    h = hidden, k = kv heads x head dim, f = FFN width, a = heads, p = bytes per value (2 for bf16):
+    h = hidden, q = heads x head dim (h unless the config sets the head dim apart), k = kv heads x head dim,
+    f = FFN width, a = heads, p = bytes per value (2 for bf16):
 
       attention RMSNorm: its input upcast to fp32 (LlamaRMSNorm computes in fp32), the
       normalised value cast back                                                        (4 + p)·sbh
       q, k, v projections: their input (the norm's output)                             p·sbh
       RoPE: nothing (cos/sin are shared buffers); q and k after RoPE are SDPA's inputs
-      SDPA: q, k, v and its output (also o_proj's input), fp32 log-sum-exp per head    p·(2sbh + 2sbk) + 4·abs
+      SDPA: q, k, v and its output (also o_proj's input), fp32 log-sum-exp per head    p·(2sbq + 2sbk) + 4·abs
       MLP RMSNorm: as the attention's                                                  (4 + p)·sbh
       gate and up projections: their input                                             p·sbh
       SiLU(gate) * up: gate output, up output, SiLU output, product (down's input)     4p·sbf
@@ -118,11 +119,11 @@ def llama_activation_bytes_per_layer(shape: Shape, mbs: int, tp: int = 1, sequen
     never stored (flash kernels); the residual adds keep nothing.
     """
     s, b, h, f, a = shape.seq_length, mbs, shape.hidden_size, shape.ffn_hidden_size, shape.num_attention_heads
-    k = shape.kv_dim
+    q, k = shape.attention_dim, shape.kv_dim
     p = bytes_per_value
     sp = tp if sequence_parallel else 1
     norms = 2 * (4 + p) * s * b * h / sp + 2 * p * s * b * h  # the two norms, the inputs of q/k/v and gate/up
-    attention = (p * (2 * s * b * h + 2 * s * b * k) + 4 * a * b * s) / tp
+    attention = (p * (2 * s * b * q + 2 * s * b * k) + 4 * a * b * s) / tp
     mlp = 4 * p * s * b * f / tp
     return norms + attention + mlp
 

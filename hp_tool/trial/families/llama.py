@@ -48,8 +48,8 @@ def decoder_config(model: ModelSpec, config_class: type, family_sizes: Optional[
     sizes = dict(vocab_size=model.vocab_size, hidden_size=model.hidden_size, num_hidden_layers=model.num_layers,
                  num_attention_heads=model.num_attention_heads, num_key_value_heads=model.num_kv_heads,
                  intermediate_size=model.ffn_hidden_size, tie_word_embeddings=bool(model.tied_embeddings))
-    if model.kv_channels is not None:
-        sizes["head_dim"] = model.kv_channels
+    # the head dim always: a config class may default it apart from hidden / heads (Qwen3's 128)
+    sizes["head_dim"] = model.kv_channels or model.hidden_size // model.num_attention_heads
     sizes.update(family_sizes or {})
     return config_class(**{**given, **sizes, "use_cache": False, "attention_dropout": 0.0,
                            "attn_implementation": "sdpa"})
