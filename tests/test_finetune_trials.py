@@ -21,6 +21,8 @@ EXPERTS = {"mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
                              shared_expert_intermediate_size=64)}
 # Qwen3 with its heads wider than hidden / heads (4 heads of 32 over 64), as Qwen3-0.6B's 16 of 128 over 1024
 HEAD_DIM = {"qwen3": dict(head_dim=32)}
+# Phi3Config's default padding token (32000) lies outside the tiny vocabulary
+EXTRA = {"phi3": dict(pad_token_id=None, bos_token_id=None, eos_token_id=None)}
 
 
 def make_checkpoint(folder, model_type: str = "llama", tie: bool = False) -> dict:
@@ -31,7 +33,7 @@ def make_checkpoint(folder, model_type: str = "llama", tie: bool = False) -> dic
 
     torch.manual_seed(7)
     config = AutoConfig.for_model(model_type, tie_word_embeddings=tie, **SHAPE, **EXPERTS.get(model_type, {}),
-                                  **HEAD_DIM.get(model_type, {}))
+                                  **HEAD_DIM.get(model_type, {}), **EXTRA.get(model_type, {}))
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -90,6 +92,10 @@ LAYOUTS = [
     ("qwen3", False, dict(dp=2, zero_stage=0)),
     ("qwen3", False, dict(dp=2, zero_stage=3)),
     ("qwen3", True, dict(tp=2, zero_stage=0)),
+    # fused q/k/v and gate/up (no TP for the family): DDP, FSDP2, and pipeline stages
+    ("phi3", False, dict(dp=2, zero_stage=0)),
+    ("phi3", False, dict(dp=2, zero_stage=3)),
+    ("phi3", False, dict(pp=2, zero_stage=0)),
 ]
 
 

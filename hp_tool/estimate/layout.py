@@ -97,7 +97,9 @@ class Layout:
         (``rule`` "sequence") and the checkpointing mode (``rule`` "checkpoint_mode")."""
         out: list[Problem] = []
         heads, kv = shape.num_attention_heads, shape.num_kv_heads
-        if heads % self.tp:
+        if self.tp > 1 and shape.facts.no_tensor_parallel:
+            out.append(Problem("tp", "family", f"TP={self.tp}: {shape.facts.no_tensor_parallel}"))
+        elif heads % self.tp:
             out.append(Problem("tp", "heads", f"TP={self.tp} does not divide the {heads} heads"))
         elif kv % self.tp:
             out.append(Problem("tp", "heads", f"TP={self.tp} does not divide the {kv} key/value heads "

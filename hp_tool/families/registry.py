@@ -97,6 +97,9 @@ class Family:
     # ring attention splits its attention over context-parallel ranks (causal, rotary positions)
     sequence_parallel: bool = False
     context_parallel: bool = False
+    # why no engine splits the family's layers over TP ranks (Phi-3's fused q/k/v and gate/up projections);
+    # None: they do
+    no_tensor_parallel: Optional[str] = None
     moe: bool = False  # a mixture of experts (hp_tool/families/moe.py): Shape.num_experts routed experts per layer
     # one layer's routed experts' parameters (what expert parallelism splits; a token runs top_k of the
     # num_experts, hp_tool/families/decoder.py); 0 for a dense family
