@@ -22,8 +22,9 @@ What each run is given, and what the model cannot express (said per run in the `
   16 layers per stage (128 layers); torchtitan's default micro-batch count = the pipeline's stages;
 - "selective layer" checkpointing (every second layer recomputed whole) is act_ckpt_layers = layers / 2, "selective
   op" is act_ckpt_mode = selective on every layer (torchtitan's per-op policy, hp_tool's too);
-- Float8 runs (torchao Float8 linears) keep bf16 weights, gradients and activations: their memory is priced as
-  bf16, their linears at the GPU's fp8 peak;
+- Float8 runs (torchao Float8 linears) keep bf16 weights, gradients and activations: they are the planner's fp8
+  recipe choice (``train_settings.fp8``): memory priced as bf16, the linears at the GPU's fp8 peak with their
+  casts at its memory bandwidth (hp_tool/estimate/speed.py ``fp8_cast_s``);
 - asynchronous TP (overlapping TP's collectives with matmuls) is not modelled: priced as synchronous TP, and so
   is NeMo's TP communication overlap (ub_tp_comm_overlap);
 - NeMo's distributed optimizer (one reduce-scatter of the gradients and one all-gather of the weights per step:
@@ -76,11 +77,6 @@ TABLE_1 = [
     (1008.0, 128, 25600, 160, 8, 64, 3072, 3072, 1, 1, 163),
 ]
 
-# torchao's Float8 linears (dynamic tensorwise scaling) run this much faster than bf16 ones, their casts and
-# scales included: what the compiled FSDP runs' 1.28x (torchtitan 2024-12: 6667 -> 8532 and 6514 -> 8380 tokens/s
-# per GPU on 8 and 128 H100s) leaves for the linears once attention (bf16 either way) is priced; not 2x, the fp8 peak
-FLOAT8_LINEAR_SPEEDUP = 1.4
-
 # the gpu preset each published GPU runs on
 GPU_PRESETS = {"A100 80GB": "a100_80gb", "H100 96GB HBM2e (500 W)": "h100_96gb_hbm2e",
                "H100 94-95GB HBM2e lower-TDP": "h100_96gb_hbm2e", "H100 80GB SXM (DGX H100)": "h100_80gb",
@@ -129,7 +125,8 @@ def hardware(preset: str, precision: str = "bf16") -> Hardware:
                     inter_node_bandwidth_gbps=p["inter_node_bandwidth_gbps"],
                     memory_overhead_gib=p["memory_overhead_gib"],
                     host_ram_gib=p.get("host_ram_gib"), pcie_bandwidth_gbps=p["pcie_bandwidth_gbps"],
-                    memory_bandwidth_gbps=p.get("memory_bandwidth_gbps") or 2000.0, **p.get("efficiency", {}))
+                    memory_bandwidth_gbps=p.get("memory_bandwidth_gbps") or 2000.0,
+                    fp8_peak_tflops=p["peak_tflops"].get("fp8"), **p.get("efficiency", {}))
 
 
 def narayanan_runs() -> list[Run]:
@@ -194,13 +191,13 @@ def json_runs(path: Path) -> list[Run]:
             notes.append("fused cross entropy priced as torch's (verdict not judged)")
         layout = Layout.of(tp=tp, pp=pp, dp=dp, mbs=mbs, act_ckpt_layers=ckpt, global_batch_size=gbs,
                            zero_stage=ZERO_STAGES.get(r["sharding"], 3), virtual_stages=v, cp=cp,
-                           sequence_parallel=bool(r["sequence_parallel"]), act_ckpt_mode=mode)
+                           sequence_parallel=bool(r["sequence_parallel"]), act_ckpt_mode=mode,
+                           # Float8 linears (torchao), weights, gradients and activations in bf16: the planner's
+                           # fp8 recipe choice (train_settings.fp8), priced as the planner prices it
+                           fp8=r["precision"].startswith("fp8"))
         preset = GPU_PRESETS[r["gpu"]]
         hw = hardware(preset)
-        # Float8 linears (torchao) with weights, gradients and activations in bf16
-        hw = replace(hw, compiled="torch.compile" in optimizations,
-                     gemm_peak_tflops=FLOAT8_LINEAR_SPEEDUP * hw.peak_tflops if r["precision"].startswith("fp8")
-                     else None)
+        hw = replace(hw, compiled="torch.compile" in optimizations)
         gpus = r["num_gpus"]
         per_gpu = r["tokens_per_s_per_gpu"] or r["tokens_per_s_total"] / gpus
         step = r["step_time_s"] or gbs * seq / (per_gpu * gpus)

@@ -78,6 +78,7 @@ def resolve_cluster(app: AppConfig) -> Cluster:
         host_cpu_cores=gpu.host_cpu_cores,
         pcie_bandwidth_gbps=gpu.pcie_bandwidth_gbps,
         memory_bandwidth_gbps=gpu.memory_bandwidth_gbps or Hardware.memory_bandwidth_gbps,
+        fp8_peak_tflops=gpu.peak_tflops.fp8,
         device_is_host=trial_device(gpu.name) == "cpu",
         **{name: float(getattr(gpu.efficiency, name)) for name in EFFICIENCY_FIELDS},
     )
@@ -299,7 +300,8 @@ def base_spec(app: AppConfig, model: ModelChoice, cluster: Cluster) -> TrialSpec
                                 hw.intra_node_bandwidth_gbps, hw.inter_node_bandwidth_gbps,
                                 cluster.gpu_hour_price, gpu=cluster.gpu_name, host_ram_gib=hw.host_ram_gib,
                                 pcie_bandwidth_gbps=hw.pcie_bandwidth_gbps, host_cpu_cores=hw.host_cpu_cores,
-                                efficiency=hw.efficiency()),
+                                efficiency=hw.efficiency(), fp8_peak_tflops_per_gpu=hw.fp8_peak_tflops,
+                                memory_bandwidth_gbps=hw.memory_bandwidth_gbps),
         run=RunSpec(mode="full", max_minutes=ts.max_training_days * 24 * 60, max_steps=max_steps,
                     stable_cv=0.0),
         full_run=FullRunSpec(cluster.num_nodes, dp, gbs, tokens_b, max_steps, ts.epochs if sc.finetune else None),
@@ -312,15 +314,15 @@ def model_seq(model: ModelChoice, shape: Shape) -> Optional[int]:
 
 
 def model_spec(s: Shape, num_parameters: int, hf: Optional[HFModel] = None, method: str = "full",
-               lora: Optional[LoraSpec] = None) -> ModelSpec:
+               lora: Optional[LoraSpec] = None, fp8: bool = False) -> ModelSpec:
     """The TrialSpec model section of a shape (with the Hugging Face config it comes from, and what trains: the
-    method and its adapters, a layout's ``section_values(layout, "model")``)."""
+    method and its adapters, whether its linears run in Float8; a layout's ``section_values(layout, "model")``)."""
     return ModelSpec(s.family, s.num_layers, s.hidden_size, s.num_attention_heads, s.num_kv_heads,
                      s.ffn_hidden_size, s.vocab_size, s.seq_length, init_method_std=init_std(s),
                      num_parameters=num_parameters, kv_channels=s.kv_channels,
                      decoder_seq_length=s.decoder_seq_length, qkv_bias=s.qkv_bias,
                      tied_embeddings=s.tied_embeddings, hf_config=None if hf is None else dict(hf.config),
-                     method=method, lora=lora, num_experts=s.num_experts, top_k=s.top_k,
+                     method=method, lora=lora, fp8=fp8, num_experts=s.num_experts, top_k=s.top_k,
                      shared_expert_ffn_hidden_size=s.shared_expert_ffn)
 
 

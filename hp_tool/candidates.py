@@ -45,7 +45,7 @@ from hp_tool.recipe import Degrees, Recipe
 from hp_tool.estimate.memory import HostPhases, estimate_memory, host_phases_gib
 from hp_tool.estimate.speed import estimate_step_time
 from hp_tool.tables import ACT_CKPT_STEP, lookup
-from hp_tool.sharding import SAVING_ORDER
+from hp_tool.sharding import SAVING_ORDER, fp8_problem
 from hp_tool.vocab import INVALID, OFFLOADS, OVER_LIMIT, PRUNED, SELECTED, ZERO_STAGES
 from hp_tool.throughput import throughput
 
@@ -126,6 +126,7 @@ class Grid:
     sequence_parallel: Optional[list[bool]] = None  # None: wherever it runs
     losses: Optional[list[str]] = None  # None: chunked from CHUNKED_LOSS_FROM tokens where it runs
     activation_offload: list[bool] = dataclasses.field(default_factory=lambda: [False])
+    fp8: list[bool] = dataclasses.field(default_factory=lambda: [False])
     act_ckpt_modes: Optional[list[str]] = None  # None: full, and selective where every layer is checkpointed
 
 
@@ -215,6 +216,7 @@ def build_grid(ts: TrainSettings, shape: Shape, size_b: float, host_ram_known: b
         activation_offload=list(ts.activation_offload) if ts.activation_offload is not None else
         [False, True] if host_ram_known and shape.seq_length >= ACTIVATION_OFFLOAD_FROM else [False],
         act_ckpt_modes=None if ts.act_ckpt_modes is None else list(ts.act_ckpt_modes),
+        fp8=list(ts.fp8 or [False]),
     )
 
 
@@ -318,7 +320,12 @@ def invalid_reason(shape: Shape, c: Candidate, cluster: Cluster, mp_range: tuple
     if bad:
         return bad
     problems = [p for p in c.full.problems(shape, cluster.hw.gpus_per_node) if p.rule not in PER_SAVER_RULES]
-    return (FIELD_KEYS[problems[0].field], problems[0].reason) if problems else None
+    if problems:
+        return FIELD_KEYS[problems[0].field], problems[0].reason
+    layout = c.full  # the GPU's own rule: fp8 tensor cores
+    no_fp8 = fp8_problem(shape.family, layout.fp8, layout.engine, layout.tp, layout.method, layout.precision,
+                         cluster.hw.fp8_peak_tflops, cluster.gpu_name)
+    return (FIELD_KEYS["fp8"], no_fp8) if no_fp8 else None
 
 
 @functools.cache
@@ -463,11 +470,12 @@ def plan_candidates(shape: Shape, size_b: float, ts: TrainSettings, cluster: Clu
     grid = grid or build_grid(ts, shape, size_b, cluster.hw.host_ram_gib is not None, cluster.hw.gpus_per_node)
     stage, offload = grid.savers[0]
     out: list[Candidate] = []
-    for opt, mw, engine, tp, pp, ep, cp, mbs, ao in itertools.product(
+    for opt, mw, engine, tp, pp, ep, cp, mbs, ao, f8 in itertools.product(
             grid.optimizers, grid.master_weights, grid.engines, grid.tp, grid.pp, grid.ep, grid.cp, grid.mbs,
-            grid.activation_offload):
+            grid.activation_offload, grid.fp8):
         dp = max(1, cluster.gpus // (tp * pp * cp))
-        base = Layout(Degrees(tp, pp, mbs=mbs, ep=ep, cp=cp), recipe).replace(engine=engine, activation_offload=ao)
+        base = Layout(Degrees(tp, pp, mbs=mbs, ep=ep, cp=cp), recipe).replace(engine=engine, activation_offload=ao,
+                                                                               fp8=f8)
         for sp, loss in long_context_values(grid, shape, base):
             chosen = base.replace(zero_stage=stage, offload=offload, sequence_parallel=sp, optimizer=opt, loss=loss,
                                   master_weights=mw).recipe
@@ -493,7 +501,7 @@ def rank_candidates(cands: list[Candidate], limit: int) -> None:
     fitting = [c for c in cands if c.status == SELECTED]
     fitting.sort(key=lambda c: (c.step_time_s, c.memory_gib, c.tp, c.pp, c.ep, c.cp, c.virtual_stages, c.mbs,
                                 c.act_ckpt_layers, c.engine, c.zero_stage, c.offload, c.full.sequence_parallel,
-                                c.full.loss, c.full.activation_offload, c.full.act_ckpt_mode))
+                                c.full.loss, c.full.activation_offload, c.full.act_ckpt_mode, c.full.fp8))
     for i, c in enumerate(fitting, start=1):
         c.rank = i
         if i > limit:

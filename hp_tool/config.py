@@ -96,6 +96,9 @@ class PeakTflops:
     bf16: Optional[float] = MISSING  # null: the GPU has no bf16 (V100, T4)
     fp16: float = MISSING
     fp32: float = MISSING
+    # FP8 Tensor Core (Hopper, Ada): the linears' peak where train_settings.fp8 runs them in Float8 (torchao); null:
+    # no fp8 tensor cores (A100, V100, CPU), and fp8 layouts are invalid there
+    fp8: Optional[float] = None
 
 
 @dataclass
@@ -137,7 +140,7 @@ class GpuConfig:
                     "is a fraction of the peak and cannot exceed 1", "give a fraction of peak, e.g. 0.6")
         _positive(self, "gpu", ("memory_gib", "intra_node_bandwidth_gbps", "inter_node_bandwidth_gbps",
                                 "host_ram_gib", "pcie_bandwidth_gbps", "price_per_gpu_hour", "memory_bandwidth_gbps"))
-        _positive(self.peak_tflops, "gpu.peak_tflops", PRECISIONS)
+        _positive(self.peak_tflops, "gpu.peak_tflops", (*PRECISIONS, "fp8"))
         require(self.host_cpu_cores is None or self.host_cpu_cores > 0, "gpu.host_cpu_cores", self.host_cpu_cores,
                 "must be a positive number of CPU threads",
                 "give the node's CPU threads (vCPUs, as nproc prints them), e.g. 96 for a p4d.24xlarge, "
@@ -306,6 +309,9 @@ class TrainSettings:
     losses: Optional[List[str]] = None
     # saved activations in host RAM: null = [false], and [false, true] from 16384 tokens with a host RAM figure
     activation_offload: Optional[List[bool]] = None
+    # the layers' linears in Float8 (torchao): null = [false]; [false, true] searches both where the GPU has fp8
+    # tensor cores (gpu.peak_tflops.fp8), the torch engine at TP 1 training full in bf16
+    fp8: Optional[List[bool]] = None
     # fine-tuning (model_family finetune): the data is the budget; the answer is hours and dollars per epoch
     seq_lengths: Optional[List[int]] = None  # tokens per sequence, searched with micro_batch_sizes; null = [seq_length]
     global_batch_tokens: Optional[int] = None  # tokens per optimizer step at every sequence length; null = GBS x seq

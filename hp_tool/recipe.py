@@ -103,6 +103,9 @@ class Recipe:
     precision: str = _in("training", "bf16")  # the compute precision: bf16 | fp16 | fp32
     method: str = _in("model", "full")  # what trains: full | lora | qlora (estimate/methods.py)
     lora: Optional[Adapters] = _in("model", None)  # the adapters: given exactly for lora and qlora
+    # the layers' linears in Float8 (torchao's dynamic tensorwise scaling), the rest in the compute precision
+    # (hp_tool/sharding.py fp8_problem, hp_tool/estimate/speed.py fp8_cast_s, hp_tool/trial/converters.py)
+    fp8: bool = _in("model", False)
 
     def __post_init__(self) -> None:
         if (self.lora is not None) != (self.method != "full"):

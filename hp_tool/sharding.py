@@ -185,6 +185,32 @@ def sequence_problem(family_name: str, seq_length: int, tp: int, pp: int, cp: in
     return None
 
 
+def fp8_problem(family_name: str, fp8: bool, engine: str, tp: int, method: str, precision: str,
+                fp8_peak_tflops: Optional[float], gpu: str) -> Optional[str]:
+    """Why Float8 linears (torchao's dynamic tensorwise scaling) cannot train this way, or None:
+    - a GPU with fp8 tensor cores (the gpu preset's ``peak_tflops.fp8``: H100, H200, L4, L40S; not A100, V100 or
+      CPU processes);
+    - the torch engine (which converts the linears before FSDP2 wraps them) at TP 1 (torchao splits Float8 linears
+      over TP with parallel styles of its own, which the engine's plans do not use), bf16 compute;
+    - full training (an adapter method's frozen base is no Float8 training linear) of a family whose linears the
+      planner knows (``Family.linear_shapes``: their casts are priced per linear)."""
+    if not fp8:
+        return None
+    if fp8_peak_tflops is None:
+        return f"gpu={gpu} has no fp8 tensor cores (gpu.peak_tflops.fp8 is null): fp8 linears need an H100, H200, L4 or L40S"
+    if not engine_facts(engine).fp8_linears:
+        return f"the {engine} engine does not convert linears to Float8 (use engine torch)"
+    if tp > 1:
+        return f"fp8 linears at TP={tp}: the torch engine converts them at TP 1 (torchao's Float8 TP styles are not used)"
+    if precision != "bf16":
+        return f"fp8 linears compute the rest of the model in bf16, not {precision}"
+    if method != "full":
+        return f"fp8 linears train full models: {method}'s frozen base is not converted"
+    if family(family_name).linear_shapes is None:
+        return f"fp8 linears are priced per linear module, which the planner does not list for {family_name}"
+    return None
+
+
 def checkpoint_mode_problem(family_name: Optional[str], act_ckpt_mode: str, act_ckpt_layers: int, engine: str,
                             cp: int = 1, activation_offload: bool = False, method: str = "full") -> Optional[str]:
     """Why the checkpointed layers cannot be recomputed in ``act_ckpt_mode``, else None. ``full`` always runs;

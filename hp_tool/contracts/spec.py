@@ -69,6 +69,7 @@ class ModelSpec:
     checkpoint: Optional[str] = None  # a Hugging Face model directory whose weights the run starts from
     method: str = "full"  # full | lora | qlora: what trains (hp_tool/estimate/methods.py)
     lora: Optional[LoraSpec] = None  # the adapters, for lora and qlora
+    fp8: bool = False  # the layers' linears in Float8 (hp_tool/trial/converters.py Float8Linears)
     # mixture of experts: each layer's MLP is num_experts experts of ffn_hidden_size, top_k per token, and
     # (Qwen2-MoE) an always-active shared expert of shared_expert_ffn_hidden_size; 0 experts = dense
     num_experts: int = 0
@@ -111,6 +112,7 @@ class ModelSpec:
                 self.num_kv_heads, f"does not divide num_attention_heads={self.num_attention_heads}",
                 "use a divisor of the head count")
         BY_NAME["method"].require(self.method, "model")
+        BY_NAME["fp8"].require(self.fp8, "model")
         require((self.lora is not None) == (self.method != "full"), "model.lora", self.lora,
                 f"is given exactly for the adapter methods (lora, qlora), and the method is {self.method}",
                 "give model.lora for lora and qlora, null for full")
@@ -256,6 +258,8 @@ class ResourcesSpec:
     host_ram_gib: Optional[float] = None  # host RAM per node, GiB
     pcie_bandwidth_gbps: float = 25.0  # GB/s per GPU and direction between host and GPU
     host_cpu_cores: Optional[float] = None  # host CPU threads per node (CPU Adam under offload); None: unknown
+    fp8_peak_tflops_per_gpu: Optional[float] = None  # the GPU's FP8 Tensor Core peak; None: it has none
+    memory_bandwidth_gbps: float = 2000.0  # GB/s of GPU memory (fp8 casts, QLoRA's dequantisation)
     # the gpu preset's compute-efficiency constants (hp_tool/estimate/layout.py EFFICIENCY_FIELDS); {}: defaults
     efficiency: dict[str, float] = field(default_factory=dict)
 
@@ -370,8 +374,9 @@ class TrialSpec:
         d = self.to_dict()
         # the fields added later are left out at their defaults, so a spec without them keeps its fingerprint
         parallel = {k: v for k, v in d["parallel"].items() if ADDED_FIELD_DEFAULTS.get(k, object()) != v}
+        model = {k: v for k, v in d["model"].items() if ADDED_MODEL_DEFAULTS.get(k, object()) != v}
         return fingerprint_of({
-            "model": d["model"], "parallel": parallel, "training": d["training"],
+            "model": model, "parallel": parallel, "training": d["training"],
             "run": {k: v for k, v in d["run"].items() if k != "output_dir"},
             "resources": {k: d["resources"][k] for k in ("num_nodes", "gpus_per_node")},
         })
@@ -395,4 +400,5 @@ def dump_spec(spec: TrialSpec, path: str | os.PathLike) -> Path:
 # ParallelSpec's fields added after specs were first written (the long-context savers, the checkpointing mode) and
 # their defaults: what a layout without them runs
 ADDED_FIELD_DEFAULTS = {**fingerprint_defaults("parallel"), "loss_chunk_tokens": LOSS_CHUNK_TOKENS}
+ADDED_MODEL_DEFAULTS = fingerprint_defaults("model")  # the model's (fp8 linears)
 

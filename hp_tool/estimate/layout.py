@@ -275,7 +275,7 @@ class Hardware:
     tokens_half: float = 128.0  # tokens per micro-batch at which the matmuls reach half of it
     attention_efficiency: float = 0.6  # the fraction of peak causal flash attention approaches (head dim 128)
     compiled: bool = False  # the model and loss run under torch.compile (published runs; hp_tool's engines: eager)
-    gemm_peak_tflops: Optional[float] = None  # the linears' peak where they run in another precision (Float8)
+    fp8_peak_tflops: Optional[float] = None  # the FP8 Tensor Core peak (gpu.peak_tflops.fp8); None: no fp8 units
     device_is_host: bool = False  # CPU processes (gpu preset cpu): host RAM is the device's, offload moves nothing
 
     def offloads_activations(self, layout: "Layout") -> bool:

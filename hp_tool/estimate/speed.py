@@ -46,7 +46,7 @@ from hp_tool.engine_facts import engine_facts
 from hp_tool.estimate.layout import GB, Hardware, Layout, rank_shape
 from hp_tool.estimate.memory import adapter_parameters, cached, linear_parameters, stage_activation_bytes
 from hp_tool.families.decoder import expert_forward_flops
-from hp_tool.estimate.methods import NF4_BITS, attention_core_flops_per_layer
+from hp_tool.estimate.methods import NF4_BITS, attention_core_flops_per_layer, linear_shapes
 
 # attention kernels (FlashAttention-2, Dao 2023, Fig. 4-7: causal forward + backward on A100 80 GiB at head dim 128
 # reaches 118, 171, 187 and 192 TFLOPS at 512, 2K, 8K and 16K tokens, about 62% of peak x s / (s + 330); at head
@@ -101,11 +101,12 @@ class StepTimeEstimate:
     ep_comm_s: float = 0.0  # mixture of experts: the all-to-all dispatch and combine of the routed tokens
     cp_comm_s: float = 0.0  # context parallel: the ring's key/value passes not hidden behind attention
     activation_offload_s: float = 0.0  # saved activations to host RAM and back
+    fp8_cast_s: float = 0.0  # Float8 linears: amax scans, casts and transposes
 
     @property
     def total_s(self) -> float:
         return (self.compute_s + self.bubble_s + self.tp_comm_s + self.pp_comm_s + self.dp_comm_s + self.offload_s
-                + self.dequant_s + self.ep_comm_s + self.cp_comm_s + self.activation_offload_s)
+                + self.dequant_s + self.ep_comm_s + self.cp_comm_s + self.activation_offload_s + self.fp8_cast_s)
 
 
 def matmul_efficiency(shape: Shape, layout: Layout, hw: Hardware) -> float:
@@ -206,13 +207,15 @@ def compute_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
     flops += cached_recompute_flops(shape, layout.global_batch_size, layout.act_ckpt_layers, layout.pp,
                                     layout.act_ckpt_mode)
     experts = expert_flops_per_step(shape, layout)
-    peak = gpus * (hw.gemm_peak_tflops or hw.peak_tflops) * 1e12
+    peak = gpus * hw.peak_tflops * 1e12
+    # Float8 linears run at the fp8 peak (the routed experts are no nn.Linear: torchao leaves them in bf16)
+    linear_peak = gpus * hw.fp8_peak_tflops * 1e12 if layout.fp8 else peak
     attention = 0.0
     if priced_apart(shape, hw):
         counted, kernels = attention_flops_per_step(shape, layout)
         flops -= counted
         attention = kernels / (gpus * hw.peak_tflops * 1e12 * attention_efficiency(shape, layout, hw))
-    dense_s = (flops - experts) / (peak * matmul_efficiency(shape, layout, hw)) + attention
+    dense_s = (flops - experts) / (linear_peak * matmul_efficiency(shape, layout, hw)) + attention
     if not experts:
         return dense_s
     load = shape.expert_imbalance if layout.ep > 1 else float(layout.tp)
@@ -430,7 +433,8 @@ def estimate_step_time(shape: Shape, layout: Layout, hw: Hardware, num_nodes: in
 
     return StepTimeEstimate(compute, bubble, tp_comm, pp_comm, dp_comm_s(shape, layout, hw, num_nodes),
                             offload_s(shape, layout, hw), dequant_s(shape, layout, hw), ep_comm_s(shape, layout, hw),
-                            cp_comm_s(shape, layout, hw), activation_offload_s(shape, layout, hw))
+                            cp_comm_s(shape, layout, hw), activation_offload_s(shape, layout, hw),
+                            fp8_cast_s(shape, layout, hw))
 
 
 def cp_comm_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
@@ -467,6 +471,26 @@ def activation_offload_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
     rank = rank_shape(shape, layout)
     per_microbatch = max(stage_activation_bytes(rank, layout, hw, stage)[0] for stage in range(layout.pp))
     return layout.num_microbatches * 2 * per_microbatch / (hw.pcie_bandwidth_gbps * GB)
+
+
+# Bytes of GPU memory traffic per element of a Float8 linear's input, output gradient and weight, per micro-batch
+# (torchao's dynamic tensorwise scaling, eager): each is read for its amax (2 bytes), read again and written in
+# fp8 (2 + 1), and its fp8 copy transposed for the backward's other matmul (1 + 1).
+FP8_CAST_BYTES = 7
+
+
+def fp8_cast_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
+    """Float8 linears' casts and scale bookkeeping per step: for each linear of the stage's layers (and each
+    recomputed one's forward), every micro-batch's input, output gradient and weight amax-scanned, cast and
+    transposed (``FP8_CAST_BYTES``), bound by the GPU's memory bandwidth; 0 without fp8."""
+    if not layout.fp8:
+        return 0.0
+    linears = linear_shapes(shape).values()
+    per_stage = shape.pipeline_layers / layout.pp
+    tokens = layout.mbs * shape.seq_length / layout.cp
+    layer_bytes = FP8_CAST_BYTES * (tokens * sum(i + o for i, o in linears) + sum(i * o for i, o in linears))
+    layers = per_stage + min(layout.act_ckpt_layers, per_stage) / 2  # a recomputed forward casts again
+    return layout.num_microbatches * layers * layer_bytes / layout.tp / (hw.memory_bandwidth_gbps * GB)
 
 
 def dequant_s(shape: Shape, layout: Layout, hw: Hardware) -> float:

@@ -5,10 +5,11 @@ after it is cut, before any parallel wrapper (``convert``), and may finish its w
 filled (``materialised``, timed as its own build ``phase``). ``CONVERTERS`` lists them in the order they
 apply; ``convert_stage`` (called by ``models.build_stage``) applies those a spec asks for, and the
 weights' materialiser (``rank.Initialise``) runs their ``materialised`` steps in the same order. A new
-transform (fp8 linears) is one more converter in the list.
+transform is one more converter in the list.
 
     FourBitBase   QLoRA: the adapted linears become bitsandbytes' NF4 ``Linear4bit``, quantised once filled
     LoraAdapters  LoRA and QLoRA: peft's adapters on the target modules, every other parameter frozen
+    Float8Linears fp8: the layers' linears become torchao's ``Float8Linear`` (full training, bf16 elsewhere)
 """
 
 from __future__ import annotations
@@ -66,7 +67,25 @@ class LoraAdapters(Converter):
         inject_adapters(stage, model.lora)
 
 
-CONVERTERS: tuple[Converter, ...] = (FourBitBase(), LoraAdapters())
+class Float8Linears(Converter):
+    """The layers' linears as torchao's ``Float8Linear`` (dynamic tensorwise scaling: each matmul's input,
+    weight and output gradient cast to fp8 with a scale from its amax), their weights and everything else in the
+    compute precision; the embedding and the head stay as they are (torchtitan leaves its output projection out
+    too), and so does a linear whose dimensions are not multiples of 16 (fp8 GEMMs need them). The planner runs it
+    on GPUs with fp8 tensor cores only (hp_tool/sharding.py ``fp8_problem``); on CPU processes torch emulates the
+    scaled matmuls, so a CPU trial checks the conversion, not its speed."""
+
+    def applies(self, model: ModelSpec) -> bool:
+        return model.fp8
+
+    def convert(self, stage: nn.Module, model: ModelSpec) -> None:
+        from torchao.float8 import convert_to_float8_training  # optional: hp_tool's fp8 extra
+
+        convert_to_float8_training(stage.layers, module_filter_fn=lambda module, fqn: isinstance(module, nn.Linear)
+                                   and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+
+
+CONVERTERS: tuple[Converter, ...] = (FourBitBase(), LoraAdapters(), Float8Linears())
 """Every converter, in the order they apply (the 4-bit base before the adapters that wrap its linears)."""
 
 
