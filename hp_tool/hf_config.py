@@ -34,10 +34,11 @@ SHIPPED = Path(__file__).parent / "hf_configs"
 # config.json keys of the sizes every supported model_type is planned from; each must be in the file
 SIZE_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings")
 # the FFN's widths: intermediate_size, but Qwen2-MoE's routed and shared experts have their own
-FFN_KEYS = {"qwen2_moe": ("moe_intermediate_size", "shared_expert_intermediate_size")}
+FFN_KEYS = {"qwen2_moe": ("moe_intermediate_size", "shared_expert_intermediate_size"),
+            "qwen3_moe": ("moe_intermediate_size",)}
 # a mixture of experts' routing; a tuple names one key and its alias (Mixtral's num_local_experts, num_experts)
 EXPERT_KEYS = {"mixtral": (("num_local_experts", "num_experts"), "num_experts_per_tok"),
-               "qwen2_moe": ("num_experts", "num_experts_per_tok")}
+               "qwen2_moe": ("num_experts", "num_experts_per_tok"), "qwen3_moe": ("num_experts", "num_experts_per_tok")}
 MAY_BE_ZERO = ("shared_expert_intermediate_size",)  # 0: no shared expert
 # keys a config may leave out (transformers' default is what the trial builds too), positive where given
 OPTIONAL_SIZE_KEYS = ("num_key_value_heads", "head_dim")

@@ -24,7 +24,8 @@ PUBLISHED = {"llama2_7b": 6_738_415_616, "llama2_13b": 13_015_864_320, "llama2_7
              "llama3_8b": 8_030_261_248, "mistral_7b": 7_241_732_096, "qwen2_5_7b": 7_615_616_512,
              # Qwen3's cards: 8.2B (6.95B without embeddings) and 0.6B (0.44B), tied in the small one
              "qwen3_8b": 8_190_735_360, "qwen3_0_6b": 596_049_920,
-             "phi3_mini_4k": 3_821_079_552}  # Phi-3-mini's card: 3.8B
+             "phi3_mini_4k": 3_821_079_552,  # Phi-3-mini's card: 3.8B
+             "qwen3_30b_a3b": 30_532_122_624}  # Qwen3-30B-A3B's card: 30.5B, 3.3B active
 
 
 def transformers_count(config: dict) -> int:

@@ -18,9 +18,10 @@ SHAPE = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key
 # mixtures of experts: 4 experts of the dense FFN's width, top-2; Qwen2-MoE with a shared expert
 EXPERTS = {"mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
            "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=176,
-                             shared_expert_intermediate_size=64)}
+                             shared_expert_intermediate_size=64),
+           "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=176, norm_topk_prob=True)}
 # Qwen3 with its heads wider than hidden / heads (4 heads of 32 over 64), as Qwen3-0.6B's 16 of 128 over 1024
-HEAD_DIM = {"qwen3": dict(head_dim=32)}
+HEAD_DIM = {"qwen3": dict(head_dim=32), "qwen3_moe": dict(head_dim=32)}
 # Phi3Config's default padding token (32000) lies outside the tiny vocabulary
 EXTRA = {"phi3": dict(pad_token_id=None, bos_token_id=None, eos_token_id=None)}
 
@@ -96,6 +97,8 @@ LAYOUTS = [
     ("phi3", False, dict(dp=2, zero_stage=0)),
     ("phi3", False, dict(dp=2, zero_stage=3)),
     ("phi3", False, dict(pp=2, zero_stage=0)),
+    # Qwen3-MoE: the per-head norms over routed experts stored per expert, split over EP ranks
+    ("qwen3_moe", False, dict(dp=2, ep=2, zero_stage=0)),
 ]
 
 

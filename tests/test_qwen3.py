@@ -53,6 +53,23 @@ def test_the_memory_model_counts_what_the_qk_norms_keep(device, layout):
     assert predicted - predicted_llama == pytest.approx(traced - traced_llama, rel=0.03)
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_qwen3_moe_counts_what_its_qk_norms_keep_over_the_experts(device):
+    """Qwen3-MoE against Mixtral's layers of the same shape (4 experts of 32, top-2, 8 heads of 128 over 512):
+    what the per-head norms add to the traced peak, as the model adds it (within 3%)."""
+    from trial_helpers import tiny_spec
+
+    base = tiny_spec("moe")
+    peaks = {}
+    for family in ("qwen3_moe", "moe"):
+        model = dataclasses.replace(base.model, family=family, hidden_size=512, num_attention_heads=8, num_kv_heads=2,
+                                    kv_channels=128, seq_length=1024)
+        peaks[family] = traced_and_predicted(dataclasses.replace(base, model=model), device)
+    (traced, predicted), (traced_mixtral, predicted_mixtral) = peaks["qwen3_moe"], peaks["moe"]
+    assert traced - traced_mixtral > 0.05 * traced
+    assert predicted - predicted_mixtral == pytest.approx(traced - traced_mixtral, rel=0.03)
+
+
 @pytest.mark.parametrize("device, layout", CASES, ids=IDS)
 def test_heads_wider_than_the_hidden_size_keep_their_width_in_the_attention(device, layout):
     """Llama's layers with 8 heads of 128 over a hidden size of 512: q and the attention's output are 1024 wide,

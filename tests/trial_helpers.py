@@ -14,7 +14,7 @@ from hp_tool.contracts.spec import (ModelSpec, ParallelSpec, ResourcesSpec, RunS
                                 TrialSpec, dump_spec)
 
 REPO = Path(__file__).resolve().parents[1]
-MOE_FAMILIES = ("moe", "mixtral", "qwen2_moe")
+MOE_FAMILIES = ("moe", "mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def tiny_spec(family: str = "gpt3", tp: int = 1, pp: int = 1, dp: int = 1, mbs: int = 2,

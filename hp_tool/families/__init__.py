@@ -11,7 +11,7 @@
     qwen3.py     Qwen3 (Llama's layers with per-head q and k norms), from a Hugging Face config only
     phi3.py      Phi-3 / Phi-4 (Llama's layers, fused q/k/v and gate/up projections), from a Hugging Face config only
     moe.py       mixtures of experts: ``moe`` (sized by active parameters), and from a Hugging Face config
-                 only ``mixtral`` and ``qwen2_moe`` (a shared expert, q, k, v biases)
+                 only ``mixtral`` and ``qwen2_moe`` (a shared expert, q, k, v biases); ``qwen3_moe`` in qwen3.py
 
 A new family is one file here that builds a ``Family``, one torch file in ``hp_tool/trial/families/`` and
 its YAML presets under ``hp_tool/conf/search_config/``.
@@ -26,7 +26,7 @@ QWEN2_MOE = moe.hf_moe_variant("qwen2_moe", "Qwen1.5/Qwen2-MoE: q, k, v biases, 
                                "gated shared expert (from a Hugging Face config)", qkv_bias=True)
 
 for _record in (gpt3.FAMILY, llama.FAMILY, t5.T5, t5.MT5, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, phi3.FAMILY,
-                moe.FAMILY, MIXTRAL, QWEN2_MOE):
+                moe.FAMILY, MIXTRAL, QWEN2_MOE, qwen3.MOE):
     register(_record)
 
 __all__ = ["Family", "family", "family_names", "hf_model_types"]

@@ -1,28 +1,37 @@
 """Qwen3 (Hugging Face ``model_type`` qwen3): Llama's layers with an RMSNorm over each head of q and of k before
 RoPE (``q_norm``, ``k_norm``: one head-dim weight each), a head dim set apart from hidden / heads in the small
-sizes (Qwen3-0.6B: 16 heads of 128 over a hidden size of 1024), no biases, tied embeddings up to 4B. Fine-tuned
-from its Hugging Face config, never sized from a budget."""
+sizes (Qwen3-0.6B: 16 heads of 128 over a hidden size of 1024), no biases, tied embeddings up to 4B; and Qwen3-MoE
+(``qwen3_moe``): the same attention over Qwen2-MoE's routed experts without a shared expert. Fine-tuned from its
+Hugging Face config, never sized from a budget."""
 
 import dataclasses
 
-from hp_tool.families import llama
+from hp_tool.families import llama, moe
 from hp_tool.families.shape import Shape
 
 
+def qk_norm_parameters(shape: Shape) -> int:
+    """The two per-head norms' weights (head dim each)."""
+    return 2 * shape.head_dim
+
+
+def qk_norm_bytes(shape: Shape, mbs: int, tp: int, bytes_per_value: int) -> float:
+    """What the per-head norms keep for backward: as every RMSNorm of the engine, the input upcast to fp32 and
+    the normalised value cast back, (4 + p) bytes a value, over q's and k's heads (a·sb and k·sb values), split
+    with the heads by TP. RoPE then reads the norms' outputs and keeps nothing of its own."""
+    return (4 + bytes_per_value) * shape.seq_length * mbs * (shape.attention_dim + shape.kv_dim) / tp
+
+
 def layer_parameters(shape: Shape, encoder: bool = False) -> int:
-    """Llama's layer plus the two per-head norms' weights (head dim each)."""
-    return llama.layer_parameters(shape) + 2 * shape.head_dim
+    """Llama's layer plus the two per-head norms' weights."""
+    return llama.layer_parameters(shape) + qk_norm_parameters(shape)
 
 
 def activation_bytes_per_layer(shape: Shape, mbs: int, tp: int = 1, sequence_parallel: bool = False,
                                bytes_per_value: int = 2) -> float:
-    """Llama's (``llama_activation_bytes_per_layer``) plus what the per-head norms keep: as every RMSNorm of the
-    engine, the input upcast to fp32 and the normalised value cast back, (4 + p) bytes a value, over q's and
-    k's heads (a·sb and k·sb values), split with the heads by TP. RoPE then reads the norms' outputs and keeps
-    nothing of its own; SDPA's inputs are Llama's."""
-    s, b, p = shape.seq_length, mbs, bytes_per_value
-    qk_norms = (4 + p) * s * b * (shape.attention_dim + shape.kv_dim) / tp
-    return llama.llama_activation_bytes_per_layer(shape, mbs, tp, sequence_parallel, p) + qk_norms
+    """Llama's (``llama_activation_bytes_per_layer``) plus what the per-head norms keep (``qk_norm_bytes``)."""
+    return llama.llama_activation_bytes_per_layer(shape, mbs, tp, sequence_parallel, bytes_per_value) + \
+        qk_norm_bytes(shape, mbs, tp, bytes_per_value)
 
 
 FAMILY = dataclasses.replace(
@@ -33,4 +42,13 @@ FAMILY = dataclasses.replace(
         shape, mbs, tp, sp, p),
     # transformers' Qwen3: attention_bias puts biases on q, k, v and o; no published Qwen3 has them
     hf_unmodelled=("attention_bias",),
+)
+
+MOE = dataclasses.replace(
+    moe.hf_moe_variant("qwen3_moe", "Qwen3-MoE: Qwen3's attention (per-head q and k norms) over fine-grained routed "
+                       "experts, no shared expert (from a Hugging Face config)", qkv_bias=False,
+                       unmodelled=("attention_bias",)),
+    layer_parameters=lambda shape, encoder=False: moe.layer_parameters(shape) + qk_norm_parameters(shape),
+    activation_bytes=lambda shape, mbs, tp=1, sp=False, p=2, flash=True, encoder=False: moe.activation_bytes(
+        shape, mbs, tp, sp, p) + qk_norm_bytes(shape, mbs, tp, p),
 )

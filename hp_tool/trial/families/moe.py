@@ -1,4 +1,5 @@
-"""Mixtures of experts on the trial engine: transformers' Mixtral (families ``moe`` and ``mixtral``) and
+"""Mixtures of experts on the trial engine: transformers' Mixtral (families ``moe`` and ``mixtral``), Qwen3-MoE
+(``qwen3_moe``: Qwen3's per-head q and k norms, no shared expert) and
 Qwen2-MoE (``qwen2_moe``, with a gated shared expert and q, k, v biases), Llama's module layout with each
 layer's MLP a router and ``num_experts`` experts stored as two 3-D parameters (``mlp.experts.gate_up_proj``
 [E, 2f, h], ``mlp.experts.down_proj`` [E, h, f]); see ``llama.decoder_family``.
@@ -21,9 +22,11 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
+from transformers import (MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM)
 from transformers.models.mixtral.modeling_mixtral import MixtralRotaryEmbedding
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeRotaryEmbedding
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRotaryEmbedding
 
 from hp_tool.contracts.spec import ModelSpec
 from hp_tool.trial.families.base import StoredParts, TPStyle, register
@@ -59,6 +62,14 @@ def qwen2_moe_sizes(model: ModelSpec) -> dict:
                 moe_intermediate_size=model.ffn_hidden_size,
                 shared_expert_intermediate_size=model.shared_expert_ffn_hidden_size, decoder_sparse_step=1,
                 mlp_only_layers=[], qkv_bias=model.qkv_bias, **_NO_ROUTER_LOSS)
+
+
+def qwen3_moe_sizes(model: ModelSpec) -> dict:
+    """Qwen3-MoE's expert keys from the spec: every layer sparse, each expert ``ffn_hidden_size`` wide, no shared
+    expert (the config's ``norm_topk_prob`` as it says)."""
+    return dict(num_experts=model.num_experts, num_experts_per_tok=model.top_k,
+                moe_intermediate_size=model.ffn_hidden_size, decoder_sparse_step=1, mlp_only_layers=[],
+                **_NO_ROUTER_LOSS)
 
 
 # Where published checkpoints keep a layer's expert tensors, relative to ``model.layers.<i>.``: per fused tensor
@@ -100,4 +111,7 @@ register(moe_family("moe", MixtralConfig, MixtralForCausalLM, MixtralRotaryEmbed
 register(moe_family("mixtral", MixtralConfig, MixtralForCausalLM, MixtralRotaryEmbedding, mixtral_sizes,
                     MIXTRAL_PARTS))
 register(moe_family("qwen2_moe", Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen2MoeRotaryEmbedding, qwen2_moe_sizes,
+                    QWEN2_MOE_PARTS))
+# Qwen3-MoE: Qwen3's per-head q and k norms, experts stored per expert as Qwen2-MoE's
+register(moe_family("qwen3_moe", Qwen3MoeConfig, Qwen3MoeForCausalLM, Qwen3MoeRotaryEmbedding, qwen3_moe_sizes,
                     QWEN2_MOE_PARTS))
