@@ -457,7 +457,8 @@ def express(row: dict) -> Case:
                        global_batch_size=mbs * dp * ga, zero_stage=stage, offload=offload, engine=engine,
                        optimizer=optimizer, loss="chunked" if chunked else "full", activation_offload=act_offload,
                        loss_chunk_tokens=max(1, mbs * seq // TORCHTUNE_LOSS_CHUNKS) if chunked else LOSS_CHUNK_TOKENS,
-                       master_weights="bf16" if pure else "fp32", precision=precision, method=method, lora=lora)
+                       master_weights="bf16" if pure else "fp32", precision=precision, method=method, lora=lora,
+                       compile=bool(value(other.get("torch_compile"))))
     if trains_in_dtype and not pure:
         notes.append("trained in its dtype (no fp32 master); hp_tool plans that in bf16 without offload only")
     try:
@@ -465,7 +466,7 @@ def express(row: dict) -> Case:
     except ConfigError as exc:
         raise Unexpressible("precision the GPU lacks", f"{preset} {precision}") from exc
     eager = kernels.strip() in ("HF", "Hugging Face (baseline)")
-    hw = replace(hw, compiled=bool(value(other.get("torch_compile"))), flash_attention=not eager)
+    hw = replace(hw, flash_attention=not eager)
     threads = host_threads(value(hw_info["gpu"]))
     if threads is not None:
         hw = replace(hw, host_cpu_cores=threads)

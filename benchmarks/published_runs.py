@@ -194,10 +194,9 @@ def json_runs(path: Path) -> list[Run]:
                            sequence_parallel=bool(r["sequence_parallel"]), act_ckpt_mode=mode,
                            # Float8 linears (torchao), weights, gradients and activations in bf16: the planner's
                            # fp8 recipe choice (train_settings.fp8), priced as the planner prices it
-                           fp8=r["precision"].startswith("fp8"))
+                           fp8=r["precision"].startswith("fp8"), compile="torch.compile" in optimizations)
         preset = GPU_PRESETS[r["gpu"]]
         hw = hardware(preset)
-        hw = replace(hw, compiled="torch.compile" in optimizations)
         gpus = r["num_gpus"]
         per_gpu = r["tokens_per_s_per_gpu"] or r["tokens_per_s_total"] / gpus
         step = r["step_time_s"] or gbs * seq / (per_gpu * gpus)

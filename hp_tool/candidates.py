@@ -127,6 +127,7 @@ class Grid:
     losses: Optional[list[str]] = None  # None: chunked from CHUNKED_LOSS_FROM tokens where it runs
     activation_offload: list[bool] = dataclasses.field(default_factory=lambda: [False])
     fp8: list[bool] = dataclasses.field(default_factory=lambda: [False])
+    compile: list[bool] = dataclasses.field(default_factory=lambda: [False])
     act_ckpt_modes: Optional[list[str]] = None  # None: full, and selective where every layer is checkpointed
 
 
@@ -217,6 +218,7 @@ def build_grid(ts: TrainSettings, shape: Shape, size_b: float, host_ram_known: b
         [False, True] if host_ram_known and shape.seq_length >= ACTIVATION_OFFLOAD_FROM else [False],
         act_ckpt_modes=None if ts.act_ckpt_modes is None else list(ts.act_ckpt_modes),
         fp8=list(ts.fp8 or [False]),
+        compile=list(ts.compile or [False]),
     )
 
 
@@ -470,12 +472,12 @@ def plan_candidates(shape: Shape, size_b: float, ts: TrainSettings, cluster: Clu
     grid = grid or build_grid(ts, shape, size_b, cluster.hw.host_ram_gib is not None, cluster.hw.gpus_per_node)
     stage, offload = grid.savers[0]
     out: list[Candidate] = []
-    for opt, mw, engine, tp, pp, ep, cp, mbs, ao, f8 in itertools.product(
+    for opt, mw, engine, tp, pp, ep, cp, mbs, ao, f8, compiled in itertools.product(
             grid.optimizers, grid.master_weights, grid.engines, grid.tp, grid.pp, grid.ep, grid.cp, grid.mbs,
-            grid.activation_offload, grid.fp8):
+            grid.activation_offload, grid.fp8, grid.compile):
         dp = max(1, cluster.gpus // (tp * pp * cp))
         base = Layout(Degrees(tp, pp, mbs=mbs, ep=ep, cp=cp), recipe).replace(engine=engine, activation_offload=ao,
-                                                                               fp8=f8)
+                                                                               fp8=f8, compile=compiled)
         for sp, loss in long_context_values(grid, shape, base):
             chosen = base.replace(zero_stage=stage, offload=offload, sequence_parallel=sp, optimizer=opt, loss=loss,
                                   master_weights=mw).recipe
@@ -501,7 +503,8 @@ def rank_candidates(cands: list[Candidate], limit: int) -> None:
     fitting = [c for c in cands if c.status == SELECTED]
     fitting.sort(key=lambda c: (c.step_time_s, c.memory_gib, c.tp, c.pp, c.ep, c.cp, c.virtual_stages, c.mbs,
                                 c.act_ckpt_layers, c.engine, c.zero_stage, c.offload, c.full.sequence_parallel,
-                                c.full.loss, c.full.activation_offload, c.full.act_ckpt_mode, c.full.fp8))
+                                c.full.loss, c.full.activation_offload, c.full.act_ckpt_mode, c.full.fp8,
+                                c.full.compile))
     for i, c in enumerate(fitting, start=1):
         c.rank = i
         if i > limit:

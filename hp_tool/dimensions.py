@@ -148,6 +148,9 @@ DIMENSIONS: tuple[Dimension, ...] = (
               lambda v: "activations offloaded to host RAM" if v else "activations on the GPU",
               "use activation_offload=[false], or the torch engine with a host RAM figure", added=True,
               choices=(False, True)),
+    Dimension("compile", "compile", bool, False, False, "compile", "saver", _flag("_compiled"),
+              lambda v: "torch.compile" if v else "eager",
+              "use compile=[false], or the torch engine", added=True, choices=(False, True)),
     Dimension("fp8", "fp8", bool, False, False, "fp8", "saver", _flag("_fp8"),
               lambda v: "fp8 linears" if v else "bf16 linears",
               "use fp8=[false], or a GPU with fp8 tensor cores (H100, H200, L4, L40S) with the torch engine at TP 1 "

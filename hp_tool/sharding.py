@@ -185,6 +185,14 @@ def sequence_problem(family_name: str, seq_length: int, tp: int, pp: int, cp: in
     return None
 
 
+def compile_problem(compile: bool, engine: str) -> Optional[str]:
+    """Why the layers cannot run under torch.compile this way, or None: the torch engine compiles them
+    (DeepSpeed's own compile is not wired in)."""
+    if compile and not engine_facts(engine).compiles:
+        return f"the {engine} engine does not compile the layers (use engine torch)"
+    return None
+
+
 def fp8_problem(family_name: str, fp8: bool, engine: str, tp: int, method: str, precision: str,
                 fp8_peak_tflops: Optional[float], gpu: str) -> Optional[str]:
     """Why Float8 linears (torchao's dynamic tensorwise scaling) cannot train this way, or None:

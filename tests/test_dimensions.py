@@ -38,7 +38,8 @@ def test_every_dimension_reaches_its_setting_its_field_its_columns_and_its_fix()
 def test_fields_added_later_keep_old_fingerprints_at_their_defaults():
     spec = ParallelSpec()
     added = {name for name in ADDED_FIELD_DEFAULTS if name != "loss_chunk_tokens"}
-    assert added == {"cp", "loss", "activation_offload", "sequence_parallel", "act_ckpt_mode", "master_weights"}
+    assert added == {"cp", "loss", "activation_offload", "sequence_parallel", "act_ckpt_mode", "master_weights",
+                     "compile"}
     assert all(getattr(spec, name) == ADDED_FIELD_DEFAULTS[name] for name in added)
 
 
@@ -93,7 +94,7 @@ def test_a_layout_and_its_trial_spec_convert_field_by_field():
     long = Layout.of(dp=3, mbs=2, global_batch_size=12, cp=2, act_ckpt_layers=12, loss="chunked",
                      loss_chunk_tokens=1024, activation_offload=True, method="lora",
                      lora=Adapters(8, 16.0, 0.0, ("q_proj", "v_proj")))
-    split = Layout.of(tp=2, sequence_parallel=True)
+    split = Layout.of(tp=2, sequence_parallel=True, compile=True)
     experts = Layout.of(dp=2, global_batch_size=2, ep=2, fp8=True)
     defaults = {**{f.name: f.default for f in dataclasses.fields(Degrees)},
                 **{f.name: f.default for f in dataclasses.fields(Recipe)}}

@@ -237,7 +237,7 @@ def test_trial_ids_name_the_savers_in_use_and_old_layouts_keep_their_ids_and_fin
     d = s.to_dict()
     old = {k: v for k, v in d["parallel"].items()
            if k not in ("cp", "loss", "loss_chunk_tokens", "activation_offload", "sequence_parallel", "act_ckpt_mode",
-                         "master_weights")}
+                         "master_weights", "compile")}
     assert s.fingerprint() == fingerprint_of({
         "model": {k: v for k, v in d["model"].items() if k != "fp8"}, "parallel": old, "training": d["training"],
         "run": {k: v for k, v in d["run"].items() if k != "output_dir"},

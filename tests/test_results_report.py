@@ -54,7 +54,7 @@ def test_csv_schemas_and_rows(tmp_path, capsys):
                "trial_num_nodes", "trial_dp", "trial_global_batch_size", "trial_world_size", "steps_run",
                "steps_measured", "seq_length", "optimizer", "method", "lora_rank", "trainable_parameters",
                "experts", "top_k", "ep", "active_parameters", "cp", "sequence_parallel", "loss",
-               "activation_offload", "act_ckpt_mode", "master_weights", "fp8"}  # counts, names and flags
+               "activation_offload", "act_ckpt_mode", "master_weights", "fp8", "compile"}  # counts, names and flags
     for name in numeric:
         assert name in no_unit or any(h in name for h in UNIT_HINTS), f"{name} has no unit in its name"
     assert len(rows) == 24 and len({r["trial_id"] for r in rows}) == 24

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Optional
 from hp_tool.architectures import interleave_problem, pipeline_problem
 from hp_tool.dimensions import DIMENSIONS
 from hp_tool.recipe import Degrees, Recipe
-from hp_tool.sharding import (checkpoint_mode_problem, combination_problem, expert_problem, expert_saver_problem,
+from hp_tool.sharding import (checkpoint_mode_problem, combination_problem, compile_problem, expert_problem, expert_saver_problem,
                               family_problem, master_weights_problem, method_problem, optimizer_problem,
                               sequence_problem)
 
@@ -148,6 +148,9 @@ class Layout:
         bad_mode = self.checkpoint_mode_problem(shape)
         if bad_mode:
             out.append(bad_mode)
+        bad_compile = compile_problem(self.compile, self.engine)
+        if bad_compile:
+            out.append(Problem("compile", "compile", bad_compile))
         return out
 
     def checkpoint_mode_problem(self, shape: "Shape") -> Optional["Problem"]:
@@ -274,7 +277,6 @@ class Hardware:
     width_half: float = 384.0  # hidden columns per TP rank at which the matmuls reach half of it
     tokens_half: float = 128.0  # tokens per micro-batch at which the matmuls reach half of it
     attention_efficiency: float = 0.6  # the fraction of peak causal flash attention approaches (head dim 128)
-    compiled: bool = False  # the model and loss run under torch.compile (published runs; hp_tool's engines: eager)
     fp8_peak_tflops: Optional[float] = None  # the FP8 Tensor Core peak (gpu.peak_tflops.fp8); None: no fp8 units
     device_is_host: bool = False  # CPU processes (gpu preset cpu): host RAM is the device's, offload moves nothing
 

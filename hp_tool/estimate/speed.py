@@ -119,13 +119,14 @@ def matmul_efficiency(shape: Shape, layout: Layout, hw: Hardware) -> float:
     square: efficiency rises hyperbolically with both and saturates at the GPU's ``max_efficiency``. The
     three constants are the gpu preset's (``efficiency``, fitted per generation by
     benchmarks/published_runs.py). With context parallelism a rank's GEMMs run over its seq / CP tokens."""
-    return gemm_efficiency(layout.mbs * shape.seq_length / layout.cp, shape.hidden_size / layout.tp, hw)
+    return gemm_efficiency(layout.mbs * shape.seq_length / layout.cp, shape.hidden_size / layout.tp, hw,
+                           layout.compile)
 
 
-def gemm_efficiency(tokens: float, width: float, hw: Hardware) -> float:
+def gemm_efficiency(tokens: float, width: float, hw: Hardware, compiled: bool = False) -> float:
     """``matmul_efficiency`` of GEMMs over ``tokens`` rows and ``width`` columns per GPU on ``hw``; under
-    torch.compile the element-wise work around them is fused (``COMPILED_SPEEDUP``)."""
-    compiled = COMPILED_SPEEDUP if hw.compiled else 1.0
+    torch.compile (the recipe's ``compile``) the element-wise work around them is fused (``COMPILED_SPEEDUP``)."""
+    compiled = COMPILED_SPEEDUP if compiled else 1.0
     return compiled * hw.max_efficiency * width / (width + hw.width_half) * tokens / (tokens + hw.tokens_half)
 
 
@@ -221,7 +222,7 @@ def compute_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
     load = shape.expert_imbalance if layout.ep > 1 else float(layout.tp)
     # one expert's GEMM: the tokens routed to it (top_k / experts of the micro-batch's), its whole width
     tokens = max(1, round(layout.mbs * shape.seq_length / layout.cp * shape.top_k / shape.num_experts))
-    return dense_s + experts * load / (peak * gemm_efficiency(tokens, shape.hidden_size, hw))
+    return dense_s + experts * load / (peak * gemm_efficiency(tokens, shape.hidden_size, hw, layout.compile))
 
 
 def ep_comm_s(shape: Shape, layout: Layout, hw: Hardware) -> float:

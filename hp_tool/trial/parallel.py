@@ -208,10 +208,20 @@ def apply_data_parallel(stage: StageModule, dp_mesh: DeviceMesh, zero_stage: int
     fully_shard(stage, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp, **extra)
 
 
+def compile_layers(stage: StageModule) -> None:
+    """Each transformer layer under torch.compile, after checkpointing and before FSDP2, as torchtitan compiles its
+    blocks: the layer wrapped (``torch.compile``'s module, whose ``_orig_mod.`` prefix ``stage.canonical_name``
+    drops), so FSDP2's hooks run around the compiled call (a module compiled in place, ``nn.Module.compile``, runs
+    eager once FSDP2 wraps it). The layers share one compiled graph (the same code); the first step compiles it
+    (a warm-up step, untimed)."""
+    for key, layer in list(stage.layers.items()):
+        stage.layers[key] = torch.compile(layer)
+
+
 def parallelize_stage(stage: StageModule, par: ParallelSpec, mesh: Optional[DeviceMesh],
                       param_dtype: Optional[torch.dtype], device: torch.device) -> None:
-    """Apply TP, EP, CP, activation checkpointing and DP to ``stage`` in place (still on meta). With CP the
-    data parallelism spans dp x cp (``dist.weight_dp_dim``)."""
+    """Apply TP, EP, CP, activation checkpointing, torch.compile and DP to ``stage`` in place (still on meta).
+    With CP the data parallelism spans dp x cp (``dist.weight_dp_dim``)."""
     if par.tp > 1:
         apply_tensor_parallel(stage, mesh["tp"], sequence_parallel=par.sequence_parallel)
     if par.ep > 1:
@@ -223,6 +233,8 @@ def parallelize_stage(stage: StageModule, par: ParallelSpec, mesh: Optional[Devi
         apply_context_parallel(stage, mesh["cp"], attention)
     if par.act_ckpt_layers > 0:
         apply_activation_checkpointing(stage, par.act_ckpt_layers, par.act_ckpt_mode)
+    if par.compile:
+        compile_layers(stage)
     if weight_dp_size(par) > 1 or par.offload != "none":  # FSDP2 on one data-parallel rank still offloads
         apply_data_parallel(stage, mesh[weight_dp_dim(par)], par.zero_stage, par.offload, param_dtype, device,
                             expert_mesh=mesh["edp"] if par.ep > 1 else None, master_weights=par.master_weights)

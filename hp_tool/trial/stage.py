@@ -108,7 +108,8 @@ _CHUNK_PREFIX = re.compile(r"^chunks\.\d+\.")
 def canonical_name(name: str, tied: bool) -> str:
     """A parameter's layout-independent name: wrapper and chunk prefixes removed, a tied head named as the
     embedding."""
-    name = _CHUNK_PREFIX.sub("", name.replace("_checkpoint_wrapped_module.", "").replace("module.", "")
+    name = _CHUNK_PREFIX.sub("", name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+                             .replace("module.", "")
                              .replace(".base_layer.", "."))
     if tied and name == f"{HEAD}.weight":
         return f"{EMBEDDING}.weight"

@@ -88,7 +88,7 @@ def run_loop(engine: Engine, out: Path, t_start: float, flag: measure.SignalFlag
     tokens = spec.training.global_batch_size * spec.model.seq_length
     writer = measure.MetricsWriter(out / res.METRICS_FILE, enabled=rank0)
     timed, losses, step, reason, request = [], [], 0, None, None
-    tensor_peak = _TensorPeakSteps(engine, min(2, rule.warmup))
+    tensor_peak = _TensorPeakSteps(engine, min(2, rule.warmup), spec.parallel.compile)
     try:
         while reason is None:
             begin = measure.now_s()
@@ -123,13 +123,15 @@ class _TensorPeakSteps:
     """Peak tensor bytes of this rank over the first untimed steps (none when no step is untimed). On a GPU
     the caching allocator's own count (its peak reset before the first step, read after each: free, so the
     first steps run at full speed); on CPU ``TensorPeak``, a dispatch mode over every op (the count the
-    pre-launch trace makes, which this checks it against), only for an engine that ``measures_tensor_peak``.
-    A Python dispatch mode over a GPU step would turn milliseconds into minutes."""
+    pre-launch trace makes, which this checks it against), only for an engine that ``measures_tensor_peak`` and
+    a layout whose layers run eager: torch.compile does not trace under a Python dispatch mode, and a frame it
+    skips once it runs eager for good, so a compiled CPU trial measures no tensor peak. A Python dispatch mode
+    over a GPU step would turn milliseconds into minutes."""
 
-    def __init__(self, engine: Engine, steps: int):
+    def __init__(self, engine: Engine, steps: int, compiled: bool = False):
         self.engine, self.peak, self.tracker = engine, None, None
         self.on_gpu = engine.device.type == "cuda"
-        self.steps = steps if self.on_gpu or engine.measures_tensor_peak else 0
+        self.steps = steps if self.on_gpu or (engine.measures_tensor_peak and not compiled) else 0
 
     @contextlib.contextmanager
     def around(self, step: int):
