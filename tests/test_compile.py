@@ -1,5 +1,5 @@
 """torch.compile as a searched recipe choice (train_settings.compile): priced by the linears' efficiency under
-compile (speed.COMPILED_SPEEDUP), invalid with its reason on DeepSpeed; a trial compiles each layer (after
+compile (speed.COMPILED_SPEEDUP), invalid with its reason on DeepSpeed and at TP > 1; a trial compiles each layer (after
 checkpointing, before FSDP2) and trains as the eager one does."""
 
 import dataclasses
@@ -35,9 +35,10 @@ def test_compiled_layouts_are_planned_faster_and_deepspeed_ones_invalid_with_the
                "deepspeed engine does not compile" in c.reason for c in cands)
 
 
-def test_compile_is_refused_on_deepspeed_only():
-    assert compile_problem(False, "deepspeed") is None and compile_problem(True, "torch") is None
-    assert "deepspeed engine does not compile" in compile_problem(True, "deepspeed")
+def test_compile_is_refused_on_deepspeed_and_with_tp():
+    assert compile_problem(False, "deepspeed", 2) is None and compile_problem(True, "torch", 1) is None
+    assert "deepspeed engine does not compile" in compile_problem(True, "deepspeed", 1)
+    assert "TP=2" in compile_problem(True, "torch", 2)
 
 
 @pytest.mark.e2e

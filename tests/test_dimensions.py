@@ -94,8 +94,8 @@ def test_a_layout_and_its_trial_spec_convert_field_by_field():
     long = Layout.of(dp=3, mbs=2, global_batch_size=12, cp=2, act_ckpt_layers=12, loss="chunked",
                      loss_chunk_tokens=1024, activation_offload=True, method="lora",
                      lora=Adapters(8, 16.0, 0.0, ("q_proj", "v_proj")))
-    split = Layout.of(tp=2, sequence_parallel=True, compile=True)
-    experts = Layout.of(dp=2, global_batch_size=2, ep=2, fp8=True)
+    split = Layout.of(tp=2, sequence_parallel=True)
+    experts = Layout.of(dp=2, global_batch_size=2, ep=2, fp8=True, compile=True)
     defaults = {**{f.name: f.default for f in dataclasses.fields(Degrees)},
                 **{f.name: f.default for f in dataclasses.fields(Recipe)}}
     at_default = [{k for k, v in layout.values().items() if v == defaults[k]} for layout in (odd, long, split, experts)]

@@ -148,7 +148,7 @@ class Layout:
         bad_mode = self.checkpoint_mode_problem(shape)
         if bad_mode:
             out.append(bad_mode)
-        bad_compile = compile_problem(self.compile, self.engine)
+        bad_compile = compile_problem(self.compile, self.engine, self.tp)
         if bad_compile:
             out.append(Problem("compile", "compile", bad_compile))
         return out
