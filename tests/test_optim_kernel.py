@@ -30,6 +30,14 @@ def test_an_offloaded_optimizer_steps_with_the_fused_host_kernel_and_the_same_nu
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_a_cpu_trials_own_optimizer_keeps_foreach():
+    """CPU processes (no GPU, offloaded or not) step foreach AdamW, as before: under the CPU tensor tracker the fused
+    kernel with an fp16 loss scale fails (tests/test_loss_scaling.py)."""
+    for offload in (False, True):
+        opt = optim.build_optimizer(nn.Linear(4, 4), TrainingSpec(), torch.device("cpu"), zero_stage=3, offload=offload)
+        assert all(g["foreach"] and not g["fused"] for g in opt.param_groups)
+
+
 def test_sgd_has_no_fused_kernel_and_keeps_foreach():
     module = nn.Linear(4, 4)
     opt = optim.build_optimizer(module, TrainingSpec(optimizer="sgd_momentum"), torch.device("cpu"))

@@ -56,22 +56,20 @@ def param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
             for (_, decay), params in groups.items()]
 
 
-FUSED_DEVICES = ("cuda", "cpu")  # where torch has a fused AdamW kernel
-
-
-def _kernel(device: torch.device, fused_ok: bool = True) -> dict:
-    """The optimizer's implementation for tensors on ``device``: torch's fused kernel where it has one (the GPU,
-    and the host, where an offloaded trial steps its optimizer), foreach elsewhere. On the host the fused
-    kernel is one vectorised pass per tensor, as DeepSpeed's CPU Adam: foreach AdamW there makes a
-    parameter-sized temporary (a 7B model's 27 GB beside its 100 GiB of offloaded state) and steps 6x slower."""
-    fused = fused_ok and device.type in FUSED_DEVICES
+def _kernel(device: torch.device, fused_ok: bool = True, host_offload: bool = False) -> dict:
+    """The optimizer's implementation for tensors on ``device``: torch's fused kernel on the GPU and on the host of
+    an offloaded GPU trial (``host_offload``), foreach elsewhere (a CPU trial's own optimizer). On the host the fused
+    kernel is one vectorised pass per tensor, as DeepSpeed's CPU Adam: foreach AdamW there makes a parameter-sized
+    temporary (a 7B model's 27 GB beside its 100 GiB of offloaded state) and steps 6x slower. A CPU trial keeps
+    foreach: under its tensor tracker (a dispatch mode) the fused kernel with a loss scale fails on a shape."""
+    fused = fused_ok and (device.type == "cuda" or host_offload)
     return {"fused": fused, "foreach": None if fused else True}
 
 
 SGD_MOMENTUM = {"sgd": 0.0, "sgd_momentum": 0.9}
 
 
-def _optimizer_class(t: TrainingSpec, device: torch.device) -> tuple[type, dict]:
+def _optimizer_class(t: TrainingSpec, device: torch.device, host_offload: bool = False) -> tuple[type, dict]:
     """The spec's optimizer: (class, keyword arguments besides the parameters, lr and weight decay)."""
     if t.optimizer in SGD_MOMENTUM:
         return torch.optim.SGD, {"momentum": SGD_MOMENTUM[t.optimizer], **_kernel(device, fused_ok=False)}
@@ -79,12 +77,13 @@ def _optimizer_class(t: TrainingSpec, device: torch.device) -> tuple[type, dict]
         import bitsandbytes  # optional, CUDA only: the planner allows adamw_8bit only on a GPU preset
 
         return bitsandbytes.optim.AdamW8bit, {"betas": tuple(t.betas)}
-    return torch.optim.AdamW, {"betas": tuple(t.betas), **_kernel(device)}
+    return torch.optim.AdamW, {"betas": tuple(t.betas), **_kernel(device, host_offload=host_offload)}
 
 
-def _make_optimizer(groups: list[dict], t: TrainingSpec, device: torch.device) -> torch.optim.Optimizer:
+def _make_optimizer(groups: list[dict], t: TrainingSpec, device: torch.device,
+                    host_offload: bool = False) -> torch.optim.Optimizer:
     """The spec's optimizer (AdamW unless it names another) over ``groups``."""
-    cls, kwargs = _optimizer_class(t, device)
+    cls, kwargs = _optimizer_class(t, device, host_offload)
     return cls(groups, lr=lr_at(0, t), weight_decay=t.weight_decay, **kwargs)
 
 
@@ -94,7 +93,9 @@ def build_optimizer(module: nn.Module, t: TrainingSpec, device: torch.device, ze
     at ZeRO stage 1 with more than one data-parallel rank sharded by ``ShardedAdamW``."""
     if zero_stage == 1 and dp_group is not None and dist.get_world_size(dp_group) > 1:
         return ShardedAdamW(module, t, device, dp_group)
-    return _make_optimizer(param_groups(module, t.weight_decay), t, torch.device("cpu") if offload else device)
+    host_offload = offload and device.type == "cuda"  # a GPU trial's optimizer on its host
+    return _make_optimizer(param_groups(module, t.weight_decay), t, torch.device("cpu") if offload else device,
+                           host_offload)
 
 
 class ShardedAdamW:
