@@ -420,7 +420,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     page = Page(args.gpu, command, datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
                 {**versions(), "host (as gpu.host_ram_gib, gpu.host_cpu_cores)":
                  f"{host.ram_gib:.1f} GiB RAM, {host.cpu_threads} CPU threads"},
-                [SearchRun(by_name[name]) for name in args.searches if name in by_name], 0.0)
+                [SearchRun(by_name[name]) for name in args.searches], 0.0)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(render_page(page) + "\n")  # rewritten after each search: a cut-short run keeps its part
     for i, pending in enumerate(page.runs):

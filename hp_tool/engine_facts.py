@@ -74,7 +74,8 @@ TORCH = EngineFacts(
     zero1_optimizers=("adamw", "sgd", "sgd_momentum"),
     expert_parallel=True, experts_with_tp=True, adapters_with_tp=False, qlora_zero_stages=(0, 1),
     context_parallel=True, sequence_parallel=True, chunked_loss=True, activation_offload=True,
-    selective_checkpointing=True, fp8_linears=True, compiles=True, fp32_weights=True, bf16_master=True, zero2_shards_weights=True,
+    selective_checkpointing=True, fp8_linears=True, compiles=True, fp32_weights=True, bf16_master=True,
+    zero2_shards_weights=True,
     pipeline_defers_reshard=True,
     zero2_gathers_each_forward=True, recompute_gathers=False,
     # FSDP2's CPUOffloadPolicy keeps the fp32 parameter as the master: fp32 master, m, v and the fp32 gradient
@@ -89,7 +90,8 @@ DEEPSPEED = EngineFacts(
     zero1_optimizers=None,
     expert_parallel=False, experts_with_tp=False, adapters_with_tp=True, qlora_zero_stages=(),
     context_parallel=False, sequence_parallel=False, chunked_loss=False, activation_offload=False,
-    selective_checkpointing=False, fp8_linears=False, compiles=False, fp32_weights=False, bf16_master=False, zero2_shards_weights=False,
+    selective_checkpointing=False, fp8_linears=False, compiles=False, fp32_weights=False, bf16_master=False,
+    zero2_shards_weights=False,
     pipeline_defers_reshard=False,
     zero2_gathers_each_forward=False, recompute_gathers=True,
     # fp32 master, m, v and gradient (16); parameter offload adds the 16-bit parameter (18: REFERENCE §5)

@@ -210,11 +210,13 @@ def fp8_problem(family_name: str, fp8: bool, engine: str, tp: int, method: str, 
     if not fp8:
         return None
     if fp8_peak_tflops is None:
-        return f"gpu={gpu} has no fp8 tensor cores (gpu.peak_tflops.fp8 is null): fp8 linears need an H100, H200, L4 or L40S"
+        return (f"gpu={gpu} has no fp8 tensor cores (gpu.peak_tflops.fp8 is null): fp8 linears need an H100, H200, "
+                "L4 or L40S")
     if not engine_facts(engine).fp8_linears:
         return f"the {engine} engine does not convert linears to Float8 (use engine torch)"
     if tp > 1:
-        return f"fp8 linears at TP={tp}: the torch engine converts them at TP 1 (torchao's Float8 TP styles are not used)"
+        return (f"fp8 linears at TP={tp}: the torch engine converts them at TP 1 (torchao's Float8 TP styles are not "
+                "used)")
     if precision != "bf16":
         return f"fp8 linears compute the rest of the model in bf16, not {precision}"
     if method != "full":

@@ -231,7 +231,7 @@ def test_a_search_that_fails_at_start_up_is_on_the_page_and_the_check_exits_1(tm
     monkeypatch.setattr(gc, "searches", lambda gpu, work_dir, minutes=None, host=None: [bad])
     monkeypatch.setattr(gc, "versions", lambda: {"torch": "x"})
     out = tmp_path / "page.md"
-    assert gc.main(["--rehearse", "--work-dir", str(tmp_path / "work"), "--out", str(out)]) == 1
+    assert gc.main(["--rehearse", "--searches", "full", "--work-dir", str(tmp_path / "work"), "--out", str(out)]) == 1
     page = out.read_text()
     assert page.startswith("# GPU check: cpu\n\nFAIL: 0 of 0 launched")
     assert "`full` (exit 2, " in page and "no_such_key" in page.split("No table; the output ended with:")[1]

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Optional
 from hp_tool.architectures import interleave_problem, pipeline_problem
 from hp_tool.dimensions import DIMENSIONS
 from hp_tool.recipe import Degrees, Recipe
-from hp_tool.sharding import (checkpoint_mode_problem, combination_problem, compile_problem, expert_problem, expert_saver_problem,
-                              family_problem, master_weights_problem, method_problem, optimizer_problem,
-                              sequence_problem)
+from hp_tool.sharding import (checkpoint_mode_problem, combination_problem, compile_problem, expert_problem,
+                              expert_saver_problem, family_problem, master_weights_problem, method_problem,
+                              optimizer_problem, sequence_problem)
 
 if TYPE_CHECKING:
     from hp_tool.families.shape import Shape

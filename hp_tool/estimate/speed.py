@@ -4,7 +4,9 @@ compute   = the linears' (model + recompute) FLOPs / (GPUs · peak · efficiency
             matmul sizes a micro-batch gives each GPU (``matmul_efficiency``, the curve the gpu preset's),
             plus causal flash attention priced apart: the FLOPs its kernels compute (half the scores,
             the backward's recompute) at an efficiency rising with the rank's tokens and head dimension
-            (``attention_efficiency``);
+            (``attention_efficiency``); under torch.compile (the recipe's ``compile``) the linears' efficiency
+            times ``COMPILED_SPEEDUP``; with fp8 linears their FLOPs at the GPU's fp8 peak;
+fp8 casts = the Float8 linears' amax scans, casts and transposes at the GPU's memory bandwidth (``fp8_cast_s``);
 bubble    = compute · (PP − 1) / (v · m) for m micro-batches per replica and v virtual stages per GPU
             (1F1B, interleaved when v > 1; Narayanan et al. 2021);
 TP comm   = ring all-reduces of the layer activations, 2 in forward and 2 in backward per layer, plus

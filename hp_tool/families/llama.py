@@ -155,10 +155,15 @@ LINEAR_INPUTS = (LinearInput(("q_proj", "k_proj", "v_proj")), LinearInput(("o_pr
 ROWWISE = ("o_proj", "down_proj")  # Megatron's split (hp_tool/trial/families/llama.py LAYER_PLAN): the rest by columns
 
 
+def matmuls(linears: dict[str, tuple[int, int]]) -> tuple[Matmul, ...]:
+    """The matmuls of a layer's linears (name -> (in, out), in forward order), split as Megatron splits Llama's:
+    the attention output and the MLP's down projection by rows, the rest by columns."""
+    return tuple(Matmul(name, i, o, "rowwise" if name in ROWWISE else "colwise") for name, (i, o) in linears.items())
+
+
 def layer_matmuls(shape: Shape) -> tuple[Matmul, ...]:
     """A layer's matmuls in forward order: q, k, v, o, then the MLP's gate, up and down."""
-    return tuple(Matmul(name, i, o, "rowwise" if name in ROWWISE else "colwise")
-                 for name, (i, o) in linear_shapes(shape).items())
+    return matmuls(linear_shapes(shape))
 
 
 def grid_table(shape: Shape) -> Table:

@@ -30,8 +30,7 @@ LINEAR_INPUTS = (LinearInput(("qkv_proj",)), LinearInput(("o_proj",), held=True)
 
 def layer_matmuls(shape: Shape) -> tuple[Matmul, ...]:
     """The fused q/k/v, o, the fused gate/up, then down (no TP split: the family refuses TP)."""
-    return tuple(Matmul(name, i, o, "rowwise" if name in llama.ROWWISE else "colwise")
-                 for name, (i, o) in linear_shapes(shape).items())
+    return llama.matmuls(linear_shapes(shape))
 
 
 def activation_bytes_per_layer(shape: Shape, mbs: int, tp: int = 1, sequence_parallel: bool = False,

@@ -13,7 +13,6 @@ from hp_tool.trial.families.base import register
 from hp_tool.trial.families.llama import decoder_family
 
 
-
 def family_sizes(model) -> dict:
     """Dropouts off; without a Hugging Face config, no padding token (Phi3Config's default, 32000, is a row of a
     published vocabulary, not of a smaller one)."""
