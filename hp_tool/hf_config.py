@@ -94,7 +94,8 @@ class HFModel:
                 f"is above the model's max_position_embeddings={self.max_positions} and its config has no "
                 "rope_scaling (positions beyond it were never trained)",
                 f"use sequence lengths up to {self.max_positions}, or a config with rope_scaling")
-        require(self.sliding_window is None or seq <= self.sliding_window, key, seq,
+        require(self.sliding_window is None or seq <= self.sliding_window or family(self.model_type).runs_windows,
+                key, seq,
                 f"is above the model's sliding attention window of {self.sliding_window} tokens, which the trials "
                 "do not model (they run full causal attention, which costs more and computes other numbers)",
                 f"use sequence lengths up to {self.sliding_window}")

@@ -25,7 +25,10 @@ PUBLISHED = {"llama2_7b": 6_738_415_616, "llama2_13b": 13_015_864_320, "llama2_7
              # Qwen3's cards: 8.2B (6.95B without embeddings) and 0.6B (0.44B), tied in the small one
              "qwen3_8b": 8_190_735_360, "qwen3_0_6b": 596_049_920,
              "phi3_mini_4k": 3_821_079_552,  # Phi-3-mini's card: 3.8B
-             "qwen3_30b_a3b": 30_532_122_624}  # Qwen3-30B-A3B's card: 30.5B, 3.3B active
+             "qwen3_30b_a3b": 30_532_122_624,  # Qwen3-30B-A3B's card: 30.5B, 3.3B active
+             # Gemma-2 9B's card: 9.24B; Gemma-3 1B's 1B; Gemma-3 12B's text model (its card's 12.2B holds the vision
+             # tower too)
+             "gemma2_9b": 9_241_705_984, "gemma3_1b": 999_885_952, "gemma3_12b": 11_766_034_176}
 
 
 def transformers_count(config: dict) -> int:

@@ -21,9 +21,19 @@ EXPERTS = {"mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
                              shared_expert_intermediate_size=64),
            "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=176, norm_topk_prob=True)}
 # Qwen3 with its heads wider than hidden / heads (4 heads of 32 over 64), as Qwen3-0.6B's 16 of 128 over 1024
-HEAD_DIM = {"qwen3": dict(head_dim=32), "qwen3_moe": dict(head_dim=32)}
+HEAD_DIM = {"qwen3": dict(head_dim=32), "qwen3_moe": dict(head_dim=32), "gemma2": dict(head_dim=32),
+            "gemma3_text": dict(head_dim=32)}
 # Phi3Config's default padding token (32000) lies outside the tiny vocabulary
-EXTRA = {"phi3": dict(pad_token_id=None, bos_token_id=None, eos_token_id=None)}
+EXTRA = {"phi3": dict(pad_token_id=None, bos_token_id=None, eos_token_id=None),
+         # Gemma: windows shorter than the 64-token sequences, on layers the config lists in a pattern of its own
+         # (neither Gemma-2's alternation nor Gemma-3's five in six, which the config would derive without the list);
+         # Gemma-2's caps tight enough and its scores sharp enough (1/sqrt(head dim)) for each to move the loss
+         # by more than the test's tolerance
+         "gemma2": dict(sliding_window=4, query_pre_attn_scalar=32, attn_logit_softcapping=2.0,
+                        final_logit_softcapping=3.0,
+                        layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"]),
+         "gemma3_text": dict(sliding_window=16, layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                                                              "sliding_attention"])}
 
 
 def make_checkpoint(folder, model_type: str = "llama", tie: bool = False) -> dict:
@@ -46,7 +56,7 @@ def make_checkpoint(folder, model_type: str = "llama", tie: bool = False) -> dic
     return json.loads((folder / "config.json").read_text())
 
 
-def spec_for(folder, config: dict, ep: int = 1, **layout):
+def spec_for(folder, config: dict, ep: int = 1, sequence_parallel: bool = False, **layout):
     spec = tiny_spec("llama", max_steps=1, **layout)
     m = spec.model
     model = ModelSpec(config["model_type"], m.num_layers, m.hidden_size, m.num_attention_heads, m.num_kv_heads,
@@ -56,7 +66,8 @@ def spec_for(folder, config: dict, ep: int = 1, **layout):
                       top_k=config.get("num_experts_per_tok", 0),
                       shared_expert_ffn_hidden_size=config.get("shared_expert_intermediate_size", 0),
                       kv_channels=HEAD_DIM.get(config["model_type"], {}).get("head_dim"))
-    return dataclasses.replace(spec, model=model, parallel=dataclasses.replace(spec.parallel, ep=ep),
+    return dataclasses.replace(spec, model=model,
+                               parallel=dataclasses.replace(spec.parallel, ep=ep, sequence_parallel=sequence_parallel),
                                trial_id=spec.trial_id.replace("llama", config["model_type"]))
 
 
@@ -68,6 +79,7 @@ def reference_loss(folder, spec) -> float:
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     whole = dataclasses.replace(spec, parallel=dataclasses.replace(spec.parallel, tp=1, pp=1, dp=1, engine="torch",
+                                                                   sequence_parallel=False,
                                                                    zero_stage=0, offload="none", virtual_stages=1, ep=1),
                                 resources=dataclasses.replace(spec.resources, num_nodes=1, gpus_per_node=1))
     (ids,), labels = TokenBatches(whole, 0, torch.device("cpu")).replica_batch(0)
@@ -97,6 +109,13 @@ LAYOUTS = [
     ("phi3", False, dict(dp=2, zero_stage=0)),
     ("phi3", False, dict(dp=2, zero_stage=3)),
     ("phi3", False, dict(pp=2, zero_stage=0)),
+    # Gemma-2 (eager attention with soft-capped scores, soft-capped logits, scaled embeddings, windows) and Gemma-3
+    # (per-head norms, local and global RoPE): DDP, FSDP2, TP with sequence parallelism (the four norms on shards)
+    ("gemma2", True, dict(dp=2, zero_stage=0)),
+    ("gemma2", True, dict(dp=2, zero_stage=3)),
+    ("gemma2", True, dict(tp=2, zero_stage=0, sequence_parallel=True)),
+    ("gemma3_text", True, dict(dp=2, zero_stage=3)),
+    ("gemma3_text", True, dict(tp=2, zero_stage=0, sequence_parallel=True)),
     # Qwen3-MoE: the per-head norms over routed experts stored per expert, split over EP ranks
     ("qwen3_moe", False, dict(dp=2, ep=2, zero_stage=0)),
 ]

@@ -382,11 +382,14 @@ def logits_bytes(shape: Shape, layout: Layout, hw: Hardware) -> float:
     (hp_tool/trial/loss.py, TP 1): the hidden states' gradient (tokens x hidden, compute dtype) and the head
     weight's fp32 gradient (vocabulary x hidden) it computes in forward, and one chunk in flight: 12 bytes per
     logit, the fp32 logits with logsumexp's two temporaries of their size (then the logits and their softmax),
-    as traced (tests/test_long_context_memory.py)."""
+    as traced (tests/test_long_context_memory.py). Soft-capped logits (``Family.softcapped_logits``) keep their
+    tanh's output besides: the logits' bytes (compute dtype) per logit of the whole loss, an fp32 chunk's in the
+    chunked one (tests/test_gemma.py)."""
     bpv, tokens = layout.bytes_per_value, layout.mbs * shape.target_length
     if layout.loss == "full":
         # with activation offload the log-softmax output waits in host RAM until backward brings it back
-        per_logit = WHOLE_LOSS_BYTES[layout.tp > 1] - (2 if hw.offloads_activations(layout) else 0)
+        per_logit = WHOLE_LOSS_BYTES[layout.tp > 1] - (2 if hw.offloads_activations(layout) else 0) + \
+            (bpv if shape.facts.softcapped_logits else 0)
         return tokens * shape.vocab_size * per_logit / layout.tp
     return tokens * shape.hidden_size * bpv + 4 * shape.vocab_size * shape.hidden_size + \
         loss_freed_bytes(shape, layout, hw)
@@ -399,7 +402,8 @@ def loss_freed_bytes(shape: Shape, layout: Layout, hw: Hardware) -> float:
     tokens = layout.mbs * shape.target_length
     if layout.loss == "full":
         return logits_bytes(shape, layout, hw)
-    per_logit = 12  # the fp32 logits and logsumexp's two temporaries, or the logits and their softmax
+    # the fp32 logits and logsumexp's two temporaries, or the logits and their softmax; a soft cap's fp32 tanh
+    per_logit = 12 + (4 if shape.facts.softcapped_logits else 0)
     return min(layout.loss_chunk_tokens, tokens) * shape.vocab_size * per_logit
 
 
@@ -421,8 +425,8 @@ def estimate_memory(shape: Shape, layout: Layout, hw: Hardware) -> MemoryEstimat
     stage holds the embedding, the last the head and the logits (``logits_bytes``). Activations and logits
     are of the rank's tokens (``rank_shape``: the sequence over CP); with activation offload the stored
     activations are in host RAM and what one sub-layer's backward brings back is on the GPU
-    (``working_layer_bytes``). A checkpointed layer's recompute (and CP's ring working memory) runs in
-    backward, after the loss has freed the logits: the last stage holds the larger of the two, not both
+    (``working_layer_bytes``). A checkpointed layer's recompute (and CP's ring working memory, and what a layer's
+    backward allocates: ``Family.backward_transient_bytes``) runs in backward, after the loss has freed the logits: the last stage holds the larger of the two, not both
     (tests/test_selective_checkpoint.py measures both modes of checkpointing against the trace)."""
     tp, pp = layout.tp, layout.pp
     bpv = layout.bytes_per_value
@@ -445,7 +449,9 @@ def estimate_memory(shape: Shape, layout: Layout, hw: Hardware) -> MemoryEstimat
         # a layer's backward (its recompute, the ring's working memory) starts once the loss has freed its logits:
         # the larger of the two is the peak's
         freed = loss_freed_bytes(rank, layout, hw) if stage == pp - 1 else 0.0
-        activations += max(0.0, buffer + ring_transient_bytes(rank, layout) - freed)
+        transient = ring_transient_bytes(rank, layout) + \
+            shape.facts.backward_transient_bytes(rank, layout.mbs, tp, bpv)
+        activations += max(0.0, buffer + transient - freed)
         states = stage_state_bytes(shape, layout, hw, params, stage, gathered_layer)
         total = states + activations + stage_logits
         if total > best_total:

@@ -100,6 +100,13 @@ class Family:
     # why no engine splits the family's layers over TP ranks (Phi-3's fused q/k/v and gate/up projections);
     # None: they do
     no_tensor_parallel: Optional[str] = None
+    # the trial runs the config's sliding attention windows (masks per layer: Gemma); False: a sequence beyond
+    # the config's sliding_window is refused, as the trials would run full causal attention (Mistral)
+    runs_windows: bool = False
+    softcapped_logits: bool = False  # the final logits pass through c·tanh(logits / c) before the loss (Gemma-2)
+    # (shape, micro-batch, TP, bytes per value) -> what one layer's backward allocates beyond what the layer saved, at
+    # its peak (eager attention's gradient of the scores: Gemma-2); 0 where the kernels' own workspace is all
+    backward_transient_bytes: Callable[["Shape", int, int, int], float] = lambda shape, mbs, tp, p: 0.0
     moe: bool = False  # a mixture of experts (hp_tool/families/moe.py): Shape.num_experts routed experts per layer
     # one layer's routed experts' parameters (what expert parallelism splits; a token runs top_k of the
     # num_experts, hp_tool/families/decoder.py); 0 for a dense family

@@ -11,8 +11,10 @@ layout; weight initialisation relies on that to make every layout the same model
 
 What a family computes beyond calling its modules is its ``DecoderHooks`` (the family record's
 ``stage_hooks``): a scale on the token embeddings (Gemma), a soft cap on the final logits (Gemma-2), a
-sliding attention window per layer (families that alternate sliding and global attention). Llama's
-defaults add nothing, so its stage runs the modules as transformers' model does.
+sliding attention window per layer (families that alternate sliding and global attention), the rotary table a
+layer reads (Gemma-3's local and global RoPE). Llama's defaults add nothing, so its stage runs the modules as
+transformers' model does. A family whose attention runs transformers' eager kernel (Gemma-2: SDPA cannot
+soft-cap the scores) gets an additive mask for every layer, as transformers' model builds it for that kernel.
 """
 
 from __future__ import annotations
@@ -43,6 +45,10 @@ class DecoderHooks:
     attention_window: Callable[[Any, int], Optional[int]] = lambda config, layer: None
     """``(config, global layer index)`` -> that layer's sliding attention window in tokens (a query attends to
     itself and the window - 1 tokens before it); None: causal attention over the whole sequence."""
+    rope_layer_type: Callable[[Any, int], Optional[str]] = lambda config, layer: None
+    """``(config, global layer index)`` -> the layer type the rotary embedding is called with for that layer
+    (Gemma-3's ``sliding_attention`` layers rotate with a local base, its ``full_attention`` ones with the global);
+    None: one rotary table for every layer, called without a type."""
 
 
 def soft_capped(logits: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
@@ -50,11 +56,19 @@ def soft_capped(logits: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
     return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
-def window_mask(positions: torch.Tensor, window: int) -> torch.Tensor:
-    """The ``[1, 1, q, k]`` boolean mask (True: attends) of causal attention over the last ``window`` tokens,
-    for tokens at global ``positions``."""
+def window_mask(positions: torch.Tensor, window: Optional[int]) -> torch.Tensor:
+    """The ``[1, 1, q, k]`` boolean mask (True: attends) of causal attention over the last ``window`` tokens
+    (None: over every earlier token), for tokens at global ``positions``."""
     behind = positions[:, None] - positions[None, :]
-    return ((behind >= 0) & (behind < window))[None, None]
+    allowed = behind >= 0
+    return (allowed & (behind < window) if window is not None else allowed)[None, None]
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask as the eager kernel adds it to the scores: 0 where a query attends, the dtype's lowest
+    value elsewhere (transformers' eager masks)."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed,
+                                                                                     torch.finfo(dtype).min)
 
 
 @dataclass(frozen=True)
@@ -106,20 +120,27 @@ class CausalLMStage(StageModule):
         self.embed_scale = hooks.embed_scale(config)
         self.logit_softcap = hooks.logit_softcap(config)
         self.windows = {str(i): hooks.attention_window(config, i) for i in layers}  # by layer key
+        self.rope_types = {str(i): hooks.rope_layer_type(config, i) for i in layers}  # by layer key
+        # transformers' eager kernel adds its mask and applies none of its own: every layer needs one
+        self.eager = getattr(config, "_attn_implementation", None) == "eager"
 
     def reset_buffers(self, device: torch.device) -> None:
         """Rebuild non-parameter buffers (RoPE frequencies) on ``device`` after materialisation."""
         if self._rotary is not None:
             self.rotary_emb = self._rotary(self.config).to(device)
 
-    def attention_masks(self, positions: torch.Tensor) -> dict[str, Optional[torch.Tensor]]:
+    def attention_masks(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, Optional[torch.Tensor]]:
         """Each layer's attention mask for tokens at global ``positions``: None for causal attention over the
         whole sequence (SDPA then runs causal attention, ``is_causal``, with its fastest kernel), and for a
-        window that spans the whole sequence; else the window's mask, one per distinct window."""
+        window that spans the whole sequence; else the window's mask, one per distinct window. The eager
+        kernel gets every layer's mask, additive in the scores' ``dtype``."""
         whole = positions.shape[0] * (dist.get_world_size(self.cp_group) if self.cp_group is not None else 1)
-        masks = {window: window_mask(positions, window) for window in set(self.windows.values())
-                 if window is not None and window < whole}
-        return {key: masks.get(window) for key, window in self.windows.items()}
+        spans = {key: window if window is not None and window < whole else None for key, window in self.windows.items()}
+        if self.eager:
+            masks = {window: additive_mask(window_mask(positions, window), dtype) for window in set(spans.values())}
+        else:
+            masks = {window: window_mask(positions, window) for window in set(spans.values()) if window is not None}
+        return {key: masks.get(window) for key, window in spans.items()}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         positions = token_positions(self.cp_group, x.shape[1], x.device)
@@ -131,11 +152,13 @@ class CausalLMStage(StageModule):
                 h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
             if self.embed_positions is not None:
                 h = h + self.embed_positions(None, 0, position_ids=position_ids)
-        extra = {}
+        rotations = {}
         if self.rotary_emb is not None:
-            extra["position_embeddings"] = self.rotary_emb(h, position_ids)
-        masks = self.attention_masks(positions)
+            rotations = {kind: self.rotary_emb(h, position_ids, *([kind] if kind is not None else []))
+                         for kind in set(self.rope_types.values())}
+        masks = self.attention_masks(positions, h.dtype)
         for key, layer in self.layers.items():
+            extra = {"position_embeddings": rotations[self.rope_types[key]]} if rotations else {}
             h = layer(h, attention_mask=masks[key], position_ids=position_ids, **extra)
         if self.norm is not None:
             h = self.norm(h)

@@ -66,7 +66,9 @@ def layer_tp_plan(family: TorchFamily, layer: nn.Module, sequence_parallel: bool
     require(sequence is not None, "parallel.sequence_parallel", True,
             f"the engine has no sequence-parallel plan for family {family.name}'s layers",
             "use sequence_parallel false")
-    plan.update({name: SequenceParallel() for name in sequence.sharded})
+    # the norms hand back their local shards: a norm whose output meets the residual (Gemma's after the attention and
+    # the MLP) adds it to the shard the residual holds; the gathered modules take the shards as Shard(1)
+    plan.update({name: SequenceParallel(use_local_output=True) for name in sequence.sharded})
     for name, keyword in sequence.gathered.items():
         plan[name] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)) \
             if keyword is None else PrepareModuleInput(input_kwarg_layouts={keyword: Shard(1)},

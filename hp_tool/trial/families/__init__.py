@@ -13,6 +13,8 @@ family's modules itself.
     qwen2.py   Qwen2 / Qwen2.5 (Llama's layout, q/k/v biases), from its Hugging Face config
     qwen3.py   Qwen3 (Llama's layout, per-head q and k norms), from its Hugging Face config
     phi3.py    Phi-3 / Phi-4 (fused q/k/v and gate/up projections; no TP plan), from its Hugging Face config
+    gemma.py   Gemma-2 and Gemma-3 (four norms a layer, scaled embeddings, soft caps, alternating sliding
+               windows; Gemma-2's attention on the eager kernel), from their Hugging Face configs
     moe.py     mixtures of experts: moe and mixtral (transformers' Mixtral), qwen2_moe (a shared expert), qwen3_moe;
                TP on attention only, transformers' expert-parallel plan
     t5.py      T5 and mT5 (each its own config and model class): encoder and decoder stacks
