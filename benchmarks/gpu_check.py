@@ -4,8 +4,10 @@ measured, written to docs/validation/<gpu>.md.
     python3 benchmarks/gpu_check.py --gpu h200        # or h100_80gb: one GPU of 80 GB or more; target 7 minutes
     python3 benchmarks/gpu_check.py --rehearse        # the same on CPU: gpu=cpu, finetune/tiny (minutes)
 
-Three runs of `python3 main.py ... cluster=local`, each in its own results folder under --work-dir:
-LoRA and QLoRA in one search, each at two micro-batch sizes, exhaustive, a few steps per trial; the inference
+Four runs of `python3 main.py ... cluster=local`, each in its own results folder under --work-dir:
+LoRA and QLoRA in one search, each at two micro-batch sizes, exhaustive, a few steps per trial; the H100 recipe's
+choices, fp8 linears and torch.compile each on and off, on full fine-tuning of a model one GPU trains whole
+(Qwen3-0.6B; on CPU the tiny model, where fp8 is refused and the compiled trials run); the inference
 search at two batch sizes for the same shape as a llama preset (llama/llama2_7b, llama/tiny: the inference search
 does not take finetune configs); last, full fine-tuning (ZeRO 3, offload none and optimizer_and_params; the
 planner prunes what does not fit and the table shows it), whose offloaded trial holds the most host RAM. The gpu
@@ -63,6 +65,8 @@ class Scale:
     inference_batches: tuple[int, int]
     max_steps: int
     max_minutes: float  # each trial's (and inference config's) time limit
+    recipe_model: str  # model.hf_config of the fp8 / compile search: full fine-tuning on one GPU, no offload
+    recipe_micro_batch: int
     adapter_extra: tuple[str, ...] = ()
 
 
@@ -70,10 +74,11 @@ class Scale:
 # offloaded step is about 15 s with the optimizer on 16 host cores, so one such trial takes 2-3 minutes), 4
 # adapter candidates, 2 inference configs: about 7 minutes on one H100 when each trial measures its steps in
 # well under its 3-minute limit.
-GPU_SCALE = Scale("finetune/llama2_7b", 2048, 16384, 32, (2,), (2, 8), "llama/llama2_7b", (1, 16), 6, 3.0)
+GPU_SCALE = Scale("finetune/llama2_7b", 2048, 16384, 32, (2,), (2, 8), "llama/llama2_7b", (1, 16), 6, 3.0,
+                  "qwen3_0_6b", 4)
 # The same searches on finetune/tiny (4 layers, hidden 64). QLoRA is refused in fp32, the tiny preset's
 # precision; the CPU trains in fp32 whatever the plan's precision (docs/configuration.md).
-CPU_SCALE = Scale("finetune/tiny", 128, 1024, 4, (2, 8), (2, 8), "llama/tiny", (1, 8), 6, 2.0,
+CPU_SCALE = Scale("finetune/tiny", 128, 1024, 4, (2, 8), (2, 8), "llama/tiny", (1, 8), 6, 2.0, "tiny", 4,
                   adapter_extra=(f"{TS}.precision=bf16",))
 
 
@@ -90,12 +95,10 @@ class Search:
         return [python, "main.py", *self.overrides]
 
     def table_path(self, work_dir: Path) -> Optional[Path]:
-        """The CSV this search's table is read from, None until it exists."""
-        root = work_dir / self.name / self.search_config
-        if self.inference:
-            path = root / SUMMARY_DIR / SUMMARY_CSV
-            return path if path.exists() else None
-        found = sorted((root / "final_results").glob("all_trials_*nodes.csv"))
+        """The CSV this search's table is read from, None until it exists: under the search's own folder, where the
+        CLI names the results folder (``finetune/custom`` after its model: ``finetune/tiny_custom``)."""
+        pattern = f"**/{SUMMARY_DIR.as_posix()}/{SUMMARY_CSV}" if self.inference else "**/final_results/all_trials_*nodes.csv"
+        found = sorted((work_dir / self.name).glob(pattern))
         return found[0] if found else None
 
 
@@ -117,6 +120,10 @@ def this_host() -> Host:
     return Host(kib / 1024 ** 2, os.cpu_count() or 1)
 
 
+RECIPE_CONFIG = "finetune/custom"  # the fp8 / compile search's preset, its model given by model.hf_config
+SEARCH_NAMES = ("adapters", "recipe", "inference", "full")  # the default order: the offloaded full trial last
+
+
 def scale_for(gpu: str) -> Scale:
     return CPU_SCALE if gpu == "cpu" else GPU_SCALE
 
@@ -133,7 +140,7 @@ def shown_path(path: Path) -> str:
 
 def searches(gpu: str, work_dir: Path, minutes_per_trial: Optional[float] = None,
              host: Optional[Host] = None) -> list[Search]:
-    """The three CLI runs of a check on ``gpu`` (a gpu preset name; cpu: the rehearsal), each trial and
+    """The four CLI runs of a check on ``gpu`` (a gpu preset name; cpu: the rehearsal), each trial and
     inference config limited to ``minutes_per_trial`` (default: the scale's), on ``host`` (default: the
     preset's host RAM and CPU threads)."""
     s = scale_for(gpu)
@@ -155,10 +162,14 @@ def searches(gpu: str, work_dir: Path, minutes_per_trial: Optional[float] = None
     adapters = base("adapters", s.search_config) + train + [
         f"{TS}.methods=[lora,qlora]", f"{TS}.micro_batch_sizes={hydra_list(s.adapter_micro_batches)}",
         f"{TS}.act_ckpt_layers=[0]", *s.adapter_extra]
+    recipe = base("recipe", RECIPE_CONFIG) + train + [
+        f"search_config.model.hf_config={s.recipe_model}", f"{TS}.methods=[full]", f"{TS}.zero_stages=[3]",
+        f"{TS}.offload=[none]", f"{TS}.micro_batch_sizes=[{s.recipe_micro_batch}]", f"{TS}.act_ckpt_layers=[0]",
+        f"{TS}.fp8=[false,true]", f"{TS}.compile=[false,true]"]
     inference = base("inference", s.inference_config) + [
         "run_training_hp_search=false", "run_inference_hp_search=true", f"{IS}.tensor_parallel_sizes=[1]",
         f"{IS}.pipeline_parallel_sizes=[1]", f"{IS}.max_batch_sizes={hydra_list(s.inference_batches)}"]
-    return [Search("adapters", s.search_config, tuple(adapters)),
+    return [Search("adapters", s.search_config, tuple(adapters)), Search("recipe", RECIPE_CONFIG, tuple(recipe)),
             Search("inference", s.inference_config, tuple(inference), inference=True),
             Search("full", s.search_config, tuple(full))]
 
@@ -167,7 +178,8 @@ def searches(gpu: str, work_dir: Path, minutes_per_trial: Optional[float] = None
 
 TRAINING_COLUMNS = (
     ("method", "method", "text"), ("ZeRO", "zero_stage", "text"), ("offload", "offload", "text"),
-    ("MBS", "mbs", "text"), ("ckpt", "act_ckpt_layers", "text"), ("status", "status", "text"),
+    ("MBS", "mbs", "text"), ("ckpt", "act_ckpt_layers", "text"), ("fp8", "fp8", "text"),
+    ("compiled", "compile", "text"), ("status", "status", "text"),
     ("step s pred", "predicted_step_time_s", "sig"), ("step s meas", "measured_step_time_s", "sig"),
     ("step err %", "step_time_error_pct", "pct"),
     ("GiB analytic", "predicted_memory_gib", "gib"), ("GiB traced", "traced_memory_gib", "gib"),
@@ -279,7 +291,7 @@ def rows_by_kind(runs: list[SearchRun]) -> tuple[list[dict], list[dict]]:
     return training, inference
 
 
-TRAINING_NOTE = ("One row per candidate of the full and the LoRA/QLoRA searches, from their `all_trials_*.csv`: "
+TRAINING_NOTE = ("One row per candidate of the LoRA/QLoRA, recipe (fp8, compile) and full searches, from their `all_trials_*.csv`: "
                  "`step err %` is its `step_time_error_pct`; `GiB analytic` and `GiB traced` include the gpu "
                  "preset's `memory_overhead_gib`, `GiB meas` is the device's peak allocation (on CPU the process "
                  "RSS); the tensor columns count live tensors only, on both sides.")
@@ -393,14 +405,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--rehearse", action="store_true", help="the same check on CPU: gpu=cpu, finetune/tiny")
     p.add_argument("--work-dir", type=Path, help="results folders (default results/gpu_check/<gpu>)")
     p.add_argument("--out", type=Path, help="the page to write (default docs/validation/<gpu>.md)")
-    p.add_argument("--searches", default="adapters,inference,full",
-                   help="which of the three searches to run, in the order given (default: adapters,inference,full)")
+    p.add_argument("--searches", default=",".join(SEARCH_NAMES),
+                   help=f"which of the four searches to run, in the order given (default: {','.join(SEARCH_NAMES)})")
     p.add_argument("--minutes-per-trial", type=float,
                    help="each trial's and inference config's time limit (default 3 on a GPU, 2 on CPU)")
     args = p.parse_args(argv)
     args.searches = [name.strip() for name in args.searches.split(",") if name.strip()]
-    if not args.searches or set(args.searches) - {"adapters", "inference", "full"}:
-        p.error(f"--searches {','.join(args.searches)}: name some of adapters, inference, full")
+    if not args.searches or set(args.searches) - set(SEARCH_NAMES):
+        p.error(f"--searches {','.join(args.searches)}: name some of {', '.join(SEARCH_NAMES)}")
     if args.rehearse:
         args.gpu = "cpu"
     if not args.gpu:

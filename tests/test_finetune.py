@@ -48,6 +48,25 @@ def test_shipped_configs_count_the_published_parameters(name):
     assert n == PUBLISHED[name] == transformers_count(hf.config)
 
 
+# published configs no preset ships (Gemma's: tests/test_gemma.py): Qwen3-4B (Qwen/Qwen3-4B, tied: 4.02B) and Phi-4
+# (microsoft/phi-4, model_type phi3: 14.66B)
+UNSHIPPED = {
+    "qwen3_4b": (dict(model_type="qwen3", hidden_size=2560, num_hidden_layers=36, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=128, intermediate_size=9728, vocab_size=151936,
+                      max_position_embeddings=40960, tie_word_embeddings=True), 4_022_468_096),
+    "phi4": (dict(model_type="phi3", hidden_size=5120, num_hidden_layers=40, num_attention_heads=40,
+                  num_key_value_heads=10, intermediate_size=17920, vocab_size=100352, max_position_embeddings=16384,
+                  tie_word_embeddings=False, pad_token_id=100349), 14_659_507_200),
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNSHIPPED))
+def test_a_config_no_preset_ships_plans_with_transformers_count(tmp_path, name):
+    config, card = UNSHIPPED[name]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert count_parameters(load_hf_model(str(tmp_path)).shape(4096)) == transformers_count(config) == card
+
+
 def test_shape_facts_come_from_the_config(tmp_path):
     qwen = load_hf_model("qwen2_5_7b")
     assert (qwen.model_type, qwen.num_kv_heads, qwen.qkv_bias, qwen.tied_embeddings) == ("qwen2", 4, True, False)

@@ -43,7 +43,7 @@ def value(search, key: str) -> str:
 
 def test_a_gpu_check_runs_full_adapters_and_inference_on_one_gpu_of_the_7b_shape(tmp_path):
     runs = by_name(gc.searches("h200", tmp_path))
-    assert list(runs) == ["adapters", "inference", "full"]  # the offloaded full trial, most host RAM, last
+    assert list(runs) == ["adapters", "recipe", "inference", "full"]  # the offloaded full trial, most host RAM, last
     full, adapters, inference = runs["full"], runs["adapters"], runs["inference"]
     for s in runs.values():
         assert value(s, "gpu") == "h200" and value(s, "cluster") == "local"
@@ -65,6 +65,23 @@ def test_a_gpu_check_runs_full_adapters_and_inference_on_one_gpu_of_the_7b_shape
     assert value(inference, "run_inference_hp_search") == "true"
     assert value(inference, f"{IS}.max_batch_sizes") == "[1,16]"
     assert value(inference, f"{IS}.tensor_parallel_sizes") == "[1]"
+
+
+@pytest.mark.parametrize("gpu, model", [("h100_80gb", "qwen3_0_6b"), ("cpu", "tiny")])
+def test_the_recipe_search_crosses_fp8_and_compile_on_full_fine_tuning_one_gpu_trains_whole(gpu, model, tmp_path):
+    """fp8 linears and torch.compile each on and off (4 layouts), full fine-tuning without offload; on an H100 all
+    four are valid, on CPU the fp8 ones are refused (no fp8 tensor cores) and the compiled one runs."""
+    from hp_tool.planner import make_plan
+
+    recipe = by_name(gc.searches(gpu, tmp_path))["recipe"]
+    assert value(recipe, "search_config") == "finetune/custom"
+    assert value(recipe, "search_config.model.hf_config") == model
+    assert value(recipe, f"{TS}.fp8") == "[false,true]" and value(recipe, f"{TS}.compile") == "[false,true]"
+    assert value(recipe, f"{TS}.methods") == "[full]" and value(recipe, f"{TS}.offload") == "[none]"
+    app = to_app_config(compose(list(recipe.overrides))[0])
+    rows = [c for c in make_plan(app, "recipe", tmp_path).candidates if c.status != "invalid"]
+    both = {(False, False), (False, True), (True, False), (True, True)}
+    assert {(c.full.fp8, c.full.compile) for c in rows} == (both if gpu != "cpu" else {(False, False), (False, True)})
 
 
 def test_the_rehearsal_is_the_same_check_on_cpu_with_the_tiny_model(tmp_path):
@@ -110,16 +127,18 @@ def row(**cells) -> dict:
 
 
 TRAINING = [
-    row(trial_id="t_ok", method="full", zero_stage=3, offload="none", mbs=2, act_ckpt_layers=32, status="ok",
-        predicted_step_time_s=1.5, measured_step_time_s=2.25, step_time_error_pct=50.0,
+    row(trial_id="t_ok", method="full", zero_stage=3, offload="none", mbs=2, act_ckpt_layers=32, fp8=True,
+        compile=False, status="ok", predicted_step_time_s=1.5, measured_step_time_s=2.25, step_time_error_pct=50.0,
         predicted_memory_gib=100.0, traced_memory_gib=120.5, peak_memory_gib=110.25,
         predicted_tensor_memory_gib=90.0, traced_tensor_memory_gib=95.5, peak_tensor_memory_gib=99.75,
         mfu=0.4321, predicted_tokens_per_s_per_gpu=12000, tokens_per_s_per_gpu=8000, reason=None),
     row(trial_id="t_off", method="full", zero_stage=3, offload="optimizer_and_params", mbs=1, act_ckpt_layers=32,
-        status="timeout", predicted_step_time_s=6.0, measured_step_time_s=None, step_time_error_pct=None,
+        fp8=False, compile=False, status="timeout", predicted_step_time_s=6.0, measured_step_time_s=None,
+        step_time_error_pct=None,
         predicted_memory_gib=5.0, traced_memory_gib=None, peak_memory_gib=None, mfu=None,
         reason="reached max_minutes_per_run=1.5 | in the first forward\nno step"),
-    row(trial_id="t_big", method="lora", zero_stage=0, offload="none", mbs=8, act_ckpt_layers=0, status="pruned",
+    row(trial_id="t_big", method="lora", zero_stage=0, offload="none", mbs=8, act_ckpt_layers=0, fp8=False,
+        compile=True, status="pruned",
         predicted_step_time_s=2.0, predicted_memory_gib=214.6, reason="predicted 214.6 GiB > 132.8 GiB usable"),
 ]
 INFERENCE = [
@@ -142,7 +161,8 @@ def parse(table: str) -> list[dict]:
 def test_the_training_table_takes_each_column_by_name():
     got = parse(gc.markdown_table(TRAINING, gc.TRAINING_COLUMNS))
     assert got[0] == {
-        "method": "full", "ZeRO": "3", "offload": "none", "MBS": "2", "ckpt": "32", "status": "ok",
+        "method": "full", "ZeRO": "3", "offload": "none", "MBS": "2", "ckpt": "32", "fp8": "True", "compiled": "False",
+        "status": "ok",
         "step s pred": "1.5", "step s meas": "2.25", "step err %": "+50.0", "GiB analytic": "100.00",
         "GiB traced": "120.50", "GiB meas": "110.25", "tensor GiB analytic": "90.00", "tensor GiB traced": "95.50",
         "tensor GiB meas": "99.75", "MFU": "0.432", "tok/s/GPU pred": "12,000", "tok/s/GPU meas": "8,000",

@@ -39,7 +39,8 @@ def peft_count(config: dict, rank: int, targets) -> int:
 @pytest.mark.e2e
 @pytest.mark.parametrize("name, rank, targets", [("llama2_7b", 8, ("q_proj", "v_proj")), ("tiny", 4, ALL),
                                                  ("qwen2_5_7b", 16, ALL), ("mistral_7b", 64, ("o_proj", "down_proj")),
-                                                 ("phi3_mini_4k", 16, ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))])
+                                                 ("phi3_mini_4k", 16, ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
+                                                 ("gemma2_9b", 16, ALL), ("gemma3_12b", 8, ("q_proj", "k_proj", "v_proj"))])
 def test_adapter_counts_equal_pefts(name, rank, targets):
     hf = load_hf_model(name)
     shape = hf.shape(512)

@@ -12,7 +12,8 @@ How the engine runs them (hp_tool/trial/families/gemma.py) decides what is price
   - the sliding windows are masks on kernels that compute every score (the eager kernel, SDPA with a mask),
     so a sliding layer costs what a full one costs: the FLOPs are Llama's at the whole sequence;
   - the final logits' cap keeps its tanh's output (``Family.softcapped_logits``).
-Context parallelism is refused (the ring attention applies neither caps nor windows).
+Context parallelism is refused (the ring attention applies neither caps nor windows), and the inference search
+does not cover the families.
 """
 
 import dataclasses
@@ -85,6 +86,8 @@ def _variant(name: str, description: str, unmodelled: tuple[str, ...] = (), **fa
         # transformers' attention_bias puts biases on q, k, v and o; no published Gemma has them
         hf_unmodelled=("attention_bias", *unmodelled),
         runs_windows=True,
+        # the inference worker's cached decode has neither the eager kernel's masks nor Gemma-3's two RoPE tables
+        inference=False,
         **facts)
 
 
