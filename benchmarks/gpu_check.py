@@ -291,9 +291,9 @@ def rows_by_kind(runs: list[SearchRun]) -> tuple[list[dict], list[dict]]:
     return training, inference
 
 
-TRAINING_NOTE = ("One row per candidate of the LoRA/QLoRA, recipe (fp8, compile) and full searches, from their `all_trials_*.csv`: "
-                 "`step err %` is its `step_time_error_pct`; `GiB analytic` and `GiB traced` include the gpu "
-                 "preset's `memory_overhead_gib`, `GiB meas` is the device's peak allocation (on CPU the process "
+TRAINING_NOTE = ("One row per candidate of the LoRA/QLoRA, recipe (fp8, compile) and full searches, from their "
+                 "`all_trials_*.csv`: `step err %` is its `step_time_error_pct`; `GiB analytic` and `GiB traced` "
+                 "include the gpu preset's `memory_overhead_gib`, `GiB meas` is the device's peak allocation (on CPU the process "
                  "RSS); the tensor columns count live tensors only, on both sides.")
 INFERENCE_NOTE = ("From `inference/final_summary/final_output.csv`. The inference search predicts memory only; "
                   "latency and throughput are measured (a `... pred` column appears once the CSV carries one).")
