@@ -169,13 +169,13 @@ class GpuConfig:
 class ClusterConfig:
     """Where and how trials run. Hardware is the ``gpu`` group; the run's shape is ``train_settings``."""
 
-    type: str = "auto"  # local | bcm (SLURM) | auto (SLURM when it answers, else local if the search fits) | in_process
+    type: str = "auto"  # local | bcm (SLURM) | auto (SLURM when it answers, else local if the search fits) | in_process | ray
     partition: Optional[str] = None
     account: Optional[str] = None
     qos: Optional[str] = None
     exclusive: bool = True
     constraint: Optional[str] = None
-    cpus_per_task: Optional[int] = None  # null = the partition's CPUs per node / tasks per node
+    cpus_per_task: Optional[int] = None  # null = the partition's CPUs per node / tasks per node (Ray: 1 per worker)
     mem: Optional[str] = None  # sbatch --mem, e.g. "0" for the whole node
     job_name_prefix: str = "hp_tool:"
     container_image: Optional[str] = None
@@ -185,6 +185,11 @@ class ClusterConfig:
     additional_sbatch_parameters: Dict[str, str] = field(default_factory=dict)
     max_parallel_runs: int = 1  # trials running at once
     max_queue_minutes: Optional[float] = None  # cancel (unschedulable) a job pending longer than this
+    # Ray (cluster=ray, hp_tool/launch/backends/ray_jobs.py): the cluster's job API, what a trial's workers ask
+    address: Optional[str] = None  # http://<head>:8265 (the dashboard); null/auto: RAY_ADDRESS or this machine's head
+    gpus_per_worker: Optional[float] = None  # null: 1 per trial process, 0 with gpu=cpu
+    accelerator_type: Optional[str] = None  # Ray's accelerator label a worker's node must carry (e.g. A100, H100)
+    runtime_env: Dict[str, Any] = field(default_factory=dict)  # the jobs' Ray runtime_env (working_dir, pip, image_uri)
 
     def __post_init__(self) -> None:
         require(self.type in CLUSTER_TYPES, "cluster.type", self.type, "unknown cluster type",
@@ -192,6 +197,8 @@ class ClusterConfig:
         require(self.type != "bcm" or bool(self.partition), "cluster.partition", self.partition,
                 "is required for a SLURM cluster", "add cluster.partition=<partition> to the command")
         _positive(self, "cluster", ("cpus_per_task", "max_parallel_runs", "max_queue_minutes"))
+        require(self.gpus_per_worker is None or self.gpus_per_worker >= 0, "cluster.gpus_per_worker",
+                self.gpus_per_worker, "is negative", "give the GPUs each Ray worker (trial process) takes, e.g. 1")
 
 
 @dataclass

@@ -31,7 +31,7 @@ OFFLOAD_CODES = {"none": "noff", "optimizer": "offopt", "optimizer_and_params": 
 FINETUNE = "finetune"  # search_config.model_family of a fine-tuning search: the model comes from model.hf_config
 STRATEGIES = ("adaptive", "exhaustive")  # adaptive: most promising first, hopeless skipped; exhaustive: all
 MEMORY_CHECKS = ("traced", "analytic")  # how the plan prunes on memory
-CLUSTER_TYPES = ("local", "bcm", "auto", "in_process")
+CLUSTER_TYPES = ("local", "bcm", "auto", "in_process", "ray")
 
 # ---- trial outcomes ----
 SKIPPED, PRUNED_AFTER_OOM = "skipped", "pruned_after_oom"  # the adaptive search's verdicts (hp_tool/adaptive.py)

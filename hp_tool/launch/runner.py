@@ -269,7 +269,7 @@ class Launcher:
 
     def _end_state(self, a: Active) -> tuple[str, str]:
         ran_s = time.time() - (a.running_since or a.submitted)
-        return self.backend.end_state(a.handle, a.job, ran_s, jobmod.log_tail(a.job.folder, a.job_id))
+        return self.backend.end_state(a.handle, a.job, ran_s, self.backend.log_tail(a.handle, a.job))
 
     def _ended(self, job: JobSpec, a: Optional[Active], result: dict) -> None:
         self.ledger.append(self._entry(job, result.get("status", "failed"), None if a is None else a.job_id,

@@ -5,6 +5,8 @@ one place that reads the cluster type; everything after it asks the backend.
     local       cluster=local, and cluster=auto without SLURM         submitit's local executor (CPU jobs:
                                                                       forked from a warm process, warm.py)
     in_process  cluster=in_process                                    threads of this process, one process per job
+    ray_jobs    cluster=ray                                           Ray jobs on an existing Ray cluster, each
+                                                                      trial a Ray Train run (ray_driver.py)
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ def backend_for(cluster: ClusterConfig, gpu: GpuConfig) -> Backend:
         return SlurmBackend(cluster)
     if cluster.type == "in_process":
         return InProcessBackend(cluster, gpu)
+    if cluster.type == "ray":
+        from hp_tool.launch.backends.ray_jobs import RayBackend
+
+        return RayBackend(cluster, gpu)
     if cluster.type == "auto":
         return SlurmBackend(cluster) if slurm_reachable() else LocalBackend(cluster, gpu, fallback=True)
     return LocalBackend(cluster, gpu)

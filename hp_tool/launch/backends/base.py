@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Protocol, Sequence
 
 from hp_tool.config import ClusterConfig
-from hp_tool.launch.job import JobSpec
+from hp_tool.launch.job import JobSpec, log_tail
 from hp_tool.launch.ledger import Entry
 
 
@@ -106,3 +106,8 @@ class Backend(ABC):
 
     def cancel(self, handle: Handle) -> None:
         handle.cancel()
+
+    def log_tail(self, handle: Handle, job: JobSpec) -> str:
+        """The end of a job's log (its stderr): submitit's files in the job's folder; a backend that keeps its
+        jobs' logs elsewhere reads them there."""
+        return log_tail(job.folder, str(handle.job_id))
