@@ -169,7 +169,7 @@ class GpuConfig:
 class ClusterConfig:
     """Where and how trials run. Hardware is the ``gpu`` group; the run's shape is ``train_settings``."""
 
-    type: str = "auto"  # local | bcm (SLURM) | auto (SLURM when it answers, else local if the search fits) | in_process | ray
+    type: str = "auto"  # local | bcm (SLURM) | auto (SLURM, else local if the search fits) | in_process | ray
     partition: Optional[str] = None
     account: Optional[str] = None
     qos: Optional[str] = None
@@ -185,11 +185,10 @@ class ClusterConfig:
     additional_sbatch_parameters: Dict[str, str] = field(default_factory=dict)
     max_parallel_runs: int = 1  # trials running at once
     max_queue_minutes: Optional[float] = None  # cancel (unschedulable) a job pending longer than this
-    # Ray (cluster=ray, hp_tool/launch/backends/ray_jobs.py): the cluster's job API, what a trial's workers ask
-    address: Optional[str] = None  # http://<head>:8265 (the dashboard); null/auto: RAY_ADDRESS or this machine's head
-    gpus_per_worker: Optional[float] = None  # null: 1 per trial process, 0 with gpu=cpu
-    accelerator_type: Optional[str] = None  # Ray's accelerator label a worker's node must carry (e.g. A100, H100)
-    runtime_env: Dict[str, Any] = field(default_factory=dict)  # the jobs' Ray runtime_env (working_dir, pip, image_uri)
+    address: Optional[str] = None  # cluster=ray: its job API, http://<head>:8265; null/auto: RAY_ADDRESS or local
+    gpus_per_worker: Optional[float] = None  # cluster=ray: GPUs per worker (trial process); null: 1, 0 with gpu=cpu
+    accelerator_type: Optional[str] = None  # cluster=ray: the accelerator label a worker's node must carry (A100, H100)
+    runtime_env: Dict[str, Any] = field(default_factory=dict)  # cluster=ray: jobs' runtime_env (working_dir, pip)
 
     def __post_init__(self) -> None:
         require(self.type in CLUSTER_TYPES, "cluster.type", self.type, "unknown cluster type",

@@ -19,6 +19,7 @@ import yaml
 from hp_tool.dimensions import layout_words, varied
 from hp_tool.engine_facts import engine_facts
 from hp_tool.fsutil import atomic_write_text
+from hp_tool.launch.backends import ray_driver
 from hp_tool.results.collect import candidate_spec_path
 from hp_tool.results.full_run import FullRun
 from hp_tool.sizing import format_days
@@ -113,11 +114,22 @@ def train_lines(spec: TrialSpec, gpus: int) -> str:
                 f"({gpus} processes)\n")
         if spec.resources.num_nodes > 1:
             line += (f"#   on {spec.resources.num_nodes} nodes it prepares the run and prints: "
-                     f"{train_sbatch_command(spec, '<output_dir>/run_spec.yaml')}\n")
+                     f"{train_sbatch_command(spec, '<output_dir>/run_spec.yaml')}\n"
+                     f"# Train on Ray: {ray_job_command(spec, '<output_dir>/run_spec.yaml')}\n")
         return line
     return (f"# Train: torchrun --nnodes {spec.resources.num_nodes} --nproc-per-node "
             f"{spec.resources.gpus_per_node} -m hp_tool.trial.train <this file>   ({gpus} processes)\n"
-            f"# Train on SLURM: {train_sbatch_command(spec, '<this file>')}\n")
+            f"# Train on SLURM: {train_sbatch_command(spec, '<this file>')}\n"
+            f"# Train on Ray: {ray_job_command(spec, '<this file>')}\n")
+
+
+def ray_job_command(spec: TrialSpec, config: str) -> str:
+    """The ``ray job submit`` line that trains ``config`` on a Ray cluster: the trial engine in one Ray Train
+    worker per GPU (hp_tool/launch/backends/ray_driver.py), this checkout as the job's working dir."""
+    gpus = spec.resources.num_nodes * spec.resources.gpus_per_node
+    driver = ray_driver.driver_command("hp_tool.trial.train:run_trial", gpus, ray_driver.worker_resources(1, 1, None),
+                                       config)
+    return f"ray job submit --address http://<head>:8265 --working-dir . --entrypoint-num-cpus 0 -- {' '.join(driver)}"
 
 
 def train_sbatch_command(spec: TrialSpec, config: str) -> str:

@@ -39,6 +39,18 @@ def entry_name(entry) -> str:
     return f"{entry.__module__}:{entry.__qualname__}"
 
 
+def driver_command(entry: str, workers: int, need: dict[str, float], config: str, accelerator: Optional[str] = None,
+                   name: Optional[str] = None, storage: Optional[str] = None) -> list[str]:
+    """The command line of this driver: ``entry`` on ``config`` in ``workers`` workers of ``need`` each
+    (``worker_resources``); the backend's jobs and the optimal config's Ray line both use it."""
+    args = ["python3", "-m", "hp_tool.launch.backends.ray_driver", "--entry", entry, "--workers", str(workers),
+            "--cpus-per-worker", f"{need.get('CPU', 1):g}", "--gpus-per-worker", f"{need.get('GPU', 0):g}"]
+    for flag, value in (("--accelerator-type", accelerator), ("--name", name), ("--storage", storage)):
+        if value:
+            args += [flag, value]
+    return args + [config]
+
+
 def worker_resources(cpus: float, gpus: float, accelerator: Optional[str]) -> dict[str, float]:
     """What one worker asks of a node, as Ray names resources (an accelerator type is Ray's label resource)."""
     need = {"CPU": cpus, "GPU": gpus}
@@ -51,14 +63,13 @@ def never_placed(workers: int, need: dict[str, float], total: dict[str, float]) 
     """Why ``workers`` workers of ``need`` each can never be placed on a cluster of ``total`` resources (summed over
     its nodes), or None when the cluster holds them."""
     for name, each in need.items():
-        have = total.get(name, 0.0)
-        wanted = workers * each if not name.startswith("accelerator_type:") else each
-        if have < wanted:
-            what = f"{name.split(':', 1)[1]} GPUs" if name.startswith("accelerator_type:") else name
-            return (f"the trial's {workers} worker(s) need {wanted:g} {what} and the Ray cluster has {have:g} in all"
-                    if not name.startswith("accelerator_type:") else
-                    f"the trial's workers need {what} (cluster.accelerator_type) and no node of the Ray cluster has "
-                    "that label")
+        if name.startswith("accelerator_type:"):
+            if name not in total:
+                return (f"the trial's workers need {name.split(':', 1)[1]} GPUs (cluster.accelerator_type) and no node "
+                        "of the Ray cluster carries that label")
+        elif total.get(name, 0.0) < workers * each:
+            return (f"the trial's {workers} worker(s) need {workers * each:g} {name} and the Ray cluster has "
+                    f"{total.get(name, 0.0):g} in all")
     return None
 
 
@@ -83,7 +94,8 @@ def train(config: str, entry: str, workers: int, need: dict[str, float], name: s
 
 
 def probe(folder: str) -> None:
-    """The cluster's resources after ``PROBE_MARK``; a probe file written into ``folder`` (where it exists)."""
+    """A probe file written into ``folder`` (where it exists); the cluster's resources printed after ``PROBE_MARK``
+    (for a user reading the probe job's log)."""
     import ray
 
     ray.init()

@@ -13,7 +13,6 @@ of its log, read through the job API.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Optional, Sequence
 from hp_tool.config import ClusterConfig, GpuConfig
 from hp_tool.errors import ConfigError
 from hp_tool.launch.backends import ray_driver
-from hp_tool.launch.backends.base import Backend, Handle, Sized
+from hp_tool.launch.backends.base import Backend, Handle, Pending, Sized
 from hp_tool.launch.job import JobSpec
 from hp_tool.launch.ledger import Entry
 
@@ -43,6 +42,11 @@ def job_api_address(address: Optional[str]) -> str:
     return address if "://" in address else f"http://{address}"
 
 
+def status_name(status) -> str:
+    """A job status as its name (the job API's JobStatus, a str enum)."""
+    return str(getattr(status, "value", status))
+
+
 def submission_id(name: str) -> str:
     """A job name as a Ray submission id (letters, digits, ``-_.``)."""
     return "".join(c if c.isalnum() or c in "-_." else "-" for c in name)
@@ -57,7 +61,7 @@ class RayJob:
 
     def refresh(self) -> None:
         info = self.client.get_job_info(self.job_id)
-        self.status, self.message = str(getattr(info.status, "value", info.status)), info.message or ""
+        self.status, self.message = status_name(info.status), info.message or ""
 
     def done(self) -> bool:
         return self.status in TERMINAL
@@ -88,7 +92,6 @@ class RayBackend(Backend):
         self.gpu = gpu
         self.address = job_api_address(cluster.address)
         self._client = None
-        self.resources: Optional[dict[str, float]] = None  # the cluster's, from the preflight probe
 
     @property
     def client(self):
@@ -114,14 +117,10 @@ class RayBackend(Backend):
         return ray_driver.worker_resources(self.cluster.cpus_per_task or 1, gpus, self.cluster.accelerator_type)
 
     def driver_args(self, job: JobSpec, name: str) -> list[str]:
-        need = self.worker_need()
-        args = ["python3", "-m", "hp_tool.launch.backends.ray_driver", "--entry", ray_driver.entry_name(job.entry),
-                "--workers", str(job.tasks), "--cpus-per-worker", f"{need.get('CPU', 0):g}",
-                "--gpus-per-worker", f"{need.get('GPU', 0):g}", "--name", submission_id(name),
-                "--storage", str(job.folder.resolve())]
-        if self.cluster.accelerator_type:
-            args += ["--accelerator-type", self.cluster.accelerator_type]
-        return args + [str(Path(job.config_path).resolve())]
+        """The Ray job's entrypoint: the driver running the job's entry in one worker per task."""
+        return ray_driver.driver_command(ray_driver.entry_name(job.entry), job.tasks, self.worker_need(),
+                                         str(Path(job.config_path).resolve()), self.cluster.accelerator_type,
+                                         submission_id(name), str(job.folder.resolve()))
 
     def runtime_env(self) -> dict:
         """cluster.runtime_env, with this checkout on the jobs' Python path unless it sets a working_dir (or an
@@ -145,8 +144,7 @@ class RayBackend(Backend):
         deadline = time.time() + PROBE_TIMEOUT_S
         status = ""
         while time.time() < deadline:
-            status = str(self.client.get_job_status(job_id))
-            status = status.rsplit(".", 1)[-1]
+            status = status_name(self.client.get_job_status(job_id))
             if status in TERMINAL:
                 break
             time.sleep(0.5)
@@ -154,10 +152,8 @@ class RayBackend(Backend):
         if status != "SUCCEEDED":
             raise ConfigError(KEY, self.cluster.address, f"the probe job on the Ray cluster at {self.address} did "
                               f"not succeed ({status or 'no answer'} within {PROBE_TIMEOUT_S:.0f} s); its log: "
-                              f"{tail(logs)}", "check that the cluster's nodes can import hp_tool (cluster.runtime_env: "
-                              "a working_dir, pip or image) and that it has a free CPU for a job's driver")
-        marked = [line for line in logs.splitlines() if line.startswith(ray_driver.PROBE_MARK)]
-        self.resources = json.loads(marked[-1].split(ray_driver.PROBE_MARK, 1)[1]) if marked else {}
+                              f"{tail(logs)}", "check that the cluster's nodes can import hp_tool "
+                              "(cluster.runtime_env: a working_dir, pip or image) and that it runs a job's driver")
         seen = probe_file.exists()
         probe_file.unlink(missing_ok=True)
         if not seen:
@@ -196,6 +192,12 @@ class RayBackend(Backend):
     def refresh(self, handles: Sequence[Handle]) -> None:
         for handle in handles:
             handle.refresh()
+
+    def pending(self, handles: Sequence[Handle]) -> dict[str, Pending]:
+        """Jobs whose driver waits for its workers' placement (cluster.max_queue_minutes applies to them; a
+        placement that can never happen is the driver's to say, before it asks)."""
+        return {h.job_id: Pending("waiting for the Ray cluster to place its workers") for h in handles
+                if h.state == "PENDING"}
 
     def log_tail(self, handle: Handle, job: JobSpec) -> str:
         try:

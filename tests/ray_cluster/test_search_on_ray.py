@@ -1,0 +1,82 @@
+"""The whole search on a real Ray cluster (tests/ray_cluster/head.sh: one machine, 4 CPUs, no GPU).
+
+Nothing is mocked: main.py submits Ray jobs through Ray's job API, each job's driver runs the trial as a Ray Train
+run of 2 workers (the tiny model's 2 CPU processes), and the job API is the witness for what was submitted."""
+
+import json
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+# two trials, two at once: each is a Ray Train run of 2 workers, 1 CPU each, on the head's 4
+SMALL = ("search_config.train_settings.limit_search_runs=2", "search_config.train_settings.max_steps_per_run=8",
+         "search_config.train_settings.search_strategy=exhaustive", "memory_check=analytic")
+
+
+def run_main(tmp_path, address, prefix, *args, timeout=600):
+    cmd = [sys.executable, str(REPO / "main.py"), "search_config=gpt3/tiny", "cluster=ray",
+           f"cluster.address={address}", f"cluster.job_name_prefix={prefix}", f"base_results_dir={tmp_path / 'res'}",
+           *SMALL, *args]
+    return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=timeout)
+
+
+def jobs_of(client, prefix):
+    """The Ray jobs whose submission id starts with ``prefix`` (as the backend writes it)."""
+    mark = prefix.replace(":", "-")
+    return [j for j in client.list_jobs() if (j.submission_id or "").startswith(mark)]
+
+
+def table(tmp_path) -> pd.DataFrame:
+    return pd.read_csv(next((tmp_path / "res").glob("**/final_results/all_trials_1nodes.csv")))
+
+
+def test_a_tiny_search_ranks_ok_trials_that_ran_as_ray_train_workers(tmp_path, ray_address, ray_client):
+    prefix = f"hpt{uuid.uuid4().hex[:6]}:"
+    proc = run_main(tmp_path, ray_address, prefix)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    launched = table(tmp_path).query("status == 'ok'")
+    assert len(launched) == 2
+    jobs = jobs_of(ray_client, prefix)
+    assert len(jobs) == 2 and {str(j.status).rsplit(".", 1)[-1] for j in jobs} == {"SUCCEEDED"}
+    for job in jobs:
+        assert "--workers 2" in job.entrypoint
+        assert "RayTrainWorker" in ray_client.get_job_logs(job.submission_id)  # the trial ran in Ray's workers
+    for out in (tmp_path / "res").glob("**/result.json"):
+        result = json.loads(out.read_text())
+        if result.get("status") == "ok":
+            assert result["world_size"] == 2 and result["steps_run"] >= 3
+    optimal = next((tmp_path / "res").glob("**/final_results/optimal_config_*.yaml")).read_text()
+    assert "# Train on Ray: ray job submit" in optimal and "hp_tool.launch.backends.ray_driver" in optimal
+
+
+def test_a_detached_search_is_followed_again_and_never_submitted_twice(tmp_path, ray_address, ray_client):
+    """detach=true submits and returns; the same command again finds each live job by its name and waits for it."""
+    prefix = f"hpt{uuid.uuid4().hex[:6]}:"
+    first = run_main(tmp_path, ray_address, prefix, "detach=true")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert len(jobs_of(ray_client, prefix)) == 2
+    second = run_main(tmp_path, ray_address, prefix)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "re-attached" in second.stderr + second.stdout
+    assert len(jobs_of(ray_client, prefix)) == 2  # none submitted twice
+    assert (table(tmp_path).status == "ok").sum() == 2
+
+
+def test_a_trial_whose_workers_need_a_gpu_the_cluster_lacks_is_unschedulable(tmp_path, ray_address, ray_client):
+    prefix = f"hpt{uuid.uuid4().hex[:6]}:"
+    proc = run_main(tmp_path, ray_address, prefix, "cluster.gpus_per_worker=1")
+    rows = table(tmp_path).query("status == 'unschedulable'")
+    assert len(rows) == 2, proc.stderr[-3000:]
+    assert all("need 2 GPU and the Ray cluster has 0 in all" in reason for reason in rows.reason)
+
+
+def test_a_cluster_that_does_not_answer_is_named_before_anything_is_written(tmp_path, ray_address):
+    proc = run_main(tmp_path, "http://127.0.0.1:9", f"hpt{uuid.uuid4().hex[:6]}:", timeout=120)
+    assert proc.returncode == 2
+    assert "cluster.address" in proc.stderr and "http://127.0.0.1:9" in proc.stderr
+    assert not (tmp_path / "res").exists()
