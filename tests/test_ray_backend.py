@@ -9,7 +9,7 @@ from hp_tool.config import ClusterConfig, to_app_config
 from hp_tool.errors import ConfigError
 from hp_tool.launch.backends import backend_for
 from hp_tool.launch.backends.ray_driver import driver_command, entry_of, never_placed, worker_resources
-from hp_tool.launch.backends.ray_jobs import job_api_address, submission_id
+from hp_tool.launch.backends.ray_jobs import RayBackend, job_api_address, submission_id, tail
 from hp_tool.launch.job import trial_job
 
 
@@ -53,3 +53,29 @@ def test_cluster_ray_picks_the_ray_backend_and_refuses_negative_gpus():
     assert backend_for(h100.cluster, h100.gpu).worker_need() == {"CPU": 8, "GPU": 1, "accelerator_type:H100": 0.001}
     with pytest.raises(ConfigError, match="cluster.gpus_per_worker"):
         ClusterConfig(type="ray", gpus_per_worker=-1)
+
+
+class Ended:
+    """A finished Ray job as the backend sees it (status and message, as the job API gave them)."""
+
+    def __init__(self, status, message):
+        self.job_id, self.status, self.message = "hpt-x-t1", status, message
+
+
+def test_a_failed_job_reads_as_rays_first_sentence_and_the_plain_tail_of_its_log(tmp_path):
+    from hp_tool.launch.job import JobSpec
+
+    app = to_app_config(compose(["search_config=gpt3/tiny", "cluster=ray"])[0])
+    backend = RayBackend(app.cluster, app.gpu)
+    job = JobSpec("t1", "c.yaml", str(tmp_path), 1, 2, 3.0, "fp", trial_job)
+    log = "\x1b[36m(RayTrainWorker pid=1)\x1b[0m step 3\n\x1b[36m(RayTrainWorker pid=1)\x1b[0m worker died"
+    message = "Job entrypoint command failed with exit code 1, last available logs (truncated):\n" + log
+    status, reason = backend.end_state(Ended("FAILED", message), job, 30.0, tail(log))
+    assert status == "failed"
+    assert reason == ("Ray job hpt-x-t1 failed: Job entrypoint command failed with exit code 1; log tail: "
+                      "(RayTrainWorker pid=1) step 3 | (RayTrainWorker pid=1) worker died")
+    assert backend.end_state(Ended("STOPPED", "stopped"), job, 30.0, "")[0] == "cancelled"
+    assert backend.end_state(Ended("FAILED", "x"), job, 180.0, "")[0] == "timeout"
+    never = "the trial's 2 worker(s) need 2 GPU and the Ray cluster has 0 in all"
+    log = tail(f"connected\nhp_tool-unschedulable: {never}")
+    assert backend.end_state(Ended("FAILED", "exit code 3"), job, 5.0, log) == ("unschedulable", never)

@@ -14,6 +14,7 @@ of its log, read through the job API.
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 from typing import Optional, Sequence
@@ -206,15 +207,15 @@ class RayBackend(Backend):
             return ""
 
     def end_state(self, handle: Handle, job: JobSpec, ran_s: float, log_tail: str) -> tuple[str, str]:
-        logs = self.client.get_job_logs(handle.job_id) if handle.status == "FAILED" else ""
-        marked = [line for line in logs.splitlines() if line.startswith(ray_driver.UNSCHEDULABLE_MARK)]
-        if marked:
-            return "unschedulable", marked[-1].split(ray_driver.UNSCHEDULABLE_MARK, 1)[1].strip()
+        if ray_driver.UNSCHEDULABLE_MARK in log_tail:  # the driver's last line: the workers can never be placed
+            return "unschedulable", log_tail.split(ray_driver.UNSCHEDULABLE_MARK, 1)[1].split(" | ", 1)[0].strip()
         if ran_s >= job.timeout_min * 60 - 1:
             return "timeout", f"Ray job reached its {job.timeout_min}-minute limit without a result"
         if handle.status == "STOPPED":
             return "cancelled", f"Ray job {handle.job_id} was stopped ({handle.message})"
-        return "failed", f"Ray job {handle.job_id} {handle.status.lower()}: {handle.message}; log tail: {log_tail}"
+        # Ray's message repeats the job's log after its first sentence: the tail below says it once
+        message = handle.message.split(", last available logs", 1)[0].split("\n", 1)[0]
+        return "failed", f"Ray job {handle.job_id} {handle.status.lower()}: {message}; log tail: {log_tail}"
 
 
 def shared_folder(jobs: Sequence[Sized]) -> Path:
@@ -228,5 +229,6 @@ def shared_folder(jobs: Sequence[Sized]) -> Path:
 
 
 def tail(logs: str, lines: int = 6, chars: int = 600) -> str:
-    """The end of a job's log as one line."""
-    return " | ".join(logs.strip()[-chars:].splitlines()[-lines:])
+    """The end of a job's log as one line, without the terminal colours Ray's worker prefixes carry."""
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", logs).strip()
+    return " | ".join(plain[-chars:].splitlines()[-lines:])
