@@ -4,8 +4,10 @@ Nothing is mocked: main.py submits Ray jobs through Ray's job API, each job's dr
 run of 2 workers (the tiny model's 2 CPU processes), and the job API is the witness for what was submitted."""
 
 import json
+import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -54,17 +56,43 @@ def test_a_tiny_search_ranks_ok_trials_that_ran_as_ray_train_workers(tmp_path, r
     assert "# Train on Ray: ray job submit" in optimal and "hp_tool.launch.backends.ray_driver" in optimal
 
 
-def test_a_detached_search_is_followed_again_and_never_submitted_twice(tmp_path, ray_address, ray_client):
-    """detach=true submits and returns; the same command again finds each live job by its name and waits for it."""
+def test_an_interrupted_search_is_followed_again_and_never_submitted_twice(tmp_path, ray_address, ray_client):
+    """Ctrl-C once both trials are submitted: the orchestrator exits 130 and the Ray jobs keep running; the same
+    command again finds each live job by its name and waits for it instead of submitting it again."""
     prefix = f"hpt{uuid.uuid4().hex[:6]}:"
-    first = run_main(tmp_path, ray_address, prefix, "detach=true")
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert len(jobs_of(ray_client, prefix)) == 2
+    cmd = [sys.executable, str(REPO / "main.py"), "search_config=gpt3/tiny", "cluster=ray",
+           f"cluster.address={ray_address}", f"cluster.job_name_prefix={prefix}", f"base_results_dir={tmp_path / 'res'}",
+           *SMALL]
+    first = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 120
+    while len(jobs_of(ray_client, prefix)) < 2 and time.time() < deadline and first.poll() is None:
+        time.sleep(0.5)
+    first.send_signal(signal.SIGINT)
+    output, _ = first.communicate(timeout=60)
+    assert first.returncode == 130, output[-3000:]
+    live = [j for j in jobs_of(ray_client, prefix) if str(j.status).rsplit(".", 1)[-1] in ("PENDING", "RUNNING")]
+    assert len(jobs_of(ray_client, prefix)) == 2 and live  # submitted, and not stopped by the interrupt
     second = run_main(tmp_path, ray_address, prefix)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "re-attached" in second.stderr + second.stdout
     assert len(jobs_of(ray_client, prefix)) == 2  # none submitted twice
     assert (table(tmp_path).status == "ok").sum() == 2
+
+
+def test_a_detached_search_returns_at_once_and_cancel_stops_its_jobs(tmp_path, ray_address, ray_client):
+    """detach=true submits and returns; cancel=true stops the search's live jobs (each then reads as cancelled)."""
+    prefix = f"hpt{uuid.uuid4().hex[:6]}:"
+    assert run_main(tmp_path, ray_address, prefix, "detach=true").returncode == 0
+    proc = run_main(tmp_path, ray_address, prefix, "cancel=true")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Cancelled 2 jobs" in proc.stdout + proc.stderr
+    deadline = time.time() + 60
+    while time.time() < deadline and any(str(j.status).rsplit(".", 1)[-1] != "STOPPED"
+                                         for j in jobs_of(ray_client, prefix)):
+        time.sleep(0.5)
+    assert {str(j.status).rsplit(".", 1)[-1] for j in jobs_of(ray_client, prefix)} == {"STOPPED"}
+    results = [json.loads(r.read_text()) for r in (tmp_path / "res").glob("**/training_logs/*/result.json")]
+    assert [r["status"] for r in results] == ["cancelled", "cancelled"]
 
 
 def test_a_trial_whose_workers_need_a_gpu_the_cluster_lacks_is_unschedulable(tmp_path, ray_address, ray_client):
