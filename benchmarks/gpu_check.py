@@ -97,7 +97,8 @@ class Search:
     def table_path(self, work_dir: Path) -> Optional[Path]:
         """The CSV this search's table is read from, None until it exists: under the search's own folder, where the
         CLI names the results folder (``finetune/custom`` after its model: ``finetune/tiny_custom``)."""
-        pattern = f"**/{SUMMARY_DIR.as_posix()}/{SUMMARY_CSV}" if self.inference else "**/final_results/all_trials_*nodes.csv"
+        pattern = f"**/{SUMMARY_DIR.as_posix()}/{SUMMARY_CSV}" if self.inference else \
+            "**/final_results/all_trials_*nodes.csv"
         found = sorted((work_dir / self.name).glob(pattern))
         return found[0] if found else None
 
@@ -293,8 +294,8 @@ def rows_by_kind(runs: list[SearchRun]) -> tuple[list[dict], list[dict]]:
 
 TRAINING_NOTE = ("One row per candidate of the LoRA/QLoRA, recipe (fp8, compile) and full searches, from their "
                  "`all_trials_*.csv`: `step err %` is its `step_time_error_pct`; `GiB analytic` and `GiB traced` "
-                 "include the gpu preset's `memory_overhead_gib`, `GiB meas` is the device's peak allocation (on CPU the process "
-                 "RSS); the tensor columns count live tensors only, on both sides.")
+                 "include the gpu preset's `memory_overhead_gib`, `GiB meas` is the device's peak allocation (on CPU "
+                 "the process RSS); the tensor columns count live tensors only, on both sides.")
 INFERENCE_NOTE = ("From `inference/final_summary/final_output.csv`. The inference search predicts memory only; "
                   "latency and throughput are measured (a `... pred` column appears once the CSV carries one).")
 

@@ -11,11 +11,9 @@ import pytest
 from hp_tool.architectures import count_parameters
 from hp_tool.errors import ConfigError
 from hp_tool.estimate.layout import Layout
-from hp_tool.estimate.memory import estimate_memory
 from hp_tool.hf_config import load_hf_model
-from hp_tool.trial.memterms import target_hardware, target_layout
-from hp_tool.trial.trace.replay import trace_stage
 from test_finetune import transformers_count
+from test_qwen3 import traced_and_predicted
 from trial_helpers import long_context_spec
 
 # published configs no preset ships: Gemma-2 2B (google/gemma-2-2b: 2.61B) and 27B (its query scale apart from the
@@ -72,12 +70,6 @@ def gemma_spec(family: str, **layout):
                                 kv_channels=64, ffn_hidden_size=704, num_layers=2, vocab_size=2048, seq_length=512,
                                 tied_embeddings=True)
     return dataclasses.replace(spec, model=model)
-
-
-def traced_and_predicted(spec, device: str) -> tuple[float, float]:
-    traced = trace_stage(spec, 0, device).peak_bytes
-    predicted = estimate_memory(spec.model.shape(), target_layout(spec, device), target_hardware(device)).total_gib
-    return traced, predicted * 2**30
 
 
 CASES = [("cpu", {}), ("cpu", dict(tp=2)), ("cuda", dict(dp=2, zero_stage=3)), ("cuda", dict(dp=2, zero_stage=3, tp=2))]

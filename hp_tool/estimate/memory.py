@@ -426,8 +426,9 @@ def estimate_memory(shape: Shape, layout: Layout, hw: Hardware) -> MemoryEstimat
     are of the rank's tokens (``rank_shape``: the sequence over CP); with activation offload the stored
     activations are in host RAM and what one sub-layer's backward brings back is on the GPU
     (``working_layer_bytes``). A checkpointed layer's recompute (and CP's ring working memory, and what a layer's
-    backward allocates: ``Family.backward_transient_bytes``) runs in backward, after the loss has freed the logits: the last stage holds the larger of the two, not both
-    (tests/test_selective_checkpoint.py measures both modes of checkpointing against the trace)."""
+    backward allocates: ``Family.backward_transient_bytes``) runs in backward, after the loss has freed the logits:
+    the last stage holds the larger of the two, not both (tests/test_selective_checkpoint.py measures both modes of
+    checkpointing against the trace)."""
     tp, pp = layout.tp, layout.pp
     bpv = layout.bytes_per_value
     rank = rank_shape(shape, layout)

@@ -19,7 +19,7 @@ A new family is one file here that builds a ``Family``, one torch file in ``hp_t
 its YAML presets under ``hp_tool/conf/search_config/``.
 """
 
-from hp_tool.families import gemma, gpt3, llama, mistral, moe, phi3, qwen2, qwen3, t5  # noqa: I001 (registration order)
+from hp_tool.families import gemma, gpt3, llama, mistral, moe, phi3, qwen2, qwen3, t5  # noqa: I001 (registration)
 from hp_tool.families.registry import Family, family, family_names, hf_model_types, register
 
 MIXTRAL = moe.hf_moe_variant("mixtral", "Mixtral: Mistral's layers with top-2 of 8 experts (from a Hugging Face config)",

@@ -23,15 +23,15 @@ from hp_tool.families.registry import Family
 from hp_tool.families.shape import Shape
 
 
+NORM_VALUE_BYTES = 8  # a Gemma norm's fp32 input and fp32 normalised value, per value it normalises
+
+
 def norm_bytes(shape: Shape, mbs: int, tp: int, sequence_parallel: bool, p: int) -> float:
     """What Gemma's four norms keep beyond Llama's two: each norm's fp32 input and its fp32 normalised value before
     the cast back (8 bytes a value; Llama's keeps 4 + p), over the hidden size, on sequence shards under SP. The
     pre-norms' outputs, the projections' inputs, are Llama's."""
     sb = shape.seq_length * mbs * shape.hidden_size / (tp if sequence_parallel else 1)
     return 2 * (NORM_VALUE_BYTES - (4 + p)) * sb + 2 * NORM_VALUE_BYTES * sb
-
-
-NORM_VALUE_BYTES = 8  # a Gemma norm's fp32 input and fp32 normalised value, per value it normalises
 
 
 def eager_attention_bytes(shape: Shape, mbs: int, tp: int, p: int) -> float:
@@ -54,8 +54,8 @@ def eager_backward_bytes(shape: Shape, mbs: int, tp: int, p: int) -> float:
 
 
 def qk_norm_bytes(shape: Shape, mbs: int, tp: int) -> float:
-    """Gemma-3's per-head q and k norms: ``NORM_VALUE_BYTES`` over q's and k's heads, split with the heads by TP."""
-    return NORM_VALUE_BYTES * shape.seq_length * mbs * (shape.attention_dim + shape.kv_dim) / tp
+    """Gemma-3's per-head q and k norms: ``NORM_VALUE_BYTES`` a value they normalise (``qwen3.qk_values``)."""
+    return NORM_VALUE_BYTES * qwen3.qk_values(shape, mbs, tp)
 
 
 def layer_parameters(shape: Shape, encoder: bool = False) -> int:

@@ -15,11 +15,17 @@ def qk_norm_parameters(shape: Shape) -> int:
     return 2 * shape.head_dim
 
 
+def qk_values(shape: Shape, mbs: int, tp: int) -> float:
+    """Values the per-head q and k norms normalise on a rank, one micro-batch: q's and k's heads (a·sb and k·sb),
+    split with the heads by TP."""
+    return shape.seq_length * mbs * (shape.attention_dim + shape.kv_dim) / tp
+
+
 def qk_norm_bytes(shape: Shape, mbs: int, tp: int, bytes_per_value: int) -> float:
     """What the per-head norms keep for backward: as every RMSNorm of the engine, the input upcast to fp32 and
-    the normalised value cast back, (4 + p) bytes a value, over q's and k's heads (a·sb and k·sb values), split
-    with the heads by TP. RoPE then reads the norms' outputs and keeps nothing of its own."""
-    return (4 + bytes_per_value) * shape.seq_length * mbs * (shape.attention_dim + shape.kv_dim) / tp
+    the normalised value cast back, (4 + p) bytes a value (``qk_values``). RoPE then reads the norms' outputs and
+    keeps nothing of its own."""
+    return (4 + bytes_per_value) * qk_values(shape, mbs, tp)
 
 
 def layer_parameters(shape: Shape, encoder: bool = False) -> int:

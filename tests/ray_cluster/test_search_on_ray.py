@@ -20,11 +20,15 @@ SMALL = ("search_config.train_settings.limit_search_runs=2", "search_config.trai
          "search_config.train_settings.search_strategy=exhaustive", "memory_check=analytic")
 
 
+def main_command(tmp_path, address, prefix, *args) -> list[str]:
+    return [sys.executable, str(REPO / "main.py"), "search_config=gpt3/tiny", "cluster=ray",
+            f"cluster.address={address}", f"cluster.job_name_prefix={prefix}", f"base_results_dir={tmp_path / 'res'}",
+            *SMALL, *args]
+
+
 def run_main(tmp_path, address, prefix, *args, timeout=600):
-    cmd = [sys.executable, str(REPO / "main.py"), "search_config=gpt3/tiny", "cluster=ray",
-           f"cluster.address={address}", f"cluster.job_name_prefix={prefix}", f"base_results_dir={tmp_path / 'res'}",
-           *SMALL, *args]
-    return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(main_command(tmp_path, address, prefix, *args), cwd=tmp_path, capture_output=True,
+                          text=True, timeout=timeout)
 
 
 def jobs_of(client, prefix):
@@ -60,10 +64,8 @@ def test_an_interrupted_search_is_followed_again_and_never_submitted_twice(tmp_p
     """Ctrl-C once both trials are submitted: the orchestrator exits 130 and the Ray jobs keep running; the same
     command again finds each live job by its name and waits for it instead of submitting it again."""
     prefix = f"hpt{uuid.uuid4().hex[:6]}:"
-    cmd = [sys.executable, str(REPO / "main.py"), "search_config=gpt3/tiny", "cluster=ray",
-           f"cluster.address={ray_address}", f"cluster.job_name_prefix={prefix}", f"base_results_dir={tmp_path / 'res'}",
-           *SMALL]
-    first = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first = subprocess.Popen(main_command(tmp_path, ray_address, prefix), cwd=tmp_path, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 120
     while len(jobs_of(ray_client, prefix)) < 2 and time.time() < deadline and first.poll() is None:
         time.sleep(0.5)

@@ -9,8 +9,9 @@ exports RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT, which the trial engin
 Before it asks for the workers it compares what they need with what the cluster has in all (not what is free
 now): a run that can never be placed prints ``UNSCHEDULABLE_MARK`` and the reason, and exits with
 ``UNSCHEDULABLE_EXIT`` (the backend reports the trial as ``unschedulable``), instead of waiting forever.
-``--probe DIR`` instead prints the cluster's resources as JSON after ``PROBE_MARK`` and writes a file into DIR:
-the backend's preflight (the cluster answers, what it has, whether the results folder is the same folder there).
+``--probe DIR`` instead writes a file into DIR and prints the cluster's resources as JSON after ``PROBE_MARK``: the
+backend's preflight (the cluster answers and runs a job, the results folder is the same folder there; the resources
+are for a user reading the probe's log).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import time
 from pathlib import Path
 from typing import Optional, Sequence
@@ -164,8 +165,6 @@ class RayBackend(Backend):
                               "(or on the head node itself)")
 
     def _submit(self, args: list[str], name: Optional[str]) -> str:
-        import shlex
-
         return self.client.submit_job(entrypoint=" ".join(shlex.quote(a) for a in args),
                                       submission_id=None if name is None else submission_id(name),
                                       runtime_env=self.runtime_env(), entrypoint_num_cpus=0)
