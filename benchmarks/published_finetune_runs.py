@@ -173,6 +173,10 @@ class Case:
     measured_tokens_per_s_per_gpu: Optional[float]
     measured_fits: bool
     notes: list[str] = field(default_factory=list)
+    # the measured peak is the allocator's active bytes (torch.cuda.memory_stats' active_bytes.all.peak): the
+    # tensors alone, without the CUDA context, the allocator's cached slack or NCCL's buffers that the gpu
+    # preset's memory_overhead_gib adds, so the prediction compared is the tensors' (the verdict stays the total's)
+    memory_is_tensors: bool = False
 
 
 def gpu_preset(name: Optional[str]) -> tuple[str, list[str]]:
@@ -379,7 +383,15 @@ def measured_memory(row: dict, gpus: int) -> tuple[Optional[float], list[str]]:
     if "sum over" in str(value(peak.get("scope"))):
         gib /= gpus
         notes.append("memory summed over the GPUs: per GPU")
+    if memory_is_tensors(row):
+        notes.append("peak active memory (the tensors): compared without the preset's overhead")
     return gib, notes
+
+
+def memory_is_tensors(row: dict) -> bool:
+    """Whether the row's peak is the allocator's active bytes (``Case.memory_is_tensors``)."""
+    peak = row["outcome"].get("peak_memory") or {}
+    return "active" in str(value(peak.get("scope")))
 
 
 def measured_speed(row: dict, gpus: int, tokens_per_step_per_gpu: int, seq: int) -> tuple[Optional[float], list[str]]:
@@ -416,6 +428,10 @@ def express(row: dict) -> Case:
     kernels = " ".join(str(value(other.get(k)) or "") for k in ("implementation", "attention/kernels"))
     if "unsloth" in kernels.lower():
         raise Unexpressible("Unsloth's kernels")
+    if "TE" in str(value(other.get("kernels")) or "").split():
+        # fused layers and a fused loss whose saved activations are not the eager modules' hp_tool runs and prices
+        # (as Unsloth's; the pretraining benchmark leaves llm-foundry's fused loss out for the same reason)
+        raise Unexpressible("Transformer Engine's and Triton's fused kernels")
     hw_info = row["hardware"]
     preset, notes = gpu_preset(value(hw_info["gpu"]))
     # what the run did that hp_tool does not model, before what the row leaves unsaid
@@ -483,7 +499,7 @@ def express(row: dict) -> Case:
         memory = speed = None  # the samples' lengths are unknown: only the verdict at the cutoff is compared
         notes.append("the length is a cutoff (shorter samples): fit verdict only")
     return Case(row["id"], row["source_key"], model, preset, method, shape, layout, hw, nodes, memory, speed,
-                kind != "oom", notes)
+                kind != "oom", notes, memory_is_tensors(row))
 
 
 # ---------------------------------------------------------------------------------------------- scoring
@@ -496,13 +512,20 @@ class Scored:
     tokens_per_s_per_gpu: float  # predicted
 
     @property
+    def compared_memory_gib(self) -> float:
+        """The predicted figure of what the row measured: the tensors' where it measured those."""
+        if self.case.memory_is_tensors:
+            return self.memory_gib - self.case.hw.memory_overhead_gib
+        return self.memory_gib
+
+    @property
     def fits(self) -> bool:
         return self.memory_gib <= self.usable_gib
 
     @property
     def memory_error(self) -> Optional[float]:
         m = self.case.measured_memory_gib
-        return None if m is None else self.memory_gib / m - 1
+        return None if m is None else self.compared_memory_gib / m - 1
 
     @property
     def speed_error(self) -> Optional[float]:
@@ -594,7 +617,7 @@ def print_rows(card: Scorecard) -> None:
         c = s.case
         mem = f"{c.measured_memory_gib:.1f}" if c.measured_memory_gib is not None else "-"
         tok = f"{c.measured_tokens_per_s_per_gpu:.0f}" if c.measured_tokens_per_s_per_gpu is not None else "-"
-        print(f"| {c.id} | {c.source} | {c.gpu} | {c.method} | {c.model} | {mem} | {s.memory_gib:.1f} | "
+        print(f"| {c.id} | {c.source} | {c.gpu} | {c.method} | {c.model} | {mem} | {s.compared_memory_gib:.1f} | "
               f"{pct(s.memory_error)} | {tok} | {s.tokens_per_s_per_gpu:.0f} | {pct(s.speed_error)} | "
               f"{'fits' if c.measured_fits else 'OOM'} | {'fits' if s.fits else 'OOM'} | {'; '.join(c.notes)} |")
 

@@ -54,6 +54,10 @@ class EngineFacts:
     recompute_gathers: bool  # ZeRO-3 gathers a checkpointed layer again for its recompute forward
     host_offload_bytes: tuple[tuple[str, int], ...]  # (offload, host bytes per parameter shard it keeps in RAM)
     reduce_bytes: Optional[int]  # bytes per reduced gradient value (None: the training precision's)
+    # ZeRO-2 and 3 reduce gradients through a GPU buffer of this many elements beside the partition (None: none)
+    reduce_bucket_elements: Optional[int]
+    # ZeRO-2 and 3 with the optimizer offloaded hold the gradient partition in host RAM, not on the GPU
+    offload_moves_gradients: bool
     builds_ops: bool  # C++ ops built before its first trial (DeepSpeed's CPU Adam)
     traceable: bool  # the memory check traces its rank build under fake tensors
     config_file: Optional[str]  # what the optimal config's folder holds beside it for this engine (name pattern)
@@ -80,6 +84,7 @@ TORCH = EngineFacts(
     zero2_gathers_each_forward=True, recompute_gathers=False,
     # FSDP2's CPUOffloadPolicy keeps the fp32 parameter as the master: fp32 master, m, v and the fp32 gradient
     host_offload_bytes=(("optimizer_and_params", 16),), reduce_bytes=4,  # FSDP2's reduce_dtype; DDP's fp32 grads
+    reduce_bucket_elements=None, offload_moves_gradients=False,  # FSDP2 reduce-scatters the gradients in place
     builds_ops=False, traceable=True, config_file=None,
 )
 DEEPSPEED = EngineFacts(
@@ -96,6 +101,10 @@ DEEPSPEED = EngineFacts(
     zero2_gathers_each_forward=False, recompute_gathers=True,
     # fp32 master, m, v and gradient (16); parameter offload adds the 16-bit parameter (18: REFERENCE §5)
     host_offload_bytes=(("optimizer", 16), ("optimizer_and_params", 18)), reduce_bytes=None,
+    # its reduce_bucket_size default (hp_tool's config leaves it): the contiguous IPG buffer of ZeRO-2 and 3; with
+    # offload_optimizer each bucket is copied into the host's fp32 gradient partition and freed (ZeRO-Offload;
+    # stage_1_and_2.copy_grads_in_partition, stage3's grad_partitions_flat_buffer on the host)
+    reduce_bucket_elements=500_000_000, offload_moves_gradients=True,
     builds_ops=True, traceable=False, config_file="ds_config",
 )
 ENGINE_FACTS = {e.name: e for e in (TORCH, DEEPSPEED)}

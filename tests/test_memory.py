@@ -36,11 +36,31 @@ def test_model_states_follow_zero_table():
     assert model_state_bytes(psi, 8, 2) == 2 * psi + 14 * psi / 8
     assert model_state_bytes(psi, 8, 3) == 16 * psi / 8
     assert model_state_bytes(psi, 1, 3) == 16 * psi
-    # offload: the optimizer part (12) leaves the GPU; with parameters, everything does
+    # offload: the optimizer part (12) leaves the GPU; at ZeRO-2 and 3 the gradient partition with it (ZeRO-Offload
+    # reduces each bucket into the host's fp32 gradient and frees it); with parameters, everything does
     assert model_state_bytes(psi, 8, 1, "optimizer") == 4 * psi
-    assert model_state_bytes(psi, 8, 2, "optimizer") == 2 * psi + 2 * psi / 8
-    assert model_state_bytes(psi, 8, 3, "optimizer") == 4 * psi / 8
+    assert model_state_bytes(psi, 8, 2, "optimizer") == 2 * psi
+    assert model_state_bytes(psi, 8, 3, "optimizer") == 2 * psi / 8
     assert model_state_bytes(psi, 8, 3, "optimizer_and_params") == 0
+
+
+def test_deepspeed_reduces_through_a_bucket_and_zero_offload_trains_10b_on_one_v100():
+    """DeepSpeed's ZeRO-2 and 3 reduce gradients through a buffer of reduce_bucket_size elements (5e8, its default,
+    which hp_tool's DeepSpeed config leaves) beside the partition; the ZeRO-Offload tutorial's 10B GPT-2 (50 layers of
+    4096, 10 sequences of 1024, every layer checkpointed, fp16, ZeRO-2 with the optimizer on the CPU) trained on one
+    V100 32GB: its 16-bit weights and the bucket are all the GPU holds of the model states."""
+    shape = gpt3_shape(10.0, 50257, 1024)[0].__class__("gpt3", 50, 4096, 32, 32, 16384, 50257, 1024)
+    v100 = Hardware(gpus_per_node=1, gpu_memory_gib=31.74, peak_tflops=125, intra_node_bandwidth_gbps=150,
+                    inter_node_bandwidth_gbps=12.5, memory_overhead_gib=1.5)
+    layout = Layout.of(tp=1, pp=1, dp=1, mbs=10, global_batch_size=10, act_ckpt_layers=50, engine="deepspeed",
+                       zero_stage=2, offload="optimizer", precision="fp16")
+    states = estimate_memory(shape, layout, v100).model_states_gib
+    params = 50 * 12 * 4096 ** 2 + 50 * 13 * 4096 + (50257 + 1024) * 4096 + 2 * 4096
+    assert states * 2 ** 30 == pytest.approx(2 * params + 2 * 5e8, rel=1e-3)
+    assert estimate_memory(shape, layout, v100).total_gib < 31.74
+    # without offload the partition is back on the GPU, and the bucket beside it
+    kept = estimate_memory(shape, layout.replace(offload="none", dp=8, global_batch_size=80), v100)
+    assert kept.model_states_gib * 2 ** 30 == pytest.approx(2 * params + 14 * params / 8 + 2 * 5e8, rel=1e-3)
 
 
 def test_torch_engine_states_keep_fp32_weights_as_the_master():

@@ -108,7 +108,9 @@ def model_state_bytes(params: float, dp: int, zero_stage: int = 3, offload: str 
     parameters either way) all three: 16Ψ, 8Ψ + 8Ψ/N, 16Ψ/N, 16Ψ/N (the moments' 8 is
     ``OPTIMIZER_STATE_BYTES[optimizer]``). The 16-bit compute copy is
     ``compute_copy_bytes``. Offload leaves the optimizer part (and with optimizer_and_params the weights
-    and gradients too) in host RAM. ``master_weights`` bf16 (torch): bf16 weights (2) and gradients (2) and the
+    and gradients too) in host RAM; an engine whose offload moves the gradients (DeepSpeed's ZeRO-Offload,
+    ``offload_moves_gradients``) keeps their ZeRO-2/3 partition there as well, reducing through its bucket
+    (``reduce_bucket_bytes``). ``master_weights`` bf16 (torch): bf16 weights (2) and gradients (2) and the
     optimizer's moments in bf16 (half of ``OPTIMIZER_STATE_BYTES``; 8-bit AdamW's stay 8-bit), no fp32 master."""
     n = max(1, dp)
     on_gpu = offload != "optimizer_and_params"
@@ -123,9 +125,20 @@ def model_state_bytes(params: float, dp: int, zero_stage: int = 3, offload: str 
     grads_div = n if zero_stage >= 2 else 1
     weights_div = n if zero_stage >= 3 or (zero_stage == 2 and facts.zero2_shards_weights) else 1
     gpu_weights = weights * params / weights_div if on_gpu else 0.0
-    gpu_grads = grads * params / grads_div if on_gpu else 0.0
+    grads_on_gpu = on_gpu and not (offload != "none" and zero_stage >= 2 and facts.offload_moves_gradients)
+    gpu_grads = grads * params / grads_div if grads_on_gpu else 0.0
     gpu_optimizer = opt_bytes * params / (n if zero_stage >= 1 else 1) if offload == "none" else 0.0
     return gpu_weights + gpu_grads + gpu_optimizer
+
+
+def reduce_bucket_bytes(trained: float, layout: Layout) -> float:
+    """GPU bytes of the engine's gradient reduction bucket at ZeRO-2 and 3 (``reduce_bucket_elements``: DeepSpeed's
+    contiguous IPG buffer, never larger than the ``trained`` parameters it reduces), in the training precision;
+    0 for an engine without one."""
+    bucket = engine_facts(layout.engine).reduce_bucket_elements
+    if not bucket or layout.zero_stage < 2:
+        return 0.0
+    return min(trained, bucket) * layout.bytes_per_value
 
 
 def compute_copy_bytes(params: float, gathered_layer: float, layout: Layout, hw: Hardware) -> float:
@@ -341,14 +354,14 @@ def stage_state_bytes(shape: Shape, layout: Layout, hw: Hardware, params: float,
     """GPU bytes of pipeline ``stage``'s weights, gradients, optimizer states and compute copies (``params``
     parameters on this GPU after TP).
 
-    Full training: ``model_state_bytes`` + ``compute_copy_bytes``. LoRA / QLoRA (estimate/methods.py): the
+    Full training: ``model_state_bytes`` + ``compute_copy_bytes`` + ``reduce_bucket_bytes``. LoRA / QLoRA (estimate/methods.py): the
     frozen base as the engines hold it (``frozen_base_bytes``; QLoRA: its layers' linear weights in
     NF4_BITS per parameter) with no gradient or optimizer state, sharded by ZeRO-3 / FSDP2 and moved to the
     host by parameter offload as for full training, with full training's compute copies; QLoRA's transient
     dequantised copy of the layer's largest weight; the adapters' own states as full training's."""
     copies = stage_compute_copy_bytes(shape, layout, hw, params, stage, gathered_layer)
     if not layout.adapted:
-        return sharded_state_bytes(shape, layout, params, stage) + copies
+        return sharded_state_bytes(shape, layout, params, stage) + copies + reduce_bucket_bytes(params, layout)
     bpv = layout.bytes_per_value
     layers = sum(stage_layer_counts(shape, layout.pp, stage))
     adapters = stage_adapter_parameters(shape, layout, stage)
@@ -361,7 +374,7 @@ def stage_state_bytes(shape: Shape, layout: Layout, hw: Hardware, params: float,
     sharded = layout.zero_stage >= 3 and (layout.zero_ranks > 1 or layout.offload == "optimizer_and_params")
     experts = stage_expert_parameters(shape, layout.pp, stage, layout.ep) * weight_bytes
     on_gpu = 0.0 if layout.offload == "optimizer_and_params" else layout.shard(base, experts) if sharded else base
-    return on_gpu + copies + dequantised + model_state_bytes(
+    return on_gpu + copies + dequantised + reduce_bucket_bytes(adapters, layout) + model_state_bytes(
         adapters, layout.zero_ranks, layout.zero_stage, layout.offload, layout.engine, layout.optimizer,
         layout.master_weights)
 

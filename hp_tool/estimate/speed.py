@@ -7,6 +7,9 @@ compute   = the linears' (model + recompute) FLOPs / (GPUs · peak · efficiency
             (``attention_efficiency``); under torch.compile (the recipe's ``compile``) the linears' efficiency
             times ``COMPILED_SPEEDUP``; with fp8 linears their FLOPs at the GPU's fp8 peak;
 fp8 casts = the Float8 linears' amax scans, casts and transposes at the GPU's memory bandwidth (``fp8_cast_s``);
+host      = what the host's dispatch of an eager step's operators takes beyond the GPU's work it launches
+            (``hp_tool.estimate.host``): the step's floor where the kernels are small (short sequences,
+            micro-batch 1);
 bubble    = compute · (PP − 1) / (v · m) for m micro-batches per replica and v virtual stages per GPU
             (1F1B, interleaved when v > 1; Narayanan et al. 2021);
 TP comm   = ring all-reduces of the layer activations, 2 in forward and 2 in backward per layer, plus
@@ -45,6 +48,7 @@ from hp_tool.architectures import (Shape, checkpointed_layer_counts, model_flops
                                    stage_expert_parameters, stage_layer_counts, stage_layer_parameters,
                                    vocab_parallel_parameters)
 from hp_tool.engine_facts import engine_facts
+from hp_tool.estimate.host import host_s
 from hp_tool.estimate.layout import GB, Hardware, Layout, rank_shape
 from hp_tool.estimate.memory import adapter_parameters, cached, linear_parameters, stage_activation_bytes
 from hp_tool.families.decoder import expert_forward_flops
@@ -104,11 +108,13 @@ class StepTimeEstimate:
     cp_comm_s: float = 0.0  # context parallel: the ring's key/value passes not hidden behind attention
     activation_offload_s: float = 0.0  # saved activations to host RAM and back
     fp8_cast_s: float = 0.0  # Float8 linears: amax scans, casts and transposes
+    host_s: float = 0.0  # the host's operator dispatch beyond the GPU work it launches (hp_tool.estimate.host)
 
     @property
     def total_s(self) -> float:
         return (self.compute_s + self.bubble_s + self.tp_comm_s + self.pp_comm_s + self.dp_comm_s + self.offload_s
-                + self.dequant_s + self.ep_comm_s + self.cp_comm_s + self.activation_offload_s + self.fp8_cast_s)
+                + self.dequant_s + self.ep_comm_s + self.cp_comm_s + self.activation_offload_s + self.fp8_cast_s
+                + self.host_s)
 
 
 def matmul_efficiency(shape: Shape, layout: Layout, hw: Hardware) -> float:
@@ -434,10 +440,12 @@ def estimate_step_time(shape: Shape, layout: Layout, hw: Hardware, num_nodes: in
         crossings = layout.virtual_stages * (m + layout.pp - 1)  # each micro-batch crosses v times more
         pp_comm = 2 * crossings * boundary_bytes / layout.tp / (pp_bw * GB)
 
+    dequant, fp8_cast = dequant_s(shape, layout, hw), fp8_cast_s(shape, layout, hw)
+    # the GPU runs the kernels behind the host's dispatch of them: the host shows where it takes longer
+    host = max(0.0, host_s(shape, layout, hw) - (compute + dequant + fp8_cast))
     return StepTimeEstimate(compute, bubble, tp_comm, pp_comm, dp_comm_s(shape, layout, hw, num_nodes),
-                            offload_s(shape, layout, hw), dequant_s(shape, layout, hw), ep_comm_s(shape, layout, hw),
-                            cp_comm_s(shape, layout, hw), activation_offload_s(shape, layout, hw),
-                            fp8_cast_s(shape, layout, hw))
+                            offload_s(shape, layout, hw), dequant, ep_comm_s(shape, layout, hw),
+                            cp_comm_s(shape, layout, hw), activation_offload_s(shape, layout, hw), fp8_cast, host)
 
 
 def cp_comm_s(shape: Shape, layout: Layout, hw: Hardware) -> float:

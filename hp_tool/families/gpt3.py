@@ -149,4 +149,5 @@ FAMILY = Family(
     constant_ratio=0.166,
     grid_table=lambda shape: GPT3_GRID,
     layer_matmuls=layer_matmuls,
+    layer_ops=(39, 93, 80),
 )

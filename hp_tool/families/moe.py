@@ -172,6 +172,7 @@ FAMILY = dataclasses.replace(
     expert_parameters=expert_parameters,
     expert_parallel_activation_bytes=expert_parallel_activation_bytes,
     layer_matmuls=layer_matmuls,
+    layer_ops=(94, 163, 157),
 )
 
 

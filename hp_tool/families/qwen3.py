@@ -48,6 +48,7 @@ FAMILY = dataclasses.replace(
         shape, mbs, tp, sp, p),
     # transformers' Qwen3: attention_bias puts biases on q, k, v and o; no published Qwen3 has them
     hf_unmodelled=("attention_bias",),
+    layer_ops=(87, 174, 164),
 )
 
 MOE = dataclasses.replace(
@@ -57,4 +58,5 @@ MOE = dataclasses.replace(
     layer_parameters=lambda shape, encoder=False: moe.layer_parameters(shape) + qk_norm_parameters(shape),
     activation_bytes=lambda shape, mbs, tp=1, sp=False, p=2, flash=True, encoder=False: moe.activation_bytes(
         shape, mbs, tp, sp, p) + qk_norm_bytes(shape, mbs, tp, p),
+    layer_ops=(105, 191, 184),
 )

@@ -120,6 +120,12 @@ class Family:
     # kernel, whose output the policy saves too (hp_tool/trial/selective_checkpoint.py). None: not modelled,
     # and selective checkpointing refused (hp_tool/sharding.py checkpoint_mode_problem)
     layer_matmuls: Optional[Callable[["Shape"], tuple[Matmul, ...]]] = None
+    # (forward, backward, recompute) aten operators one layer dispatches for one micro-batch in full training, each
+    # a host launch in an eager step (hp_tool/estimate/host.py); recompute: what a checkpointed layer's backward
+    # adds (its forward again and the checkpoint's bookkeeping). Counted on the trial engine's own modules by
+    # benchmarks/host_overhead.py, checked by tests/test_host_overhead.py; a T5 layer is the mean of its stacks'.
+    # The default is Llama's layer (and its variants': Mistral, Qwen2)
+    layer_ops: tuple[int, int, int] = (73, 138, 130)
 
 
 _FAMILIES: Registry[Family] = Registry("model family")

@@ -178,6 +178,7 @@ def _family(name: str, table: Table, size_factors: tuple[float, float], descript
         engines_note=(f"hp_tool trains encoder-decoder models ({name}) on the torch engine only "
                       "(TP, PP over both stacks, FSDP2 for ZeRO 0-3 and offload)"),
         inference=False,
+        layer_ops=(98, 178, 174),
     )
 
 

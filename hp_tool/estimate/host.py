@@ -1,0 +1,59 @@
+"""Host time of an eager step: the Python and dispatcher work that launches every operator. Pure arithmetic.
+
+An eager step dispatches every operator of every layer from the host, forward, backward and the recomputed
+forward of a checkpointed layer, each a few microseconds of Python, dispatcher and kernel launch (5-25 us in
+PyTorch's own accounts). The GPU runs the kernels asynchronously behind it, so the step takes the longer of
+the two: with large kernels (long sequences, large micro-batches) the GPU's time, with small ones the host's.
+Fine-tuning a 7B model at 256 tokens a micro-batch dispatches about 200 operators a layer in 2-3 ms while
+its GPU work takes a fraction of that, which is why published short-sequence runs reach a small share of
+the tokens/s their FLOPs allow.
+
+host = micro-batches x the busiest stage's layers x (forward + backward operators a layer, and a checkpointed
+       layer's recompute) x ``HOST_SECONDS_PER_OP``
+
+The operators are the family's record (``Family.layer_ops``: one layer's forward and backward in full training,
+counted from the trial engine's own modules) plus ``ADAPTER_OPS`` per adapted linear under LoRA or QLoRA.
+Both counts and the seconds per operator are measured by benchmarks/host_overhead.py and checked against the
+engine in tests/test_host_overhead.py. Left out: the embedding, head and loss (a few dozen operators a
+micro-batch), the optimizer step (a handful of fused launches), the engines' own hooks (FSDP2's gathers,
+DeepSpeed's per-parameter gradient hooks) and bitsandbytes' dequantisation launches. Under torch.compile the
+layers run as a few fused kernels a layer and no floor is applied; on CPU processes the host is the device,
+whose compute rate the CPU preset's efficiency prices already.
+"""
+
+from __future__ import annotations
+
+from hp_tool.architectures import Shape
+from hp_tool.estimate.layout import Hardware, Layout
+
+# Host seconds per operator of an eager layer: its Python module call, autograd and the dispatcher, and the
+# kernel's launch. benchmarks/host_overhead.py measures it on the tiny Llama stage's forward and backward, whose
+# kernels cost nothing next to it: 9.6 us on one core of this project's 2-core x86 CI machine (PyTorch's accounts
+# give 5-25 us on a GPU host, launch included); a GPU session confirms it with --device cuda.
+HOST_SECONDS_PER_OP = 9.6e-6
+# operators peft's LoRA adds per adapted linear (A and B matmuls, their scaling and the sum; dropout's when it
+# is on), forward, backward and a checkpointed layer's recompute: 10, 14 and 13 on the engine's Llama layer,
+# every linear adapted
+ADAPTER_OPS = (10, 14, 13)
+
+
+def layer_pass_ops(shape: Shape, layout: Layout) -> tuple[float, float, float]:
+    """(forward, backward, recompute) operators one layer dispatches for one micro-batch under the layout's
+    method (``Family.layer_ops``, plus ``ADAPTER_OPS`` per adapted linear)."""
+    ops = shape.facts.layer_ops
+    if not layout.adapted:
+        return ops
+    adapted = len(layout.lora.target_modules)
+    return tuple(n + adapted * extra for n, extra in zip(ops, ADAPTER_OPS))
+
+
+def host_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
+    """Host seconds per optimizer step to dispatch the busiest stage's layers (module docstring); 0 under
+    torch.compile and where the device is the host."""
+    if layout.compile or hw.device_is_host:
+        return 0.0
+    forward, backward, recompute = layer_pass_ops(shape, layout)
+    per_stage = shape.pipeline_layers // layout.pp
+    recomputed = min(layout.act_ckpt_layers, per_stage)
+    ops = per_stage * (forward + backward) + recomputed * recompute
+    return layout.num_microbatches * ops * HOST_SECONDS_PER_OP
