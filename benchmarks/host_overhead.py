@@ -215,12 +215,16 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"{HOST_SECONDS_PER_OP * 1e6:.1f} us; the model: operators x it)\n")
     print("| method | checkpointed | operators | measured ms | us per operator | the model's ms | model / measured |")
     print("|---|---|---|---|---|---|---|")
+    total_s = total_ops = 0.0
     for method in ("full", "lora"):
         for checkpointed in (False, True):
             seconds, ops = layer_seconds(device, args.repeats, method, checkpointed)
+            total_s, total_ops = total_s + seconds, total_ops + ops
             model = ops * HOST_SECONDS_PER_OP  # the counted operators: layer_ops and ADAPTER_OPS are their records
             print(f"| {method} | {'yes' if checkpointed else 'no'} | {ops:.0f} | {seconds * 1e3:.2f} | "
                   f"{seconds / ops * 1e6:.1f} | {model * 1e3:.2f} | {model / seconds:.2f} |")
+    print(f"\nAll four: {total_s / total_ops * 1e6:.1f} us per operator (HOST_SECONDS_PER_OP "
+          f"{HOST_SECONDS_PER_OP * 1e6:.1f} us)")
     return 0 if ok else 1
 
 

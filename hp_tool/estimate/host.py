@@ -26,11 +26,13 @@ from __future__ import annotations
 from hp_tool.architectures import Shape
 from hp_tool.estimate.layout import Hardware, Layout
 
-# Host seconds per operator of an eager layer: its Python module call, autograd and the dispatcher, and the
-# kernel's launch. benchmarks/host_overhead.py measures it on the tiny Llama stage's forward and backward, whose
-# kernels cost nothing next to it: 9.6 us on one core of this project's 2-core x86 CI machine (PyTorch's accounts
-# give 5-25 us on a GPU host, launch included); a GPU session confirms it with --device cuda.
-HOST_SECONDS_PER_OP = 9.6e-6
+# Host seconds per operator of an eager layer: its Python module call, autograd and the dispatcher, the
+# checkpoint's hooks, and the kernel's launch. benchmarks/host_overhead.py measures it on the tiny Llama stage's
+# forward and backward, whose kernels cost nothing next to it, full and LoRA, with and without checkpointing: over
+# all four 10.2, 10.2 and 8.6 us an operator in three runs on one core of a 2-core x86 cloud VM (7-13 us case by
+# case; PyTorch's own accounts give 5-25 us on a GPU host, the launch included). Not yet measured on a GPU host
+# (benchmarks/host_overhead.py --device cuda).
+HOST_SECONDS_PER_OP = 10e-6
 # operators peft's LoRA adds per adapted linear (A and B matmuls, their scaling and the sum; dropout's when it
 # is on), forward, backward and a checkpointed layer's recompute: 10, 14 and 13 on the engine's Llama layer,
 # every linear adapted
