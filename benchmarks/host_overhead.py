@@ -93,7 +93,9 @@ class _Count(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _stage(model: ModelSpec, device: torch.device):
+def _stage(model: ModelSpec, device: torch.device, checkpointed: bool = False):
+    """The engine's stage of ``model`` on ``device``, every layer under its activation checkpointing with
+    ``checkpointed``."""
     torch.manual_seed(0)
     stage = build_stage(model, 1, 0)
     stage.to_empty(device=device)
@@ -102,6 +104,8 @@ def _stage(model: ModelSpec, device: torch.device):
     with torch.no_grad():
         for p in stage.parameters():
             p.normal_(0.0, 0.02)
+    if checkpointed:
+        apply_activation_checkpointing(stage, model.shape().pipeline_layers)
     return stage
 
 
@@ -112,23 +116,23 @@ def _inputs(model: ModelSpec, device: torch.device):
     return (x,)
 
 
-def _step(stage, inputs) -> None:
+def _forward(stage, inputs) -> torch.Tensor:
     out = stage(*inputs)
-    out = out[0] if isinstance(out, tuple) else out
-    out.float().sum().backward()
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _step(stage, inputs) -> None:
+    _forward(stage, inputs).float().sum().backward()
 
 
 def stage_ops(model: ModelSpec, checkpointed: bool = False) -> tuple[int, int]:
     """(forward, backward) aten operators the engine's stage of ``model`` dispatches for one micro-batch, every
     layer under the engine's activation checkpointing with ``checkpointed`` (its recompute in the backward's)."""
     device = torch.device("cpu")
-    stage, inputs = _stage(model, device), _inputs(model, device)
-    if checkpointed:
-        apply_activation_checkpointing(stage, model.shape().pipeline_layers)
+    stage, inputs = _stage(model, device, checkpointed), _inputs(model, device)
     count = _Count()
     with count:
-        out = stage(*inputs)
-        out = out[0] if isinstance(out, tuple) else out
+        out = _forward(stage, inputs)
         forward = count.ops
         out.float().sum().backward()
     return forward, count.ops - forward
@@ -166,9 +170,7 @@ def layer_seconds(device: torch.device, repeats: int, method: str = "full",
     times, ops = {}, {}
     for layers in (2, 10):
         model = tiny_model("llama", layers, method)
-        stage, inputs = _stage(model, device), _inputs(model, device)
-        if checkpointed:
-            apply_activation_checkpointing(stage, layers)
+        stage, inputs = _stage(model, device, checkpointed), _inputs(model, device)
         for _ in range(3):
             _step(stage, inputs)
         samples = []

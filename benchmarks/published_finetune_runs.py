@@ -383,8 +383,6 @@ def measured_memory(row: dict, gpus: int) -> tuple[Optional[float], list[str]]:
     if "sum over" in str(value(peak.get("scope"))):
         gib /= gpus
         notes.append("memory summed over the GPUs: per GPU")
-    if memory_is_tensors(row):
-        notes.append("peak active memory (the tensors): compared without the preset's overhead")
     return gib, notes
 
 
@@ -493,13 +491,16 @@ def express(row: dict) -> Case:
         raise Unexpressible(f"layout hp_tool refuses: {problems[0].reason}")
     memory, more = measured_memory(row, gpus)
     notes += more
+    tensors = memory_is_tensors(row)
+    if memory is not None and tensors:
+        notes.append("peak active memory (the tensors): compared without the preset's overhead")
     speed, more = measured_speed(row, gpus, mbs * ga * seq, seq)
     notes += more
     if value(row.get("seq_len_exact")) is False or value(other.get("packed_dataset")) is False:
         memory = speed = None  # the samples' lengths are unknown: only the verdict at the cutoff is compared
         notes.append("the length is a cutoff (shorter samples): fit verdict only")
     return Case(row["id"], row["source_key"], model, preset, method, shape, layout, hw, nodes, memory, speed,
-                kind != "oom", notes, memory_is_tensors(row))
+                kind != "oom", notes, tensors)
 
 
 # ---------------------------------------------------------------------------------------------- scoring

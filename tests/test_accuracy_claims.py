@@ -9,29 +9,18 @@ page is updated. Planning only (no process, no torch): fast tier.
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import math
 import re
 import statistics
-import sys
 from pathlib import Path
 
 import pytest
 
+from bench_helpers import benchmark
+
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 ACCURACY = ROOT / "docs" / "accuracy.md"
-
-
-@functools.lru_cache(maxsize=None)
-def benchmark(name: str):
-    """benchmarks/<name>.py as a module (the folder is no package)."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # its dataclasses resolve their annotations through it
-    spec.loader.exec_module(module)
-    return module
 
 
 def flat(text: str) -> str:

@@ -2,12 +2,9 @@
 engine's own (counted on its modules, every family), and where the kernels are small the host, not the GPU,
 sets the step time, so a larger micro-batch of short sequences is nearly free; long sequences do not feel it."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
+from bench_helpers import benchmark
 from hp_tool.estimate.host import ADAPTER_OPS, HOST_SECONDS_PER_OP, host_s, layer_pass_ops
 from hp_tool.estimate.layout import Hardware, Layout
 from hp_tool.estimate.speed import compute_s, estimate_step_time
@@ -19,18 +16,7 @@ L7B = Shape("llama", 32, 4096, 32, 32, 11008, 32000, 256)
 A100 = Hardware(gpus_per_node=8, gpu_memory_gib=80, peak_tflops=312, intra_node_bandwidth_gbps=300,
                 inter_node_bandwidth_gbps=25, memory_overhead_gib=3, max_efficiency=0.71, tokens_half=128,
                 attention_efficiency=0.3)
-
-def _counter():
-    """benchmarks/host_overhead.py, which counts the engine's operators (the folder is no package)."""
-    spec = importlib.util.spec_from_file_location("host_overhead", Path(__file__).parents[1] / "benchmarks" /
-                                                  "host_overhead.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["host_overhead"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-COUNTER = _counter()
+COUNTER = benchmark("host_overhead")  # counts the engine's operators
 OPS_TOLERANCE = COUNTER.OPS_TOLERANCE
 LORA = Adapters(rank=16, alpha=32.0, dropout=0.0, target_modules=("q_proj", "k_proj", "v_proj", "o_proj"))
 
