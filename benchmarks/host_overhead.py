@@ -16,6 +16,15 @@ measures what that model takes as given:
    ``checkpoint_wrapper``), against the model's ``HOST_SECONDS_PER_OP`` x the operators dispatched. On a GPU
    each operator is also a kernel launch, which this measures there (``--device cuda``).
 
+3. the engine's own hooks (``--engines``, DeepSpeed at ZeRO-2 and 3): a DeepSpeed micro-batch (forward,
+   ``backward``, ``step`` off the accumulation boundary) of the tiny Llama stage on one CPU rank against the same
+   stage's plain forward and backward, 2 against 10 layers, full and LoRA, with and without checkpointing: the host
+   seconds DeepSpeed adds per layer, against the model's (``EngineFacts.gradient_hook_s`` per trained tensor and
+   ``module_hook_s`` per module and pass over the family's ``layer_tensors``, ``hp_tool.estimate.host.hook_s``),
+   and the constants the full, uncheckpointed runs give (ZeRO-2: its seconds per trained tensor; ZeRO-3: beyond
+   that, per module and pass). The parameter-holding modules and tensors of a layer are counted against the
+   family's ``layer_tensors``.
+
 Prints a table per part and whether each record is within the tolerance tests/test_host_overhead.py holds it to.
 """
 
@@ -35,9 +44,13 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from hp_tool.contracts.spec import LoraSpec, ModelSpec  # noqa: E402
-from hp_tool.estimate.host import ADAPTER_OPS, HOST_SECONDS_PER_OP  # noqa: E402
+from hp_tool.engine_facts import engine_facts  # noqa: E402
+from hp_tool.estimate.host import ADAPTER_OPS, HOST_SECONDS_PER_OP, hook_s, layer_hooked  # noqa: E402
+from hp_tool.estimate.layout import Layout  # noqa: E402
 from hp_tool.estimate.methods import linear_shapes  # noqa: E402
 from hp_tool.families.registry import family, family_names  # noqa: E402
+from hp_tool.recipe import Adapters  # noqa: E402
+from hp_tool.trial.dist import DistEnv, init_distributed  # noqa: E402
 from hp_tool.trial.models import build_stage  # noqa: E402
 from hp_tool.trial.parallel import apply_activation_checkpointing  # noqa: E402
 
@@ -190,11 +203,84 @@ def layer_seconds(device: torch.device, repeats: int, method: str = "full",
     return (times[10] - times[2]) / 8, (ops[10] - ops[2]) / 8
 
 
+def layer_tensors(name: str, method: str = "full") -> tuple[float, float]:
+    """(modules holding parameters, trained parameter tensors) of one layer of the engine's stage of family ``name``
+    (T5: the mean of an encoder and a decoder layer), counted as the difference between a 4- and a 2-layer stage."""
+    counts = {}
+    for layers in (2, 4):
+        model = tiny_model(name, layers, method)
+        stage = build_stage(model, 1, 0)  # on meta: only the modules and their parameters are counted
+        modules = sum(1 for m in stage.modules() if next(m.parameters(recurse=False), None) is not None)
+        trained = sum(1 for p in stage.parameters() if p.requires_grad)
+        counts[layers] = (model.shape().pipeline_layers, modules, trained)
+    (l2, m2, t2), (l4, m4, t4) = counts[2], counts[4]
+    return (m4 - m2) / (l4 - l2), (t4 - t2) / (l4 - l2)
+
+
+ACCUMULATION = 4  # micro-batches per DeepSpeed step: the boundary's (reduction, optimizer) is timed apart
+
+
+def _hook_layout(model: ModelSpec, zero: int, checkpointed: bool) -> Layout:
+    lora = model.lora
+    adapters = None if lora is None else Adapters(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
+                                                  target_modules=tuple(lora.target_modules))
+    layers = model.shape().pipeline_layers
+    return Layout.of(tp=1, pp=1, dp=1, mbs=1, global_batch_size=1, engine="deepspeed", zero_stage=zero,
+                     act_ckpt_layers=layers if checkpointed else 0, method=model.method, lora=adapters)
+
+
+def _fastest(run, repeats: int) -> float:
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - start)
+    return min(samples)  # the fastest: other load on the machine only slows a step
+
+
+def deepspeed_hook_seconds(zero: int, method: str, checkpointed: bool, repeats: int) -> float:
+    """Host seconds DeepSpeed at ``zero`` adds to one tiny Llama layer's micro-batch on one CPU rank: (its micro-batch
+    less the stage's plain forward and backward) with 10 layers less that with 2, over the 8 layers."""
+    import deepspeed  # optional dependency
+
+    torch.set_num_threads(1)
+    device = torch.device("cpu")
+    init_distributed(DistEnv(), device, solo_group=True)
+    extra = {}
+    for layers in (2, 10):
+        model = tiny_model("llama", layers, method)
+        inputs = _inputs(model, device)
+        stage = _stage(model, device, checkpointed)
+        config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": ACCUMULATION,
+                  "train_batch_size": ACCUMULATION, "zero_optimization": {"stage": zero}, "gradient_clipping": 1.0}
+        trained = [p for p in stage.parameters() if p.requires_grad]
+        engine, *_ = deepspeed.initialize(model=stage, optimizer=torch.optim.AdamW(trained, lr=1e-4), config=config,
+                                          dist_init_required=False)
+
+        def micro() -> None:
+            engine.backward(_forward(engine, inputs).float().sum())
+            engine.step()
+
+        for _ in range(2 * ACCUMULATION):
+            micro()
+        samples = []
+        for _ in range(repeats):
+            for i in range(ACCUMULATION):
+                start = time.perf_counter()
+                micro()
+                if i < ACCUMULATION - 1:
+                    samples.append(time.perf_counter() - start)
+        plain = _stage(model, device, checkpointed)
+        extra[layers] = min(samples) - _fastest(lambda: _step(plain, inputs), repeats)
+    return (extra[10] - extra[2]) / 8
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", default=",".join(family_names()))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--engines", default="deepspeed", help="the engines' hooks to time (deepspeed, or none)")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
@@ -227,7 +313,50 @@ def main(argv: Optional[list[str]] = None) -> int:
                   f"{seconds / ops * 1e6:.1f} | {model * 1e3:.2f} | {model / seconds:.2f} |")
     print(f"\nAll four: {total_s / total_ops * 1e6:.1f} us per operator (HOST_SECONDS_PER_OP "
           f"{HOST_SECONDS_PER_OP * 1e6:.1f} us)")
+
+    print("\nModules holding parameters and trained tensors of one layer (counted / the family's record, full; "
+          "q, k, v biases in the tensors)\n")
+    print("| family | modules | tensors | equal |")
+    print("|---|---|---|---|")
+    for name in args.families.split(","):
+        counted = layer_tensors(name)
+        record = layer_hooked(tiny_model(name, 2).shape(), _hook_layout(tiny_model(name, 2), 2, False))
+        same = all(abs(c - r) <= TENSORS_TOLERANCE for c, r in zip(counted, record))
+        ok &= same
+        print(f"| {name} | {counted[0]:g} / {record[0]:g} | {counted[1]:g} / {record[1]:g} | {'yes' if same else 'NO'} |")
+    if args.engines == "deepspeed":
+        ok &= print_hooks(args.repeats)
     return 0 if ok else 1
+
+
+TENSORS_TOLERANCE = 0.5  # a T5 layer's count is the mean of its stacks'
+
+
+def print_hooks(repeats: int) -> bool:
+    """Part 3: DeepSpeed's hooks per layer, measured against the model, and the constants the full runs give."""
+    facts = engine_facts("deepspeed")
+    print(f"\nDeepSpeed's hooks on one CPU rank: host ms a tiny Llama layer's micro-batch adds (gradient_hook_s "
+          f"{dict(facts.gradient_hook_s)}, module_hook_s {dict(facts.module_hook_s)})\n")
+    print("| ZeRO | method | checkpointed | modules, trained tensors | measured ms | the model's ms | model / measured |")
+    print("|---|---|---|---|---|---|---|")
+    measured = {}
+    for zero in (2, 3):
+        for method in ("full", "lora"):
+            for checkpointed in (False, True):
+                seconds = deepspeed_hook_seconds(zero, method, checkpointed, repeats)
+                measured[zero, method, checkpointed] = seconds
+                model = tiny_model("llama", 1, method)
+                layout = _hook_layout(model, zero, checkpointed)
+                predicted = hook_s(model.shape(), layout)  # one layer, one micro-batch
+                modules, trained = layer_hooked(model.shape(), layout)
+                print(f"| {zero} | {method} | {'yes' if checkpointed else 'no'} | {modules:g}, {trained:g} | "
+                      f"{seconds * 1e3:.2f} | {predicted * 1e3:.2f} | {predicted / seconds:.2f} |")
+    modules, trained = family("llama").layer_tensors
+    per_tensor = measured[2, "full", False] / trained
+    per_module_pass = (measured[3, "full", False] - trained * per_tensor) / (2 * modules)
+    print(f"\nFrom the full, uncheckpointed layers: {per_tensor * 1e6:.0f} us per trained tensor (ZeRO-2), "
+          f"{per_module_pass * 1e6:.0f} us per module and pass beyond it (ZeRO-3)")
+    return True
 
 
 if __name__ == "__main__":

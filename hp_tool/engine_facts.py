@@ -58,6 +58,12 @@ class EngineFacts:
     reduce_bucket_elements: Optional[int]
     # ZeRO-2 and 3 with the optimizer offloaded hold the gradient partition in host RAM, not on the GPU
     offload_moves_gradients: bool
+    # host seconds its own Python hooks add to every micro-batch (hp_tool/estimate/host.py), by ZeRO stage: per trained
+    # parameter tensor (the gradient hook's bucketing and reduction bookkeeping), and per parameter-holding module and
+    # pass, forward, backward and a checkpointed layer's recompute (ZeRO-3's fetch and release hooks); measured by
+    # benchmarks/host_overhead.py. Stages not named add nothing
+    gradient_hook_s: tuple[tuple[int, float], ...]
+    module_hook_s: tuple[tuple[int, float], ...]
     builds_ops: bool  # C++ ops built before its first trial (DeepSpeed's CPU Adam)
     traceable: bool  # the memory check traces its rank build under fake tensors
     config_file: Optional[str]  # what the optimal config's folder holds beside it for this engine (name pattern)
@@ -66,6 +72,20 @@ class EngineFacts:
         """Host bytes per parameter shard that ``offload`` keeps in RAM (0 without offload)."""
         return dict(self.host_offload_bytes).get(offload, 0)
 
+    def hook_seconds(self, zero_stage: int) -> tuple[float, float]:
+        """(per trained tensor, per module and pass) host seconds of its hooks at ``zero_stage`` (``gradient_hook_s``,
+        ``module_hook_s``)."""
+        return dict(self.gradient_hook_s).get(zero_stage, 0.0), dict(self.module_hook_s).get(zero_stage, 0.0)
+
+
+# DeepSpeed's hooks on the host (``gradient_hook_s``, ``module_hook_s``): seconds per trained tensor per micro-batch
+# and per parameter-holding module per pass. benchmarks/host_overhead.py times a DeepSpeed 0.19.8 micro-batch of the
+# tiny Llama stage on one CPU rank (one core of a 2-core x86 cloud VM) against its plain forward and backward: 96 us
+# per trained tensor at ZeRO-2 and, at ZeRO-3, 295 us per module and pass beyond it, from full training without
+# checkpointing; the model is then within 0.87-1.45 of the seven other cases (LoRA, checkpointed, ZeRO-2 and 3).
+# Not yet measured on a GPU host, where each fetch also launches an all-gather.
+GRADIENT_HOOK_S = 100e-6
+ZERO3_MODULE_HOOK_S = 300e-6
 
 TORCH = EngineFacts(
     name="torch", code="torch", package=None,
@@ -85,6 +105,8 @@ TORCH = EngineFacts(
     # FSDP2's CPUOffloadPolicy keeps the fp32 parameter as the master: fp32 master, m, v and the fp32 gradient
     host_offload_bytes=(("optimizer_and_params", 16),), reduce_bytes=4,  # FSDP2's reduce_dtype; DDP's fp32 grads
     reduce_bucket_elements=None, offload_moves_gradients=False,  # FSDP2 reduce-scatters the gradients in place
+    # DDP's and FSDP2's hooks run per bucket and per layer, not per parameter: left out
+    gradient_hook_s=(), module_hook_s=(),
     builds_ops=False, traceable=True, config_file=None,
 )
 DEEPSPEED = EngineFacts(
@@ -105,6 +127,10 @@ DEEPSPEED = EngineFacts(
     # offload_optimizer each bucket is copied into the host's fp32 gradient partition and freed (ZeRO-Offload;
     # stage_1_and_2.copy_grads_in_partition, stage3's grad_partitions_flat_buffer on the host)
     reduce_bucket_elements=500_000_000, offload_moves_gradients=True,
+    # ZeRO-2 and 3: each trained tensor's gradient hook copies it into the bucket and books its partition (about 14
+    # operators); ZeRO-3's pre- and post-hooks on every module fetch, wait for and release its partitioned
+    # parameters (Python bookkeeping more than operators). ZeRO-0 and 1 reduce once per step, at the boundary
+    gradient_hook_s=((2, GRADIENT_HOOK_S), (3, GRADIENT_HOOK_S)), module_hook_s=((3, ZERO3_MODULE_HOOK_S),),
     builds_ops=True, traceable=False, config_file="ds_config",
 )
 ENGINE_FACTS = {e.name: e for e in (TORCH, DEEPSPEED)}

@@ -5,7 +5,8 @@ sets the step time, so a larger micro-batch of short sequences is nearly free; l
 import pytest
 
 from bench_helpers import benchmark
-from hp_tool.estimate.host import ADAPTER_OPS, HOST_SECONDS_PER_OP, host_s, layer_pass_ops
+from hp_tool.engine_facts import engine_facts
+from hp_tool.estimate.host import ADAPTER_OPS, HOST_SECONDS_PER_OP, hook_s, host_s, layer_hooked, layer_pass_ops
 from hp_tool.estimate.layout import Hardware, Layout
 from hp_tool.estimate.speed import compute_s, estimate_step_time
 from hp_tool.families.registry import family, family_names
@@ -74,3 +75,55 @@ def test_compiled_layers_and_cpu_processes_have_no_floor():
     cpu = Hardware(gpus_per_node=2, gpu_memory_gib=8, peak_tflops=0.1, intra_node_bandwidth_gbps=5,
                    inter_node_bandwidth_gbps=1, memory_overhead_gib=0.5, device_is_host=True)
     assert host_s(L7B, lay(), cpu) == 0.0
+
+
+@pytest.mark.parametrize("name", family_names())
+def test_each_familys_modules_and_tensors_are_the_engines_layers(name):
+    """The modules and tensors DeepSpeed's hooks run over: the family's record against the engine's stage (q, k, v
+    biases counted where the model has them: Qwen2's 12 tensors in 9 modules; LoRA's two per adapted linear)."""
+    model = COUNTER.tiny_model(name, 2)
+    recorded = layer_hooked(model.shape(), COUNTER._hook_layout(model, 2, False))
+    for what, c, r in zip(("modules", "tensors"), COUNTER.layer_tensors(name), recorded):
+        assert abs(c - r) <= COUNTER.TENSORS_TOLERANCE, f"{name} {what}: the record says {r}, the engine's layer has {c}"
+
+
+def test_adapters_add_two_hooked_modules_and_are_all_that_is_trained():
+    lora = COUNTER.tiny_model("qwen2", 2, "lora")  # every linear adapted; the frozen base's biases not trained
+    modules, trained = layer_hooked(lora.shape(), COUNTER._hook_layout(lora, 2, False))
+    assert (modules, trained) == COUNTER.layer_tensors("qwen2", "lora") == (9 + 2 * 7, 2 * 7)
+
+
+def ds(**kw) -> Layout:
+    return lay(engine="deepspeed", dp=4, global_batch_size=32, **kw)
+
+
+def test_deepspeed_hooks_every_trained_tensor_at_zero_2_and_every_module_pass_at_zero_3():
+    """7B LoRA on q, k, v and o (per layer 9 + 8 modules, 8 trained tensors), 32 layers, 8 micro-batches."""
+    per_tensor, per_module = engine_facts("deepspeed").hook_seconds(3)
+    assert per_tensor > 0 and per_module > 0
+    assert engine_facts("deepspeed").hook_seconds(2) == (per_tensor, 0.0)
+    assert layer_hooked(L7B, ds(zero_stage=3)) == (17, 8)
+    # forward and backward of every layer, the recompute of the 16 checkpointed ones
+    assert hook_s(L7B, ds(zero_stage=3, act_ckpt_layers=16)) == pytest.approx(
+        8 * (32 * 8 * per_tensor + (2 * 32 + 16) * 17 * per_module))
+    assert hook_s(L7B, ds(zero_stage=2)) == pytest.approx(8 * 32 * 8 * per_tensor)
+    # full training: Llama's 9 tensors a layer, all trained; two stages: each GPU hooks its 16 layers
+    assert hook_s(L7B, ds(zero_stage=2, method="full", lora=None)) == pytest.approx(8 * 32 * 9 * per_tensor)
+    # ZeRO-0 and 1 reduce at the boundary; the torch engine's hooks run per bucket and per layer
+    assert hook_s(L7B, ds(zero_stage=1)) == 0.0
+    assert hook_s(L7B, lay(dp=4, global_batch_size=32, zero_stage=3)) == 0.0
+    assert host_s(L7B, ds(zero_stage=3), A100) == pytest.approx(host_s(L7B, lay(dp=4, global_batch_size=32,
+                                                                                 zero_stage=3), A100)
+                                                                + hook_s(L7B, ds(zero_stage=3)))
+
+
+def test_deepspeed_zero_3_is_slower_than_fsdp2_at_short_sequences_only():
+    """The same 7B LoRA ZeRO-3 layout on the two engines: at 256 tokens a micro-batch DeepSpeed's module hooks
+    make the host's work the step, well beyond FSDP2's; at 8192 tokens the GPU's work hides them."""
+    def step(engine: str, seq: int) -> float:
+        shape = Shape("llama", 32, 4096, 32, 32, 11008, 32000, seq)
+        return estimate_step_time(shape, lay(engine=engine, dp=4, global_batch_size=32, zero_stage=3), A100,
+                                  1).total_s
+
+    assert step("deepspeed", 256) > 1.3 * step("torch", 256)
+    assert step("deepspeed", 8192) == pytest.approx(step("torch", 8192), rel=0.02)

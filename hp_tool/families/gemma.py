@@ -97,6 +97,7 @@ GEMMA2 = _variant(
     layer_parameters=layer_parameters, activation_bytes=gemma2_activation_bytes, softcapped_logits=True,
     backward_transient_bytes=eager_backward_bytes,
     layer_ops=(118, 200, 198),
+    layer_tensors=(11, 11),
     # the eager attention is several kernels, not the one SDPA call selective checkpointing's policy counts on
     layer_matmuls=None)
 
@@ -106,6 +107,7 @@ GEMMA3 = _variant(
     layer_parameters=lambda shape, encoder=False: layer_parameters(shape) + qwen3.qk_norm_parameters(shape),
     activation_bytes=gemma3_activation_bytes,
     layer_ops=(118, 217, 216),
+    layer_tensors=(13, 13),
     # soft-capped scores would need the eager kernel, which the engine runs for Gemma-2 only; no published
     # Gemma-3 caps its scores or logits
     unmodelled=("attn_logit_softcapping", "final_logit_softcapping"))

@@ -150,4 +150,5 @@ FAMILY = Family(
     grid_table=lambda shape: GPT3_GRID,
     layer_matmuls=layer_matmuls,
     layer_ops=(39, 93, 80),
+    layer_tensors=(8, 16),
 )

@@ -173,6 +173,7 @@ FAMILY = dataclasses.replace(
     expert_parallel_activation_bytes=expert_parallel_activation_bytes,
     layer_matmuls=layer_matmuls,
     layer_ops=(94, 163, 157),
+    layer_tensors=(8, 9),
 )
 
 

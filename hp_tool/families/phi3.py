@@ -54,4 +54,5 @@ FAMILY = dataclasses.replace(
     no_tensor_parallel="Phi-3's fused qkv_proj and gate_up_proj are not split over TP ranks by either engine (use "
                        "TP 1: ZeRO / FSDP shard the weights instead)",
     layer_ops=(72, 122, 117),
+    layer_tensors=(6, 6),
 )

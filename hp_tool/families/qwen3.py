@@ -49,6 +49,7 @@ FAMILY = dataclasses.replace(
     # transformers' Qwen3: attention_bias puts biases on q, k, v and o; no published Qwen3 has them
     hf_unmodelled=("attention_bias",),
     layer_ops=(87, 174, 164),
+    layer_tensors=(11, 11),
 )
 
 MOE = dataclasses.replace(
@@ -59,4 +60,5 @@ MOE = dataclasses.replace(
     activation_bytes=lambda shape, mbs, tp=1, sp=False, p=2, flash=True, encoder=False: moe.activation_bytes(
         shape, mbs, tp, sp, p) + qk_norm_bytes(shape, mbs, tp, p),
     layer_ops=(105, 191, 184),
+    layer_tensors=(10, 11),
 )

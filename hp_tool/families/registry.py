@@ -126,6 +126,11 @@ class Family:
     # benchmarks/host_overhead.py, checked by tests/test_host_overhead.py; a T5 layer is the mean of its stacks'.
     # The default is Llama's layer (and its variants': Mistral, Qwen2)
     layer_ops: tuple[int, int, int] = (73, 138, 130)
+    # (modules holding parameters, parameter tensors) of one layer, q, k and v biases apart (three tensors more where
+    # ``Shape.qkv_bias``): what an engine's per-module and per-parameter hooks run over (hp_tool/estimate/host.py).
+    # Counted on the trial engine's own modules by benchmarks/host_overhead.py, checked by
+    # tests/test_host_overhead.py; a T5 layer is the mean of its stacks'. The default is Llama's layer
+    layer_tensors: tuple[int, int] = (9, 9)
 
 
 _FAMILIES: Registry[Family] = Registry("model family")

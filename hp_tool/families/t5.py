@@ -179,6 +179,7 @@ def _family(name: str, table: Table, size_factors: tuple[float, float], descript
                       "(TP, PP over both stacks, FSDP2 for ZeRO 0-3 and offload)"),
         inference=False,
         layer_ops=(98, 178, 174),
+        layer_tensors=(12, 12),
     )
 
 
