@@ -1,13 +1,20 @@
-"""Tiny TrialSpecs and process launchers shared by the trial engine tests."""
+"""Tiny TrialSpecs and process launchers shared by the trial engine tests.
+
+``torchrun`` starts the engine's ranks as torchrun would (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT, one
+thread each, gloo): forked from the warm process the local CPU jobs fork from (hp_tool/launch/backends/warm.py),
+which has imported the engine once, so a launch spends no seconds importing torch and transformers per rank; with
+``env`` (variables torch reads as it is imported) through torchrun itself."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from hp_tool.contracts.spec import (ModelSpec, ParallelSpec, ResourcesSpec, RunSpec, TrainingSpec,
@@ -78,12 +85,69 @@ def free_port() -> int:
 
 def torchrun(spec_path: Path, out: Path, nproc: int, env: dict | None = None,
              timeout: float = 120) -> subprocess.CompletedProcess:
-    """Run the engine under torchrun with ``nproc`` CPU processes (gloo)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           f"--master-port={free_port()}", "-m", "hp_tool.trial.train", str(spec_path),
-           "--output-dir", str(out)]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
-    return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    """Run the engine's ``nproc`` CPU ranks (gloo) on ``spec_path`` (module docstring): forked from the warm
+    process, or under torchrun with ``env``; the ranks' output in order, the first failing rank's exit code."""
+    argv = [str(spec_path), "--output-dir", str(out)]
+    if env:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+               f"--master-port={free_port()}", "-m", "hp_tool.trial.train", *argv]
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **env}
+        return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    from hp_tool.launch.backends import warm
+
+    logs = Path(out).parent / f".{Path(out).name}_ranks"
+    logs.mkdir(parents=True, exist_ok=True)
+    ranks = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nproc),
+             "LOCAL_WORLD_SIZE": str(nproc)}
+    ranks = {**os.environ, **ranks}  # the launch's environment now, as torchrun hands it on; not the warm process's
+    procs = [warm.context().Process(target=_rank, args=(argv, {**ranks, "RANK": str(r), "LOCAL_RANK": str(r)},
+                                                        str(logs / f"{r}.out"), str(logs / f"{r}.err")))
+             for r in range(nproc)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    late = [p for p in procs if p.is_alive()]
+    for p in late:
+        os.kill(p.pid, signal.SIGKILL)
+        p.join()
+    stdout = "".join((logs / f"{r}.out").read_text() for r in range(nproc))
+    stderr = "".join((logs / f"{r}.err").read_text() for r in range(nproc))
+    if late:
+        raise subprocess.TimeoutExpired(argv, timeout, stdout, stderr)
+    code = next((p.exitcode for p in procs if p.exitcode), 0)
+    return subprocess.CompletedProcess(argv, code, stdout, stderr)
+
+
+def _rank(argv: list[str], ranks: dict, out: str, err: str) -> None:
+    """One rank in a fork of the warm process: torchrun's variables, one thread, its output in ``out``/``err``,
+    the trial entry's exit code."""
+    import torch
+
+    from hp_tool.trial.train import main
+
+    with open(out, "w") as o, open(err, "w") as e:
+        os.dup2(o.fileno(), 1)
+        os.dup2(e.fileno(), 2)
+    sys.stdout = os.fdopen(1, "w", buffering=1)
+    sys.stderr = os.fdopen(2, "w", buffering=1)
+    os.environ.clear()
+    os.environ.update(ranks, OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    code = 1
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:  # noqa: BLE001 - the rank's end: its traceback to its log, its code to the launch
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code or 0)
 
 
 def read_result(out: Path) -> dict:
