@@ -49,7 +49,6 @@ from hp_tool.estimate.host import ADAPTER_OPS, HOST_SECONDS_PER_OP, hook_s, laye
 from hp_tool.estimate.layout import Layout  # noqa: E402
 from hp_tool.estimate.methods import linear_shapes  # noqa: E402
 from hp_tool.families.registry import family, family_names  # noqa: E402
-from hp_tool.recipe import Adapters  # noqa: E402
 from hp_tool.trial.dist import DistEnv, init_distributed  # noqa: E402
 from hp_tool.trial.models import build_stage  # noqa: E402
 from hp_tool.trial.parallel import apply_activation_checkpointing  # noqa: E402
@@ -221,12 +220,9 @@ ACCUMULATION = 4  # micro-batches per DeepSpeed step; the boundary's (reduction,
 
 
 def _hook_layout(model: ModelSpec, zero: int, checkpointed: bool) -> Layout:
-    lora = model.lora
-    adapters = None if lora is None else Adapters(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
-                                                  target_modules=tuple(lora.target_modules))
     layers = model.shape().pipeline_layers
     return Layout.of(tp=1, pp=1, dp=1, mbs=1, global_batch_size=1, engine="deepspeed", zero_stage=zero,
-                     act_ckpt_layers=layers if checkpointed else 0, method=model.method, lora=adapters)
+                     act_ckpt_layers=layers if checkpointed else 0, method=model.method, lora=model.adapters)
 
 
 def _fastest(run, repeats: int) -> float:

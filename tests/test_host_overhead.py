@@ -107,7 +107,7 @@ def test_deepspeed_hooks_every_trained_tensor_at_zero_2_and_every_module_pass_at
     assert hook_s(L7B, ds(zero_stage=3, act_ckpt_layers=16)) == pytest.approx(
         8 * (32 * 8 * per_tensor + (2 * 32 + 16) * 17 * per_module))
     assert hook_s(L7B, ds(zero_stage=2)) == pytest.approx(8 * 32 * 8 * per_tensor)
-    # full training: Llama's 9 tensors a layer, all trained; two stages: each GPU hooks its 16 layers
+    # full training: Llama's 9 tensors a layer, all trained
     assert hook_s(L7B, ds(zero_stage=2, method="full", lora=None)) == pytest.approx(8 * 32 * 9 * per_tensor)
     # ZeRO-0 and 1 reduce at the boundary; the torch engine's hooks run per bucket and per layer
     assert hook_s(L7B, ds(zero_stage=1)) == 0.0

@@ -97,9 +97,9 @@ def torchrun(spec_path: Path, out: Path, nproc: int, env: dict | None = None,
 
     logs = Path(out).parent / f".{Path(out).name}_ranks"
     logs.mkdir(parents=True, exist_ok=True)
-    ranks = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nproc),
+    # the launch's environment now, as torchrun hands it on (not the warm process's), and torchrun's variables
+    ranks = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nproc),
              "LOCAL_WORLD_SIZE": str(nproc)}
-    ranks = {**os.environ, **ranks}  # the launch's environment now, as torchrun hands it on; not the warm process's
     procs = [warm.context().Process(target=_rank, args=(argv, {**ranks, "RANK": str(r), "LOCAL_RANK": str(r)},
                                                         str(logs / f"{r}.out"), str(logs / f"{r}.err")))
              for r in range(nproc)]
