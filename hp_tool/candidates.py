@@ -73,7 +73,7 @@ class Candidate:
     traced_memory_gib: Optional[float] = None  # traced peak per GPU in the trial (tensors + overhead)
     memory_check: str = "analytic"  # what the fit was judged on: traced, or analytic (and why not traced)
     step_time_s: Optional[float] = None  # predicted optimizer step of the full run
-    compute_time_s: Optional[float] = None  # its compute part (matmuls, recompute, pipeline bubble)
+    compute_time_s: Optional[float] = None  # its compute part (matmuls, element-wise, recompute, pipeline bubble)
     comm_time_s: Optional[float] = None  # the rest: TP / PP / DP communication and offload
     tokens_per_s_per_gpu: Optional[float] = None
     model_tflops_per_gpu: Optional[float] = None
@@ -398,7 +398,7 @@ def estimate(shape: Shape, c: Candidate, cluster: Cluster, usable_gib: float,
     c.rank0_host_memory_gib = full_host.save_rank0_gib
     split = estimate_step_time(shape, full, hw, cluster.num_nodes)
     step = c.step_time_s = split.total_s
-    c.compute_time_s = split.compute_s + split.bubble_s
+    c.compute_time_s = split.compute_s + split.elementwise_s + split.bubble_s
     c.comm_time_s = step - c.compute_time_s
     rate = throughput(shape, c.full.global_batch_size, step, cluster.gpus, hw.peak_tflops, c.full.lora)
     c.tokens_per_s_per_gpu, c.model_tflops_per_gpu = rate["tokens_per_s_per_gpu"], rate["model_tflops_per_gpu"]

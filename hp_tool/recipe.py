@@ -97,7 +97,7 @@ class Recipe:
     loss_chunk_tokens: int = LOSS_CHUNK_TOKENS  # tokens per chunk of the chunked loss
     activation_offload: bool = False
     # the layers under torch.compile (each transformer layer wrapped in torch.compile after checkpointing, before
-    # FSDP2, as torchtitan does; hp_tool/trial/parallel.py compile_layers, hp_tool/estimate/speed.py COMPILED_SPEEDUP)
+    # FSDP2, as torchtitan does; hp_tool/trial/parallel.py compile_layers, hp_tool/estimate/speed.py FUSED_ELEMENTWISE)
     compile: bool = False
     optimizer: str = _in("training", "adamw")  # hp_tool/vocab.py OPTIMIZERS
     # what holds the trained weights (hp_tool/vocab.py MASTER_WEIGHTS): fp32 masters, or bf16 with bf16 optimizer

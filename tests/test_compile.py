@@ -1,5 +1,5 @@
 """torch.compile as a searched recipe choice (train_settings.compile): priced by the linears' efficiency under
-compile (speed.COMPILED_SPEEDUP), invalid with its reason on DeepSpeed and at TP > 1; a trial compiles each layer (after
+compile (speed.FUSED_ELEMENTWISE of the layers' element-wise bytes), invalid with its reason on DeepSpeed and at TP > 1; a trial compiles each layer (after
 checkpointing, before FSDP2) and trains as the eager one does."""
 
 import dataclasses
@@ -8,7 +8,6 @@ import pytest
 
 from hp_tool.cli import compose
 from hp_tool.config import to_app_config
-from hp_tool.estimate.speed import COMPILED_SPEEDUP
 from hp_tool.planner import make_plan
 from hp_tool.sharding import compile_problem
 from trial_helpers import read_metrics, read_result, tiny_spec, torchrun, write_spec
@@ -26,9 +25,9 @@ def test_compiled_layouts_are_planned_faster_and_deepspeed_ones_invalid_with_the
             pairs.setdefault(c.full.replace(compile=False), {})[c.full.compile] = c
     both = [p for p in pairs.values() if len(p) == 2]
     assert len(both) > 100
-    for p in both:  # only the linears' efficiency changes: never slower, at most by COMPILED_SPEEDUP faster
+    for p in both:  # only the element-wise traffic changes: never slower, and the matmuls' time stays
         eager, compiled = p[False].compute_time_s, p[True].compute_time_s
-        assert compiled < eager <= compiled * COMPILED_SPEEDUP * (1 + 1e-9)
+        assert compiled < eager < 1.5 * compiled
         assert p[True].memory_gib == p[False].memory_gib
     assert "compiled" in next(c for c in cands if c.full.compile and c.rank).trial_id
     assert any(c.full.compile and c.engine == "deepspeed" and c.reason_key == f"{TS}.compile" and

@@ -59,7 +59,8 @@ def test_rank_uses_full_run_step_time_with_extrapolated_communication(tmp_path):
     ranked = successful(collect_trials(out))
     assert list(ranked["trial_id"][:2]) == [less, more]
     row = ranked.set_index("trial_id").loc[more]
-    hw = Hardware(2, 4.0, full.hw.peak_tflops, full.hw.intra_node_bandwidth_gbps, 0.01, 0.0, **full.hw.efficiency())
+    hw = Hardware(2, 4.0, full.hw.peak_tflops, full.hw.intra_node_bandwidth_gbps, 0.01, 0.0, **full.hw.efficiency(),
+                  memory_bandwidth_gbps=full.hw.memory_bandwidth_gbps, device_is_host=full.hw.device_is_host)
     expected = extrapolate_step_time_s(1.0, full.shape, Layout.of(tp=tp, pp=1, dp=trial_dp, mbs=4, act_ckpt_layers=0, global_batch_size=32 // full_dp * trial_dp, zero_stage=0),
                                        Layout.of(tp=tp, pp=1, dp=full_dp, mbs=4, act_ckpt_layers=0, global_batch_size=32, zero_stage=0), hw, 1, 4)
     assert row[RANK_COLUMN] == pytest.approx(expected) and row["measured_step_time_s"] == 1.0

@@ -271,6 +271,10 @@ class Hardware:
     pcie_bandwidth_gbps: float = 25.0  # GB/s per GPU and direction between host and GPU (offload traffic)
     memory_bandwidth_gbps: float = 2000.0  # GB/s of GPU memory (QLoRA's dequantisation)
     flash_attention: bool = True  # attention scores are not stored (SDPA / flash kernels)
+    # the training stack fuses the layers' element-wise work (Transformer Engine, Megatron's fused kernels: what
+    # benchmarks/published_runs.py says of NeMo's and Megatron's runs); hp_tool's engines fuse it under
+    # torch.compile only (speed.elementwise_s)
+    fused_elementwise: bool = False
     # the GPU's compute efficiency (gpu preset ``efficiency``, fitted per generation on published runs:
     # benchmarks/published_runs.py; hp_tool/estimate/speed.py gemm_efficiency and attention_efficiency)
     max_efficiency: float = 0.7  # the fraction of peak large dense matmuls approach

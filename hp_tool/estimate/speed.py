@@ -4,13 +4,17 @@ compute   = the linears' (model + recompute) FLOPs / (GPUs · peak · efficiency
             matmul sizes a micro-batch gives each GPU (``matmul_efficiency``, the curve the gpu preset's),
             plus causal flash attention priced apart: the FLOPs its kernels compute (half the scores,
             the backward's recompute) at an efficiency rising with the rank's tokens and head dimension
-            (``attention_efficiency``); under torch.compile (the recipe's ``compile``) the linears' efficiency
-            times ``COMPILED_SPEEDUP``; with fp8 linears their FLOPs at the GPU's fp8 peak;
+            (``attention_efficiency``); with fp8 linears their FLOPs at the GPU's fp8 peak;
+element-wise = the bytes an eager layer's norms, casts, rotary embeddings, activations and residual adds read and
+            write (the family's ``layer_bytes`` per token, LoRA's ``ADAPTER_BYTES`` per adapted linear), forward,
+            backward and a checkpointed layer's recompute, at the GPU's memory bandwidth (``elementwise_s``);
+            fused kernels (torch.compile, or a stack that fuses them: ``Hardware.fused_elementwise``) move
+            ``FUSED_ELEMENTWISE`` of those bytes;
 fp8 casts = the Float8 linears' amax scans, casts and transposes at the GPU's memory bandwidth (``fp8_cast_s``);
 host      = what the host's dispatch of an eager step's operators takes beyond the GPU's work it launches
             (``hp_tool.estimate.host``): the step's floor where the kernels are small (short sequences,
             micro-batch 1);
-bubble    = compute · (PP − 1) / (v · m) for m micro-batches per replica and v virtual stages per GPU
+bubble    = (compute + element-wise) · (PP − 1) / (v · m) for m micro-batches per replica and v virtual stages per GPU
             (1F1B, interleaved when v > 1; Narayanan et al. 2021);
 TP comm   = ring all-reduces of the layer activations, 2 in forward and 2 in backward per layer, plus
             2 per recomputed layer;
@@ -63,10 +67,20 @@ ATTENTION_HEAD_DIM_HALF = 16.0
 # the flash backward recomputes the scores and runs four more matmuls: 2.5 times the forward's FLOPs
 # (Dao 2023, §3.1), and a causal kernel skips the masked half of the scores
 FLASH_BACKWARD = 2.5
-# torch.compile fuses the element-wise work between the matmuls (norms, RoPE, activations, residuals, casts): the
-# same layouts run 16% faster compiled on H100 (torchtitan 2024-12, Llama 3.1 8B FSDP on 8 and 128 GPUs: 5762 ->
-# 6667 and 5605 -> 6514 tokens/s per GPU), which the linears' efficiency takes, as it prices that work
-COMPILED_SPEEDUP = 1.16
+# An eager layer's element-wise kernels stream their tensors through GPU memory: the fraction of the datasheet
+# bandwidth they reach (large element-wise kernels: 80-90% on A100 and H100)
+ELEMENTWISE_BANDWIDTH = 0.8
+# Fused kernels (torch.compile's Inductor, Transformer Engine's and Megatron's fused norms, activations and
+# rotary embeddings) read each tensor of a chain of element-wise operators once and write its result once: the
+# fraction of the eager bytes they move. Chosen on the published pretraining runs (benchmarks/published_runs.py,
+# torchtitan's compiled runs, NeMo's and Megatron's): 0.1 to 0.5 give a step-time median of 5.6, 5.1, 4.7 and 6.2%
+# over the 146 runs, each GPU's efficiency refitted; torchtitan's Llama 3.1 8B runs 16% faster compiled on H100
+# (5762 -> 6667 tokens/s per GPU on 8 GPUs)
+FUSED_ELEMENTWISE = 0.3
+# LoRA's element-wise bytes per token per input and output feature of an adapted linear (its scaling and sum, and
+# their gradients), forward, backward and recompute: counted on the engine's Llama layer, every linear adapted
+# (benchmarks/elementwise_bytes.py)
+ADAPTER_BYTES = (5.0, 4.0, 4.4)
 # CPU Adam (``cpu_adam_params_per_s``). DeepSpeed's CPU-Adam steps 1 to 10 billion parameters in 0.22 to 2.57 s, about
 # 4e9 parameters per second (Ren et al. 2021, ZeRO-Offload, Table 3), on a DGX-2's host: 2 x 24-core Xeon Platinum
 # 8168, 96 threads, 12 channels of DDR4-2666 (Table 2). The step is an OpenMP loop that streams about 30 bytes per
@@ -109,12 +123,13 @@ class StepTimeEstimate:
     activation_offload_s: float = 0.0  # saved activations to host RAM and back
     fp8_cast_s: float = 0.0  # Float8 linears: amax scans, casts and transposes
     host_s: float = 0.0  # the host's operator dispatch beyond the GPU work it launches (hp_tool.estimate.host)
+    elementwise_s: float = 0.0  # the layers' element-wise kernels at the GPU's memory bandwidth
 
     @property
     def total_s(self) -> float:
         return (self.compute_s + self.bubble_s + self.tp_comm_s + self.pp_comm_s + self.dp_comm_s + self.offload_s
                 + self.dequant_s + self.ep_comm_s + self.cp_comm_s + self.activation_offload_s + self.fp8_cast_s
-                + self.host_s)
+                + self.host_s + self.elementwise_s)
 
 
 def matmul_efficiency(shape: Shape, layout: Layout, hw: Hardware) -> float:
@@ -127,15 +142,12 @@ def matmul_efficiency(shape: Shape, layout: Layout, hw: Hardware) -> float:
     square: efficiency rises hyperbolically with both and saturates at the GPU's ``max_efficiency``. The
     three constants are the gpu preset's (``efficiency``, fitted per generation by
     benchmarks/published_runs.py). With context parallelism a rank's GEMMs run over its seq / CP tokens."""
-    return gemm_efficiency(layout.mbs * shape.seq_length / layout.cp, shape.hidden_size / layout.tp, hw,
-                           layout.compile)
+    return gemm_efficiency(layout.mbs * shape.seq_length / layout.cp, shape.hidden_size / layout.tp, hw)
 
 
-def gemm_efficiency(tokens: float, width: float, hw: Hardware, compiled: bool = False) -> float:
-    """``matmul_efficiency`` of GEMMs over ``tokens`` rows and ``width`` columns per GPU on ``hw``; under
-    torch.compile (the recipe's ``compile``) the element-wise work around them is fused (``COMPILED_SPEEDUP``)."""
-    compiled = COMPILED_SPEEDUP if compiled else 1.0
-    return compiled * hw.max_efficiency * width / (width + hw.width_half) * tokens / (tokens + hw.tokens_half)
+def gemm_efficiency(tokens: float, width: float, hw: Hardware) -> float:
+    """``matmul_efficiency`` of GEMMs over ``tokens`` rows and ``width`` columns per GPU on ``hw``."""
+    return hw.max_efficiency * width / (width + hw.width_half) * tokens / (tokens + hw.tokens_half)
 
 
 def attention_efficiency(shape: Shape, layout: Layout, hw: Hardware) -> float:
@@ -230,7 +242,39 @@ def compute_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
     load = shape.expert_imbalance if layout.ep > 1 else float(layout.tp)
     # one expert's GEMM: the tokens routed to it (top_k / experts of the micro-batch's), its whole width
     tokens = max(1, round(layout.mbs * shape.seq_length / layout.cp * shape.top_k / shape.num_experts))
-    return dense_s + experts * load / (peak * gemm_efficiency(tokens, shape.hidden_size, hw, layout.compile))
+    return dense_s + experts * load / (peak * gemm_efficiency(tokens, shape.hidden_size, hw))
+
+
+def layer_pass_bytes(shape: Shape, layout: Layout) -> tuple[float, float, float]:
+    """(forward, backward, recompute) element-wise bytes per token one layer moves on a rank under the layout's
+    method: the family's ``layer_bytes`` (a x hidden + b x ffn, a mixture of experts' ffn times its top_k) and
+    ``ADAPTER_BYTES`` per input and output feature of each adapted linear, over TP (each rank's slice)."""
+    ffn = shape.ffn_hidden_size * (shape.top_k if shape.num_experts else 1)
+    passes = [a * shape.hidden_size + b * ffn for a, b in shape.facts.layer_bytes]
+    if layout.adapted:
+        linears = linear_shapes(shape)
+        features = sum(sum(linears[name]) for name in layout.lora.target_modules if name in linears)
+        passes = [n + per * features for n, per in zip(passes, ADAPTER_BYTES)]
+    return tuple(n / layout.tp for n in passes)
+
+
+@cached
+def elementwise_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
+    """Seconds per step of the busiest stage's element-wise kernels: every micro-batch's tokens on the rank
+    (seq / CP) through each layer's forward and backward and a checkpointed layer's recompute
+    (``layer_pass_bytes``) at ``ELEMENTWISE_BANDWIDTH`` of the GPU's memory bandwidth; fused (torch.compile, or
+    ``hw.fused_elementwise``), ``FUSED_ELEMENTWISE`` of the bytes. 0 where the device is the host (the CPU preset's
+    efficiency prices a CPU rank's work whole)."""
+    if hw.device_is_host:
+        return 0.0
+    forward, backward, recompute = layer_pass_bytes(shape, layout)
+    per_stage = shape.pipeline_layers // layout.pp
+    recomputed = min(layout.act_ckpt_layers, per_stage)
+    tokens = layout.mbs * shape.seq_length / layout.cp
+    nbytes = layout.num_microbatches * tokens * (per_stage * (forward + backward) + recomputed * recompute)
+    if layout.compile or hw.fused_elementwise:
+        nbytes *= FUSED_ELEMENTWISE
+    return nbytes / (hw.memory_bandwidth_gbps * GB * ELEMENTWISE_BANDWIDTH)
 
 
 def ep_comm_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
@@ -361,7 +405,7 @@ def dp_comm_s(shape: Shape, layout: Layout, hw: Hardware, num_nodes: int) -> flo
         return count * (collective_s(trained * rbytes, layout.zero_ranks, per_node, hw) +
                         (0.0 if adapted else collective_s(experts * rbytes, layout.edp, per_node, hw)))
 
-    compute = compute_s(shape, layout, hw) / m  # one micro-batch
+    compute = (compute_s(shape, layout, hw) + elementwise_s(shape, layout, hw)) / m  # one micro-batch's kernels
     per_stage = shape.pipeline_layers // layout.pp
     backward = (1.0 if adapted else 2.0) + min(layout.act_ckpt_layers, per_stage) / per_stage
     forward_s, backward_s = compute / (1 + backward), compute * backward / (1 + backward)
@@ -423,8 +467,8 @@ def tp_allreduce_bytes(shape: Shape, layout: Layout, hw: Hardware) -> float:
 def estimate_step_time(shape: Shape, layout: Layout, hw: Hardware, num_nodes: int) -> StepTimeEstimate:
     """Predicted seconds per optimizer step of the full run on ``num_nodes`` nodes."""
     m = layout.num_microbatches
-    compute = compute_s(shape, layout, hw)
-    bubble = compute * (layout.pp - 1) / (layout.virtual_stages * m)
+    compute, elementwise = compute_s(shape, layout, hw), elementwise_s(shape, layout, hw)
+    bubble = (compute + elementwise) * (layout.pp - 1) / (layout.virtual_stages * m)
     rank = rank_shape(shape, layout)  # the tokens of each sequence a rank holds
 
     tp_bw = hw.intra_node_bandwidth_gbps if layout.tp <= hw.gpus_per_node else hw.inter_node_bandwidth_gbps
@@ -442,10 +486,11 @@ def estimate_step_time(shape: Shape, layout: Layout, hw: Hardware, num_nodes: in
 
     dequant, fp8_cast = dequant_s(shape, layout, hw), fp8_cast_s(shape, layout, hw)
     # the GPU runs the kernels behind the host's dispatch of them: the host shows where it takes longer
-    host = max(0.0, host_s(shape, layout, hw) - (compute + dequant + fp8_cast))
+    host = max(0.0, host_s(shape, layout, hw) - (compute + dequant + fp8_cast + elementwise))
     return StepTimeEstimate(compute, bubble, tp_comm, pp_comm, dp_comm_s(shape, layout, hw, num_nodes),
                             offload_s(shape, layout, hw), dequant, ep_comm_s(shape, layout, hw),
-                            cp_comm_s(shape, layout, hw), activation_offload_s(shape, layout, hw), fp8_cast, host)
+                            cp_comm_s(shape, layout, hw), activation_offload_s(shape, layout, hw), fp8_cast, host,
+                            elementwise)
 
 
 def cp_comm_s(shape: Shape, layout: Layout, hw: Hardware) -> float:

@@ -29,7 +29,7 @@ MIXTRAL = moe.hf_moe_variant("mixtral", "Mixtral: Mistral's layers with top-2 of
 QWEN2_MOE = dataclasses.replace(
     moe.hf_moe_variant("qwen2_moe", "Qwen1.5/Qwen2-MoE: q, k, v biases, fine-grained routed experts and a gated "
                        "shared expert (from a Hugging Face config)", qkv_bias=True),
-    layer_ops=(105, 203, 191), layer_tensors=(12, 13))
+    layer_ops=(105, 203, 191), layer_tensors=(12, 13), layer_bytes=((179, 64), (412, 134), (163, 64)))
 
 for _record in (gpt3.FAMILY, llama.FAMILY, t5.T5, t5.MT5, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, phi3.FAMILY,
                 gemma.GEMMA2, gemma.GEMMA3, moe.FAMILY, MIXTRAL, QWEN2_MOE, qwen3.MOE):

@@ -98,6 +98,7 @@ GEMMA2 = _variant(
     backward_transient_bytes=eager_backward_bytes,
     layer_ops=(118, 200, 198),
     layer_tensors=(11, 11),
+    layer_bytes=((262, 10), (568, 18), (242, 10)),
     # the eager attention is several kernels, not the one SDPA call selective checkpointing's policy counts on
     layer_matmuls=None)
 
@@ -108,6 +109,7 @@ GEMMA3 = _variant(
     activation_bytes=gemma3_activation_bytes,
     layer_ops=(118, 217, 216),
     layer_tensors=(13, 13),
+    layer_bytes=((282, 10), (692, 18), (261, 10)),
     # soft-capped scores would need the eager kernel, which the engine runs for Gemma-2 only; no published
     # Gemma-3 caps its scores or logits
     unmodelled=("attn_logit_softcapping", "final_logit_softcapping"))

@@ -151,4 +151,5 @@ FAMILY = Family(
     layer_matmuls=layer_matmuls,
     layer_ops=(39, 93, 80),
     layer_tensors=(8, 16),
+    layer_bytes=((25, 4), (52, 8), (19, 4)),
 )

@@ -174,6 +174,7 @@ FAMILY = dataclasses.replace(
     layer_matmuls=layer_matmuls,
     layer_ops=(94, 163, 157),
     layer_tensors=(8, 9),
+    layer_bytes=((184, 64), (428, 134), (144, 64)),
 )
 
 

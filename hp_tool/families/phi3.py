@@ -55,4 +55,5 @@ FAMILY = dataclasses.replace(
                        "TP 1: ZeRO / FSDP shard the weights instead)",
     layer_ops=(72, 122, 117),
     layer_tensors=(6, 6),
+    layer_bytes=((127, 10), (308, 26), (121, 10)),
 )

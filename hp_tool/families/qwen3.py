@@ -50,6 +50,7 @@ FAMILY = dataclasses.replace(
     hf_unmodelled=("attention_bias",),
     layer_ops=(87, 174, 164),
     layer_tensors=(11, 11),
+    layer_bytes=((173, 10), (421, 18), (167, 10)),
 )
 
 MOE = dataclasses.replace(
@@ -61,4 +62,5 @@ MOE = dataclasses.replace(
         shape, mbs, tp, sp, p) + qk_norm_bytes(shape, mbs, tp, p),
     layer_ops=(105, 191, 184),
     layer_tensors=(10, 11),
+    layer_bytes=((216, 64), (507, 134), (195, 64)),
 )

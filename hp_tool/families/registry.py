@@ -131,6 +131,13 @@ class Family:
     # Counted on the trial engine's own modules by benchmarks/host_overhead.py, checked by
     # tests/test_host_overhead.py; a T5 layer is the mean of its stacks'. The default is Llama's layer
     layer_tensors: tuple[int, int] = (9, 9)
+    # ((a, b) per pass: forward, backward, recompute) the bytes per token one layer's element-wise operators (norms
+    # and their fp32 casts, rotary embeddings, activations, residual adds; not the matmuls or attention) read and
+    # write in bf16, a x hidden + b x ffn (a mixture of experts: ffn x top_k): GPU memory traffic an eager layer
+    # runs apart from its matmuls (hp_tool/estimate/speed.py ``elementwise_s``). Counted on the trial engine's own
+    # modules by benchmarks/elementwise_bytes.py, checked by tests/test_elementwise_bytes.py; a T5 layer is the
+    # mean of its stacks'. The default is Llama's layer
+    layer_bytes: tuple[tuple[float, float], ...] = ((117, 10), (274, 18), (111, 10))
 
 
 _FAMILIES: Registry[Family] = Registry("model family")

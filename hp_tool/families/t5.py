@@ -180,6 +180,7 @@ def _family(name: str, table: Table, size_factors: tuple[float, float], descript
         inference=False,
         layer_ops=(98, 178, 174),
         layer_tensors=(12, 12),
+        layer_bytes=((138, 10), (318, 18), (132, 10)),
     )
 
 
