@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_flatten  # noqa: E402
 from benchmarks.host_overhead import _forward, _inputs, _stage, tiny_model  # noqa: E402
 from hp_tool.contracts.spec import ModelSpec  # noqa: E402
 from hp_tool.estimate.methods import linear_shapes  # noqa: E402
-from hp_tool.estimate.speed import ADAPTER_BYTES  # noqa: E402
+from hp_tool.estimate.speed import ADAPTER_BYTES, elementwise_ffn  # noqa: E402
 from hp_tool.families.registry import family, family_names  # noqa: E402
 
 BYTES_TOLERANCE = 0.1
@@ -103,9 +103,8 @@ def pass_bytes(name: str, method: str = "full", ffn: int = FFN[0]) -> tuple[floa
 
 
 def _ffn_width(name: str, ffn: int) -> float:
-    """The feed-forward width a token's element-wise work runs over: a mixture of experts' top_k experts'."""
-    shape = _widened(tiny_model(name, 2), ffn).shape()
-    return ffn * shape.top_k if shape.num_experts else ffn
+    """The feed-forward width a token's element-wise work runs over at ``ffn`` (``speed.elementwise_ffn``)."""
+    return elementwise_ffn(_widened(tiny_model(name, 2), ffn).shape())
 
 
 def layer_bytes(name: str) -> tuple[tuple[float, float], ...]:
@@ -134,6 +133,22 @@ def within(counted: float, record: float, scale: float) -> bool:
     return abs(counted - record) <= BYTES_TOLERANCE * scale
 
 
+def mismatches(name: str, counted: tuple[tuple[float, float], ...]) -> list[str]:
+    """Where family ``name``'s ``layer_bytes`` record is not within ``BYTES_TOLERANCE`` of ``counted``: each pass's
+    bytes per token at the tiny stage's widths, and its ffn coefficient (relative to the pass's bytes per ffn
+    column); [] when the record holds."""
+    hidden, ffn = tiny_model(name, 2).hidden_size, _ffn_width(name, FFN[0])
+    out = []
+    for what, c, r in zip(("forward", "backward", "recompute"), counted, family(name).layer_bytes):
+        total = c[0] * hidden + c[1] * ffn
+        if not within(total, r[0] * hidden + r[1] * ffn, total):
+            out.append(f"{name} {what}: the record says {r}, the engine's layer moves {c[0]:.0f} x hidden + "
+                       f"{c[1]:.1f} x ffn")
+        if not within(c[1], r[1], total / ffn):
+            out.append(f"{name} {what}: ffn bytes {r[1]} recorded, {c[1]:.1f} counted")
+    return out
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", default=",".join(family_names()))
@@ -147,9 +162,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ok = True
     for name in args.families.split(","):
         counted, record = layer_bytes(name), family(name).layer_bytes
-        hidden, ffn = 64, _ffn_width(name, FFN[0])
-        good = all(within(c[0] * hidden + c[1] * ffn, r[0] * hidden + r[1] * ffn, c[0] * hidden + c[1] * ffn)
-                   and within(c[1], r[1], c[0] * hidden / ffn + c[1]) for c, r in zip(counted, record))
+        good = not mismatches(name, counted)
         ok &= good
         cells = " | ".join(f"{c[0]:.0f}, {c[1]:.1f} / {r[0]:g}, {r[1]:g}" for c, r in zip(counted, record))
         print(f"| {name} | {cells} | {'yes' if good else 'NO'} |")

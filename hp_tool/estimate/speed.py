@@ -245,11 +245,16 @@ def compute_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
     return dense_s + experts * load / (peak * gemm_efficiency(tokens, shape.hidden_size, hw))
 
 
+def elementwise_ffn(shape: Shape) -> float:
+    """The feed-forward width a token's element-wise work runs over: a mixture of experts' top_k experts'."""
+    return shape.ffn_hidden_size * (shape.top_k if shape.num_experts else 1)
+
+
 def layer_pass_bytes(shape: Shape, layout: Layout) -> tuple[float, float, float]:
     """(forward, backward, recompute) element-wise bytes per token one layer moves on a rank under the layout's
     method: the family's ``layer_bytes`` (a x hidden + b x ffn, a mixture of experts' ffn times its top_k) and
     ``ADAPTER_BYTES`` per input and output feature of each adapted linear, over TP (each rank's slice)."""
-    ffn = shape.ffn_hidden_size * (shape.top_k if shape.num_experts else 1)
+    ffn = elementwise_ffn(shape)
     passes = [a * shape.hidden_size + b * ffn for a, b in shape.facts.layer_bytes]
     if layout.adapted:
         linears = linear_shapes(shape)
