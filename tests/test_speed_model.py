@@ -44,6 +44,32 @@ def test_efficiency_rises_with_width_per_tp_rank_and_tokens_and_saturates_at_the
         h100.peak_tflops * matmul_efficiency(GPT_20B, base, h100) < h100.peak_tflops * h100.max_efficiency
 
 
+def test_a_stacks_hopper_attention_and_hidden_tp_collectives_cut_only_their_own_parts():
+    """NeMo's Transformer Engine runs attention at Hopper's own kernels' rate and overlaps TP's collectives with
+    the GEMMs (benchmarks/published_runs.py sets both for its runs): a long-sequence Llama layout's attention takes
+    1 / FLASH3_SPEEDUP of its time, its TP collectives the unhidden share, the rest of the step as it was; an
+    encoder-decoder's attention (priced with its linears) and hp_tool's own engines (neither set) are unchanged."""
+    from hp_tool.estimate.speed import FLASH3_SPEEDUP, attention_flops_per_step
+    llama = Shape("llama", 32, 4096, 32, 8, 14336, 128256, 8192)
+    layout = Layout.of(tp=4, pp=1, dp=2, mbs=1, act_ckpt_layers=0, global_batch_size=16)
+    h100 = published().hardware("h100_80gb")
+    base = estimate_step_time(llama, layout, h100, 1)
+    fast = estimate_step_time(llama, layout, dataclasses.replace(h100, hopper_attention=True), 1)
+    _, kernels = attention_flops_per_step(llama, layout)
+    from hp_tool.estimate.speed import attention_efficiency
+    attention = kernels / (layout.gpus * h100.peak_tflops * 1e12 * attention_efficiency(llama, layout, h100))
+    assert attention > 0.1 * base.compute_s  # 8K tokens: attention is a part worth pricing
+    assert base.compute_s - fast.compute_s == pytest.approx(attention * (1 - 1 / FLASH3_SPEEDUP), rel=1e-9)
+    assert (fast.tp_comm_s, fast.elementwise_s, fast.dp_comm_s) == (base.tp_comm_s, base.elementwise_s, base.dp_comm_s)
+    hidden = estimate_step_time(llama, layout, dataclasses.replace(h100, tp_comm_hidden=0.4), 1)
+    assert base.tp_comm_s > 0 and hidden.tp_comm_s == pytest.approx(0.6 * base.tp_comm_s)
+    assert hidden.total_s - base.total_s == pytest.approx(hidden.tp_comm_s - base.tp_comm_s)
+    t5 = Shape("t5", 24, 1024, 16, 16, 2816, 32128, 512, decoder_seq_length=128)
+    t5_layout = Layout.of(tp=1, pp=1, dp=8, mbs=4, act_ckpt_layers=0, global_batch_size=32)
+    assert estimate_step_time(t5, t5_layout, dataclasses.replace(h100, hopper_attention=True), 1) == \
+        estimate_step_time(t5, t5_layout, h100, 1)
+
+
 def test_collectives_cost_nvlink_within_a_node_and_the_nodes_aggregate_network_between_nodes():
     """One all-gather of 8 GiB: 8 GPUs in one node move 7/8 of it over NVLink; 8 nodes of 1 GPU move 7/8 over
     each GPU's NIC; 64 GPUs in 8 nodes move 7/8 over NVLink and 7/8 of it over the node's 8 NICs at once."""

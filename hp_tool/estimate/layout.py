@@ -275,6 +275,15 @@ class Hardware:
     # benchmarks/published_runs.py says of NeMo's and Megatron's runs); hp_tool's engines fuse it under
     # torch.compile only (speed.elementwise_s)
     fused_elementwise: bool = False
+    # the training stack's attention kernels are Hopper's own (Transformer Engine's cuDNN fused attention,
+    # FlashAttention-3), FLASH3_SPEEDUP times FlashAttention-2's rate (speed.attention_efficiency): what
+    # benchmarks/published_runs.py says of NeMo's H100 runs; hp_tool's engines call torch's SDPA, which the
+    # presets' attention efficiency is fitted on
+    hopper_attention: bool = False
+    # the fraction of the TP collectives the training stack hides behind the GEMMs beside them (torch's async TP,
+    # Transformer Engine's userbuffers: what benchmarks/published_runs.py says of such runs); hp_tool's engines
+    # hide none
+    tp_comm_hidden: float = 0.0
     # the GPU's compute efficiency (gpu preset ``efficiency``, fitted per generation on published runs:
     # benchmarks/published_runs.py; hp_tool/estimate/speed.py gemm_efficiency and attention_efficiency)
     max_efficiency: float = 0.7  # the fraction of peak large dense matmuls approach

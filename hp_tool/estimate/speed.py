@@ -67,6 +67,10 @@ ATTENTION_HEAD_DIM_HALF = 16.0
 # the flash backward recomputes the scores and runs four more matmuls: 2.5 times the forward's FLOPs
 # (Dao 2023, §3.1), and a causal kernel skips the masked half of the scores
 FLASH_BACKWARD = 2.5
+# Hopper's own attention kernels (FlashAttention-3, Shah et al. 2024, and Transformer Engine's cuDNN fused
+# attention, which that paper measures beside it) run 1.5 to 2.0 times FlashAttention-2's rate on H100 in BF16,
+# forward and backward (its Fig. 5-6, causal, head dim 128, 512 to 16K tokens): the middle of that range
+FLASH3_SPEEDUP = 1.75
 # An eager layer's element-wise kernels stream their tensors through GPU memory: the fraction of the datasheet
 # bandwidth they reach (large element-wise kernels: 80-90% on A100 and H100)
 ELEMENTWISE_BANDWIDTH = 0.8
@@ -152,10 +156,12 @@ def gemm_efficiency(tokens: float, width: float, hw: Hardware) -> float:
 
 def attention_efficiency(shape: Shape, layout: Layout, hw: Hardware) -> float:
     """Fraction of peak the flash attention kernels reach over a rank's seq / CP tokens at the shape's head
-    dimension (constants above, from FlashAttention-2's measurements; the GPU's saturation from its preset)."""
+    dimension (constants above, from FlashAttention-2's measurements; the GPU's saturation from its preset;
+    ``FLASH3_SPEEDUP`` times that with Hopper's own kernels, ``Hardware.hopper_attention``)."""
     tokens, d = shape.seq_length / layout.cp, shape.head_dim
     head = d / (d + ATTENTION_HEAD_DIM_HALF) / (128 / (128 + ATTENTION_HEAD_DIM_HALF))
-    return hw.attention_efficiency * tokens / (tokens + ATTENTION_TOKENS_HALF) * head
+    kernels = FLASH3_SPEEDUP if hw.hopper_attention else 1.0
+    return min(1.0, kernels * hw.attention_efficiency * tokens / (tokens + ATTENTION_TOKENS_HALF) * head)
 
 
 def priced_apart(shape: Shape, hw: Hardware) -> bool:
@@ -477,7 +483,8 @@ def estimate_step_time(shape: Shape, layout: Layout, hw: Hardware, num_nodes: in
     rank = rank_shape(shape, layout)  # the tokens of each sequence a rank holds
 
     tp_bw = hw.intra_node_bandwidth_gbps if layout.tp <= hw.gpus_per_node else hw.inter_node_bandwidth_gbps
-    tp_comm = m * _ring_allreduce_s(tp_allreduce_bytes(rank, layout, hw), layout.tp, tp_bw)
+    # the share of the collectives a stack overlaps with the GEMMs beside them does not show
+    tp_comm = m * _ring_allreduce_s(tp_allreduce_bytes(rank, layout, hw), layout.tp, tp_bw) * (1 - hw.tp_comm_hidden)
 
     pp_comm = 0.0
     if layout.pp > 1:
