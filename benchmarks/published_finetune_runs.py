@@ -386,6 +386,17 @@ def measured_memory(row: dict, gpus: int) -> tuple[Optional[float], list[str]]:
     return gib, notes
 
 
+def length_is_cutoff(row: dict) -> bool:
+    """Whether the row's sequence length is a maximum its samples stop at rather than their length: the row says
+    the length is not exact, the dataset is not packed, or the length was read from a maximum (a "Max length"
+    bullet, an example's ``max_seq_length``) and nothing says the samples reach it."""
+    other = row.get("other_settings") or {}
+    seq = row.get("seq_len")
+    from_maximum = isinstance(seq, dict) and "a maximum" in str(seq.get("from"))
+    exact = value(row.get("seq_len_exact"))
+    return exact is False or value(other.get("packed_dataset")) is False or (from_maximum and exact is not True)
+
+
 def memory_is_tensors(row: dict) -> bool:
     """Whether the row's peak is the allocator's active bytes (``Case.memory_is_tensors``)."""
     peak = row["outcome"].get("peak_memory") or {}
@@ -496,7 +507,7 @@ def express(row: dict) -> Case:
         notes.append("peak active memory (the tensors): compared without the preset's overhead")
     speed, more = measured_speed(row, gpus, mbs * ga * seq, seq)
     notes += more
-    if value(row.get("seq_len_exact")) is False or value(other.get("packed_dataset")) is False:
+    if length_is_cutoff(row):
         memory = speed = None  # the samples' lengths are unknown: only the verdict at the cutoff is compared
         notes.append("the length is a cutoff (shorter samples): fit verdict only")
     return Case(row["id"], row["source_key"], model, preset, method, shape, layout, hw, nodes, memory, speed,

@@ -130,3 +130,20 @@ def test_what_hp_tool_does_not_model_is_named_not_guessed(rows):
 def test_an_offload_naming_its_devices_as_none_is_no_offload(text, offload):
     row = {"sharding": {"strategy": "DeepSpeed ZeRO-3", "offload": text}}
     assert bench.sharding_of(row, 8)[2] == offload
+
+
+def test_a_length_read_from_a_maximum_compares_the_verdict_only(rows):
+    """LLaMA-Factory's wiki gives "Max length: 1024" for samples of unknown length: like Unsloth's example
+    max_seq_length, the length is a cutoff, so the row's verdict is compared at it and its memory and tokens/s are
+    not; its long-context table's columns (a plain length per column) and a row that says its length is exact
+    stay compared."""
+    by_id = {r["id"]: r for r in rows}
+    cutoff = bench.express(by_id["lf-wiki-01"])
+    assert (cutoff.measured_memory_gib, cutoff.measured_tokens_per_s_per_gpu) == (None, None)
+    assert any("cutoff" in note for note in cutoff.notes) and cutoff.measured_fits
+    column = bench.express(by_id["lf-wikictx-05"])
+    assert column.measured_memory_gib and column.measured_tokens_per_s_per_gpu
+    exact = copy.deepcopy(by_id["lf-wiki-01"])
+    exact["seq_len_exact"] = {"value": True, "basis": "packed to the length"}
+    stated = bench.express(exact)
+    assert stated.measured_memory_gib and stated.measured_tokens_per_s_per_gpu
