@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from hp_tool.architectures import Shape
 from hp_tool.engine_facts import engine_facts
-from hp_tool.estimate.layout import Hardware, Layout
+from hp_tool.estimate.layout import Hardware, Layout, stage_layers
 
 # Host seconds per operator of an eager layer: its Python module call, autograd and the dispatcher, the
 # checkpoint's hooks, and the kernel's launch. benchmarks/host_overhead.py measures it on the tiny Llama stage's
@@ -75,8 +75,8 @@ def hook_s(shape: Shape, layout: Layout) -> float:
     if not per_tensor and not per_module_pass:
         return 0.0
     modules, trained = layer_hooked(shape, layout)
-    per_stage = shape.pipeline_layers // layout.pp
-    passes = 2 * per_stage + min(layout.act_ckpt_layers, per_stage)  # forward, backward, recompute
+    per_stage, recomputed = stage_layers(shape, layout)
+    passes = 2 * per_stage + recomputed  # forward, backward, recompute
     return layout.num_microbatches * (per_stage * trained * per_tensor + passes * modules * per_module_pass)
 
 
@@ -86,7 +86,6 @@ def host_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
     if layout.compile or hw.device_is_host:
         return 0.0
     forward, backward, recompute = layer_pass_ops(shape, layout)
-    per_stage = shape.pipeline_layers // layout.pp
-    recomputed = min(layout.act_ckpt_layers, per_stage)
+    per_stage, recomputed = stage_layers(shape, layout)
     ops = per_stage * (forward + backward) + recomputed * recompute
     return layout.num_microbatches * ops * HOST_SECONDS_PER_OP + hook_s(shape, layout)

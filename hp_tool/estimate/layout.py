@@ -236,6 +236,13 @@ def rank_shape(shape: "Shape", layout: Layout) -> "Shape":
     return dataclasses.replace(shape, seq_length=shape.seq_length // layout.cp)
 
 
+def stage_layers(shape: "Shape", layout: Layout) -> tuple[int, int]:
+    """(the layers one pipeline stage runs, how many of them it checkpoints): every stage holds an equal share of
+    the pipelined layers (``architectures.pipeline_problem``), so the busiest is any of them."""
+    per_stage = shape.pipeline_layers // layout.pp
+    return per_stage, min(layout.act_ckpt_layers, per_stage)
+
+
 def microbatches_in_flight(layout: Layout, stage: int) -> float:
     """Micro-batches whose activations pipeline rank ``stage`` holds at once, in units of one micro-batch
     through all the rank's layers, as torch.distributed.pipelining's schedules run them. One without PP.

@@ -53,7 +53,7 @@ from hp_tool.architectures import (Shape, checkpointed_layer_counts, model_flops
                                    vocab_parallel_parameters)
 from hp_tool.engine_facts import engine_facts
 from hp_tool.estimate.host import host_s
-from hp_tool.estimate.layout import GB, Hardware, Layout, rank_shape
+from hp_tool.estimate.layout import GB, Hardware, Layout, rank_shape, stage_layers
 from hp_tool.estimate.memory import adapter_parameters, cached, linear_parameters, stage_activation_bytes
 from hp_tool.families.decoder import expert_forward_flops
 from hp_tool.estimate.methods import NF4_BITS, attention_core_flops_per_layer, linear_shapes
@@ -176,7 +176,7 @@ def attention_flops_per_step(shape: Shape, layout: Layout) -> tuple[float, float
     scores, forward, the backward's 2.5x and the recompute's forward) of one step."""
     core = attention_core_flops_per_layer(shape)
     layers = shape.num_layers
-    recomputed = layout.pp * min(layout.act_ckpt_layers, shape.pipeline_layers // layout.pp)
+    recomputed = layout.pp * stage_layers(shape, layout)[1]
     counted = core * (3 * layers + recomputed)
     kernels = core / 2 * ((1 + FLASH_BACKWARD) * layers + recomputed)
     return layout.global_batch_size * counted, layout.global_batch_size * kernels
@@ -215,9 +215,7 @@ def local_expert_parameters(shape: Shape, pp: int, ep: int) -> float:
 def expert_flops_per_step(shape: Shape, layout: Layout) -> float:
     """The routed experts' share of a step's model and recompute FLOPs: forward and backward of every layer
     (backward one matmul less with frozen experts under LoRA) and the forward of each recomputed layer."""
-    per_stage = shape.pipeline_layers // layout.pp
-    passes = (2.0 if layout.adapted else 3.0) * shape.pipeline_layers + \
-        layout.pp * min(layout.act_ckpt_layers, per_stage)
+    passes = (2.0 if layout.adapted else 3.0) * shape.pipeline_layers + layout.pp * stage_layers(shape, layout)[1]
     return layout.global_batch_size * passes * cached_expert_forward_flops(shape)
 
 
@@ -279,8 +277,7 @@ def elementwise_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
     if hw.device_is_host:
         return 0.0
     forward, backward, recompute = layer_pass_bytes(shape, layout)
-    per_stage = shape.pipeline_layers // layout.pp
-    recomputed = min(layout.act_ckpt_layers, per_stage)
+    per_stage, recomputed = stage_layers(shape, layout)
     tokens = layout.mbs * shape.seq_length / layout.cp
     nbytes = layout.num_microbatches * tokens * (per_stage * (forward + backward) + recomputed * recompute)
     if layout.compile or hw.fused_elementwise:
@@ -296,8 +293,8 @@ def ep_comm_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
     over the network. 0 at EP 1."""
     if layout.ep <= 1 or not shape.moe:
         return 0.0
-    per_stage = shape.pipeline_layers // layout.pp
-    exchanges = 4 * per_stage + 2 * min(layout.act_ckpt_layers, per_stage)
+    per_stage, recomputed = stage_layers(shape, layout)
+    exchanges = 4 * per_stage + 2 * recomputed
     nbytes = layout.mbs * shape.seq_length * shape.top_k * shape.hidden_size * layout.bytes_per_value * \
         (layout.ep - 1) / layout.ep / layout.tp
     within_node = layout.ep * layout.tp <= hw.gpus_per_node
@@ -341,8 +338,8 @@ def dp_traffic(shape: Shape, layout: Layout) -> DataParallelTraffic:
         if facts.zero2_gathers_each_forward:
             return DataParallelTraffic(forward_gathers=1.0, backward_reduces=1.0)
         return DataParallelTraffic(backward_reduces=1.0, step_after=1.0)
-    per_stage = shape.pipeline_layers // layout.pp
-    recompute = min(layout.act_ckpt_layers, per_stage) / per_stage if facts.recompute_gathers else 0.0
+    per_stage, recomputed = stage_layers(shape, layout)
+    recompute = recomputed / per_stage if facts.recompute_gathers else 0.0
     return DataParallelTraffic(forward_gathers=1.0, backward_gathers=1.0 + recompute, backward_reduces=1.0)
 
 
@@ -417,8 +414,8 @@ def dp_comm_s(shape: Shape, layout: Layout, hw: Hardware, num_nodes: int) -> flo
                         (0.0 if adapted else collective_s(experts * rbytes, layout.edp, per_node, hw)))
 
     compute = (compute_s(shape, layout, hw) + elementwise_s(shape, layout, hw)) / m  # one micro-batch's kernels
-    per_stage = shape.pipeline_layers // layout.pp
-    backward = (1.0 if adapted else 2.0) + min(layout.act_ckpt_layers, per_stage) / per_stage
+    per_stage, recomputed = stage_layers(shape, layout)
+    backward = (1.0 if adapted else 2.0) + recomputed / per_stage
     forward_s, backward_s = compute / (1 + backward), compute * backward / (1 + backward)
 
     def exposed(comm: float, hidden_by: float) -> float:
@@ -525,8 +522,7 @@ def cp_comm_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
     rate = hw.peak_tflops * 1e12 * attention_efficiency(shape, layout, hw)
     forward = (cp - 1) * max(0.0, hop_s - attention_flops / rate)
     backward = cp * max(0.0, 2 * hop_s - FLASH_BACKWARD * attention_flops / rate)
-    per_stage = shape.pipeline_layers // layout.pp
-    recomputed = min(layout.act_ckpt_layers, per_stage)
+    per_stage, recomputed = stage_layers(shape, layout)
     return layout.num_microbatches * ((per_stage + recomputed) * forward + per_stage * backward)
 
 
@@ -554,10 +550,10 @@ def fp8_cast_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
     if not layout.fp8:
         return 0.0
     linears = linear_shapes(shape).values()
-    per_stage = shape.pipeline_layers / layout.pp
+    per_stage, recomputed = stage_layers(shape, layout)
     tokens = layout.mbs * shape.seq_length / layout.cp
     layer_bytes = FP8_CAST_BYTES * (tokens * sum(i + o for i, o in linears) + sum(i * o for i, o in linears))
-    layers = per_stage + min(layout.act_ckpt_layers, per_stage) / 2  # a recomputed forward casts again
+    layers = per_stage + recomputed / 2  # a recomputed forward casts again
     return layout.num_microbatches * layers * layer_bytes / layout.tp / (hw.memory_bandwidth_gbps * GB)
 
 
@@ -567,8 +563,8 @@ def dequant_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
     the GPU's memory bandwidth. 0 for the other methods."""
     if layout.method != "qlora":
         return 0.0
-    per_stage = shape.pipeline_layers / layout.pp
-    passes = 2 * per_stage + min(layout.act_ckpt_layers, per_stage)  # layers dequantised per micro-batch
+    per_stage, recomputed = stage_layers(shape, layout)
+    passes = 2 * per_stage + recomputed  # layers dequantised per micro-batch
     nbytes = passes * linear_parameters(shape) / layout.tp * (NF4_BITS / 8 + layout.bytes_per_value)
     return layout.num_microbatches * nbytes / (hw.memory_bandwidth_gbps * GB)
 
