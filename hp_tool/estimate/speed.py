@@ -67,9 +67,9 @@ ATTENTION_HEAD_DIM_HALF = 16.0
 # the flash backward recomputes the scores and runs four more matmuls: 2.5 times the forward's FLOPs
 # (Dao 2023, §3.1), and a causal kernel skips the masked half of the scores
 FLASH_BACKWARD = 2.5
-# Hopper's own attention kernels (FlashAttention-3, Shah et al. 2024, and Transformer Engine's cuDNN fused
-# attention, which that paper measures beside it) run 1.5 to 2.0 times FlashAttention-2's rate on H100 in BF16,
-# forward and backward (its Fig. 5-6, causal, head dim 128, 512 to 16K tokens): the middle of that range
+# Hopper's own attention kernels (warp-specialised, asynchronous: FlashAttention-3, Shah et al. 2024, and cuDNN's
+# fused attention, which Transformer Engine calls) run 1.5 to 2.0 times FlashAttention-2's rate on H100 in 16-bit
+# (that paper's abstract): the middle of that range
 FLASH3_SPEEDUP = 1.75
 # An eager layer's element-wise kernels stream their tensors through GPU memory: the fraction of the datasheet
 # bandwidth they reach (large element-wise kernels: 80-90% on A100 and H100)
