@@ -4,7 +4,8 @@ compute   = the linears' (model + recompute) FLOPs / (GPUs · peak · efficiency
             matmul sizes a micro-batch gives each GPU (``matmul_efficiency``, the curve the gpu preset's),
             plus causal flash attention priced apart: the FLOPs its kernels compute (half the scores,
             the backward's recompute) at an efficiency rising with the rank's tokens and head dimension
-            (``attention_efficiency``); with fp8 linears their FLOPs at the GPU's fp8 peak;
+            (``attention_efficiency``; ``FLASH3_SPEEDUP`` times it for a stack with Hopper's own kernels,
+            ``Hardware.hopper_attention``); with fp8 linears their FLOPs at the GPU's fp8 peak;
 element-wise = the bytes an eager layer's norms, casts, rotary embeddings, activations and residual adds read and
             write (the family's ``layer_bytes`` per token, LoRA's ``ADAPTER_BYTES`` per adapted linear), forward,
             backward and a checkpointed layer's recompute, at the GPU's memory bandwidth (``elementwise_s``);
@@ -17,7 +18,8 @@ host      = what the host's dispatch of an eager step's operators takes beyond t
 bubble    = (compute + element-wise) · (PP − 1) / (v · m) for m micro-batches per replica and v virtual stages per GPU
             (1F1B, interleaved when v > 1; Narayanan et al. 2021);
 TP comm   = ring all-reduces of the layer activations, 2 in forward and 2 in backward per layer, plus
-            2 per recomputed layer;
+            2 per recomputed layer, less the share a stack hides behind the GEMMs (``Hardware.tp_comm_hidden``:
+            async TP, Transformer Engine's userbuffers; none in hp_tool's engines);
 PP comm   = point-to-point activations and gradients between stages, v times as many when interleaved;
 DP comm   = the engine's collectives over the stage's parameters (``dp_traffic``: an all-reduce of the
             gradients per step at ZeRO 0-1; at ZeRO-2 and 3 gathers and reduce-scatters per micro-batch,
