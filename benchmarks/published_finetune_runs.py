@@ -3,6 +3,8 @@
     python3 benchmarks/published_finetune_runs.py             # every row, then the summaries
     python3 benchmarks/published_finetune_runs.py --summary   # the summaries only
 
+It exits 1 when a target (``Targets``: the tokens/s and memory medians, the fit verdicts) is missed.
+
 Data: ``benchmarks/data/published_finetune_runs.json`` (a copy of ``../shared/published_finetune_runs.json``;
 ``--data`` for another copy): published
 fine-tuning measurements (torchtune, LLaMA-Factory, Unsloth, PEFT, DeepSpeed, QLoRA, Qwen, NeMo, AnswerDotAI) with
@@ -681,7 +683,39 @@ def print_summaries(card: Scorecard) -> None:
         print(f"- {kind}: {len(ids)} rows{shown}")
 
 
+@dataclass(frozen=True)
+class Targets:
+    """What the models must reach on the rows they express; ``main`` exits 1 when one is missed."""
+
+    speed_median: float = 0.15  # median |tokens/s error| at most
+    memory_median: float = 0.10  # median |memory error| at most
+    wrong_verdicts: int = 0  # rows whose fit verdict disagrees with what they measured, at most
+
+    def text(self) -> str:
+        return (f"tokens/s median <= {self.speed_median:.0%}; memory median <= {self.memory_median:.0%}; every fit "
+                f"verdict right")
+
+
+TARGETS = Targets()
+
+
+def missed_targets(card: Scorecard, targets: Targets = TARGETS) -> list[str]:
+    """Each target the models miss over the scored rows, with the figure that misses it; [] when all are met."""
+    every = Summary.of(card.scored)
+    speed, memory = median_abs(every.speed), median_abs(every.memory)
+    missed = []
+    if speed is not None and speed > targets.speed_median:
+        missed.append(f"tokens/s median {speed:.1%} > {targets.speed_median:.0%}")
+    if memory is not None and memory > targets.memory_median:
+        missed.append(f"memory median {memory:.1%} > {targets.memory_median:.0%}")
+    wrong = every.rows - every.agree
+    if wrong > targets.wrong_verdicts:
+        missed.append(f"{wrong} fit verdict(s) wrong")
+    return missed
+
+
 def main(argv: Optional[list[str]] = None) -> int:
+    """Print the rows and summaries; returns the exit code: 0 when every target is met, 1 when one is missed."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--summary", action="store_true", help="print the summaries only")
     parser.add_argument("--data", type=Path, default=DATA, help="the published runs (JSON)")
@@ -690,7 +724,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not args.summary:
         print_rows(card)
     print_summaries(card)
-    return 0
+    missed = missed_targets(card)
+    print(f"\nTargets: {TARGETS.text()}: " + (f"MISSED: {'; '.join(missed)}" if missed else "met"))
+    return 1 if missed else 0
 
 
 if __name__ == "__main__":

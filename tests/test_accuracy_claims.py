@@ -107,6 +107,7 @@ def test_readme_and_accuracy_page_fine_tuning_figures_are_the_published_finetune
                 f"{full}%, LoRA {lora}%, QLoRA {qlora}%), tokens/s {got[2]}% ({len(every.speed)} rows), fit verdicts "
                 f"{every.agree} of {every.rows} right")
     assert expected in page, expected
+    assert f"Targets: {bench.TARGETS.text()}." in page
 
 
 def test_accuracy_page_fine_tuning_table_is_the_benchmarks(finetune_errors):

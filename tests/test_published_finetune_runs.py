@@ -5,6 +5,7 @@ from the data (in the unit the row prints) and the predictions from hp_tool alon
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 import io
 import json
@@ -48,8 +49,10 @@ def test_every_row_is_scored_or_listed_with_a_reason_once(rows, card):
 def test_the_printed_counts_add_up_to_the_rows(rows, card):
     out = io.StringIO()
     with redirect_stdout(out):
-        assert bench.main(["--summary"]) == 0
+        code = bench.main(["--summary"])
     text = out.getvalue()
+    assert code == (1 if bench.missed_targets(card) else 0)
+    assert text.rstrip().splitlines()[-1].startswith(f"Targets: {bench.TARGETS.text()}: ")
     total, scored, skipped = map(int, re.search(r"(\d+) rows: (\d+) scored, (\d+) not expressible", text).groups())
     assert (total, scored, skipped) == (len(rows), len(card.scored), len(card.unexpressible))
     kinds = {m.group(1): int(m.group(2)) for m in re.finditer(r"^- (.+?): (\d+) rows", text, re.M)}
@@ -147,3 +150,25 @@ def test_a_length_read_from_a_maximum_compares_the_verdict_only(rows):
     exact["seq_len_exact"] = {"value": True, "basis": "packed to the length"}
     stated = bench.express(exact)
     assert stated.measured_memory_gib and stated.measured_tokens_per_s_per_gpu
+
+
+def test_the_gate_names_the_target_a_worse_model_misses(rows, card, monkeypatch):
+    """A step-time model 40% slow everywhere misses the tokens/s target and the script exits 1 saying so; today's
+    misses are the verdicts alone (tokens/s and memory within their targets), and one more wrong verdict adds to
+    their count."""
+    today = bench.missed_targets(card)
+    assert [m for m in today if not m.endswith("fit verdict(s) wrong")] == []
+    slow = bench.Scorecard(card.rows, [bench.Scored(s.case, s.memory_gib, s.usable_gib, s.tokens_per_s_per_gpu / 1.4)
+                                       for s in card.scored], card.unexpressible)
+    assert any(m.startswith("tokens/s median") for m in bench.missed_targets(slow))
+    wrong = int(today[0].split()[0]) if today else 0
+    right = next(i for i, s in enumerate(card.scored) if s.case.measured_fits == s.fits)
+    s = card.scored[right]  # its measured outcome turned round (fits <-> OOM): its verdict now disagrees
+    flipped = bench.Scored(dataclasses.replace(s.case, measured_fits=not s.case.measured_fits), s.memory_gib,
+                           s.usable_gib, s.tokens_per_s_per_gpu)
+    worse = bench.Scorecard(card.rows, card.scored[:right] + [flipped] + card.scored[right + 1:], card.unexpressible)
+    assert bench.missed_targets(worse)[-1] == f"{wrong + 1} fit verdict(s) wrong"
+    monkeypatch.setattr(bench, "score", lambda _rows: slow)
+    with redirect_stdout(io.StringIO()) as out:
+        assert bench.main(["--summary"]) == 1
+    assert "MISSED: tokens/s median" in out.getvalue().splitlines()[-1]
