@@ -49,14 +49,13 @@ def test_a_stacks_hopper_attention_and_hidden_tp_collectives_cut_only_their_own_
     the GEMMs (benchmarks/published_runs.py sets both for its runs): a long-sequence Llama layout's attention takes
     1 / FLASH3_SPEEDUP of its time, its TP collectives the unhidden share, the rest of the step as it was; an
     encoder-decoder's attention (priced with its linears) and hp_tool's own engines (neither set) are unchanged."""
-    from hp_tool.estimate.speed import FLASH3_SPEEDUP, attention_flops_per_step
+    from hp_tool.estimate.speed import FLASH3_SPEEDUP, attention_efficiency, attention_flops_per_step
     llama = Shape("llama", 32, 4096, 32, 8, 14336, 128256, 8192)
     layout = Layout.of(tp=4, pp=1, dp=2, mbs=1, act_ckpt_layers=0, global_batch_size=16)
     h100 = published().hardware("h100_80gb")
     base = estimate_step_time(llama, layout, h100, 1)
     fast = estimate_step_time(llama, layout, dataclasses.replace(h100, hopper_attention=True), 1)
     _, kernels = attention_flops_per_step(llama, layout)
-    from hp_tool.estimate.speed import attention_efficiency
     attention = kernels / (layout.gpus * h100.peak_tflops * 1e12 * attention_efficiency(llama, layout, h100))
     assert attention > 0.1 * base.compute_s  # 8K tokens: attention is a part worth pricing
     assert base.compute_s - fast.compute_s == pytest.approx(attention * (1 - 1 / FLASH3_SPEEDUP), rel=1e-9)
