@@ -25,8 +25,10 @@ What each run is given, and what the model cannot express (said per run in the `
 - Float8 runs (torchao Float8 linears) keep bf16 weights, gradients and activations: they are the planner's fp8
   recipe choice (``train_settings.fp8``): memory priced as bf16, the linears at the GPU's fp8 peak with their
   casts at its memory bandwidth (hp_tool/estimate/speed.py ``fp8_cast_s``);
-- asynchronous TP (overlapping TP's collectives with matmuls) is not modelled: priced as synchronous TP, and so
-  is NeMo's TP communication overlap (ub_tp_comm_overlap);
+- what a run's stack does that hp_tool's engines do not is set on its Hardware from the run's settings: torch's
+  asynchronous TP hides ``ASYNC_TP_HIDDEN`` of TP's collectives and NeMo's userbuffers (ub_tp_comm_overlap) all of
+  them (``tp_comm_hidden``); NeMo's element-wise kernels are fused (``fused_elementwise``) and on H100 its
+  attention runs in Hopper's own kernels at their measured rate (``hopper_attention``);
 - NeMo's distributed optimizer (one reduce-scatter of the gradients and one all-gather of the weights per step:
   an all-reduce's traffic) is ZeRO-1; Megatron's selective recompute (the core attention's forward again) is
   priced as no recompute; Nemotron-4 (squared-ReLU 4h MLP) and MPT (GeLU 4h MLP, learned positions) are the gpt3

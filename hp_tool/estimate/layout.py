@@ -283,7 +283,7 @@ class Hardware:
     # torch.compile only (speed.elementwise_s)
     fused_elementwise: bool = False
     # the training stack's attention kernels are Hopper's own (Transformer Engine's cuDNN fused attention,
-    # FlashAttention-3), FLASH3_SPEEDUP times FlashAttention-2's rate (speed.attention_efficiency): what
+    # FlashAttention-3), at their measured rate (speed.HOPPER_ATTENTION_EFFICIENCY), not the preset's: what
     # benchmarks/published_runs.py says of NeMo's H100 runs; hp_tool's engines call torch's SDPA, which the
     # presets' attention efficiency is fitted on
     hopper_attention: bool = False

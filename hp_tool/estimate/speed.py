@@ -4,8 +4,8 @@ compute   = the linears' (model + recompute) FLOPs / (GPUs · peak · efficiency
             matmul sizes a micro-batch gives each GPU (``matmul_efficiency``, the curve the gpu preset's),
             plus causal flash attention priced apart: the FLOPs its kernels compute (half the scores,
             the backward's recompute) at an efficiency rising with the rank's tokens and head dimension
-            (``attention_efficiency``; ``FLASH3_SPEEDUP`` times it for a stack with Hopper's own kernels,
-            ``Hardware.hopper_attention``); with fp8 linears their FLOPs at the GPU's fp8 peak;
+            (``attention_efficiency``; at ``HOPPER_ATTENTION_EFFICIENCY``, measured, for a stack with Hopper's own
+            kernels, ``Hardware.hopper_attention``); with fp8 linears their FLOPs at the GPU's fp8 peak;
 element-wise = the bytes an eager layer's norms, casts, rotary embeddings, activations and residual adds read and
             write (the family's ``layer_bytes`` per token, LoRA's ``ADAPTER_BYTES`` per adapted linear), forward,
             backward and a checkpointed layer's recompute, at the GPU's memory bandwidth (``elementwise_s``);
@@ -69,10 +69,14 @@ ATTENTION_HEAD_DIM_HALF = 16.0
 # the flash backward recomputes the scores and runs four more matmuls: 2.5 times the forward's FLOPs
 # (Dao 2023, §3.1), and a causal kernel skips the masked half of the scores
 FLASH_BACKWARD = 2.5
-# Hopper's own attention kernels (warp-specialised, asynchronous: FlashAttention-3, Shah et al. 2024, and cuDNN's
-# fused attention, which Transformer Engine calls) run 1.5 to 2.0 times FlashAttention-2's rate on H100 in 16-bit
-# (that paper's abstract): the middle of that range
-FLASH3_SPEEDUP = 1.75
+# Hopper's own attention kernels (cuDNN's fused attention, which Transformer Engine calls on H100; FlashAttention-3 is
+# of its class) run at their own rate, not a multiple of the preset's fitted FlashAttention-2 one: FlashAttention-3's
+# paper (Shah et al. 2024, Fig. 5-6: H100 80GB SXM5, bf16, head dim 128, 8K tokens) measures cuDNN's causal forward
+# at 529 TFLOPS and its backward at 518, FlashAttention-2's at 333 and 318: Hopper's kernels' saturation = their
+# forward and backward (1 : FLASH_BACKWARD FLOPs) at 8K tokens over the SXM's 989 TFLOPS dense peak, less the rise
+# with tokens (about 0.55: 521 TFLOPS at 8K)
+HOPPER_ATTENTION_EFFICIENCY = ((1 + FLASH_BACKWARD) / (1 / 529 + FLASH_BACKWARD / 518) / 989
+                               / (8192 / (8192 + ATTENTION_TOKENS_HALF)))
 # An eager layer's element-wise kernels stream their tensors through GPU memory: the fraction of the datasheet
 # bandwidth they reach (large element-wise kernels: 80-90% on A100 and H100)
 ELEMENTWISE_BANDWIDTH = 0.8
@@ -158,12 +162,12 @@ def gemm_efficiency(tokens: float, width: float, hw: Hardware) -> float:
 
 def attention_efficiency(shape: Shape, layout: Layout, hw: Hardware) -> float:
     """Fraction of peak the flash attention kernels reach over a rank's seq / CP tokens at the shape's head
-    dimension (constants above, from FlashAttention-2's measurements; the GPU's saturation from its preset;
-    ``FLASH3_SPEEDUP`` times that with Hopper's own kernels, ``Hardware.hopper_attention``)."""
+    dimension (constants above, from FlashAttention-2's measurements; the GPU's saturation from its preset, or
+    ``HOPPER_ATTENTION_EFFICIENCY`` with Hopper's own kernels, ``Hardware.hopper_attention``)."""
     tokens, d = shape.seq_length / layout.cp, shape.head_dim
     head = d / (d + ATTENTION_HEAD_DIM_HALF) / (128 / (128 + ATTENTION_HEAD_DIM_HALF))
-    kernels = FLASH3_SPEEDUP if hw.hopper_attention else 1.0
-    return min(1.0, kernels * hw.attention_efficiency * tokens / (tokens + ATTENTION_TOKENS_HALF) * head)
+    saturation = HOPPER_ATTENTION_EFFICIENCY if hw.hopper_attention else hw.attention_efficiency
+    return min(1.0, saturation * tokens / (tokens + ATTENTION_TOKENS_HALF) * head)
 
 
 def priced_apart(shape: Shape, hw: Hardware) -> bool:
