@@ -28,7 +28,8 @@ What each run is given, and what the model cannot express (said per run in the `
 - what a run's stack does that hp_tool's engines do not is set on its Hardware from the run's settings: torch's
   asynchronous TP hides ``ASYNC_TP_HIDDEN`` of TP's collectives and NeMo's userbuffers (ub_tp_comm_overlap) all of
   them (``tp_comm_hidden``); NeMo's element-wise kernels are fused (``fused_elementwise``) and on H100 its
-  attention runs in Hopper's own kernels at their measured rate (``hopper_attention``);
+  attention runs in Hopper's own kernels at their measured rate (``hopper_attention``); torchtitan's fused RMSNorm
+  keeps its input alone (``fused_norms``, ``FUSED_RMSNORM``);
 - NeMo's distributed optimizer (one reduce-scatter of the gradients and one all-gather of the weights per step:
   an all-reduce's traffic) is ZeRO-1; Megatron's selective recompute (the core attention's forward again) is
   priced as no recompute; Nemotron-4 (squared-ReLU 4h MLP) and MPT (GeLU 4h MLP, learned positions) are the gpt3
@@ -69,6 +70,11 @@ MEMORY_MARGIN = 0.05  # the planner's default train_settings.memory_margin
 # 1.06 and 2.32 s faster a step with it, 42%, 26% and 58% of the collectives' time priced without it: 0.4
 USERBUFFERS_HIDDEN = 1.0
 ASYNC_TP_HIDDEN = 0.4
+# torchtitan's runs whose config set norm_type = "fused_rmsnorm" (its Triton RMSNorm, which keeps its input alone:
+# Hardware.fused_norms): the performance doc's Llama 2 13B and Llama 3 8B tables, measured with
+# train_configs/llama_13b.toml at 395a5262 (2024-04-18) and llama3_8b.toml at 1ea476e9 (2024-04-24), the numbers
+# unchanged to the cited 6a6f755d; its 70B configs set rmsnorm, as every config did from August 2024
+FUSED_RMSNORM = {("torchtitan_perf_doc_2024", "Llama 2 13B"), ("torchtitan_perf_doc_2024", "Llama 3 8B")}
 
 # REFERENCE §12, Narayanan et al. 2021 Table 1
 SEQ, VOCAB = 2048, 51200
@@ -209,7 +215,9 @@ def json_runs(path: Path) -> list[Run]:
                            # fp8 recipe choice (train_settings.fp8), priced as the planner prices it
                            fp8=r["precision"].startswith("fp8"), compile="torch.compile" in optimizations)
         preset = GPU_PRESETS[r["gpu"]]
-        hw = replace(hardware(preset), tp_comm_hidden=hidden)
+        hw = replace(hardware(preset), tp_comm_hidden=hidden, fused_norms=(r["source"], r["model"]) in FUSED_RMSNORM)
+        if hw.fused_norms:
+            notes.append("torchtitan's fused RMSNorm")
         if r["framework"].startswith(("NeMo", "Megatron")):  # Transformer Engine's fused norms and activations,
             # and on Hopper its cuDNN fused attention
             hw = replace(hw, fused_elementwise=True, hopper_attention=preset.startswith(("h100", "h200")))

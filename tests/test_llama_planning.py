@@ -91,6 +91,36 @@ def test_activation_memory_by_hand():
     assert tp2 == norms + (attention + mlp) / 2  # norms stay whole on every TP rank
 
 
+def test_a_stacks_fused_norms_keep_their_input_alone_where_the_family_counts_them():
+    """A stack whose RMSNorm is one fused kernel (torchtitan's fused_rmsnorm: ``Hardware.fused_norms``, which
+    benchmarks/published_runs.py sets for its runs that ran it) keeps the norm's input, not the eager norm's fp32 copy:
+    a Llama layer keeps 4 bytes a token per hidden unit fewer per norm, two norms, split along the sequence under SP;
+    Qwen3's per-head norms 4 bytes a value of q and k more; Gemma's four fp32 norms are not counted (their eager
+    bytes stand); hp_tool's own engines run the eager norms (the flag off: unchanged)."""
+    import dataclasses
+
+    from hp_tool.estimate.layout import Hardware, Layout
+    from hp_tool.estimate.memory import layer_activation_bytes
+
+    hw = Hardware(gpus_per_node=8, gpu_memory_gib=80, peak_tflops=312, intra_node_bandwidth_gbps=300,
+                  inter_node_bandwidth_gbps=25, memory_overhead_gib=3)
+    fused = dataclasses.replace(hw, fused_norms=True)
+    s, b, h = 4096, 2, 5120
+    llama = Shape("llama", 40, h, 40, 40, 13824, 32000, s)
+    layout = Layout.of(tp=1, pp=1, dp=8, mbs=b, act_ckpt_layers=0, global_batch_size=16)
+    eager = layer_activation_bytes(llama, layout, hw)
+    assert eager == llama_activation_bytes_per_layer(llama, b)
+    assert eager - layer_activation_bytes(llama, layout, fused) == 2 * 4 * s * b * h
+    sp = Layout.of(tp=4, pp=1, dp=2, mbs=b, act_ckpt_layers=0, global_batch_size=16, sequence_parallel=True)
+    assert layer_activation_bytes(llama, sp, hw) - layer_activation_bytes(llama, sp, fused) == 2 * 4 * s * b * h / 4
+    qwen3 = dataclasses.replace(llama, family="qwen3")
+    q_and_k = s * b * (qwen3.attention_dim + qwen3.kv_dim)
+    assert layer_activation_bytes(qwen3, layout, hw) - layer_activation_bytes(qwen3, layout, fused) == \
+        2 * 4 * s * b * h + 4 * q_and_k
+    gemma = dataclasses.replace(llama, family="gemma2")
+    assert layer_activation_bytes(gemma, layout, fused) == layer_activation_bytes(gemma, layout, hw)
+
+
 def test_70b_at_seq_8192_never_proposes_an_unsharded_layout_that_cannot_fit(tmp_path):
     p = plan(tmp_path, "search_config=llama/llama3_70b", f"{TS}.num_nodes=16")
     selected = [c for c in p.candidates if c.status == SELECTED]

@@ -287,6 +287,10 @@ class Hardware:
     # benchmarks/published_runs.py says of NeMo's H100 runs; hp_tool's engines call torch's SDPA, which the
     # presets' attention efficiency is fitted on
     hopper_attention: bool = False
+    # the training stack's norms are fused kernels that keep their input alone (torchtitan's fused_rmsnorm: what
+    # benchmarks/published_runs.py says of its runs that set it); hp_tool's engines run transformers' eager norms,
+    # whose fp32 copy of the input the family's activation record counts (Family.fused_norm_saving)
+    fused_norms: bool = False
     # the fraction of the TP collectives the training stack hides behind the GEMMs beside them (torch's async TP,
     # Transformer Engine's userbuffers: what benchmarks/published_runs.py says of such runs); hp_tool's engines
     # hide none

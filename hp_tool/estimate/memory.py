@@ -74,17 +74,20 @@ linear_parameters = cached(linear_parameters_per_layer)
 def layer_activation_bytes(shape: Shape, layout: Layout, hw: Hardware, encoder: bool = False) -> float:
     """One layer's stored activations for the family (an encoder layer when ``encoder``), one micro-batch,
     bytes; with an adapter method what it changes (``methods.activation_delta_bytes``: dropout's mask is a
-    byte an element on a GPU, a value of the input's dtype on a CPU)."""
+    byte an element on a GPU, a value of the input's dtype on a CPU); with a stack's fused norms
+    (``Hardware.fused_norms``) less what they do not keep (``Family.fused_norm_saving``, where counted)."""
     bpv = layout.bytes_per_value
     return _layer_activation_bytes(shape, layout.lora, layout.mbs, layout.tp, layout.sequence_parallel, bpv,
                                    hw.flash_attention, encoder, bpv if hw.device_is_host else 1,
-                                   autocast_casts_weights(layout, hw))
+                                   autocast_casts_weights(layout, hw), hw.fused_norms)
 
 
 @cached
 def _layer_activation_bytes(shape: Shape, lora: Optional[Adapters], mbs: int, tp: int, sp: bool, bpv: int, flash: bool,
-                            encoder: bool, mask_bytes: int, casts: bool) -> float:
-    return (shape.facts.activation_bytes(shape, mbs, tp, sp, bpv, flash, encoder)
+                            encoder: bool, mask_bytes: int, casts: bool, fused_norms: bool = False) -> float:
+    saving = shape.facts.fused_norm_saving
+    fused = saving(shape, mbs, tp, sp) if fused_norms and saving is not None and not encoder else 0.0
+    return (shape.facts.activation_bytes(shape, mbs, tp, sp, bpv, flash, encoder) - fused
             + activation_delta_bytes(shape, lora, mbs, tp, sp, bpv, mask_bytes, casts))
 
 

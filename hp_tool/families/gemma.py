@@ -88,6 +88,9 @@ def _variant(name: str, description: str, unmodelled: tuple[str, ...] = (), **fa
         runs_windows=True,
         # the inference worker's cached decode has neither the eager kernel's masks nor Gemma-3's two RoPE tables
         inference=False,
+        # four norms a layer, each keeping fp32 values (NORM_VALUE_BYTES): Llama's fused saving is not theirs, and
+        # theirs is not counted
+        fused_norm_saving=None,
         **facts)
 
 

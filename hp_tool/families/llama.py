@@ -128,6 +128,16 @@ def llama_activation_bytes_per_layer(shape: Shape, mbs: int, tp: int = 1, sequen
     return norms + attention + mlp
 
 
+def llama_fused_norm_saving(shape: Shape, mbs: int, tp: int = 1, sequence_parallel: bool = False) -> float:
+    """What a Llama layer does not keep when each RMSNorm is one fused kernel that keeps its input (the residual
+    stream, in the compute dtype) and a per-row fp32 scale (torchtitan's Triton fused_rmsnorm): of the eager norm's
+    (4 + p)·sbh, the fp32 upcast of its input, 4·sbh per norm, two norms a layer (split along s by sequence
+    parallelism). torch.compile's fused norm keeps the same (counted: a Llama layer compiled on CPU keeps 8 bytes a
+    token per hidden unit fewer in its norms)."""
+    sp = tp if sequence_parallel else 1
+    return 2 * 4 * shape.seq_length * mbs * shape.hidden_size / sp
+
+
 def llama_head_activation_bytes(shape: Shape, mbs: int, tp: int = 1, sequence_parallel: bool = False,
                                 bytes_per_value: int = 2) -> float:
     """What the last stage keeps for backward beyond its layers, one micro-batch: the final RMSNorm as a
@@ -190,6 +200,7 @@ FAMILY = Family(
     activation_bytes=lambda shape, mbs, tp, sp, p, flash, encoder=False: llama_activation_bytes_per_layer(
         shape, mbs, tp, sp, p),
     head_activation_bytes=llama_head_activation_bytes,
+    fused_norm_saving=llama_fused_norm_saving,
     gbs_tp_pp=LLAMA_GBS_TP_PP,
     global_batch=lambda tokens, seq: max(1, tokens // seq),  # the table's tokens per batch
     warmup_ratio=0.0015,

@@ -40,12 +40,18 @@ def activation_bytes_per_layer(shape: Shape, mbs: int, tp: int = 1, sequence_par
         qk_norm_bytes(shape, mbs, tp, bytes_per_value)
 
 
+def fused_norm_saving(shape: Shape, mbs: int, tp: int = 1, sequence_parallel: bool = False) -> float:
+    """Llama's (``llama_fused_norm_saving``) and the per-head norms' fp32 copies, 4 bytes a value of q and k."""
+    return llama.llama_fused_norm_saving(shape, mbs, tp, sequence_parallel) + 4 * qk_values(shape, mbs, tp)
+
+
 FAMILY = dataclasses.replace(
     llama.hf_variant("qwen3", "Qwen3: Llama's layers with per-head q and k RMSNorms (from a Hugging Face config)",
                      qkv_bias=False),
     layer_parameters=layer_parameters,
     activation_bytes=lambda shape, mbs, tp, sp, p, flash, encoder=False: activation_bytes_per_layer(
         shape, mbs, tp, sp, p),
+    fused_norm_saving=fused_norm_saving,
     # transformers' Qwen3: attention_bias puts biases on q, k, v and o; no published Qwen3 has them
     hf_unmodelled=("attention_bias",),
     layer_ops=(87, 174, 164),
@@ -60,6 +66,7 @@ MOE = dataclasses.replace(
     layer_parameters=lambda shape, encoder=False: moe.layer_parameters(shape) + qk_norm_parameters(shape),
     activation_bytes=lambda shape, mbs, tp=1, sp=False, p=2, flash=True, encoder=False: moe.activation_bytes(
         shape, mbs, tp, sp, p) + qk_norm_bytes(shape, mbs, tp, p),
+    fused_norm_saving=fused_norm_saving,
     layer_ops=(105, 191, 184),
     layer_tensors=(10, 11),
     layer_bytes=((216, 64), (507, 134), (195, 64)),

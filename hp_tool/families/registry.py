@@ -93,6 +93,10 @@ class Family:
     # (shape, micro-batch, TP, sequence parallel, bytes per value) -> what the last stage keeps beyond its layers
     # (final norm, head input, shared position tables); None: not modelled for the family
     head_activation_bytes: Optional[Callable[["Shape", int, int, bool, int], float]] = None
+    # (shape, micro-batch, TP, sequence parallel) -> what one layer does not keep of ``activation_bytes`` when each of
+    # its norms is one fused kernel keeping its input alone (torchtitan's fused_rmsnorm, Transformer Engine's: no fp32
+    # copy of the input; ``Hardware.fused_norms``, a stack property hp_tool's engines leave off); None: not counted
+    fused_norm_saving: Optional[Callable[["Shape", int, int, bool], float]] = None
     # long context: the torch engine's sequence-parallel plan knows its layers (Llama's module layout), and its
     # ring attention splits its attention over context-parallel ranks (causal, rotary positions)
     sequence_parallel: bool = False
