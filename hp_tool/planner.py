@@ -16,6 +16,7 @@ from hp_tool.vocab import INVALID, OVER_LIMIT, PRUNED, SELECTED
 from hp_tool.candidates import Candidate, plan_candidates, rank_candidates
 from hp_tool.config import AppConfig, training_precision
 from hp_tool.errors import ConfigError
+from hp_tool.estimate.memory import eager_trace_excess_gib
 from hp_tool.contracts.spec import EstimatesSpec, ParallelSpec, RunSpec, TrialSpec, section_values
 from hp_tool.dimensions import BY_KEY, DIMENSIONS, trial_id
 from hp_tool.sizing import run_days
@@ -76,8 +77,10 @@ def check_traced_memory(candidates: list[Candidate], spec_of: Callable[[Candidat
                         tracer: Callable, ts, cluster: Cluster) -> None:
     """Trace the fitting candidates, predicted fastest first, until ``limit_search_runs`` of them fit by
     the trace (a batch of the missing number at a time, traced in parallel); prune those whose traced peak
-    plus the overhead exceeds the usable memory, then rank again. A candidate the trace cannot run keeps
-    its analytic verdict, with the reason in ``memory_check``. Candidates beyond the limit are not traced."""
+    plus the overhead exceeds the usable memory, then rank again; a compiled candidate's trace runs its layers
+    eager, and what its compiled layers do not keep is taken off (``memory.eager_trace_excess_gib``). A candidate
+    the trace cannot run keeps its analytic verdict, with the reason in ``memory_check``. Candidates beyond the
+    limit are not traced."""
     hw, limit = cluster.hw, ts.limit_search_runs
     usable = hw.usable_gib(ts.memory_margin)
     order = sorted((c for c in candidates if c.status in (SELECTED, OVER_LIMIT)), key=lambda c: c.rank)
@@ -91,12 +94,13 @@ def check_traced_memory(candidates: list[Candidate], spec_of: Callable[[Candidat
                 kept += 1
                 continue
             c.memory_check = "traced"
-            c.traced_memory_gib = outcome.tensor_gib + hw.memory_overhead_gib
+            tensors = outcome.tensor_gib - eager_trace_excess_gib(c.shape, c.trial_layout(), hw)
+            c.traced_memory_gib = tensors + hw.memory_overhead_gib
             if c.traced_memory_gib <= usable:
                 kept += 1
                 continue
             c.reject(PRUNED, "gpu.memory_gib",
-                     f"traced {c.traced_memory_gib:.4g} GiB per GPU ({outcome.tensor_gib:.4g} GiB of tensors + "
+                     f"traced {c.traced_memory_gib:.4g} GiB per GPU ({tensors:.4g} GiB of tensors + "
                      f"{hw.memory_overhead_gib:g} GiB overhead) > {usable:.4g} GiB usable ({hw.gpu_memory_gib:g} GiB - "
                      f"{ts.memory_margin:.0%} margin); the analytic estimate was {c.memory_gib:.4g} GiB")
             c.rank = None

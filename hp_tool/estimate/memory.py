@@ -74,20 +74,25 @@ linear_parameters = cached(linear_parameters_per_layer)
 def layer_activation_bytes(shape: Shape, layout: Layout, hw: Hardware, encoder: bool = False) -> float:
     """One layer's stored activations for the family (an encoder layer when ``encoder``), one micro-batch,
     bytes; with an adapter method what it changes (``methods.activation_delta_bytes``: dropout's mask is a
-    byte an element on a GPU, a value of the input's dtype on a CPU); with a stack's fused norms
-    (``Hardware.fused_norms``) less what they do not keep (``Family.fused_norm_saving``, where counted)."""
+    byte an element on a GPU, a value of the input's dtype on a CPU); with fused norms (a stack's,
+    ``Hardware.fused_norms``, or torch.compile's) less what they do not keep (``Family.fused_norm_saving``), and
+    under torch.compile less what Inductor recomputes (``Family.compiled_saving``), where the family counts them."""
     bpv = layout.bytes_per_value
     return _layer_activation_bytes(shape, layout.lora, layout.mbs, layout.tp, layout.sequence_parallel, bpv,
                                    hw.flash_attention, encoder, bpv if hw.device_is_host else 1,
-                                   autocast_casts_weights(layout, hw), hw.fused_norms)
+                                   autocast_casts_weights(layout, hw), hw.fused_norms, layout.compile)
 
 
 @cached
 def _layer_activation_bytes(shape: Shape, lora: Optional[Adapters], mbs: int, tp: int, sp: bool, bpv: int, flash: bool,
-                            encoder: bool, mask_bytes: int, casts: bool, fused_norms: bool = False) -> float:
-    saving = shape.facts.fused_norm_saving
-    fused = saving(shape, mbs, tp, sp) if fused_norms and saving is not None and not encoder else 0.0
-    return (shape.facts.activation_bytes(shape, mbs, tp, sp, bpv, flash, encoder) - fused
+                            encoder: bool, mask_bytes: int, casts: bool, fused_norms: bool = False,
+                            compiled: bool = False) -> float:
+    facts, fused = shape.facts, 0.0
+    if (fused_norms or compiled) and facts.fused_norm_saving is not None and not encoder:
+        fused += facts.fused_norm_saving(shape, mbs, tp, sp, bpv, lora is not None)
+    if compiled and facts.compiled_saving is not None and not encoder:
+        fused += facts.compiled_saving(shape, mbs, tp, sp, bpv)
+    return (facts.activation_bytes(shape, mbs, tp, sp, bpv, flash, encoder) - fused
             + activation_delta_bytes(shape, lora, mbs, tp, sp, bpv, mask_bytes, casts))
 
 
@@ -432,6 +437,16 @@ def offloaded_activation_bytes(shape: Shape, layout: Layout, hw: Hardware) -> fl
     rank = rank_shape(shape, layout)
     return max(microbatches_in_flight(layout, stage) * stage_activation_bytes(rank, layout, hw, stage)[0]
                for stage in range(layout.pp))
+
+
+def eager_trace_excess_gib(shape: Shape, layout: Layout, hw: Hardware) -> float:
+    """What a traced figure of ``layout`` holds beyond the layout's own peak, GiB per GPU: the tracer runs a
+    compiled layout's layers eager (hp_tool/trial/trace/inflight.py ``traced_spec``), and they keep what Inductor's
+    fused region does not (``Family.fused_norm_saving``, ``Family.compiled_saving``); 0 for an eager layout."""
+    if not layout.compile:
+        return 0.0
+    return estimate_memory(shape, layout.replace(compile=False), hw).total_gib - \
+        estimate_memory(shape, layout, hw).total_gib
 
 
 def estimate_memory(shape: Shape, layout: Layout, hw: Hardware) -> MemoryEstimate:

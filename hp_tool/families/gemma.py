@@ -88,9 +88,10 @@ def _variant(name: str, description: str, unmodelled: tuple[str, ...] = (), **fa
         runs_windows=True,
         # the inference worker's cached decode has neither the eager kernel's masks nor Gemma-3's two RoPE tables
         inference=False,
-        # four norms a layer, each keeping fp32 values (NORM_VALUE_BYTES): Llama's fused saving is not theirs, and
-        # theirs is not counted
+        # four norms a layer, each keeping fp32 values (NORM_VALUE_BYTES), and eager or soft-capped attention: Llama's
+        # fused and compiled savings are not theirs, and theirs are not counted (the eager bytes stand)
         fused_norm_saving=None,
+        compiled_saving=None,
         **facts)
 
 

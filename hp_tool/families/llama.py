@@ -128,14 +128,26 @@ def llama_activation_bytes_per_layer(shape: Shape, mbs: int, tp: int = 1, sequen
     return norms + attention + mlp
 
 
-def llama_fused_norm_saving(shape: Shape, mbs: int, tp: int = 1, sequence_parallel: bool = False) -> float:
+def llama_fused_norm_saving(shape: Shape, mbs: int, tp: int = 1, sequence_parallel: bool = False,
+                            bytes_per_value: int = 2, frozen: bool = False) -> float:
     """What a Llama layer does not keep when each RMSNorm is one fused kernel that keeps its input (the residual
-    stream, in the compute dtype) and a per-row fp32 scale (torchtitan's Triton fused_rmsnorm): of the eager norm's
-    (4 + p)·sbh, the fp32 upcast of its input, 4·sbh per norm, two norms a layer (split along s by sequence
-    parallelism). torch.compile's fused norm keeps the same (counted: a Llama layer compiled on CPU keeps 8 bytes a
-    token per hidden unit fewer in its norms)."""
+    stream, p·sbh) and a per-row fp32 scale, two norms a layer (split along s by sequence parallelism): the eager
+    norm keeps the fp32 upcast of its input (4·sbh) and, when its weight trains, the normalised value (p·sbh, which an
+    adapter method's frozen norms do not keep: ``methods.activation_delta_bytes``). Counted: compiled (Inductor's
+    fused norm, torchtitan's Triton fused_rmsnorm alike), a Llama layer on CPU keeps 8 bytes a token per hidden unit
+    fewer in its norms in full training, 4 with LoRA (tests/test_compile.py)."""
     sp = tp if sequence_parallel else 1
-    return 2 * 4 * shape.seq_length * mbs * shape.hidden_size / sp
+    eager = 4 + (0 if frozen else bytes_per_value)
+    return 2 * (eager - bytes_per_value) * shape.seq_length * mbs * shape.hidden_size / sp
+
+
+def llama_compiled_saving(shape: Shape, mbs: int, tp: int = 1, sequence_parallel: bool = False,
+                          bytes_per_value: int = 2) -> float:
+    """What a Llama layer under torch.compile keeps less beyond its fused norms (``llama_fused_norm_saving``): of
+    the SwiGLU's four saved products (gate, up, SiLU(gate), their product), Inductor recomputes SiLU(gate) from the
+    gate's output in backward, p·sbf split over TP. Counted: a compiled Llama layer on CPU keeps 8 bytes a token
+    per hidden unit and 2 per FFN unit fewer than the eager one (tests/test_compile.py)."""
+    return bytes_per_value * shape.seq_length * mbs * shape.ffn_hidden_size / tp
 
 
 def llama_head_activation_bytes(shape: Shape, mbs: int, tp: int = 1, sequence_parallel: bool = False,
@@ -201,6 +213,7 @@ FAMILY = Family(
         shape, mbs, tp, sp, p),
     head_activation_bytes=llama_head_activation_bytes,
     fused_norm_saving=llama_fused_norm_saving,
+    compiled_saving=llama_compiled_saving,
     gbs_tp_pp=LLAMA_GBS_TP_PP,
     global_batch=lambda tokens, seq: max(1, tokens // seq),  # the table's tokens per batch
     warmup_ratio=0.0015,

@@ -40,9 +40,12 @@ def activation_bytes_per_layer(shape: Shape, mbs: int, tp: int = 1, sequence_par
         qk_norm_bytes(shape, mbs, tp, bytes_per_value)
 
 
-def fused_norm_saving(shape: Shape, mbs: int, tp: int = 1, sequence_parallel: bool = False) -> float:
-    """Llama's (``llama_fused_norm_saving``) and the per-head norms' fp32 copies, 4 bytes a value of q and k."""
-    return llama.llama_fused_norm_saving(shape, mbs, tp, sequence_parallel) + 4 * qk_values(shape, mbs, tp)
+def fused_norm_saving(shape: Shape, mbs: int, tp: int = 1, sequence_parallel: bool = False,
+                      bytes_per_value: int = 2, frozen: bool = False) -> float:
+    """Llama's (``llama_fused_norm_saving``) and the per-head norms' fp32 copies, 4 bytes a value of q and k (their
+    eager bytes, ``qk_norm_bytes``, stand with an adapter method too)."""
+    return llama.llama_fused_norm_saving(shape, mbs, tp, sequence_parallel, bytes_per_value, frozen) + \
+        4 * qk_values(shape, mbs, tp)
 
 
 FAMILY = dataclasses.replace(

@@ -93,10 +93,17 @@ class Family:
     # (shape, micro-batch, TP, sequence parallel, bytes per value) -> what the last stage keeps beyond its layers
     # (final norm, head input, shared position tables); None: not modelled for the family
     head_activation_bytes: Optional[Callable[["Shape", int, int, bool, int], float]] = None
-    # (shape, micro-batch, TP, sequence parallel) -> what one layer does not keep of ``activation_bytes`` when each of
-    # its norms is one fused kernel keeping its input alone (torchtitan's fused_rmsnorm, Transformer Engine's: no fp32
-    # copy of the input; ``Hardware.fused_norms``, a stack property hp_tool's engines leave off); None: not counted
-    fused_norm_saving: Optional[Callable[["Shape", int, int, bool], float]] = None
+    # (shape, micro-batch, TP, sequence parallel, bytes per value, norm weights frozen) -> what one layer does not keep
+    # of ``activation_bytes`` (with an adapter method's ``activation_delta_bytes``) when each of its norms is one fused
+    # kernel keeping its input alone (torchtitan's fused_rmsnorm, Transformer Engine's, torch.compile's: no fp32 copy
+    # of the input; ``Hardware.fused_norms``, a stack property hp_tool's engines leave off, or the layout's compile);
+    # None: not counted
+    fused_norm_saving: Optional[Callable[["Shape", int, int, bool, int, bool], float]] = None
+    # (shape, micro-batch, TP, sequence parallel, bytes per value) -> what else one layer does not keep under
+    # torch.compile (its norms fused as above, and Inductor recomputing in backward the element-wise values it can
+    # from those it keeps: SwiGLU's SiLU output); counted on the engine's compiled layer (tests/test_compile.py);
+    # None: not counted, the eager bytes (an upper bound) less the fused norms' where counted
+    compiled_saving: Optional[Callable[["Shape", int, int, bool, int], float]] = None
     # long context: the torch engine's sequence-parallel plan knows its layers (Llama's module layout), and its
     # ring attention splits its attention over context-parallel ranks (causal, rotary positions)
     sequence_parallel: bool = False

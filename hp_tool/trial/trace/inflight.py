@@ -73,8 +73,8 @@ def traced_spec(spec: TrialSpec) -> TrialSpec:
     """The spec whose stage the tracer builds: under interleaved 1F1B, the rank's v chunks traced as one
     stage of all its layers (same parameters, states and per-layer activations; the schedule's count in
     flight, ``in_flight``, comes from the spec itself); a compiled layout's layers eager (the trace follows
-    the eager ops: what a compiled layer keeps is the eager one's or less, inductor freeing intermediates it
-    fuses)."""
+    the eager ops: a compiled layer keeps less, inductor fusing its norms and recomputing what it can, which the
+    planner takes off the traced figure, ``estimate.memory.eager_trace_excess_gib``)."""
     if spec.parallel.virtual_stages == 1 and not spec.parallel.compile:
         return spec
     return dataclasses.replace(spec, parallel=dataclasses.replace(spec.parallel, virtual_stages=1, compile=False))
