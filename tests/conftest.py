@@ -1,7 +1,11 @@
 """Test tiers: tests that run something end to end (start processes, train or trace a model, plan every
 shipped config) carry the ``e2e`` marker, so ``-m "not e2e and not slurm"`` is the fast tier: it runs in the
 test process alone. With HP_TOOL_CHECK_TIERS=1 an unmarked test that starts a process fails,
-naming what it started (the process is not started)."""
+naming what it started (the process is not started). The ``matrix`` tier (every layout x family product)
+is left out of the default run (pyproject's addopts) and run with ``-m matrix``.
+
+The budget: a test of the default run whose setup, call or teardown takes more than HP_TOOL_TEST_BUDGET_S
+(90 s; 0 turns the check off) fails, naming its time: one slow test is how a suite outgrows its CI."""
 
 from __future__ import annotations
 
@@ -11,6 +15,26 @@ import subprocess
 
 import _posixsubprocess
 import pytest
+
+BUDGET_S = float(os.environ.get("HP_TOOL_TEST_BUDGET_S", "90"))
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:  # a matrix cell runs something end to end: never in the fast tier
+        if item.get_closest_marker("matrix"):
+            item.add_marker(pytest.mark.e2e)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if (BUDGET_S > 0 and report.passed and call.duration > BUDGET_S
+            and not item.get_closest_marker("matrix")):
+        report.outcome = "failed"
+        report.longrepr = (f"{call.when} took {call.duration:.0f} s, over the {BUDGET_S:.0f} s a test of the default "
+                           f"run may take (tests/conftest.py): share a fixture's search, trim the model or steps, "
+                           f"or move it to the matrix tier")
 
 
 @pytest.fixture(autouse=True)

@@ -64,3 +64,55 @@ def steps(out: Path) -> int:
     """Steps a trial has logged in its metrics.jsonl."""
     path = out / METRICS_FILE
     return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def main_here(*argv: str, cwd: Optional[Path] = None, env: Optional[dict] = None) -> subprocess.CompletedProcess:
+    """``python3 main.py *argv`` run in this process (the CLI's own entry: argument checks, Hydra, exit codes),
+    as ``subprocess.run(..., capture_output=True, text=True)`` would return it: without the 3-5 s a new Python
+    spends importing Hydra and hp_tool. ``cwd`` and ``env`` (variables added) hold for the call only; the
+    logging Hydra configures (to this call's stdout) is undone after it, and the warm process a command that
+    would launch trials starts (hp_tool/launch/backends/warm.py: a forkserver with this call's environment and
+    directory) is ended with it, as it would end with the process."""
+    import contextlib
+    import io
+    import logging
+    import os
+    import signal
+    import sys
+    from multiprocessing import forkserver
+
+    from hydra.core.global_hydra import GlobalHydra
+
+    from hp_tool.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    argv0, cwd0, env0 = sys.argv, os.getcwd(), dict(os.environ)
+    server = forkserver._forkserver  # type: ignore[attr-defined]
+    warm_before = server._forkserver_pid is not None
+    code = 0
+    try:
+        sys.argv = ["main.py", *argv]
+        os.environ.update(env or {})
+        if cwd is not None:
+            os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                main()
+            except SystemExit as exc:  # what the process would exit with
+                if isinstance(exc.code, str):
+                    print(exc.code, file=sys.stderr)
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        sys.argv = argv0
+        os.chdir(cwd0)
+        os.environ.clear()
+        os.environ.update(env0)
+        root.handlers[:] = handlers  # Hydra's dictConfig replaced them
+        root.setLevel(level)
+        GlobalHydra.instance().clear()
+        if not warm_before and server._forkserver_pid is not None:  # killed: a clean stop waits for its imports
+            os.kill(server._forkserver_pid, signal.SIGKILL)
+            server._stop()
+    return subprocess.CompletedProcess(["main.py", *argv], code, out.getvalue(), err.getvalue())

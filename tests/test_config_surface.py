@@ -20,15 +20,27 @@ from hp_tool.launch.backends.slurm import cpus_per_task
 from hp_tool.launch.slurm import partition_cpus_per_node
 from hp_tool.planner import make_plan
 from hp_tool.session import prepare_backend
+from search_helpers import main_here
 
 REPO = Path(__file__).resolve().parent.parent
 GPUS = ("a100_40gb", "a100_80gb", "h100_80gb", "h100_96gb_hbm2e", "h200", "a10g", "a10g_g5_4xlarge", "l4", "v100_16gb", "v100_32gb",
         "t4", "cpu", "l40s", "rtx_3090", "rtx_4090", "rtx_6000_ada", "rtx_a5000", "rtx_a6000")
 
 
+def split(args):
+    """Hydra's flags (-m), which come before the overrides, and the overrides."""
+    return [a for a in args if a.startswith("-")], [a for a in args if not a.startswith("-")]
+
+
 def main(tmp_path, *args, env=None):
-    flags = [a for a in args if a.startswith("-")]  # Hydra's flags (-m) come before the overrides
-    overrides = [a for a in args if not a.startswith("-")]
+    """`python3 main.py` with results under tmp_path/res, run in this process (search_helpers.main_here)."""
+    flags, overrides = split(args)
+    return main_here(*flags, f"base_results_dir={tmp_path / 'res'}", *overrides, cwd=tmp_path, env=env)
+
+
+def main_process(tmp_path, *args, env=None):
+    """The same command as a process, as a user starts it."""
+    flags, overrides = split(args)
     return subprocess.run([sys.executable, str(REPO / "main.py"), *flags, f"base_results_dir={tmp_path / 'res'}",
                            *overrides],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300,
@@ -128,7 +140,6 @@ def test_every_moved_key_fails_naming_the_new_key(plus):
         assert exc.value.key == old and f"{old}='2': was moved to {new}" in str(exc.value)
 
 
-@pytest.mark.e2e
 def test_a_moved_key_exits_2_and_writes_nothing(tmp_path):
     old = "search_config.train_settings.gpu_memory_gb"
     proc = main(tmp_path, "search_config=gpt3/tiny", "dry_run=true", f"{old}=2")
@@ -137,7 +148,6 @@ def test_a_moved_key_exits_2_and_writes_nothing(tmp_path):
     assert "Traceback" not in proc.stderr and not (tmp_path / "res").exists()
 
 
-@pytest.mark.e2e
 @pytest.mark.parametrize("plus", ["", "+", "++"])
 def test_a_typo_fails_with_its_name_with_or_without_plus(tmp_path, plus):
     proc = main(tmp_path, "dry_run=true", f"{plus}search_config.train_settings.tensr_parallel_sizes=[1]")
@@ -153,7 +163,6 @@ def test_a_moved_key_in_a_composed_config_fails_naming_the_new_key():
     assert exc.value.key == "cluster.gpu_peak_tflops" and "gpu.peak_tflops.bf16" in str(exc.value)
 
 
-@pytest.mark.e2e
 def test_unknown_gpu_preset_lists_the_shipped_ones(tmp_path):
     proc = main(tmp_path, "gpu=h100", "dry_run=true")
     assert proc.returncode == 2
@@ -167,7 +176,6 @@ def test_free_form_sbatch_parameters_still_take_any_key():
 
 # ----------------------------------------------------------------------------------- W&B key file
 
-@pytest.mark.e2e
 @pytest.mark.parametrize("content", [None, "", "\n  \nkey-on-line-two\n"])
 def test_wandb_key_file_is_checked_in_a_dry_run(tmp_path, content):
     key_file = tmp_path / "wandb.key"
@@ -292,7 +300,8 @@ def test_multirun_shows_a_gpu_where_nothing_fits_last_with_its_reason(tmp_path):
 
 @pytest.mark.e2e
 def test_multirun_where_no_job_can_plan_exits_2(tmp_path):
-    proc = main(tmp_path, "-m", "gpu=cpu", "search_config=gpt3/5b,gpt3/8b", "dry_run=true")
+    """The multirun smoke test of the entry point as a process (main.py -m, Hydra's sweep, the exit code)."""
+    proc = main_process(tmp_path, "-m", "gpu=cpu", "search_config=gpt3/5b,gpt3/8b", "dry_run=true")
     assert proc.returncode == 2
     assert proc.stderr.count("no valid layout fits in host RAM") == 2
 

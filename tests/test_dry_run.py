@@ -9,18 +9,25 @@ from pathlib import Path
 import pytest
 
 from hp_tool.contracts.spec import load_spec
+from search_helpers import main_here
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def main(tmp_path, *args):
+def main_process(tmp_path, *args):
+    """`python3 main.py` as a user starts it: the smoke tests of the entry point as a process."""
     return subprocess.run([sys.executable, str(REPO / "main.py"), f"base_results_dir={tmp_path / 'res'}", *args],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
 
 
+def main(tmp_path, *args):
+    """The same command run in this process (search_helpers.main_here)."""
+    return main_here(f"base_results_dir={tmp_path / 'res'}", *args, cwd=tmp_path)
+
+
 @pytest.mark.e2e
 def test_dry_run_writes_plan_and_prints_table(tmp_path):
-    proc = main(tmp_path, "search_config=gpt3/5b", "dry_run=true")
+    proc = main_process(tmp_path, "search_config=gpt3/5b", "dry_run=true")
     assert proc.returncode == 0, proc.stderr
     out = tmp_path / "res" / "gpt3" / "5b"
     assert "Model size: 5.05B parameters (24 layers x 4096 hidden)" in proc.stdout
@@ -49,7 +56,6 @@ def test_dry_run_writes_plan_and_prints_table(tmp_path):
     assert not (out / "training_logs").exists()  # dry run submits nothing
 
 
-@pytest.mark.e2e
 def test_unknown_size_recommends_12_9b(tmp_path):
     proc = main(tmp_path, "search_config=gpt3/unknown_size", "dry_run=true")
     assert proc.returncode == 0, proc.stderr
@@ -73,7 +79,6 @@ def test_planning_never_imports_torch(tmp_path):
     assert (tmp_path / "gpt3" / "175b" / "candidate_configs" / "plan.csv").exists()
 
 
-@pytest.mark.e2e
 @pytest.mark.parametrize("args, key", [
     (["search_config=gpt3/nope"], "search_config='gpt3/nope'"),
     (["search_config.train_settings.tensor_parallel_sizes=[3]"], "search_config.train_settings.tensor_parallel_sizes"),
@@ -93,7 +98,7 @@ def test_bad_input_is_a_clear_error_and_writes_nothing(tmp_path, args, key):
 
 @pytest.mark.e2e
 def test_unknown_key_fails_before_writing(tmp_path):
-    proc = main(tmp_path, "dry_run=true", "search_config.train_settings.micro_batch=[1]")
+    proc = main_process(tmp_path, "dry_run=true", "search_config.train_settings.micro_batch=[1]")
     assert proc.returncode != 0
     assert "micro_batch" in proc.stdout + proc.stderr
     assert not (tmp_path / "res").exists()

@@ -16,6 +16,7 @@ from hp_tool.contracts.spec import load_spec
 from hp_tool.errors import ConfigError
 from hp_tool.hf_config import SHIPPED, load_hf_model
 from hp_tool.planner import make_plan
+from search_helpers import main_here
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -104,9 +105,8 @@ def test_sequence_lengths_are_searched_at_the_same_tokens_per_step(tmp_path):
 
 @pytest.mark.e2e
 def test_the_dry_run_answers_per_epoch(tmp_path):
-    proc = subprocess.run([sys.executable, str(REPO / "main.py"), "search_config=finetune/llama2_7b", "dry_run=true",
-                           f"base_results_dir={tmp_path}", "search_config.train_settings.dataset_tokens_in_m=50"],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    proc = main_here("search_config=finetune/llama2_7b", "dry_run=true", f"base_results_dir={tmp_path}",
+                     "search_config.train_settings.dataset_tokens_in_m=50", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "Fine-tuning llama2_7b (llama, 6.74B parameters" in proc.stdout and "h/epoch" in proc.stdout
     rows = list(csv.DictReader(open(tmp_path / "finetune" / "llama2_7b" / "candidate_configs" / "plan.csv")))
@@ -161,14 +161,12 @@ BAD = [
 ]
 
 
-@pytest.mark.e2e
 @pytest.mark.parametrize("make, key, words", BAD)
 def test_bad_model_input_fails_before_anything_is_written(tmp_path, make, key, words):
     model = make(tmp_path / "model")
-    proc = subprocess.run([sys.executable, str(REPO / "main.py"), "search_config=finetune/custom", "dry_run=true",
-                           f"search_config.model.hf_config={model}", f"base_results_dir={tmp_path / 'res'}",
-                           "search_config.train_settings.seq_lengths=[64,128]"],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    proc = main_here("search_config=finetune/custom", "dry_run=true", f"search_config.model.hf_config={model}",
+                     f"base_results_dir={tmp_path / 'res'}", "search_config.train_settings.seq_lengths=[64,128]",
+                     cwd=tmp_path)
     assert proc.returncode == 2 and key in proc.stderr and words in proc.stderr and "Fix:" in proc.stderr
     assert not (tmp_path / "res").exists()
 
@@ -286,10 +284,8 @@ def test_8bit_adam_needs_a_gpu():
 
 @pytest.mark.e2e
 def test_gpu_types_compared_for_a_fine_tune(tmp_path):
-    proc = subprocess.run([sys.executable, str(REPO / "main.py"), "-m", "search_config=finetune/llama2_7b",
-                           "gpu=a100_80gb,l4", "dry_run=true", f"base_results_dir={tmp_path}",
-                           "search_config.train_settings.seq_lengths=[2048]"],
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    proc = main_here("-m", "search_config=finetune/llama2_7b", "gpu=a100_80gb,l4", "dry_run=true",
+                     f"base_results_dir={tmp_path}", "search_config.train_settings.seq_lengths=[2048]", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = list(csv.DictReader(open(next(tmp_path.glob("multirun/*/comparison.csv")))))
     assert {r["gpu"] for r in rows} == {"a100_80gb", "l4"} and all(r["status"] == "ok" for r in rows)

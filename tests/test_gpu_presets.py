@@ -2,8 +2,6 @@
 and a null precision picks the GPU's own (bf16, else fp16).
 """
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +11,7 @@ from hp_tool.config import to_app_config, training_precision
 from hp_tool.contracts.spec import load_spec
 from hp_tool.errors import ConfigError
 from hp_tool.planner import make_plan
+from search_helpers import main_here
 
 REPO = Path(__file__).resolve().parent.parent
 NO_BF16 = {"v100_16gb": (15.78, 125, 15.7, 150), "v100_32gb": (31.74, 125, 15.7, 150), "t4": (14.56, 65, 8.1, 16)}
@@ -20,8 +19,8 @@ PRECISION = "search_config.train_settings.precision"
 
 
 def main(tmp_path, *args):
-    return subprocess.run([sys.executable, str(REPO / "main.py"), f"base_results_dir={tmp_path / 'res'}", *args],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    """`python3 main.py` with results under tmp_path/res, run in this process (search_helpers.main_here)."""
+    return main_here(f"base_results_dir={tmp_path / 'res'}", *args, cwd=tmp_path)
 
 
 def load(*overrides):
@@ -43,7 +42,6 @@ def test_a_gpu_without_bf16_plans_a_dry_run_in_fp16(tmp_path, gpu):
     assert (base.resources.gpu, base.resources.gpu_memory_gib) == (gpu, memory)
 
 
-@pytest.mark.e2e
 @pytest.mark.parametrize("gpu", sorted(NO_BF16))
 def test_bf16_on_a_gpu_without_it_names_key_value_and_fix_and_writes_nothing(tmp_path, gpu):
     proc = main(tmp_path, f"gpu={gpu}", "search_config=llama/llama2_7b", "dry_run=true")  # the preset's bf16

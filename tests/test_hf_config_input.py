@@ -14,6 +14,7 @@ from hp_tool.cli import compose, results_dir
 from hp_tool.config import to_app_config
 from hp_tool.errors import ConfigError
 from hp_tool.hf_config import KEY, SHIPPED, load_hf_model, model_name
+from search_helpers import main_here
 
 REPO = Path(__file__).resolve().parent.parent
 TS = "search_config.train_settings"
@@ -37,7 +38,13 @@ def refused(folder: Path) -> ConfigError:
     return err.value
 
 
-def run_main(tmp_path, *overrides, timeout=300):
+def run_main(tmp_path, *overrides):
+    """`python3 main.py` with results under tmp_path/res, run in this process (search_helpers.main_here)."""
+    return main_here(f"base_results_dir={tmp_path / 'res'}", *overrides, cwd=tmp_path)
+
+
+def run_main_process(tmp_path, *overrides, timeout=300):
+    """The same command as a process: for a search that trains."""
     return subprocess.run([sys.executable, str(REPO / "main.py"), f"base_results_dir={tmp_path / 'res'}", *overrides],
                           cwd=tmp_path, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
 
@@ -107,7 +114,6 @@ def test_an_explicit_head_dim_is_kept_and_shipped_configs_still_load(tmp_path):
         assert load_hf_model(name).num_layers > 0
 
 
-@pytest.mark.e2e
 def test_a_config_without_hidden_size_is_refused_before_anything_is_written(tmp_path):
     model = write_config(tmp_path / "mine", drop=("hidden_size",))
     proc = run_main(tmp_path, "search_config=finetune/custom", f"search_config.model.hf_config={model}",
@@ -118,7 +124,6 @@ def test_a_config_without_hidden_size_is_refused_before_anything_is_written(tmp_
     assert not (tmp_path / "res").exists()
 
 
-@pytest.mark.e2e
 @pytest.mark.parametrize("changes, words", [
     (dict(hidden_size=64, num_attention_heads=5), '"num_attention_heads"=5 does not divide "hidden_size"=64'),
     (dict(num_attention_heads=4, num_key_value_heads=3), '"num_key_value_heads"=3 does not divide'),
@@ -145,7 +150,6 @@ def test_empty_lora_target_modules_are_refused_like_every_empty_list():
     assert to_app_config(cfg).search_config.train_settings.lora.target_modules == ["q_proj", "v_proj"]
 
 
-@pytest.mark.e2e
 def test_empty_lora_target_modules_are_refused_on_the_command_line(tmp_path):
     proc = run_main(tmp_path, "search_config=finetune/tiny", f"{TS}.lora.target_modules=[]", "dry_run=true")
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -219,7 +223,7 @@ def test_two_custom_models_searched_on_cpu_keep_their_own_results(tmp_path):
     first, second = write_config(tmp_path / "alpha"), write_config(tmp_path / "beta", num_hidden_layers=2)
     optimal = {}
     for model in (first, second):
-        proc = run_main(tmp_path, *cpu, f"search_config.model.hf_config={model}", timeout=600)
+        proc = run_main_process(tmp_path, *cpu, f"search_config.model.hf_config={model}", timeout=600)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert "not in plan.csv" not in proc.stdout + proc.stderr
         found = list((tmp_path / "res" / "finetune" / model.name / "final_results").glob("optimal_config_*.yaml"))

@@ -14,6 +14,7 @@ from hp_tool.errors import ConfigError
 from hp_tool.estimate.layout import Layout
 from hp_tool.families import family, family_names
 from hp_tool.families.shape import Shape
+from search_helpers import main_here
 
 ROOT = Path(__file__).resolve().parents[1]
 # 24 query heads over 8 kv heads, 12 layers: TP 3 divides the query heads but not the kv heads
@@ -96,10 +97,11 @@ def test_no_family_name_is_compared_outside_the_registry_folders():
 
 @pytest.mark.e2e
 def test_the_plan_reports_what_each_stage_removed(tmp_path):
-    out = subprocess.run([sys.executable, "main.py", "search_config=gpt3/5b", "dry_run=true",
-                          f"base_results_dir={tmp_path}", "search_config.train_settings.tensor_parallel_sizes=[1,3]",
-                          "search_config.train_settings.limit_search_runs=5"],
-                         capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    proc = main_here("search_config=gpt3/5b", "dry_run=true", f"base_results_dir={tmp_path}",
+                     "search_config.train_settings.tensor_parallel_sizes=[1,3]",
+                     "search_config.train_settings.limit_search_runs=5", cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
     line = next(row for row in out.splitlines() if row.startswith("Plan: "))
     n = {k: int(v) for v, k in re.findall(r"(\d+) (candidates|invalid|estimated|selected)", line)}
     over = int(re.search(r"(\d+) over the run limit", line).group(1))

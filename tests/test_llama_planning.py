@@ -20,6 +20,7 @@ from hp_tool.errors import ConfigError
 from hp_tool.families.llama import llama_activation_bytes_per_layer, llama_ffn, llama_shape
 from hp_tool.planner import make_plan
 from hp_tool.contracts.spec import load_spec
+from search_helpers import main_here
 
 REPO = Path(__file__).resolve().parent.parent
 TS = "search_config.train_settings"
@@ -138,7 +139,6 @@ def test_70b_at_seq_8192_never_proposes_an_unsharded_layout_that_cannot_fit(tmp_
     assert unsharded and all(c.status == PRUNED and c.memory_gib > 80 for c in unsharded)
 
 
-@pytest.mark.e2e
 @pytest.mark.parametrize("override, key, words", [
     ("search_config.model.num_kv_heads=3", "search_config.model.num_kv_heads", "num_attention_heads=4"),
     (f"{TS}.seq_length=512", f"{TS}.seq_length", "context of 256 tokens"),
@@ -146,9 +146,8 @@ def test_70b_at_seq_8192_never_proposes_an_unsharded_layout_that_cannot_fit(tmp_
     ("search_config.model.ffn_hidden_size=17.5", "search_config.model.ffn_hidden_size", ""),
 ])
 def test_bad_llama_input_names_key_value_and_fix(tmp_path, override, key, words):
-    proc = subprocess.run([sys.executable, str(REPO / "main.py"), "search_config=llama/tiny", "dry_run=true",
-                           f"base_results_dir={tmp_path / 'res'}", override],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    proc = main_here("search_config=llama/tiny", "dry_run=true", f"base_results_dir={tmp_path / 'res'}", override,
+                     cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith(f"hp_tool: error: {key}=") and words in proc.stderr and "Fix:" in proc.stderr
     assert not (tmp_path / "res").exists()

@@ -23,11 +23,18 @@ from hp_tool.estimate.memory import (CHECKPOINT_GATHER_BYTES, HOST_PROCESS_OVERH
 from hp_tool.estimate.speed import estimate_step_time
 from hp_tool.families.llama import llama_shape
 from hp_tool.planner import make_plan
+from search_helpers import main_here
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def run_main(tmp_path, *overrides, timeout=300):
+def run_main(tmp_path, *overrides):
+    """`python3 main.py` with results under tmp_path/res, run in this process (search_helpers.main_here)."""
+    return main_here(f"base_results_dir={tmp_path / 'res'}", *overrides, cwd=tmp_path)
+
+
+def run_main_process(tmp_path, *overrides, timeout=300):
+    """The same command as a process: for a search that trains."""
     return subprocess.run([sys.executable, str(REPO / "main.py"), f"base_results_dir={tmp_path / 'res'}", *overrides],
                           cwd=tmp_path, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
 
@@ -169,7 +176,6 @@ def test_a_trial_spans_the_nodes_its_offloaded_shards_need_so_a_run_that_fits_is
     pruned = [c for c in small.candidates if c.offload == "optimizer_and_params" and c.pp == 1 and c.zero_stage == 3
               and c.reason_key == "gpu.host_ram_gib"]
     assert pruned and all(c.trial_nodes == cluster_nodes for c in pruned)
-@pytest.mark.e2e
 @pytest.mark.parametrize("override, key, words", [
     ("search_config.train_settings.zero_stages=[4]", "search_config.train_settings.zero_stages", "unknown values [4]"),
     ("search_config.train_settings.offload=[disk]", "search_config.train_settings.offload", "unknown values"),
@@ -243,7 +249,7 @@ def test_ds_config_is_a_plain_deepspeed_config_deepspeed_parses(tmp_path):
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_tiny_search_over_both_engines_and_two_stages_runs_and_ranks(tmp_path):
-    proc = run_main(tmp_path, "search_config=llama/tiny", "cluster=local",
+    proc = run_main_process(tmp_path, "search_config=llama/tiny", "cluster=local",
                     "search_config.train_settings.engines=[torch,deepspeed]",
                     "search_config.train_settings.zero_stages=[0,3]", "search_config.train_settings.offload=[none]",
                     "search_config.train_settings.tensor_parallel_sizes=[1]",

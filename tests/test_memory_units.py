@@ -15,6 +15,7 @@ import yaml
 from hp_tool.estimate.layout import GIB, Hardware, Layout
 from hp_tool.estimate.memory import estimate_memory
 from hp_tool.families.shape import Shape
+from search_helpers import main_here
 
 REPO = Path(__file__).resolve().parent.parent
 PRESETS = sorted((REPO / "hp_tool/conf/gpu").glob("*.yaml"))
@@ -78,8 +79,7 @@ def test_the_trials_measured_peak_is_in_gib():
 @pytest.mark.e2e
 def test_the_plans_memory_columns_are_gib_and_match_the_estimate(tmp_path):
     """The dry run's plan.csv names every memory column in GiB and its predicted peak is the estimate's."""
-    out = subprocess.run([sys.executable, str(REPO / "main.py"), f"base_results_dir={tmp_path}", "dry_run=true",
-                          "search_config=llama/tiny"], capture_output=True, text=True, timeout=300)
+    out = main_here(f"base_results_dir={tmp_path}", "dry_run=true", "search_config=llama/tiny")
     assert out.returncode == 0, out.stderr[-2000:]
     assert "GiB" in out.stdout and " GB" not in out.stdout
     plan = next(tmp_path.rglob("plan.csv"))
@@ -92,11 +92,8 @@ def test_the_plans_memory_columns_are_gib_and_match_the_estimate(tmp_path):
     assert any(float(r["predicted_memory_gib"] or 0) > 0 for r in rows)
 
 
-@pytest.mark.e2e
 def test_a_config_with_the_old_gb_key_fails_naming_the_gib_key(tmp_path):
-    out = subprocess.run([sys.executable, str(REPO / "main.py"), f"base_results_dir={tmp_path}", "dry_run=true",
-                          "search_config=llama/tiny", "+gpu.memory_gb=80"], capture_output=True, text=True,
-                         timeout=300)
+    out = main_here(f"base_results_dir={tmp_path}", "dry_run=true", "search_config=llama/tiny", "+gpu.memory_gb=80")
     assert out.returncode != 0
     assert "gpu.memory_gib" in out.stdout + out.stderr and "GiB" in out.stdout + out.stderr
     assert not list(tmp_path.rglob("plan.csv"))
