@@ -27,6 +27,7 @@ def lay(**kw) -> Layout:
     return Layout.of(**{**base, **kw})
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", family_names())
 def test_each_familys_operator_count_is_what_the_engines_layer_dispatches(name):
     counted = COUNTER.layer_ops(name)
@@ -35,6 +36,7 @@ def test_each_familys_operator_count_is_what_the_engines_layer_dispatches(name):
         assert abs(r - c) <= OPS_TOLERANCE * c, f"{name} {what}: the record says {r}, the engine's layer runs {c:.0f}"
 
 
+@pytest.mark.e2e
 def test_an_adapted_linear_adds_the_operators_peft_runs():
     for record, counted in zip(ADAPTER_OPS, COUNTER.adapter_ops()):
         assert record == pytest.approx(counted, rel=OPS_TOLERANCE)
@@ -77,6 +79,7 @@ def test_compiled_layers_and_cpu_processes_have_no_floor():
     assert host_s(L7B, lay(), cpu) == 0.0
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", family_names())
 def test_each_familys_modules_and_tensors_are_the_engines_layers(name):
     """The modules and tensors DeepSpeed's hooks run over: the family's record against the engine's stage (q, k, v
@@ -87,6 +90,7 @@ def test_each_familys_modules_and_tensors_are_the_engines_layers(name):
         assert abs(c - r) <= COUNTER.TENSORS_TOLERANCE, f"{name} {what}: the record says {r}, the engine's layer has {c}"
 
 
+@pytest.mark.e2e
 def test_adapters_add_two_hooked_modules_and_are_all_that_is_trained():
     lora = COUNTER.tiny_model("qwen2", 2, "lora")  # every linear adapted; the frozen base's biases not trained
     modules, trained = layer_hooked(lora.shape(), COUNTER._hook_layout(lora, 2, False))
@@ -97,6 +101,7 @@ def ds(**kw) -> Layout:
     return lay(engine="deepspeed", dp=4, global_batch_size=32, **kw)
 
 
+@pytest.mark.e2e
 def test_deepspeed_hooks_every_trained_tensor_at_zero_2_and_every_module_pass_at_zero_3():
     """7B LoRA on q, k, v and o (per layer 9 + 8 modules, 8 trained tensors), 32 layers, 8 micro-batches."""
     per_tensor, per_module = engine_facts("deepspeed").hook_seconds(3)

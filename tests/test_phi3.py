@@ -43,6 +43,7 @@ def test_tp_is_refused_with_its_reason_and_tp1_is_not():
     assert Layout.of(tp=1, pp=1, dp=8, mbs=1, global_batch_size=64).problems(shape) == []
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("device, layout", [("cpu", {}), ("cuda", dict(dp=2, zero_stage=3))], ids=["cpu", "fsdp2-gpu"])
 def test_the_memory_model_counts_the_fused_buffer_and_the_copied_attention_output(device, layout):
     """What Phi-3 keeps beyond Llama's layers of the same shape, the model against the trace (within 2%; exact

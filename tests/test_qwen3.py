@@ -41,6 +41,7 @@ def traced_and_predicted(spec, device: str) -> tuple[float, float]:
     return traced, predicted * 2**30
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("device, layout", CASES, ids=IDS)
 def test_the_memory_model_counts_what_the_qk_norms_keep(device, layout):
     """The whole peak within 3% of the trace, and what the norms add (Qwen3 against Llama's layers of the same
@@ -53,6 +54,7 @@ def test_the_memory_model_counts_what_the_qk_norms_keep(device, layout):
     assert predicted - predicted_llama == pytest.approx(traced - traced_llama, rel=0.03)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_qwen3_moe_counts_what_its_qk_norms_keep_over_the_experts(device):
     """Qwen3-MoE against Mixtral's layers of the same shape (4 experts of 32, top-2, 8 heads of 128 over 512):
@@ -70,6 +72,7 @@ def test_qwen3_moe_counts_what_its_qk_norms_keep_over_the_experts(device):
     assert predicted - predicted_mixtral == pytest.approx(traced - traced_mixtral, rel=0.03)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("device, layout", CASES, ids=IDS)
 def test_heads_wider_than_the_hidden_size_keep_their_width_in_the_attention(device, layout):
     """Llama's layers with 8 heads of 128 over a hidden size of 512: q and the attention's output are 1024 wide,

@@ -4,6 +4,7 @@ that tells a trial's reader nothing is dropped."""
 import logging
 
 import pandas as pd
+import pytest
 
 from hp_tool.launch.monitor import Progress
 from hp_tool.results.report import search_cost_line
@@ -37,6 +38,7 @@ def test_a_verdict_is_logged_once_with_its_whole_reason(caplog):
     assert len(said) == 1 and reason in said[0]
 
 
+@pytest.mark.e2e
 def test_bitsandbytes_missing_hub_kernel_line_is_dropped_and_its_other_warnings_kept():
     import subprocess
     import sys
