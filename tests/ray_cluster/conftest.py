@@ -37,7 +37,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.e2e)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def ray_address() -> str:
     reason = unavailable_reason()
     if reason is not None:
@@ -47,7 +47,7 @@ def ray_address() -> str:
     return ADDRESS
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def ray_client(ray_address):
     from ray.job_submission import JobSubmissionClient
 

@@ -268,3 +268,31 @@ def slurm_executor(slurm_cluster: SlurmCluster, slurm_folder: Path, slurm_job_na
         return executor
 
     return make
+
+
+# --------------------------------------------------------------------------------------------------
+# the timeout test's search, run beside other tests
+
+
+TIMEOUT_TEST = "test_job_past_its_time_limit_is_a_timeout_row"
+
+
+@pytest.fixture(scope="session")
+def timed_out_search(tmp_path_factory, slurm_cluster):
+    """test_search_on_slurm.py's timeout test's search (``start_timed_out_search``), started once a session: its job
+    waits out SLURM's 1-minute limit (60-90 s), so it starts before the tests that run beside it
+    (``beside_timed_out_search``) and the timeout test reads it at the end. Stopped (its job scancelled) at the
+    end of the session."""
+    from test_search_on_slurm import start_timed_out_search  # the search lives with its test (tests/slurm on sys.path)
+
+    search = start_timed_out_search(tmp_path_factory.mktemp("timed_out"))
+    yield search
+    search.stop()
+
+
+@pytest.fixture(scope="module")
+def beside_timed_out_search(request: pytest.FixtureRequest) -> None:
+    """For a module whose tests run beside the timeout test's search (their jobs share the node with its job):
+    starts that search now, when the timeout test is selected in this session."""
+    if any(item.name == TIMEOUT_TEST for item in request.session.items):
+        request.getfixturevalue("timed_out_search")

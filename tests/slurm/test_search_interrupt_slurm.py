@@ -18,17 +18,21 @@ import pytest
 from hp_tool.contracts.result import request_stop
 from hp_tool.vocab import LOSING
 from search_helpers import ledger, start, steps, wait_for  # tests/ is on sys.path (its conftest)
-from test_search_on_slurm import REPO, results, sacct_jobs, settled_jobs  # tests/slurm is on sys.path
+from test_search_on_slurm import (REPO, SHARE_THE_NODE, results, sacct_jobs,  # tests/slurm is on sys.path
+                                  settled_jobs)
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("beside_timed_out_search")]
 TS = "search_config.train_settings"
 SLURM_WAIT = (120.0, 0.5)  # seconds to wait for a step of the search, and between looks (the scheduler is slower)
 
 
 def command(tmp_path: Path, prefix: str) -> list[str]:
-    """One one-process gpt3/tiny trial that trains until it is asked to stop (or its 4-minute limit)."""
+    """One one-process gpt3/tiny trial that trains until it is asked to stop (or its 4-minute limit). Its job
+    shares the node (SHARE_THE_NODE) with the timeout test's, which waits out SLURM's time limit beside this test
+    (tests/slurm/conftest.py: timed_out_search)."""
     return [sys.executable, str(REPO / "main.py"), "search_config=gpt3/tiny", "cluster=bcm", "cluster.partition=debug",
             f"cluster.job_name_prefix={prefix}", f"base_results_dir={tmp_path / 'res'}", "memory_check=analytic",
+            *SHARE_THE_NODE,
             f"{TS}.gpus_per_node=1", f"{TS}.tensor_parallel_sizes=[1]", f"{TS}.pipeline_parallel_sizes=[1]",
             f"{TS}.micro_batch_sizes=[2]", f"{TS}.limit_search_runs=1", f"{TS}.search_strategy=exhaustive",
             f"{TS}.stable_cv=0", f"{TS}.max_steps_per_run=1000000", f"{TS}.max_minutes_per_run=4"]

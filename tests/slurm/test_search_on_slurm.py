@@ -1,7 +1,17 @@
 """The whole search against the real one-node SLURM cluster of tests/slurm/testbed.sh.
 
 Nothing is mocked: main.py submits sbatch jobs through submitit, the jobs train the tiny model with
-the trial engine, and sacct is the witness for what was submitted.
+the trial engine, and sacct is the witness for what was submitted. (The plain whole search to a ranked CSV
+reads the cluster=auto search of test_auto_cluster.py.)
+
+Time: the timeout test waits out SLURM's shortest time limit. SLURM keeps limits in whole minutes (``sbatch
+--time=0:10`` is held as 1:00), so hp_tool's own limit (``max_minutes_per_run``, rounded up to whole minutes for
+sbatch) of one minute is the shortest there is, and slurmctld enforces limits in a periodic pass (every 30 s),
+so the job ends 60-90 s after it starts. That search (``start_timed_out_search``) therefore starts before the
+tests that run beside it (conftest.py's ``timed_out_search``: test_search_interrupt_slurm.py's and this module's
+tests) and the timeout test, last here, reads it. So that two jobs fit on the testbed's one node (2 CPUs, 2 fake
+GPUs) at once, those tests' searches run one-process trials on a shared node (SHARED_NODE: not exclusive, 1 CPU,
+1 GPU, 4 GB each); the multi-process trials that run on SLURM are test_auto_cluster.py's.
 """
 
 import json
@@ -11,21 +21,30 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
 
-pytestmark = pytest.mark.slurm
+from search_helpers import ledger, main_here  # tests/ is on sys.path (its conftest)
+
+# this module's tests run beside the timeout test's search (conftest.py: beside_timed_out_search)
+pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("beside_timed_out_search")]
 
 REPO = Path(__file__).resolve().parents[2]
+TS = "search_config.train_settings"
+# jobs that leave room on the node for a second one (the timed-out search's): 1 of its 2 CPUs, 4 of its 21 GB
+SHARE_THE_NODE = ("cluster.exclusive=false", "cluster.cpus_per_task=1", "cluster.mem=4G")
+ONE_PROCESS = (f"{TS}.gpus_per_node=1", f"{TS}.tensor_parallel_sizes=[1]", f"{TS}.pipeline_parallel_sizes=[1]")
+SHARED_NODE = (*SHARE_THE_NODE, *ONE_PROCESS)  # one-process trials (1 fake GPU each) on a shared node
 
 
-def run_main(tmp_path, prefix, *args, timeout=400):
-    cmd = [sys.executable, str(REPO / "main.py"), "search_config=gpt3/tiny", "cluster=bcm",
-           "cluster.partition=debug", f"cluster.job_name_prefix={prefix}", f"base_results_dir={tmp_path / 'res'}",
-           "memory_check=analytic",  # traced on the orchestrator's machine: tests/test_memory_check.py
-           *args]
-    return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=timeout)
+def argv(tmp_path, prefix, *args):
+    """main.py's arguments for a gpt3/tiny search on the testbed's partition, results under tmp_path/res."""
+    return ["search_config=gpt3/tiny", "cluster=bcm", "cluster.partition=debug", f"cluster.job_name_prefix={prefix}",
+            f"base_results_dir={tmp_path / 'res'}",
+            "memory_check=analytic",  # traced on the orchestrator's machine: tests/test_memory_check.py
+            *args]
 
 
 def sacct_jobs(prefix):
@@ -55,44 +74,42 @@ def results(tmp_path):
     return tmp_path / "res" / "gpt3" / "tiny"
 
 
-def test_whole_tiny_search_on_slurm_to_ranked_csv(tmp_path):
+def start_timed_out_search(tmp_path: Path) -> SimpleNamespace:
+    """The timeout test's search, started as its own process (conftest.py's ``timed_out_search`` starts it before
+    the tests that run beside it): its one job's setup line outlives the job's 1-minute limit, so SLURM kills it
+    before the trial starts, 60-90 s after it started. ``stop()`` ends the orchestrator and scancels the job."""
     p = prefix()
-    proc = run_main(tmp_path, p, "search_config.train_settings.limit_search_runs=2",
-                    "search_config.train_settings.search_strategy=exhaustive")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = pd.read_csv(results(tmp_path) / "final_results" / "final_summary_1nodes.csv")
-    assert len(summary) == 2
-    assert list(summary["full_run_step_time_s"]) == sorted(summary["full_run_step_time_s"])
-    jobs = settled_jobs(p, 2)
-    assert sorted(state for _, state in jobs) == ["COMPLETED", "COMPLETED"]
+    cmd = [sys.executable, str(REPO / "main.py"),
+           *argv(tmp_path, p, *SHARED_NODE, f"{TS}.limit_search_runs=1", f"{TS}.max_minutes_per_run=1",
+                 "cluster.setup=[sleep 300]")]
+    log = tmp_path / "orchestrator.log"
+    with log.open("w") as sink:
+        proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=sink, stderr=subprocess.STDOUT)
 
+    def stop():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for entry in ledger(results(tmp_path)):
+            if entry.get("job_id"):
+                subprocess.run(["scancel", entry["job_id"]], capture_output=True, timeout=30)
 
-def test_job_past_its_time_limit_is_a_timeout_row(tmp_path):
-    p = prefix()
-    # the job's setup line outlives the 1-minute limit, so SLURM kills it before the trial starts
-    proc = run_main(tmp_path, p, "search_config.train_settings.limit_search_runs=1",
-                    "search_config.train_settings.max_minutes_per_run=1", "cluster.setup=[sleep 300]")
-    assert proc.returncode == 1  # no trial succeeded
-    rows = pd.read_csv(results(tmp_path) / "final_results" / "all_trials_1nodes.csv")
-    ran = rows[rows["plan_status"] == "selected"]
-    assert list(ran["status"]) == ["timeout"]
-    assert "TIMEOUT" in ran["reason"].iloc[0]
-    assert [state for _, state in settled_jobs(p, 1)] == ["TIMEOUT"]
+    return SimpleNamespace(proc=proc, prefix=p, results=results(tmp_path), log=log, stop=stop)
 
 
 def test_cancelled_search_gives_cancelled_rows(tmp_path):
     p = prefix()
-    common = ("search_config.train_settings.limit_search_runs=2", "cluster.setup=[sleep 120]")
-    proc = run_main(tmp_path, p, "detach=true", *common)
+    common = (*SHARED_NODE, f"{TS}.limit_search_runs=2", "cluster.setup=[sleep 120]")
+    proc = main_here(*argv(tmp_path, p, "detach=true", *common), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "cancel=true" in proc.stdout
-    proc = run_main(tmp_path, p, "cancel=true", *common)
+    proc = main_here(*argv(tmp_path, p, "cancel=true", *common), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     deadline = time.time() + 60
     while time.time() < deadline and [s for _, s in sacct_jobs(p)] != ["CANCELLED", "CANCELLED"]:
         time.sleep(2)  # slurmdbd records the cancellation a moment later
     assert [s for _, s in sacct_jobs(p)] == ["CANCELLED", "CANCELLED"]
-    proc = run_main(tmp_path, p, *common)  # the same command collects
+    proc = main_here(*argv(tmp_path, p, *common), cwd=tmp_path)  # the same command collects
     rows = pd.read_csv(results(tmp_path) / "final_results" / "all_trials_1nodes.csv")
     assert sorted(rows[rows["plan_status"] == "selected"]["status"]) == ["cancelled", "cancelled"]
     assert len(sacct_jobs(p)) == 2  # collecting submitted nothing new
@@ -100,21 +117,21 @@ def test_cancelled_search_gives_cancelled_rows(tmp_path):
 
 def test_killed_orchestrator_resumes_without_duplicates(tmp_path):
     p = prefix()
-    args = ("search_config.train_settings.limit_search_runs=3", "search_config.train_settings.search_strategy=exhaustive")
-    cmd = [sys.executable, str(REPO / "main.py"), "search_config=gpt3/tiny", "cluster=bcm",
-           "cluster.partition=debug", f"cluster.job_name_prefix={p}", f"base_results_dir={tmp_path / 'res'}", *args]
-    orchestrator = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    ledger = results(tmp_path) / "jobs.jsonl"
+    args = argv(tmp_path, p, *SHARED_NODE, f"{TS}.limit_search_runs=3", f"{TS}.search_strategy=exhaustive",
+                f"{TS}.max_steps_per_run=6")
+    orchestrator = subprocess.Popen([sys.executable, str(REPO / "main.py"), *args], cwd=tmp_path,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ledger_file = results(tmp_path) / "jobs.jsonl"
     deadline = time.time() + 120
     while time.time() < deadline:
-        lines = ledger.read_text().splitlines() if ledger.exists() else []
+        lines = ledger_file.read_text().splitlines() if ledger_file.exists() else []
         if any(json.loads(line)["state"] == "submitted" for line in lines):
             break
         time.sleep(0.5)
     orchestrator.send_signal(signal.SIGKILL)
     orchestrator.wait()
 
-    proc = run_main(tmp_path, p, *args)
+    proc = main_here(*args, cwd=tmp_path)  # the same command again (in this process: the killed one was a process)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     jobs = settled_jobs(p, 3)
     names = [name for name, _ in jobs]
@@ -125,10 +142,20 @@ def test_killed_orchestrator_resumes_without_duplicates(tmp_path):
 
 def test_bad_partition_fails_before_any_submission(tmp_path):
     p = prefix()
-    cmd = [sys.executable, str(REPO / "main.py"), "search_config=gpt3/tiny", "cluster=bcm",
-           "cluster.partition=nosuchpart", f"cluster.job_name_prefix={p}", f"base_results_dir={tmp_path / 'res'}"]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    proc = main_here("search_config=gpt3/tiny", "cluster=bcm", "cluster.partition=nosuchpart",
+                     f"cluster.job_name_prefix={p}", f"base_results_dir={tmp_path / 'res'}", cwd=tmp_path)
     assert proc.returncode == 2
     assert "cluster.partition='nosuchpart'" in proc.stderr and "debug" in proc.stderr
     assert not (results(tmp_path) / "jobs.jsonl").exists()
     assert sacct_jobs(p) == []
+
+
+def test_job_past_its_time_limit_is_a_timeout_row(timed_out_search):
+    """Last in this module: its search (``timed_out_search``) has run beside the tests before it."""
+    search = timed_out_search
+    assert search.proc.wait(timeout=300) == 1, search.log.read_text()[-3000:]  # no trial succeeded
+    rows = pd.read_csv(search.results / "final_results" / "all_trials_1nodes.csv")
+    ran = rows[rows["plan_status"] == "selected"]
+    assert list(ran["status"]) == ["timeout"]
+    assert "TIMEOUT" in ran["reason"].iloc[0]
+    assert [state for _, state in settled_jobs(search.prefix, 1)] == ["TIMEOUT"]

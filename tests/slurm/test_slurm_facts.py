@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from search_helpers import main_here  # tests/ is on sys.path (its conftest)
+from test_search_on_slurm import SHARED_NODE  # tests/slurm is on sys.path
+
 pytestmark = pytest.mark.slurm
 
 REPO = Path(__file__).resolve().parents[2]
@@ -18,11 +21,17 @@ TS = "search_config.train_settings"
 ONE_TRIAL = (f"{TS}.limit_search_runs=1", f"{TS}.max_steps_per_run=4")
 
 
-def orchestrator(tmp_path, prefix, *args):
-    return [sys.executable, str(REPO / "main.py"), "search_config=gpt3/tiny", "cluster=bcm",
-            "cluster.partition=debug", f"cluster.job_name_prefix={prefix}", f"base_results_dir={tmp_path / 'res'}",
-           "memory_check=analytic",  # traced on the orchestrator's machine: tests/test_memory_check.py
+def main_args(tmp_path, prefix, *args):
+    return ["search_config=gpt3/tiny", "cluster=bcm", "cluster.partition=debug", f"cluster.job_name_prefix={prefix}",
+            f"base_results_dir={tmp_path / 'res'}",
+            "memory_check=analytic",  # traced on the orchestrator's machine: tests/test_memory_check.py
             *args]
+
+
+def orchestrator(tmp_path, prefix, *args):
+    """The command as a process of its own (the drained-node test acts on the cluster while it runs); the other
+    tests run it in this process (search_helpers.main_here)."""
+    return [sys.executable, str(REPO / "main.py"), *main_args(tmp_path, prefix, *args)]
 
 
 def sacct_names(prefix):
@@ -67,8 +76,7 @@ def trial_result(tmp_path):
 def test_a_trial_bigger_than_the_partition_is_refused_before_anything_is_submitted(tmp_path, slurm_cluster):
     p = f"t{uuid.uuid4().hex[:6]}:"
     # gpt3/5b's trials ask for one node of 8 GPUs; the testbed's node has 2 GPUs and 2 CPUs
-    cmd = orchestrator(tmp_path, p, "search_config=gpt3/5b")
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    proc = main_here(*main_args(tmp_path, p, "search_config=gpt3/5b"), cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "cluster.partition='debug': can never run gpt3_5b_" in proc.stderr
     assert (f"asks for 1 node(s) with 8 GPUs and 8 CPUs each; the partition has 1 node(s) "
@@ -103,8 +111,7 @@ def test_a_job_whose_only_node_is_drained_is_cancelled_as_unschedulable(tmp_path
 
 def test_a_job_queued_past_max_queue_minutes_is_cancelled_with_slurms_reason(tmp_path, blocker):
     p = f"t{uuid.uuid4().hex[:6]}:"
-    proc = subprocess.run(orchestrator(tmp_path, p, *ONE_TRIAL, "cluster.max_queue_minutes=0.1"), cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
+    proc = main_here(*main_args(tmp_path, p, *ONE_TRIAL, "cluster.max_queue_minutes=0.1"), cwd=tmp_path)
     assert proc.returncode == 1, proc.stderr[-3000:]
     result = trial_result(tmp_path)
     assert result["status"] == "unschedulable"
@@ -117,11 +124,11 @@ def test_a_submission_cut_between_sbatch_and_submitits_pickle_rename_still_runs(
     """The cause of a killed-orchestrator run that once ended `failed` on a loaded machine: submitit runs
     sbatch, then renames the job's pickle to <job_id>_submitted.pkl; a kill in between leaves a queued job
     that waits 60 s for that file and fails. The state such a kill leaves is made here exactly (jobs held
-    back by the blocker, so none starts early), then the same command resumes."""
+    back by the blocker, so none starts early), then the same command resumes. The two trials are one-process
+    jobs that share the node (SHARED_NODE), so both run at once once the blocker is gone."""
     p = f"t{uuid.uuid4().hex[:6]}:"
-    args = (f"{TS}.limit_search_runs=2", f"{TS}.max_steps_per_run=4", f"{TS}.search_strategy=exhaustive")
-    detached = subprocess.run(orchestrator(tmp_path, p, *args, "detach=true"), cwd=tmp_path, capture_output=True,
-                              text=True, timeout=120)
+    args = (*SHARED_NODE, f"{TS}.limit_search_runs=2", f"{TS}.max_steps_per_run=4", f"{TS}.search_strategy=exhaustive")
+    detached = main_here(*main_args(tmp_path, p, *args, "detach=true"), cwd=tmp_path)
     assert detached.returncode == 0, detached.stderr[-3000:]
     out = tmp_path / "res" / "gpt3" / "tiny"
     lines = (out / "jobs.jsonl").read_text().splitlines()
@@ -132,8 +139,7 @@ def test_a_submission_cut_between_sbatch_and_submitits_pickle_rename_still_runs(
     (out / "jobs.jsonl").write_text("\n".join(lines[:1] + lines[2:]) + "\n")
     subprocess.run(["scancel", blocker], check=True)
 
-    proc = subprocess.run(orchestrator(tmp_path, p, *args), cwd=tmp_path, capture_output=True, text=True,
-                          timeout=400)
+    proc = main_here(*main_args(tmp_path, p, *args), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = (out / "final_results" / "all_trials_1nodes.csv").read_text()
     statuses = [json.loads(path.read_text())["status"] for path in (out / "training_logs").glob("*/result.json")]
