@@ -1,7 +1,8 @@
 """What planning a shipped preset decides, in a form two versions of the planner can be compared by: the
 candidate count and statuses, the selected trials in rank order with their predictions and fingerprints,
 digests of every candidate's (trial id, status) and of the invalid ones' reasons, and the over-limit trials'
-predicted step times. Each preset is planned as the CLI plans it (``memory_check=analytic``), nothing written.
+predicted step times. Each preset is planned as the CLI plans it (``memory_check=analytic``), nothing written,
+by tests/plan_cache.py (which this script imports from its own folder).
 
     python3 tests/preset_snapshot.py --write   # regenerate tests/data/preset_equivalence.json
 
@@ -17,7 +18,6 @@ import base64
 import hashlib
 import json
 import lzma
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -55,16 +55,12 @@ def unpack(packed: str, value=str) -> list:
 
 
 def plan_preset_rows(name: str) -> list[dict[str, Any]]:
-    """plan.csv's rows of the preset, planned as the CLI plans it with the analytic memory check."""
-    from hp_tool.cli import compose
-    from hp_tool.config import to_app_config
+    """plan.csv's rows of the preset, planned as the CLI plans it with the analytic memory check (the plan of
+    tests/plan_cache.py: in a test session, the one the other preset sweeps read too)."""
     from hp_tool.plan_output import plan_rows
-    from hp_tool.planner import make_plan
+    from plan_cache import plan
 
-    cfg, search = compose([f"search_config={name}", "memory_check=analytic"])
-    app = to_app_config(cfg)
-    with tempfile.TemporaryDirectory() as tmp:
-        return list(plan_rows(make_plan(app, search, Path(tmp) / search)))
+    return list(plan_rows(plan(name, "memory_check=analytic")))
 
 
 def snapshot(name: str) -> dict[str, Any]:

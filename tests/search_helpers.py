@@ -66,13 +66,16 @@ def steps(out: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def main_here(*argv: str, cwd: Optional[Path] = None, env: Optional[dict] = None) -> subprocess.CompletedProcess:
+def main_here(*argv: str, cwd: Optional[Path] = None, env: Optional[dict] = None,
+              timeout: float = 600) -> subprocess.CompletedProcess:
     """``python3 main.py *argv`` run in this process (the CLI's own entry: argument checks, Hydra, exit codes),
     as ``subprocess.run(..., capture_output=True, text=True)`` would return it: without the 3-5 s a new Python
     spends importing Hydra and hp_tool. ``cwd`` and ``env`` (variables added) hold for the call only; the
     logging Hydra configures (to this call's stdout) is undone after it, and the warm process a command that
     would launch trials starts (hp_tool/launch/backends/warm.py: a forkserver with this call's environment and
-    directory) is ended with it, as it would end with the process."""
+    directory) is ended with it, as it would end with the process. A command still running after ``timeout``
+    seconds is stopped with ``subprocess.TimeoutExpired``, as ``subprocess.run`` would (a SIGALRM: call it from
+    the main thread, as pytest runs tests)."""
     import contextlib
     import io
     import logging
@@ -92,6 +95,15 @@ def main_here(*argv: str, cwd: Optional[Path] = None, env: Optional[dict] = None
     server = forkserver._forkserver  # type: ignore[attr-defined]
     warm_before = server._forkserver_pid is not None
     code = 0
+
+    expired_at: list[float] = []
+
+    def expired(signum, frame):
+        expired_at.append(timeout)
+        raise subprocess.TimeoutExpired(["main.py", *argv], timeout, out.getvalue(), err.getvalue())
+
+    alarm = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, timeout)
     try:
         sys.argv = ["main.py", *argv]
         os.environ.update(env or {})
@@ -105,6 +117,8 @@ def main_here(*argv: str, cwd: Optional[Path] = None, env: Optional[dict] = None
                     print(exc.code, file=sys.stderr)
                 code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, alarm)
         sys.argv = argv0
         os.chdir(cwd0)
         os.environ.clear()
@@ -115,4 +129,6 @@ def main_here(*argv: str, cwd: Optional[Path] = None, env: Optional[dict] = None
         if not warm_before and server._forkserver_pid is not None:  # killed: a clean stop waits for its imports
             os.kill(server._forkserver_pid, signal.SIGKILL)
             server._stop()
+    if expired_at:  # raised inside the command, which may have caught it (Hydra prints it and exits 1)
+        raise subprocess.TimeoutExpired(["main.py", *argv], timeout, out.getvalue(), err.getvalue())
     return subprocess.CompletedProcess(["main.py", *argv], code, out.getvalue(), err.getvalue())

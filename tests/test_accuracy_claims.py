@@ -4,7 +4,7 @@ The gates themselves live in the benchmarks: ``benchmarks/published_runs.py`` ex
 memory model misses a target (``Targets``). These tests do not gate on accuracy; they check that the
 benchmarks run, that the gate fires when a target is missed, and that every figure the README and
 docs/accuracy.md quote is the one printed today: a model change that moves a figure fails here until the
-page is updated. Planning only (no process, no torch): fast tier.
+page is updated. Planning only (no process, no torch), but every published run: marked e2e, out of the fast tier.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 
 from bench_helpers import benchmark
+
+pytestmark = pytest.mark.e2e  # runs the accuracy benchmarks: plans every published run
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"

@@ -1,5 +1,8 @@
 """The config surface as a cluster user meets it: gpu presets, moved and mistyped keys, multirun
-comparison, cluster=auto without SLURM, the W&B key file in dry runs, cpus per task."""
+comparison, cluster=auto without SLURM, the W&B key file in dry runs, cpus per task.
+
+The preset checks plan through tests/plan_cache.py: each distinct plan once a test session, shared with
+tests/test_engine_agreement.py and tests/test_preset_equivalence.py (the cluster group is no part of a plan)."""
 
 import csv
 import os
@@ -11,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import plan_cache
 from hp_tool.cli import CONF_DIR, available, available_search_configs, compose
 from hp_tool.config import MOVED_KEYS, to_app_config
 from hp_tool.errors import ConfigError
@@ -18,13 +22,22 @@ from hp_tool.launch.backends.base import JobShape
 from hp_tool.launch.backends.local import local_problem
 from hp_tool.launch.backends.slurm import cpus_per_task
 from hp_tool.launch.slurm import partition_cpus_per_node
-from hp_tool.planner import make_plan
 from hp_tool.session import prepare_backend
 from search_helpers import main_here
 
 REPO = Path(__file__).resolve().parent.parent
 GPUS = ("a100_40gb", "a100_80gb", "h100_80gb", "h100_96gb_hbm2e", "h200", "a10g", "a10g_g5_4xlarge", "l4", "v100_16gb", "v100_32gb",
         "t4", "cpu", "l40s", "rtx_3090", "rtx_4090", "rtx_6000_ada", "rtx_a5000", "rtx_a6000")
+GPU_CLUSTERS = [(g, ("local", "auto", "bcm")[i % 3]) for i, g in enumerate(GPUS)]  # every cluster preset six times
+
+
+def gpu_search(gpu: str, cluster: str) -> tuple[str, tuple[str, ...]]:
+    """(preset, overrides) the GPU-preset checks compose and plan on ``gpu`` with the cluster preset: gpt3/1b,
+    or on the CPU preset gpt3/tiny in fp32 (null: bf16, or fp16 on a GPU without bf16)."""
+    model = "gpt3/tiny" if gpu == "cpu" else "gpt3/1b"
+    precision = "fp32" if gpu == "cpu" else "null"
+    return model, (f"gpu={gpu}", f"cluster={cluster}", "cluster.partition=batch",
+                   f"search_config.train_settings.precision={precision}")
 
 
 def split(args):
@@ -74,28 +87,29 @@ def test_every_gpu_preset_is_shipped_and_documents_each_value_with_a_source():
         for line in text.splitlines():
             if re.match(r"^\s*\w+:\s*\S", line):  # a value line carries its comment
                 assert "#" in line, (name, line)
-        app, _ = load(f"gpu={name}", "search_config=gpt3/tiny")
-        assert app.gpu.name == name
+    for name, cluster in GPU_CLUSTERS:  # composed as the plan below composes it (tests/plan_cache.py: once)
+        model, overrides = gpu_search(name, cluster)
+        app, _ = plan_cache.composed(plan_cache.preset_overrides(model, *overrides))
+        assert app.gpu.name == name and app.cluster.type == cluster
 
 
 @pytest.mark.parametrize("name, memory, bf16, intra", [
     ("a100_80gb", 79.25, 312, 300), ("h100_80gb", 79.2, 989, 450), ("h200", 139.8, 989, 450), ("a10g", 22.06, 125, 32)])
-def test_gpu_presets_carry_datasheet_values_into_the_plan(tmp_path, name, memory, bf16, intra):
-    app, search = load(f"gpu={name}", "search_config=gpt3/1b")
-    plan = make_plan(app, search, tmp_path)
+def test_gpu_presets_carry_datasheet_values_into_the_plan(name, memory, bf16, intra):
+    plan = plan_cache.plan("gpt3/1b", f"gpu={name}")
     hw = plan.cluster.hw
     assert (hw.gpu_memory_gib, hw.peak_tflops, hw.intra_node_bandwidth_gbps) == (memory, bf16, intra)
     assert plan.base.resources.gpu == name and plan.base.resources.peak_tflops_per_gpu == bf16
 
 
-def test_peak_follows_the_training_precision(tmp_path):
-    app, search = load("gpu=h100_80gb", "search_config=gpt3/1b", "search_config.train_settings.precision=fp32")
-    assert make_plan(app, search, tmp_path).cluster.hw.peak_tflops == 67
+def test_peak_follows_the_training_precision():
+    plan = plan_cache.plan("gpt3/1b", "gpu=h100_80gb", "search_config.train_settings.precision=fp32")
+    assert plan.cluster.hw.peak_tflops == 67
 
 
-def test_faster_gpu_predicts_faster_steps_and_sizing_scales_with_peak(tmp_path):
-    a100 = make_plan(*load("gpu=a100_80gb", "search_config=gpt3/unknown_size"), tmp_path / "a")
-    h100 = make_plan(*load("gpu=h100_80gb", "search_config=gpt3/unknown_size"), tmp_path / "h")
+def test_faster_gpu_predicts_faster_steps_and_sizing_scales_with_peak():
+    a100 = plan_cache.plan("gpt3/unknown_size", "gpu=a100_80gb")
+    h100 = plan_cache.plan("gpt3/unknown_size", "gpu=h100_80gb")
     assert a100.cluster.sizing_tflops_per_gpu == pytest.approx(140.0)  # NeMo's A100 assumption
     assert h100.cluster.sizing_tflops_per_gpu == pytest.approx(140 / 312 * 989, abs=0.1)
     assert h100.model.size_b > 3 * a100.model.size_b
@@ -104,27 +118,28 @@ def test_faster_gpu_predicts_faster_steps_and_sizing_scales_with_peak(tmp_path):
 @pytest.mark.e2e
 @pytest.mark.parametrize("name, cluster", [(n, ("local", "auto", "bcm")[i % 3])
                                            for i, n in enumerate(available_search_configs())])
-def test_every_search_config_composes_and_plans_on_its_default_gpu(tmp_path, name, cluster):
+def test_every_search_config_composes_and_plans_on_its_default_gpu(name, cluster):
     """Each shipped search config composes, validates and plans, on one of the cluster presets in turn
-    (the cluster group is independent of the search config)."""
-    custom = ["search_config.model.hf_config=llama2_7b"] if name == "finetune/custom" else []  # the user's model
-    app, search = load(f"search_config={name}", f"cluster={cluster}", "cluster.partition=batch", *custom)
+    (the cluster group is independent of the search config). finetune/custom gets the user's model
+    (plan_cache.CUSTOM_MODEL). The plan is tests/plan_cache.py's: the planner reads nothing of the cluster
+    group, so it is the plan tests/test_engine_agreement.py and tests/test_preset_equivalence.py read."""
+    overrides = (f"cluster={cluster}", "cluster.partition=batch")
+    app, search = plan_cache.composed(plan_cache.preset_overrides(name, *overrides))
     assert app.search_config.model_family == name.split("/")[0] and app.cluster.type == cluster
-    plan = make_plan(app, search, tmp_path)
+    plan = plan_cache.plan(name, *overrides)
+    assert plan.search_name == search
     assert plan.specs and plan.base.resources.gpu == app.gpu.name
     own = {"finetune/llama2_7b_a10g": "a10g_g5_4xlarge", "llama/llama3_8b_128k": "h100_80gb"}  # presets made for one GPU type select it
     assert app.gpu.name == own.get(name, "cpu" if name.rsplit("/", 1)[-1].startswith("tiny") else "a100_80gb")
 
 
-@pytest.mark.parametrize("gpu, cluster", [(g, ("local", "auto", "bcm")[i % 3]) for i, g in enumerate(GPUS)])
-def test_every_gpu_and_cluster_preset_plans(tmp_path, gpu, cluster):
-    """Each GPU preset plans, each on one of the cluster presets (every cluster preset four times): the
-    cluster kind changes how trials are launched, not what is planned."""
-    model = "gpt3/tiny" if gpu == "cpu" else "gpt3/1b"
-    precision = "fp32" if gpu == "cpu" else "null"  # null: bf16, or fp16 on a GPU without bf16
-    app, search = load(f"search_config={model}", f"gpu={gpu}", f"cluster={cluster}", "cluster.partition=batch",
-                       f"search_config.train_settings.precision={precision}")
-    assert make_plan(app, search, tmp_path).specs
+@pytest.mark.parametrize("gpu, cluster", GPU_CLUSTERS)
+def test_every_gpu_and_cluster_preset_plans(gpu, cluster):
+    """Each GPU preset plans, each on one of the cluster presets (every cluster preset six times): the
+    cluster kind changes how trials are launched, not what is planned (tests/plan_cache.py plans it, its
+    command line composed once with the check above)."""
+    model, overrides = gpu_search(gpu, cluster)
+    assert plan_cache.plan(model, *overrides).specs
 
 
 # ------------------------------------------------------------------------------------- strict keys

@@ -19,7 +19,7 @@ from hp_tool.errors import ConfigError
 from hp_tool.trial.trace.limits import untraceable_reason
 from hp_tool.trial.trace.replay import trace_stage
 from hp_tool.trial.train import run_trial
-from trial_helpers import read_metrics, read_result, tiny_spec, torchrun, write_spec
+from trial_helpers import launched, read_metrics, read_result, tiny_spec, torchrun, write_spec
 
 REL = 1e-4
 TRACE_REL = 0.03  # test_memtrace's tolerance for a traced peak against the measured one
@@ -49,21 +49,33 @@ def run(spec: TrialSpec, folder) -> tuple[list[dict], dict]:
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory) -> list[dict]:
-    """The single process's metrics: the reference every CP layout must reproduce."""
-    metrics, _ = run(cp_spec(), tmp_path_factory.mktemp("single") / "one")
-    return metrics
+    """The single process's metrics: the reference every CP layout must reproduce (launched once per session:
+    tests/test_trial_layouts.py's Llama reference is the same spec)."""
+    launch = launched(tmp_path_factory, cp_spec())
+    result = launch.result()
+    assert result["status"] == "ok", result["reason"]
+    return launch.metrics()
 
 
 @pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [
-    dict(cp=2, zero_stage=0),  # DDP (replicate) over the 2 CP ranks
-    dict(cp=2, dp=2, zero_stage=3),  # FSDP2 over dp x cp = 4 ranks, 2 replicas
-    dict(cp=2, tp=2, zero_stage=0),  # the ring over the CP ranks holding the same heads
-    dict(cp=2, tp=2, zero_stage=3, extra=dict(sequence_parallel=True)),  # FSDP2 + TP on the cp x tp grid
-    dict(cp=2, zero_stage=1, act_ckpt=2, extra=dict(loss="chunked", loss_chunk_tokens=8, activation_offload=True)),
-    dict(cp=2, zero_stage=3, offload="optimizer_and_params"),
-], ids=["cp2-ddp", "cp2-dp2-fsdp", "cp2-tp2", "cp2-tp2-sp-fsdp", "cp2-zero1-ckpt-chunked-aoff", "cp2-fsdp-offload"])
+    # the covering set (default run): the ring over the CP ranks holding the same heads with sequence parallelism
+    # and FSDP2 on the cp x tp grid; ZeRO-1 (the replicate wrapper over the CP ranks, the optimizer sharded) with
+    # the long-context savers. Each parallelism once; the other cells are the matrix tier (-m matrix).
+    pytest.param(dict(cp=2, tp=2, zero_stage=3, extra=dict(sequence_parallel=True)), id="cp2-tp2-sp-fsdp"),
+    pytest.param(dict(cp=2, zero_stage=1, act_ckpt=2, extra=dict(loss="chunked", loss_chunk_tokens=8,
+                                                                 activation_offload=True)),
+                 id="cp2-zero1-ckpt-chunked-aoff"),
+    # DDP (replicate) over the 2 CP ranks
+    pytest.param(dict(cp=2, zero_stage=0), id="cp2-ddp", marks=pytest.mark.matrix),
+    # FSDP2 over dp x cp = 4 ranks, 2 replicas
+    pytest.param(dict(cp=2, dp=2, zero_stage=3), id="cp2-dp2-fsdp"),
+    # the ring over the CP ranks holding the same heads, replicated
+    pytest.param(dict(cp=2, tp=2, zero_stage=0), id="cp2-tp2", marks=pytest.mark.matrix),
+    pytest.param(dict(cp=2, zero_stage=3, offload="optimizer_and_params"), id="cp2-fsdp-offload",
+                 marks=pytest.mark.matrix),
+])
 def test_context_parallel_trains_as_one_process(tmp_path, single, layout):
     spec = cp_spec(**layout)
     metrics, result = run(spec, tmp_path / "cp")

@@ -17,6 +17,7 @@ from hp_tool.errors import ConfigError
 from hp_tool.hf_config import SHIPPED, load_hf_model
 from hp_tool.planner import make_plan
 from search_helpers import main_here
+from shared_finetune_searches import METHODS_TRIALS, SAVERS_TRIALS
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -103,14 +104,28 @@ def test_sequence_lengths_are_searched_at_the_same_tokens_per_step(tmp_path):
     assert [c.step_time_s for c in ranks] == sorted(c.step_time_s for c in ranks)
 
 
+@pytest.fixture(scope="module")
+def llama2_7b_on_two_gpus(tmp_path_factory):
+    """One dry-run multirun (in this process) of finetune/llama2_7b at 2048 tokens over 50M tokens an epoch, on an
+    A100 80GB node and on an L4 node: read by the per-epoch answer of a dry run (the A100's job) and by the GPU
+    comparison (comparison.csv). Its readers only read."""
+    base = tmp_path_factory.mktemp("llama2_7b_gpus")
+    proc = main_here("-m", "search_config=finetune/llama2_7b", "gpu=a100_80gb,l4", "dry_run=true",
+                     f"base_results_dir={base}", "search_config.train_settings.seq_lengths=[2048]",
+                     "search_config.train_settings.dataset_tokens_in_m=50", cwd=base)
+    return proc, base
+
+
 @pytest.mark.e2e
-def test_the_dry_run_answers_per_epoch(tmp_path):
-    proc = main_here("search_config=finetune/llama2_7b", "dry_run=true", f"base_results_dir={tmp_path}",
-                     "search_config.train_settings.dataset_tokens_in_m=50", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
+def test_the_dry_run_answers_per_epoch(llama2_7b_on_two_gpus):
+    proc, base = llama2_7b_on_two_gpus
+    assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Fine-tuning llama2_7b (llama, 6.74B parameters" in proc.stdout and "h/epoch" in proc.stdout
-    rows = list(csv.DictReader(open(tmp_path / "finetune" / "llama2_7b" / "candidate_configs" / "plan.csv")))
+    job = next(base.glob("multirun/*/0"))  # the first GPU's job: a100_80gb
+    assert "a100_80gb" in next(job.glob("finetune/llama2_7b/base_cfg_*.yaml")).read_text()
+    rows = list(csv.DictReader(open(job / "finetune" / "llama2_7b" / "candidate_configs" / "plan.csv")))
     fitted = [r for r in rows if r["predicted_step_time_s"]]
+    assert fitted
     price, gpus = 5.12, 8  # a100_80gb's example price, one node of 8
     for r in fitted:
         per_hour = float(r["predicted_tokens_per_s_per_gpu"]) * gpus * 3600
@@ -119,8 +134,8 @@ def test_the_dry_run_answers_per_epoch(tmp_path):
         assert float(r["predicted_hours_per_epoch"]) == pytest.approx(hours, rel=1e-3)
         assert float(r["predicted_cost_usd_per_epoch"]) == pytest.approx(price * gpus * hours, rel=1e-3, abs=0.01)
         assert 0 < float(r["predicted_mfu"]) < 1
-    base = load_spec(next((tmp_path / "finetune" / "llama2_7b").glob("base_cfg_*.yaml")))
-    assert base.training.lr == pytest.approx(2e-5) and base.full_run.num_tokens_in_b == pytest.approx(0.15)
+    base_cfg = load_spec(next((job / "finetune" / "llama2_7b").glob("base_cfg_*.yaml")))
+    assert base_cfg.training.lr == pytest.approx(2e-5) and base_cfg.full_run.num_tokens_in_b == pytest.approx(0.15)
 
 
 def write_config(folder: Path, **changes) -> Path:
@@ -207,15 +222,17 @@ def test_keys_of_the_other_kind_of_search_are_refused(overrides, key):
 
 
 @pytest.mark.e2e
-def test_tiny_fine_tuning_search_ranks_real_trials_per_epoch(tmp_path):
-    proc = subprocess.run([sys.executable, str(REPO / "main.py"), "search_config=finetune/tiny", "cluster=local",
-                           f"base_results_dir={tmp_path}", "search_config.train_settings.search_strategy=exhaustive",
-                           "search_config.train_settings.limit_search_runs=2",
-                           "search_config.train_settings.max_steps_per_run=6"],
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = list(csv.DictReader(open(tmp_path / "finetune" / "tiny" / "final_results" / "final_summary_1nodes.csv")))
-    assert len(rows) == 2 and [r["rank"] for r in rows] == ["1", "2"]
+@pytest.mark.parametrize("search, trials", [("finetune_methods_search", METHODS_TRIALS),
+                                            ("finetune_savers_search", SAVERS_TRIALS)],
+                         ids=["methods_s64", "savers_s256"])
+def test_tiny_fine_tuning_search_ranks_real_trials_per_epoch(request, search, trials):
+    """A real search of finetune/tiny ranks every trial it ran with its per-epoch figures: the two searches of
+    tests/shared_finetune_searches.py (full, LoRA and QLoRA at 64 tokens; the long-context savers at 256), each
+    at the preset's 1024 tokens a step and 0.1M tokens an epoch."""
+    run = request.getfixturevalue(search)
+    assert run.returncode == 0, run.output
+    rows = list(csv.DictReader(open(run.final / "final_summary_1nodes.csv")))
+    assert len(rows) == trials and [r["rank"] for r in rows] == [str(n) for n in range(1, trials + 1)]
     for r in rows:
         assert r["status"] == "ok" and f"_s{r['seq_length']}_" in r["trial_id"]
         per_hour = float(r["full_run_tokens_per_s_per_gpu"]) * int(r["num_gpus"]) * 3600
@@ -283,11 +300,10 @@ def test_8bit_adam_needs_a_gpu():
 
 
 @pytest.mark.e2e
-def test_gpu_types_compared_for_a_fine_tune(tmp_path):
-    proc = main_here("-m", "search_config=finetune/llama2_7b", "gpu=a100_80gb,l4", "dry_run=true",
-                     f"base_results_dir={tmp_path}", "search_config.train_settings.seq_lengths=[2048]", cwd=tmp_path)
+def test_gpu_types_compared_for_a_fine_tune(llama2_7b_on_two_gpus):
+    proc, base = llama2_7b_on_two_gpus
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = list(csv.DictReader(open(next(tmp_path.glob("multirun/*/comparison.csv")))))
+    rows = list(csv.DictReader(open(next(base.glob("multirun/*/comparison.csv")))))
     assert {r["gpu"] for r in rows} == {"a100_80gb", "l4"} and all(r["status"] == "ok" for r in rows)
     costs = [float(r["predicted_full_run_cost_usd"]) for r in rows]
     assert costs == sorted(costs) and rows[0]["rank"] == "1"
@@ -296,6 +312,6 @@ def test_gpu_types_compared_for_a_fine_tune(tmp_path):
         assert r["method"] in ("full", "lora", "qlora") and (r["lora_rank"] == "") == (r["method"] == "full")
         assert f"_{r['method']}{r['lora_rank']}_" in r["best_trial_id"] or r["method"] == "full"
         hours = float(r["predicted_hours_per_epoch"])
-        assert hours == pytest.approx(100e6 / float(r["predicted_tokens_per_hour"]), rel=1e-3)
+        assert hours == pytest.approx(50e6 / float(r["predicted_tokens_per_hour"]), rel=1e-3)
         assert float(r["predicted_cost_usd_per_epoch"]) == pytest.approx(
             hours * float(r["gpu_hour_price_usd"]) * int(r["num_gpus"]), rel=1e-3, abs=0.01)

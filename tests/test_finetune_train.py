@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from search_helpers import main_here
 from test_finetune_trials import make_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
@@ -72,10 +73,12 @@ def run(*args, cwd, timeout=600):
 @pytest.mark.e2e
 def test_search_then_train_the_winner_on_the_real_checkpoint(tmp_path, model_and_data):
     model, _ = model_and_data
-    proc = run(str(REPO / "main.py"), "search_config=finetune/tiny", f"search_config.model.hf_config={model}",
-               "cluster=local", f"base_results_dir={tmp_path / 'res'}", "search_config.train_settings.seq_lengths=[64]",
-               "search_config.train_settings.limit_search_runs=1", "search_config.train_settings.max_steps_per_run=4",
-               "search_config.train_settings.search_strategy=exhaustive", cwd=tmp_path)
+    # the search through the CLI's entry in this process (its one trial still runs on the local backend's 2 CPU
+    # processes); the analytic memory check: what is tested is the winner's config, not the pre-launch trace
+    proc = main_here("search_config=finetune/tiny", f"search_config.model.hf_config={model}", "cluster=local",
+                     f"base_results_dir={tmp_path / 'res'}", "search_config.train_settings.seq_lengths=[64]",
+                     "search_config.train_settings.limit_search_runs=1", "search_config.train_settings.max_steps_per_run=4",
+                     "search_config.train_settings.search_strategy=exhaustive", "memory_check=analytic", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     optimal = next((tmp_path / "res" / "finetune" / "tiny" / "final_results").glob("optimal_config_*.yaml"))
 
@@ -119,8 +122,11 @@ def test_search_then_train_the_winner_on_the_real_checkpoint(tmp_path, model_and
     ("data", "data.path", "no such file"),
     ("key", "lr", "is not a key of hp_tool.train"),
 ])
-def test_bad_train_input_fails_before_anything_is_written(tmp_path, model_and_data, bad, key, words):
+def test_bad_train_input_fails_before_anything_is_written(tmp_path, model_and_data, capsys, bad, key, words):
+    """``hp_tool.train``'s entry in this process (its exit code, what it says on stderr): the refusal comes before
+    any process would start."""
     model, data = model_and_data
+    from hp_tool import train
     from hp_tool.cli import compose
     from hp_tool.config import to_app_config
     from hp_tool.contracts.spec import dump_spec
@@ -139,6 +145,8 @@ def test_bad_train_input_fails_before_anything_is_written(tmp_path, model_and_da
         model = tmp_path / "other"
     args = [str(config), f"model.checkpoint={model}", f"data.path={tmp_path / 'none.jsonl' if bad == 'data' else data}",
             f"output_dir={tmp_path / 'run'}"] + (["lr=1e-3"] if bad == "key" else [])
-    proc = run("-m", "hp_tool.train", *args, cwd=REPO)
-    assert proc.returncode == 2 and key in proc.stderr and words in proc.stderr and "Fix:" in proc.stderr
+    capsys.readouterr()
+    code = train.main(args)
+    err = capsys.readouterr().err
+    assert code == 2 and key in err and words in err and "Fix:" in err, err
     assert not (tmp_path / "run").exists()

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from hp_tool.contracts.spec import ModelSpec
 from hp_tool.errors import ConfigError
-from trial_helpers import read_metrics, read_result, tiny_spec, torchrun, write_spec
+from trial_helpers import launched, read_metrics, read_result, tiny_spec, torchrun, write_spec
 
 SHAPE = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=176, vocab_size=512, max_position_embeddings=256)
@@ -88,11 +88,20 @@ def reference_loss(folder, spec) -> float:
     return float(F.cross_entropy(logits.flatten(0, 1), labels.flatten()))
 
 
+def matrix(model_type, tie, layout):
+    return pytest.param(model_type, tie, layout, marks=pytest.mark.matrix)
+
+
+# The default run keeps a covering set (the cells not marked matrix): each family's loading code once (every model
+# type of the list), and each layout once per engine (torch: DDP, FSDP2, TP with a tied head, TP with sequence
+# parallelism, PP with a tied head apart from the embedding, EP over FSDP2 and over DDP; DeepSpeed: AutoTP with
+# ZeRO-1, whose save consolidates the split weights as ZeRO-3's does). The other cells of the product are the
+# matrix tier (-m matrix).
 LAYOUTS = [
-    ("llama", False, dict(dp=2, zero_stage=0)),  # DDP
+    matrix("llama", False, dict(dp=2, zero_stage=0)),  # DDP
     ("llama", False, dict(dp=2, zero_stage=3)),  # FSDP2
-    ("llama", False, dict(dp=2, engine="deepspeed", zero_stage=1)),
-    ("llama", False, dict(dp=2, engine="deepspeed", zero_stage=3)),
+    matrix("llama", False, dict(dp=2, engine="deepspeed", zero_stage=1)),
+    matrix("llama", False, dict(dp=2, engine="deepspeed", zero_stage=3)),
     ("qwen2", False, dict(tp=2, zero_stage=0)),  # TP splits the q/k/v biases with their columns
     ("qwen2", True, dict(pp=2, zero_stage=0)),  # a tied head on the last stage, apart from the embedding
     ("mistral", False, dict(tp=2, engine="deepspeed", zero_stage=1)),  # DeepSpeed's AutoTP
@@ -102,19 +111,19 @@ LAYOUTS = [
     ("qwen2_moe", False, dict(dp=2, ep=2, zero_stage=0)),
     # per-head q and k norms, heads wider than hidden / heads: DDP, FSDP2, and TP (the norms whole beside each
     # rank's heads) with a tied head
-    ("qwen3", False, dict(dp=2, zero_stage=0)),
-    ("qwen3", False, dict(dp=2, zero_stage=3)),
+    matrix("qwen3", False, dict(dp=2, zero_stage=0)),
+    matrix("qwen3", False, dict(dp=2, zero_stage=3)),
     ("qwen3", True, dict(tp=2, zero_stage=0)),
     # fused q/k/v and gate/up (no TP for the family): DDP, FSDP2, and pipeline stages
     ("phi3", False, dict(dp=2, zero_stage=0)),
-    ("phi3", False, dict(dp=2, zero_stage=3)),
-    ("phi3", False, dict(pp=2, zero_stage=0)),
+    matrix("phi3", False, dict(dp=2, zero_stage=3)),
+    matrix("phi3", False, dict(pp=2, zero_stage=0)),
     # Gemma-2 (eager attention with soft-capped scores, soft-capped logits, scaled embeddings, windows) and Gemma-3
     # (per-head norms, local and global RoPE): DDP, FSDP2, TP with sequence parallelism (the four norms on shards)
     ("gemma2", True, dict(dp=2, zero_stage=0)),
-    ("gemma2", True, dict(dp=2, zero_stage=3)),
-    ("gemma2", True, dict(tp=2, zero_stage=0, sequence_parallel=True)),
-    ("gemma3_text", True, dict(dp=2, zero_stage=3)),
+    matrix("gemma2", True, dict(dp=2, zero_stage=3)),
+    matrix("gemma2", True, dict(tp=2, zero_stage=0, sequence_parallel=True)),
+    matrix("gemma3_text", True, dict(dp=2, zero_stage=3)),
     ("gemma3_text", True, dict(tp=2, zero_stage=0, sequence_parallel=True)),
     # Qwen3-MoE: the per-head norms over routed experts stored per expert, split over EP ranks
     ("qwen3_moe", False, dict(dp=2, ep=2, zero_stage=0)),
@@ -171,16 +180,16 @@ def test_a_checkpoint_of_another_model_is_named(tmp_path):
 @pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [dict(dp=2, zero_stage=1), dict(dp=2, engine="deepspeed", zero_stage=2)])
-def test_sgd_with_momentum_trains_in_the_sharded_layouts(tmp_path, layout):
+def test_sgd_with_momentum_trains_in_the_sharded_layouts(tmp_path_factory, layout):
     """SGD (momentum 0.9) through torch's ZeRO-1 (ZeroRedundancyOptimizer) and DeepSpeed ZeRO-2: the first
     loss is the model's, later steps follow SGD, not AdamW."""
     losses = {}
     for optimizer in ("adamw", "sgd_momentum"):
-        spec = tiny_spec("llama", max_steps=3, **layout)
+        # 2 untimed steps: a spec another test launches too (the same dict) runs once a session (launched)
+        spec = tiny_spec("llama", max_steps=3, warmup_steps=2, **layout)
         spec = dataclasses.replace(spec, training=dataclasses.replace(spec.training, optimizer=optimizer))
-        out = tmp_path / optimizer
-        proc = torchrun(write_spec(spec, tmp_path / optimizer if out.mkdir() is None else out), out / "run", 2)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        losses[optimizer] = [m["loss"] for m in read_metrics(out / "run")]
+        run = launched(tmp_path_factory, spec)
+        assert run.returncode == 0, run.stderr[-4000:]
+        losses[optimizer] = [m["loss"] for m in run.metrics()]
     assert losses["adamw"][0] == pytest.approx(losses["sgd_momentum"][0], rel=1e-6)
     assert abs(losses["adamw"][2] - losses["sgd_momentum"][2]) > 1e-4

@@ -13,7 +13,7 @@ from hp_tool.errors import ConfigError
 from hp_tool.estimate.layout import Layout
 from hp_tool.hf_config import load_hf_model
 from test_finetune import transformers_count
-from test_qwen3 import traced_and_predicted
+from trace_cache import traced_and_predicted
 from trial_helpers import long_context_spec
 
 # published configs no preset ships: Gemma-2 2B (google/gemma-2-2b: 2.61B) and 27B (its query scale apart from the
@@ -74,10 +74,15 @@ def gemma_spec(family: str, **layout):
 
 CASES = [("cpu", {}), ("cpu", dict(tp=2)), ("cuda", dict(dp=2, zero_stage=3)), ("cuda", dict(dp=2, zero_stage=3, tp=2))]
 IDS = ["cpu", "tp2-cpu", "fsdp2-gpu", "fsdp2-tp2-gpu"]
+# The covering set (the default run): each family on CPU (one process, the 1% check) and on a GPU with FSDP2 and
+# TP 2 together (each parallelism once); TP 2 alone on CPU and FSDP2 alone on a GPU are the matrix tier (-m matrix).
+COVERED = {"cpu", "fsdp2-tp2-gpu"}
 
 
+@pytest.mark.e2e  # traces the model
 @pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
-@pytest.mark.parametrize("device, layout", CASES, ids=IDS)
+@pytest.mark.parametrize("device, layout", [
+    pytest.param(*case, id=name, marks=() if name in COVERED else pytest.mark.matrix) for case, name in zip(CASES, IDS)])
 def test_the_memory_model_counts_what_gemma_keeps(family, device, layout):
     """What Gemma keeps beyond Llama's layers of the same shape (Gemma-2: a third of the peak, Gemma-3: a seventh),
     the model against the trace within 4% (within 1% on CPU), the whole peak within 4%."""
@@ -89,7 +94,9 @@ def test_the_memory_model_counts_what_gemma_keeps(family, device, layout):
     assert predicted - predicted_llama == pytest.approx(traced - traced_llama, rel=0.04 if device == "cuda" else 0.01)
 
 
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
+# the covering set: a GPU's (FSDP2 over 2); one process on CPU is the matrix tier (-m matrix)
+@pytest.mark.e2e  # traces the model
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.matrix), "cuda"])
 def test_with_the_chunked_loss_the_eager_backward_holds_the_peak_and_is_bounded(device):
     """With the logits chunked away, Gemma-2's peak is its eager attention's backward: the model holds it from
     above, within 5% (it leaves out what the layer has freed by then)."""

@@ -3,9 +3,6 @@ missing or inconsistent one refused, naming it, before anything is written), LoR
 empty list, and each custom model planned into its own results folder."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +13,6 @@ from hp_tool.errors import ConfigError
 from hp_tool.hf_config import KEY, SHIPPED, load_hf_model, model_name
 from search_helpers import main_here
 
-REPO = Path(__file__).resolve().parent.parent
 TS = "search_config.train_settings"
 SMALL = [f"{TS}.seq_lengths=[64,128]", f"{TS}.global_batch_tokens=1024"]  # fits the tiny config's 256 positions
 
@@ -41,12 +37,6 @@ def refused(folder: Path) -> ConfigError:
 def run_main(tmp_path, *overrides):
     """`python3 main.py` with results under tmp_path/res, run in this process (search_helpers.main_here)."""
     return main_here(f"base_results_dir={tmp_path / 'res'}", *overrides, cwd=tmp_path)
-
-
-def run_main_process(tmp_path, *overrides, timeout=300):
-    """The same command as a process: for a search that trains."""
-    return subprocess.run([sys.executable, str(REPO / "main.py"), f"base_results_dir={tmp_path / 'res'}", *overrides],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
 
 
 # --- the config.json's own keys ---------------------------------------------------------------------------
@@ -191,17 +181,43 @@ def test_the_model_name_is_a_path_part(value, name):
         assert got == name
 
 
+@pytest.fixture(scope="module")
+def two_custom_models(tmp_path_factory):
+    """The documented CPU route (docs/fine-tuning.md, "Your own small model on CPU") for two custom models, cut to
+    one short one-process trial a model run in the orchestrator's process (cluster=in_process), each search run
+    by the CLI's entry in this process (search_helpers.main_here), then a dry run of the finetune/tiny preset into
+    the same results folder. What each step left is recorded as it finishes (the first model's optimal config
+    right after its search, the results folder before and after the preset's plan), so each reader checks its
+    own moment; they only read."""
+    root = tmp_path_factory.mktemp("two_custom_models")
+    cpu = ["search_config=finetune/custom", "gpu=cpu", "cluster=in_process", f"{TS}.seq_lengths=[128]",
+           f"{TS}.global_batch_tokens=1024", f"{TS}.gpus_per_node=1", f"{TS}.tensor_parallel_sizes=[1]",
+           f"{TS}.pipeline_parallel_sizes=[1]", f"{TS}.engines=[torch]", f"{TS}.precision=fp32",
+           f"{TS}.limit_search_runs=1", f"{TS}.max_steps_per_run=4", f"{TS}.methods=[full]",
+           f"{TS}.search_strategy=exhaustive", "memory_check=analytic"]
+    models = {"alpha": write_config(root / "alpha"), "beta": write_config(root / "beta", num_hidden_layers=2)}
+    searches, optimal = {}, {}
+    for name, model in models.items():
+        searches[name] = run_main(root, *cpu, f"search_config.model.hf_config={model}")
+        found = sorted((root / "res" / "finetune" / name / "final_results").glob("optimal_config_*.yaml"))
+        optimal[name] = [(path, path.read_text()) for path in found]
+    folders_after_searches = sorted(p.name for p in (root / "res" / "finetune").iterdir())
+    preset = run_main(root, "search_config=finetune/tiny", "dry_run=true")
+    folders_after_preset = sorted(p.name for p in (root / "res" / "finetune").iterdir())
+    return dict(res=root / "res" / "finetune", searches=searches, optimal=optimal, preset=preset,
+                folders_after_searches=folders_after_searches, folders_after_preset=folders_after_preset)
+
+
 @pytest.mark.e2e
-def test_two_custom_models_plan_into_two_folders_and_a_preset_keeps_its_own(tmp_path):
-    first, second = write_config(tmp_path / "alpha"), write_config(tmp_path / "beta", num_hidden_layers=2)
-    for model in (first, second):
-        proc = run_main(tmp_path, "search_config=finetune/custom", f"search_config.model.hf_config={model}",
-                        "dry_run=true", *SMALL)
+def test_two_custom_models_plan_into_two_folders_and_a_preset_keeps_its_own(two_custom_models):
+    """Each custom model's search plans into its own folder, and the finetune/tiny preset's plan into its own
+    beside them (the module's searches: two_custom_models)."""
+    for name, proc in two_custom_models["searches"].items():
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    proc = run_main(tmp_path, "search_config=finetune/tiny", "dry_run=true")
+    proc = two_custom_models["preset"]
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    res = tmp_path / "res" / "finetune"
-    assert sorted(p.name for p in res.iterdir()) == ["alpha", "beta", "tiny"]
+    res = two_custom_models["res"]
+    assert two_custom_models["folders_after_preset"] == ["alpha", "beta", "tiny"]
     for name in ("alpha", "beta", "tiny"):
         assert (res / name / "candidate_configs" / "plan.csv").is_file()
     # each folder holds its own model's plan
@@ -211,24 +227,16 @@ def test_two_custom_models_plan_into_two_folders_and_a_preset_keeps_its_own(tmp_
 
 
 @pytest.mark.e2e
-def test_two_custom_models_searched_on_cpu_keep_their_own_results(tmp_path):
-    """The documented CPU route (docs/fine-tuning.md, "Your own small model on CPU"), cut to one short
-    one-process trial a model run in the orchestrator's process (cluster=in_process): each search's winner
-    lands in its model's folder, and the second leaves the first's untouched."""
-    cpu = ["search_config=finetune/custom", "gpu=cpu", "cluster=in_process", f"{TS}.seq_lengths=[128]",
-           f"{TS}.global_batch_tokens=1024", f"{TS}.gpus_per_node=1", f"{TS}.tensor_parallel_sizes=[1]",
-           f"{TS}.pipeline_parallel_sizes=[1]", f"{TS}.engines=[torch]", f"{TS}.precision=fp32",
-           f"{TS}.limit_search_runs=1", f"{TS}.max_steps_per_run=4", f"{TS}.methods=[full]",
-           f"{TS}.search_strategy=exhaustive", "memory_check=analytic"]
-    first, second = write_config(tmp_path / "alpha"), write_config(tmp_path / "beta", num_hidden_layers=2)
+def test_two_custom_models_searched_on_cpu_keep_their_own_results(two_custom_models):
+    """Each search's winner lands in its model's folder, and the second leaves the first's untouched (the
+    module's searches: two_custom_models)."""
     optimal = {}
-    for model in (first, second):
-        proc = run_main_process(tmp_path, *cpu, f"search_config.model.hf_config={model}", timeout=600)
+    for name, proc in two_custom_models["searches"].items():
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert "not in plan.csv" not in proc.stdout + proc.stderr
-        found = list((tmp_path / "res" / "finetune" / model.name / "final_results").glob("optimal_config_*.yaml"))
+        found = two_custom_models["optimal"][name]
         assert len(found) == 1
-        optimal[model.name] = (found[0], found[0].read_text())
+        optimal[name] = found[0]
     assert optimal["alpha"][0].read_text() == optimal["alpha"][1]  # the second search wrote elsewhere
     assert "num_layers: 4" in optimal["alpha"][1] and "num_layers: 2" in optimal["beta"][1]
-    assert sorted(p.name for p in (tmp_path / "res" / "finetune").iterdir()) == ["alpha", "beta"]
+    assert two_custom_models["folders_after_searches"] == ["alpha", "beta"]

@@ -1,12 +1,10 @@
-"""Inference worker: greedy KV-cache generation equals recomputation, and TP=2 / PP=2 (torchrun, 2 CPU
-processes) generate the same tokens as TP=1 with the same seed."""
+"""Inference worker: greedy KV-cache generation equals recomputation, and TP=2 / PP=2 (2 CPU ranks as torchrun
+starts them, forked from the warm process) generate the same tokens as TP=1 with the same seed."""
 
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +15,7 @@ from hp_tool.inference.report import RESULT_FIELDS
 from hp_tool.inference.worker import build_server, generate, make_prompt, run_inference
 from hp_tool.trial.dist import DistEnv
 from hp_tool.contracts.spec import ModelSpec
+from trial_helpers import torchrun_module
 
 TINY = ModelSpec("gpt3", 4, 64, 4, 4, 256, 512, 128, init_method_std=0.08)
 LLAMA_TINY = ModelSpec("llama", 4, 64, 4, 2, 176, 512, 128, init_method_std=0.2)  # GQA: 2 kv heads
@@ -100,12 +99,6 @@ def test_serving_applies_the_familys_forward_hooks_as_training_does(tmp_path, mo
     assert not torch.equal(cached, plain)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def single_llama(tmp_path_factory) -> dict:
     path = job_config(tmp_path_factory.mktemp("llama_tp1"), model=LLAMA_TINY)
@@ -113,25 +106,29 @@ def single_llama(tmp_path_factory) -> dict:
     return load(path)
 
 
+def worker_ranks(path: Path) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node=2 -m hp_tool.inference.worker path``: the worker's 2 ranks forked from the warm
+    process with torchrun's variables (trial_helpers.torchrun_module), so they import nothing again."""
+    return torchrun_module("hp_tool.inference.worker", [path], path.parent / f".{path.stem}_ranks", 2, timeout=120)
+
+
+# The covering set of family x layout (default run): GPT-3 under TP2, Llama (GQA) in 2 pipeline stages; each
+# layout once, each family once. The other two cells are the matrix tier (-m matrix).
 @pytest.mark.e2e
-@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("tp, pp", [pytest.param(2, 1, marks=pytest.mark.matrix), (1, 2)])
 def test_llama_layouts_generate_the_same_tokens(tmp_path, single_llama, tp, pp):
     assert single_llama["status"] == "ok" and len(set(single_llama["generated_tokens"])) > 1
     path = job_config(tmp_path, tp, pp, model=LLAMA_TINY)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
-           "-m", "hp_tool.inference.worker", str(path)]
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120)
+    proc = worker_ranks(path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert load(path)["generated_tokens"] == single_llama["generated_tokens"]
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("tp, pp", [(2, 1), pytest.param(1, 2, marks=pytest.mark.matrix)])
 def test_layouts_generate_the_same_tokens(tmp_path, single, tp, pp):
     path = job_config(tmp_path, tp, pp)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
-           "-m", "hp_tool.inference.worker", str(path)]
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120)
+    proc = worker_ranks(path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = load(path)
     assert result["status"] == "ok" and result["world_size"] == 2

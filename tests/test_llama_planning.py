@@ -1,13 +1,10 @@
 """Llama-style models in the planner: presets, parameter counts, shapes by size, the activation memory of
-GQA + SwiGLU, the grid for long sequences, bad input; and a whole llama/tiny search on this machine."""
+GQA + SwiGLU, the grid for long sequences, bad input; and a whole llama/tiny search on this machine, training then
+inference in one command (tests/shared_searches.py's llama_tiny_search)."""
 
 import csv
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-import pandas as pd
 import pytest
 
 from hp_tool.architectures import Shape, count_parameters, model_flops_per_step, vocab_parallel_parameters
@@ -21,8 +18,8 @@ from hp_tool.families.llama import llama_activation_bytes_per_layer, llama_ffn, 
 from hp_tool.planner import make_plan
 from hp_tool.contracts.spec import load_spec
 from search_helpers import main_here
+from trial_helpers import torchrun
 
-REPO = Path(__file__).resolve().parent.parent
 TS = "search_config.train_settings"
 PUBLISHED = {  # preset: (parameters in billions from the model cards, layers, kv heads, vocab, seq)
     "llama2_7b": (6.74, 32, 32, 32000, 4096), "llama2_13b": (13.02, 40, 40, 32000, 4096),
@@ -161,14 +158,13 @@ def test_tp_not_dividing_the_kv_heads_names_both_numbers(tmp_path):
 
 
 @pytest.mark.e2e
-def test_llama_tiny_search_end_to_end_and_the_optimal_config_trains(tmp_path):
-    cmd = [sys.executable, str(REPO / "main.py"), "search_config=llama/tiny", "cluster=local",
-           f"{TS}.limit_search_runs=3", f"{TS}.max_steps_per_run=6", f"{TS}.search_strategy=exhaustive",
-           f"base_results_dir={tmp_path / 'res'}"]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = tmp_path / "res" / "llama" / "tiny"
-    summary = pd.read_csv(out / "final_results" / "final_summary_1nodes.csv")
+def test_llama_tiny_search_end_to_end_and_the_optimal_config_trains(llama_tiny_search, tmp_path):
+    """llama/tiny's 3 fastest trials on the local backend (tests/shared_searches.py), then its optimal config
+    trained for 3 steps by the engine on as many ranks as it names (forked as torchrun starts them)."""
+    [search] = llama_tiny_search.runs
+    assert search.returncode == 0, search.output
+    out = llama_tiny_search.results
+    summary = search.summary_frame()
     assert len(summary) == 3 and set(summary["status"]) == {"ok"}
     assert list(summary["rank"]) == [1, 2, 3]
     [optimal] = (out / "final_results").glob("optimal_config_*_1nodes.yaml")
@@ -178,22 +174,18 @@ def test_llama_tiny_search_end_to_end_and_the_optimal_config_trains(tmp_path):
     text = optimal.read_text().replace(f"max_steps: {spec.run.max_steps}", "max_steps: 3")
     spec_path.write_text(text)
     world = spec.parallel.tp * spec.parallel.pp * spec.parallel.dp
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
-                          "-m", "hp_tool.trial.train", str(spec_path), "--output-dir", str(tmp_path / "full")],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    run = torchrun(spec_path, tmp_path / "full", world, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads((tmp_path / "full" / "result.json").read_text())
     assert result["status"] == "ok" and result["steps_run"] == 3 and result["world_size"] == world
 
 
 @pytest.mark.e2e
-def test_llama_tiny_inference_search_runs_locally(tmp_path):
-    cmd = [sys.executable, str(REPO / "main.py"), "search_config=llama/tiny", "cluster=local",
-           "run_training_hp_search=false", "run_inference_hp_search=true",
-           "search_config.inference_settings.max_batch_sizes=[2]", f"base_results_dir={tmp_path / 'res'}"]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = list(csv.DictReader(open(tmp_path / "res" / "llama" / "tiny" / "inference" / "final_summary" /
+def test_llama_tiny_inference_search_runs_locally(llama_tiny_search):
+    """The inference search of the same command (run_inference_hp_search=true, batch 2): TP 1 and TP 2 ran."""
+    [search] = llama_tiny_search.runs
+    assert search.returncode == 0, search.output
+    rows = list(csv.DictReader(open(llama_tiny_search.results / "inference" / "final_summary" /
                                     "final_output.csv")))
     assert {r["config_id"].split("_")[2] for r in rows if r["status"] == "ok"} == {"tp1", "tp2"}
 

@@ -268,27 +268,15 @@ def test_a_long_context_plan_writes_every_saver_into_the_plan_and_the_specs(tmp_
 
 
 @pytest.mark.e2e
-def test_a_tiny_search_over_the_savers_trains_and_ranks_each(tmp_path):
+def test_a_tiny_search_over_the_savers_trains_and_ranks_each(finetune_savers_search):
     """finetune/tiny at 256 tokens on 2 CPU processes, end to end: the chunked and the whole-logits loss, CP 1 and
     2, and TP 2 with sequence parallelism (the heuristic's choice), all with activation offload (which on CPU
     processes runs its hooks but moves nothing), are planned, trained for real and ranked; every trial's id and
-    row name the savers it ran."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    ts = "search_config.train_settings"
-    repo = Path(__file__).resolve().parent.parent
-    proc = subprocess.run([sys.executable, str(repo / "main.py"), "search_config=finetune/tiny", "cluster=local",
-                           f"base_results_dir={tmp_path}", f"{ts}.search_strategy=exhaustive", f"{ts}.seq_lengths=[256]",
-                           f"{ts}.global_batch_tokens=1024", f"{ts}.tensor_parallel_sizes=[1,2]",
-                           f"{ts}.context_parallel_sizes=[1,2]", f"{ts}.losses=[full,chunked]",
-                           f"{ts}.micro_batch_sizes=[2]", f"{ts}.zero_stages=[0]", f"{ts}.act_ckpt_layers=[0]",
-                           f"{ts}.activation_offload=[true]", f"{ts}.methods=[full]",
-                           f"{ts}.limit_search_runs=5", f"{ts}.max_steps_per_run=4", "memory_check=analytic"],
-                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    with open(tmp_path / "finetune" / "tiny" / "final_results" / "all_trials_1nodes.csv", newline="") as fh:
+    row name the savers it ran. The search is tests/shared_finetune_searches.py's (its per-epoch columns are
+    tests/test_finetune.py's)."""
+    search = finetune_savers_search
+    assert search.returncode == 0, search.output
+    with open(search.final / "all_trials_1nodes.csv", newline="") as fh:
         rows = [r for r in csv.DictReader(fh) if r["status"] == "ok"]
     savers = sorted((r["tp"], r["cp"], r["sequence_parallel"], r["loss"]) for r in rows)
     assert savers == [("1", "1", "False", "chunked"), ("1", "1", "False", "full"), ("1", "2", "False", "chunked"),

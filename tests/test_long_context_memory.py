@@ -10,19 +10,26 @@ import pytest
 
 from hp_tool.estimate.memory import estimate_memory
 from hp_tool.trial.memterms import target_hardware, target_layout
-from hp_tool.trial.trace.replay import trace_stage
+from trace_cache import trace_stage
 from trial_helpers import long_context_spec
 
 FSDP2 = dict(dp=2, zero_stage=3)
 CHUNKED = dict(loss="chunked", loss_chunk_tokens=1024)
+MATRIX = pytest.mark.matrix
+# The covering set in the default run: each saver once on a CPU rank (fp32: one rank, the chunked loss, SP, CP,
+# whose ring attention costs 9 s of the file's traces), the bf16 GPU over FSDP2 once plain and once with
+# activation offload (which only a GPU target moves). The savers again over FSDP2 in bf16, CP with the chunked
+# loss and offload with checkpointing are the matrix tier's.
 CASES = [
     ("cpu", {}, 0.03), ("cpu", CHUNKED, 0.03), ("cpu", dict(tp=2, sequence_parallel=True), 0.03),
-    ("cpu", dict(cp=2), 0.03), ("cpu", dict(cp=2, **CHUNKED), 0.03),
-    ("cuda", FSDP2, 0.03), ("cuda", dict(FSDP2, **CHUNKED), 0.03),
-    ("cuda", dict(FSDP2, tp=2, sequence_parallel=True), 0.03), ("cuda", dict(FSDP2, cp=2), 0.03),
+    ("cpu", dict(cp=2), 0.03), pytest.param("cpu", dict(cp=2, **CHUNKED), 0.03, marks=MATRIX),
+    ("cuda", FSDP2, 0.03), pytest.param("cuda", dict(FSDP2, **CHUNKED), 0.03, marks=MATRIX),
+    pytest.param("cuda", dict(FSDP2, tp=2, sequence_parallel=True), 0.03, marks=MATRIX),
+    pytest.param("cuda", dict(FSDP2, cp=2), 0.03, marks=MATRIX),
     # activation offload: 3.3% low, the FSDP2-gathered head's weight and gradient during its backward being
     # counted nowhere (0.4 bytes per logit here)
-    ("cuda", dict(FSDP2, activation_offload=True), 0.04), ("cuda", dict(FSDP2, activation_offload=True, act_ckpt=2), 0.04),
+    ("cuda", dict(FSDP2, activation_offload=True), 0.04),
+    pytest.param("cuda", dict(FSDP2, activation_offload=True, act_ckpt=2), 0.04, marks=MATRIX),
 ]
 
 
@@ -48,7 +55,8 @@ def test_the_memory_model_matches_the_trace_for_each_saver(device, layout, toler
 def test_each_saver_lowers_the_traced_peak_by_what_the_model_says():
     """At 4096 tokens on CPU: the chunked loss, CP2 (against DP2, the same states) and SP (against TP2) each
     lower the traced peak, and the model's saving is the traced one's within twice the measured gap (the
-    trace is deterministic: 0.003%, 0.027% and 0.098% of 640, 705 and 80 MiB)."""
+    trace is deterministic: 0.003%, 0.027% and 0.098% of 640, 705 and 80 MiB). Four of its six traces (one
+    rank, the chunked loss, CP2, SP) are the CPU cells' above, traced once a session (tests/trace_cache.py)."""
     pairs = [({}, CHUNKED, 6e-5), (dict(dp=2, zero_stage=3), dict(cp=2, zero_stage=3), 6e-4),
              (dict(tp=2), dict(tp=2, sequence_parallel=True), 2e-3)]
     for without, with_saver, tolerance in pairs:

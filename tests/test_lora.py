@@ -4,8 +4,6 @@ Trials run on 2 CPU processes (gloo, fp32; QLoRA on bitsandbytes' CPU path)."""
 
 import csv
 import dataclasses
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,9 +18,8 @@ from hp_tool.hf_config import load_hf_model
 from hp_tool.planner import make_plan
 from hp_tool.recipe import Adapters
 from search_helpers import main_here
-from trial_helpers import read_metrics, tiny_spec, torchrun, write_spec
+from trial_helpers import launched, read_metrics, tiny_spec, torchrun, write_spec
 
-REPO = Path(__file__).resolve().parent.parent
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -37,9 +34,13 @@ def peft_count(config: dict, rank: int, targets) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
+# The covering set: each model type's code path once (llama, qwen2's biases, phi3's fused linears, gemma2, gemma3);
+# Mistral's layers are Llama's (the matrix tier, -m matrix).
 @pytest.mark.e2e
 @pytest.mark.parametrize("name, rank, targets", [("llama2_7b", 8, ("q_proj", "v_proj")), ("tiny", 4, ALL),
-                                                 ("qwen2_5_7b", 16, ALL), ("mistral_7b", 64, ("o_proj", "down_proj")),
+                                                 ("qwen2_5_7b", 16, ALL),
+                                                 pytest.param("mistral_7b", 64, ("o_proj", "down_proj"),
+                                                              marks=pytest.mark.matrix),
                                                  ("phi3_mini_4k", 16, ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
                                                  ("gemma2_9b", 16, ALL), ("gemma3_12b", 8, ("q_proj", "k_proj", "v_proj"))])
 def test_adapter_counts_equal_pefts(name, rank, targets):
@@ -81,8 +82,14 @@ def test_per_gpu_memory_orders_full_over_lora_over_qlora(tmp_path):
     assert by_method["qlora"]["lora_rank"] == 16 and by_method["full"]["lora_rank"] is None
 
 
+# The covering set: FSDP2 (ZeRO-3, the torch engine's sharded data parallelism); LoRA replicated over GPUs (ZeRO 0
+# and 1) is traced by test_lora_replicated_over_gpus_keeps_no_copy_of_its_frozen_base. One process, DDP and ZeRO-1
+# on CPU are the matrix tier (-m matrix).
 @pytest.mark.e2e
-@pytest.mark.parametrize("layout", [{}, {"dp": 2, "zero_stage": 0}, {"dp": 2, "zero_stage": 1}, {"dp": 2, "zero_stage": 3}],
+@pytest.mark.parametrize("layout", [pytest.param({}, marks=pytest.mark.matrix),
+                                    pytest.param({"dp": 2, "zero_stage": 0}, marks=pytest.mark.matrix),
+                                    pytest.param({"dp": 2, "zero_stage": 1}, marks=pytest.mark.matrix),
+                                    {"dp": 2, "zero_stage": 3}],
                          ids=["one", "ddp", "zero1", "fsdp2"])
 def test_lora_memory_model_matches_the_trace(layout):
     from hp_tool.estimate.memory import estimate_memory
@@ -104,46 +111,85 @@ def lora_spec(**layout):
     return dataclasses.replace(spec, model=dataclasses.replace(spec.model, method="lora", lora=lora))
 
 
-def one_batch_file(tmp_path) -> DataSpec:
+def one_batch_data(folder: Path) -> DataSpec:
     """A token file of exactly one global batch of the tiny spec (8 windows of 65 tokens): every step of a run
     reads the same batch, so a later step's loss differs from the first only by what the updates changed."""
     from hp_tool.trial.data import synthetic_stream
 
-    spec, path = lora_spec(), tmp_path / "one_batch.bin"
+    spec, path = lora_spec(), folder / "one_batch.bin"
     window = spec.model.seq_length + 1
     tokens = synthetic_stream(spec.training.seed, spec.model.vocab_size, spec.training.global_batch_size * window)
     tokens.astype("uint16").tofile(path)
     return DataSpec(source="file", path=str(path), dtype="uint16")
 
 
-def losses_by_layout(tmp_path, method: str, layouts, data: DataSpec | None = None) -> dict[str, list[float]]:
-    """The per-step losses of the tiny adapter spec trained by ``method`` in each named layout (on ``data``,
-    else the spec's synthetic tokens)."""
-    losses = {}
-    for name, layout in layouts:
-        spec = lora_spec(**layout)
-        spec = dataclasses.replace(spec, model=dataclasses.replace(spec.model, method=method))
-        if data is not None:
-            spec = dataclasses.replace(spec, training=dataclasses.replace(spec.training, data=data))
-        (tmp_path / name).mkdir()
-        p = spec.parallel
-        proc = torchrun(write_spec(spec, tmp_path / name), tmp_path / name / "out", p.tp * p.pp * p.dp)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        losses[name] = [m["loss"] for m in read_metrics(tmp_path / name / "out")]
+# The layouts each method trains in, all on the one-batch file. "one" (one process) is each method's reference.
+# QLoRA's 4-bit base takes no sharding of its weights (ZeRO 0-1, the torch engine).
+LAYOUTS = {"lora": {"one": {}, "ddp": dict(dp=2, zero_stage=0), "fsdp2": dict(dp=2, zero_stage=3),
+                    "pp": dict(pp=2, zero_stage=0), "ds_z2": dict(dp=2, engine="deepspeed", zero_stage=2),
+                    "ds_z3": dict(dp=2, engine="deepspeed", zero_stage=3)},
+           "qlora": {"one": dict(zero_stage=0), "ddp": dict(dp=2, zero_stage=0), "zero1": dict(dp=2, zero_stage=1),
+                     "pp": dict(pp=2, zero_stage=0)}}
+
+
+@pytest.fixture(scope="module")
+def adapter_losses(tmp_path_factory):
+    """``losses(method, layout)``: the per-step losses of the tiny adapter spec trained by ``method`` in the named
+    layout on the one-batch file, each run once per session (trial_helpers.launched: one process in this
+    process, more as torchrun's ranks) and shared by the tests that compare them."""
+    data = one_batch_data(tmp_path_factory.mktemp("one_batch"))
+
+    def losses(method: str, layout: str) -> list[float]:
+        spec = lora_spec(**LAYOUTS[method][layout])
+        spec = dataclasses.replace(spec, model=dataclasses.replace(spec.model, method=method),
+                                   training=dataclasses.replace(spec.training, data=data))
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # one thread, as each rank runs (a one-process spec runs in this process)
+        try:
+            run = launched(tmp_path_factory, spec)
+        finally:
+            torch.set_num_threads(threads)
+        assert run.returncode == 0, f"{method} in {layout}: " + run.stderr[-3000:]
+        return [m["loss"] for m in read_metrics(run.out)]
+
     return losses
+
+
+# The covering set (the default run): each parallelism once per engine with LoRA (torch: FSDP2's data parallelism
+# and the pipeline; DeepSpeed: ZeRO-3) and QLoRA's 4-bit base once, in data parallelism with ZeRO-1 (the most it
+# takes). The rest of the product (LoRA in DDP and DeepSpeed's ZeRO-2, QLoRA in DDP and a pipeline) is the matrix
+# tier (-m matrix).
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["fsdp2", "pp", "ds_z3", pytest.param("ddp", marks=pytest.mark.matrix),
+                                    pytest.param("ds_z2", marks=pytest.mark.matrix)])
+def test_lora_trains_the_same_in_every_layout(adapter_losses, layout):
+    assert adapter_losses("lora", layout) == pytest.approx(adapter_losses("lora", "one"), rel=1e-4)
+
+
+@pytest.mark.e2e
+def test_lora_adapters_train(adapter_losses):
+    """The adapters trained: the same batch costs less after two updates (with frozen adapters, exactly as much)."""
+    one = adapter_losses("lora", "one")
+    assert one[2] < one[0]
 
 
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_lora_trains_the_same_in_every_layout(tmp_path):
-    losses = losses_by_layout(tmp_path, "lora", [
-        ("one", {}), ("ddp", dict(dp=2, zero_stage=0)), ("fsdp2", dict(dp=2, zero_stage=3)),
-        ("pp", dict(pp=2, zero_stage=0)), ("ds_z2", dict(dp=2, engine="deepspeed", zero_stage=2)),
-        ("ds_z3", dict(dp=2, engine="deepspeed", zero_stage=3))], one_batch_file(tmp_path))
-    for name, run in losses.items():
-        assert run == pytest.approx(losses["one"], rel=1e-4), name
-    # the adapters trained: the same batch costs less after two updates (with frozen adapters, exactly as much)
-    assert losses["one"][2] < losses["one"][0]
+@pytest.mark.parametrize("layout", ["zero1", pytest.param("ddp", marks=pytest.mark.matrix),
+                                    pytest.param("pp", marks=pytest.mark.matrix)])
+def test_qlora_trains_the_same_in_its_layouts(adapter_losses, layout):
+    """QLoRA through bitsandbytes' NF4 Linear4bit (its CPU path): the 4-bit base gives the same losses in every
+    layout it runs as in one process (DDP, ZeRO-1, PP; quantisation is deterministic, so rel 1e-4 holds as for
+    LoRA). Covering set: ZeRO-1 (see test_lora_trains_the_same_in_every_layout)."""
+    assert adapter_losses("qlora", layout) == pytest.approx(adapter_losses("qlora", "one"), rel=1e-4)
+
+
+@pytest.mark.e2e
+def test_qlora_is_close_to_but_not_lora(adapter_losses):
+    """The 4-bit base is quantised: QLoRA's first loss is close to LoRA's on the same batch (within 1%), not it."""
+    first, qlora_first = adapter_losses("lora", "one")[0], adapter_losses("qlora", "one")[0]
+    assert qlora_first != first and qlora_first == pytest.approx(first, rel=0.01)
 
 
 @pytest.mark.e2e
@@ -192,24 +238,6 @@ def test_bad_method_input_fails_before_anything_is_written(tmp_path, override, k
     assert not (tmp_path / "res").exists()
 
 
-@pytest.mark.e2e
-@pytest.mark.slow
-def test_qlora_trains_the_same_in_its_layouts(tmp_path):
-    """QLoRA through bitsandbytes' NF4 Linear4bit (its CPU path): the 4-bit base gives the same losses in every
-    layout it runs (one process, DDP, ZeRO-1, PP; quantisation is deterministic, so rel 1e-4 holds as for
-    LoRA), close to but not LoRA's own (the base is quantised: within 1%)."""
-    losses = losses_by_layout(tmp_path, "qlora", [
-        ("one", dict(zero_stage=0)), ("ddp", dict(dp=2, zero_stage=0)), ("zero1", dict(dp=2, zero_stage=1)),
-        ("pp", dict(pp=2, zero_stage=0))])
-    for name, run in losses.items():
-        assert run == pytest.approx(losses["one"], rel=1e-4), name
-    (tmp_path / "lora").mkdir()
-    lora = lora_spec(zero_stage=0)
-    assert torchrun(write_spec(lora, tmp_path / "lora"), tmp_path / "lora" / "out", 1).returncode == 0
-    first = read_metrics(tmp_path / "lora" / "out")[0]["loss"]
-    assert losses["one"][0] != first and losses["one"][0] == pytest.approx(first, rel=0.01)
-
-
 def test_qlora_layouts_the_4bit_weights_cannot_take_are_invalid(tmp_path):
     p = plan(tmp_path, "search_config=finetune/llama2_7b_a10g", "search_config.train_settings.methods=[qlora]",
              "search_config.train_settings.precision=bf16", "search_config.train_settings.seq_lengths=[2048]")
@@ -221,19 +249,14 @@ def test_qlora_layouts_the_4bit_weights_cannot_take_are_invalid(tmp_path):
 
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_tiny_search_ranks_trials_of_the_three_methods(tmp_path):
-    proc = subprocess.run([sys.executable, str(REPO / "main.py"), "search_config=finetune/tiny", "cluster=local",
-                           f"base_results_dir={tmp_path}", "search_config.train_settings.methods=[full,lora,qlora]",
-                           "search_config.train_settings.zero_stages=[0]", "search_config.train_settings.precision=bf16",
-                           "search_config.train_settings.seq_lengths=[64]", "search_config.train_settings.tensor_parallel_sizes=[1]",
-                           "search_config.train_settings.micro_batch_sizes=[4]", "search_config.train_settings.act_ckpt_layers=[0]",
-                           "search_config.train_settings.search_strategy=exhaustive",
-                           "search_config.train_settings.max_steps_per_run=6"],
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = list(csv.DictReader(open(tmp_path / "finetune" / "tiny" / "final_results" / "final_summary_1nodes.csv")))
+def test_tiny_search_ranks_trials_of_the_three_methods(finetune_methods_search):
+    """finetune/tiny over full, LoRA and QLoRA, one trial each, searched for real (tests/shared_finetune_searches.py:
+    the command line as a process, cluster=local, 2 CPU processes a trial)."""
+    search = finetune_methods_search
+    assert search.returncode == 0, search.output
+    summary = list(csv.DictReader(open(search.final / "final_summary_1nodes.csv")))
     assert {r["method"] for r in summary} == {"full", "lora", "qlora"} and all(r["trainable_parameters"] for r in summary)
-    rows = list(csv.DictReader(open(tmp_path / "finetune" / "tiny" / "final_results" / "all_trials_1nodes.csv")))
+    rows = list(csv.DictReader(open(search.final / "all_trials_1nodes.csv")))
     ranked = [r for r in rows if r["rank"]]
     assert {r["method"] for r in ranked} == {"full", "lora", "qlora"} and all(r["status"] == "ok" for r in ranked)
     lora = next(r for r in ranked if r["method"] == "lora")
@@ -245,8 +268,8 @@ def test_tiny_search_ranks_trials_of_the_three_methods(tmp_path):
 
     full = next(r for r in ranked if r["method"] == "full")
     per_token = {r["method"]: float(r["model_tflops_per_gpu"]) / float(r["tokens_per_s_per_gpu"]) for r in (full, lora)}
-    models = {r["method"]: load_spec(tmp_path / "finetune" / "tiny" / "candidate_configs" / f"{r['trial_id']}.yaml"
-                                     ).model for r in (full, lora)}
+    models = {r["method"]: load_spec(search.results / "candidate_configs" / f"{r['trial_id']}.yaml").model
+              for r in (full, lora)}
     expected = model_flops_per_step(models["lora"].shape(), 1, models["lora"].adapters) / \
         model_flops_per_step(models["full"].shape(), 1)
     assert per_token["lora"] / per_token["full"] == pytest.approx(expected, rel=1e-3) and expected != 1
@@ -317,7 +340,7 @@ def test_lora_replicated_over_gpus_keeps_no_copy_of_its_frozen_base(zero_stage):
     for a bf16 GPU on fake tensors, a model whose base outweighs its activations, and the memory model agrees."""
     from hp_tool.estimate.memory import estimate_memory
     from hp_tool.trial.memterms import target_hardware, target_layout, with_layout
-    from hp_tool.trial.trace.replay import trace_stage
+    from trace_cache import trace_stage  # the one-GPU trace, traced once for both stages
 
     def traced_and_analytic(**layout):
         spec = with_layout(tiny_spec("llama", gbs=4), **layout)

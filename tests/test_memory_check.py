@@ -1,15 +1,13 @@
 """The memory check before launch: extrapolating the trace from shallow builds, and pruning on the traced figure.
 
 Traces run for real (the engine's model under fake tensors on a fake process group, in worker processes);
-GPUs are not needed, which is the point."""
+GPUs are not needed, which is the point. The traces the tests take in this process come from
+tests/trace_cache.py: each spec is traced once a session, by whichever test or file asks first."""
 
 from __future__ import annotations
 
 import csv
 import dataclasses
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -19,12 +17,10 @@ from hp_tool.config import memory_check_mode, to_app_config
 from hp_tool.errors import ConfigError
 from hp_tool.memory_check import Tracer
 from hp_tool.planner import make_plan
-from hp_tool.trial.memterms import unit_terms, with_layout
-from hp_tool.trial.trace.extrapolate import extrapolated_stages, traced_stages
-from hp_tool.trial.trace.replay import trace_stage
+from hp_tool.trial.memterms import with_layout
+from trace_cache import extrapolated_stages, trace_stage, traced_stages, unit_terms
+from search_helpers import main_here
 from trial_helpers import tiny_spec
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def deeper(spec, num_layers: int, act_ckpt: int = 0):
@@ -32,18 +28,35 @@ def deeper(spec, num_layers: int, act_ckpt: int = 0):
                                parallel=dataclasses.replace(spec.parallel, act_ckpt_layers=act_ckpt))
 
 
+def _cell_id(family: str, layers: int, layout: dict) -> str:
+    return "-".join([family, str(layers), *(f"{k}{x}" for k, x in layout.items())])
+
+
+def _extrapolation_cell(family: str, layers: int, layout: dict, matrix: bool = False):
+    return pytest.param(family, layers, layout, id=_cell_id(family, layers, layout),
+                        marks=pytest.mark.matrix if matrix else ())
+
+
+# The covering set in the default run (10-20 s a cell on 2 cores): each family once and each parallelism once:
+# GPT-3 over a 4-stage pipeline (PP, some layers checkpointed, 4 in flight extrapolated from 1 and 2, the last
+# stage on the first's increments), Llama under TP and FSDP2, T5's encoder-decoder unit under DDP. The matrix
+# tier adds a single GPT-3 stage with some layers checkpointed (in the pipeline cell), Llama's pipeline stage
+# with every layer checkpointed (the all-checkpointed extrapolation runs by default in
+# test_extrapolating_a_bf16_gpu_rank_under_fsdp2_matches_the_whole_trace[ckpt]) and T5's pipeline (its last
+# stage on the decoder's first stage's increments).
 @pytest.mark.e2e
 @pytest.mark.parametrize("family, layers, layout", [
-    ("gpt3", 6, {"act_ckpt": 2}),  # some layers checkpointed: three traces
-    ("llama", 6, {"tp": 2, "dp": 2}),  # TP and FSDP2
-    ("llama", 12, {"pp": 2, "act_ckpt": 6}),  # a pipeline stage, every layer checkpointed
-    ("t5", 6, {"dp": 2, "zero_stage": 0}),  # an encoder and a decoder layer per unit
+    _extrapolation_cell("gpt3", 6, {"act_ckpt": 2}, matrix=True),  # some layers checkpointed: three traces
+    _extrapolation_cell("llama", 6, {"tp": 2, "dp": 2}),  # TP and FSDP2
+    _extrapolation_cell("llama", 12, {"pp": 2, "act_ckpt": 6}, matrix=True),  # a pipeline stage, every layer checkpointed
+    _extrapolation_cell("t5", 6, {"dp": 2, "zero_stage": 0}),  # an encoder and a decoder layer per unit
     # 8 micro-batches, 4 in flight on the first stage: extrapolated from 1 and 2 in flight as well
     # the last stage takes the layer increments of the first, or for T5 of the decoder's first
-    ("gpt3", 24, {"pp": 4, "gbs": 16, "act_ckpt": 2}),
-    ("t5", 12, {"pp": 4}),
-], ids=lambda v: v if isinstance(v, (str, int)) else "-".join(f"{k}{x}" for k, x in v.items()))
+    _extrapolation_cell("gpt3", 24, {"pp": 4, "gbs": 16, "act_ckpt": 2}),
+    _extrapolation_cell("t5", 12, {"pp": 4}, matrix=True),
+])
 def test_extrapolating_from_shallow_builds_matches_the_whole_trace(family, layers, layout):
+    layout = dict(layout)  # the parameter is the collected cell's own dict
     ckpt = layout.pop("act_ckpt", 0)
     spec = deeper(tiny_spec(family, **layout), layers, ckpt)
     extrapolated = extrapolated_stages(spec, whole_units=3)  # force it at 6 units per stage (from 3 and 4)
@@ -56,7 +69,10 @@ def test_extrapolating_from_shallow_builds_matches_the_whole_trace(family, layer
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("act_ckpt", [0, 8], ids=["no-ckpt", "ckpt"])
+@pytest.mark.parametrize("act_ckpt", [
+    # the covering set: every layer checkpointed (the default run's only all-checkpointed extrapolation);
+    # none checkpointed, FSDP2 in the default run's Llama cell above, is the matrix tier's
+    pytest.param(0, id="no-ckpt", marks=pytest.mark.matrix), pytest.param(8, id="ckpt")])
 def test_extrapolating_a_bf16_gpu_rank_under_fsdp2_matches_the_whole_trace(act_ckpt):
     """A bf16 GPU rank (traced on fake tensors) under FSDP2 ZeRO-3, a Llama of hidden 256 and 8 layers: the
     whole stage's trace and its extrapolation from shallow builds agree within 1%. From 1 and 2 layers it was
@@ -81,12 +97,26 @@ def test_extrapolating_a_bf16_gpu_rank_under_fsdp2_matches_the_whole_trace(act_c
 TERM_LAYOUTS = [("cpu", {}), ("cpu", {"dp": 2, "zero_stage": 0}), ("cpu", {"dp": 2, "zero_stage": 1}),
                 ("cpu", {"dp": 2, "zero_stage": 3}), ("cpu", {"tp": 2}), ("cpu", {"tp": 2, "act_ckpt_layers": 4}),
                 ("cuda", {"dp": 2, "zero_stage": 2}), ("cuda", {"dp": 2, "zero_stage": 3, "act_ckpt_layers": 4})]
+# The covering set in the default run: each layout once, each family's code path on two or three of them (the
+# cell's family below): T5's encoder-decoder unit on one CPU rank and in bf16 at ZeRO-2, where its fp32 softmax
+# and FSDP2's unsharded copy are the terms that were wrong; the others share the decoder-only code, GPT-3's
+# LayerNorm and Llama's RMSNorm, SwiGLU and grouped-query attention. The rest of the layout x family product
+# (16 cells) is the matrix tier.
+TERM_COVER = {"one": "t5", "dp2-zero_stage0": "gpt3", "dp2-zero_stage1": "llama", "dp2-zero_stage3": "gpt3",
+              "tp2": "llama", "tp2-act_ckpt_layers4": "gpt3", "dp2-zero_stage2": "t5",
+              "dp2-zero_stage3-act_ckpt_layers4": "llama"}
+
+
+def _term_cells():
+    for device, layout in TERM_LAYOUTS:
+        name = "-".join(f"{k}{x}" for k, x in layout.items()) or "one"
+        for family in ("gpt3", "llama", "t5"):
+            marks = () if TERM_COVER[name] == family else pytest.mark.matrix
+            yield pytest.param(family, device, layout, id=f"{device}-{name}-{family}", marks=marks)
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("family", ["gpt3", "llama", "t5"])
-@pytest.mark.parametrize("device, layout", TERM_LAYOUTS,
-                         ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}{x}" for k, x in v.items()) or "one")
+@pytest.mark.parametrize("family, device, layout", list(_term_cells()))
 def test_analytic_terms_per_layer_match_the_trace(family, device, layout):
     """Deliverable: the analytic model's state and activation terms agree with the traced engine within 5%
     (they did not: DeepSpeed's 2+2+12 bytes for the torch engine's fp32 master, dropout masks the models do
@@ -101,9 +131,12 @@ def test_analytic_terms_per_layer_match_the_trace(family, device, layout):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
-@pytest.mark.parametrize("zero_stage", [0, 3])
-def test_analytic_stage_over_fsdp2_and_pp_matches_the_trace(device, zero_stage):
+@pytest.mark.parametrize("zero_stage, device", [
+    # the covering set: PP over FSDP2 as a bf16 GPU runs it (the 12-14% the model missed) and PP over DDP on a
+    # CPU rank; the other two cells are the matrix tier's
+    pytest.param(0, "cpu", id="0-cpu"), pytest.param(0, "cuda", id="0-cuda", marks=pytest.mark.matrix),
+    pytest.param(3, "cpu", id="3-cpu", marks=pytest.mark.matrix), pytest.param(3, "cuda", id="3-cuda")])
+def test_analytic_stage_over_fsdp2_and_pp_matches_the_trace(zero_stage, device):
     """PP over FSDP2 keeps the stage unsharded and its gradients whole until the step's last backward;
     the analytic model counts it (it did not: 12-14% low at ZeRO-3)."""
     from hp_tool.estimate.memory import estimate_memory
@@ -178,16 +211,20 @@ def test_memory_check_defaults_and_bad_value():
 
 @pytest.mark.e2e
 def test_dry_run_with_traced_memory_writes_both_figures_and_reuses_the_traces(tmp_path):
-    args = [sys.executable, str(REPO / "main.py"), "search_config=llama/tiny", f"base_results_dir={tmp_path}",
+    """The CLI's command run in this process (``main_here``: the process is not what is tested): the traces run in
+    worker processes forked from the warm forkserver as under ``python3 main.py`` (main_here ends the forkserver a
+    call started with the call); the second call's traces can only come from the first's ``memory_traces.json``,
+    as a second process's would."""
+    args = ["search_config=llama/tiny", f"base_results_dir={tmp_path}",
             "dry_run=true", "memory_check=traced", "search_config.train_settings.pipeline_parallel_sizes=[2]",
             "search_config.train_settings.micro_batch_sizes=[2]"]
-    first = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    first = main_here(*args, cwd=tmp_path)
     assert first.returncode == 0, first.stderr
     folder = tmp_path / "llama" / "tiny" / "candidate_configs"
     rows = [r for r in csv.DictReader(open(folder / "plan.csv")) if r["plan_status"] == "selected"]
     assert rows and all(r["memory_check"] == "traced" and float(r["traced_memory_gib"]) > 0.5 for r in rows)
     assert all(float(r["predicted_memory_gib"]) > 0 for r in rows)
     assert "pruned by the trace" in first.stdout and (folder / "memory_traces.json").is_file()
-    again = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    again = main_here(*args, cwd=tmp_path)
     assert again.returncode == 0, again.stderr
     assert "all from the cache" in again.stdout

@@ -2,7 +2,12 @@
 engine's own stage and parallelize code) against the same count measured in a real multi-process run.
 
 Covered within 3%: every family (GPT-3, Llama, T5) on DP2 (FSDP2 or DDP), TP2, TP2 x DP2 and PP2, and each
-layout with and without checkpointing in some family; see also benchmarks/memory_trace.py."""
+layout with and without checkpointing in some family; see also benchmarks/memory_trace.py.
+
+The default run keeps a covering set of that product (each layout once, each family once; the cells the
+parametrize lists first, saying why), the rest is the matrix tier (``-m matrix``). The runs are
+``trial_helpers.launched``: a layout tests/test_trial_layouts.py also runs (the same spec: 3 steps, 2 untimed)
+is launched once for both."""
 
 from __future__ import annotations
 
@@ -13,48 +18,51 @@ import pytest
 
 from hp_tool.trial.trace.replay import trace_stage
 from hp_tool.contracts.spec import ModelSpec, ParallelSpec, ResourcesSpec, TrainingSpec, TrialSpec
-from hp_tool.trial.train import run_trial
-from trial_helpers import read_result, tiny_spec, torchrun, write_spec
+from trial_helpers import launched, tiny_spec
 
 REL_TOL = 0.03
 
 
-def measured_peak(tmp_path, spec) -> float:
-    world = spec.parallel.tp * spec.parallel.pp * spec.parallel.dp
-    if world == 1:
-        result = run_trial(write_spec(spec, tmp_path), str(tmp_path / "out"))
-    else:
-        proc = torchrun(write_spec(spec, tmp_path), tmp_path / "out", world)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        result = read_result(tmp_path / "out")
+def measured_peak(tmp_path_factory, spec) -> float:
+    run = launched(tmp_path_factory, spec)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = run.result()
     assert result["status"] == "ok", result["reason"]
     return result["peak_tensor_memory_gib"]
 
 
+def matrix(family, layout):
+    return pytest.param(family, layout, marks=pytest.mark.matrix)
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("family, layout", [
+    # the covering set: one process, FSDP2 with checkpointing, DDP, PP with checkpointing, TP x DP, T5's encoder
+    # stage and decoder stage, PP over FSDP2: each layout once, each family once
     ("gpt3", {}),
     ("gpt3", {"dp": 2, "zero_stage": 3, "act_ckpt": 2}),  # FSDP2: sharded states, gathered layers
-    ("llama", {"dp": 2, "zero_stage": 3}),
     ("llama", {"dp": 2, "zero_stage": 0}),  # DDP (replicate): whole states, reduced gradients
     ("gpt3", {"pp": 2, "act_ckpt": 1}),  # stages traced alone, 1F1B replayed with the schedule's buffers
-    ("llama", {"pp": 2}),
-    ("t5", {}),
-    ("gpt3", {"tp": 2}),
     ("llama", {"tp": 2, "dp": 2}),
-    ("llama", {"tp": 2, "act_ckpt": 4}),
-    ("gpt3", {"tp": 2, "dp": 2, "act_ckpt": 2}),
-    ("llama", {"pp": 2, "act_ckpt": 2}),
-    ("t5", {"dp": 2, "zero_stage": 3, "act_ckpt": 2}),  # T5: one encoder and one decoder layer checkpointed
-    ("t5", {"tp": 2, "dp": 2}),
     ("t5", {"pp": 2, "act_ckpt": 1}),  # an encoder stage and a decoder stage
-    # PP over FSDP2 / replicate: the schedule defers reduction and resharding to the step's last backward
+    # PP over FSDP2: the schedule defers reduction and resharding to the step's last backward (over replicate:
+    # the matrix tier)
     ("gpt3", {"pp": 2, "dp": 2, "zero_stage": 3, "gbs": 16}),
-    ("llama", {"pp": 2, "dp": 2, "zero_stage": 0, "gbs": 16}),
+    # the matrix tier: the same layouts in the other families, with and without checkpointing
+    matrix("llama", {"pp": 2}),
+    matrix("t5", {}),
+    matrix("t5", {"tp": 2, "dp": 2}),
+    matrix("llama", {"dp": 2, "zero_stage": 3}),
+    matrix("gpt3", {"tp": 2}),
+    matrix("llama", {"tp": 2, "act_ckpt": 4}),
+    matrix("gpt3", {"tp": 2, "dp": 2, "act_ckpt": 2}),
+    matrix("llama", {"pp": 2, "act_ckpt": 2}),
+    matrix("t5", {"dp": 2, "zero_stage": 3, "act_ckpt": 2}),  # T5: one encoder and one decoder layer checkpointed
+    matrix("llama", {"pp": 2, "dp": 2, "zero_stage": 0, "gbs": 16}),
 ], ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}{x}" for k, x in v.items()) or "single")
-def test_traced_peak_matches_the_real_runs_peak_per_rank(tmp_path, family, layout):
+def test_traced_peak_matches_the_real_runs_peak_per_rank(tmp_path_factory, family, layout):
     spec = tiny_spec(family, max_steps=3, warmup_steps=2, **layout)  # two untimed steps are measured
-    measured = measured_peak(tmp_path, spec)
+    measured = measured_peak(tmp_path_factory, spec)
     traced = max(trace_stage(spec, stage).peak_gib for stage in range(spec.parallel.pp))
     assert measured > 0
     assert traced == pytest.approx(measured, rel=REL_TOL)
@@ -62,16 +70,16 @@ def test_traced_peak_matches_the_real_runs_peak_per_rank(tmp_path, family, layou
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("family, layout", [
-    ("gpt3", {"pp": 2, "vp": 2}),
-    ("gpt3", {"pp": 2, "vp": 2, "act_ckpt": 2, "gbs": 16}),
-    ("llama", {"pp": 2, "vp": 2, "dp": 2, "zero_stage": 3, "gbs": 16}),
+    ("gpt3", {"pp": 2, "vp": 2}),  # the covering cell (test_trial_layouts runs it too)
+    matrix("gpt3", {"pp": 2, "vp": 2, "act_ckpt": 2, "gbs": 16}),
+    matrix("llama", {"pp": 2, "vp": 2, "dp": 2, "zero_stage": 3, "gbs": 16}),
 ], ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}{x}" for k, x in v.items()))
-def test_interleaved_trace_covers_the_real_peak(tmp_path, family, layout):
+def test_interleaved_trace_covers_the_real_peak(tmp_path_factory, family, layout):
     """Interleaved 1F1B: the rank's chunks traced as one stage at the schedule's count in flight, plus the
     buffers and held sends the interleaved runtime keeps (without them the trace is 8-16% low on these).
     It errs high, by at most 10% here (the held sends are counted at the in-flight peak)."""
     spec = tiny_spec(family, max_steps=3, warmup_steps=2, **layout)
-    measured = measured_peak(tmp_path, spec)
+    measured = measured_peak(tmp_path_factory, spec)
     traced = max(trace_stage(spec, stage).peak_gib for stage in range(spec.parallel.pp))
     assert measured * 0.99 <= traced <= measured * 1.10
 

@@ -107,8 +107,12 @@ def losses_and_norms(folder: Path) -> tuple[list[float], list[float]]:
 
 @pytest.mark.e2e
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["mixtral-ep2-ddp", "mixtral-ep2-fsdp2", "mixtral-tp2", "qwen2_moe-ep2-zero2",
-                                  "mixtral-deepspeed-zero3", "mixtral-ep2-tp2", "mixtral-ep2-offload"])
+@pytest.mark.parametrize("name", [
+    # the covering set (default run): EP over DDP and over FSDP2, TP, Qwen2-MoE's code path (ZeRO-2), DeepSpeed;
+    # each parallelism once per engine, each family once. The combinations are the matrix tier (-m matrix).
+    "mixtral-ep2-ddp", "mixtral-ep2-fsdp2", "mixtral-tp2", "qwen2_moe-ep2-zero2", "mixtral-deepspeed-zero3",
+    pytest.param("mixtral-ep2-tp2", marks=pytest.mark.matrix),
+    pytest.param("mixtral-ep2-offload", marks=pytest.mark.matrix)])
 def test_layout_trains_as_one_process(runs, name):
     """EP2 over DDP and over FSDP2 (ZeRO-3), TP2 (the experts whole on both TP ranks), Qwen2-MoE's shared
     expert beside EP2 over ZeRO-2, DeepSpeed's ZeRO-3 sharding the experts as any weight (EP 1), EP2 x TP2
@@ -201,16 +205,15 @@ def test_tiny_moe_fine_tuning_search_ranks_ep1_and_ep2_trials(tmp_path):
     Mixtral-shaped model in both, and the summary names each trial's experts, top-k, EP and active
     parameters beside the total."""
     import csv
-    import subprocess
-    import sys
 
-    repo = Path(__file__).resolve().parent.parent
-    proc = subprocess.run([sys.executable, str(repo / "main.py"), "search_config=finetune/tiny_moe", "cluster=local",
-                           f"base_results_dir={tmp_path}", "search_config.train_settings.search_strategy=exhaustive",
-                           "search_config.train_settings.micro_batch_sizes=[4]",
-                           "search_config.train_settings.zero_stages=[0]",
-                           "search_config.train_settings.max_steps_per_run=6"],
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    from search_helpers import main_here
+
+    # the CLI's entry in this process (its trials are local jobs, processes of their own)
+    proc = main_here("search_config=finetune/tiny_moe", "cluster=local", f"base_results_dir={tmp_path}",
+                     "search_config.train_settings.search_strategy=exhaustive",
+                     "search_config.train_settings.micro_batch_sizes=[4]",
+                     "search_config.train_settings.zero_stages=[0]",
+                     "search_config.train_settings.max_steps_per_run=6", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(tmp_path / "finetune" / "tiny_moe" / "final_results" / "final_summary_1nodes.csv", newline="") as fh:
         rows = list(csv.DictReader(fh))

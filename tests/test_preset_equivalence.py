@@ -7,6 +7,9 @@ and the pick stays: the same selected trials in the same rank order, with the sa
 RAM, step time and throughput, the same trial sizes, the same over-limit trials and step times, and the same
 reasons for the invalid ones. A planner change that means to change any of these regenerates the golden data
 (``python3 tests/preset_snapshot.py --write``) and says why.
+
+The presets are planned by tests/plan_cache.py: in a whole run, the plans the preset sweeps of
+tests/test_config_surface.py and tests/test_engine_agreement.py made already.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import json
 import pytest
 
 from preset_snapshot import GOLDEN, PRESETS, digest, snapshot, unpacked
+
+pytestmark = pytest.mark.e2e  # plans every shipped preset
 
 SHOWN = 8  # trial ids named per kind of difference
 

@@ -5,11 +5,9 @@ import dataclasses
 
 import pytest
 
-from hp_tool.estimate.memory import estimate_memory
 from hp_tool.families import llama, qwen3
 from hp_tool.hf_config import load_hf_model
-from hp_tool.trial.memterms import target_hardware, target_layout
-from hp_tool.trial.trace.replay import trace_stage
+from trace_cache import traced_and_predicted
 from trial_helpers import long_context_spec
 
 
@@ -33,12 +31,6 @@ def test_the_shipped_configs_read_as_qwen3_with_the_head_dim_apart():
 
 CASES = [("cpu", {}), ("cuda", dict(dp=2, zero_stage=3)), ("cuda", dict(dp=2, zero_stage=3, tp=2))]
 IDS = ["cpu", "fsdp2-gpu", "fsdp2-tp2-gpu"]
-
-
-def traced_and_predicted(spec, device: str) -> tuple[float, float]:
-    traced = trace_stage(spec, 0, device).peak_bytes
-    predicted = estimate_memory(spec.model.shape(), target_layout(spec, device), target_hardware(device)).total_gib
-    return traced, predicted * 2**30
 
 
 @pytest.mark.e2e

@@ -1,9 +1,10 @@
 """A ranking names only what was measured: fingerprints, stale results set aside, one orchestrator per
 results folder, and tracking failures that never stop a search. Real searches of gpt3/tiny with one-process
-trials on the in-process backend: in this test process, or as orchestrator processes where two compete."""
+trials on the in-process backend: in this test process (tests/shared_searches.py's one_layout_gbs_reruns: one
+layout searched at two global batches, the first with W&B unable to write), or as orchestrator processes where
+two compete."""
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -23,23 +24,21 @@ from hp_tool.launch.runner import Launcher, set_aside
 from hp_tool.results.collect import collect_trials
 from hp_tool.search import plan_jobs
 from hp_tool.vocab import LOCK_FILE
-from search_helpers import ONE_PROCESS, TS, search_here
+from search_helpers import ONE_PROCESS, TS, main_here
+from shared_searches import ONE_LAYOUT, ONE_LAYOUT_TRIAL as TRIAL
 from test_results_helpers import planned, selected_ids, trial_dir, write_ok
 
 REPO = Path(__file__).resolve().parent.parent
-ONE_LAYOUT = (f"{TS}.micro_batch_sizes=[2]", f"{TS}.act_ckpt_layers=[0]", f"{TS}.max_steps_per_run=6")
-TRIAL = "gpt3_241k_tp1_pp1_mbs2_ac0_torch_z0_noff"
 
 
-def main_cmd(tmp_path, *args):
-    return [sys.executable, str(REPO / "main.py"), "search_config=gpt3/tiny", "cluster=in_process", *ONE_PROCESS,
+def main_args(tmp_path, *args):
+    return ["search_config=gpt3/tiny", "cluster=in_process", *ONE_PROCESS,
             "memory_check=analytic",  # the trace is tested in test_memory_check and test_launch
             f"base_results_dir={tmp_path / 'res'}", *args]
 
 
-def run(tmp_path, *args, env=None, timeout=600):
-    return subprocess.run(main_cmd(tmp_path, *args), cwd=tmp_path, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+def main_cmd(tmp_path, *args):
+    return [sys.executable, str(REPO / "main.py"), *main_args(tmp_path, *args)]
 
 
 def out_dir(tmp_path):
@@ -47,19 +46,21 @@ def out_dir(tmp_path):
 
 
 @pytest.mark.e2e
-def test_changing_the_global_batch_reruns_the_trial_and_keeps_the_old_result(tmp_path):
-    code, out = search_here(tmp_path, *ONE_LAYOUT, f"{TS}.global_batch_size=8")
-    assert code == 0
-    old = json.loads((out / "training_logs" / TRIAL / "result.json").read_text())
+def test_changing_the_global_batch_reruns_the_trial_and_keeps_the_old_result(one_layout_gbs_reruns):
+    """ONE_LAYOUT at global batch 8, then 16 in the same folder (tests/shared_searches.py)."""
+    first, second = one_layout_gbs_reruns.runs
+    assert first.returncode == 0, first.output
+    out = one_layout_gbs_reruns.results
+    old = json.loads(one_layout_gbs_reruns.old_result)
 
-    assert search_here(tmp_path, *ONE_LAYOUT, f"{TS}.global_batch_size=16")[0] == 0
+    assert second.returncode == 0, second.output
     new = json.loads((out / "training_logs" / TRIAL / "result.json").read_text())
     spec = load_spec(out / "candidate_configs" / f"{TRIAL}.yaml")
     assert spec.training.global_batch_size == 16 and new["fingerprint"] == spec.fingerprint() != old["fingerprint"]
     assert new["start_time"] != old["start_time"]  # measured again, not reused
     [kept] = (out / "training_logs" / TRIAL).glob("stale-*/result.json")
     assert json.loads(kept.read_text()) == old
-    assert len(Ledger(out).submissions()) == 2
+    assert first.submitted == 1 and second.submitted == len(Ledger(out).submissions()) == 2
     row = pd.read_csv(out / "final_results" / "all_trials_1nodes.csv").set_index("trial_id").loc[TRIAL]
     assert (row["status"], row["global_batch_size"], row["trial_global_batch_size"]) == ("ok", 16, 16)
     # GBS 16 carries twice the tokens of GBS 8 per step: the ranked throughput comes from this run
@@ -119,7 +120,8 @@ def test_two_orchestrators_started_together_submit_each_trial_once_and_a_third_i
                         + " | ".join("".join(p.communicate())[-1500:] for p in (first, waiting)))
         time.sleep(0.2)
     holder = lock.read_text()
-    refused = run(tmp_path, *args[:-1], timeout=120)  # without wait_for_lock
+    # without wait_for_lock: the CLI's entry in this process, refused by the lock an orchestrator process holds
+    refused = main_here(*main_args(tmp_path, *args[:-1]), cwd=tmp_path)
     assert refused.returncode == 2, refused.stderr[-2000:]
     assert "is in use by pid" in refused.stderr and holder.split()[1] in refused.stderr
     assert "wait_for_lock=true" in refused.stderr
@@ -133,15 +135,12 @@ def test_two_orchestrators_started_together_submit_each_trial_once_and_a_third_i
 
 
 @pytest.mark.e2e
-def test_a_broken_wandb_directory_leaves_the_search_complete(tmp_path, monkeypatch, capsys):
-    broken = tmp_path / "not_a_dir"
-    broken.write_text("a file where W&B wants a folder")
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_DIR", str(broken))
-    code, out = search_here(tmp_path, *ONE_LAYOUT, "wandb.enable=true")
-    assert code == 0
-    assert f"W&B: {TRIAL} was not uploaded" in capsys.readouterr().err
-    summary = pd.read_csv(out / "final_results" / "final_summary_1nodes.csv")
+def test_a_broken_wandb_directory_leaves_the_search_complete(one_layout_gbs_reruns):
+    """ONE_LAYOUT's first search ran with W&B on (offline) and WANDB_DIR a file (tests/shared_searches.py)."""
+    first = one_layout_gbs_reruns.runs[0]
+    assert first.returncode == 0, first.output
+    assert f"W&B: {TRIAL} was not uploaded" in first.stderr
+    summary = first.summary_frame()
     assert list(summary["trial_id"]) == [TRIAL] and list(summary["status"]) == ["ok"]
 
 

@@ -1,12 +1,16 @@
 """final_results/: CSV schemas, the optimal config (round trip and a real training run), plots, report.md,
 the printed summary, a re-run, a search where nothing succeeded, and a real tiny search's report.md."""
 
+import contextlib
 import csv
+import io
 import re
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
-from search_helpers import search_here
 from test_results_helpers import planned, selected_ids, write_failed, write_metrics, write_ok
 
 from hp_tool.inference.report import summary_frame
@@ -40,9 +44,18 @@ def finished_search(tmp_path, *overrides):
     return app, out, ids, sorted(times, key=times.get)
 
 
-def test_csv_schemas_and_rows(tmp_path, capsys):
-    app, out, ids, fastest = finished_search(tmp_path)
-    assert finalize(out, app) == 0
+@pytest.fixture(scope="module")
+def finalized(tmp_path_factory):
+    """finished_search's folder after one finalize (what it printed in ``printed``): its tests only read it."""
+    app, out, ids, fastest = finished_search(tmp_path_factory.mktemp("finalized"))
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert finalize(out, app) == 0
+    return SimpleNamespace(app=app, out=out, ids=ids, fastest=fastest, printed=printed.getvalue())
+
+
+def test_csv_schemas_and_rows(finalized):
+    out, ids, fastest = finalized.out, finalized.ids, finalized.fastest
     final = out / "final_results"
     header, rows = read_csv(final / "all_trials_1nodes.csv")
     assert tuple(header) == ALL_TRIALS_COLUMNS == TABLE_COLUMNS
@@ -81,7 +94,7 @@ def test_csv_schemas_and_rows(tmp_path, capsys):
     assert [float(r[RANK_COLUMN]) for r in s_rows] == [0.3, 0.4, 0.5]
     assert float(s_rows[0]["cost_usd_per_million_tokens"]) == pytest.approx(4.0 / (1024 / 0.3 * 3600 / 1e6),
                                                                              rel=1e-5)
-    printed = capsys.readouterr().out
+    printed = finalized.printed
     assert f"Recommended: {fastest[0]}" in printed and "3 of 12 selected trials succeeded" in printed
 
 
@@ -92,9 +105,8 @@ def test_top_n_limits_the_summary(tmp_path):
     assert [r["trial_id"] for r in rows] == fastest[:2]
 
 
-def test_optimal_config_is_the_full_run_of_the_fastest_trial(tmp_path):
-    app, out, _, fastest = finished_search(tmp_path)
-    assert finalize(out, app) == 0
+def test_optimal_config_is_the_full_run_of_the_fastest_trial(finalized):
+    out, fastest = finalized.out, finalized.fastest
     path = out / "final_results" / "optimal_config_241k_1nodes.yaml"
     spec = load_spec(path)
     trial = load_spec(out / "candidate_configs" / f"{fastest[0]}.yaml")
@@ -130,9 +142,8 @@ def test_optimal_config_trains_with_the_engine(tmp_path):
     assert result["steps_run"] == 4 and result["world_size"] == 1
 
 
-def test_plots_are_non_empty_pngs(tmp_path):
-    app, out, _, _ = finished_search(tmp_path)
-    assert finalize(out, app) == 0
+def test_plots_are_non_empty_pngs(finalized):
+    out = finalized.out
     for name in ("throughput.png", "predicted_vs_measured.png"):
         data = (out / "final_results" / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
@@ -151,9 +162,9 @@ def test_memory_warning_names_the_fastest_trial_below_98_percent(tmp_path, capsy
     assert f"The fastest trial below that line is {ids[2]} (rank 3" in printed
 
 
-def test_rerun_collects_again_without_duplicates(tmp_path):
-    app, out, ids, _ = finished_search(tmp_path)
-    assert finalize(out, app) == 0
+def test_rerun_collects_again_without_duplicates(finalized, tmp_path):
+    out = Path(shutil.copytree(finalized.out, tmp_path / "copy"))  # the shared folder is only read
+    app, ids = finalized.app, finalized.ids
     first = (out / "final_results" / "all_trials_1nodes.csv").read_text()
     write_ok(out, ids[5], 0.1)  # a trial finished since
     assert finalize(out, app) == 0
@@ -199,9 +210,8 @@ def linked_files(page: str) -> list[str]:
     return re.findall(r"\]\(([^)]+)\)", page)
 
 
-def test_report_md_names_the_pick_by_the_median_and_every_trial_without_a_rank(tmp_path):
-    app, out, ids, fastest = finished_search(tmp_path)
-    assert finalize(out, app) == 0
+def test_report_md_names_the_pick_by_the_median_and_every_trial_without_a_rank(finalized):
+    out, ids, fastest = finalized.out, finalized.ids, finalized.fastest
     page = (out / "final_results" / "report.md").read_text()
     head = page.split("## ")[0]
     assert f"**Pick: {fastest[0]}** — TP=" in head
@@ -252,12 +262,13 @@ def test_inference_report_picks_the_fastest_config_within_the_latency_bound(tmp_
 
 
 @pytest.mark.e2e
-def test_a_real_tiny_search_writes_report_md_linking_only_files_it_wrote(tmp_path):
-    """A whole search (one-process trials on the in-process backend) writes report.md; every file it links
-    exists and the memory rows compare like with like."""
-    code, out = search_here(tmp_path, "search_config.train_settings.limit_search_runs=2")
-    assert code == 0
-    final = out / "final_results"
+def test_a_real_tiny_search_writes_report_md_linking_only_files_it_wrote(readme_tiny_search):
+    """A whole search (README's command, 2 trials on the local backend, then the same command again:
+    tests/shared_searches.py's readme_tiny_search) writes report.md; every file it links exists and the memory
+    rows compare like with like."""
+    for run in readme_tiny_search.runs:  # the page as the second command rewrote it
+        assert run.returncode == 0, run.output
+    final = readme_tiny_search.final
     page = (final / "report.md").read_text()
     assert re.search(r"\*\*Pick: gpt3_241k_\w+\*\* — TP=", page)
     images = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", page)
@@ -346,12 +357,12 @@ def test_a_confirmed_lead_beyond_the_run_to_run_spread_is_called_a_lead(tmp_path
     assert f"{a} leads by " in page and "beyond the" in page and "tied within noise" not in page
 
 
-def test_the_throughput_chart_draws_every_selected_trial_measured_or_predicted(tmp_path):
+def test_the_throughput_chart_draws_every_selected_trial_measured_or_predicted(finalized):
     """A trial without a measurement (never ran, failed) is drawn at its calibrated prediction, hollow; a measured
     one at its full-run figure; the chart's numbers come from the collector's columns."""
     from hp_tool.results.plots import full_run_tokens_per_gpu
 
-    app, out, ids, fastest = finished_search(tmp_path)
+    out = finalized.out
     df = collect_trials(out)
     selected = df[df["plan_status"] == "selected"]
     values, measured = full_run_tokens_per_gpu(selected)

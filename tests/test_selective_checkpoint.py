@@ -78,7 +78,10 @@ def test_the_policy_keeps_odd_matmuls_and_the_attention_and_counts_the_recompute
 # ---- training ----
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("family, lower", [("gpt3", True), ("llama", True), ("moe", False), ("qwen2_moe", False)])
+@pytest.mark.parametrize("family, lower", [
+    # the covering set: each family's code path once (the mixtures of experts' through ``moe``); the rest matrix
+    ("gpt3", True), ("llama", True), ("moe", False),
+    pytest.param("qwen2_moe", False, marks=pytest.mark.matrix)])
 def test_selective_checkpointing_trains_as_no_checkpointing_does(tmp_path, family, lower):
     """One process: the first losses and gradient norms equal those without checkpointing; the measured tensor
     peak is lower where activations decide it (the tiny mixtures of experts peak in their optimizer step)."""
@@ -116,13 +119,20 @@ def test_the_traced_peak_of_selective_lies_between_none_and_full(family):
     assert none > selective > full
 
 
+def matrix(*values):
+    return pytest.param(*values, marks=pytest.mark.matrix)
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("family, device, layout", [
-    ("gpt3", "cpu", {}), ("gpt3", "cuda", {"dp": 2, "zero_stage": 3}), ("llama", "cpu", {"tp": 2}),
-    ("llama", "cpu", {"tp": 2, "sequence_parallel": True}), ("llama", "cuda", {"dp": 2, "zero_stage": 0}),
-    ("moe", "cpu", {}), ("qwen2_moe", "cuda", {"tp": 2, "dp": 2}),
+    # the covering set: each family's code path once, each device once, each layout once (one process, TP with
+    # sequence parallelism, DDP, FSDP2); the rest of the product is the matrix tier
+    ("gpt3", "cpu", {}), ("llama", "cpu", {"tp": 2, "sequence_parallel": True}),
+    ("llama", "cuda", {"dp": 2, "zero_stage": 0}), ("moe", "cpu", {}),
     # fused q/k/v and gate/up: the policy counts 4 matmuls a layer, not 7
-    ("phi3", "cpu", {}), ("phi3", "cuda", {"dp": 2, "zero_stage": 3}),
+    ("phi3", "cuda", {"dp": 2, "zero_stage": 3}),
+    matrix("gpt3", "cuda", {"dp": 2, "zero_stage": 3}), matrix("llama", "cpu", {"tp": 2}),
+    matrix("qwen2_moe", "cuda", {"tp": 2, "dp": 2}), matrix("phi3", "cpu", {}),
 ], ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}{x}" for k, x in v.items()) or "one")
 def test_the_models_kept_term_of_a_selective_layer_matches_the_trace(family, device, layout):
     """Per layer, what one micro-batch keeps until its backward (the layer's input and what the policy keeps: the
@@ -143,11 +153,18 @@ def long_llama(mode: str, layers: int, **layout) -> TrialSpec:
     return checkpointed(dataclasses.replace(spec, model=model), mode, layers)
 
 
+MODEL_LAYOUTS = {"cpu": ("cpu", {}), "cuda-fsdp2": ("cuda", {"dp": 2, "zero_stage": 3}),
+                 "cpu-tp2-sp": ("cpu", {"tp": 2, "sequence_parallel": True})}
+# the covering set: each mode once, each layout once (selective on one CPU process and under TP with sequence
+# parallelism, full under FSDP2 for a GPU); the other cells of mode x layout are the matrix tier
+MODEL_COVERING = {("selective", "cpu"), ("full", "cuda-fsdp2"), ("selective", "cpu-tp2-sp")}
+
+
 @pytest.mark.e2e
-@pytest.mark.parametrize("device, layout", [("cpu", {}), ("cuda", {"dp": 2, "zero_stage": 3}),
-                                            ("cpu", {"tp": 2, "sequence_parallel": True})],
-                         ids=["cpu", "cuda-fsdp2", "cpu-tp2-sp"])
-@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("mode, device, layout", [
+    pytest.param(mode, *MODEL_LAYOUTS[name], id=f"{mode}-{name}",
+                 marks=() if (mode, name) in MODEL_COVERING else pytest.mark.matrix)
+    for name in MODEL_LAYOUTS for mode in ("full", "selective")])
 def test_the_memory_model_matches_the_traced_peak_of_checkpointed_layers(device, layout, mode):
     """The whole peak within 3%: the checkpointed layers' inputs and kept outputs, and the recompute of one layer in
     backward, which starts once the loss has freed its logits (counting both overshot full checkpointing by 18-29%

@@ -12,25 +12,38 @@ import pytest
 
 from hp_tool.estimate.layout import Hardware
 from hp_tool.estimate.memory import logits_bytes
-from hp_tool.memory_check import trace_key, trace_one
+from hp_tool.memory_check import trace_key
 from hp_tool.trial.trace.extrapolate import stage_units, with_units
 from hp_tool.trial.trace.limits import untraceable_reason
-from hp_tool.trial.trace.replay import states_and_kept_bytes, trace_stage
+from trace_cache import states_and_kept_bytes, trace_one, trace_stage
 from test_memtrace import REL_TOL, measured_peak
 from trial_helpers import long_context_spec
 
 CHUNK = 64  # tokens per chunk of the chunked loss: an eighth of a micro-batch's 512
 
 
+def _ids(v: dict) -> str:
+    return "-".join(f"{k}{x}" for k, x in v.items())
+
+
+def _cells(*cells: dict, matrix: tuple[int, ...] = ()) -> list:
+    """``cells`` as parameters, the indices in ``matrix`` marked for the matrix tier; ids as before."""
+    return [pytest.param(c, id=_ids(c) or "single", marks=pytest.mark.matrix if i in matrix else ())
+            for i, c in enumerate(cells)]
+
+
 @pytest.mark.e2e
-@pytest.mark.parametrize("savers", [
+@pytest.mark.parametrize("savers", _cells(
     dict(loss="chunked", loss_chunk_tokens=CHUNK),
     dict(tp=2, sequence_parallel=True),
     dict(tp=2, sequence_parallel=True, activation_offload=True),  # on CPU offload moves nothing
-], ids=lambda v: "-".join(f"{k}{x}" for k, x in v.items()))
-def test_traced_peak_matches_the_real_runs_peak_per_rank(tmp_path, savers):
+    # the covering set: the chunked loss, and SP with offload on (a superset of SP alone, which on a CPU rank it
+    # equals: test_a_cpu_rank_keeps_its_saved_activations); SP alone is the matrix tier's
+    matrix=(1,)))
+def test_traced_peak_matches_the_real_runs_peak_per_rank(tmp_path_factory, savers):
+    """The real run is ``trial_helpers.launched`` (one launch per spec and session, as tests/test_memtrace.py's)."""
     spec = long_context_spec(max_steps=3, warmup_steps=2, **savers)  # two untimed steps are measured
-    measured = measured_peak(tmp_path, spec)
+    measured = measured_peak(tmp_path_factory, spec)
     assert measured > 0
     assert trace_stage(spec).peak_gib == pytest.approx(measured, rel=REL_TOL)
 
@@ -63,12 +76,15 @@ def _kept(spec) -> float:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("layout", [
+@pytest.mark.parametrize("layout", _cells(
     dict(),
     dict(loss="chunked", loss_chunk_tokens=CHUNK),
     dict(tp=2, sequence_parallel=True),  # DTensors saved: offloaded by their local shards
     dict(dp=2, zero_stage=3),
-], ids=lambda v: "-".join(f"{k}{x}" for k, x in v.items()) or "single")
+    # the covering set: offload under TP with SP (DTensors saved, the path of its own; 12 s). One rank, the chunked
+    # loss (offload does not touch the loss) and FSDP2 are the matrix tier's (offload over FSDP2 is traced in the
+    # default run against the memory model: tests/test_long_context_memory.py's activation_offload cell)
+    matrix=(0, 1, 3)))
 def test_offloaded_activations_leave_the_gpu(layout):
     """Traced for a GPU (bf16), with activation offload forward leaves nothing of the layers on the device,
     so the peak grows with the layers by their states and little else (where backward peaks, one layer's
@@ -93,12 +109,14 @@ def test_a_cpu_rank_keeps_its_saved_activations():
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("savers", [
+@pytest.mark.parametrize("savers", _cells(
     dict(loss="chunked", loss_chunk_tokens=CHUNK),
     dict(tp=2, sequence_parallel=True),
     dict(activation_offload=True),
     dict(tp=2, dp=2, sequence_parallel=True, activation_offload=True, act_ckpt=4),
-], ids=lambda v: "-".join(f"{k}{x}" for k, x in v.items()))
+    # the covering set: each saver alone (each its own cache key); all of them together over TP x DP with
+    # checkpointing is the matrix tier's
+    matrix=(3,)))
 def test_memory_check_traces_the_savers(savers):
     """``memory_check`` traces specs with the savers (none is refused, each has its own cache key), and an
     8-layer stage extrapolated from shallow builds is its whole trace within 1%."""

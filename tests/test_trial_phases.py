@@ -19,7 +19,7 @@ from hp_tool.launch.job import JobSpec, write_job_failure
 from hp_tool.trial import train as trial_train
 from hp_tool.trial.engines.base import FAIL_RANK_ENV, FAIL_STEP_ENV
 from hp_tool.trial.train import run_trial
-from trial_helpers import REPO, read_result, tiny_spec, write_spec
+from trial_helpers import REPO, read_result, tiny_spec, trial_process, write_spec
 
 
 def rows(*marks):
@@ -185,11 +185,10 @@ def test_on_cpu_the_tensor_tracker_counts_the_untimed_steps(monkeypatch):
 
 
 def _trial_process(tmp_path, spec) -> dict:
-    """A trial in a process of its own, as a job runs one (DeepSpeed keeps its groups per process)."""
+    """A trial in a process of its own, as a job runs one (DeepSpeed keeps its groups per process): forked from
+    the warm process (trial_helpers.trial_process), so it spends no seconds importing torch again."""
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "hp_tool.trial.train", str(write_spec(spec, tmp_path)),
-                           "--output-dir", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    proc = trial_process(write_spec(spec, tmp_path), out, timeout=300)
     assert (out / "result.json").exists(), proc.stderr[-3000:]
     return read_result(out)
 

@@ -3,7 +3,12 @@
 ``torchrun`` starts the engine's ranks as torchrun would (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT, one
 thread each, gloo): forked from the warm process the local CPU jobs fork from (hp_tool/launch/backends/warm.py),
 which has imported the engine once, so a launch spends no seconds importing torch and transformers per rank; with
-``env`` (variables torch reads as it is imported) through torchrun itself."""
+``env`` (variables torch reads as it is imported) through torchrun itself. ``torchrun_module`` starts another entry's
+ranks (the inference worker's) the same way; ``trial_process`` runs one trial in a warm fork of its own, as a job
+runs one, without torchrun's variables.
+
+``launched`` runs a spec once per test session (the same spec, from any test file, reads the first launch's
+output): several test files launch the same tiny layouts (their losses in one, their measured peaks in another)."""
 
 from __future__ import annotations
 
@@ -84,25 +89,57 @@ def free_port() -> int:
 
 
 def torchrun(spec_path: Path, out: Path, nproc: int, env: dict | None = None,
-             timeout: float = 120) -> subprocess.CompletedProcess:
+             timeout: float = 120, torch_logs: str | None = None) -> subprocess.CompletedProcess:
     """Run the engine's ``nproc`` CPU ranks (gloo) on ``spec_path`` (module docstring): forked from the warm
-    process, or under torchrun with ``env``; the ranks' output in order, the first failing rank's exit code."""
+    process, or under torchrun with ``env``; the ranks' output in order, the first failing rank's exit code.
+    ``torch_logs``: TORCH_LOGS for the forked ranks (e.g. "dynamo"), torch's logging set up from it in each rank
+    as torch's import does, so a launch that reads torch's logs needs no torchrun of its own."""
     argv = [str(spec_path), "--output-dir", str(out)]
     if env:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
                f"--master-port={free_port()}", "-m", "hp_tool.trial.train", *argv]
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **env}
         return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    extra = {"TORCH_LOGS": torch_logs} if torch_logs else {}
+    return _forked("hp_tool.trial.train", argv, Path(out).parent / f".{Path(out).name}_ranks", nproc, timeout,
+                   extra)
+
+
+def torchrun_module(module: str, argv: list[str], logs: Path, nproc: int,
+                    timeout: float = 120) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node nproc -m module *argv`` as ``torchrun`` runs the trial entry: ``nproc`` ranks
+    forked from the warm process with torchrun's variables, each calling ``module.main(argv)``; the ranks' output
+    under ``logs``, in order, the first failing rank's exit code."""
+    return _forked(module, [str(a) for a in argv], Path(logs), nproc, timeout)
+
+
+def trial_process(spec_path: Path, out: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python -m hp_tool.trial.train spec_path --output-dir out`` as a job runs a one-process trial: a process of
+    its own (forked from the warm process, so it imports nothing again) with the launch's environment and no
+    torchrun variables; its output, its exit code."""
+    argv = [str(spec_path), "--output-dir", str(out)]
+    return _forked("hp_tool.trial.train", argv, Path(out).parent / f".{Path(out).name}_process", None, timeout)
+
+
+def _forked(module: str, argv: list[str], logs: Path, nproc: int | None, timeout: float,
+            extra: dict | None = None) -> subprocess.CompletedProcess:
+    """``nproc`` ranks of ``module.main(argv)`` forked from the warm process with torchrun's variables (``nproc``
+    None: one process without them); their output in order, the first failing one's exit code."""
     from hp_tool.launch.backends import warm
 
-    logs = Path(out).parent / f".{Path(out).name}_ranks"
     logs.mkdir(parents=True, exist_ok=True)
-    # the launch's environment now, as torchrun hands it on (not the warm process's), and torchrun's variables
-    ranks = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nproc),
-             "LOCAL_WORLD_SIZE": str(nproc)}
-    procs = [warm.context().Process(target=_rank, args=(argv, {**ranks, "RANK": str(r), "LOCAL_RANK": str(r)},
-                                                        str(logs / f"{r}.out"), str(logs / f"{r}.err")))
-             for r in range(nproc)]
+    if nproc is None:
+        envs = [{**os.environ, **(extra or {})}]
+    else:
+        # the launch's environment now, as torchrun hands it on (not the warm process's), and torchrun's variables
+        ranks = {**os.environ, **(extra or {}), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+                 "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc)}
+        envs = [{**ranks, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(nproc)]
+    nproc = len(envs)
+    logging_from_env = "TORCH_LOGS" in (extra or {})
+    procs = [warm.context().Process(target=_rank, args=(argv, env, str(logs / f"{r}.out"), str(logs / f"{r}.err"),
+                                                        module, logging_from_env))
+             for r, env in enumerate(envs)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
@@ -120,12 +157,16 @@ def torchrun(spec_path: Path, out: Path, nproc: int, env: dict | None = None,
     return subprocess.CompletedProcess(argv, code, stdout, stderr)
 
 
-def _rank(argv: list[str], ranks: dict, out: str, err: str) -> None:
+def _rank(argv: list[str], ranks: dict, out: str, err: str, module: str = "hp_tool.trial.train",
+          logging_from_env: bool = False) -> None:
     """One rank in a fork of the warm process: torchrun's variables, one thread, its output in ``out``/``err``,
-    the trial entry's exit code."""
+    the exit code of ``module``'s ``main`` (the trial entry's by default); with ``logging_from_env`` torch's logging
+    set up again from the rank's TORCH_LOGS."""
+    import importlib
+
     import torch
 
-    from hp_tool.trial.train import main
+    main = importlib.import_module(module).main
 
     with open(out, "w") as o, open(err, "w") as e:
         os.dup2(o.fileno(), 1)
@@ -135,6 +176,10 @@ def _rank(argv: list[str], ranks: dict, out: str, err: str) -> None:
     os.environ.clear()
     os.environ.update(ranks, OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
+    if logging_from_env:  # torch read TORCH_LOGS as it was imported, in the warm process: again, as its import does
+        from torch._logging._internal import _init_logs
+
+        _init_logs()
     code = 1
     try:
         code = main(argv)
@@ -148,6 +193,47 @@ def _rank(argv: list[str], ranks: dict, out: str, err: str) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code or 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One launch of ``spec`` (``launched``): its output folder, the launch's exit code and the ranks' output (empty
+    for one process, which ran in the test process)."""
+
+    spec: TrialSpec
+    out: Path
+    returncode: int
+    stdout: str
+    stderr: str
+
+    def result(self) -> dict:
+        return read_result(self.out)
+
+    def metrics(self) -> list[dict]:
+        return read_metrics(self.out)
+
+
+_LAUNCHED: dict[str, Launch] = {}
+
+
+def launched(tmp_path_factory, spec: TrialSpec) -> Launch:
+    """``spec`` run once per test session: one process in this process (``run_trial``), more as ``torchrun``'s
+    ranks; the same spec again, from any test file, gets that launch. Its readers only read its output folder
+    (a test that writes there copies it first)."""
+    key = json.dumps(spec.to_dict(), sort_keys=True, default=str)
+    if key not in _LAUNCHED:
+        folder = tmp_path_factory.mktemp(f"launched_{spec.trial_id}"[:60])
+        out = folder / "out"
+        world = spec.resources.num_nodes * spec.resources.gpus_per_node
+        if world == 1:
+            from hp_tool.trial.train import exit_code, run_trial
+
+            code = exit_code(run_trial(write_spec(spec, folder), str(out)))
+            proc = subprocess.CompletedProcess([], code, "", "")
+        else:
+            proc = torchrun(write_spec(spec, folder), out, world)
+        _LAUNCHED[key] = Launch(spec, out, proc.returncode, proc.stdout, proc.stderr)
+    return _LAUNCHED[key]
 
 
 def read_result(out: Path) -> dict:

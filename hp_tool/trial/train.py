@@ -269,7 +269,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s rank{tdist.read_env().rank} %(levelname)s %(name)s: %(message)s")
-    result = run_trial(args.spec, args.output_dir, phases.process_start_unix())
+    return exit_code(run_trial(args.spec, args.output_dir, phases.process_start_unix()))
+
+
+def exit_code(result: dict) -> int:
+    """A trial process's exit code for its result: 0 when it ran as asked (ok, timed out or cancelled), else 1."""
     return 0 if result["status"] in ("ok", "timeout", "cancelled") else 1
 
 
