@@ -1,5 +1,5 @@
-"""Test tiers: tests that run something end to end (start processes, train or trace a model, plan every
-shipped config) carry the ``e2e`` marker, so ``-m "not e2e and not slurm"`` is the fast tier: it runs in the
+"""Test tiers: tests that run something end to end (start processes, train or trace a model, sweep every
+shipped preset or published run) carry the ``e2e`` marker, so ``-m "not e2e and not slurm"`` is the fast tier: it runs in the
 test process alone. With HP_TOOL_CHECK_TIERS=1 an unmarked test that starts a process fails,
 naming what it started (the process is not started). The ``matrix`` tier (every layout x family product)
 is left out of the default run (pyproject's addopts) and run with ``-m matrix``.

@@ -79,6 +79,7 @@ def fake_command(folder: Path, name: str, output: str) -> None:
 
 # ------------------------------------------------------------------------------------------ presets
 
+@pytest.mark.e2e  # a sweep of every shipped preset
 def test_every_gpu_preset_is_shipped_and_documents_each_value_with_a_source():
     assert set(available("gpu")) == set(GPUS)
     for name in GPUS:

@@ -45,6 +45,7 @@ def app(*overrides: str):
 
 # ---------------------------------------------------------------------------------------------- presets
 
+@pytest.mark.e2e  # a sweep of every shipped preset
 @pytest.mark.parametrize("preset", PRESETS)
 def test_every_gpu_preset_names_its_hosts_cpu_threads_with_a_source(preset):
     """Each shipped preset (but the CPU budget preset, whose machine varies) gives its node's threads, with the

@@ -25,6 +25,7 @@ LABELS = {"a100_40gb": 40, "a100_80gb": 80, "a10g": 24, "a10g_g5_4xlarge": 24, "
           "rtx_4090": 24, "rtx_6000_ada": 48, "rtx_a5000": 24, "rtx_a6000": 48}
 
 
+@pytest.mark.e2e  # a sweep of every shipped preset
 @pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.stem)
 def test_each_gpu_preset_gives_the_devices_real_total_in_gib(path):
     """A preset's memory is what the device reports (a little under its label in GiB: ECC and the driver's

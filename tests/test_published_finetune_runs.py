@@ -23,7 +23,8 @@ bench = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = bench  # its dataclasses resolve their annotations through the module
 spec.loader.exec_module(bench)
 
-pytestmark = pytest.mark.skipif(not bench.DATA.is_file(), reason=f"{bench.DATA} is not in this checkout")
+pytestmark = [pytest.mark.e2e,  # plans every published fine-tuning run
+              pytest.mark.skipif(not bench.DATA.is_file(), reason=f"{bench.DATA} is not in this checkout")]
 
 
 @pytest.fixture(scope="module")

@@ -41,6 +41,7 @@ def nemo_flops(L, h, F, V, s_e, s_d, B):
     return 3 * (L * (enc + dec) + 2 * B * s_d * h * V)
 
 
+@pytest.mark.e2e  # a sweep of every shipped preset
 @pytest.mark.parametrize("family, size", [(f, s) for f, sizes in PRESETS.items() for s in sizes])
 def test_every_t5_and_mt5_preset_plans(tmp_path, family, size):
     assert f"{family}/{size}" in available_search_configs()
