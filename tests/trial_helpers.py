@@ -2,8 +2,8 @@
 
 ``torchrun`` starts the engine's ranks as torchrun would (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT, one
 thread each, gloo): forked from the warm process the local CPU jobs fork from (hp_tool/launch/backends/warm.py),
-which has imported the engine once, so a launch spends no seconds importing torch and transformers per rank; with
-``env`` (variables torch reads as it is imported) through torchrun itself. ``torchrun_module`` starts another entry's
+which has imported the engine once, so a launch spends no seconds importing torch and transformers per rank (a
+real ``torch.distributed.run`` launch: tests/test_loss_scaling.py). ``torchrun_module`` starts another entry's
 ranks (the inference worker's) the same way; ``trial_process`` runs one trial in a warm fork of its own, as a job
 runs one, without torchrun's variables.
 
@@ -88,18 +88,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(spec_path: Path, out: Path, nproc: int, env: dict | None = None,
-             timeout: float = 120, torch_logs: str | None = None) -> subprocess.CompletedProcess:
-    """Run the engine's ``nproc`` CPU ranks (gloo) on ``spec_path`` (module docstring): forked from the warm
-    process, or under torchrun with ``env``; the ranks' output in order, the first failing rank's exit code.
+def torchrun(spec_path: Path, out: Path, nproc: int, timeout: float = 120,
+             torch_logs: str | None = None) -> subprocess.CompletedProcess:
+    """Run the engine's ``nproc`` CPU ranks (gloo) on ``spec_path`` (module docstring), forked from the warm
+    process; the ranks' output in order, the first failing rank's exit code.
     ``torch_logs``: TORCH_LOGS for the forked ranks (e.g. "dynamo"), torch's logging set up from it in each rank
     as torch's import does, so a launch that reads torch's logs needs no torchrun of its own."""
     argv = [str(spec_path), "--output-dir", str(out)]
-    if env:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-               f"--master-port={free_port()}", "-m", "hp_tool.trial.train", *argv]
-        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **env}
-        return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
     extra = {"TORCH_LOGS": torch_logs} if torch_logs else {}
     return _forked("hp_tool.trial.train", argv, Path(out).parent / f".{Path(out).name}_ranks", nproc, timeout,
                    extra)
