@@ -43,20 +43,18 @@ def fsdp(dropout: float, hw: Hardware, method: str = "lora", **change) -> Layout
 READ, FREED = 6 * H + F, 2 * H + F
 
 
-@pytest.mark.parametrize("p, mask, casts, expected", [
-    (2, 1, False, 3 * READ - 2 * FREED),  # a GPU over bf16 weights (FSDP2, replicate, DeepSpeed): copy + bool mask
-    (2, 1, True, 3 * READ - 2 * FREED),  # one GPU, fp32 adapters under autocast: the copy is A's bf16 cast
-    (4, 4, False, 8 * READ - 4 * FREED),  # a CPU in fp32: the dropped-out input and the fp32 noise torch keeps
+@pytest.mark.parametrize("p, mask, expected", [
+    (2, 1, 3 * READ - 2 * FREED),  # a GPU in bf16 (fp32 adapters too: their input is never cast): copy + bool mask
+    (4, 4, 8 * READ - 4 * FREED),  # a CPU in fp32: the dropped-out input and the fp32 noise torch keeps
 ])
-def test_dropout_term_is_each_adapters_copy_and_mask_less_the_freed_inputs(p, mask, casts, expected):
-    assert adapter_input_bytes(LLAMA2_7B, lora(0.05), 1, p, mask, casts) == expected
-    assert adapter_input_bytes(LLAMA2_7B, lora(0.3), 1, p, mask, casts) == expected  # the rate does not change the bytes
+def test_dropout_term_is_each_adapters_copy_and_mask_less_the_freed_inputs(p, mask, expected):
+    assert adapter_input_bytes(LLAMA2_7B, lora(0.05), 1, p, mask) == expected
+    assert adapter_input_bytes(LLAMA2_7B, lora(0.3), 1, p, mask) == expected  # the rate does not change the bytes
 
 
 def test_dropout_0_keeps_the_inputs_once_as_full_training_does():
-    assert adapter_input_bytes(LLAMA2_7B, lora(0.0), 1, 2, 1, casts_inputs=False) == 0
-    # autocast's casts for fp32 adapters (one GPU): each adapter's A keeps its own bf16 copy of its input
-    assert adapter_input_bytes(LLAMA2_7B, lora(0.0), 1, 2, 1, casts_inputs=True) == 2 * READ - 2 * FREED
+    # fp32 adapters under bf16 autocast too: A reads the bf16 input as it is (tests/test_adapter_dispatch.py)
+    assert adapter_input_bytes(LLAMA2_7B, lora(0.0), 1, 2, 1) == 0
     # q and v only: the MLP's inputs (its norm's output, down's input) are kept by nothing
     assert adapter_input_bytes(LLAMA2_7B, lora(0.0, ("q_proj", "v_proj")), 1, 2) == -2 * (H + F)
     # with dropout q and v each keep a copy and a mask, and nothing keeps the attention norm's output

@@ -79,13 +79,13 @@ def layer_activation_bytes(shape: Shape, layout: Layout, hw: Hardware, encoder: 
     under torch.compile less what Inductor recomputes (``Family.compiled_saving``), where the family counts them."""
     bpv = layout.bytes_per_value
     return _layer_activation_bytes(shape, layout.lora, layout.mbs, layout.tp, layout.sequence_parallel, bpv,
-                                   hw.flash_attention, encoder, bpv if hw.device_is_host else 1,
-                                   autocast_casts_weights(layout, hw), hw.fused_norms, layout.compile)
+                                   hw.flash_attention, encoder, bpv if hw.device_is_host else 1, hw.fused_norms,
+                                   layout.compile)
 
 
 @cached
 def _layer_activation_bytes(shape: Shape, lora: Optional[Adapters], mbs: int, tp: int, sp: bool, bpv: int, flash: bool,
-                            encoder: bool, mask_bytes: int, casts: bool, fused_norms: bool = False,
+                            encoder: bool, mask_bytes: int, fused_norms: bool = False,
                             compiled: bool = False) -> float:
     facts, fused = shape.facts, 0.0
     if (fused_norms or compiled) and facts.fused_norm_saving is not None and not encoder:
@@ -93,7 +93,7 @@ def _layer_activation_bytes(shape: Shape, lora: Optional[Adapters], mbs: int, tp
     if compiled and facts.compiled_saving is not None and not encoder:
         fused += facts.compiled_saving(shape, mbs, tp, sp, bpv)
     return (facts.activation_bytes(shape, mbs, tp, sp, bpv, flash, encoder) - fused
-            + activation_delta_bytes(shape, lora, mbs, tp, sp, bpv, mask_bytes, casts))
+            + activation_delta_bytes(shape, lora, mbs, tp, sp, bpv, mask_bytes))
 
 
 def autocast_casts_weights(layout: Layout, hw: Hardware) -> bool:

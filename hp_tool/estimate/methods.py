@@ -70,7 +70,7 @@ def layer_training_flops(shape: Shape, forward: float, lora: Optional[Adapters] 
 
 
 def activation_delta_bytes(shape: Shape, lora: Optional[Adapters], mbs: int, tp: int, sequence_parallel: bool,
-                           bytes_per_value: int, mask_bytes: int = 1, casts_inputs: bool = False) -> float:
+                           bytes_per_value: int, mask_bytes: int = 1) -> float:
     """What an adapter method changes in one layer's saved activations, one micro-batch: each adapter keeps
     its A's output (r values a token) for B's gradient; the layer's two norms, their weights frozen, no
     longer keep their normalised output (kept for the weights' gradients only); and what the adapters keep
@@ -80,22 +80,20 @@ def activation_delta_bytes(shape: Shape, lora: Optional[Adapters], mbs: int, tp:
     tokens = mbs * shape.seq_length
     adapters = tokens * lora.rank * len(lora.target_modules) * bytes_per_value
     norms = 2 * tokens * shape.hidden_size * bytes_per_value / (tp if sequence_parallel else 1)
-    return adapters - norms + tokens * adapter_input_bytes(shape, lora, tp, bytes_per_value, mask_bytes,
-                                                           casts_inputs)
+    return adapters - norms + tokens * adapter_input_bytes(shape, lora, tp, bytes_per_value, mask_bytes)
 
 
-def adapter_input_bytes(shape: Shape, lora: Adapters, tp: int, bytes_per_value: int, mask_bytes: int = 1,
-                        casts_inputs: bool = False) -> float:
+def adapter_input_bytes(shape: Shape, lora: Adapters, tp: int, bytes_per_value: int, mask_bytes: int = 1) -> float:
     """Bytes per token (on a TP rank: a row-split linear's input is 1/TP of its width) by which what one layer
     keeps of its linear modules' inputs differs from the family's formula, which keeps each input once (the
     family's ``linear_inputs``) for the weights' gradients.
 
     peft runs each adapter as ``lora_A(dropout(x))``, and A keeps its input for its gradient; the frozen base
     keeps none. So an input stays only where the layer holds it anyway (``held``: the attention's output) or
-    an adapter's A reads it as it is (dropout 0, peft's ``nn.Identity``, and no cast). Each adapter keeps its
-    own input-sized copy in the compute dtype when its dropout is above 0 (q, k and v read one tensor but drop
-    it out apart) or when autocast casts its input for A (``casts_inputs``: the torch engine on one rank, fp32
-    adapters under 16-bit autocast; peft first casts x to A's fp32). With dropout also its mask,
+    an adapter's A reads it as it is (dropout 0, peft's ``nn.Identity``; the engine never casts an adapter's
+    input: hp_tool/trial/methods.py ``inject_adapters``). Each adapter keeps its own input-sized copy in the
+    compute dtype when its dropout is above 0 (q, k and v read one tensor but drop it out apart). With dropout
+    also its mask,
     ``mask_bytes`` an element: 1 on a GPU, where torch's dropout runs ``native_dropout``, which keeps a bool
     mask; on a CPU torch's dropout multiplies by a noise tensor of the input's dtype and keeps that
     (``bytes_per_value``, 4 in fp32). The trace runs each as its target does (hp_tool/trial/trace/replay.py
@@ -104,9 +102,8 @@ def adapter_input_bytes(shape: Shape, lora: Adapters, tp: int, bytes_per_value: 
     linears, targets = linear_shapes(shape), set(lora.target_modules)
     rowwise = {m.name for m in shape.facts.layer_matmuls(shape) if m.split == "rowwise"} \
         if shape.facts.layer_matmuls is not None else set()
-    dropout = lora.dropout > 0
-    own = dropout or casts_inputs
-    per_adapter = (bytes_per_value if own else 0) + (mask_bytes if dropout else 0)
+    own = dropout = lora.dropout > 0
+    per_adapter = (bytes_per_value + mask_bytes) if dropout else 0
     total = 0.0
     for tensor in shape.facts.linear_inputs:
         width = linears[tensor.readers[0]][0] / (tp if tensor.readers[0] in rowwise else 1)

@@ -25,11 +25,18 @@ def is_adapter(name: str) -> bool:
 
 def inject_adapters(stage: nn.Module, lora: LoraSpec) -> None:
     """LoRA's adapters (peft) on ``lora``'s target modules of every layer of ``stage`` (on meta), every other
-    parameter frozen."""
+    parameter frozen. An adapter reads its linear's input as it comes, in the compute dtype: peft's cast of the
+    input to the adapter's dtype is off (``cast_input_dtype_enabled``), so fp32 adapters under 16-bit autocast
+    cost a cast of A and B (rank x width each) per forward, not an fp32 copy of each input and its cast back
+    (kept for A's gradient), as tuned stacks run them."""
     from peft import LoraConfig, inject_adapter_in_model  # optional: only adapter methods import peft
+    from peft.tuners.tuners_utils import BaseTunerLayer
 
     inject_adapter_in_model(LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                                        target_modules=list(lora.target_modules), bias="none"), stage)
+    for module in stage.modules():
+        if isinstance(module, BaseTunerLayer):
+            module.cast_input_dtype_enabled = False
     for name, param in stage.named_parameters():
         param.requires_grad_(is_adapter(name))
 
