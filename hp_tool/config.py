@@ -26,6 +26,7 @@ from hp_tool.estimate.layout import EFFICIENCY_FIELDS
 from hp_tool.sharding import checkpoint_mode_problem
 from hp_tool.vocab import trial_device  # noqa: F401 - re-exported: the planner's callers ask it here
 from hp_tool.dimensions import DIMENSIONS
+from hp_tool.recipe import LORA_DROPOUT
 from hp_tool.engine_facts import engine_facts
 from hp_tool.vocab import CLUSTER_TYPES, FINETUNE, MEMORY_CHECKS, PRECISIONS, STRATEGIES
 
@@ -206,7 +207,7 @@ class LoraSettings:
 
     rank: int = 16  # r: the adapters' inner width
     alpha: float = 32.0  # the update is scaled by alpha / r
-    dropout: float = 0.05  # dropout on the adapters' input (above 0 each adapter keeps its own copy of it and a mask)
+    dropout: float = LORA_DROPOUT  # dropout on the adapters' input (0, as peft and torchtune default; above 0 each adapter keeps its own copy of it and a mask)
     target_modules: Optional[List[str]] = None  # a layer's linear modules to adapt; null = every one
 
     def __post_init__(self) -> None:

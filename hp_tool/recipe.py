@@ -65,6 +65,11 @@ class Degrees:
         return self.tp * self.pp
 
 
+# LoRA's adapter dropout unless the search sets one: 0, peft's and torchtune's default (above 0 each adapter keeps
+# its own dropped-out input and mask, and drops it out forward and backward)
+LORA_DROPOUT = 0.0
+
+
 @dataclass(frozen=True)
 class Adapters:
     """A LoRA / QLoRA method's low-rank adapters (peft's LoraConfig; a TrialSpec's ``model.lora``)."""
@@ -73,7 +78,7 @@ class Adapters:
     alpha: float = 32.0
     # dropout on the adapters' input: above 0 each adapter keeps its own dropped-out input and mask for
     # backward (estimate/methods.py)
-    dropout: float = 0.05
+    dropout: float = LORA_DROPOUT
     target_modules: tuple[str, ...] = ()  # the linear modules adapted in every layer
 
 

@@ -23,7 +23,7 @@ from hp_tool.dimensions import BY_NAME, DIMENSIONS, fingerprint_defaults
 from hp_tool.families import family
 from hp_tool.errors import ConfigError, require
 from hp_tool.estimate.layout import Layout
-from hp_tool.recipe import LOSS_CHUNK_TOKENS, SECTIONS, Adapters, Degrees, Recipe
+from hp_tool.recipe import LORA_DROPOUT, LOSS_CHUNK_TOKENS, SECTIONS, Adapters, Degrees, Recipe
 from hp_tool.fingerprint import fingerprint_of
 from hp_tool.fsutil import atomic_write_text
 from hp_tool.sharding import combination_problem
@@ -37,7 +37,7 @@ class LoraSpec:
 
     rank: int = 16
     alpha: float = 32.0
-    dropout: float = 0.05
+    dropout: float = LORA_DROPOUT
     target_modules: List[str] = field(default_factory=list)  # a layer's linear modules, by name
 
     def __post_init__(self) -> None:
