@@ -10,42 +10,23 @@
     tests/test_long_context.py (every saver trained and ranked) and tests/test_finetune.py (its per-epoch columns
     at another sequence length).
 
-Their readers only read the results folder (a test that writes there copies it first). Each fixture keeps the
-command's exit code and output, which its readers assert on first, so a failed search fails each reader with the
-search's own output. No tests here."""
+Their readers only read the results folder (a test that writes there copies it first). Each fixture is a
+``shared_searches.Searched`` of one command (its exit code and output, which its readers assert on first, so a
+failed search fails each reader with the search's own output). No tests here."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from shared_searches import Searched, _run
 
 REPO = Path(__file__).resolve().parent.parent
 TS = "search_config.train_settings"
 
-__all__ = ["FinetuneSearch", "finetune_methods_search", "finetune_savers_search"]
-
-
-@dataclass(frozen=True)
-class FinetuneSearch:
-    """A finished search: its command's exit code and output, and finetune/tiny's results folder."""
-
-    returncode: int
-    stdout: str
-    stderr: str
-    results: Path  # <base_results_dir>/finetune/tiny
-
-    @property
-    def output(self) -> str:
-        """The end of what the command printed: the message of a reader's first assert."""
-        return self.stdout[-3000:] + self.stderr[-3000:]
-
-    @property
-    def final(self) -> Path:
-        return self.results / "final_results"
+__all__ = ["finetune_methods_search", "finetune_savers_search"]
 
 
 # full, LoRA (rank 16, every linear) and QLoRA in the same layout: 3 trials (exhaustive), one per method
@@ -67,22 +48,24 @@ SAVERS_TRIALS = 5
 
 
 @pytest.fixture(scope="session")
-def finetune_methods_search(tmp_path_factory) -> FinetuneSearch:
+def finetune_methods_search(tmp_path_factory) -> Searched:
     """``python3 main.py`` over the three methods as a process (the real command line, its own interpreter, the
     local backend's warm process and its default, traced, memory check): the suite's one fine-tuning search run
     end to end as a user runs it."""
     base = tmp_path_factory.mktemp("finetune_methods")
     proc = subprocess.run([sys.executable, str(REPO / "main.py"), *METHODS_SEARCH, f"base_results_dir={base}"],
                           capture_output=True, text=True, timeout=600, cwd=base)
-    return FinetuneSearch(proc.returncode, proc.stdout, proc.stderr, base / "finetune" / "tiny")
+    results = base / "finetune" / "tiny"
+    return Searched(results, (_run(results, proc.returncode, proc.stdout, proc.stderr),))
 
 
 @pytest.fixture(scope="session")
-def finetune_savers_search(tmp_path_factory) -> FinetuneSearch:
+def finetune_savers_search(tmp_path_factory) -> Searched:
     """The savers search through the CLI's entry in this process (the orchestrating process is not what its
     readers test; the trials still run as processes of their own on the local backend)."""
     from search_helpers import main_here
 
     base = tmp_path_factory.mktemp("finetune_savers")
     proc = main_here(*SAVERS_SEARCH, f"base_results_dir={base}", cwd=base)
-    return FinetuneSearch(proc.returncode, proc.stdout, proc.stderr, base / "finetune" / "tiny")
+    results = base / "finetune" / "tiny"
+    return Searched(results, (_run(results, proc.returncode, proc.stdout, proc.stderr),))

@@ -229,9 +229,10 @@ def test_tiny_fine_tuning_search_ranks_real_trials_per_epoch(request, search, tr
     """A real search of finetune/tiny ranks every trial it ran with its per-epoch figures: the two searches of
     tests/shared_finetune_searches.py (full, LoRA and QLoRA at 64 tokens; the long-context savers at 256), each
     at the preset's 1024 tokens a step and 0.1M tokens an epoch."""
-    run = request.getfixturevalue(search)
+    searched = request.getfixturevalue(search)
+    [run] = searched.runs
     assert run.returncode == 0, run.output
-    rows = list(csv.DictReader(open(run.final / "final_summary_1nodes.csv")))
+    rows = list(csv.DictReader(open(searched.final / "final_summary_1nodes.csv")))
     assert len(rows) == trials and [r["rank"] for r in rows] == [str(n) for n in range(1, trials + 1)]
     for r in rows:
         assert r["status"] == "ok" and f"_s{r['seq_length']}_" in r["trial_id"]

@@ -275,7 +275,8 @@ def test_a_tiny_search_over_the_savers_trains_and_ranks_each(finetune_savers_sea
     row name the savers it ran. The search is tests/shared_finetune_searches.py's (its per-epoch columns are
     tests/test_finetune.py's)."""
     search = finetune_savers_search
-    assert search.returncode == 0, search.output
+    [run] = search.runs
+    assert run.returncode == 0, run.output
     with open(search.final / "all_trials_1nodes.csv", newline="") as fh:
         rows = [r for r in csv.DictReader(fh) if r["status"] == "ok"]
     savers = sorted((r["tp"], r["cp"], r["sequence_parallel"], r["loss"]) for r in rows)

@@ -253,7 +253,8 @@ def test_tiny_search_ranks_trials_of_the_three_methods(finetune_methods_search):
     """finetune/tiny over full, LoRA and QLoRA, one trial each, searched for real (tests/shared_finetune_searches.py:
     the command line as a process, cluster=local, 2 CPU processes a trial)."""
     search = finetune_methods_search
-    assert search.returncode == 0, search.output
+    [run] = search.runs
+    assert run.returncode == 0, run.output
     summary = list(csv.DictReader(open(search.final / "final_summary_1nodes.csv")))
     assert {r["method"] for r in summary} == {"full", "lora", "qlora"} and all(r["trainable_parameters"] for r in summary)
     rows = list(csv.DictReader(open(search.final / "all_trials_1nodes.csv")))

@@ -18,7 +18,8 @@ from hp_tool.errors import ConfigError
 from hp_tool.memory_check import Tracer
 from hp_tool.planner import make_plan
 from hp_tool.trial.memterms import with_layout
-from trace_cache import extrapolated_stages, trace_stage, traced_stages, unit_terms
+from hp_tool.trial.trace.extrapolate import traced_stages
+from trace_cache import extrapolated_stages, trace_stage, unit_terms
 from search_helpers import main_here
 from trial_helpers import tiny_spec
 

@@ -58,13 +58,6 @@ def extrapolated_stages(spec: TrialSpec, device_type: str = "cpu", whole_units: 
         dict(extrapolate.extrapolated_stages(spec, device_type, units))), spec, device_type, units)
 
 
-def traced_stages(spec: TrialSpec) -> list[int]:
-    """``hp_tool.trial.trace.extrapolate.traced_stages`` (from the spec alone; a new list each call)."""
-    from hp_tool.trial.trace import extrapolate
-
-    return extrapolate.traced_stages(spec)
-
-
 def traced_peak_bytes(spec: TrialSpec, device_type: str = "cpu") -> float:
     """``hp_tool.trial.trace.extrapolate.traced_peak_bytes``: the busiest rank's extrapolated peak, bytes."""
     from hp_tool.trial.trace import extrapolate
@@ -111,7 +104,3 @@ def trace_one(spec: TrialSpec, device_type: str):
 
     return _once("trace_one", lambda: memory_check.trace_one(spec, device_type), spec, device_type)
 
-
-def cached() -> int:
-    """Entries held now (for a test of this module or a look at what the session shared)."""
-    return len(_CACHE)

@@ -102,13 +102,13 @@ def adapter_input_bytes(shape: Shape, lora: Adapters, tp: int, bytes_per_value: 
     linears, targets = linear_shapes(shape), set(lora.target_modules)
     rowwise = {m.name for m in shape.facts.layer_matmuls(shape) if m.split == "rowwise"} \
         if shape.facts.layer_matmuls is not None else set()
-    own = dropout = lora.dropout > 0
+    dropout = lora.dropout > 0  # each adapter drops its input out apart: its own copy and mask
     per_adapter = (bytes_per_value + mask_bytes) if dropout else 0
     total = 0.0
     for tensor in shape.facts.linear_inputs:
         width = linears[tensor.readers[0]][0] / (tp if tensor.readers[0] in rowwise else 1)
         readers = sum(name in targets for name in tensor.readers)
-        kept = tensor.held or (readers > 0 and not own)
+        kept = tensor.held or (readers > 0 and not dropout)
         total += readers * per_adapter * width - (0 if kept else bytes_per_value * width)
     return total
 
