@@ -45,6 +45,7 @@ NOT_ELEMENTWISE = ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product", "_fla
                    "embedding", "nll_loss", "_log_softmax")
 VIEWS = ("_unsafe_view", "detach", "alias", "lift_fresh")
 FFN = (128, 256)  # the two feed-forward widths at hidden 64
+SEQ = (16, 32)  # two micro-batch lengths: what an adapter moves per token against per micro-batch
 
 
 class _Bytes(TorchDispatchMode):
@@ -76,29 +77,34 @@ def _widened(model: ModelSpec, ffn: int) -> ModelSpec:
 
 
 def stage_bytes(model: ModelSpec, checkpointed: bool) -> tuple[int, int]:
-    """(forward, backward) element-wise bytes of the engine's stage of ``model`` in bf16 for one micro-batch."""
+    """(forward, backward) element-wise bytes of the engine's stage of ``model`` in bf16 for one micro-batch, its
+    weights held as a GPU trial holds them: bf16 (FSDP2's compute dtype) under full training; an adapter method's
+    frozen base in bf16 and its adapters fp32 (hp_tool/trial/weights.py ``hold_in``)."""
     device = torch.device("cpu")
-    stage, inputs = _stage(model, device, checkpointed).to(torch.bfloat16), _inputs(model, device)
+    stage, inputs = _stage(model, device, checkpointed), _inputs(model, device)
+    for param in stage.parameters():
+        if model.method == "full" or not param.requires_grad:
+            param.data = param.data.to(torch.bfloat16)
     count = _Bytes()
-    with torch.autocast("cpu", torch.bfloat16), count:  # as a GPU trial: bf16 weights (FSDP2's), bf16 autocast
+    with torch.autocast("cpu", torch.bfloat16), count:  # as a GPU trial: bf16 autocast
         out = _forward(stage, inputs)
         forward = count.bytes
         out.float().sum().backward()
     return forward, count.bytes - forward
 
 
-def _per_layer_token(name: str, method: str, ffn: int, checkpointed: bool) -> tuple[float, float]:
-    small, large = (_widened(tiny_model(name, layers, method), ffn) for layers in (2, 4))
+def _per_layer_token(name: str, method: str, ffn: int, checkpointed: bool, seq: int) -> tuple[float, float]:
+    small, large = (_widened(tiny_model(name, layers, method, seq), ffn) for layers in (2, 4))
     (f2, b2), (f4, b4) = stage_bytes(small, checkpointed), stage_bytes(large, checkpointed)
     per = (large.shape().pipeline_layers - small.shape().pipeline_layers) * small.seq_length
     return (f4 - f2) / per, (b4 - b2) / per
 
 
-def pass_bytes(name: str, method: str = "full", ffn: int = FFN[0]) -> tuple[float, float, float]:
-    """(forward, backward, recompute) element-wise bytes per token of one layer of family ``name`` at hidden 64
-    and feed-forward width ``ffn``."""
-    forward, backward = _per_layer_token(name, method, ffn, False)
-    _, checkpointed = _per_layer_token(name, method, ffn, True)
+def pass_bytes(name: str, method: str = "full", ffn: int = FFN[0], seq: int = SEQ[0]) -> tuple[float, float, float]:
+    """(forward, backward, recompute) element-wise bytes per token of one layer of family ``name`` at hidden 64,
+    feed-forward width ``ffn`` and ``seq`` tokens a micro-batch."""
+    forward, backward = _per_layer_token(name, method, ffn, False, seq)
+    _, checkpointed = _per_layer_token(name, method, ffn, True, seq)
     return forward, backward, checkpointed - backward
 
 
@@ -122,10 +128,17 @@ def layer_bytes(name: str) -> tuple[tuple[float, float], ...]:
 
 def adapter_bytes(name: str = "llama") -> tuple[float, float, float]:
     """(forward, backward, recompute) bytes per token LoRA adds per input and output feature of an adapted linear
-    (every linear of ``name``'s layer adapted)."""
-    full, lora = pass_bytes(name), pass_bytes(name, "lora")
+    (every linear of ``name``'s layer adapted, dropout 0). What an adapter moves per micro-batch whatever its
+    tokens (the casts of fp32 A and B to bf16 and of their gradients back: about 17 x rank bytes per feature,
+    under 3% of the per-token bytes at rank 16 and 2048 tokens) is separated out by counting at two micro-batch
+    lengths (bytes per token = a + b / tokens); the per-token part, a, is returned."""
     features = sum(i + o for i, o in linear_shapes(tiny_model(name, 2).shape()).values())
-    return tuple((a - f) / features for f, a in zip(full, lora))
+    per_seq = []
+    for seq in SEQ:
+        full, lora = pass_bytes(name, seq=seq), pass_bytes(name, "lora", seq=seq)
+        per_seq.append([(a - f) / features for f, a in zip(full, lora)])
+    ratio = SEQ[1] / SEQ[0]
+    return tuple((ratio * b - a) / (ratio - 1) for a, b in zip(*per_seq))
 
 
 def within(counted: float, record: float, scale: float) -> bool:

@@ -67,9 +67,10 @@ HF = {"mistral": {}, "qwen2": {}, "qwen3": dict(head_dim=16), "phi3": dict(pad_t
       "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, head_dim=16)}
 
 
-def tiny_model(name: str, layers: int, method: str = "full") -> ModelSpec:
-    """A tiny ``layers``-layer model of family ``name`` (from transformers' config where the family reads one)."""
-    spec = dict(TINY, num_layers=layers)
+def tiny_model(name: str, layers: int, method: str = "full", seq: Optional[int] = None) -> ModelSpec:
+    """A tiny ``layers``-layer model of family ``name`` (from transformers' config where the family reads one),
+    ``seq`` tokens a sequence (default ``TINY``'s)."""
+    spec = dict(TINY, num_layers=layers, seq_length=seq or TINY["seq_length"])
     if name in HF:
         from transformers import AutoConfig
 

@@ -10,8 +10,8 @@ import pytest
 
 from bench_helpers import benchmark
 from hp_tool.estimate.layout import GB, Hardware, Layout
-from hp_tool.estimate.speed import (ADAPTER_BYTES, ELEMENTWISE_BANDWIDTH, FUSED_ELEMENTWISE, elementwise_s,
-                                    estimate_step_time, layer_pass_bytes)
+from hp_tool.estimate.speed import (ADAPTER_BYTES, DROPOUT_BYTES, ELEMENTWISE_BANDWIDTH, FUSED_ELEMENTWISE,
+                                    elementwise_s, estimate_step_time, layer_pass_bytes)
 from hp_tool.families.registry import family, family_names
 from hp_tool.families.shape import Shape
 from hp_tool.recipe import Adapters
@@ -67,6 +67,10 @@ def test_lora_adds_bytes_per_adapted_linear_feature():
     full, adapted = layer_pass_bytes(L7B, lay()), layer_pass_bytes(L7B, lora)
     features = (4096 + 4096) * 2  # q and v: 4096 in, 4096 out (multi-head attention)
     assert [a - f for f, a in zip(full, adapted)] == pytest.approx([b * features for b in ADAPTER_BYTES])
+    # a non-zero dropout: each adapter drops its own input out (q's and v's: 4096 features each), every pass
+    dropped = layer_pass_bytes(L7B, lora.replace(lora=replace(lora.lora, dropout=0.05)))
+    assert [d - a for a, d in zip(adapted, dropped)] == pytest.approx([b * 2 * 4096 for b in DROPOUT_BYTES])
+    assert dropped[1] - full[1] > 2 * (adapted[1] - full[1])  # the masks cost more than the folded adapters
 
 
 def test_the_share_grows_where_flops_outrun_bandwidth_and_fused_kernels_remove_most():

@@ -41,10 +41,10 @@ from hp_tool.estimate.layout import Hardware, Layout, stage_layers
 # case; PyTorch's own accounts give 5-25 us on a GPU host, the launch included). Not yet measured on a GPU host
 # (benchmarks/host_overhead.py --device cuda).
 HOST_SECONDS_PER_OP = 10e-6
-# operators peft's LoRA adds per adapted linear (A and B matmuls, their scaling and the sum; dropout's when it
-# is on), forward, backward and a checkpointed layer's recompute: 10, 14 and 13 on the engine's Llama layer,
-# every linear adapted
-ADAPTER_OPS = (10, 14, 13)
+# operators LoRA adds per adapted linear as the engine runs it (A's matmul, B's matmul with the scaling and the sum
+# folded in, the modules' calls; dropout's when it is on), forward, backward and a checkpointed layer's
+# recompute: 9, 16 and 12 on the engine's Llama layer, every linear adapted
+ADAPTER_OPS = (9, 16, 12)
 
 
 def layer_pass_ops(shape: Shape, layout: Layout) -> tuple[float, float, float]:

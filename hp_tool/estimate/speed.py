@@ -87,10 +87,17 @@ ELEMENTWISE_BANDWIDTH = 0.8
 # over the 146 runs, each GPU's efficiency refitted; torchtitan's Llama 3.1 8B runs 16% faster compiled on H100
 # (5762 -> 6667 tokens/s per GPU on 8 GPUs)
 FUSED_ELEMENTWISE = 0.3
-# LoRA's element-wise bytes per token per input and output feature of an adapted linear (its scaling and sum, and
-# their gradients), forward, backward and recompute: counted on the engine's Llama layer, every linear adapted
-# (benchmarks/elementwise_bytes.py)
-ADAPTER_BYTES = (5.0, 4.0, 4.4)
+# LoRA's element-wise bytes per token per input and output feature of an adapted linear, forward, backward and
+# recompute, as the engine runs it (hp_tool/trial/methods.py: the scaling and the sum folded into B's matmul, the
+# input read in the compute dtype): only the input's gradient, summed over the base and the adapter, is left.
+# Counted on the engine's Llama layer, every linear adapted, adapters fp32 over a bf16 base
+# (benchmarks/elementwise_bytes.py); the per-micro-batch casts of the rank-sized adapters are not priced
+ADAPTER_BYTES = (0.0, 2.1, 0.0)
+# A non-zero LoRA dropout's bytes per token per input feature of each adapted linear (each drops its input out
+# apart), forward, backward and recompute, as a GPU runs torch's ``native_dropout``: the input read (2 bytes), the
+# dropped-out copy (2) and its bool mask (1) written; backward reads the gradient and the mask and writes the
+# input's gradient
+DROPOUT_BYTES = (5.0, 5.0, 5.0)
 # CPU Adam (``cpu_adam_params_per_s``). DeepSpeed's CPU-Adam steps 1 to 10 billion parameters in 0.22 to 2.57 s, about
 # 4e9 parameters per second (Ren et al. 2021, ZeRO-Offload, Table 3), on a DGX-2's host: 2 x 24-core Xeon Platinum
 # 8168, 96 threads, 12 channels of DDR4-2666 (Table 2). The step is an OpenMP loop that streams about 30 bytes per
@@ -263,13 +270,15 @@ def elementwise_ffn(shape: Shape) -> float:
 def layer_pass_bytes(shape: Shape, layout: Layout) -> tuple[float, float, float]:
     """(forward, backward, recompute) element-wise bytes per token one layer moves on a rank under the layout's
     method: the family's ``layer_bytes`` (a x hidden + b x ffn, a mixture of experts' ffn times its top_k) and
-    ``ADAPTER_BYTES`` per input and output feature of each adapted linear, over TP (each rank's slice)."""
+    ``ADAPTER_BYTES`` per input and output feature of each adapted linear and, with a non-zero dropout,
+    ``DROPOUT_BYTES`` per input feature, over TP (each rank's slice)."""
     ffn = elementwise_ffn(shape)
     passes = [a * shape.hidden_size + b * ffn for a, b in shape.facts.layer_bytes]
     if layout.adapted:
-        linears = linear_shapes(shape)
-        features = sum(sum(linears[name]) for name in layout.lora.target_modules if name in linears)
-        passes = [n + per * features for n, per in zip(passes, ADAPTER_BYTES)]
+        linears = [shape for name, shape in linear_shapes(shape).items() if name in layout.lora.target_modules]
+        features, inputs = sum(i + o for i, o in linears), sum(i for i, _ in linears)
+        dropout = DROPOUT_BYTES if layout.lora.dropout > 0 else (0.0, 0.0, 0.0)
+        passes = [n + per * features + drop * inputs for n, per, drop in zip(passes, ADAPTER_BYTES, dropout)]
     return tuple(n / layout.tp for n in passes)
 
 
