@@ -40,12 +40,12 @@ from hp_tool.architectures import Shape, pipeline_problem
 from hp_tool.base_config import TS, Cluster
 from hp_tool.config import TrainSettings
 from hp_tool.dimensions import DIMENSIONS
-from hp_tool.estimate.layout import Layout, Problem
+from hp_tool.estimate.layout import Hardware, Layout, Problem
 from hp_tool.recipe import Degrees, Recipe
 from hp_tool.estimate.memory import HostPhases, estimate_memory, host_phases_gib
 from hp_tool.estimate.speed import estimate_step_time
 from hp_tool.tables import ACT_CKPT_STEP, lookup
-from hp_tool.sharding import SAVING_ORDER, fp8_problem
+from hp_tool.sharding import SAVING_ORDER, compile_problem, fp8_problem
 from hp_tool.vocab import INVALID, OFFLOADS, OVER_LIMIT, PRUNED, SELECTED, ZERO_STAGES
 from hp_tool.throughput import throughput
 
@@ -62,6 +62,7 @@ class Candidate:
     status: str = SELECTED
     reason: str = ""
     reason_key: str = ""  # the config key a rejection is about
+    note: str = ""  # why a heuristic default chose what it did where the engine could not do better (plan.csv)
     trial_nodes: int = 0  # nodes the benchmark trial uses (TP*PP GPUs rounded up to whole nodes)
     trial_gpus_per_node: int = 0
     trial_dp: int = 0
@@ -127,7 +128,7 @@ class Grid:
     losses: Optional[list[str]] = None  # None: chunked from CHUNKED_LOSS_FROM tokens where it runs
     activation_offload: list[bool] = dataclasses.field(default_factory=lambda: [False])
     fp8: list[bool] = dataclasses.field(default_factory=lambda: [False])
-    compile: list[bool] = dataclasses.field(default_factory=lambda: [False])
+    compile: Optional[list[bool]] = None  # None: compiled wherever the engine compiles the layers on a GPU
     act_ckpt_modes: Optional[list[str]] = None  # None: full, and selective where every layer is checkpointed
 
 
@@ -145,6 +146,19 @@ def context_parallel_sizes(ts: TrainSettings, shape: Shape, gpus_per_node: int) 
         return [1]
     return [c for c in (1, 2, 4, 8, 16, 32) if c == 1 or (shape.seq_length // c >= CP_MIN_TOKENS
                                                           and c <= gpus_per_node)]
+
+
+def compile_values(grid: Grid, layout: Layout, hw: Hardware) -> tuple[list[bool], str]:
+    """The compile values to search for a layout, and why the heuristic runs it eager where it does: the
+    user's list (no note); else compiled wherever the engine compiles the layout's layers on a GPU, as torchtitan
+    and torchtune train, and eager on CPU processes, where Inductor's compile of each trial's layers would take
+    longer than the trial's steps and fused kernels change nothing the CPU preset prices."""
+    if grid.compile is not None:
+        return list(grid.compile), ""
+    if hw.device_is_host:
+        return [False], "eager: CPU processes (compiling the layers would outlast a trial's steps)"
+    bad = compile_problem(True, layout.engine, layout.tp)
+    return ([False], f"eager: {bad}") if bad else ([True], "")
 
 
 def long_context_values(grid: Grid, shape: Shape, layout: Layout) -> list[tuple[bool, str]]:
@@ -218,7 +232,7 @@ def build_grid(ts: TrainSettings, shape: Shape, size_b: float, host_ram_known: b
         [False, True] if host_ram_known and shape.seq_length >= ACTIVATION_OFFLOAD_FROM else [False],
         act_ckpt_modes=None if ts.act_ckpt_modes is None else list(ts.act_ckpt_modes),
         fp8=list(ts.fp8 or [False]),
-        compile=list(ts.compile or [False]),
+        compile=None if ts.compile is None else list(ts.compile),
     )
 
 
@@ -472,13 +486,15 @@ def plan_candidates(shape: Shape, size_b: float, ts: TrainSettings, cluster: Clu
     grid = grid or build_grid(ts, shape, size_b, cluster.hw.host_ram_gib is not None, cluster.hw.gpus_per_node)
     stage, offload = grid.savers[0]
     out: list[Candidate] = []
-    for opt, mw, engine, tp, pp, ep, cp, mbs, ao, f8, compiled in itertools.product(
+    for opt, mw, engine, tp, pp, ep, cp, mbs, ao, f8 in itertools.product(
             grid.optimizers, grid.master_weights, grid.engines, grid.tp, grid.pp, grid.ep, grid.cp, grid.mbs,
-            grid.activation_offload, grid.fp8, grid.compile):
+            grid.activation_offload, grid.fp8):
         dp = max(1, cluster.gpus // (tp * pp * cp))
-        base = Layout(Degrees(tp, pp, mbs=mbs, ep=ep, cp=cp), recipe).replace(engine=engine, activation_offload=ao,
-                                                                               fp8=f8, compile=compiled)
-        for sp, loss in long_context_values(grid, shape, base):
+        eager = Layout(Degrees(tp, pp, mbs=mbs, ep=ep, cp=cp), recipe).replace(engine=engine, activation_offload=ao,
+                                                                                fp8=f8)
+        compiles, note = compile_values(grid, eager, cluster.hw)
+        for base, sp, loss in ((b, sp, loss) for b in (eager.replace(compile=c) for c in compiles)
+                               for sp, loss in long_context_values(grid, shape, b)):
             chosen = base.replace(zero_stage=stage, offload=offload, sequence_parallel=sp, optimizer=opt, loss=loss,
                                   master_weights=mw).recipe
             for vp in virtual_stage_values(grid, shape, pp):
@@ -488,7 +504,9 @@ def plan_candidates(shape: Shape, size_b: float, ts: TrainSettings, cluster: Clu
                     for mode in act_ckpt_mode_values(grid, shape, layout):
                         if mode != layout.act_ckpt_mode:
                             layout = layout.replace(act_ckpt_mode=mode)
-                        out += _layout_candidates(shape, grid, ts, cluster, layout)
+                        for c in _layout_candidates(shape, grid, ts, cluster, layout):
+                            c.note = note
+                            out.append(c)
     rank_candidates(out, ts.limit_search_runs)
     return out
 

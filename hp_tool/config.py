@@ -316,7 +316,9 @@ class TrainSettings:
     losses: Optional[List[str]] = None
     # saved activations in host RAM: null = [false], and [false, true] from 16384 tokens with a host RAM figure
     activation_offload: Optional[List[bool]] = None
-    # the layers under torch.compile (the torch engine): null = [false]; [false, true] searches both
+    # the layers under torch.compile (the torch engine at TP 1): null = compiled wherever the engine compiles the
+    # layout's layers on a GPU, eager elsewhere (DeepSpeed, TP > 1, CPU processes; the reason in plan.csv's note);
+    # [false, true] searches both
     compile: Optional[List[bool]] = None
     # the layers' linears in Float8 (torchao): null = [false]; [false, true] searches both where the GPU has fp8
     # tensor cores (gpu.peak_tflops.fp8), the torch engine at TP 1 training full in bf16

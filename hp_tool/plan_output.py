@@ -29,7 +29,7 @@ PLAN_COLUMNS = (
     "predicted_full_memory_gib", "predicted_host_memory_gib", "predicted_step_time_s", "predicted_compute_s",
     "predicted_comm_s", "predicted_tokens_per_s_per_gpu",
     "predicted_model_tflops_per_gpu", "predicted_days_to_train", "predicted_full_run_cost_usd",
-    "predicted_cost_usd_per_million_tokens", "predicted_rank", "plan_status", "reason",
+    "predicted_cost_usd_per_million_tokens", "predicted_rank", "plan_status", "reason", "note",
     "predicted_mfu", "predicted_tokens_per_hour", "predicted_hours_per_epoch",
     "predicted_cost_usd_per_epoch", "predicted_rank0_host_memory_gib",
     "trainable_parameters", "experts", "top_k", "active_parameters",
@@ -76,7 +76,7 @@ def plan_rows(plan: Plan) -> Iterable[dict[str, Any]]:
             "predicted_full_run_cost_usd": _round(cost.get("full_run_cost_usd"), 2),
             "predicted_cost_usd_per_million_tokens": _round(cost.get("cost_usd_per_million_tokens"), 6),
             "predicted_rank": c.rank,
-            "plan_status": c.status, "reason": c.reason,
+            "plan_status": c.status, "reason": c.reason, "note": c.note or None,
             "predicted_mfu": None if c.model_tflops_per_gpu is None else round(
                 c.model_tflops_per_gpu / plan.cluster.hw.peak_tflops, 4),
             "predicted_tokens_per_hour": _round(epoch.get("tokens_per_hour"), 0),

@@ -8,6 +8,7 @@ from hp_tool.config import to_app_config
 from hp_tool.errors import ConfigError
 from hp_tool.estimate.layout import Layout
 from hp_tool.estimate.memory import estimate_memory
+from hp_tool.plan_output import plan_csv_text
 from hp_tool.planner import make_plan
 
 
@@ -41,7 +42,8 @@ def test_selected_candidates_are_valid_fit_and_ordered(tmp_path, name):
         f"gpt3_{p.model.label}_tp{c.tp}_pp{c.pp}{f'_vp{c.virtual_stages}' if c.virtual_stages > 1 else ''}"
         f"_mbs{c.mbs}_ac{c.act_ckpt_layers}_torch_z{c.zero_stage}_"
         f"{dict(none='noff', optimizer_and_params='offall')[c.offload]}"
-        f"{'_sac' if c.full.act_ckpt_mode == 'selective' else ''}" for c in ranks]
+        f"{'_sac' if c.full.act_ckpt_mode == 'selective' else ''}{'_compiled' if c.full.compile else ''}"
+        for c in ranks]
     for c in p.candidates:
         if c.status != SELECTED:
             assert c.reason and c.reason_key.startswith(("search_config.", "gpu."))
@@ -188,3 +190,21 @@ def test_interleaving_lowers_the_predicted_bubble_and_raises_first_stage_memory(
     assert inter.compute_time_s < plain.compute_time_s  # bubble / v
     assert inter.comm_time_s > plain.comm_time_s  # v times the stage crossings
     assert inter.full_memory_gib > plain.full_memory_gib  # the warm-up runs further ahead
+
+
+def test_layers_compile_by_default_where_the_engine_compiles_them_on_a_gpu_and_say_why_not_elsewhere(tmp_path):
+    p = plan(tmp_path, "search_config=gpt3/5b", "search_config.train_settings.engines=[torch,deepspeed]")
+    valid = [c for c in p.candidates if c.status != INVALID or c.reason_key.endswith("global_batch_size")]
+    compiled = {c.full.compile for c in valid if c.engine == "torch" and c.tp == 1}
+    assert compiled == {True} and all(not c.note for c in valid if c.full.compile)
+    eager = [c for c in valid if not c.full.compile]
+    assert {c.engine for c in eager} == {"torch", "deepspeed"} and all(c.tp > 1 for c in eager if c.engine == "torch")
+    for c in eager:  # the reason the engine cannot: DeepSpeed's, or TP's
+        assert c.note.startswith("eager: ") and ("deepspeed" in c.note if c.engine == "deepspeed" else f"TP={c.tp}" in c.note)
+    assert "eager: the deepspeed engine does not compile the layers" in plan_csv_text(p)
+    # CPU processes run eager, saying so; a user's list is searched as given, with no note
+    cpu = plan(tmp_path / "cpu", "search_config=gpt3/tiny")
+    assert all(not c.full.compile and "CPU processes" in c.note for c in cpu.candidates)
+    both = plan(tmp_path / "both", "search_config=gpt3/5b", "search_config.train_settings.compile=[false,true]")
+    assert {c.full.compile for c in both.candidates if c.tp == 1} == {False, True}
+    assert all(not c.note for c in both.candidates)

@@ -155,3 +155,39 @@ def test_a_compiled_layer_keeps_what_the_familys_records_take_off_the_eager_byte
         record = (facts.fused_norm_saving(shape, 1, 1, False, 2, method != "full") +
                   facts.compiled_saving(shape, 1, 1, False, 2)) / 16
         assert counted == pytest.approx(record, rel=0.1), (ffn, counted, record)
+
+
+GRAPH_BREAK_COVERING = {("llama", "lora"), ("gpt3", "full"), ("t5", "full"), ("mixtral", "full"), ("gemma3_text", "full")}
+
+
+def _graph_break_cases():
+    from hp_tool.families.registry import family_names
+
+    for name in family_names():
+        for method in ("full", "lora"):
+            if method == "lora" and name in ("gpt3", "t5", "mt5"):  # their layers name no adapted linears
+                continue
+            marks = () if (name, method) in GRAPH_BREAK_COVERING else pytest.mark.matrix
+            yield pytest.param(name, method, marks=marks, id=f"{name}-{method}")
+
+
+@pytest.mark.parametrize("name,method", list(_graph_break_cases()))
+def test_a_compiled_layer_of_every_family_runs_as_one_graph_without_breaks(name, method):
+    """Dynamo's view of the engine's layers (each wrapped as compile_layers wraps it; the eager backend, so only
+    the capture is checked, not Inductor's code): no graph break in any layer's forward, and the layers share
+    their graph (at most one recompile: under an adapter method the first layer's input needs no gradient)."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    from bench_helpers import benchmark
+
+    host = benchmark("host_overhead")
+    model = host.tiny_model(name, 2, method)
+    stage = host._stage(model, torch.device("cpu"))
+    torch._dynamo.reset()
+    counters.clear()
+    for key, layer in list(stage.layers.items()):
+        stage.layers[key] = torch.compile(layer, backend="eager")
+    host._forward(stage, host._inputs(model, torch.device("cpu"))).float().sum().backward()
+    assert dict(counters["graph_break"]) == {}
+    assert 1 <= counters["stats"]["unique_graphs"] <= (2 if method != "full" or name in ("t5", "mt5") else 1)

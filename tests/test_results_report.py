@@ -61,7 +61,8 @@ def test_csv_schemas_and_rows(finalized):
     assert tuple(header) == ALL_TRIALS_COLUMNS == TABLE_COLUMNS
     for name in header:
         assert re.fullmatch(r"[a-z][a-z0-9_]*", name), name
-    numeric = [c for c in header if c not in ("trial_id", "status", "reason", "plan_status", "model_family", "memory_check",
+    numeric = [c for c in header if c not in ("trial_id", "status", "reason", "plan_status", "note", "model_family",
+                                              "memory_check",
                                               "stop_reason", "device", "start_time", "end_time", "fingerprint")]
     no_unit = {"tp", "pp", "dp", "mbs", "act_ckpt_layers", "engine", "zero_stage", "offload", "global_batch_size", "num_nodes", "num_gpus",
                "trial_num_nodes", "trial_dp", "trial_global_batch_size", "trial_world_size", "steps_run",

@@ -51,13 +51,13 @@ STATUS_ORDER = ("ok", "timeout", "oom", "failed", "cancelled", "unschedulable", 
 PLAN_INTS = dimensions.INT_COLUMNS + ("lora_rank", "trainable_parameters", "experts", "top_k", "active_parameters",
                                      "global_batch_size", "num_nodes", "trial_num_nodes", "trial_dp",
                                      "trial_global_batch_size", "predicted_rank")
-PLAN_TEXT = dimensions.TEXT_COLUMNS + ("trial_id", "model_family", "plan_status", "reason", "fingerprint",
+PLAN_TEXT = dimensions.TEXT_COLUMNS + ("trial_id", "model_family", "plan_status", "reason", "note", "fingerprint",
                                        "memory_check")
 BOOL_COLUMNS = dimensions.BOOL_COLUMNS  # written True / False
 
 # Every column of the table, in the order the CSVs use; units in the names.
 TABLE_COLUMNS = (
-    "rank", "trial_id", "status", "reason", "plan_status", "model_family", "model_size_b",
+    "rank", "trial_id", "status", "reason", "plan_status", "note", "model_family", "model_size_b",
     *dimensions.layout_columns(), "lora_rank",
     "global_batch_size", "num_nodes", "num_gpus", "trial_num_nodes", "trial_dp", "trial_global_batch_size",
     "trial_world_size",
