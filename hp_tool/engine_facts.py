@@ -58,6 +58,12 @@ class EngineFacts:
     reduce_bucket_elements: Optional[int]
     # ZeRO-2 and 3 with the optimizer offloaded hold the gradient partition in host RAM, not on the GPU
     offload_moves_gradients: bool
+    # under offload (ZeRO-2/3) gradients accumulate on the GPU across a step's micro-batches and are reduced and
+    # moved to the host once per step (else each micro-batch's are moved and added on the host)
+    offload_accumulates_on_gpu: bool
+    # bytes per trained parameter value its parameter offload uploads for each gather (None: the training
+    # precision's; the frozen base of an adapter method is uploaded in it either way)
+    offload_upload_bytes: Optional[int]
     # host seconds its own Python hooks add to every micro-batch (hp_tool/estimate/host.py), by ZeRO stage: per trained
     # parameter tensor (the gradient hook's bucketing and reduction bookkeeping), and per parameter-holding module and
     # pass, forward, backward and a checkpointed layer's recompute (ZeRO-3's fetch and release hooks); measured by
@@ -105,6 +111,9 @@ TORCH = EngineFacts(
     # FSDP2's CPUOffloadPolicy keeps the fp32 parameter as the master: fp32 master, m, v and the fp32 gradient
     host_offload_bytes=(("optimizer_and_params", 16),), reduce_bytes=4,  # FSDP2's reduce_dtype; DDP's fp32 grads
     reduce_bucket_elements=None, offload_moves_gradients=False,  # FSDP2 reduce-scatters the gradients in place
+    # with its gradient sync off until a step's last micro-batch, FSDP2 keeps each gradient unsharded in the reduce
+    # dtype on the GPU (hp_tool/trial/parallel.py); its CPUOffloadPolicy copies the fp32 shard up for each gather
+    offload_accumulates_on_gpu=True, offload_upload_bytes=4,
     # DDP's and FSDP2's hooks run per bucket and per layer, not per parameter: left out
     gradient_hook_s=(), module_hook_s=(),
     builds_ops=False, traceable=True, config_file=None,
@@ -127,6 +136,9 @@ DEEPSPEED = EngineFacts(
     # offload_optimizer each bucket is copied into the host's fp32 gradient partition and freed (ZeRO-Offload;
     # stage_1_and_2.copy_grads_in_partition, stage3's grad_partitions_flat_buffer on the host)
     reduce_bucket_elements=500_000_000, offload_moves_gradients=True,
+    # ZeRO-Offload copies each micro-batch's reduced bucket into the host's fp32 partition and adds it there; its
+    # parameter offload keeps the 16-bit parameters on the host and uploads those
+    offload_accumulates_on_gpu=False, offload_upload_bytes=None,
     # ZeRO-2 and 3: each trained tensor's gradient hook copies it into the bucket and books its partition (about 14
     # operators); ZeRO-3's pre- and post-hooks on every module fetch, wait for and release its partitioned
     # parameters (Python bookkeeping more than operators). ZeRO-0 and 1 reduce once per step, at the boundary

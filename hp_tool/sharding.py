@@ -185,6 +185,20 @@ def sequence_problem(family_name: str, seq_length: int, tp: int, pp: int, cp: in
     return None
 
 
+def reduces_once_per_step(engine: str, zero_stage: int, offload: str, dp: int, pp: int) -> bool:
+    """Whether the data-parallel gradients are reduced only on a step's last micro-batch, accumulated where they
+    are made before: DDP's gradient sync switched off over data-parallel ranks (ZeRO 0-1), and under offload at
+    ZeRO-2/3 where the engine accumulates on the GPU (``offload_accumulates_on_gpu``: one reduce-scatter and one
+    copy to the host per step, not one per micro-batch). Not under PP, whose schedule reduces after the step's
+    last backward itself. The torch engine switches its sync by this rule; the memory and step-time models price
+    it."""
+    if pp > 1:
+        return False
+    if zero_stage <= 1:
+        return dp > 1
+    return offload != "none" and engine_facts(engine).offload_accumulates_on_gpu
+
+
 def compile_problem(compile: bool, engine: str, tp: int) -> Optional[str]:
     """Why the layers cannot run under torch.compile this way, or None: the torch engine compiles them
     (DeepSpeed's own compile is not wired in), at TP 1 (compiled layers of DTensor weights failed in their first

@@ -128,7 +128,9 @@ def test_null_host_cpu_cores_keeps_the_reference_figure_exactly():
     layout = zero3("optimizer")
     hw = hardware(None)
     shard = layout.shard(_local_parameters(LLAMA_7B, layout))
-    pcie = 2 * 2 * shard / (hw.pcie_bandwidth_gbps * 1e9)
+    # DeepSpeed moves each of the 8 micro-batches' 16-bit gradients down (ZeRO-Offload adds them on the host) and
+    # the updated 16-bit weights up once
+    pcie = (8 * 2 + 2) * shard / (hw.pcie_bandwidth_gbps * 1e9)
     assert offload_s(LLAMA_7B, layout, hw) == pytest.approx(pcie + shard / (4e9 / 8), rel=1e-12)
     assert offload_s(LLAMA_7B, layout, hardware(96)) == pytest.approx(offload_s(LLAMA_7B, layout, hw), rel=1e-12)
 

@@ -39,6 +39,7 @@ from hp_tool.estimate.layout import (GIB, Hardware, Layout, interleave_held_tens
                                      microbatches_in_flight, rank_shape, ring_tile_rows)
 from hp_tool.engine_facts import engine_facts
 from hp_tool.recipe import Adapters
+from hp_tool.sharding import reduces_once_per_step
 from hp_tool.estimate.methods import (NF4_BITS, activation_delta_bytes, adapter_parameters_per_layer,
                                       linear_parameters_per_layer, linear_shapes)
 
@@ -350,6 +351,18 @@ def stage_compute_copy_bytes(shape: Shape, layout: Layout, hw: Hardware, params:
     return compute_copy_bytes(params - quantised + adapters, gathered_layer, layout, hw)
 
 
+def accumulated_grad_bytes(trained: float, layout: Layout) -> float:
+    """GPU bytes of the gradients of ``trained`` local parameters accumulated unsharded across a step's
+    micro-batches where the engine reduces offloaded gradients once per step (``sharding.reduces_once_per_step``:
+    FSDP2 with its CPU offload keeps each gradient in its reduce dtype, fp32, until the last micro-batch's
+    backward); 0 with one micro-batch, without offload (ZeRO 0-1 hold whole gradients anyway, in
+    ``model_state_bytes``) and where each micro-batch's gradients go to the host."""
+    if layout.offload == "none" or layout.num_microbatches == 1 or not reduces_once_per_step(
+            layout.engine, layout.zero_stage, layout.offload, layout.zero_ranks, layout.pp):
+        return 0.0
+    return (engine_facts(layout.engine).reduce_bytes or layout.bytes_per_value) * trained
+
+
 def frozen_base_bytes(layout: Layout) -> float:
     """Bytes per parameter of an adapter method's frozen base as every engine holds it: the training precision's
     (the torch engine casts it to its 16-bit compute dtype, hp_tool/trial/weights.py hold_in; DeepSpeed
@@ -362,14 +375,16 @@ def stage_state_bytes(shape: Shape, layout: Layout, hw: Hardware, params: float,
     """GPU bytes of pipeline ``stage``'s weights, gradients, optimizer states and compute copies (``params``
     parameters on this GPU after TP).
 
-    Full training: ``model_state_bytes`` + ``compute_copy_bytes`` + ``reduce_bucket_bytes``. LoRA / QLoRA (estimate/methods.py): the
+    Full training: ``model_state_bytes`` + ``compute_copy_bytes`` + ``reduce_bucket_bytes`` +
+    ``accumulated_grad_bytes``. LoRA / QLoRA (estimate/methods.py): the
     frozen base as the engines hold it (``frozen_base_bytes``; QLoRA: its layers' linear weights in
     NF4_BITS per parameter) with no gradient or optimizer state, sharded by ZeRO-3 / FSDP2 and moved to the
     host by parameter offload as for full training, with full training's compute copies; QLoRA's transient
     dequantised copy of the layer's largest weight; the adapters' own states as full training's."""
     copies = stage_compute_copy_bytes(shape, layout, hw, params, stage, gathered_layer)
     if not layout.adapted:
-        return sharded_state_bytes(shape, layout, params, stage) + copies + reduce_bucket_bytes(params, layout)
+        return (sharded_state_bytes(shape, layout, params, stage) + copies + reduce_bucket_bytes(params, layout)
+                + accumulated_grad_bytes(params, layout))
     bpv = layout.bytes_per_value
     layers = sum(stage_layer_counts(shape, layout.pp, stage))
     adapters = stage_adapter_parameters(shape, layout, stage)
@@ -382,7 +397,8 @@ def stage_state_bytes(shape: Shape, layout: Layout, hw: Hardware, params: float,
     sharded = layout.zero_stage >= 3 and (layout.zero_ranks > 1 or layout.offload == "optimizer_and_params")
     experts = stage_expert_parameters(shape, layout.pp, stage, layout.ep) * weight_bytes
     on_gpu = 0.0 if layout.offload == "optimizer_and_params" else layout.shard(base, experts) if sharded else base
-    return on_gpu + copies + dequantised + reduce_bucket_bytes(adapters, layout) + model_state_bytes(
+    return on_gpu + copies + dequantised + reduce_bucket_bytes(adapters, layout) + \
+        accumulated_grad_bytes(adapters, layout) + model_state_bytes(
         adapters, layout.zero_ranks, layout.zero_stage, layout.offload, layout.engine, layout.optimizer,
         layout.master_weights)
 

@@ -58,6 +58,7 @@ from hp_tool.estimate.host import host_s
 from hp_tool.estimate.layout import GB, Hardware, Layout, rank_shape, stage_layers
 from hp_tool.estimate.memory import adapter_parameters, cached, linear_parameters, stage_activation_bytes
 from hp_tool.families.decoder import expert_forward_flops
+from hp_tool.sharding import reduces_once_per_step
 from hp_tool.estimate.methods import NF4_BITS, attention_core_flops_per_layer, linear_shapes
 
 # attention kernels (FlashAttention-2, Dao 2023, Fig. 4-7: causal forward + backward on A100 80 GiB at head dim 128
@@ -444,21 +445,46 @@ def dp_comm_s(shape: Shape, layout: Layout, hw: Hardware, num_nodes: int) -> flo
 
 
 def offload_s(shape: Shape, layout: Layout, hw: Hardware) -> float:
-    """Seconds per step spent moving the offloaded shard over PCIe and stepping it on the CPU. Under LoRA only the
-    adapters are stepped and their gradients moved (the frozen base has none); parameter offload moves every
-    weight up for each forward and backward."""
+    """Seconds per step spent moving the offloaded shard over PCIe and stepping it on the CPU, as the engine moves
+    it (``offload_pcie_bytes``), and the CPU's Adam step of the trained shard at the node's rate shared by its GPUs.
+    Under LoRA only the adapters are stepped and their gradients moved (the frozen base has none)."""
     if layout.offload == "none":
         return 0.0
-    shard = layout.shard(_local_parameters(shape, layout), _local_expert_parameters(shape, layout))
-    trained = shard
-    if layout.adapted:  # the rank's share of its stage's adapters (memory.host_phases_gib's count)
-        trained = (shape.pipeline_layers / layout.pp * adapter_parameters(shape, layout.lora) / layout.tp
-                   / layout.zero_ranks)
-    pcie = 2 * 2 * trained  # 16-bit gradients down, updated 16-bit weights up
-    if layout.offload == "optimizer_and_params":
-        pcie += 2 * layout.num_microbatches * 2 * shard  # weights up for each forward and backward
+    trained = _offloaded_trained(shape, layout)
     cpu_step = trained / (cpu_adam_params_per_s(hw) / hw.gpus_per_node)  # the node's GPUs share its host
-    return pcie / (hw.pcie_bandwidth_gbps * GB) + cpu_step
+    return offload_pcie_bytes(shape, layout) / (hw.pcie_bandwidth_gbps * GB) + cpu_step
+
+
+def _offloaded_trained(shape: Shape, layout: Layout) -> float:
+    """The trained parameters of the rank's offloaded shard: the whole shard, or under LoRA its adapters (the
+    rank's share of its stage's, ``memory.host_phases_gib``'s count)."""
+    if layout.adapted:
+        return (shape.pipeline_layers / layout.pp * adapter_parameters(shape, layout.lora) / layout.tp
+                / layout.zero_ranks)
+    return layout.shard(_local_parameters(shape, layout), _local_expert_parameters(shape, layout))
+
+
+def offload_pcie_bytes(shape: Shape, layout: Layout) -> float:
+    """Bytes one GPU moves over PCIe per step under offload, as its engine moves them:
+
+    - gradients down in the engine's reduce dtype (``reduce_bytes``; DeepSpeed's: the training precision's), once
+      per step where it accumulates them on the GPU (``sharding.reduces_once_per_step``: FSDP2), else once per
+      micro-batch (ZeRO-Offload adds them on the host);
+    - optimizer-only offload: the updated 16-bit weights up once per step;
+    - parameter offload: the shard up for each gather, every micro-batch's forward and, at ZeRO-3, its backward
+      (ZeRO-2 keeps the gathered layer from forward to backward), its trained part at ``offload_upload_bytes``
+      (FSDP2's fp32 master) and a frozen base at the training precision."""
+    facts = engine_facts(layout.engine)
+    bpv, m = layout.bytes_per_value, layout.num_microbatches
+    trained = _offloaded_trained(shape, layout)
+    moves = 1 if reduces_once_per_step(layout.engine, layout.zero_stage, layout.offload, layout.zero_ranks,
+                                       layout.pp) else m
+    pcie = (facts.reduce_bytes or bpv) * trained * moves
+    if layout.offload != "optimizer_and_params":
+        return pcie + bpv * trained
+    shard = layout.shard(_local_parameters(shape, layout), _local_expert_parameters(shape, layout))
+    gathers = m * (2 if layout.zero_stage >= 3 else 1)
+    return pcie + gathers * ((facts.offload_upload_bytes or bpv) * trained + bpv * (shard - trained))
 
 
 def cpu_adam_params_per_s(hw: Hardware) -> float:

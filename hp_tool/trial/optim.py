@@ -15,6 +15,7 @@ keeps fp32's range and fp32 is fp32: neither scales.
 from __future__ import annotations
 
 import math
+import os
 from typing import Iterable, Optional
 
 import torch
@@ -24,7 +25,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
-from hp_tool.contracts.spec import TrainingSpec
+from hp_tool.contracts.spec import TrainingSpec, TrialSpec
 
 
 def lr_at(step: int, t: TrainingSpec) -> float:
@@ -64,6 +65,25 @@ def _kernel(device: torch.device, fused_ok: bool = True, host_offload: bool = Fa
     foreach: under its tensor tracker (a dispatch mode) the fused kernel with a loss scale fails on a shape."""
     fused = fused_ok and (device.type == "cuda" or host_offload)
     return {"fused": fused, "foreach": None if fused else True}
+
+
+def host_step_threads(host_cpu_cores: Optional[float], gpus_per_node: int, visible: int) -> int:
+    """Threads an offloaded GPU rank steps its optimizer on: its share of the node's host threads
+    (``gpu.host_cpu_cores`` over its GPUs, as the step-time model's ``cpu_adam_params_per_s`` shares them), or of
+    the ``visible`` cores where the preset names none; never more than the cores the process may run on (a
+    scheduler's CPU binding), at least 1. torchrun and ``hp_tool.train`` start ranks with OMP_NUM_THREADS=1, which
+    would step billions of offloaded parameters on one thread."""
+    total = host_cpu_cores if host_cpu_cores else visible
+    return max(1, min(visible, int(total // max(1, gpus_per_node))))
+
+
+def use_host_threads(spec: TrialSpec, device: torch.device) -> None:
+    """Give an offloaded GPU trial's host step its threads (``host_step_threads``); nothing elsewhere (a CPU
+    trial's ranks share the machine's cores as launched)."""
+    if spec.parallel.offload == "none" or device.type != "cuda":
+        return
+    visible = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(host_step_threads(spec.resources.host_cpu_cores, spec.resources.gpus_per_node, visible))
 
 
 SGD_MOMENTUM = {"sgd": 0.0, "sgd_momentum": 0.9}

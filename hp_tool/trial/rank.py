@@ -165,5 +165,6 @@ def build_rank_optimizer(spec: TrialSpec, stage: nn.Module, mesh: Optional[Devic
     """AdamW over ``stage``'s materialised parameters for the spec's ZeRO stage and offload (ZeRO-1 shards
     its states over the ranks holding the same weights, ``weight_dp_group``)."""
     par = spec.parallel
+    optim.use_host_threads(spec, device)
     return optim.build_optimizer(stage, spec.training, device, par.zero_stage, weight_dp_group(mesh, par),
                                  offload=par.offload != "none")

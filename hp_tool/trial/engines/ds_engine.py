@@ -55,6 +55,8 @@ def _optimizer(module: torch.nn.Module, spec: TrialSpec, device: torch.device) -
         return optim.build_optimizer(module, t, device)
     from deepspeed.ops.adam import DeepSpeedCPUAdam  # DeepSpeed is optional: imported only when it runs
 
+    optim.use_host_threads(spec, device)  # CPU Adam's OpenMP threads
+
     return DeepSpeedCPUAdam(optim.param_groups(module, t.weight_decay), lr=optim.lr_at(0, t),
                             betas=tuple(t.betas), eps=1e-8, weight_decay=t.weight_decay, adamw_mode=True)
 
