@@ -24,7 +24,7 @@ Each text is tokenized with the checkpoint's tokenizer and ended by its end-of-s
 packed into one stream of token ids (<output_dir>/tokens.bin) read in windows of the config's sequence length.
 The steps come from the data: its tokens x epochs / (global batch x sequence length), at least 1, capped by
 max_steps; the run prints its tokens, passes and steps before it starts, and a progress line (step, loss,
-tokens/s, time left) every few steps while it trains. It loads the checkpoint's weights into the config's layout,
+tokens/s, MFU, time left) every few steps while it trains. It loads the checkpoint's weights into the config's layout,
 trains with its layout, optimizer and schedule, and saves a checkpoint with the tokenizer:
 AutoModelForCausalLM.from_pretrained(save_dir) loads a full fine-tune, PeftModel.from_pretrained(<base model>,
 save_dir) LoRA's and QLoRA's adapters. A config for more than one node prints the sbatch line that trains it
@@ -277,12 +277,14 @@ def duration(seconds: float) -> str:
 
 
 class Progress:
-    """Rank 0's metrics.jsonl, read while the run trains: a line with the step, loss, tokens/s and time left
-    every ``total / PROGRESS_LINES`` steps, and at least every ``PROGRESS_EVERY_S`` seconds."""
+    """Rank 0's metrics.jsonl, read while the run trains: a line with the step, loss, tokens/s, MFU (the trials'
+    own definition, ``contracts.result.throughput``, so a run shows the speed its search measured) and time
+    left every ``total / PROGRESS_LINES`` steps, and at least every ``PROGRESS_EVERY_S`` seconds."""
 
-    def __init__(self, metrics: Path, total: int):
-        self.metrics, self.total = metrics, total
-        self.every = max(1, total // PROGRESS_LINES)
+    def __init__(self, metrics: Path, spec: TrialSpec):
+        self.metrics, self.spec, self.total = metrics, spec, spec.run.max_steps
+        self.world = spec.resources.num_nodes * spec.resources.gpus_per_node
+        self.every = max(1, self.total // PROGRESS_LINES)
         self.offset, self.first, self.shown_at = 0, None, 0.0
 
     def poll(self) -> None:
@@ -308,9 +310,10 @@ class Progress:
         done = step - self.first["step"]
         per_step = (record["time"] - self.first["time"]) / done if done else record["step_time_s"]
         rate = record["tokens"] / per_step if per_step > 0 else float("nan")
+        mfu = res.throughput(self.spec, per_step, self.world)["mfu"] if per_step > 0 else float("nan")
         left = duration((self.total - step) * per_step)
-        print(f"step {step:,}/{self.total:,}  loss {record['loss']:.4f}  {rate:,.0f} tokens/s  {left} left",
-              flush=True)
+        print(f"step {step:,}/{self.total:,}  loss {record['loss']:.4f}  {rate:,.0f} tokens/s  MFU {mfu:.3g}  "
+              f"{left} left", flush=True)
 
 
 def launch(spec: TrialSpec, spec_path: Path) -> int:
@@ -325,7 +328,7 @@ def launch(spec: TrialSpec, spec_path: Path) -> int:
         return 0
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={r.gpus_per_node}",
            "--standalone", "-m", "hp_tool.trial.train", str(spec_path)]
-    progress = Progress(Path(spec.run.output_dir) / res.METRICS_FILE, spec.run.max_steps)
+    progress = Progress(Path(spec.run.output_dir) / res.METRICS_FILE, spec)
     proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
     try:
         while proc.poll() is None:

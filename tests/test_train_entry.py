@@ -17,6 +17,7 @@ import pytest
 
 from hp_tool import train
 from hp_tool.base_config import finetune_lr
+from hp_tool.contracts import result as res
 from hp_tool.contracts.spec import dump_spec, load_spec
 from test_finetune_train import WORDS, make_tokenizer
 from test_finetune_trials import make_checkpoint
@@ -232,5 +233,10 @@ def test_a_lora_run_trains_at_2e_4_shows_progress_and_says_once_what_it_saved(wo
     said = proc.stdout + proc.stderr
     assert said.count("saved the") == 1 and "saved the lora adapters to" in said and "PeftModel" in said
     assert "step 1/2  loss " in proc.stdout and "step 2/2  loss " in proc.stdout and "tokens/s" in proc.stdout
+    # the last line's MFU is the trials' own (contracts.result.throughput) at the step time since the first step
+    last = next(line for line in proc.stdout.splitlines() if line.startswith("step 2/2"))
+    world = spec.resources.num_nodes * spec.resources.gpus_per_node
+    mfu = res.throughput(spec, metrics[1]["time"] - metrics[0]["time"], world)["mfu"]
+    assert f"  MFU {mfu:.3g}  " in last and mfu > 0
     assert (tmp_path / "run" / "model" / "adapter_model.safetensors").is_file()
     assert (tmp_path / "run" / "model" / "tokenizer.json").is_file()
