@@ -24,6 +24,7 @@ class EngineFacts:
     # with TP > 1, and with PP > 1 (None: it runs no pipeline)
     offloads: tuple[str, ...]
     offload_note: str
+    offload_min_zero_stage: int  # the lowest ZeRO stage it offloads at
     tp_zero_stages: tuple[int, ...]
     pp_zero_stages: Optional[tuple[int, ...]]
     # optimizers: those it steps offloaded states with (why not the others: ``offload_step_note``), and those
@@ -58,9 +59,9 @@ class EngineFacts:
     reduce_bucket_elements: Optional[int]
     # ZeRO-2 and 3 with the optimizer offloaded hold the gradient partition in host RAM, not on the GPU
     offload_moves_gradients: bool
-    # under offload (ZeRO-2/3) gradients accumulate on the GPU across a step's micro-batches and are reduced and
-    # moved to the host once per step (else each micro-batch's are moved and added on the host)
-    offload_accumulates_on_gpu: bool
+    # the offloads under which each micro-batch's gradients go to the host and are added there (under the others
+    # they accumulate on the GPU and go down once per step, with the optimizer's step)
+    offloads_moving_each_microbatch: tuple[str, ...]
     # bytes per trained parameter value its parameter offload uploads for each gather (None: the training
     # precision's; the frozen base of an adapter method is uploaded in it either way)
     offload_upload_bytes: Optional[int]
@@ -95,9 +96,9 @@ ZERO3_MODULE_HOOK_S = 300e-6
 
 TORCH = EngineFacts(
     name="torch", code="torch", package=None,
-    offloads=("none", "optimizer_and_params"),
-    offload_note=("the torch engine offloads through FSDP2's CPUOffloadPolicy, which moves parameters too: use "
-                  "offload optimizer_and_params, or engine deepspeed for optimizer-only offload"),
+    # optimizer: FSDP2 shards 16-bit weights and gradients on the GPU, the host holds the fp32 master and the
+    # optimizer's states (optim.HostOffloadedOptimizer); optimizer_and_params: FSDP2's CPUOffloadPolicy
+    offloads=("none", "optimizer", "optimizer_and_params"), offload_note="", offload_min_zero_stage=2,
     tp_zero_stages=ZERO_STAGES, pp_zero_stages=ZERO_STAGES,
     offloaded_optimizers=tuple(o for o in OPTIMIZERS if o != "adamw_8bit"),
     offload_step_note="bitsandbytes' 8-bit AdamW runs on the GPU only",
@@ -109,18 +110,21 @@ TORCH = EngineFacts(
     pipeline_defers_reshard=True,
     zero2_gathers_each_forward=True, recompute_gathers=False,
     # FSDP2's CPUOffloadPolicy keeps the fp32 parameter as the master: fp32 master, m, v and the fp32 gradient
-    host_offload_bytes=(("optimizer_and_params", 16),), reduce_bytes=4,  # FSDP2's reduce_dtype; DDP's fp32 grads
+    # the optimizer's offload: fp32 master, m, v and an fp32 gradient buffer, allocated once
+    host_offload_bytes=(("optimizer", 16), ("optimizer_and_params", 16)),
+    reduce_bytes=4,  # FSDP2's reduce_dtype; DDP's fp32 grads
     reduce_bucket_elements=None, offload_moves_gradients=False,  # FSDP2 reduce-scatters the gradients in place
-    # with its gradient sync off until a step's last micro-batch, FSDP2 keeps each gradient unsharded in the reduce
-    # dtype on the GPU (hp_tool/trial/parallel.py); its CPUOffloadPolicy copies the fp32 shard up for each gather
-    offload_accumulates_on_gpu=True, offload_upload_bytes=4,
+    # FSDP2's CPUOffloadPolicy copies each micro-batch's reduced fp32 gradient shard to the host and adds it there,
+    # and the fp32 shard up for each gather; the optimizer's offload keeps 16-bit gradients sharded on the GPU
+    # until the host step (optim.HostOffloadedOptimizer)
+    offloads_moving_each_microbatch=("optimizer_and_params",), offload_upload_bytes=4,
     # DDP's and FSDP2's hooks run per bucket and per layer, not per parameter: left out
     gradient_hook_s=(), module_hook_s=(),
     builds_ops=False, traceable=True, config_file=None,
 )
 DEEPSPEED = EngineFacts(
     name="deepspeed", code="ds", package="deepspeed",
-    offloads=("none", "optimizer", "optimizer_and_params"), offload_note="",
+    offloads=("none", "optimizer", "optimizer_and_params"), offload_note="", offload_min_zero_stage=1,
     tp_zero_stages=(0, 1, 2), pp_zero_stages=None,
     offloaded_optimizers=("adamw",), offload_step_note="DeepSpeed steps offloaded states with its CPU Adam",
     zero1_optimizers=None,
@@ -138,7 +142,7 @@ DEEPSPEED = EngineFacts(
     reduce_bucket_elements=500_000_000, offload_moves_gradients=True,
     # ZeRO-Offload copies each micro-batch's reduced bucket into the host's fp32 partition and adds it there; its
     # parameter offload keeps the 16-bit parameters on the host and uploads those
-    offload_accumulates_on_gpu=False, offload_upload_bytes=None,
+    offloads_moving_each_microbatch=("optimizer", "optimizer_and_params"), offload_upload_bytes=None,
     # ZeRO-2 and 3: each trained tensor's gradient hook copies it into the bucket and books its partition (about 14
     # operators); ZeRO-3's pre- and post-hooks on every module fetch, wait for and release its partitioned
     # parameters (Python bookkeeping more than operators). ZeRO-0 and 1 reduce once per step, at the boundary

@@ -131,6 +131,9 @@ def combination_problem(engine: str, zero_stage: int, offload: str, tp: int, pp:
     facts = engine_facts(engine)
     if offload not in facts.offloads:
         return "offload", facts.offload_note
+    if offload != "none" and zero_stage < facts.offload_min_zero_stage:
+        return "offload", (f"the {engine} engine offloads at ZeRO stage {facts.offload_min_zero_stage} or above (FSDP2 "
+                           f"shards the gradients the host steps), not {zero_stage}")
     if pp > 1 and facts.pp_zero_stages is None:
         if zero_stage >= 2:
             return "zero_stages", f"DeepSpeed pipeline parallelism supports ZeRO stages 0-1, not {zero_stage}"
@@ -183,20 +186,6 @@ def sequence_problem(family_name: str, seq_length: int, tp: int, pp: int, cp: in
     if activation_offload and not runs.activation_offload:
         return "activation_offload", f"the {engine} engine does not offload activations (use engine torch)"
     return None
-
-
-def reduces_once_per_step(engine: str, zero_stage: int, offload: str, dp: int, pp: int) -> bool:
-    """Whether the data-parallel gradients are reduced only on a step's last micro-batch, accumulated where they
-    are made before: DDP's gradient sync switched off over data-parallel ranks (ZeRO 0-1), and under offload at
-    ZeRO-2/3 where the engine accumulates on the GPU (``offload_accumulates_on_gpu``: one reduce-scatter and one
-    copy to the host per step, not one per micro-batch). Not under PP, whose schedule reduces after the step's
-    last backward itself. The torch engine switches its sync by this rule; the memory and step-time models price
-    it."""
-    if pp > 1:
-        return False
-    if zero_stage <= 1:
-        return dp > 1
-    return offload != "none" and engine_facts(engine).offload_accumulates_on_gpu
 
 
 def compile_problem(compile: bool, engine: str, tp: int) -> Optional[str]:

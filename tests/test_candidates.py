@@ -41,7 +41,7 @@ def test_selected_candidates_are_valid_fit_and_ordered(tmp_path, name):
     assert [s.trial_id for s in p.specs] == [
         f"gpt3_{p.model.label}_tp{c.tp}_pp{c.pp}{f'_vp{c.virtual_stages}' if c.virtual_stages > 1 else ''}"
         f"_mbs{c.mbs}_ac{c.act_ckpt_layers}_torch_z{c.zero_stage}_"
-        f"{dict(none='noff', optimizer_and_params='offall')[c.offload]}"
+        f"{dict(none='noff', optimizer='offopt', optimizer_and_params='offall')[c.offload]}"
         f"{'_sac' if c.full.act_ckpt_mode == 'selective' else ''}{'_compiled' if c.full.compile else ''}"
         for c in ranks]
     for c in p.candidates:
@@ -173,7 +173,7 @@ def test_interleaving_follows_nemo_for_pp_above_2_and_the_user_list_otherwise(tm
     specs = {s.trial_id: s for s in chosen.specs}
     for c in runnable:
         spec = specs.get(f"gpt3_5b_tp{c.tp}_pp{c.pp}_vp2_mbs{c.mbs}_ac{c.act_ckpt_layers}_torch_z{c.zero_stage}_"
-                         f"{dict(none='noff', optimizer_and_params='offall')[c.offload]}")
+                         f"{dict(none='noff', optimizer='offopt', optimizer_and_params='offall')[c.offload]}")
         if spec is not None:  # within limit_search_runs: the trial runs the interleaved layout
             assert spec.parallel.virtual_stages == 2 and spec.layout().virtual_stages == 2
 

@@ -34,13 +34,13 @@ def test_a_rule_follows_the_engines_record(monkeypatch, fact, rule):
 
 
 def test_savers_follow_the_record(monkeypatch):
-    assert sharding.combination_problem("torch", 3, "optimizer", 1, 1)[0] == "offload"
+    assert sharding.combination_problem("torch", 1, "optimizer", 1, 1)[0] == "offload"  # FSDP2's stages only
+    assert sharding.combination_problem("deepspeed", 1, "optimizer", 1, 1) is None
     assert sharding.combination_problem("deepspeed", 3, "none", 2, 1)[0] == "zero_stages"
     assert sharding.combination_problem("deepspeed", 1, "none", 1, 2)[0] == "engines"
-    monkeypatch.setitem(facts_module.ENGINE_FACTS, "torch", dataclasses.replace(TORCH, offloads=TORCH.offloads +
-                                                                                    ("optimizer",)))
+    monkeypatch.setitem(facts_module.ENGINE_FACTS, "torch", dataclasses.replace(TORCH, offload_min_zero_stage=1))
     monkeypatch.setitem(facts_module.ENGINE_FACTS, "deepspeed", dataclasses.replace(
         DEEPSPEED, tp_zero_stages=(0, 1, 2, 3), pp_zero_stages=(0, 1, 2, 3)))
-    assert sharding.combination_problem("torch", 3, "optimizer", 1, 1) is None
+    assert sharding.combination_problem("torch", 1, "optimizer", 1, 1) is None
     assert sharding.combination_problem("deepspeed", 3, "none", 2, 1) is None
     assert sharding.combination_problem("deepspeed", 1, "none", 1, 2) is None

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from hp_tool.architectures import count_parameters, layer_parameters
-from hp_tool.vocab import INVALID, PRUNED, SELECTED
+from hp_tool.vocab import INVALID, OVER_LIMIT, PRUNED, SELECTED
 from hp_tool.cli import compose
 from hp_tool.config import to_app_config
 from hp_tool.errors import ConfigError
@@ -156,7 +156,7 @@ def test_a_trial_spans_the_nodes_its_offloaded_shards_need_so_a_run_that_fits_is
     assert {c.engine for c in offall} == {"torch", "deepspeed"}
     assert not [c for c in offall if c.reason_key == "gpu.host_ram_gib"]
     ds = [c for c in offall if c.engine == "deepspeed"]
-    assert any(c.status == SELECTED for c in ds)
+    assert any(c.status in (SELECTED, OVER_LIMIT) for c in ds)  # fits (the run limit goes to faster savers)
     for c in offall:
         full_host = host_phases_gib(c.shape, c.full, 1, p.cluster.hw).node_gib
         assert full_host < usable and c.host_memory_gib <= usable

@@ -39,7 +39,6 @@ from hp_tool.estimate.layout import (GIB, Hardware, Layout, interleave_held_tens
                                      microbatches_in_flight, rank_shape, ring_tile_rows)
 from hp_tool.engine_facts import engine_facts
 from hp_tool.recipe import Adapters
-from hp_tool.sharding import reduces_once_per_step
 from hp_tool.estimate.methods import (NF4_BITS, activation_delta_bytes, adapter_parameters_per_layer,
                                       linear_parameters_per_layer, linear_shapes)
 
@@ -102,11 +101,12 @@ def autocast_casts_weights(layout: Layout, hw: Hardware) -> bool:
     parameters on one rank, where no data-parallel wrapper (FSDP2, replicate) holds them in the compute dtype."""
     fsdp = layout.zero_stage >= 3 and (layout.zero_ranks > 1 or layout.offload == "optimizer_and_params")
     return (engine_facts(layout.engine).fp32_weights and layout.master_weights == "fp32" and layout.zero_ranks == 1
-            and not fsdp and layout.bytes_per_value < 4)
+            and not fsdp and layout.offload != "optimizer" and layout.bytes_per_value < 4)
 
 
 def model_state_bytes(params: float, dp: int, zero_stage: int = 3, offload: str = "none",
-                      engine: str = "torch", optimizer: str = "adamw", master_weights: str = "fp32") -> float:
+                      engine: str = "torch", optimizer: str = "adamw", master_weights: str = "fp32",
+                      bytes_per_value: float = 2.0) -> float:
     """GPU bytes of the weights, gradients and optimizer states of ``params`` local parameters.
 
     ``deepspeed``: 16-bit weights (2) and gradients (2), fp32 master and Adam moments (12); ZeRO-1 divides
@@ -120,13 +120,17 @@ def model_state_bytes(params: float, dp: int, zero_stage: int = 3, offload: str 
     and gradients too) in host RAM; an engine whose offload moves the gradients (DeepSpeed's ZeRO-Offload,
     ``offload_moves_gradients``) keeps their ZeRO-2/3 partition there as well, reducing through its bucket
     (``reduce_bucket_bytes``). ``master_weights`` bf16 (torch): bf16 weights (2) and gradients (2) and the
-    optimizer's moments in bf16 (half of ``OPTIMIZER_STATE_BYTES``; 8-bit AdamW's stay 8-bit), no fp32 master."""
+    optimizer's moments in bf16 (half of ``OPTIMIZER_STATE_BYTES``; 8-bit AdamW's stay 8-bit), no fp32 master.
+    The torch engine's optimizer offload keeps the weights and gradients on the GPU in the compute dtype
+    (``bytes_per_value``), its fp32 master on the host with the optimizer's states."""
     n = max(1, dp)
     on_gpu = offload != "optimizer_and_params"
     states = OPTIMIZER_STATE_BYTES[optimizer]
     facts = engine_facts(engine)
     if master_weights == "bf16":  # everything the step keeps in bf16
         weights, grads, opt_bytes = 2.0, 2.0, float(states if optimizer == "adamw_8bit" else states / 2)
+    elif facts.fp32_weights and offload == "optimizer":  # the master on the host (optim.HostOffloadedOptimizer)
+        weights, grads, opt_bytes = float(bytes_per_value), float(bytes_per_value), 0.0
     elif facts.fp32_weights:  # the fp32 parameter is the master
         weights, grads, opt_bytes = 4.0, 4.0, float(states)
     else:  # 16-bit weights and gradients, the fp32 master among the optimizer states
@@ -169,11 +173,11 @@ def compute_copy_bytes(params: float, gathered_layer: float, layout: Layout, hw:
         # the stage stays unsharded in the compute dtype and its gradients accumulate unsharded in fp32
         # (in place of their shard, counted in the states)
         return bpv * params + 4 * params * (1 - 1 / layout.zero_ranks)
-    if layout.zero_stage >= 3 and (layout.zero_ranks > 1 or layout.offload == "optimizer_and_params"):
+    if layout.zero_stage >= 3 and (layout.zero_ranks > 1 or layout.offload != "none"):
         return 2 * bpv * gathered_layer
     if not facts.fp32_weights:  # 16-bit weights: computed on as they are
         return 0.0
-    if layout.zero_ranks > 1:
+    if layout.zero_ranks > 1 or layout.offload != "none":  # FSDP2 on one rank gathers a copy too
         return bpv * params
     return bpv * params if autocast_casts_weights(layout, hw) else 0.0
 
@@ -196,7 +200,8 @@ def sharded_state_bytes(shape: Shape, layout: Layout, params: float, stage: int)
     """``model_state_bytes`` of a stage's ``params`` local parameters, its routed experts sharded by ZeRO over
     the data-parallel ranks holding the same experts (DP / EP) and the rest over all DP ranks."""
     experts = stage_expert_parameters(shape, layout.pp, stage, layout.ep)
-    savers = layout.zero_stage, layout.offload, layout.engine, layout.optimizer, layout.master_weights
+    savers = (layout.zero_stage, layout.offload, layout.engine, layout.optimizer, layout.master_weights,
+              layout.bytes_per_value)
     return model_state_bytes(params - experts, layout.zero_ranks, *savers) + \
         (model_state_bytes(experts, layout.edp, *savers) if experts else 0.0)
 
@@ -351,18 +356,6 @@ def stage_compute_copy_bytes(shape: Shape, layout: Layout, hw: Hardware, params:
     return compute_copy_bytes(params - quantised + adapters, gathered_layer, layout, hw)
 
 
-def accumulated_grad_bytes(trained: float, layout: Layout) -> float:
-    """GPU bytes of the gradients of ``trained`` local parameters accumulated unsharded across a step's
-    micro-batches where the engine reduces offloaded gradients once per step (``sharding.reduces_once_per_step``:
-    FSDP2 with its CPU offload keeps each gradient in its reduce dtype, fp32, until the last micro-batch's
-    backward); 0 with one micro-batch, without offload (ZeRO 0-1 hold whole gradients anyway, in
-    ``model_state_bytes``) and where each micro-batch's gradients go to the host."""
-    if layout.offload == "none" or layout.num_microbatches == 1 or not reduces_once_per_step(
-            layout.engine, layout.zero_stage, layout.offload, layout.zero_ranks, layout.pp):
-        return 0.0
-    return (engine_facts(layout.engine).reduce_bytes or layout.bytes_per_value) * trained
-
-
 def frozen_base_bytes(layout: Layout) -> float:
     """Bytes per parameter of an adapter method's frozen base as every engine holds it: the training precision's
     (the torch engine casts it to its 16-bit compute dtype, hp_tool/trial/weights.py hold_in; DeepSpeed
@@ -375,16 +368,14 @@ def stage_state_bytes(shape: Shape, layout: Layout, hw: Hardware, params: float,
     """GPU bytes of pipeline ``stage``'s weights, gradients, optimizer states and compute copies (``params``
     parameters on this GPU after TP).
 
-    Full training: ``model_state_bytes`` + ``compute_copy_bytes`` + ``reduce_bucket_bytes`` +
-    ``accumulated_grad_bytes``. LoRA / QLoRA (estimate/methods.py): the
+    Full training: ``model_state_bytes`` + ``compute_copy_bytes`` + ``reduce_bucket_bytes``. LoRA / QLoRA (estimate/methods.py): the
     frozen base as the engines hold it (``frozen_base_bytes``; QLoRA: its layers' linear weights in
     NF4_BITS per parameter) with no gradient or optimizer state, sharded by ZeRO-3 / FSDP2 and moved to the
     host by parameter offload as for full training, with full training's compute copies; QLoRA's transient
     dequantised copy of the layer's largest weight; the adapters' own states as full training's."""
     copies = stage_compute_copy_bytes(shape, layout, hw, params, stage, gathered_layer)
     if not layout.adapted:
-        return (sharded_state_bytes(shape, layout, params, stage) + copies + reduce_bucket_bytes(params, layout)
-                + accumulated_grad_bytes(params, layout))
+        return sharded_state_bytes(shape, layout, params, stage) + copies + reduce_bucket_bytes(params, layout)
     bpv = layout.bytes_per_value
     layers = sum(stage_layer_counts(shape, layout.pp, stage))
     adapters = stage_adapter_parameters(shape, layout, stage)
@@ -397,10 +388,9 @@ def stage_state_bytes(shape: Shape, layout: Layout, hw: Hardware, params: float,
     sharded = layout.zero_stage >= 3 and (layout.zero_ranks > 1 or layout.offload == "optimizer_and_params")
     experts = stage_expert_parameters(shape, layout.pp, stage, layout.ep) * weight_bytes
     on_gpu = 0.0 if layout.offload == "optimizer_and_params" else layout.shard(base, experts) if sharded else base
-    return on_gpu + copies + dequantised + reduce_bucket_bytes(adapters, layout) + \
-        accumulated_grad_bytes(adapters, layout) + model_state_bytes(
+    return on_gpu + copies + dequantised + reduce_bucket_bytes(adapters, layout) + model_state_bytes(
         adapters, layout.zero_ranks, layout.zero_stage, layout.offload, layout.engine, layout.optimizer,
-        layout.master_weights)
+        layout.master_weights, layout.bytes_per_value)
 
 
 # Bytes per logit the whole-logits loss holds at its peak (cross-entropy's backward), as traced in fp32 and bf16

@@ -58,7 +58,6 @@ from hp_tool.estimate.host import host_s
 from hp_tool.estimate.layout import GB, Hardware, Layout, rank_shape, stage_layers
 from hp_tool.estimate.memory import adapter_parameters, cached, linear_parameters, stage_activation_bytes
 from hp_tool.families.decoder import expert_forward_flops
-from hp_tool.sharding import reduces_once_per_step
 from hp_tool.estimate.methods import NF4_BITS, attention_core_flops_per_layer, linear_shapes
 
 # attention kernels (FlashAttention-2, Dao 2023, Fig. 4-7: causal forward + backward on A100 80 GiB at head dim 128
@@ -467,24 +466,24 @@ def _offloaded_trained(shape: Shape, layout: Layout) -> float:
 def offload_pcie_bytes(shape: Shape, layout: Layout) -> float:
     """Bytes one GPU moves over PCIe per step under offload, as its engine moves them:
 
-    - gradients down in the engine's reduce dtype (``reduce_bytes``; DeepSpeed's: the training precision's), once
-      per step where it accumulates them on the GPU (``sharding.reduces_once_per_step``: FSDP2), else once per
-      micro-batch (ZeRO-Offload adds them on the host);
-    - optimizer-only offload: the updated 16-bit weights up once per step;
+    - gradients down: once per micro-batch where the engine adds them on the host
+      (``offloads_moving_each_microbatch``: FSDP2's parameter offload, ZeRO-Offload), else once per step (the
+      torch engine's optimizer offload keeps them sharded on the GPU until the host step); in the engine's reduce
+      dtype under its parameter offload (FSDP2's fp32 master), else in the training precision;
+    - optimizer-only offload: the updated weights up once per step, in the training precision;
     - parameter offload: the shard up for each gather, every micro-batch's forward and, at ZeRO-3, its backward
       (ZeRO-2 keeps the gathered layer from forward to backward), its trained part at ``offload_upload_bytes``
       (FSDP2's fp32 master) and a frozen base at the training precision."""
     facts = engine_facts(layout.engine)
     bpv, m = layout.bytes_per_value, layout.num_microbatches
     trained = _offloaded_trained(shape, layout)
-    moves = 1 if reduces_once_per_step(layout.engine, layout.zero_stage, layout.offload, layout.zero_ranks,
-                                       layout.pp) else m
-    pcie = (facts.reduce_bytes or bpv) * trained * moves
+    moves = m if layout.offload in facts.offloads_moving_each_microbatch else 1
     if layout.offload != "optimizer_and_params":
-        return pcie + bpv * trained
+        return bpv * trained * moves + bpv * trained
     shard = layout.shard(_local_parameters(shape, layout), _local_expert_parameters(shape, layout))
     gathers = m * (2 if layout.zero_stage >= 3 else 1)
-    return pcie + gathers * ((facts.offload_upload_bytes or bpv) * trained + bpv * (shard - trained))
+    return ((facts.reduce_bytes or bpv) * trained * moves
+            + gathers * ((facts.offload_upload_bytes or bpv) * trained + bpv * (shard - trained)))
 
 
 def cpu_adam_params_per_s(hw: Hardware) -> float:

@@ -108,14 +108,71 @@ def _make_optimizer(groups: list[dict], t: TrainingSpec, device: torch.device,
 
 
 def build_optimizer(module: nn.Module, t: TrainingSpec, device: torch.device, zero_stage: int = 0,
-                    dp_group: Optional[dist.ProcessGroup] = None, offload: bool = False) -> torch.optim.Optimizer:
-    """AdamW over ``param_groups``: on the parameters' own device (the host when FSDP2 offloads them), and
-    at ZeRO stage 1 with more than one data-parallel rank sharded by ``ShardedAdamW``."""
+                    dp_group: Optional[dist.ProcessGroup] = None, offload: str = "none") -> torch.optim.Optimizer:
+    """AdamW over ``param_groups``: on the parameters' own device (the host when FSDP2 offloads them,
+    ``optimizer_and_params``), on the host beside 16-bit weights on the GPU (``optimizer``:
+    ``HostOffloadedOptimizer``), and at ZeRO stage 1 with more than one data-parallel rank sharded by
+    ``ShardedAdamW``."""
     if zero_stage == 1 and dp_group is not None and dist.get_world_size(dp_group) > 1:
         return ShardedAdamW(module, t, device, dp_group)
-    host_offload = offload and device.type == "cuda"  # a GPU trial's optimizer on its host
-    return _make_optimizer(param_groups(module, t.weight_decay), t, torch.device("cpu") if offload else device,
+    if offload == "optimizer":
+        return HostOffloadedOptimizer(module, t, device)
+    on_host = offload == "optimizer_and_params"
+    host_offload = on_host and device.type == "cuda"  # a GPU trial's optimizer on its host
+    return _make_optimizer(param_groups(module, t.weight_decay), t, torch.device("cpu") if on_host else device,
                            host_offload)
+
+
+class HostOffloadedOptimizer(torch.optim.Optimizer):
+    """The torch engine's optimizer offload (ZeRO-Offload's split over FSDP2): the GPU holds the weights and their
+    gradients in the compute dtype, the host the fp32 master of each weight's local shard, its fp32 gradient, a
+    compute-dtype staging copy and the optimizer's states, all allocated once here (pinned on a GPU's host, so
+    the copies run at PCIe speed). A step copies each gradient down once (unscaled and clipped on the GPU
+    before), steps the spec's optimizer on the masters on the host (its fused kernel, on the rank's host
+    threads, ``use_host_threads``) and copies each updated master up once, in the compute dtype. Its
+    ``param_groups`` are the GPU weights': the learning rate, clipping and the loss scaler act on them, and the
+    host optimizer's groups take their learning rate and weight decay each step."""
+
+    def __init__(self, module: nn.Module, t: TrainingSpec, device: torch.device):
+        super().__init__(param_groups(module, t.weight_decay), {"lr": lr_at(0, t), "weight_decay": t.weight_decay})
+        pin = device.type == "cuda"
+        self._copies: list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]] = []  # (weight, master, staging)
+        host_groups = []
+        for group in self.param_groups:
+            masters = []
+            for param in group["params"]:
+                local = _local(param).detach()
+                master = torch.empty(local.shape, dtype=torch.float32, pin_memory=pin)
+                master.copy_(local)
+                master.grad = torch.zeros(local.shape, dtype=torch.float32, pin_memory=pin)
+                staging = torch.empty(local.shape, dtype=local.dtype, pin_memory=pin)
+                self._copies.append((param, master, staging))
+                masters.append(master)
+            host_groups.append({"params": masters, "weight_decay": group["weight_decay"]})
+        self.host = _make_optimizer(host_groups, t, torch.device("cpu"), host_offload=pin)
+        self._device = device
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        stepped = [(param, master, staging) for param, master, staging in self._copies if param.grad is not None]
+        for param, _, staging in stepped:  # gradients down, in the compute dtype
+            staging.copy_(_local(param.grad), non_blocking=True)
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        for param, master, staging in self._copies:
+            if param.grad is None:
+                master.grad = None
+            else:
+                if master.grad is None:
+                    master.grad = torch.zeros_like(master)
+                master.grad.copy_(staging)
+        for host_group, group in zip(self.host.param_groups, self.param_groups):
+            host_group["lr"], host_group["weight_decay"] = group["lr"], group["weight_decay"]
+        self.host.step()
+        for param, master, staging in stepped:  # the updated weights up, in the compute dtype
+            staging.copy_(master)
+            _local(param).detach().copy_(staging, non_blocking=True)
+        return None
 
 
 class ShardedAdamW:

@@ -43,7 +43,6 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 
 from hp_tool.contracts.spec import ParallelSpec
 from hp_tool.errors import ConfigError, require
-from hp_tool.sharding import reduces_once_per_step
 from hp_tool.trial.context_parallel import apply_context_parallel
 from hp_tool.trial.dist import weight_dp_dim, weight_dp_size
 from hp_tool.trial.families import TorchFamily, torch_family
@@ -198,7 +197,7 @@ def apply_data_parallel(stage: StageModule, dp_mesh: DeviceMesh, zero_stage: int
         replicate(stage, mesh=dp_mesh, mp_policy=mp, ignored_params=frozen or None)
         return
     extra = {}
-    if offload != "none":
+    if offload == "optimizer_and_params":  # the optimizer's offload alone is the optimizer's (optim.py)
         extra["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     reshard = zero_stage >= 3
     for module in experts:
@@ -264,9 +263,8 @@ def build_schedule(chunks: list[StageModule], par: ParallelSpec, mesh: DeviceMes
 
 
 def needs_grad_sync_control(par: ParallelSpec) -> bool:
-    """Whether to skip DP gradient reduction on all but the last micro-batch (``sharding.reduces_once_per_step``:
-    DDP's no_sync; FSDP2 with CPU offload, whose gradients then accumulate on the GPU and go to the host once)."""
-    return reduces_once_per_step(par.engine, par.zero_stage, par.offload, weight_dp_size(par), par.pp)
+    """Whether to skip DP gradient reduction on all but the last micro-batch (DDP's no_sync)."""
+    return weight_dp_size(par) > 1 and par.pp == 1 and par.zero_stage <= 1
 
 
 def set_grad_sync(stage: nn.Module, enabled: bool) -> None:

@@ -153,7 +153,9 @@ def build_rank_model(spec: TrialSpec, mesh: Optional[DeviceMesh], pp_rank: int, 
     chunk_par = dataclasses.replace(par, act_ckpt_layers=par.act_ckpt_layers // par.virtual_stages)
     for chunk in chunks:
         if param_dtype is not None:  # 16-bit training: an adapter method's base, or everything with bf16 masters
-            hold_in(chunk, param_dtype, trained=spec.parallel.master_weights == "bf16")
+            # bf16 masters, or the optimizer's offload, whose fp32 master is on the host: trained weights too
+            hold_in(chunk, param_dtype, trained=spec.parallel.master_weights == "bf16"
+                    or spec.parallel.offload == "optimizer")
         parallelize_stage(chunk, chunk_par, mesh, param_dtype, materialise.device)
     stage = chunks[0] if len(chunks) == 1 else InterleavedStages(chunks)
     phases.mark("model_build", "weights")
@@ -167,4 +169,4 @@ def build_rank_optimizer(spec: TrialSpec, stage: nn.Module, mesh: Optional[Devic
     par = spec.parallel
     optim.use_host_threads(spec, device)
     return optim.build_optimizer(stage, spec.training, device, par.zero_stage, weight_dp_group(mesh, par),
-                                 offload=par.offload != "none")
+                                 offload=par.offload)

@@ -99,7 +99,7 @@ class TorchEngine:
         pp_rank = mesh["pp"].get_local_rank() if mesh is not None else 0
         dp_rank = mesh["dp"].get_local_rank() if mesh is not None else 0
         cp_rank = mesh["cp"].get_local_rank() if par.cp > 1 else 0
-        model = build_rank_model(spec, mesh, pp_rank, Initialise.of(spec, device, par.offload != "none"),
+        model = build_rank_model(spec, mesh, pp_rank, Initialise.of(spec, device, par.offload == "optimizer_and_params"),
                                  compute_dtype(spec, device))
         log.info("rank %d: stage %d holds %d parameter elements", env.rank, pp_rank, model.local_numel)
         optimizer = build_rank_optimizer(spec, model.stage, mesh, device)
