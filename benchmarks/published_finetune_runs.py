@@ -179,6 +179,10 @@ class Case:
     # tensors alone, without the CUDA context, the allocator's cached slack or NCCL's buffers that the gpu
     # preset's memory_overhead_gib adds, so the prediction compared is the tensors' (the verdict stays the total's)
     memory_is_tensors: bool = False
+    # whether its fit verdict is scored: a row whose outcome belongs to a stack hp_tool does not run (its field
+    # ``verdict_judged``: false with ``why``) keeps its memory and speed errors, not its verdict
+    verdict_judged: bool = True
+    verdict_why: str = ""
 
 
 def gpu_preset(name: Optional[str]) -> tuple[str, list[str]]:
@@ -512,8 +516,9 @@ def express(row: dict) -> Case:
     if length_is_cutoff(row):
         memory = speed = None  # the samples' lengths are unknown: only the verdict at the cutoff is compared
         notes.append("the length is a cutoff (shorter samples): fit verdict only")
+    judged = row.get("verdict_judged", {"value": True})
     return Case(row["id"], row["source_key"], model, preset, method, shape, layout, hw, nodes, memory, speed,
-                kind != "oom", notes, tensors)
+                kind != "oom", notes, tensors, bool(value(judged)), judged.get("why", "") if isinstance(judged, dict) else "")
 
 
 # ---------------------------------------------------------------------------------------------- scoring
@@ -590,13 +595,15 @@ class Summary:
     rows: int
     memory: list[float]
     speed: list[float]
-    verdicts: Counter  # (measured fits, predicted fits) -> rows
+    verdicts: Counter  # (measured fits, predicted fits) -> rows, over the rows whose verdict is judged
+    judged: int  # rows whose fit verdict is scored (``Case.verdict_judged``)
 
     @classmethod
     def of(cls, scored: list[Scored]) -> "Summary":
+        judged = [s for s in scored if s.case.verdict_judged]
         return cls(len(scored), [s.memory_error for s in scored if s.memory_error is not None],
                    [s.speed_error for s in scored if s.speed_error is not None],
-                   Counter((s.case.measured_fits, s.fits) for s in scored))
+                   Counter((s.case.measured_fits, s.fits) for s in judged), len(judged))
 
     @property
     def agree(self) -> int:
@@ -607,7 +614,7 @@ class Summary:
             if not errors:
                 return "- | - | 0"
             return f"{median_abs(errors):.0%} | {statistics.median(errors):+.0%} | {len(errors)}"
-        return (f"| {name} | {self.rows} | {part(self.memory)} | {part(self.speed)} | {self.agree}/{self.rows} | "
+        return (f"| {name} | {self.rows} | {part(self.memory)} | {part(self.speed)} | {self.agree}/{self.judged} | "
                 f"{self.verdicts[(True, False)]} | {self.verdicts[(False, True)]} |")
 
 
@@ -664,14 +671,19 @@ def print_summaries(card: Scorecard) -> None:
         rest = Summary.of([s for s in scored if s.case.source != source])
         mem, speed = median_abs(rest.memory), median_abs(rest.speed)
         print(f"| {source} | {rest.rows} | {'-' if mem is None else f'{mem:.0%}'} | {len(rest.memory)} | "
-              f"{'-' if speed is None else f'{speed:.0%}'} | {len(rest.speed)} | {rest.agree}/{rest.rows} |")
+              f"{'-' if speed is None else f'{speed:.0%}'} | {len(rest.speed)} | {rest.agree}/{rest.judged} |")
 
-    wrong = [s.case.id for s in scored if s.case.measured_fits and not s.fits]
-    missed = [s.case.id for s in scored if not s.case.measured_fits and s.fits]
-    ooms = [s.case.id for s in scored if not s.case.measured_fits]
-    print(f"\nFit verdicts: {Summary.of(scored).agree} of {len(scored)} agree; measured OOM rows scored: "
+    judged = [s for s in scored if s.case.verdict_judged]
+    wrong = [s.case.id for s in judged if s.case.measured_fits and not s.fits]
+    missed = [s.case.id for s in judged if not s.case.measured_fits and s.fits]
+    ooms = [s.case.id for s in judged if not s.case.measured_fits]
+    print(f"\nFit verdicts: {Summary.of(scored).agree} of {len(judged)} judged agree; measured OOM rows scored: "
           f"{', '.join(ooms) or 'none'}; called \"does not fit\" but ran: {', '.join(wrong) or 'none'}; "
           f"called fitting but ran out of memory: {', '.join(missed) or 'none'}")
+    for s in scored:
+        if not s.case.verdict_judged:
+            print(f"- verdict not judged: {s.case.id} ({'fits' if s.fits else 'does not fit'} predicted, "
+                  f"{'ran' if s.case.measured_fits else 'OOM'} measured): {s.case.verdict_why}")
 
     print(f"\nNot expressible: {len(card.unexpressible)} rows\n")
     by_kind: dict[str, list[str]] = defaultdict(list)
@@ -708,7 +720,7 @@ def missed_targets(card: Scorecard, targets: Targets = TARGETS) -> list[str]:
         missed.append(f"tokens/s median {speed:.1%} > {targets.speed_median:.0%}")
     if memory is not None and memory > targets.memory_median:
         missed.append(f"memory median {memory:.1%} > {targets.memory_median:.0%}")
-    wrong = every.rows - every.agree
+    wrong = every.judged - every.agree
     if wrong > targets.wrong_verdicts:
         missed.append(f"{wrong} fit verdict(s) wrong")
     return missed

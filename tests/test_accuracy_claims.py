@@ -111,17 +111,17 @@ def test_readme_and_accuracy_page_fine_tuning_figures_are_the_published_finetune
     card = bench.score(bench.load_rows())
     every = bench.Summary.of(card.scored)
     claim = re.search(r"On (\d+) published fine-tuning runs: memory median error (\d+)%, tokens/s (\d+)%, fit "
-                      r"verdicts (\d+) of (\d+) right", flat(README.read_text()))
+                      r"verdicts (\d+) of (\d+) judged right", flat(README.read_text()))
     assert claim, "README's fine-tuning sentence is not where this test looks for it"
     got = tuple(int(g) for g in claim.groups())
     assert got == (every.rows, round(100 * bench.median_abs(every.memory)), round(100 * bench.median_abs(every.speed)),
-                   every.agree, every.rows)
+                   every.agree, every.judged)
     page = flat(ACCURACY.read_text())
     full, lora, qlora = (round(100 * bench.median_abs(bench.Summary.of(
         [s for s in card.scored if s.case.method == m]).memory)) for m in ("full", "lora", "qlora"))
     expected = (f"{every.rows} of them expressible: memory median error {got[1]}% ({len(every.memory)} rows; full "
                 f"{full}%, LoRA {lora}%, QLoRA {qlora}%), tokens/s {got[2]}% ({len(every.speed)} rows), fit verdicts "
-                f"{every.agree} of {every.rows} right")
+                f"{every.agree} of {every.judged} judged right")
     assert expected in page, expected
     assert f"Targets: {bench.TARGETS.text()}." in page
 

@@ -163,7 +163,7 @@ def test_the_gate_names_the_target_a_worse_model_misses(rows, card, monkeypatch)
                                        for s in card.scored], card.unexpressible)
     assert any(m.startswith("tokens/s median") for m in bench.missed_targets(slow))
     every = bench.Summary.of(card.scored)
-    wrong = every.rows - every.agree
+    wrong = every.judged - every.agree
     right = next(i for i, s in enumerate(card.scored) if s.case.measured_fits == s.fits)
     s = card.scored[right]  # its measured outcome turned round (fits <-> OOM): its verdict now disagrees
     flipped = bench.Scored(dataclasses.replace(s.case, measured_fits=not s.case.measured_fits), s.memory_gib,
@@ -174,3 +174,18 @@ def test_the_gate_names_the_target_a_worse_model_misses(rows, card, monkeypatch)
     with redirect_stdout(io.StringIO()) as out:
         assert bench.main(["--summary"]) == 1
     assert "MISSED: tokens/s median" in out.getvalue().splitlines()[-1]
+
+
+def test_a_verdict_another_stack_owns_is_listed_not_scored_and_its_measurements_still_count(card):
+    """Rows marked ``verdict_judged: false`` (their OOM or fit belongs to a stack hp_tool does not run) keep their
+    memory and tokens/s errors, but their fit verdict counts neither right nor wrong; the printed summary names
+    each with its reason."""
+    unjudged = [s for s in card.scored if not s.case.verdict_judged]
+    assert {s.case.id for s in unjudged} == {"us-dec-08", "us-dec-15", "ds-01"}
+    assert all(s.case.verdict_why for s in unjudged)
+    every, alone = bench.Summary.of(card.scored), bench.Summary.of(unjudged)
+    assert every.judged == every.rows - len(unjudged) and alone.judged == 0 and not alone.verdicts
+    assert alone.rows == len(unjudged)  # still scored rows: their memory and speed errors count
+    with redirect_stdout(io.StringIO()) as out:
+        bench.print_summaries(card)
+    assert all(f"verdict not judged: {s.case.id} " in out.getvalue() for s in unjudged)
