@@ -59,7 +59,7 @@ from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.published_runs import MEMORY_MARGIN, spearman  # noqa: E402
+from benchmarks.published_runs import MEMORY_MARGIN, RANK_TIE, rank_pairs  # noqa: E402
 from hp_tool.architectures import count_parameters  # noqa: E402
 from hp_tool.base_config import lora_targets, resolve_cluster  # noqa: E402
 from hp_tool.cli import compose  # noqa: E402
@@ -656,13 +656,14 @@ def print_summaries(card: Scorecard) -> None:
             print(Summary.of(groups[name]).line(f"{title}: {name}"))
     print(Summary.of(scored).line("all"))
 
-    print("\nRank correlation of predicted and measured tokens/s per GPU within each source (Spearman, 3 rows or "
-          "more)\n")
+    print("\nRank pairs of tokens/s per GPU within each source: of the pairs whose measured rates differ by more "
+          f"than {RANK_TIE:.0%}, ordered as measured / tied by the prediction / reversed\n")
     for source in sorted({s.case.source for s in scored}):
         pairs = [(s.case.measured_tokens_per_s_per_gpu, s.tokens_per_s_per_gpu) for s in scored
                  if s.case.source == source and s.case.measured_tokens_per_s_per_gpu is not None]
-        if len(pairs) >= 3:
-            print(f"- {source}: {spearman([a for a, _ in pairs], [b for _, b in pairs]):.2f} ({len(pairs)} rows)")
+        right, tie, wrong = rank_pairs([a for a, _ in pairs], [b for _, b in pairs])
+        if right + tie + wrong:
+            print(f"- {source}: {right} / {tie} / {wrong} ({len(pairs)} rows)")
 
     print("\nLeave one source out: the medians over every other source (no constant is refitted)\n")
     print("| left out | rows left | memory median abs | memory rows | tokens/s median abs | tokens/s rows | "

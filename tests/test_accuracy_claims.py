@@ -37,7 +37,7 @@ def run_main(module, capsys, argv: list[str]) -> tuple[int, str]:
 
 def test_published_runs_prints_the_readme_and_accuracy_page_figures(capsys):
     """published_runs.py --summary runs to its exit code (0 or 1; the gate is its business, not this test's),
-    README's sentence quotes its "all" row (runs, step median, Spearman, memory median, the runs that trained and are called "does not
+    README's sentence quotes its "all" row (runs, step median, rank pairs, memory median, the runs that trained and are called "does not
     fit"), and docs/accuracy.md holds every row of its summary and leave-one-source-out tables and its
     targets."""
     bench = benchmark("published_runs")
@@ -49,11 +49,12 @@ def test_published_runs_prints_the_readme_and_accuracy_page_figures(capsys):
     overall = bench.summarise(bench.load_runs(), bench.predicted_step_s)
     assert bench.summary_line("all", overall) in out.splitlines()
     readme = flat(README.read_text())
-    claim = re.search(r"against (\d+) published runs \(.*?\): median error ([\d.]+)%, Spearman ([\d.]+); peak memory "
+    claim = re.search(r"against (\d+) published runs \(.*?\): median error ([\d.]+)%, rank pairs more than 5% apart "
+                      r"(\d+) right, (\d+) tied, (\d+) reversed; peak memory "
                       r"median error ([\d.]+)%; (\d+) of (\d+) runs that trained wrongly called \"does not fit\""
                       r"(?: \(([\w, ]+):)?", readme)
     assert claim, "README's step-time sentence is not where this test looks for it"
-    assert claim.groups() == (str(overall.runs), f"{100 * overall.median:.1f}", f"{overall.spearman:.2f}",
+    assert claim.groups() == (str(overall.runs), f"{100 * overall.median:.1f}", *(str(n) for n in overall.pairs),
                               f"{100 * overall.memory_median:.1f}", str(overall.wrong_no_fit), str(overall.trained),
                               ", ".join(bench.wrongly_no_fit(bench.load_runs())) or None)
 
@@ -138,3 +139,13 @@ def test_accuracy_page_fine_tuning_table_is_the_benchmarks(finetune_errors):
     line = (f"Median {100 * ordered[1]:+.0f}% .. {100 * ordered[2]:+.0f}%, "
             f"max {100 * max(map(abs, finetune_errors)):.0f}%.")
     assert line in flat(page)
+
+
+def test_a_rank_claim_counts_only_between_runs_more_than_5_percent_apart():
+    bench = benchmark("published_runs")
+    measured = [100, 103, 120, 150]  # the first two tie (3% apart): no claim between them
+    predicted = [130, 90, 120, 123]
+    # run 0 is predicted above runs 2 and 3, measured below both: reversed; run 1 is ordered right against 2 and 3;
+    # runs 2 and 3 are predicted 2.5% apart: a tie, though measured 25% apart
+    assert bench.rank_pairs(measured, predicted) == (2, 1, 2)
+    assert bench.rank_pairs(measured, measured) == (5, 0, 0)
