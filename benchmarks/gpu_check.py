@@ -70,8 +70,9 @@ class Scale:
     adapter_extra: tuple[str, ...] = ()
 
 
-# Llama-2 7B at 2048 tokens, 8 sequences a step: 2 full candidates at MBS 2 (with and without offload; the
-# offloaded step is about 15 s with the optimizer on 16 host cores, so one such trial takes 2-3 minutes), 4
+# Llama-2 7B at 2048 tokens, 8 sequences a step: 3 full candidates at MBS 2 (without offload, pruned on an 80 GB
+# GPU; the optimizer offloaded, bf16 weights on the GPU; the parameters too: each offloaded step is about 10-15 s
+# with the optimizer on 16 host cores, so each such trial takes 1-3 minutes), 4
 # adapter candidates, 2 inference configs: about 7 minutes on one H100 when each trial measures its steps in
 # well under its 3-minute limit.
 GPU_SCALE = Scale("finetune/llama2_7b", 2048, 16384, 32, (2,), (2, 8), "llama/llama2_7b", (1, 16), 6, 3.0,
@@ -157,7 +158,7 @@ def searches(gpu: str, work_dir: Path, minutes_per_trial: Optional[float] = None
              f"{TS}.engines=[torch]", f"{TS}.tensor_parallel_sizes=[1]", f"{TS}.pipeline_parallel_sizes=[1]",
              f"{TS}.search_strategy=exhaustive", f"{TS}.max_steps_per_run={s.max_steps}"]
     full = base("full", s.search_config) + train + [
-        f"{TS}.methods=[full]", f"{TS}.zero_stages=[3]", f"{TS}.offload=[none,optimizer_and_params]",
+        f"{TS}.methods=[full]", f"{TS}.zero_stages=[3]", f"{TS}.offload=[none,optimizer,optimizer_and_params]",
         f"{TS}.micro_batch_sizes={hydra_list(s.full_micro_batches)}",
         f"{TS}.act_ckpt_layers=[{s.full_ckpt_layers}]", f"{TS}.act_ckpt_modes=[full]"]
     adapters = base("adapters", s.search_config) + train + [

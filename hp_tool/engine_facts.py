@@ -110,8 +110,9 @@ TORCH = EngineFacts(
     pipeline_defers_reshard=True,
     zero2_gathers_each_forward=True, recompute_gathers=False,
     # FSDP2's CPUOffloadPolicy keeps the fp32 parameter as the master: fp32 master, m, v and the fp32 gradient
-    # the optimizer's offload: fp32 master, m, v and an fp32 gradient buffer, allocated once
-    host_offload_bytes=(("optimizer", 16), ("optimizer_and_params", 16)),
+    # the optimizer's offload: fp32 master, m, v and an fp32 gradient buffer, and a 16-bit staging copy for the
+    # transfers (optim.HostOffloadedOptimizer), allocated once
+    host_offload_bytes=(("optimizer", 18), ("optimizer_and_params", 16)),
     reduce_bytes=4,  # FSDP2's reduce_dtype; DDP's fp32 grads
     reduce_bucket_elements=None, offload_moves_gradients=False,  # FSDP2 reduce-scatters the gradients in place
     # FSDP2's CPUOffloadPolicy copies each micro-batch's reduced fp32 gradient shard to the host and adds it there,

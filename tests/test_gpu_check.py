@@ -52,7 +52,7 @@ def test_a_gpu_check_runs_full_adapters_and_inference_on_one_gpu_of_the_7b_shape
         assert s.argv()[:2] == ["python3", "main.py"]
     assert value(full, "search_config") == value(adapters, "search_config") == "finetune/llama2_7b"
     assert value(full, f"{TS}.methods") == "[full]" and value(full, f"{TS}.zero_stages") == "[3]"
-    assert value(full, f"{TS}.offload") == "[none,optimizer_and_params]"
+    assert value(full, f"{TS}.offload") == "[none,optimizer,optimizer_and_params]"
     assert value(full, f"{TS}.micro_batch_sizes") == "[2]" and value(full, f"{TS}.act_ckpt_layers") == "[32]"
     assert value(adapters, f"{TS}.methods") == "[lora,qlora]"
     assert value(adapters, f"{TS}.micro_batch_sizes") == "[2,8]" and value(adapters, f"{TS}.act_ckpt_layers") == "[0]"
