@@ -80,3 +80,27 @@ def test_the_torch_engines_optimizer_offload_keeps_16_bit_weights_and_gradients_
     assert model_state_bytes(1.0, 4, 3, "optimizer", "torch", bytes_per_value=4) == pytest.approx((4 + 4) / 4)
     assert model_state_bytes(1.0, 4, 3, "optimizer_and_params", "torch") == 0
     assert model_state_bytes(1.0, 4, 3, "none", "torch") == pytest.approx(16 / 4)
+
+
+def test_the_host_keeps_fp32_masters_of_16_bit_weights_and_uploads_them_rounded():
+    """Steps far below bf16's resolution at 1.0 (2**-7): a bf16 optimizer would never move the weights; the
+    host's fp32 masters accumulate the steps, and the weights are the masters rounded, step by step."""
+    import torch
+    from torch import nn
+
+    from hp_tool.contracts.spec import TrainingSpec
+    from hp_tool.trial.optim import HostOffloadedOptimizer
+
+    layer = nn.Linear(4, 4, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.fill_(1.0)
+    spec = TrainingSpec(lr=1e-4, min_lr=1e-4, weight_decay=0.0, max_steps=1000)
+    opt = HostOffloadedOptimizer(layer, spec, torch.device("cpu"))
+    (_, master, _, _), = opt._copies
+    for _ in range(200):
+        layer.weight.grad = torch.ones_like(layer.weight)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        assert torch.equal(layer.weight, master.to(torch.bfloat16))
+    assert master.dtype == torch.float32 and master.mean().item() == pytest.approx(1 - 200 * 1e-4, rel=1e-3)
+    assert layer.weight.dtype == torch.bfloat16 and layer.weight.float().mean().item() < 1.0  # moved, by rounding

@@ -136,7 +136,8 @@ class HostOffloadedOptimizer(torch.optim.Optimizer):
     def __init__(self, module: nn.Module, t: TrainingSpec, device: torch.device):
         super().__init__(param_groups(module, t.weight_decay), {"lr": lr_at(0, t), "weight_decay": t.weight_decay})
         pin = device.type == "cuda"
-        self._copies: list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]] = []  # (weight, master, staging)
+        # (weight, its fp32 master, the master's gradient buffer, the compute-dtype staging copy)
+        self._copies: list[tuple[nn.Parameter, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         host_groups = []
         for group in self.param_groups:
             masters = []
@@ -144,9 +145,9 @@ class HostOffloadedOptimizer(torch.optim.Optimizer):
                 local = _local(param).detach()
                 master = torch.empty(local.shape, dtype=torch.float32, pin_memory=pin)
                 master.copy_(local)
-                master.grad = torch.zeros(local.shape, dtype=torch.float32, pin_memory=pin)
+                grad = torch.empty(local.shape, dtype=torch.float32, pin_memory=pin)
                 staging = torch.empty(local.shape, dtype=local.dtype, pin_memory=pin)
-                self._copies.append((param, master, staging))
+                self._copies.append((param, master, grad, staging))
                 masters.append(master)
             host_groups.append({"params": masters, "weight_decay": group["weight_decay"]})
         self.host = _make_optimizer(host_groups, t, torch.device("cpu"), host_offload=pin)
@@ -154,22 +155,17 @@ class HostOffloadedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        stepped = [(param, master, staging) for param, master, staging in self._copies if param.grad is not None]
-        for param, _, staging in stepped:  # gradients down, in the compute dtype
+        stepped = [copies for copies in self._copies if copies[0].grad is not None]
+        for param, _, _, staging in stepped:  # gradients down, in the compute dtype
             staging.copy_(_local(param.grad), non_blocking=True)
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
-        for param, master, staging in self._copies:
-            if param.grad is None:
-                master.grad = None
-            else:
-                if master.grad is None:
-                    master.grad = torch.zeros_like(master)
-                master.grad.copy_(staging)
+        for param, master, grad, staging in self._copies:  # a weight without a gradient is not stepped
+            master.grad = None if param.grad is None else grad.copy_(staging)
         for host_group, group in zip(self.host.param_groups, self.param_groups):
             host_group["lr"], host_group["weight_decay"] = group["lr"], group["weight_decay"]
         self.host.step()
-        for param, master, staging in stepped:  # the updated weights up, in the compute dtype
+        for param, master, _, staging in stepped:  # the updated weights up, in the compute dtype
             staging.copy_(master)
             _local(param).detach().copy_(staging, non_blocking=True)
         return None
