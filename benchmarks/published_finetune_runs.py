@@ -516,9 +516,9 @@ def express(row: dict) -> Case:
     if length_is_cutoff(row):
         memory = speed = None  # the samples' lengths are unknown: only the verdict at the cutoff is compared
         notes.append("the length is a cutoff (shorter samples): fit verdict only")
-    judged = row.get("verdict_judged", {"value": True})
+    judged = row.get("verdict_judged") or {}  # {value: false, why} where the verdict is another stack's
     return Case(row["id"], row["source_key"], model, preset, method, shape, layout, hw, nodes, memory, speed,
-                kind != "oom", notes, tensors, bool(value(judged)), judged.get("why", "") if isinstance(judged, dict) else "")
+                kind != "oom", notes, tensors, judged.get("value", True), judged.get("why", ""))
 
 
 # ---------------------------------------------------------------------------------------------- scoring

@@ -98,10 +98,16 @@ def _layer_activation_bytes(shape: Shape, lora: Optional[Adapters], mbs: int, tp
 
 def autocast_casts_weights(layout: Layout, hw: Hardware) -> bool:
     """Whether the weights stay fp32 and 16-bit autocast casts them for each forward: the torch engine's
-    parameters on one rank, where no data-parallel wrapper (FSDP2, replicate) holds them in the compute dtype."""
-    fsdp = layout.zero_stage >= 3 and (layout.zero_ranks > 1 or layout.offload == "optimizer_and_params")
+    parameters on one rank, where no data-parallel wrapper holds them in the compute dtype (the engine wraps a
+    stage in FSDP2 whenever it offloads, on one rank too)."""
     return (engine_facts(layout.engine).fp32_weights and layout.master_weights == "fp32" and layout.zero_ranks == 1
-            and not fsdp and layout.offload != "optimizer" and layout.bytes_per_value < 4)
+            and layout.offload == "none" and layout.bytes_per_value < 4)
+
+
+def master_on_host(engine: str, offload: str) -> bool:
+    """Whether the optimizer's offload keeps the fp32 master on the host and the trained weights on the GPU in the
+    compute dtype: the torch engine's (optim.HostOffloadedOptimizer), whose weights are otherwise the master."""
+    return offload == "optimizer" and engine_facts(engine).fp32_weights
 
 
 def model_state_bytes(params: float, dp: int, zero_stage: int = 3, offload: str = "none",
@@ -129,7 +135,7 @@ def model_state_bytes(params: float, dp: int, zero_stage: int = 3, offload: str 
     facts = engine_facts(engine)
     if master_weights == "bf16":  # everything the step keeps in bf16
         weights, grads, opt_bytes = 2.0, 2.0, float(states if optimizer == "adamw_8bit" else states / 2)
-    elif facts.fp32_weights and offload == "optimizer":  # the master on the host (optim.HostOffloadedOptimizer)
+    elif master_on_host(engine, offload):
         weights, grads, opt_bytes = float(bytes_per_value), float(bytes_per_value), 0.0
     elif facts.fp32_weights:  # the fp32 parameter is the master
         weights, grads, opt_bytes = 4.0, 4.0, float(states)
@@ -173,7 +179,8 @@ def compute_copy_bytes(params: float, gathered_layer: float, layout: Layout, hw:
         # the stage stays unsharded in the compute dtype and its gradients accumulate unsharded in fp32
         # (in place of their shard, counted in the states)
         return bpv * params + 4 * params * (1 - 1 / layout.zero_ranks)
-    if layout.zero_stage >= 3 and (layout.zero_ranks > 1 or layout.offload != "none"):
+    if layout.zero_stage >= 3 and (layout.zero_ranks > 1 or layout.offload == "optimizer_and_params"
+                                   or master_on_host(layout.engine, layout.offload)):
         return 2 * bpv * gathered_layer
     if not facts.fp32_weights:  # 16-bit weights: computed on as they are
         return 0.0
