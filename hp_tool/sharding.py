@@ -188,6 +188,13 @@ def sequence_problem(family_name: str, seq_length: int, tp: int, pp: int, cp: in
     return None
 
 
+def master_on_host(engine: str, offload: str) -> bool:
+    """Whether the optimizer's offload keeps the fp32 master on the host and the trained weights on the GPU in the
+    compute dtype: the torch engine's (optim.HostOffloadedOptimizer), whose weights are otherwise the master. The
+    engine holds its weights by it (hp_tool/trial/rank.py) and the memory model prices it."""
+    return offload == "optimizer" and engine_facts(engine).fp32_weights
+
+
 def compile_problem(compile: bool, engine: str, tp: int) -> Optional[str]:
     """Why the layers cannot run under torch.compile this way, or None: the torch engine compiles them
     (DeepSpeed's own compile is not wired in), at TP 1 (compiled layers of DTensor weights failed in their first

@@ -39,6 +39,7 @@ from hp_tool.estimate.layout import (GIB, Hardware, Layout, interleave_held_tens
                                      microbatches_in_flight, rank_shape, ring_tile_rows)
 from hp_tool.engine_facts import engine_facts
 from hp_tool.recipe import Adapters
+from hp_tool.sharding import master_on_host
 from hp_tool.estimate.methods import (NF4_BITS, activation_delta_bytes, adapter_parameters_per_layer,
                                       linear_parameters_per_layer, linear_shapes)
 
@@ -102,12 +103,6 @@ def autocast_casts_weights(layout: Layout, hw: Hardware) -> bool:
     stage in FSDP2 whenever it offloads, on one rank too)."""
     return (engine_facts(layout.engine).fp32_weights and layout.master_weights == "fp32" and layout.zero_ranks == 1
             and layout.offload == "none" and layout.bytes_per_value < 4)
-
-
-def master_on_host(engine: str, offload: str) -> bool:
-    """Whether the optimizer's offload keeps the fp32 master on the host and the trained weights on the GPU in the
-    compute dtype: the torch engine's (optim.HostOffloadedOptimizer), whose weights are otherwise the master."""
-    return offload == "optimizer" and engine_facts(engine).fp32_weights
 
 
 def model_state_bytes(params: float, dp: int, zero_stage: int = 3, offload: str = "none",

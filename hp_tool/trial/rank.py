@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from hp_tool.contracts import phases
 from hp_tool.contracts.spec import ParallelSpec, TrialSpec
+from hp_tool.sharding import master_on_host
 from hp_tool.trial import optim
 from hp_tool.trial.models import build_rank_stages
 from hp_tool.trial.parallel import parallelize_stage
@@ -155,7 +156,7 @@ def build_rank_model(spec: TrialSpec, mesh: Optional[DeviceMesh], pp_rank: int, 
         if param_dtype is not None:  # 16-bit training: an adapter method's base, or everything with bf16 masters
             # bf16 masters, or the optimizer's offload, whose fp32 master is on the host: trained weights too
             hold_in(chunk, param_dtype, trained=spec.parallel.master_weights == "bf16"
-                    or spec.parallel.offload == "optimizer")
+                    or master_on_host(spec.parallel.engine, spec.parallel.offload))
         parallelize_stage(chunk, chunk_par, mesh, param_dtype, materialise.device)
     stage = chunks[0] if len(chunks) == 1 else InterleavedStages(chunks)
     phases.mark("model_build", "weights")
