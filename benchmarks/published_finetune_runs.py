@@ -665,14 +665,10 @@ def print_summaries(card: Scorecard) -> None:
         if right + tie + wrong:
             print(f"- {source}: {right} / {tie} / {wrong} ({len(pairs)} rows)")
 
-    print("\nLeave one source out: the medians over every other source (no constant is refitted)\n")
-    print("| left out | rows left | memory median abs | memory rows | tokens/s median abs | tokens/s rows | "
-          "fit verdicts agree |\n|---|---|---|---|---|---|---|")
-    for source in sorted({s.case.source for s in scored}):
-        rest = Summary.of([s for s in scored if s.case.source != source])
-        mem, speed = median_abs(rest.memory), median_abs(rest.speed)
-        print(f"| {source} | {rest.rows} | {'-' if mem is None else f'{mem:.0%}'} | {len(rest.memory)} | "
-              f"{'-' if speed is None else f'{speed:.0%}'} | {len(rest.speed)} | {rest.agree}/{rest.judged} |")
+    print("\nLeave one source out: no constant is fitted on these rows (the gpu presets' efficiencies come from the "
+          "pretraining runs of benchmarks/published_runs.py, the engine's bytes and operators from its own modules), "
+          "so each source's rows above are scored as if left out; target per source: "
+          f"{TARGETS.left_out_text()}")
 
     judged = [s for s in scored if s.case.verdict_judged]
     wrong = [s.case.id for s in judged if s.case.measured_fits and not s.fits]
@@ -700,13 +696,17 @@ def print_summaries(card: Scorecard) -> None:
 class Targets:
     """What the models must reach on the rows they express; ``main`` exits 1 when one is missed."""
 
-    speed_median: float = 0.15  # median |tokens/s error| at most
-    memory_median: float = 0.10  # median |memory error| at most
+    speed_median: float = 0.10  # median |tokens/s error| at most
+    memory_median: float = 0.08  # median |memory error| at most
+    left_out_median: float = 0.15  # each source (scored as if left out): median |tokens/s| and |memory| error at most
     wrong_verdicts: int = 0  # rows whose fit verdict disagrees with what they measured, at most
 
+    def left_out_text(self) -> str:
+        return f"tokens/s and memory medians <= {self.left_out_median:.0%}"
+
     def text(self) -> str:
-        return (f"tokens/s median <= {self.speed_median:.0%}; memory median <= {self.memory_median:.0%}; every fit "
-                f"verdict right")
+        return (f"tokens/s median <= {self.speed_median:.0%}; memory median <= {self.memory_median:.0%}; each source "
+                f"left out: {self.left_out_text()}; every fit verdict right")
 
 
 TARGETS = Targets()
@@ -721,6 +721,12 @@ def missed_targets(card: Scorecard, targets: Targets = TARGETS) -> list[str]:
         missed.append(f"tokens/s median {speed:.1%} > {targets.speed_median:.0%}")
     if memory is not None and memory > targets.memory_median:
         missed.append(f"memory median {memory:.1%} > {targets.memory_median:.0%}")
+    for source in sorted({s.case.source for s in card.scored}):
+        mine = Summary.of([s for s in card.scored if s.case.source == source])
+        for what, errors in (("tokens/s", mine.speed), ("memory", mine.memory)):
+            median = median_abs(errors)
+            if median is not None and median > targets.left_out_median:
+                missed.append(f"{source}: {what} median {median:.1%} > {targets.left_out_median:.0%}")
     wrong = every.judged - every.agree
     if wrong > targets.wrong_verdicts:
         missed.append(f"{wrong} fit verdict(s) wrong")

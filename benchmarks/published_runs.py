@@ -41,8 +41,8 @@ tokens/s per GPU differ by more than 5% (``RANK_TIE``; closer ones are ties, wit
 prediction orders as measured, ties (within 5%) or reverses; median |memory error| over the runs with a measured
 peak, and how many of those the planner would call "does not fit". Leave-one-source-out: the step-time constants
 refitted without a source (``fit``), and that source's error under them. Targets (``TARGETS``; the script exits 1
-when one is missed, naming it): step time median <= 8% on every GPU type and <= 5% over all runs; no rank pair
-reversed; memory median <= 10%; 0 wrong "does not fit".
+when one is missed, naming it): step time median <= 8% on every GPU type, <= 4% over all runs and <= 8% for every
+source left out of the fit; no rank pair reversed; memory median <= 10%; 0 wrong "does not fit".
 """
 
 from __future__ import annotations
@@ -377,23 +377,42 @@ def fit(runs: list[Run], gpu: str) -> dict[str, float]:
     return values
 
 
-def leave_one_source_out(runs: list[Run]) -> None:
-    """Each source's step-time error under constants fitted without it (per GPU preset it runs on)."""
-    print("\nLeave one source out: each GPU's efficiency refitted without the source, the source's error under it\n")
-    print("| source | GPU | runs | fitted without it (max, attention) | step median | step max |\n"
-          "|---|---|---|---|---|---|")
+@dataclass(frozen=True)
+class LeftOut:
+    """One source's runs on one GPU type scored under that GPU's efficiency refitted without the source."""
+
+    source: str
+    gpu: str
+    runs: int
+    values: dict  # the constants (``FITTED``) fitted on the other sources' runs on the GPU
+    median: float  # median |step-time error| of the source's runs under them
+    worst: float
+
+
+def left_out(runs: list[Run]) -> list[LeftOut]:
+    """Each (source, GPU type) whose GPU other sources ran on: its runs' step-time error under that GPU's constants
+    refitted without the source (``fit``); a source alone on its GPU type has nothing to be refitted from."""
+    scored = []
     for source in sorted({r.source for r in runs}):
         for gpu in sorted({r.gpu for r in runs if r.source == source}):
             rest = [r for r in runs if r.source != source]
             if not any(r.gpu == gpu for r in rest):
-                print(f"| {source} | {gpu} | - | no other source on this GPU | - | - |")
                 continue
             values = fit(rest, gpu)
             held = with_efficiency([r for r in runs if r.source == source and r.gpu == gpu], gpu, values)
             errors = [abs(predicted_step_s(r) / r.step_s - 1) for r in held]
-            constants = ", ".join(f"{values[n]:.3g}" for n in FITTED)
-            print(f"| {source} | {gpu} | {len(held)} | {constants} | {statistics.median(errors):.1%} | "
-                  f"{max(errors):.1%} |")
+            scored.append(LeftOut(source, gpu, len(held), values, statistics.median(errors), max(errors)))
+    return scored
+
+
+def leave_one_source_out(scored: list[LeftOut]) -> None:
+    """Print ``left_out``'s table."""
+    print("\nLeave one source out: each GPU's efficiency refitted without the source, the source's error under it\n")
+    print("| source | GPU | runs | fitted without it (max, attention) | step median | step max |\n"
+          "|---|---|---|---|---|---|")
+    for s in scored:
+        constants = ", ".join(f"{s.values[n]:.3g}" for n in FITTED)
+        print(f"| {s.source} | {s.gpu} | {s.runs} | {constants} | {s.median:.1%} | {s.worst:.1%} |")
 
 
 @dataclass(frozen=True)
@@ -402,21 +421,25 @@ class Targets:
 
     step_median: float = 0.08  # per GPU type: median |step-time error| at most
     reversed_pairs: int = 0  # per GPU type and per source: rank pairs (``rank_pairs``) ordered the other way, at most
-    overall_median: float = 0.05  # over every run: median |step-time error| at most
+    overall_median: float = 0.04  # over every run: median |step-time error| at most
+    left_out_median: float = 0.08  # each source left out of the fit (``left_out``): its median |step-time error| at most
     memory_median: float = 0.10  # over the runs with a measured peak: median |memory error| at most
     wrong_no_fit: int = 0  # runs that trained the planner calls "does not fit", at most
 
     def text(self) -> str:
         return (f"step-time median <= {self.step_median:.0%} on every GPU type; step-time median <= "
-                f"{self.overall_median:.0%} over all runs; no rank pair more than {RANK_TIE:.0%} apart reversed on any "
+                f"{self.overall_median:.0%} over all runs and <= {self.left_out_median:.0%} for every source left out of "
+                f"the fit; no rank pair more than {RANK_TIE:.0%} apart reversed on any "
                 f"GPU type or source; memory median <= {self.memory_median:.0%}; no run wrongly called \"does not fit\"")
 
 
 TARGETS = Targets()
 
 
-def missed_targets(runs: list[Run], targets: Targets = TARGETS) -> list[str]:
-    """Each target the models miss on ``runs``, with the figure that misses it; [] when all are met."""
+def missed_targets(runs: list[Run], targets: Targets = TARGETS,
+                   scored: Optional[list[LeftOut]] = None) -> list[str]:
+    """Each target the models miss on ``runs``, with the figure that misses it; [] when all are met.
+    ``scored``: ``left_out(runs)`` where the caller has it."""
     missed = []
     for gpu in sorted({r.gpu for r in runs}):
         s = summarise([r for r in runs if r.gpu == gpu], predicted_step_s)
@@ -432,6 +455,10 @@ def missed_targets(runs: list[Run], targets: Targets = TARGETS) -> list[str]:
         s = summarise(mine, predicted_step_s)
         if s.pairs[2] > targets.reversed_pairs:
             missed.append(f"{source}: {s.pairs[2]} rank pair(s) reversed")
+    for s in left_out(runs) if scored is None else scored:
+        if s.median > targets.left_out_median:
+            missed.append(f"{s.source} left out ({s.gpu}): step-time median {s.median:.1%} > "
+                          f"{targets.left_out_median:.0%}")
     if overall.memory_median is not None and overall.memory_median > targets.memory_median:
         missed.append(f"memory median {overall.memory_median:.1%} > {targets.memory_median:.0%}")
     if overall.wrong_no_fit > targets.wrong_no_fit:
@@ -474,11 +501,12 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"runtime holds no torch pipeline buffers) and llm-foundry's (flash-attn's fused cross entropy, which the "
           f"planner prices as torch's: {sum(not fits(r) for r in fused)} of its {len(fused)} would be called \"does "
           f"not fit\")")
-    leave_one_source_out(runs)
+    scored = left_out(runs)
+    leave_one_source_out(scored)
     if args.fit:
         for gpu in sorted({r.gpu for r in runs}):
             print(gpu, {k: round(v, 3) for k, v in fit(runs, gpu).items()})
-    missed = missed_targets(runs)
+    missed = missed_targets(runs, scored=scored)
     print(f"\nTargets: {TARGETS.text()}: " + (f"MISSED: {'; '.join(missed)}" if missed else "met"))
     return 1 if missed else 0
 

@@ -149,3 +149,18 @@ def test_a_rank_claim_counts_only_between_runs_more_than_5_percent_apart():
     # runs 2 and 3 are predicted 2.5% apart: a tie, though measured 25% apart
     assert bench.rank_pairs(measured, predicted) == (2, 1, 2)
     assert bench.rank_pairs(measured, measured) == (5, 0, 0)
+
+
+def test_fine_tuning_gate_names_each_source_whose_own_median_misses():
+    """Each fine-tuning source is scored as if left out (no constant is fitted on those rows): the gate names a
+    source whose tokens/s or memory median misses the per-source target, and only those."""
+    import dataclasses
+
+    bench = benchmark("published_finetune_runs")
+    card = bench.score(bench.load_rows())
+    loose = dataclasses.replace(bench.TARGETS, left_out_median=10.0)
+    assert not any("median" in m and ":" in m.split(" median")[0] for m in bench.missed_targets(card, loose))
+    tight = dataclasses.replace(bench.TARGETS, left_out_median=0.0)
+    named = {m.split(":")[0] for m in bench.missed_targets(card, tight) if ": tokens/s median" in m}
+    with_speed = {s.case.source for s in card.scored if s.speed_error is not None}
+    assert named == with_speed and len(named) >= 5
