@@ -47,6 +47,8 @@ class AdaptiveGate:
 
     def __init__(self, options: list[Option], results_dir: Path, skip_margin: float):
         self.options, self.results_dir, self.skip_margin = options, results_dir, skip_margin
+        # what a recorded verdict was decided under (launch.runner.Gate): a resume replays it under the same
+        self.inputs = {"search_strategy": "adaptive", "skip_margin": skip_margin}
         self.full = full_run_for(results_dir)
         self.plan_rows = {row["trial_id"]: row for row in read_plan(results_dir)}
         self._decided: Optional[tuple[list[Outcome], dict[str, tuple[str, str]]]] = None  # (outcomes, verdicts)

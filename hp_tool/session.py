@@ -28,14 +28,14 @@ from hp_tool.launch.backends import Backend, backend_for
 from hp_tool.launch.job import JobSpec
 from hp_tool.launch.ledger import search_id
 from hp_tool.launch.monitor import Progress
-from hp_tool.launch.runner import Launcher
+from hp_tool.launch.runner import Gate, Launcher
 
 log = logging.getLogger(__name__)
 
 INTERRUPTED = 130  # the exit code after Ctrl-C, as a shell reports SIGINT
 
 Hook = Callable[[JobSpec, dict], None]  # after a job ends: (job, its result)
-Gate = Callable[[JobSpec], Optional[tuple[str, str]]]  # before a submission: (status, reason) to skip it
+
 Watch = Callable[[JobSpec, float], Optional[tuple[str, str]]]  # a running job: (stop_reason, reason) to stop it
 
 

@@ -35,7 +35,7 @@ CLUSTER_TYPES = ("local", "bcm", "auto", "in_process", "ray")
 
 # ---- trial outcomes ----
 SKIPPED, PRUNED_AFTER_OOM = "skipped", "pruned_after_oom"  # the adaptive search's verdicts (hp_tool/adaptive.py)
-NOT_LAUNCHED = (SKIPPED, PRUNED_AFTER_OOM)  # a result of these ran nothing; a resumed search decides again
+NOT_LAUNCHED = (SKIPPED, PRUNED_AFTER_OOM)  # a result of these ran nothing: a verdict, replayed on resume under the same gate inputs
 # unschedulable and the verdicts are set by the launcher
 STATUSES = ("ok", "oom", "timeout", "failed", "cancelled", "unschedulable", SKIPPED, PRUNED_AFTER_OOM)
 LOSING = "losing"  # stopped early by the adaptive search: slower than the best measured trial by a clear margin

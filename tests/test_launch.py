@@ -92,10 +92,15 @@ def test_local_search_end_to_end_and_rerun_submits_nothing(readme_tiny_search):
 
 
 @pytest.mark.e2e
-def test_adaptive_search_skips_with_reasons_resumes_without_reruns_and_exhaustive_runs_the_rest(tmp_path, capsys):
+def test_adaptive_search_skips_with_reasons_and_a_resume_decides_nothing_twice(tmp_path, capsys, monkeypatch):
     """skip_margin=0: once the first trial is measured, every candidate the calibrated model puts slower
-    than it is skipped, with both numbers; the same command again runs nothing; exhaustive then runs the
-    skipped ones (a skip is a decision, not a result)."""
+    than it is skipped, with both numbers. The same command again launches nothing and rewrites no result,
+    even where the decisions would now come out otherwise (the outcomes a decision weighed change as later
+    trials end: here every verdict is withdrawn, ``verdicts`` returning none): a recorded verdict is replayed.
+    Under another skip_margin (the decisions' input) the verdicts are made again: one skipped trial is launched
+    now, the other skipped again. Exhaustive then runs the last one (a skip is a decision, not a result)."""
+    import hp_tool.adaptive_gate as adaptive_gate
+
     # the cpu preset's peak set near what these processes reach, so the calibration stays well inside its bounds
     base = ("gpu.peak_tflops.fp32=0.15", f"{TS}.limit_search_runs=3", f"{TS}.max_steps_per_run=6")
     adaptive = (*base, f"{TS}.skip_margin=0")
@@ -114,9 +119,21 @@ def test_adaptive_search_skips_with_reasons_resumes_without_reruns_and_exhaustiv
     assert not any((out / "training_logs" / t / "metrics.jsonl").exists() for t in skipped.index)  # never ran
     assert "Adaptive search: 1 trial ran" in capsys.readouterr().out
     assert len(Ledger(out).submissions()) == 1
+    files = sorted((out / "training_logs").glob("*/result.json"))
+    written = {f: (f.stat().st_mtime_ns, f.read_bytes()) for f in files}
 
+    monkeypatch.setattr(adaptive_gate, "verdicts", lambda *args: {})  # a gate that would launch every one now
     assert search_here(tmp_path, *adaptive)[0] == 0
     assert len(Ledger(out).submissions()) == 1 and statuses(out)["status"].equals(first["status"])
+    assert {f: (f.stat().st_mtime_ns, f.read_bytes()) for f in files} == written
+
+    kept, launched = sorted(skipped.index)
+    monkeypatch.setattr(adaptive_gate, "verdicts", lambda *args: {kept: ("skipped", "decided again")})
+    assert search_here(tmp_path, *base, f"{TS}.skip_margin=0.5")[0] == 0
+    again = statuses(out)
+    assert len(Ledger(out).submissions()) == 2
+    assert (again.loc[launched, "status"], again.loc[kept, "status"], again.loc[kept, "reason"]) == \
+        ("ok", "skipped", "decided again")
 
     assert search_here(tmp_path, *base, f"{TS}.search_strategy=exhaustive")[0] == 0
     assert len(Ledger(out).submissions()) == 3 and set(statuses(out)["status"]) == {"ok"}

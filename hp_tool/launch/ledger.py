@@ -40,6 +40,7 @@ class Entry:
     tasks: int = 1
     reason: Optional[str] = None
     time: float = 0.0
+    inputs: Optional[dict] = None  # a gate's decision (skipped, ...): the settings it was made under (Gate.inputs)
 
 
 class Ledger:

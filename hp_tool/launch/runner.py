@@ -17,7 +17,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 from hp_tool.config import ClusterConfig
 from hp_tool.contracts.result import request_stop
@@ -48,6 +48,17 @@ class Active:
         return str(self.handle.job_id)
 
 
+class Gate(Protocol):
+    """Asked before a submission: (status, reason) to not submit the job, that verdict its result. ``inputs``:
+    the settings its decisions depend on beside the trials' outcomes (JSON values); a resumed search keeps
+    a verdict recorded under the same inputs, and asks again only about jobs never decided, or decided
+    under other inputs."""
+
+    inputs: dict
+
+    def __call__(self, job: JobSpec) -> Optional[tuple[str, str]]: ...
+
+
 def next_poll_delay(delay: float, changed: bool, ceiling: float, floor: float) -> float:
     """Seconds until the next look at the jobs: back to ``floor`` (the backend's ``min_poll_s``) after a
     change, else 1.5x longer, at most ``ceiling`` (its ``max_poll_s``)."""
@@ -72,14 +83,15 @@ class Launcher:
     in ``ledger_dir``. ``on_end(job, result)`` runs after each job ends; its failures are logged and listed in
     ``hook_failures``, never stopping the search. ``gate(job)``, asked just before each submission, may
     return (status, reason) instead: the job is not submitted and that verdict is its result (the adaptive
-    search's skipped and pruned_after_oom; a resumed search asks again). ``watch(job, submitted)``, asked
+    search's skipped and pruned_after_oom), recorded in the ledger with the gate's ``inputs``; a resumed
+    search keeps it under the same inputs and asks again only about jobs never decided. ``watch(job, submitted)``, asked
     about each running job as it is polled, may return (stop_reason, reason): the job is asked to stop after
     its current step (contracts.result.request_stop) and ends with its measurement (the adaptive search's
     losing trials); ``submitted``: when the job was submitted (older metrics belong to an earlier run)."""
 
     def __init__(self, cluster: ClusterConfig, backend: Backend, ledger_dir: Path, jobs: list[JobSpec],
                  progress: Progress, search_id: str, on_end: Optional[Callable[[JobSpec, dict], None]] = None,
-                 gate: Optional[Callable[[JobSpec], Optional[tuple[str, str]]]] = None,
+                 gate: Optional[Gate] = None,
                  watch: Optional[Callable[[JobSpec, float], Optional[tuple[str, str]]]] = None):
         self.cluster, self.backend, self.progress = cluster, backend, progress
         self.gate, self.watch = gate, watch
@@ -113,7 +125,7 @@ class Launcher:
             if entry is not None and entry.fingerprint != job.fingerprint:
                 self._cancel_superseded(job, entry)
                 entry = None
-            if result is not None and result.get("status") not in NOT_LAUNCHED:
+            if result is not None and (result.get("status") not in NOT_LAUNCHED or self._replayed(entry, result)):
                 self.progress.update(job.name, result.get("status", "failed"), result)
                 continue
             attached = self._reattach(job, entry)
@@ -121,6 +133,14 @@ class Launcher:
                 self.active.append(attached)
             else:
                 self.pending.append(job)
+
+    def _replayed(self, entry: Optional[Entry], result: dict) -> bool:
+        """Whether a job's recorded verdict (a result that ran nothing: skipped, pruned_after_oom) stands on
+        resume: the gate that made it is asking now, under the same inputs. The outcomes it weighed may have
+        changed since (trials that ended after it); a decision is made once. Without a gate (exhaustive), or
+        under other inputs (a changed skip_margin), the job is decided again."""
+        return (self.gate is not None and entry is not None and entry.state == result.get("status")
+                and entry.inputs == self.gate.inputs)
 
     def _job_id(self, job: JobSpec, entry: Entry) -> Optional[str]:
         """The id of the job an unfinished ledger entry of this backend stands for; a job whose submission
@@ -164,7 +184,7 @@ class Launcher:
         verdict = self.gate(job) if self.gate is not None else None
         if verdict is not None:
             status, reason = verdict  # the progress log says it, once, with its whole reason
-            self._ended(job, None, jobmod.write_job_failure(job, status, reason))
+            self._ended(job, None, jobmod.write_job_failure(job, status, reason), inputs=self.gate.inputs)
             return
         if (jobmod.read_result(job.out) or {}).get("status") in NOT_LAUNCHED:
             set_aside(job.out)  # an earlier search's verdict, decided otherwise now
@@ -271,9 +291,12 @@ class Launcher:
         ran_s = time.time() - (a.running_since or a.submitted)
         return self.backend.end_state(a.handle, a.job, ran_s, self.backend.log_tail(a.handle, a.job))
 
-    def _ended(self, job: JobSpec, a: Optional[Active], result: dict) -> None:
-        self.ledger.append(self._entry(job, result.get("status", "failed"), None if a is None else a.job_id,
-                                       reason=result.get("reason")))
+    def _ended(self, job: JobSpec, a: Optional[Active], result: dict, inputs: Optional[dict] = None) -> None:
+        """Record how ``job`` ended (with the gate's ``inputs`` where the gate decided it) and tell the hooks."""
+        entry = self._entry(job, result.get("status", "failed"), None if a is None else a.job_id,
+                            reason=result.get("reason"))
+        entry.inputs = inputs
+        self.ledger.append(entry)
         self.progress.update(job.name, result.get("status", "failed"), result)
         if self.on_end is None:
             return
