@@ -335,10 +335,11 @@ def invalid_reason(shape: Shape, c: Candidate, cluster: Cluster, mp_range: tuple
                         c.cp, c.dp)
     if bad:
         return bad
-    problems = [p for p in c.full.problems(shape, cluster.hw.gpus_per_node) if p.rule not in PER_SAVER_RULES]
+    problems = [p for p in c.full.problems(shape, cluster.hw.gpus_per_node)
+                if p.rule not in PER_SAVER_RULES and p.rule != "fp8"]
     if problems:
         return FIELD_KEYS[problems[0].field], problems[0].reason
-    layout = c.full  # the GPU's own rule: fp8 tensor cores
+    layout = c.full  # fp8's: the GPU's own rule (fp8 tensor cores), then the layout's
     no_fp8 = fp8_problem(shape.family, layout.fp8, layout.engine, layout.tp, layout.method, layout.precision,
                          cluster.hw.fp8_peak_tflops, cluster.gpu_name)
     return (FIELD_KEYS["fp8"], no_fp8) if no_fp8 else None

@@ -210,18 +210,24 @@ def compile_problem(compile: bool, engine: str, tp: int) -> Optional[str]:
 
 def fp8_problem(family_name: str, fp8: bool, engine: str, tp: int, method: str, precision: str,
                 fp8_peak_tflops: Optional[float], gpu: str) -> Optional[str]:
-    """Why Float8 linears (torchao's dynamic tensorwise scaling) cannot train this way, or None:
-    - a GPU with fp8 tensor cores (the gpu preset's ``peak_tflops.fp8``: H100, H200, L4, L40S; not A100, V100 or
-      CPU processes);
+    """Why Float8 linears (torchao's dynamic tensorwise scaling) cannot train this way, or None: a GPU with fp8
+    tensor cores (the gpu preset's ``peak_tflops.fp8``: H100, H200, L4, L40S; not A100, V100 or CPU processes),
+    then the layout's own rule (``fp8_layout_problem``)."""
+    if fp8 and fp8_peak_tflops is None:
+        return (f"gpu={gpu} has no fp8 tensor cores (gpu.peak_tflops.fp8 is null): fp8 linears need an H100, H200, "
+                "L4 or L40S")
+    return fp8_layout_problem(family_name, fp8, engine, tp, method, precision)
+
+
+def fp8_layout_problem(family_name: str, fp8: bool, engine: str, tp: int, method: str, precision: str
+                       ) -> Optional[str]:
+    """Why a layout cannot train its linears in Float8, whatever the GPU, or None (a ``Layout`` rule):
     - the torch engine (which converts the linears before FSDP2 wraps them) at TP 1 (torchao splits Float8 linears
       over TP with parallel styles of its own, which the engine's plans do not use), bf16 compute;
     - full training (an adapter method's frozen base is no Float8 training linear) of a family whose linears the
       planner knows (``Family.linear_shapes``: their casts are priced per linear)."""
     if not fp8:
         return None
-    if fp8_peak_tflops is None:
-        return (f"gpu={gpu} has no fp8 tensor cores (gpu.peak_tflops.fp8 is null): fp8 linears need an H100, H200, "
-                "L4 or L40S")
     if not engine_facts(engine).fp8_linears:
         return f"the {engine} engine does not convert linears to Float8 (use engine torch)"
     if tp > 1:

@@ -90,3 +90,30 @@ def test_a_trial_with_fp8_linears_trains_close_to_and_not_the_same_as_without(tm
         assert read_result(out)["status"] == "ok"
         losses[fp8] = read_metrics(out)[0]["loss"]
     assert losses[True] == pytest.approx(losses[False], rel=0.01) and losses[True] != losses[False]
+
+
+@pytest.mark.parametrize("edit, key, fix", [
+    ({"parallel": {"engine": "deepspeed"}}, "model.fp8", "use fp8 false, or the torch engine at TP 1"),
+    ({"parallel": {"engine": "deepspeed", "compile": True}, "model": {"fp8": False}}, "parallel.compile",
+     "use compile false"),
+])
+def test_a_hand_edited_spec_the_engine_cannot_run_is_refused_naming_the_key_and_the_fix(tmp_path, edit, key, fix):
+    """A spec read back by a trial passes the layout's own rules (``layout.RULES``), fp8's and compile's among
+    them: a torch fp8 trial's spec edited to DeepSpeed (which converts no linear to Float8), or one compiled on
+    DeepSpeed, is refused as it loads, naming the key, the value and the fix; before any process starts."""
+    import yaml
+
+    from hp_tool.contracts.spec import load_spec
+    from hp_tool.errors import ConfigError
+
+    spec = tiny_spec("llama")
+    spec = dataclasses.replace(spec, model=dataclasses.replace(spec.model, fp8=True))
+    path = write_spec(spec, tmp_path)
+    assert load_spec(path).layout().fp8  # as planned: it loads
+    text = yaml.safe_load(path.read_text())
+    for section, values in edit.items():
+        text[section].update(values)
+    path.write_text(yaml.safe_dump(text))
+    with pytest.raises(ConfigError) as refused:
+        load_spec(path)
+    assert refused.value.key == key and fix in refused.value.fix

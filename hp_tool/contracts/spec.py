@@ -129,26 +129,6 @@ class ModelSpec:
 
 
 # how to mend a spec whose layout breaks a rule (estimate.layout.Layout.problems), by rule
-SPEC_FIXES = {
-    "heads": "use a TP that divides the kv head count",
-    "node": "keep TP within one node",
-    "pipeline": "use a PP that splits the layers evenly (T5/mT5: 1, or even with PP/2 dividing num_layers)",
-    "checkpointing": "use at most the layers of a pipeline stage",
-    "family": "use engine torch",
-    "batch": "use a multiple of mbs*dp",
-    "interleave": ("use 1 virtual stage, or a layout interleaved 1F1B can run (virtual stages dividing the "
-                   "layers per stage and the checkpointed layers)"),
-    "savers": "choose a combination the engine supports (hp_tool/sharding.py)",
-    "optimizer": "use adamw, or the optimizer without offload (hp_tool/sharding.py optimizer_problem)",
-    "method": "use a layout the method runs on (hp_tool/sharding.py method_problem)",
-    "experts": "use an expert-parallel size the model and engine run (hp_tool/sharding.py expert_problem)",
-    "expert_savers": "with EP > 1 use ZeRO 0, 2 or 3 (hp_tool/sharding.py expert_saver_problem)",
-    "sequence": "use a loss, sequence or context parallelism the layout runs (hp_tool/sharding.py sequence_problem)",
-    "checkpoint_mode": ("use act_ckpt_mode full, or selective with act_ckpt_layers > 0 on the torch engine "
-                        "(hp_tool/sharding.py checkpoint_mode_problem)"),
-}
-
-
 def layout_fields(section: str) -> list[tuple[str, type, Any]]:
     """(name, type, field with the recipe's default) of each layout field that TrialSpec section ``section`` holds
     (hp_tool/recipe.py ``SECTIONS``): a section declares them once, where the layout does."""
@@ -346,7 +326,7 @@ class TrialSpec:
         for problem in layout.problems(m.shape()):
             key = f"{SECTIONS[problem.field]}.{problem.field}"
             value = getattr(layout, problem.field)
-            raise ConfigError(key, value, problem.reason, SPEC_FIXES[problem.rule])
+            raise ConfigError(key, value, problem.reason, problem.fix)
 
     @property
     def grad_accum_steps(self) -> int:

@@ -3,23 +3,23 @@ memory and speed models share.
 
 ``Layout`` is the one type for a layout: its parallel degrees and its training recipe (hp_tool/recipe.py), each
 field read as the layout's own. The planner's candidates wrap one, the TrialSpec holds its fields by name
-(``TrialSpec.layout()``), the collector and the inference grid build one. Its
-``problems()`` holds every validity rule; each ``Problem`` names the Layout field at fault, and each caller
-maps fields to its own config keys.
+(``TrialSpec.layout()``), the collector and the inference grid build one. Its validity rules are ``RULES``, one
+small named function each with its fix; ``problems()`` is the loop over them, and each ``Problem`` names the Layout
+field at fault (each caller maps fields to its own config keys), the rule, the reason and the fix.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from hp_tool.architectures import interleave_problem, pipeline_problem
 from hp_tool.dimensions import DIMENSIONS
 from hp_tool.recipe import Degrees, Recipe
 from hp_tool.sharding import (checkpoint_mode_problem, combination_problem, compile_problem, expert_problem,
-                              expert_saver_problem, family_problem, master_weights_problem, method_problem,
-                              optimizer_problem, sequence_problem)
+                              expert_saver_problem, family_problem, fp8_layout_problem, master_weights_problem,
+                              method_problem, optimizer_problem, sequence_problem)
 
 if TYPE_CHECKING:
     from hp_tool.families.shape import Shape
@@ -90,67 +90,13 @@ class Layout:
                 **{f.name: getattr(self.recipe, f.name) for f in fields(Recipe)}}
 
     def problems(self, shape: "Shape", gpus_per_node: Optional[int] = None) -> list["Problem"]:
-        """Every reason this layout cannot run ``shape``, most basic first; empty when it can. With
-        ``gpus_per_node``, TP must stay within a node. Rules: heads and kv heads divisible by TP, TP within a
-        node, the pipeline split, checkpointed layers within a stage, the family's engines, the global batch
-        over MBS x DP, interleaving, engine x ZeRO stage x offload (``rule`` "savers"), the long-context savers
-        (``rule`` "sequence") and the checkpointing mode (``rule`` "checkpoint_mode")."""
-        out: list[Problem] = []
-        heads, kv = shape.num_attention_heads, shape.num_kv_heads
-        if self.tp > 1 and shape.facts.no_tensor_parallel:
-            out.append(Problem("tp", "family", f"TP={self.tp}: {shape.facts.no_tensor_parallel}"))
-        elif heads % self.tp:
-            out.append(Problem("tp", "heads", f"TP={self.tp} does not divide the {heads} heads"))
-        elif kv % self.tp:
-            out.append(Problem("tp", "heads", f"TP={self.tp} does not divide the {kv} key/value heads "
-                                              f"({heads} query heads)"))
-        if gpus_per_node is not None and self.tp > gpus_per_node:
-            out.append(Problem("tp", "node", f"TP={self.tp} spans nodes ({gpus_per_node} GPUs per node)"))
-        bad_pp = pipeline_problem(shape, self.pp)
-        if bad_pp:
-            out.append(Problem("pp", "pipeline", bad_pp))
-        else:
-            per_stage = shape.pipeline_layers // self.pp
-            if self.act_ckpt_layers > per_stage:
-                out.append(Problem("act_ckpt_layers", "checkpointing", f"{self.act_ckpt_layers} checkpointed "
-                                   f"layers exceed the {per_stage} layers per stage"))
-        bad_engine = family_problem(shape.family, self.engine)
-        if bad_engine:
-            out.append(Problem("engine", "family", bad_engine[1]))
-        replica = self.mbs * self.dp
-        if self.global_batch_size % replica:
-            out.append(Problem("global_batch_size", "batch", f"GBS={self.global_batch_size} not divisible by "
-                                                             f"MBS*DP={self.mbs}*{self.dp}"))
-        else:
-            bad = interleave_problem(shape, self.pp, self.virtual_stages, self.act_ckpt_layers,
-                                     self.num_microbatches)
-            if bad:
-                what, why = bad
-                out.append(Problem("global_batch_size" if what == "microbatches" else what, "interleave", why))
-        bad_savers = self.saver_problem()
-        if bad_savers:
-            out.append(bad_savers)
-        bad_optimizer = self.optimizer_problem()
-        if bad_optimizer:
-            out.append(bad_optimizer)
-        bad_method = self.method_problem(shape)
-        if bad_method:
-            out.append(bad_method)
-        bad_experts = expert_problem(shape.num_experts, self.ep, self.dp, self.tp, self.engine)
-        if bad_experts:
-            out.append(Problem("ep", "experts", bad_experts))
-        bad_expert_savers = self.expert_saver_problem()
-        if bad_expert_savers:
-            out.append(bad_expert_savers)
-        bad_sequence = self.sequence_problem(shape)
-        if bad_sequence:
-            out.append(bad_sequence)
-        bad_mode = self.checkpoint_mode_problem(shape)
-        if bad_mode:
-            out.append(bad_mode)
-        bad_compile = compile_problem(self.compile, self.engine, self.tp)
-        if bad_compile:
-            out.append(Problem("compile", "compile", bad_compile))
+        """Every reason this layout cannot run ``shape``, most basic first (``RULES``, in order); empty when it
+        can. With ``gpus_per_node``, TP must stay within a node."""
+        out = []
+        for rule in RULES:
+            found = rule.check(self, shape, gpus_per_node)
+            if found is not None:
+                out.append(found if isinstance(found, Problem) else Problem(found[0], rule.name, found[1], rule.fix))
         return out
 
     def checkpoint_mode_problem(self, shape: "Shape") -> Optional["Problem"]:
@@ -216,15 +162,151 @@ SAVER_FIELDS = {d.key: d.name for d in DIMENSIONS}
 
 @dataclass(frozen=True)
 class Problem:
-    """Why a layout cannot run: the Layout field at fault, the rule, and the reason in words."""
+    """Why a layout cannot run: the Layout field at fault, the rule (``Rule.name``), the reason in words and how
+    to mend it (the rule's ``fix``)."""
 
-    # tp, pp, act_ckpt_layers, virtual_stages, engine, zero_stage, offload, global_batch_size, ep, cp, loss,
-    # sequence_parallel, activation_offload, act_ckpt_mode
     field: str
-    # heads, node, pipeline, checkpointing, family, batch, interleave, savers, experts, expert_savers, sequence,
-    # checkpoint_mode
     rule: str
     reason: str
+    fix: str = ""
+
+
+Check = Callable[[Layout, "Shape", Optional[int]], "Optional[Problem | tuple[str, str]]"]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One validity rule of a layout: its name (each ``Problem``'s ``rule``), its check (the layout, the model
+    and the GPUs per node, or None, to (field at fault, reason) or a ``Problem`` of a per-saver method, or None)
+    and the fix a refused spec names."""
+
+    name: str
+    check: Check
+    fix: str
+
+
+def _tp_family(layout: Layout, shape: "Shape", _gpn: Optional[int]):
+    if layout.tp > 1 and shape.facts.no_tensor_parallel:
+        return "tp", f"TP={layout.tp}: {shape.facts.no_tensor_parallel}"
+    return None
+
+
+def _tp_heads(layout: Layout, shape: "Shape", _gpn: Optional[int]):
+    heads, kv, tp = shape.num_attention_heads, shape.num_kv_heads, layout.tp
+    if tp > 1 and shape.facts.no_tensor_parallel:
+        return None  # the family's own rule says it
+    if heads % tp:
+        return "tp", f"TP={tp} does not divide the {heads} heads"
+    if kv % tp:
+        return "tp", f"TP={tp} does not divide the {kv} key/value heads ({heads} query heads)"
+    return None
+
+
+def _tp_node(layout: Layout, _shape: "Shape", gpus_per_node: Optional[int]):
+    if gpus_per_node is not None and layout.tp > gpus_per_node:
+        return "tp", f"TP={layout.tp} spans nodes ({gpus_per_node} GPUs per node)"
+    return None
+
+
+def _pipeline(layout: Layout, shape: "Shape", _gpn: Optional[int]):
+    bad = pipeline_problem(shape, layout.pp)
+    return None if not bad else ("pp", bad)
+
+
+def _checkpointed_layers(layout: Layout, shape: "Shape", _gpn: Optional[int]):
+    if pipeline_problem(shape, layout.pp):
+        return None  # no stage size to judge against
+    per_stage = shape.pipeline_layers // layout.pp
+    if layout.act_ckpt_layers > per_stage:
+        return "act_ckpt_layers", f"{layout.act_ckpt_layers} checkpointed layers exceed the {per_stage} layers per stage"
+    return None
+
+
+def _engine_family(layout: Layout, shape: "Shape", _gpn: Optional[int]):
+    bad = family_problem(shape.family, layout.engine)
+    return None if not bad else ("engine", bad[1])
+
+
+def _batch(layout: Layout, _shape: "Shape", _gpn: Optional[int]):
+    if layout.global_batch_size % (layout.mbs * layout.dp):
+        return "global_batch_size", (f"GBS={layout.global_batch_size} not divisible by MBS*DP={layout.mbs}*"
+                                     f"{layout.dp}")
+    return None
+
+
+def _interleave(layout: Layout, shape: "Shape", _gpn: Optional[int]):
+    if layout.global_batch_size % (layout.mbs * layout.dp):
+        return None  # no micro-batch count to judge
+    bad = interleave_problem(shape, layout.pp, layout.virtual_stages, layout.act_ckpt_layers, layout.num_microbatches)
+    if not bad:
+        return None
+    what, why = bad
+    return ("global_batch_size" if what == "microbatches" else what), why
+
+
+def _experts(layout: Layout, shape: "Shape", _gpn: Optional[int]):
+    bad = expert_problem(shape.num_experts, layout.ep, layout.dp, layout.tp, layout.engine)
+    return None if not bad else ("ep", bad)
+
+
+def _compile(layout: Layout, _shape: "Shape", _gpn: Optional[int]):
+    bad = compile_problem(layout.compile, layout.engine, layout.tp)
+    return None if not bad else ("compile", bad)
+
+
+def _fp8(layout: Layout, shape: "Shape", _gpn: Optional[int]):
+    bad = fp8_layout_problem(shape.family, layout.fp8, layout.engine, layout.tp, layout.method, layout.precision)
+    return None if not bad else ("fp8", bad)
+
+
+def _fix_with(rule: Rule) -> Check:
+    """A per-saver method's Problem, given its rule's fix."""
+    def check(layout: Layout, shape: "Shape", gpn: Optional[int]):
+        found = rule.check(layout, shape, gpn)
+        return None if found is None else dataclasses.replace(found, fix=rule.fix)
+    return check
+
+
+def _rule(name: str, check: Check, fix: str, per_saver: bool = False) -> Rule:
+    """A rule; a ``per_saver`` one's check is a Layout method returning its own Problem, given the fix here."""
+    rule = Rule(name, check, fix)
+    return Rule(name, _fix_with(rule), fix) if per_saver else rule
+
+
+# Every validity rule of a layout, most basic first: ``Layout.problems`` is the loop over them, the planner's
+# candidates, a spec read back by a trial (hp_tool/contracts/spec.py) and the inference grid ask it. The GPU's own
+# rule (fp8 tensor cores) needs the hardware, and the planner asks it apart (``sharding.fp8_problem``).
+RULES: tuple[Rule, ...] = (
+    _rule("family", _tp_family, "use TP 1: the family does not split over TP"),
+    _rule("heads", _tp_heads, "use a TP that divides the kv head count"),
+    _rule("node", _tp_node, "keep TP within one node"),
+    _rule("pipeline", _pipeline, "use a PP that splits the layers evenly (T5/mT5: 1, or even with PP/2 dividing "
+                                 "num_layers)"),
+    _rule("checkpointing", _checkpointed_layers, "use at most the layers of a pipeline stage"),
+    _rule("family", _engine_family, "use engine torch"),
+    _rule("batch", _batch, "use a multiple of mbs*dp"),
+    _rule("interleave", _interleave, "use 1 virtual stage, or a layout interleaved 1F1B can run (virtual stages "
+                                     "dividing the layers per stage and the checkpointed layers)"),
+    _rule("savers", lambda layout, _s, _g: layout.saver_problem(),
+          "choose a combination the engine supports (hp_tool/sharding.py combination_problem)", per_saver=True),
+    _rule("optimizer", lambda layout, _s, _g: layout.optimizer_problem(),
+          "use adamw, or the optimizer without offload (hp_tool/sharding.py optimizer_problem)", per_saver=True),
+    _rule("method", lambda layout, shape, _g: layout.method_problem(shape),
+          "use a layout the method runs on (hp_tool/sharding.py method_problem)", per_saver=True),
+    _rule("experts", _experts, "use an expert-parallel size the model and engine run (hp_tool/sharding.py "
+                               "expert_problem)"),
+    _rule("expert_savers", lambda layout, _s, _g: layout.expert_saver_problem(),
+          "with EP > 1 use ZeRO 0, 2 or 3 (hp_tool/sharding.py expert_saver_problem)", per_saver=True),
+    _rule("sequence", lambda layout, shape, _g: layout.sequence_problem(shape),
+          "use a loss, sequence or context parallelism the layout runs (hp_tool/sharding.py sequence_problem)",
+          per_saver=True),
+    _rule("checkpoint_mode", lambda layout, shape, _g: layout.checkpoint_mode_problem(shape),
+          "use act_ckpt_mode full, or selective with act_ckpt_layers > 0 on the torch engine (hp_tool/sharding.py "
+          "checkpoint_mode_problem)", per_saver=True),
+    _rule("compile", _compile, "use compile false, or the torch engine at TP 1"),
+    _rule("fp8", _fp8, "use fp8 false, or the torch engine at TP 1 training full in bf16 (hp_tool/sharding.py "
+                       "fp8_layout_problem)"),
+)
 
 
 def rank_shape(shape: "Shape", layout: Layout) -> "Shape":
