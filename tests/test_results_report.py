@@ -26,6 +26,11 @@ UNIT_HINTS = ("_s", "_gib", "_pct", "_usd", "tokens", "tflops", "days", "hours",
 MISSING_WORDS = {"None", "none", "nan", "NaN", "<NA>", "NA", "null"}
 
 
+def flat(text: str) -> str:
+    """Text with every run of whitespace as one space: a sentence wraps where the page wraps it."""
+    return re.sub(r"\s+", " ", text)
+
+
 def read_csv(path):
     with open(path, newline="") as fh:
         reader = csv.DictReader(fh)
@@ -238,6 +243,11 @@ def test_report_md_names_the_pick_by_the_median_and_every_trial_without_a_rank(f
     trust = page.split("## How far to trust the plan")[1]
     assert "| step time |" in trust and "| 3 |" in trust
     assert "Calibrated on 3 trials: compute x" in trust and "in-sample" in trust
+    # no confirmation round: the noise it ranked under, from the timed steps (standard deviation 0.3 x the median
+    # over 7 timed steps each: 11.3% standard error a trial, 32.1% twice that of the difference, under the gap)
+    assert ("Within its run a trial's timed steps varied by 30.0% (their standard deviation over the median step; "
+            "the median of 3 trials, up to 30.0%). The top two are 33.3% apart, beyond the +-32.1%") in flat(head)
+    assert "confirm_top=2 times the two fastest again" in head
 
 
 def test_inference_report_picks_the_fastest_config_within_the_latency_bound(tmp_path):
@@ -279,6 +289,20 @@ def test_a_real_tiny_search_writes_report_md_linking_only_files_it_wrote(readme_
     trust = page.split("## How far to trust the plan")[1]
     assert "| tensor memory, analytic | peak_tensor_memory_gib vs predicted_tensor_memory_gib |" in trust
     assert "process RSS, not comparable" in trust
+    assert "Noise: no confirmation round (train_settings.confirm_top=0)" in page  # the CPU demo names its noise
+
+
+def test_top_two_within_their_steps_spread_are_called_swappable():
+    """Without a confirmation round, two trials 4% apart whose timed steps vary by 20% (10 steps each: 6.3% standard
+    error a trial, 17.9% twice that of their difference) are within it: another run may swap them."""
+    from hp_tool.results.report import noise_line
+
+    ranked = pd.DataFrame({"trial_id": ["a", "b"], RANK_COLUMN: [1.0, 1.04], "measured_step_time_s": [1.0, 1.04],
+                           "measured_step_time_std_s": [0.2, 0.208], "steps_measured": [10, 10],
+                           "confirmed_step_time_s": [None, None]})
+    line = noise_line(ranked)
+    assert "varied by 20.0%" in line and "The top two are 4.0% apart, within the +-17.9%" in line
+    assert "another run may swap them" in line
 
 
 def one_trial_per_regime(out, plan, step_time_s) -> dict:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -200,9 +201,9 @@ def render_summary(df: pd.DataFrame, top_n: int, full: FullRun, paths: dict[str,
                       f"{raw.median():.0f}% raw, {calibrated.median():.0f}% calibrated on them "
                       f"(calibrated_step_time_s in {paths['all'].name})")
     console.print(recommendation(ranked, full, paths["optimal"], named))
-    confirmed = confirmation_line(ranked)
-    if confirmed:
-        console.print(confirmed)
+    noise = noise_line(ranked)
+    if noise:
+        console.print(noise)
     return head + console.file.getvalue()  # type: ignore[attr-defined]
 
 
@@ -252,11 +253,42 @@ def confirmation_line(ranked: pd.DataFrame) -> Optional[str]:
                    f"{spread:.1f}% between runs.")
 
 
+def noise_line(ranked: pd.DataFrame) -> Optional[str]:
+    """The noise the ranking stands on: the confirmation round's (``confirmation_line``) where it ran; else each
+    trial's timed steps' own spread (standard deviation over the median step) and whether the top two are apart
+    by more than their medians are known to from those steps (twice the standard error of their difference,
+    each trial's standard deviation over the square root of its timed steps), and that a run-to-run spread is
+    not in it. None when no trial has two timed steps."""
+    confirmed = confirmation_line(ranked)
+    if confirmed:
+        return confirmed
+    std, median, n = (ranked[c] for c in ("measured_step_time_std_s", "measured_step_time_s", "steps_measured"))
+    timed = std.notna() & (median > 0) & (n >= 2)
+    if not timed.any():
+        return None
+    cv = 100 * std[timed] / median[timed]
+    text = (f"Noise: no confirmation round (train_settings.confirm_top=0): each trial is ranked on one run. Within "
+            f"its run a trial's timed steps varied by {cv.median():.1f}% (their standard deviation over the median "
+            f"step; the median of {plural(int(timed.sum()), 'trial')}, up to {cv.max():.1f}%).")
+    if len(ranked) >= 2 and timed.iloc[:2].all():
+        best, second = ranked.iloc[0], ranked.iloc[1]
+        gap = 100 * (second[RANK_COLUMN] / best[RANK_COLUMN] - 1)
+        errors = [100 * r["measured_step_time_std_s"] / r["measured_step_time_s"] / math.sqrt(r["steps_measured"])
+                  for r in (best, second)]
+        band = 2 * math.hypot(*errors)
+        text += (f" The top two are {gap:.1f}% apart, within the +-{band:.1f}% their timed steps pin the difference "
+                 f"to: another run may swap them." if gap <= band else
+                 f" The top two are {gap:.1f}% apart, beyond the +-{band:.1f}% their timed steps pin the difference "
+                 f"to.")
+    return text + (" A time moves more between runs than within one (the machine's other load, a cold start), "
+                   "which this does not measure: train_settings.confirm_top=2 times the two fastest again.")
+
+
 def _notes(df: pd.DataFrame) -> list[str]:
-    """report.md's lines under the pick: the memory warning, the confirmation round and the adaptive search's
-    savings."""
+    """report.md's lines under the pick: the memory warning, the noise it ranked under (``noise_line``) and the
+    adaptive search's savings."""
     ranked = successful(df)
-    notes = [_memory_note(ranked).strip(), confirmation_line(ranked) or ""] if not ranked.empty else []
+    notes = [_memory_note(ranked).strip(), noise_line(ranked) or ""] if not ranked.empty else []
     notes.append(search_cost_line(df[df["plan_status"] == SELECTED]) or "")
     return [n for n in notes if n]
 
