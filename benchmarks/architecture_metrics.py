@@ -79,7 +79,8 @@ def resolve(mod: str, node: ast.ImportFrom | ast.Import, known: set[str], is_pkg
 
 
 def import_graph(mods: dict[str, Path]) -> tuple[dict[str, set[str]], int, dict[str, int]]:
-    """(module -> internal modules it imports, function-level import count, files with them)."""
+    """(module -> internal modules it imports, function-level import count, files with them). Type-only imports
+    (under ``if TYPE_CHECKING``) are edges too: a module naming another's type depends on it."""
     known = set(mods)
     graph: dict[str, set[str]] = defaultdict(set)
     nested, nested_files = 0, defaultdict(int)
@@ -92,11 +93,11 @@ def import_graph(mods: dict[str, Path]) -> tuple[dict[str, set[str]], int, dict[
             if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test):
                 type_checking.update(id(c) for c in ast.walk(n))
         for n in ast.walk(tree):
-            if not isinstance(n, (ast.Import, ast.ImportFrom)) or id(n) in type_checking:
+            if not isinstance(n, (ast.Import, ast.ImportFrom)):
                 continue
             targets = resolve(mod, n, known, is_pkg)
             graph[mod].update(targets)
-            if id(n) not in top and targets:
+            if id(n) not in top and id(n) not in type_checking and targets:
                 nested += 1
                 nested_files[mod] += 1
     return graph, nested, dict(nested_files)
@@ -168,7 +169,7 @@ FLOORS = (
                                "hp_tool.compare")),
     ("orchestration", ("hp_tool.tracking", "hp_tool.memory_check", "hp_tool.search", "hp_tool.session", "hp_tool.adaptive_gate",
                        "hp_tool.inference.search", "hp_tool.inference")),
-    ("engine and entry", ("hp_tool.trial", "hp_tool.inference.worker", "hp_tool.cli", "hp_tool.__main__",
+    ("engine and entry", ("hp_tool.trial", "hp_tool.trial.inference_worker", "hp_tool.cli", "hp_tool.__main__",
                           "hp_tool")),
 )
 
@@ -193,6 +194,36 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
     return sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps
                   if floor_of(d) > floor_of(m) and not d.startswith(m + ".")
                   and not (m in DOORS and floor_of(d) == len(FLOORS) - 1))
+
+
+def folder_of(mod: str, mods: dict[str, Path]) -> str:
+    """The folder a module's file sits in, as a package name (hp_tool.results); a module of the package's own
+    folder is a folder of its own (hp_tool.candidates): those files are each on their floor."""
+    package = mod if mods[mod].name == "__init__.py" else mod.rsplit(".", 1)[0]
+    return mod if package == "hp_tool" else package
+
+
+def folder_graph(graph: dict[str, set[str]], mods: dict[str, Path]) -> dict[str, set[str]]:
+    """The import graph between folders (``folder_of``): an edge where some file of one imports a file of
+    another; a folder importing its own files, or a package's files, is no edge."""
+    out: dict[str, set[str]] = defaultdict(set)
+    for m, deps in graph.items():
+        for d in deps:
+            a, b = folder_of(m, mods), folder_of(d, mods)
+            if a != b and not b.startswith(a + ".") and not a.startswith(b + "."):
+                out[a].add(b)
+    return out
+
+
+def upward_folder_imports(graph: dict[str, set[str]], mods: dict[str, Path]) -> list[str]:
+    """Imports from a file to one in a folder on a higher floor than its own folder's (``floor_of`` the folder's
+    name), other than the doors into the engine; each file-to-file edge named once."""
+    top = len(FLOORS) - 1
+    return sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps
+                  if floor_of(folder_of(d, mods)) > floor_of(folder_of(m, mods))
+                  and not folder_of(d, mods).startswith(folder_of(m, mods) + ".")
+                  and folder_of(d, mods) != folder_of(m, mods)
+                  and not (m in DOORS and floor_of(folder_of(d, mods)) == top))
 
 
 def code_lines(path: Path) -> list[tuple[int, str]]:
@@ -253,9 +284,10 @@ def main() -> None:
     print(f"modules: {len(mods)}, lines: {sum(len(p.read_text().splitlines()) for p in mods.values())}")
     print(f"family-branch sites outside the registry folders: {len(branches)} in "
           f"{len({b.split(':')[0] for b in branches})} files")
-    print(f"import cycles (module-level and function-level edges): {len(cyc)}")
-    ups = upward_imports(graph)
-    print(f"imports running back up the floors: {len(ups)}")
+    print(f"import cycles (module-level, function-level and type-only edges): {len(cyc)} by file, "
+          f"{len(folder_cyc := cycles(folder_graph(graph, mods)))} by folder")
+    ups, folder_ups = upward_imports(graph), upward_folder_imports(graph, mods)
+    print(f"imports running back up the floors: {len(ups)} by file, {len(folder_ups)} by folder")
     print(f"function-level imports of hp_tool modules: {nested} in {len(nested_files)} files")
     print(f"types describing a parallel layout (int fields tp and pp): {len(layouts)}")
     print(f"busiest module: {busiest} with {len(graph[busiest])} internal imports")
@@ -276,9 +308,9 @@ def main() -> None:
           f"(besides {parts} of the stage modules' own part names: embed_tokens, lm_head, ...)")
     if args.list:
         print("\n".join(["", "family branches:"] + branches))
-        print("\n".join(["", "cycles:"] + [" <-> ".join(c) for c in cyc]))
+        print("\n".join(["", "cycles:"] + [" <-> ".join(c) for c in cyc + folder_cyc]))
         print("\n".join(["", "layout types:"] + layouts))
-        print("\n".join(["", "imports running back up:"] + ups))
+        print("\n".join(["", "imports running back up:"] + ups + ["by folder:"] + folder_ups))
         print("\n".join(["", "function-level imports per file:"] + [f"{m}: {n}" for m, n in sorted(nested_files.items())]))
         print("\n".join(["", "importers of hp_tool.trial outside it:"] + engine_users))
         print("\n".join(["", "engine-name branches:"] + engines))

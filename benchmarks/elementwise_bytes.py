@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_flatten  # noqa: E402
 
 from benchmarks.host_overhead import _forward, _inputs, _stage, tiny_model  # noqa: E402
 from hp_tool.contracts.spec import ModelSpec  # noqa: E402
-from hp_tool.estimate.methods import linear_shapes  # noqa: E402
+from hp_tool.families.methods import linear_shapes  # noqa: E402
 from hp_tool.estimate.speed import ADAPTER_BYTES, elementwise_ffn  # noqa: E402
 from hp_tool.families.registry import family, family_names  # noqa: E402
 

@@ -47,7 +47,7 @@ from hp_tool.contracts.spec import LoraSpec, ModelSpec  # noqa: E402
 from hp_tool.engine_facts import engine_facts  # noqa: E402
 from hp_tool.estimate.host import ADAPTER_OPS, HOST_SECONDS_PER_OP, hook_s, layer_hooked  # noqa: E402
 from hp_tool.estimate.layout import Layout  # noqa: E402
-from hp_tool.estimate.methods import linear_shapes  # noqa: E402
+from hp_tool.families.methods import linear_shapes  # noqa: E402
 from hp_tool.families.registry import family, family_names  # noqa: E402
 from hp_tool.trial.dist import DistEnv, init_distributed  # noqa: E402
 from hp_tool.trial.models import build_stage  # noqa: E402

@@ -28,7 +28,7 @@ from hp_tool.architectures import count_parameters
 from hp_tool.base_config import model_spec
 from hp_tool.estimate.layout import GIB
 from hp_tool.estimate.memory import estimate_memory
-from hp_tool.estimate.methods import linear_shapes
+from hp_tool.families.methods import linear_shapes
 from hp_tool.hf_config import load_hf_model
 from hp_tool.trial.memterms import target_hardware, target_layout, unit_terms, with_layout
 from hp_tool.trial.trace.extrapolate import traced_peak_bytes

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from hp_tool.estimate.methods import head_training_flops, layer_training_flops
+from hp_tool.families.methods import head_training_flops, layer_training_flops
 from hp_tool.families import family
 from hp_tool.families.decoder import expert_forward_flops, skipped_expert_parameters
 from hp_tool.families.registry import Matmul
@@ -175,7 +175,7 @@ def layer_forward_flops_per_sample(shape: Shape, encoder: bool = False) -> float
 
 def model_flops_per_step(shape: Shape, global_batch_size: int, lora: Optional[Adapters] = None) -> float:
     """Model FLOPs of one training step (forward + backward = 3x forward for full training; what a LoRA or
-    QLoRA step with adapters ``lora`` computes otherwise: estimate/methods.py), recomputation excluded.
+    QLoRA step with adapters ``lora`` computes otherwise: families/methods.py), recomputation excluded.
 
     For GPT with ffn = 4h this equals 72·B·s·L·h²·(1 + s/(6h) + V/(12·L·h)).
     """

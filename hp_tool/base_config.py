@@ -14,7 +14,7 @@ from hp_tool.architectures import (Shape, active_parameters, count_parameters, l
                                    shape_for_size)
 from hp_tool.config import (SIZING_MFU, trial_device, AppConfig, LoraSettings, ModelOverrides, TrainSettings, searched_methods,
                             training_precision)
-from hp_tool.estimate.methods import linear_shapes
+from hp_tool.families.methods import linear_shapes
 from hp_tool.errors import ConfigError, require
 from hp_tool.estimate.layout import EFFICIENCY_FIELDS, Hardware
 from hp_tool.recipe import Adapters, Recipe

@@ -12,7 +12,7 @@ from hp_tool.architectures import active_parameters
 from hp_tool.candidates import Candidate
 from hp_tool.cost import cost_columns, epoch_columns
 from hp_tool.dimensions import cell, layout_columns, layout_headers, searched
-from hp_tool.estimate.methods import trainable_parameters
+from hp_tool.families.methods import trainable_parameters
 from hp_tool.fsutil import atomic_write_text
 from hp_tool.planner import Plan, candidate_dimensions
 from hp_tool.sizing import run_days

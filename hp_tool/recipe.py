@@ -77,7 +77,7 @@ class Adapters:
     rank: int = 16
     alpha: float = 32.0
     # dropout on the adapters' input: above 0 each adapter keeps its own dropped-out input and mask for
-    # backward (estimate/methods.py)
+    # backward (families/methods.py)
     dropout: float = LORA_DROPOUT
     target_modules: tuple[str, ...] = ()  # the linear modules adapted in every layer
 
@@ -109,7 +109,7 @@ class Recipe:
     # states (hp_tool/sharding.py master_weights_problem)
     master_weights: str = "fp32"
     precision: str = _in("training", "bf16")  # the compute precision: bf16 | fp16 | fp32
-    method: str = _in("model", "full")  # what trains: full | lora | qlora (estimate/methods.py)
+    method: str = _in("model", "full")  # what trains: full | lora | qlora (families/methods.py)
     lora: Optional[Adapters] = _in("model", None)  # the adapters: given exactly for lora and qlora
     # the layers' linears in Float8 (torchao's dynamic tensorwise scaling), the rest in the compute precision
     # (hp_tool/sharding.py fp8_problem, hp_tool/estimate/speed.py fp8_cast_s, hp_tool/trial/converters.py)

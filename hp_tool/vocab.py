@@ -58,6 +58,8 @@ SEARCH_ID_FILE = "search_id"
 LOCK_FILE = ".hp_tool.lock"
 TRACE_CACHE_FILE = "memory_traces.json"  # in candidate_configs/
 COMPARISON_FILE = "comparison.csv"
+# the inference search's table and plot in its final_results/ (hp_tool/inference/report.py)
+INFERENCE_CSV, INFERENCE_PLOT = "final_output.csv", "latency_vs_throughput.png"
 
 
 def trial_device(gpu_name: str) -> str:

@@ -12,7 +12,7 @@ import torch
 
 from hp_tool.inference.grid import InferenceJobConfig, dump_job_config
 from hp_tool.inference.report import RESULT_FIELDS
-from hp_tool.inference.worker import build_server, generate, make_prompt, run_inference
+from hp_tool.trial.inference_worker import build_server, generate, make_prompt, run_inference
 from hp_tool.trial.dist import DistEnv
 from hp_tool.contracts.spec import ModelSpec
 from trial_helpers import torchrun_module
@@ -107,9 +107,9 @@ def single_llama(tmp_path_factory) -> dict:
 
 
 def worker_ranks(path: Path) -> subprocess.CompletedProcess:
-    """``torchrun --nproc-per-node=2 -m hp_tool.inference.worker path``: the worker's 2 ranks forked from the warm
+    """``torchrun --nproc-per-node=2 -m hp_tool.trial.inference_worker path``: the worker's 2 ranks forked from the warm
     process with torchrun's variables (trial_helpers.torchrun_module), so they import nothing again."""
-    return torchrun_module("hp_tool.inference.worker", [path], path.parent / f".{path.stem}_ranks", 2, timeout=120)
+    return torchrun_module("hp_tool.trial.inference_worker", [path], path.parent / f".{path.stem}_ranks", 2, timeout=120)
 
 
 # The covering set of family x layout (default run): GPT-3 under TP2, Llama (GQA) in 2 pipeline stages; each

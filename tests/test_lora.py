@@ -13,7 +13,7 @@ from hp_tool.architectures import count_parameters
 from hp_tool.cli import compose
 from hp_tool.config import to_app_config
 from hp_tool.contracts.spec import DataSpec, LoraSpec
-from hp_tool.estimate.methods import trainable_parameters
+from hp_tool.families.methods import trainable_parameters
 from hp_tool.hf_config import load_hf_model
 from hp_tool.planner import make_plan
 from hp_tool.recipe import Adapters
@@ -263,7 +263,7 @@ def test_tiny_search_ranks_trials_of_the_three_methods(finetune_methods_search):
     lora = next(r for r in ranked if r["method"] == "lora")
     # rank 16 on the 7 linears of 4 layers: 16 x (in + out) summed = 16 x 1168 per layer
     assert "_lora16_" in lora["trial_id"] and int(lora["trainable_parameters"]) == 4 * 16 * 1168
-    # MFU counts what each method computes (estimate/methods.py): model FLOPs per token as the planner's
+    # MFU counts what each method computes (families/methods.py): model FLOPs per token as the planner's
     from hp_tool.architectures import model_flops_per_step
     from hp_tool.contracts.spec import load_spec
 
@@ -281,7 +281,7 @@ def test_nf4_bits_per_parameter_match_bitsandbytes_storage():
     the analytic 4.127 bits against what bitsandbytes really stores for a quantised weight."""
     import bitsandbytes as bnb
 
-    from hp_tool.estimate.methods import NF4_BITS
+    from hp_tool.families.methods import NF4_BITS
 
     n_out, n_in = 512, 2048
     weight = bnb.nn.Params4bit(torch.randn(n_out, n_in, dtype=torch.float16), requires_grad=False, quant_type="nf4",

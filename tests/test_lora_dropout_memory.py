@@ -1,6 +1,6 @@
 """LoRA's dropout in the memory model: peft runs each adapter as ``lora_A(dropout(x))``, so with dropout above 0
 every adapter keeps its own dropped-out input and the dropout's mask, while the frozen base keeps none of the
-inputs (hp_tool/estimate/methods.py ``adapter_input_bytes``). The term itself (pure), and the analytic peak
+inputs (hp_tool/families/methods.py ``adapter_input_bytes``). The term itself (pure), and the analytic peak
 against the trace for Llama-2 7B at 2048 tokens."""
 
 import dataclasses
@@ -14,7 +14,7 @@ from hp_tool.contracts.spec import LoraSpec, ParallelSpec, ResourcesSpec, RunSpe
 from hp_tool.estimate.layout import Hardware, Layout
 from hp_tool.recipe import Adapters
 from hp_tool.estimate.memory import estimate_memory, layer_activation_bytes, stage_activation_bytes
-from hp_tool.estimate.methods import activation_delta_bytes, adapter_input_bytes
+from hp_tool.families.methods import activation_delta_bytes, adapter_input_bytes
 from hp_tool.families.shape import Shape
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -68,7 +68,7 @@ class ModelSpec:
     tied_embeddings: Optional[bool] = None  # the head is the embedding's matrix; null = the family's rule
     hf_config: Optional[Dict[str, Any]] = None  # a fine-tuned model's config.json (hp_tool/hf_config.py)
     checkpoint: Optional[str] = None  # a Hugging Face model directory whose weights the run starts from
-    method: str = "full"  # full | lora | qlora: what trains (hp_tool/estimate/methods.py)
+    method: str = "full"  # full | lora | qlora: what trains (hp_tool/families/methods.py)
     lora: Optional[LoraSpec] = None  # the adapters, for lora and qlora
     fp8: bool = False  # the layers' linears in Float8 (hp_tool/trial/converters.py Float8Linears)
     # mixture of experts: each layer's MLP is num_experts experts of ffn_hidden_size, top_k per token, and

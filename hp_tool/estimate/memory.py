@@ -6,7 +6,7 @@ each part divided over the data-parallel ranks from the ZeRO stage that shards i
 2020), and moved to host RAM when offloaded; plus the compute-dtype copy of the weights that forward makes
 and backward reads (``compute_copy_bytes``). Activations per layer: GPT from Korthikanti et al. 2022,
 "Reducing Activation Recomputation in Large Transformer Models", Table 2, without dropout masks (the trial
-engine's models run without dropout; LoRA's adapters' dropout: estimate/methods.py); Llama (GQA, SwiGLU,
+engine's models run without dropout; LoRA's adapters' dropout: families/methods.py); Llama (GQA, SwiGLU,
 RMSNorm, RoPE) and T5 derived tensor by tensor for the engine's modules. Each term is checked against the
 traced engine (tests/test_memory_check.py, benchmarks/memory_terms.py). A checkpointed layer keeps its input
 and, checkpointed selectively, the outputs the per-op policy keeps (``selective_kept_bytes``); one layer's
@@ -40,7 +40,7 @@ from hp_tool.estimate.layout import (GIB, Hardware, Layout, interleave_held_tens
 from hp_tool.engine_facts import engine_facts
 from hp_tool.recipe import Adapters
 from hp_tool.sharding import master_on_host
-from hp_tool.estimate.methods import (NF4_BITS, activation_delta_bytes, adapter_parameters_per_layer,
+from hp_tool.families.methods import (NF4_BITS, activation_delta_bytes, adapter_parameters_per_layer,
                                       linear_parameters_per_layer, linear_shapes)
 
 MODEL_STATE_BYTES = 16  # 2 (16-bit weights) + 2 (16-bit grads) + 12 (fp32 master, Adam m, v)
@@ -370,7 +370,7 @@ def stage_state_bytes(shape: Shape, layout: Layout, hw: Hardware, params: float,
     """GPU bytes of pipeline ``stage``'s weights, gradients, optimizer states and compute copies (``params``
     parameters on this GPU after TP).
 
-    Full training: ``model_state_bytes`` + ``compute_copy_bytes`` + ``reduce_bucket_bytes``. LoRA / QLoRA (estimate/methods.py): the
+    Full training: ``model_state_bytes`` + ``compute_copy_bytes`` + ``reduce_bucket_bytes``. LoRA / QLoRA (families/methods.py): the
     frozen base as the engines hold it (``frozen_base_bytes``; QLoRA: its layers' linear weights in
     NF4_BITS per parameter) with no gradient or optimizer state, sharded by ZeRO-3 / FSDP2 and moved to the
     host by parameter offload as for full training, with full training's compute copies; QLoRA's transient

@@ -58,7 +58,7 @@ from hp_tool.estimate.host import host_s
 from hp_tool.estimate.layout import GB, Hardware, Layout, rank_shape, stage_layers
 from hp_tool.estimate.memory import adapter_parameters, cached, linear_parameters, stage_activation_bytes
 from hp_tool.families.decoder import expert_forward_flops
-from hp_tool.estimate.methods import NF4_BITS, attention_core_flops_per_layer, linear_shapes
+from hp_tool.families.methods import NF4_BITS, attention_core_flops_per_layer, linear_shapes
 
 # attention kernels (FlashAttention-2, Dao 2023, Fig. 4-7: causal forward + backward on A100 80 GiB at head dim 128
 # reaches 118, 171, 187 and 192 TFLOPS at 512, 2K, 8K and 16K tokens, about 62% of peak x s / (s + 330); at head

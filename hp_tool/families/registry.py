@@ -10,14 +10,14 @@ lives in ``hp_tool/trial/families/``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 from hp_tool.registry import Registry
 from hp_tool.tables import Table
 from hp_tool.vocab import ENGINES
 
-if TYPE_CHECKING:
-    from hp_tool.families.shape import Shape
+# "Shape" in the annotations below is hp_tool/families/shape.py's, which reads this registry: named, not imported,
+# so the two modules do not import each other
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class LinearInput:
     """A tensor a layer's nn.Linear modules read: the modules reading it (Llama's q, k and v read the norm's
     output), and whether the layer keeps it for backward whatever trains (``held``: the attention kernel's
     output, which its own backward reads) rather than only for those modules' weight gradients. With the
-    base frozen, what an adapter method keeps of each (hp_tool/estimate/methods.py)."""
+    base frozen, what an adapter method keeps of each (hp_tool/families/methods.py)."""
 
     readers: tuple[str, ...]
     held: bool = False

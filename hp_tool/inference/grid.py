@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
 from hp_tool.architectures import Shape, layer_parameters, vocab_parallel_parameters
 from hp_tool.config import InferenceSettings
 from hp_tool.errors import ConfigError, require
 from hp_tool.estimate.layout import GIB, Hardware, Layout
-from hp_tool.fingerprint import fingerprint_of
-from hp_tool.fsutil import atomic_write_text
-from hp_tool.contracts.spec import ModelSpec
+from hp_tool.contracts.inference import InferenceJobConfig, dump_job_config, load_job_config  # noqa: F401
 
 IS = "search_config.inference_settings"
 FP32_BYTES, HALF_BYTES = 4, 2
@@ -154,46 +151,3 @@ def plan_grid(shape: Shape, label: str, settings: InferenceSettings, hw: Hardwar
                           f"no layout fits in GPU memory (smallest: {smallest.config_id}, "
                           f"{smallest.reason})", "use smaller batch sizes or larger TP / PP")
     return grid
-
-
-@dataclass
-class InferenceJobConfig:
-    """What one inference job runs (``inference/candidate_configs/<config_id>.yaml``)."""
-
-    config_id: str
-    model: ModelSpec
-    tp: int
-    pp: int
-    batch_size: int
-    input_seq_len: int
-    output_seq_len: int
-    start_id: int
-    end_id: int
-    output_dir: str
-    warmup: int = 1  # untimed generations before the timed ones
-    repeats: int = 5  # timed generations (latency percentiles are over these)
-    seed: int = 1234  # weights and prompt
-    precision: str = "bf16"  # bf16 | fp16 | fp32 on GPU; the CPU always runs fp32
-    max_minutes: float = 10.0  # the job's time limit
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    def fingerprint(self) -> str:
-        """Hash of everything that changes what this config measures (not its id or output folder)."""
-        return fingerprint_of({k: v for k, v in self.to_dict().items() if k not in ("config_id", "output_dir")})
-
-
-def dump_job_config(cfg: InferenceJobConfig, path: str | Path) -> Path:
-    import yaml
-
-    return atomic_write_text(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-
-
-def load_job_config(path: str | Path) -> InferenceJobConfig:
-    """Read a per-config YAML; unknown keys fail (TypeError names them)."""
-    import yaml
-
-    data = yaml.safe_load(Path(path).read_text())
-    data["model"] = ModelSpec(**data["model"])
-    return InferenceJobConfig(**data)

@@ -1,68 +1,28 @@
-"""Inference results: the result.json contract, latency statistics, the summary CSV and the plot.
-
-No torch here: the worker fills results, the search reads them back. Times in result.json are in
-milliseconds, throughput in samples or tokens per second.
+"""Inference results: the summary CSV and the plot, from the results the worker writes (their contract and
+latency statistics: hp_tool/contracts/inference.py, re-exported here for the search). No torch here.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
-from hp_tool.fsutil import atomic_write_json, atomic_write_text
+from hp_tool.fsutil import atomic_write_text
 from hp_tool.launch.job import read_result  # noqa: F401  (one reader of result.json for every job)
-from hp_tool.contracts.result import blank_result
-from hp_tool.vocab import RESULT_FILE
+from hp_tool.contracts.inference import (RESULT_FIELDS, empty_result, latency_stats, percentile,  # noqa: F401
+                                         write_result)
+from hp_tool.vocab import INFERENCE_CSV, INFERENCE_PLOT
 
 log = logging.getLogger(__name__)
 
-RESULT_FIELDS = (
-    "config_id", "fingerprint", "status", "reason", "tp", "pp", "batch_size", "latency_ms_p50", "latency_ms_p95",
-    "latency_ms_p99", "time_to_first_token_ms", "samples_per_s", "tokens_per_s", "tokens_per_s_per_gpu",
-    "world_size", "device", "generated_tokens", "versions", "start_time", "end_time",
-)
 SUMMARY_COLUMNS = (
     "config_id", "status", "tp", "pp", "batch_size", "num_gpus", "latency_ms_p50", "latency_ms_p95",
     "latency_ms_p99", "time_to_first_token_ms", "samples_per_s", "tokens_per_s", "tokens_per_s_per_gpu",
     "meets_latency_bound", "predicted_memory_gib", "reason",
 )
 SUMMARY_DIR = Path("inference") / "final_summary"
-SUMMARY_CSV, PLOT_FILE = "final_output.csv", "latency_vs_throughput.png"
-
-
-def empty_result(cfg: Any) -> dict:
-    """Every contract field, unmeasured (null), for an InferenceJobConfig."""
-    return blank_result(RESULT_FIELDS, config_id=cfg.config_id, fingerprint=cfg.fingerprint(), tp=cfg.tp,
-                        pp=cfg.pp, batch_size=cfg.batch_size)
-
-
-def write_result(out_dir: Path, result: dict) -> Path:
-    """``result.json`` atomically, fields in contract order."""
-    return atomic_write_json(Path(out_dir) / RESULT_FILE, {k: result.get(k) for k in RESULT_FIELDS})
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0-100) with linear interpolation between closest ranks (numpy's default)."""
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * q / 100.0
-    lo, hi = math.floor(k), math.ceil(k)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
-
-
-def latency_stats(latencies_s: Sequence[float], ttfts_s: Sequence[float], batch: int, new_tokens: int,
-                  gpus: int) -> dict:
-    """Percentiles of the batch latency (ms), median time to first token (ms), and throughput from the
-    median latency: samples/s, generated tokens/s, and tokens/s per GPU."""
-    p50 = percentile(latencies_s, 50)
-    tokens_per_s = batch * new_tokens / p50
-    return {"latency_ms_p50": 1e3 * p50, "latency_ms_p95": 1e3 * percentile(latencies_s, 95),
-            "latency_ms_p99": 1e3 * percentile(latencies_s, 99),
-            "time_to_first_token_ms": 1e3 * percentile(ttfts_s, 50),
-            "samples_per_s": batch / p50, "tokens_per_s": tokens_per_s,
-            "tokens_per_s_per_gpu": tokens_per_s / gpus}
+SUMMARY_CSV, PLOT_FILE = INFERENCE_CSV, INFERENCE_PLOT
 
 
 def meets_bound(result: dict, max_latency_ms: float) -> bool:

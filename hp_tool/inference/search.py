@@ -38,7 +38,7 @@ REPEATS, WARMUP = 10, 2  # timed and untimed generations per config
 
 def inference_job(config_path: str) -> dict:
     """An inference config's entry; imports torch only inside the job, never in the orchestrator's planning."""
-    from hp_tool.inference.worker import run_inference  # here: the worker imports torch
+    from hp_tool.trial.inference_worker import run_inference  # here: the worker imports torch
 
     return run_inference(config_path)
 

@@ -17,7 +17,7 @@ import pandas as pd
 from hp_tool import dimensions
 from hp_tool.dimensions import Dimension, layout_columns, layout_words
 from hp_tool.fsutil import atomic_write_text
-from hp_tool.inference.report import PLOT_FILE as INFERENCE_PLOT, SUMMARY_CSV as INFERENCE_CSV
+from hp_tool.vocab import INFERENCE_CSV, INFERENCE_PLOT
 from hp_tool.vocab import NOT_RUN, SELECTED
 from hp_tool.results.collect import CALIBRATION, RANK_BASIS, RANK_COLUMN, successful
 from hp_tool.results.plots import CAPTIONS, on_cpu

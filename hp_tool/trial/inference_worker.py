@@ -1,7 +1,7 @@
 """One inference job: serve the chosen model on one TP x PP layout and measure batch latency.
 
-    torchrun --nproc-per-node TP*PP -m hp_tool.inference.worker CONFIG.yaml
-    inference_job(config_path)   # from a submitit job (ranks from its environment)
+    torchrun --nproc-per-node TP*PP -m hp_tool.trial.inference_worker CONFIG.yaml
+    hp_tool.inference.search.inference_job(config_path)   # from a submitit job (ranks from its environment)
 
 The model is the trial engine's: each rank builds its pipeline stage on meta, shards it with the
 engine's tensor-parallel plan (DTensor via ``parallelize_module``), materialises only its shard and fills
@@ -27,8 +27,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from hp_tool.inference.grid import InferenceJobConfig, load_job_config
-from hp_tool.inference.report import empty_result, latency_stats, write_result
+from hp_tool.contracts.inference import InferenceJobConfig, empty_result, latency_stats, load_job_config, write_result
 from hp_tool.trial import dist as tdist
 from hp_tool.contracts import result as res
 from hp_tool.trial.measure import now_s, synchronize
@@ -239,16 +238,8 @@ def run_inference(config_path: str | os.PathLike) -> dict:
         return _fail(exc, cfg, result, out, env)
 
 
-def inference_job(config_path: str) -> dict:
-    """Entry point of a submitit job: export torch.distributed's environment, then run."""
-    from hp_tool.launch.job import export_torch_distributed
-
-    export_torch_distributed()
-    return run_inference(config_path)
-
-
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hp_tool.inference.worker", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m hp_tool.trial.inference_worker", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", help="inference/candidate_configs/<config_id>.yaml")
     args = parser.parse_args(argv)
