@@ -367,7 +367,9 @@ def _set_trial(c: Candidate, gpn: int, nodes: int) -> Layout:
 
 def estimate(shape: Shape, c: Candidate, cluster: Cluster, usable_gib: float,
              host_usable_gib: Optional[float] = None) -> None:
-    """Fill the candidate's predicted memory (trial and full run), host RAM and full-run step time.
+    """Fill the candidate's predicted memory (trial and full run), host RAM and full-run step time. A candidate
+    over ``usable_gib`` per GPU even on the full run's nodes stops there: its memory is what prunes it, and its
+    host RAM and step time (of a layout that cannot run) are left unestimated, as most of a large grid is.
 
     The trial runs on the fewest whole nodes on which it fits: ``usable_gib`` per GPU (a sharded stage may
     need more ranks than one model replica) and, when given, ``host_usable_gib`` per node (offloaded states
@@ -376,6 +378,10 @@ def estimate(shape: Shape, c: Candidate, cluster: Cluster, usable_gib: float,
     hw, gpn = cluster.hw, cluster.hw.gpus_per_node
     full = c.full
     c.full_memory_gib = estimate_memory(shape, full, hw).total_gib
+    if c.full_memory_gib > usable_gib:  # no trial fits where the full run does not
+        c.memory_gib = c.full_memory_gib
+        _set_trial(c, gpn, trial_node_counts(c.tp * c.pp * c.cp * c.full.ep, gpn, cluster.num_nodes)[-1])
+        return
     full_host = host_phases_gib(shape, full, gpn, hw)
     trial_gib: dict[int, float] = {}  # trial nodes -> predicted peak per GPU
     trial_host: dict[int, HostPhases] = {}  # trial nodes -> predicted host RAM of a node

@@ -187,6 +187,9 @@ def fingerprint_defaults(section: str = "parallel") -> dict[str, Any]:
     return {d.name: d.default for d in DIMENSIONS if d.added and d.spec == section}
 
 
+_TOKENS: dict[tuple[str, Any], str] = {}  # (dimension, value) -> its trial-id token: a plan names tens of thousands
+
+
 def trial_id(family: str, size_label: str, values: Mapping[str, Any], lora_rank: int = 0) -> str:
     """The one place a trial id is built; every file name derives from it. ``values``: dimension name ->
     value; one left out runs its default (``seq_length`` and ``ep`` left out are not named: a
@@ -197,7 +200,14 @@ def trial_id(family: str, size_label: str, values: Mapping[str, Any], lora_rank:
     parts = dict.fromkeys(SLOTS, "")
     for d in DIMENSIONS:
         value = values.get(d.name, None if d.name == "ep" else d.default)
-        parts[d.slot] += f"_{value}{lora_rank}" if d.name == "method" and value != "full" else d.token(value)
+        if d.name == "method" and value != "full":
+            parts[d.slot] += f"_{value}{lora_rank}"
+            continue
+        key = (d.name, value)
+        token = _TOKENS.get(key)
+        if token is None:
+            token = _TOKENS[key] = d.token(value)
+        parts[d.slot] += token
     return (f"{family}_{size_label}{parts['model']}_{parts['tp']}_{parts['pp']}_{parts['mbs']}_{parts['ac']}_"
             f"{parts['saver']}")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import logging
 from pathlib import Path
@@ -46,10 +47,15 @@ def plan_rows(plan: Plan) -> Iterable[dict[str, Any]]:
     price, gpus = plan.cluster.gpu_hour_price, plan.cluster.gpus
     specs = {s.trial_id: s for s in plan.specs}  # what each selected trial runs, as its YAML says
     epoch_tokens = full.epoch_tokens
+    counts: dict[tuple, tuple[int, int]] = {}  # (shape, adapters) -> (trainable, active) parameters: few of them
     for c in plan.candidates:
         trial_id = c.trial_id
         spec = specs.get(trial_id)
         days = None if c.step_time_s is None else run_days(full.max_steps, c.step_time_s)
+        key = (c.shape, c.full.lora)
+        if key not in counts:
+            counts[key] = (trainable_parameters(c.shape, c.full.lora, m.num_parameters), active_parameters(c.shape))
+        trainable, active = counts[key]
         cost, epoch = {}, {}
         if days is not None and price is not None:
             cost = cost_columns(price, gpus, c.tokens_per_s_per_gpu * gpus, days)
@@ -84,19 +90,19 @@ def plan_rows(plan: Plan) -> Iterable[dict[str, Any]]:
             "predicted_cost_usd_per_epoch": _round(epoch.get("cost_usd_per_epoch"), 2),
             "predicted_rank0_host_memory_gib": _round(c.rank0_host_memory_gib, 2),
             "lora_rank": c.full.lora.rank if c.full.lora else None,
-            "trainable_parameters": trainable_parameters(c.shape, c.full.lora, m.num_parameters),
+            "trainable_parameters": trainable,
             "experts": c.shape.num_experts or None, "top_k": c.shape.top_k or None,
-            "active_parameters": active_parameters(c.shape),
+            "active_parameters": active,
         }
 
 
 
 def plan_csv_text(plan: Plan) -> str:
+    """plan.csv: ``PLAN_COLUMNS``, one line per candidate (``plan_rows``), a missing value empty."""
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=PLAN_COLUMNS, lineterminator="\n")
-    writer.writeheader()
-    for row in plan_rows(plan):
-        writer.writerow({k: ("" if v is None else v) for k, v in row.items()})
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(PLAN_COLUMNS)
+    writer.writerows([("" if (v := row.get(k)) is None else v) for k in PLAN_COLUMNS] for row in plan_rows(plan))
     return buf.getvalue()
 
 
@@ -123,13 +129,13 @@ def _counts(cands: list[Candidate]) -> str:
 
 def funnel_line(cands: list[Candidate]) -> str:
     """What each stage of planning removed: validity (by config key), the GPU-memory and host-RAM prunes,
-    the run limit; and how many candidates the memory and step-time models estimated."""
+    the run limit; and how many candidates the memory model estimated (the step time those that fit)."""
     invalid: dict[str, int] = {}
     for c in cands:
         if c.status == INVALID:
             key = c.reason_key.rsplit(".", 1)[-1]
             invalid[key] = invalid.get(key, 0) + 1
-    estimated = sum(c.step_time_s is not None for c in cands)
+    estimated = sum(c.full_memory_gib is not None for c in cands)
     gpu = sum(c.status == PRUNED and c.reason_key == "gpu.memory_gib" for c in cands)
     host = sum(c.status == PRUNED and c.reason_key == "gpu.host_ram_gib" for c in cands)
     rules = ", ".join(f"{n} {k}" for k, n in sorted(invalid.items(), key=lambda kv: -kv[1]))
@@ -191,8 +197,11 @@ def render_plan(plan: Plan, max_rows: int = 25) -> str:
 
     table = Table(title=f"Training candidates for {plan.search_name} ({_counts(plan.candidates)})")
     finetune = plan.base.full_run.epoch_tokens is not None
-    rows = list(plan_rows(plan))
-    dims = layout_headers(searched(rows, finetune))
+    # the dimensions shown: those that varied among the candidates that could exist (``searched``, by their
+    # dimensions alone); the figures are the selected ones' rows
+    dims = layout_headers(searched(({**candidate_dimensions(c), "plan_status": c.status} for c in plan.candidates
+                                    if c.status != INVALID), finetune))
+    rows = list(plan_rows(dataclasses.replace(plan, candidates=[c for c in plan.candidates if c.status == SELECTED])))
     figures = ["GPU GiB", "traced GiB", "host GiB", "step s", "tok/s/GPU"]
     if finetune:  # the fine-tuning table: context length x batch per device -> tokens/hour, MFU, cost
         figures += ["MFU", "M tok/h", "$/M tok", "h/epoch", "$/epoch"]
