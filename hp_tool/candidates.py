@@ -341,7 +341,7 @@ def invalid_reason(shape: Shape, c: Candidate, cluster: Cluster, mp_range: tuple
         return FIELD_KEYS[problems[0].field], problems[0].reason
     layout = c.full  # fp8's: the GPU's own rule (fp8 tensor cores), then the layout's
     no_fp8 = fp8_problem(shape.family, layout.fp8, layout.engine, layout.tp, layout.method, layout.precision,
-                         cluster.hw.fp8_peak_tflops, cluster.gpu_name)
+                         cluster.hw.fp8_peak_tflops, cluster.gpu_name, layout.sequence_parallel)
     return (FIELD_KEYS["fp8"], no_fp8) if no_fp8 else None
 
 

@@ -321,7 +321,7 @@ class TrainSettings:
     # [false, true] searches both
     compile: Optional[List[bool]] = None
     # the layers' linears in Float8 (torchao): null = [false]; [false, true] searches both where the GPU has fp8
-    # tensor cores (gpu.peak_tflops.fp8), the torch engine at TP 1 training full in bf16
+    # tensor cores (gpu.peak_tflops.fp8), the torch engine training full in bf16 (at TP > 1 without sequence parallel)
     fp8: Optional[List[bool]] = None
     # fine-tuning (model_family finetune): the data is the budget; the answer is hours and dollars per epoch
     seq_lengths: Optional[List[int]] = None  # tokens per sequence, searched with micro_batch_sizes; null = [seq_length]

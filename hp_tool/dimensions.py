@@ -153,8 +153,8 @@ DIMENSIONS: tuple[Dimension, ...] = (
               "use compile=[false], or the torch engine", added=True, choices=(False, True)),
     Dimension("fp8", "fp8", bool, False, False, "fp8", "saver", _flag("_fp8"),
               lambda v: "fp8 linears" if v else "bf16 linears",
-              "use fp8=[false], or a GPU with fp8 tensor cores (H100, H200, L4, L40S) with the torch engine at TP 1 "
-              "training full in bf16", added=True, choices=(False, True)),
+              "use fp8=[false], or a GPU with fp8 tensor cores (H100, H200, L4, L40S) with the torch engine (no sequence "
+              "parallel) training full in bf16", added=True, choices=(False, True)),
 )
 
 BY_NAME = {d.name: d for d in DIMENSIONS}

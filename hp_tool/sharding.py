@@ -209,30 +209,32 @@ def compile_problem(compile: bool, engine: str, tp: int) -> Optional[str]:
 
 
 def fp8_problem(family_name: str, fp8: bool, engine: str, tp: int, method: str, precision: str,
-                fp8_peak_tflops: Optional[float], gpu: str) -> Optional[str]:
+                fp8_peak_tflops: Optional[float], gpu: str, sequence_parallel: bool = False) -> Optional[str]:
     """Why Float8 linears (torchao's dynamic tensorwise scaling) cannot train this way, or None: a GPU with fp8
     tensor cores (the gpu preset's ``peak_tflops.fp8``: H100, H200, L4, L40S; not A100, V100 or CPU processes),
     then the layout's own rule (``fp8_layout_problem``)."""
     if fp8 and fp8_peak_tflops is None:
         return (f"gpu={gpu} has no fp8 tensor cores (gpu.peak_tflops.fp8 is null): fp8 linears need an H100, H200, "
                 "L4 or L40S")
-    return fp8_layout_problem(family_name, fp8, engine, tp, method, precision)
+    return fp8_layout_problem(family_name, fp8, engine, tp, method, precision, sequence_parallel)
 
 
-def fp8_layout_problem(family_name: str, fp8: bool, engine: str, tp: int, method: str, precision: str
-                       ) -> Optional[str]:
+def fp8_layout_problem(family_name: str, fp8: bool, engine: str, tp: int, method: str, precision: str,
+                       sequence_parallel: bool = False) -> Optional[str]:
     """Why a layout cannot train its linears in Float8, whatever the GPU, or None (a ``Layout`` rule):
-    - the torch engine (which converts the linears before FSDP2 wraps them) at TP 1 (torchao splits Float8 linears
-      over TP with parallel styles of its own, which the engine's plans do not use), bf16 compute;
+    - the torch engine (which converts the linears before TP and FSDP2 wrap them; at TP > 1 it splits them with
+      torchao's Float8 parallel styles, hp_tool/trial/parallel.py ``tp_styles``), bf16 compute; not with sequence
+      parallelism (torchao's row-wise style gathers the output's gradient over the sequence in fp8: a trial of
+      it has not run, as gloo carries no fp8 tensor);
     - full training (an adapter method's frozen base is no Float8 training linear) of a family whose linears the
       planner knows (``Family.linear_shapes``: their casts are priced per linear)."""
     if not fp8:
         return None
     if not engine_facts(engine).fp8_linears:
         return f"the {engine} engine does not convert linears to Float8 (use engine torch)"
-    if tp > 1:
-        return (f"fp8 linears at TP={tp}: the torch engine converts them at TP 1 (torchao's Float8 TP styles are not "
-                "used)")
+    if tp > 1 and sequence_parallel:
+        return (f"fp8 linears at TP={tp} with sequence parallelism: torchao's row-wise style gathers the output's "
+                "gradient over the sequence in fp8, which hp_tool has not run (use sequence_parallel false)")
     if precision != "bf16":
         return f"fp8 linears compute the rest of the model in bf16, not {precision}"
     if method != "full":

@@ -51,15 +51,37 @@ def test_fp8_rows_are_faster_on_h100_and_invalid_with_the_reason_on_a100(tmp_pat
 
 
 @pytest.mark.parametrize("change, reason", [
-    (dict(engine="deepspeed"), "deepspeed engine does not convert"), (dict(tp=2), "TP=2"),
+    (dict(engine="deepspeed"), "deepspeed engine does not convert"), (dict(tp=2, sp=True), "sequence parallelism"),
     (dict(precision="fp16"), "not fp16"), (dict(method="lora"), "lora's frozen base"),
     (dict(family="t5"), "does not list for t5"), (dict(peak=None), "no fp8 tensor cores")])
 def test_each_rule_of_fp8_names_its_reason(change, reason):
-    args = dict(family="llama", fp8=True, engine="torch", tp=1, method="full", precision="bf16", peak=1979.0)
+    args = dict(family="llama", fp8=True, engine="torch", tp=1, method="full", precision="bf16", peak=1979.0, sp=False)
     args.update(change)
     assert reason in fp8_problem(args["family"], args["fp8"], args["engine"], args["tp"], args["method"],
-                                 args["precision"], args["peak"], "a_gpu")
+                                 args["precision"], args["peak"], "a_gpu", args["sp"])
+    assert fp8_problem("llama", True, "torch", 2, "full", "bf16", 1979.0, "a_gpu") is None  # TP: torchao's styles
     assert fp8_problem("llama", False, "deepspeed", 8, "lora", "fp16", None, "a_gpu") is None  # bf16 linears: none
+
+
+def test_llama3_8b_on_h100_plans_fp8_rows_split_over_tp_with_torchaos_styles(tmp_path):
+    """llama/llama3_8b (TP 1-4) on h100_80gb with fp8 searched: fp8 rows at TP 2 are valid and estimated, those with
+    sequence parallelism refused with the reason; the engine's TP plan for a Float8 layer is torchao's styles."""
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+    from hp_tool.trial.families import torch_family
+    from hp_tool.trial.parallel import layer_tp_plan
+
+    cfg, name = compose(["search_config=llama/llama3_8b", "gpu=h100_80gb", "dry_run=true", f"{TS}.fp8=[false,true]",
+                         f"{TS}.sequence_parallel=[false,true]"])
+    cands = make_plan(to_app_config(cfg), name, tmp_path / "plan").candidates
+    tp2 = [c for c in cands if c.full.fp8 and c.tp == 2]
+    assert any(c.status != "invalid" and c.step_time_s is not None for c in tp2 if not c.full.sequence_parallel)
+    assert all(c.status == "invalid" and "sequence parallelism" in c.reason for c in tp2 if c.full.sequence_parallel)
+    spec = tiny_spec("llama")
+    from hp_tool.trial.models import build_stage
+    layer = next(iter(build_stage(spec.model, 1, 0).layers.values()))
+    styles = {type(style) for style in layer_tp_plan(torch_family("llama"), layer, float8=True).values()}
+    assert styles == {Float8ColwiseParallel, Float8RowwiseParallel}
 
 
 def test_the_casts_cost_memory_traffic_that_a_small_micro_batch_does_not_hide():
@@ -76,12 +98,14 @@ def test_the_casts_cost_memory_traffic_that_a_small_micro_batch_does_not_hide():
 
 
 @pytest.mark.e2e
-def test_a_trial_with_fp8_linears_trains_close_to_and_not_the_same_as_without(tmp_path):
-    """2 CPU processes under FSDP2: the fp8 trial runs ok, its first loss within 1% of the same trial's without
-    fp8 and not equal to it (the linears did run through the scaled fp8 matmuls)."""
+@pytest.mark.parametrize("tp, dp", [(1, 2), (2, 1)])
+def test_a_trial_with_fp8_linears_trains_close_to_and_not_the_same_as_without(tmp_path, tp, dp):
+    """2 CPU processes, under FSDP2 or split over TP (torchao's Float8 parallel styles): the fp8 trial runs ok, its
+    first loss within 1% of the same trial's without fp8 and not equal to it (the linears did run through the
+    scaled fp8 matmuls)."""
     losses = {}
     for fp8 in (False, True):
-        spec = tiny_spec("llama", dp=2, zero_stage=3, max_steps=2)
+        spec = tiny_spec("llama", tp=tp, dp=dp, zero_stage=3, max_steps=2)
         spec = dataclasses.replace(spec, model=dataclasses.replace(spec.model, fp8=fp8),
                                    trial_id=spec.trial_id + ("_fp8" if fp8 else ""))
         out = tmp_path / f"out{fp8}"
@@ -93,7 +117,7 @@ def test_a_trial_with_fp8_linears_trains_close_to_and_not_the_same_as_without(tm
 
 
 @pytest.mark.parametrize("edit, key, fix", [
-    ({"parallel": {"engine": "deepspeed"}}, "model.fp8", "use fp8 false, or the torch engine at TP 1"),
+    ({"parallel": {"engine": "deepspeed"}}, "model.fp8", "use fp8 false, or the torch engine"),
     ({"parallel": {"engine": "deepspeed", "compile": True}, "model": {"fp8": False}}, "parallel.compile",
      "use compile false"),
 ])

@@ -255,7 +255,8 @@ def _compile(layout: Layout, _shape: "Shape", _gpn: Optional[int]):
 
 
 def _fp8(layout: Layout, shape: "Shape", _gpn: Optional[int]):
-    bad = fp8_layout_problem(shape.family, layout.fp8, layout.engine, layout.tp, layout.method, layout.precision)
+    bad = fp8_layout_problem(shape.family, layout.fp8, layout.engine, layout.tp, layout.method, layout.precision,
+                             layout.sequence_parallel)
     return None if not bad else ("fp8", bad)
 
 
@@ -304,8 +305,8 @@ RULES: tuple[Rule, ...] = (
           "use act_ckpt_mode full, or selective with act_ckpt_layers > 0 on the torch engine (hp_tool/sharding.py "
           "checkpoint_mode_problem)", per_saver=True),
     _rule("compile", _compile, "use compile false, or the torch engine at TP 1"),
-    _rule("fp8", _fp8, "use fp8 false, or the torch engine at TP 1 training full in bf16 (hp_tool/sharding.py "
-                       "fp8_layout_problem)"),
+    _rule("fp8", _fp8, "use fp8 false, or the torch engine without sequence parallelism training full in bf16 "
+                       "(hp_tool/sharding.py fp8_layout_problem)"),
 )
 
 

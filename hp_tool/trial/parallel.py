@@ -52,13 +52,28 @@ from hp_tool.trial.stage import StageModule
 
 log = logging.getLogger(__name__)
 
-def layer_tp_plan(family: TorchFamily, layer: nn.Module, sequence_parallel: bool = False) -> dict:
+def tp_styles(float8: bool) -> tuple[type, type]:
+    """(column-wise, row-wise) parallel styles: torch's, or for Float8 linears torchao's own
+    (``Float8ColwiseParallel`` and ``Float8RowwiseParallel`` cast a linear's input and its output's gradient to
+    fp8 with their scales as its DTensors move), as torchtitan splits Float8 linears over TP. The sequence a
+    sequence-parallel layer gathers is gathered in the compute dtype, as its collectives (gloo's among them) carry
+    it; torchtitan gathers it in fp8 (``PrepareFloat8ModuleInput``), half the bytes on NCCL."""
+    if not float8:
+        return ColwiseParallel, RowwiseParallel
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+    return Float8ColwiseParallel, Float8RowwiseParallel
+
+
+def layer_tp_plan(family: TorchFamily, layer: nn.Module, sequence_parallel: bool = False,
+                  float8: bool = False) -> dict:
     """The ``parallelize_module`` plan of one layer of ``family``: its TP plan (``TorchFamily.layer_plan``),
     q/k/v-style projections by columns and output projections by rows; with ``sequence_parallel`` also its
     sequence plan (``TorchFamily.sequence_plan``): the row-split projections reduce-scatter their outputs to
-    sequence shards, the sharded modules run on the shards, the gathered ones gather the sequence first."""
+    sequence shards, the sharded modules run on the shards, the gathered ones gather the sequence first. With
+    ``float8`` (the layer's linears are torchao's Float8Linear) the styles are torchao's (``tp_styles``)."""
+    colwise, rowwise = tp_styles(float8)
     shards = Shard(1) if sequence_parallel else None  # None: RowwiseParallel's all-reduce to a replica
-    plan = {name: ColwiseParallel() if style == "colwise" else RowwiseParallel(output_layouts=shards)
+    plan = {name: colwise() if style == "colwise" else rowwise(output_layouts=shards)
             for name, style in family.layer_plan(layer).items()}
     if not sequence_parallel:
         return plan
@@ -77,7 +92,7 @@ def layer_tp_plan(family: TorchFamily, layer: nn.Module, sequence_parallel: bool
 
 
 def apply_tensor_parallel(stage: StageModule, tp_mesh: DeviceMesh, vocab_parallel: bool = True,
-                          sequence_parallel: bool = False) -> None:
+                          sequence_parallel: bool = False, float8: bool = False) -> None:
     """Shard each layer's projections over ``tp_mesh`` with ``parallelize_module`` (the family's plans,
     ``layer_tp_plan``); with ``vocab_parallel``, also the input embedding and the output head along the
     vocabulary.
@@ -88,7 +103,7 @@ def apply_tensor_parallel(stage: StageModule, tp_mesh: DeviceMesh, vocab_paralle
     ``loss_parallel``). A tied head shares the embedding's vocabulary-sharded weight."""
     tp, family = tp_mesh.size(), torch_family(stage.family)  # the spec's rules admit sequence_parallel here
     for layer in stage.layers.values():
-        parallelize_module(layer, tp_mesh, layer_tp_plan(family, layer, sequence_parallel))
+        parallelize_module(layer, tp_mesh, layer_tp_plan(family, layer, sequence_parallel, float8))
         family.shard_heads(layer, tp)
     if not vocab_parallel:
         return
@@ -221,11 +236,12 @@ def compile_layers(stage: StageModule) -> None:
 
 
 def parallelize_stage(stage: StageModule, par: ParallelSpec, mesh: Optional[DeviceMesh],
-                      param_dtype: Optional[torch.dtype], device: torch.device) -> None:
+                      param_dtype: Optional[torch.dtype], device: torch.device, fp8: bool = False) -> None:
     """Apply TP, EP, CP, activation checkpointing, torch.compile and DP to ``stage`` in place (still on meta).
-    With CP the data parallelism spans dp x cp (``dist.weight_dp_dim``)."""
+    With CP the data parallelism spans dp x cp (``dist.weight_dp_dim``). ``fp8``: the layers' linears are Float8
+    (hp_tool/trial/converters.py), split over TP by torchao's styles."""
     if par.tp > 1:
-        apply_tensor_parallel(stage, mesh["tp"], sequence_parallel=par.sequence_parallel)
+        apply_tensor_parallel(stage, mesh["tp"], sequence_parallel=par.sequence_parallel, float8=fp8)
     if par.ep > 1:
         apply_expert_parallel(stage, mesh["ep"], mesh["tp"])
     if par.cp > 1:

@@ -157,7 +157,7 @@ def build_rank_model(spec: TrialSpec, mesh: Optional[DeviceMesh], pp_rank: int, 
             # bf16 masters, or the optimizer's offload, whose fp32 master is on the host: trained weights too
             hold_in(chunk, param_dtype, trained=spec.parallel.master_weights == "bf16"
                     or master_on_host(spec.parallel.engine, spec.parallel.offload))
-        parallelize_stage(chunk, chunk_par, mesh, param_dtype, materialise.device)
+        parallelize_stage(chunk, chunk_par, mesh, param_dtype, materialise.device, fp8=spec.model.fp8)
     stage = chunks[0] if len(chunks) == 1 else InterleavedStages(chunks)
     phases.mark("model_build", "weights")
     return RankModel(chunks, stage, materialise(stage))
