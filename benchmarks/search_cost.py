@@ -47,8 +47,10 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from hp_tool.adaptive import LOSING_FAST_STEPS, LOSING_MIN_STEPS, Option, Outcome, launch_order, losing, verdicts
+from hp_tool.dimensions import regime_recipe
 
 STARTUP_H = 3 / 60
 OOM_H = 1 / 60
@@ -61,6 +63,7 @@ REPO = Path(__file__).resolve().parents[1]
 class Candidate:
     option: Option
     gpus: int  # GPUs of its trial
+    selected: bool  # within limit_search_runs as the planner keeps it (the best of each competing regime first)
 
 
 @dataclass(frozen=True)
@@ -69,30 +72,41 @@ class Truth:
     oom: set[str]
 
 
-def candidates(search: str, limit: int) -> tuple[list[Candidate], float]:
-    """Every fitting candidate of the plan (predicted fastest first), and the usable GB per GPU."""
+def candidates(search: str, limit: Optional[int], *overrides: str) -> tuple[list[Candidate], float]:
+    """Every fitting candidate of the plan (predicted fastest first; ``selected``: kept under ``limit``), and the
+    usable GB per GPU. ``limit`` None: the search config's own."""
     from hp_tool.cli import compose
     from hp_tool.config import to_app_config
     from hp_tool.planner import make_plan
-    from hp_tool.vocab import SELECTED
+    from hp_tool.vocab import OVER_LIMIT, SELECTED
 
-    cfg, name = compose([f"search_config={search}", "memory_check=analytic",
-                         f"search_config.train_settings.limit_search_runs={limit}"])
+    cfg, name = compose([f"search_config={search}", "memory_check=analytic", *overrides,
+                         *([] if limit is None else [f"search_config.train_settings.limit_search_runs={limit}"])])
     app = to_app_config(cfg)
     with tempfile.TemporaryDirectory() as folder:
         plan = make_plan(app, name, Path(folder))
     gpn = plan.cluster.hw.gpus_per_node
-    out = [Candidate(Option(f"c{i}_tp{c.tp}_pp{c.pp}_mbs{c.mbs}_ac{c.act_ckpt_layers}_z{c.zero_stage}", c.tp, c.pp,
-                            c.compute_time_s, c.comm_time_s, c.memory_gib), c.trial_nodes * gpn)
-           for i, c in enumerate(sorted((c for c in plan.candidates if c.status == SELECTED), key=lambda c: c.rank))]
+    fitting = sorted((c for c in plan.candidates if c.status in (SELECTED, OVER_LIMIT)), key=lambda c: c.rank)
+    out = [Candidate(Option(f"c{c.rank}_tp{c.tp}_pp{c.pp}_mbs{c.mbs}_ac{c.act_ckpt_layers}_z{c.zero_stage}", c.tp,
+                            c.pp, c.compute_time_s, c.comm_time_s, c.memory_gib, regime_recipe(c.full.values())),
+                     c.trial_nodes * gpn, c.status == SELECTED) for c in fitting]
     ts = app.search_config.train_settings
     return out, plan.cluster.hw.gpu_memory_gib * (1 - ts.memory_margin)
 
 
-def draw_truth(cands: list[Candidate], usable_gib: float, rng: random.Random) -> Truth:
+def draw_truth(cands: list[Candidate], usable_gib: float, rng: random.Random, per_value: bool = False) -> Truth:
+    """The hidden landscape (module docstring); ``per_value``: each value of a recipe's regime dimension runs its
+    own factor times the model on top, drawn once per value, each method ``U(1, 4)``, each engine, offload,
+    compile and fp8 value ``U(0.8, 1.5)``: the mixed-method landscape, where one method may run 4x its prediction
+    and another 1x."""
     fc, fm, mem = rng.uniform(0.8, 1.6), rng.uniform(0.5, 3.0), rng.uniform(0.95, 1.15)
+    factor: dict = {}
+    if per_value:  # each method its own U(1, 4) (LoRA 1.8x, QLoRA 2.1x on one H100; 7.5x on CPU processes), the
+        # other recipe values U(0.8, 1.5)
+        for value in sorted({v for c in cands for v in c.option.recipe}, key=str):
+            factor[value] = rng.uniform(1.0, 4.0) if value[0] == "method" else rng.uniform(0.8, 1.5)
     step = {c.option.name: (fc * c.option.compute_s + fm * c.option.comm_s) * math.exp(rng.gauss(0, 0.08))
-            for c in cands}
+            * math.prod(factor.get(v, 1.0) for v in c.option.recipe) for c in cands}
     oom = {c.option.name for c in cands if c.option.memory_gib * mem * (1 + rng.uniform(-0.03, 0.03)) > usable_gib}
     return Truth(step, oom)
 
@@ -203,45 +217,63 @@ def steps_seconds(results: Path) -> float:
     return total
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--search", default="gpt3/175b")
-    parser.add_argument("--seeds", type=int, default=20)
-    parser.add_argument("--skip-simulation", action="store_true", help="with --real: only the real landscape")
-    parser.add_argument("--limit", type=int, default=30, help="the exhaustive search's limit_search_runs")
-    parser.add_argument("--parallel", type=int, default=8, help="trials per wave (cluster.max_parallel_runs)")
-    parser.add_argument("--margins", default="0.1,0.25,0.5")
-    parser.add_argument("--real", action="store_true", help="also search gpt3/tiny's real CPU landscape")
-    parser.add_argument("--real-steps", type=int, default=30, help="steps per trial of the real searches")
-    args = parser.parse_args()
-    logging.disable(logging.WARNING)
-    if args.real and args.skip_simulation:
-        real_landscape(args.real_steps)
-        return
-    cands, usable = candidates(args.search, 10_000)
-    margins = [float(m) for m in args.margins.split(",")]
-    stats: dict[str, list[tuple[float, float]]] = {}
-    for seed in range(args.seeds):
-        truth = draw_truth(cands, usable, random.Random(seed))
+def simulate(search: str, overrides: tuple, per_value: bool, seeds: int, limit: Optional[int], parallel: int,
+             margins: list[float]) -> None:
+    """One simulated landscape (module docstring), ``seeds`` draws of its truth: a line per strategy."""
+    cands, usable = candidates(search, limit, *overrides)
+    chosen = [c for c in cands if c.selected]
+    stats: dict[str, list[tuple[float, float, float]]] = {}
+    for seed in range(seeds):
+        truth = draw_truth(cands, usable, random.Random(seed), per_value)
         fits = [truth.step_s[c.option.name] for c in cands if c.option.name not in truth.oom]
         if not fits:
             continue
         best = min(fits)
         nemo_h, _ = run(cands, truth, 50)
-        results = {"exhaustive": run(cands[:args.limit], truth, STEPS)}
+        exhaustive = run(chosen, truth, STEPS)
+        results = {"exhaustive": exhaustive}
         for m in margins:
-            results[f"adaptive({m:g})"] = adaptive(cands[:args.limit], truth, m, args.parallel,
-                                                   random.Random(10_000 + seed))
+            results[f"adaptive({m:g})"] = adaptive(chosen, truth, m, parallel, random.Random(10_000 + seed))
         results["nemo"] = (nemo_h, {n: s for n, s in truth.step_s.items() if n not in truth.oom})
         for name, (hours, measured) in results.items():
             pick = min(measured.values()) if measured else float("inf")
-            stats.setdefault(name, []).append((hours / nemo_h, pick / best))
-    print(f"{args.search}: {len(cands)} fitting candidates, {args.seeds} seeds, exhaustive/adaptive over the "
-          f"top {args.limit}, waves of {args.parallel}")
+            stats.setdefault(name, []).append((hours / nemo_h, hours / exhaustive[0], pick / best))
+    regimes = len({c.option.regime for c in chosen})
+    print(f"{search}{' ' + ' '.join(overrides) if overrides else ''}: {len(cands)} fitting candidates, {seeds} seeds"
+          f"{', each method its own U(1, 4) factor, each other recipe value U(0.8, 1.5)' if per_value else ''}; "
+          f"exhaustive/adaptive over the "
+          f"{len(chosen)} kept under limit_search_runs ({regimes} regimes), waves of {parallel}")
     for name, rows in stats.items():
-        cost, pick = [r[0] for r in rows], [r[1] for r in rows]
-        print(f"  {name:16} GPU-hours vs nemo: median {statistics.median(cost):6.1%}, worst {max(cost):6.1%};  "
-              f"pick / true best: median {statistics.median(pick):.3f}x, worst {max(pick):.3f}x")
+        cost, vs_exhaustive, pick = ([r[i] for r in rows] for i in range(3))
+        print(f"  {name:16} GPU-hours vs nemo: median {statistics.median(cost):6.1%}, worst {max(cost):6.1%}; vs "
+              f"exhaustive: median {statistics.median(vs_exhaustive):6.1%};  pick / true best: median "
+              f"{statistics.median(pick):.3f}x, worst {max(pick):.3f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--search", default="gpt3/175b")
+    parser.add_argument("--seeds", type=int, default=20)
+    parser.add_argument("--skip-simulation", action="store_true", help="with --real: only the real landscape")
+    parser.add_argument("--limit", type=int, default=None,
+                        help="limit_search_runs of the searches (default: each search config's own)")
+    parser.add_argument("--parallel", type=int, default=8, help="trials per wave (cluster.max_parallel_runs)")
+    parser.add_argument("--margins", default="0.1,0.25,0.5")
+    parser.add_argument("--real", action="store_true", help="also search gpt3/tiny's real CPU landscape")
+    parser.add_argument("--real-steps", type=int, default=30, help="steps per trial of the real searches")
+    parser.add_argument("--mixed", default="finetune/llama2_7b",
+                        help="the mixed-method fine-tuning landscape's search (full, LoRA and QLoRA); '' for none")
+    args = parser.parse_args()
+    logging.disable(logging.WARNING)
+    if args.real and args.skip_simulation:
+        real_landscape(args.real_steps)
+        return
+    margins = [float(m) for m in args.margins.split(",")]
+    landscapes = [(args.search, (), False)]
+    if args.mixed:  # the mixed-method fine-tuning landscape: every method, each running its own factor
+        landscapes.append((args.mixed, ("search_config.train_settings.methods=[full,lora,qlora]",), True))
+    for search, overrides, per_value in landscapes:
+        simulate(search, overrides, per_value, args.seeds, args.limit, args.parallel, margins)
     if args.real:
         real_landscape(args.real_steps)
 

@@ -3,21 +3,31 @@
 Given every selected candidate (``Option``: its layout regime, the predicted compute and communication
 seconds of its full-run step, its predicted memory) and the trials that have ended (``Outcome``):
 
-- ``launch_order``: the most promising first, spread over the grid's main axes: round-robin over the
-  (TP, PP) regimes, each regime's candidates fastest-predicted first, the regimes in the order of their
-  best prediction; so the first wave measures every regime the calibration has to learn.
+A regime is what changes how fast the engine runs a layout relative to the model: TP and PP (which
+collectives run, how the pipeline fills) and the recipe's regime dimensions (hp_tool/dimensions.py
+``Dimension.regime``: the method, the engine, offload, compile, fp8). Within a regime the model's own terms
+carry the micro-batch, checkpointing and sequence length; across regimes one run's factor says little about
+another's (a LoRA trial may run 7x its prediction where full fine-tuning runs 2x).
+
+- ``launch_order``: the most promising first, spread over the regimes: round-robin over them, each regime's
+  candidates fastest-predicted first, the regimes in the order of their best prediction; so the first wave
+  measures every regime the calibration has to learn.
 - ``verdicts``: for every candidate not yet launched, a reason not to launch it, or none:
-  * ``pruned_after_oom``: a trial of the same TP and PP ran out of memory, and this candidate is
-    predicted to need at least as much;
-  * ``skipped``: its calibrated prediction (:mod:`hp_tool.calibration`, refitted on every ended trial)
-    is slower by more than ``skip_margin`` than the best measured trial judged the same way: the larger of
-    that trial's measured step and its own calibrated prediction (like for like: a calibration that
-    over-predicts every layout over-predicts the best one too, and a lucky fast measurement does not
-    lower the bar for the others); except the best-predicted candidate of a (TP, PP) regime no trial has
-    measured yet, which is launched to calibrate on it unless it is calibrated more than ``SCOUT_RANGE``
-    (2x) behind that bar (or ``1 + skip_margin`` when larger): a regime's own error would have to be more
-    than that in its favour. Nothing is skipped while the calibration is clamped at its bounds (it does
-    not explain the trials then).
+  * ``pruned_after_oom``: a trial of the same regime ran out of memory, and this candidate is predicted to
+    need at least as much;
+  * ``skipped``, in a regime some trial has measured: its calibrated prediction (:mod:`hp_tool.calibration`,
+    refitted on every ended trial, with its regime's own residual) is slower by more than ``skip_margin``
+    than the best measured trial judged the same way: the larger of that trial's measured step and its own
+    calibrated prediction (like for like: a calibration that over-predicts every layout over-predicts the
+    best one too, and a lucky fast measurement does not lower the bar for the others). Nothing is skipped
+    this way while the calibration is clamped at its bounds (it does not explain the trials then);
+  * ``skipped``, in a regime no trial has measured: never on another regime's calibration. Where every value
+    of its regime (TP 2, LoRA, the DeepSpeed engine, ...) has run in some trial, it is calibrated with what
+    it shares with them, the product of its values' factors (:mod:`hp_tool.calibration` ``value_ratios``), and
+    judged as above. Where some value has not run, its raw prediction is set against the best measured
+    trial's raw prediction, and it is launched (its regime's best candidate first, by the launch order) unless
+    more than ``SCOUT_RANGE`` (2x) behind it (or ``1 + skip_margin`` when larger): its regime's own error would
+    have to be more than that in its favour relative to the best trial's regime.
 - ``losing``: a running trial is stopped early (stop reason ``losing``, status ok, its measurement kept)
   only when it is slower with confidence: after ``LOSING_MIN_STEPS`` timed steps, the lower end of its
   median's confidence interval (median - 1.57 x IQR / sqrt(n), the box plot's notch), extrapolated to the
@@ -36,6 +46,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from hp_tool.calibration import StepPoint, fit_step_factors
+from hp_tool.dimensions import regime_words
 from hp_tool.vocab import LOSING, PRUNED_AFTER_OOM, SKIPPED
 from hp_tool.words import plural
 
@@ -55,10 +66,21 @@ class Option:
     compute_s: float  # predicted full-run step, compute part
     comm_s: float  # predicted full-run step, communication part
     memory_gib: float  # predicted peak per GPU of the trial
+    recipe: tuple = ()  # its regime beyond TP and PP: ((dimension, value), ...), dimensions.regime_recipe
 
     @property
     def predicted_s(self) -> float:
         return self.compute_s + self.comm_s
+
+    @property
+    def regime(self) -> tuple:
+        """What it is calibrated with: TP, PP and the recipe's regime dimensions (``dimensions.regime_of``'s
+        key)."""
+        return (self.tp, self.pp, *self.recipe)
+
+    @property
+    def regime_words(self) -> str:
+        return regime_words(self.tp, self.pp, self.recipe)
 
 
 @dataclass(frozen=True)
@@ -69,10 +91,10 @@ class Outcome:
 
 
 def launch_order(options: Sequence[Option]) -> list[str]:
-    """Names, most promising first, round-robin over (TP, PP) regimes (see the module docstring)."""
-    regimes: dict[tuple[int, int], list[Option]] = {}
+    """Names, most promising first, round-robin over the regimes (see the module docstring)."""
+    regimes: dict[tuple, list[Option]] = {}
     for o in sorted(options, key=lambda o: (o.predicted_s, o.name)):
-        regimes.setdefault((o.tp, o.pp), []).append(o)
+        regimes.setdefault(o.regime, []).append(o)
     queues = list(regimes.values())  # in the order of each regime's best prediction
     order: list[str] = []
     while queues:
@@ -90,47 +112,52 @@ def verdicts(options: Sequence[Option], outcomes: Sequence[Outcome], skip_margin
     ended = {r.name for r in outcomes}
     ok = [r for r in outcomes if r.status == OK and r.step_s and r.name in by_name]
     factors = fit_step_factors([StepPoint(by_name[r.name].compute_s, by_name[r.name].comm_s, r.step_s,
-                                          (by_name[r.name].tp, by_name[r.name].pp)) for r in ok])
+                                          by_name[r.name].regime) for r in ok])
     best = min(ok, key=lambda r: r.step_s) if ok else None
     if best is not None:  # the best trial judged like the others: its calibrated prediction, or more
         b = by_name[best.name]
-        best_calibrated = factors.predict(b.compute_s, b.comm_s, (b.tp, b.pp))
+        best_calibrated = factors.predict(b.compute_s, b.comm_s, b.regime)
         bar = max(best.step_s, best_calibrated)
         bar_words = (f"measured {best.step_s:.4g} s" if bar == best.step_s else
                      f"its calibrated prediction; measured {best.step_s:.4g} s")
     ooms = [by_name[r.name] for r in outcomes if r.status == "oom" and r.name in by_name]
-    measured_regimes = {(by_name[r.name].tp, by_name[r.name].pp) for r in outcomes if r.name in by_name}
-    scouts = {}  # each unmeasured regime's best-predicted candidate
-    for o in sorted(options, key=lambda o: (o.predicted_s, o.name)):
-        if (o.tp, o.pp) not in measured_regimes:
-            scouts.setdefault((o.tp, o.pp), o.name)
+    measured_regimes = {by_name[r.name].regime for r in outcomes if r.name in by_name}
     out: dict[str, tuple[str, str]] = {}
     for o in options:
         if o.name in ended:
             continue
-        oom = next((x for x in ooms if (x.tp, x.pp) == (o.tp, o.pp) and o.memory_gib >= x.memory_gib), None)
+        oom = next((x for x in ooms if x.regime == o.regime and o.memory_gib >= x.memory_gib), None)
         if oom is not None:
             out[o.name] = (PRUNED_AFTER_OOM,
-                           f"{oom.name} (same TP {o.tp}, PP {o.pp}) ran out of memory at a predicted "
+                           f"{oom.name} (same regime: {o.regime_words}) ran out of memory at a predicted "
                            f"{oom.memory_gib:.2f} GiB per GPU; this one is predicted to need {o.memory_gib:.2f} GiB")
             continue
-        if best is None or factors.clamped:
+        if best is None:
             continue
-        calibrated = factors.predict(o.compute_s, o.comm_s, (o.tp, o.pp))
-        if scouts.get((o.tp, o.pp)) == o.name:
+        if not factors.covers(o.regime):  # never judged on another regime's calibration
             scout_range = max(SCOUT_RANGE, 1 + skip_margin)
-            if calibrated > bar * scout_range:
+            behind = o.predicted_s / b.predicted_s
+            if behind > scout_range:
                 out[o.name] = (SKIPPED,
-                               f"no trial of its regime (TP {o.tp}, PP {o.pp}) yet, but its calibrated prediction "
-                               f"{calibrated:.4g} s per step (raw {o.predicted_s:.4g} s) is {calibrated / bar:.2f}x "
-                               f"the best measured, {best.name} at {bar:.4g} s ({bar_words}): its regime's own error "
-                               f"would have to be more than {scout_range:g}x in its favour")
+                               f"no trial of its regime ({o.regime_words}), nor of each of its values, yet, and its "
+                               f"raw prediction {o.predicted_s:.4g} s per step is {behind:.2f}x the raw prediction of "
+                               f"the best "
+                               f"measured, {best.name} ({b.predicted_s:.4g} s raw, {best.step_s:.4g} s measured; "
+                               f"regime {b.regime_words}): its regime's own error would have to be more than "
+                               f"{scout_range:g}x in its favour")
             continue
+        if factors.clamped:
+            continue
+        calibrated = factors.predict(o.compute_s, o.comm_s, o.regime)
         if calibrated > bar * (1 + skip_margin):
+            source = (f"its regime's factor from its own trials: {o.regime_words}" if o.regime in measured_regimes
+                      else f"its regime, {o.regime_words}, not measured: the product of its values' factors, each "
+                           f"from the trials that ran it")
             out[o.name] = (SKIPPED,
-                           f"calibrated prediction {calibrated:.4g} s per step (raw {o.predicted_s:.4g} s) is "
-                           f"more than skip_margin={skip_margin:g} slower than the best measured, {best.name} at "
-                           f"{bar:.4g} s ({bar_words}; calibrated on {plural(factors.points, 'trial')})")
+                           f"calibrated prediction {calibrated:.4g} s per step (raw {o.predicted_s:.4g} s; "
+                           f"{source}) is more than "
+                           f"skip_margin={skip_margin:g} slower than the best measured, {best.name} at {bar:.4g} s "
+                           f"({bar_words}; calibrated on {plural(factors.points, 'trial')})")
     return out
 
 

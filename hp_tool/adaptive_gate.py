@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from hp_tool.adaptive import Option, Outcome, launch_order, losing, verdicts
+from hp_tool.dimensions import regime_recipe
 from hp_tool.launch.job import JobSpec
 from hp_tool.planner import Plan
 from hp_tool.results.collect import RANK_COLUMN, collect_trials, full_run_columns, full_run_for, read_plan
@@ -27,12 +28,12 @@ log = logging.getLogger(__name__)
 
 def plan_options(plan: Plan) -> list[Option]:
     """The adaptive search's view of the plan's selected candidates (hp_tool/adaptive.py's Option)."""
-    return [Option(c.trial_id, c.tp, c.pp, c.compute_time_s, c.comm_time_s, c.memory_gib)
+    return [Option(c.trial_id, c.tp, c.pp, c.compute_time_s, c.comm_time_s, c.memory_gib, regime_recipe(c.full.values()))
             for c in plan.candidates if c.status == SELECTED]
 
 
 def ordered_for_adaptive(options: list[Option], jobs: list[JobSpec]) -> list[JobSpec]:
-    """``jobs`` most promising first, spread over the TP/PP regimes (adaptive.launch_order)."""
+    """``jobs`` most promising first, spread over the regimes (adaptive.launch_order)."""
     rank = {name: i for i, name in enumerate(launch_order(options))}
     return sorted(jobs, key=lambda j: rank.get(j.name, len(rank)))
 

@@ -14,11 +14,17 @@ the adaptive search skips nothing on it, and the report says so. With fewer
 than three trials, or when the trials' communication parts barely differ from their compute parts in
 proportion, the two cannot be told apart and one common factor is fitted.
 
-What the two factors leave unexplained differs most between layout regimes (the TP and PP degrees: which
-collectives run, how the pipeline fills), and least between the candidates of one regime, which differ
-in micro-batch and checkpointing. So each regime with measured trials also gets its residual, the median
-of measured over the factors' prediction (bounded the same way), applied to its other candidates: they
-are predicted relative to their measured neighbours, the unmeasured regimes by the factors alone.
+What the two factors leave unexplained differs most between layout regimes (TP and PP: which collectives run,
+how the pipeline fills; the method, the engine, offload, compile, fp8: what trains and which kernels run;
+hp_tool/dimensions.py ``Dimension.regime``), and least between the candidates of one regime, which differ in
+micro-batch, checkpointing and sequence length. So each regime with measured trials also gets its residual, the
+median of measured over the factors' prediction (bounded the same way), applied to its other candidates: they
+are predicted relative to their measured neighbours. A regime no trial measured shares with the measured ones
+only what it has in common with them: each of its dimensions' values (TP 2, LoRA, the DeepSpeed engine) gets
+the residual the trials with that value leave (``value_ratios``: log residuals as a sum over the values, fitted
+by medians), and a regime every value of which some trial has run is predicted by their product; one with a
+value no trial has run is not calibrated at all (``StepFactors.covers`` is false, and ``predict`` gives the
+factors' prediction alone, which the adaptive search does not skip on).
 ``fit_memory_offset`` is the median of measured minus predicted peak memory: the overhead the preset's
 constant misses.
 """
@@ -35,7 +41,7 @@ MIN_POINTS_FOR_TWO = 3  # trials needed to fit compute and communication apart
 MIN_COMM_SPREAD = 0.05  # the communication share must vary by this much across trials to be told apart
 
 
-Regime = tuple  # a layout regime: (TP, PP)
+Regime = tuple  # a layout regime: (TP, PP, (dimension, value), ...), dimensions.regime_of
 
 
 @dataclass(frozen=True)
@@ -57,9 +63,40 @@ class StepFactors:
     common: bool = True  # one factor fitted for both parts
     residuals: dict = field(default_factory=dict)  # regime -> measured / factors' prediction, median
     clamped: bool = False  # a factor or residual stopped at BOUNDS: the fit does not explain its trials
+    values: dict = field(default_factory=dict)  # a regime's value ((name, value)) -> its log residual
+
+    def covers(self, regime: Optional[Regime]) -> bool:
+        """Whether ``regime`` is calibrated: measured itself, or every value of it run by some trial."""
+        return regime is not None and (regime in self.residuals or all(v in self.values for v in values_of(regime)))
+
+    def ratio(self, regime: Optional[Regime]) -> float:
+        """The regime's residual: its own where measured, else the product of its values' (bounded), else 1."""
+        if regime in self.residuals:
+            return self.residuals[regime]
+        if regime is not None and self.covers(regime):
+            return _bounded(math.exp(sum(self.values[v] for v in values_of(regime))))
+        return 1.0
 
     def predict(self, compute_s: float, comm_s: float, regime: Optional[Regime] = None) -> float:
-        return (self.compute * compute_s + self.comm * comm_s) * self.residuals.get(regime, 1.0)
+        return (self.compute * compute_s + self.comm * comm_s) * self.ratio(regime)
+
+
+def values_of(regime: Regime) -> list[tuple]:
+    """A regime's values by dimension: [("tp", 2), ("pp", 1), ("method", "lora"), ...]."""
+    return [("tp", regime[0]), ("pp", regime[1]), *regime[2:]]
+
+
+def value_ratios(regimes: Sequence[Regime], log_residuals: Sequence[float], rounds: int = 20) -> dict:
+    """{value: w} with each trial's log residual about the sum of its regime's values' w (``values_of``), fitted by
+    backfitting medians: each value's w in turn the median, over the trials with it, of their log residual less
+    the other values' w. A regime's product exp(sum w) does not depend on how a constant splits among the
+    dimensions (every regime has one value of each)."""
+    trials = [(values_of(r), x) for r, x in zip(regimes, log_residuals)]
+    w = {v: 0.0 for values, _ in trials for v in values}
+    for _ in range(rounds):
+        for v in w:
+            w[v] = statistics.median(x - sum(w[u] for u in values if u != v) for values, x in trials if v in values)
+    return w
 
 
 def _loss(points: Sequence[StepPoint], a: float, b: float) -> float:
@@ -100,7 +137,10 @@ def fit_step_factors(points: Sequence[StepPoint]) -> StepFactors:
     raw = {r: statistics.median(v) for r, v in ratios.items()}
     residuals = {r: _bounded(v) for r, v in raw.items()}
     clamped = any(_at_bound(x) for x in (a, b)) or any(residuals[r] != v for r, v in raw.items())
-    return StepFactors(a, b, len(points), common, residuals, clamped)
+    placed = [p for p in points if p.regime is not None]
+    values = value_ratios([p.regime for p in placed],
+                          [math.log(p.measured_s / (a * p.compute_s + b * p.comm_s)) for p in placed])
+    return StepFactors(a, b, len(points), common, residuals, clamped, values)
 
 
 def _bounded(x: float) -> float:

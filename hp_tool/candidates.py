@@ -36,10 +36,12 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from hp_tool.adaptive import SCOUT_RANGE
 from hp_tool.architectures import Shape, pipeline_problem
 from hp_tool.base_config import TS, Cluster
 from hp_tool.config import TrainSettings
-from hp_tool.dimensions import DIMENSIONS
+from hp_tool.calibration import values_of
+from hp_tool.dimensions import BY_NAME, DIMENSIONS, regime_of
 from hp_tool.estimate.layout import Hardware, Layout, Problem
 from hp_tool.recipe import Degrees, Recipe
 from hp_tool.estimate.memory import HostPhases, estimate_memory, host_phases_gib
@@ -518,20 +520,45 @@ def plan_candidates(shape: Shape, size_b: float, ts: TrainSettings, cluster: Clu
     return out
 
 
+COVERAGE = "kept for coverage"  # a selected candidate's note: kept beyond the limit's ranks as its regime's best
+
+
 def rank_candidates(cands: list[Candidate], limit: int) -> None:
-    """Rank the fitting candidates (selected or over the limit), predicted fastest first; those beyond
-    ``limit`` become over_limit. Candidates of several sequence lengths do the same tokens per step, so
-    their step times compare."""
+    """Rank the fitting candidates (selected or over the limit), predicted fastest first, and keep ``limit`` of
+    them: first, for each value of a regime dimension (``dimensions.regime_of``: each TP, PP, method, engine,
+    offload, compile and fp8 value) that could compete, the best-predicted candidate with it (its prediction within
+    ``SCOUT_RANGE`` of the best overall, the range in which the adaptive search scouts what it has not measured:
+    its own error could make it the fastest), so that the search can calibrate every such value
+    (hp_tool/calibration.py ``value_ratios``); then the next best overall. The rest become over_limit; a candidate
+    kept beyond the limit's ranks says so in its note. Candidates of several sequence lengths do the same tokens
+    per step, so their step times compare."""
     for c in cands:
         if c.status == OVER_LIMIT:
             c.status, c.reason, c.reason_key = SELECTED, "", ""
+        if c.note and COVERAGE in c.note:  # an earlier ranking's word; this one decides again
+            c.note = "; ".join(part for part in c.note.split("; ") if not part.startswith(COVERAGE))
     fitting = [c for c in cands if c.status == SELECTED]
     fitting.sort(key=lambda c: (c.step_time_s, c.memory_gib, c.tp, c.pp, c.ep, c.cp, c.virtual_stages, c.mbs,
                                 c.act_ckpt_layers, c.engine, c.zero_stage, c.offload, c.full.sequence_parallel,
                                 c.full.loss, c.full.activation_offload, c.full.act_ckpt_mode, c.full.fp8,
                                 c.full.compile))
+    best = fitting[0].step_time_s if fitting else 0.0
+    value_best: dict[tuple, Candidate] = {}  # a regime's value -> the best candidate with it
     for i, c in enumerate(fitting, start=1):
         c.rank = i
-        if i > limit:
+        if c.step_time_s <= SCOUT_RANGE * best:
+            for value in values_of(regime_of(c.full.values())):
+                value_best.setdefault(value, c)
+    coverage = sorted({id(c): c for c in value_best.values()}.values(), key=lambda c: c.rank)[:limit]
+    covered = {id(c) for c in coverage}
+    kept = covered | {id(c) for c in [c for c in fitting if id(c) not in covered][:limit - len(coverage)]}
+    for c in fitting:
+        if id(c) not in kept:
             c.reject(OVER_LIMIT, f"{TS}.limit_search_runs",
-                     f"predicted rank {i} is beyond limit_search_runs={limit}")
+                     f"predicted rank {c.rank} is beyond limit_search_runs={limit}"
+                     + (" (the best candidate of each regime value that could compete kept first)"
+                        if c.rank <= limit else ""))
+        elif c.rank > limit:
+            values = [BY_NAME[name].words(value) for (name, value), kept_c in value_best.items() if kept_c is c]
+            c.note = "; ".join(filter(None, [c.note, f"{COVERAGE}: the best-predicted with {', '.join(values)}, "
+                                                     f"{c.step_time_s / best:.2f}x the best prediction"]))

@@ -41,6 +41,10 @@ class Dimension:
     added: bool = False  # added after specs were first written: the fingerprint leaves it out at its default
     choices: Optional[tuple] = None  # the values its list may hold; None: integers from ``least``
     least: int = 1
+    # it changes how fast the engine runs a layout relative to the model's prediction (which collectives run, what
+    # kernels, what trains): the adaptive search calibrates each combination of these apart (``regime_recipe``);
+    # the others (sequence length, micro-batch, checkpointing, ...) the model's own terms carry within a regime
+    regime: bool = False
 
     @property
     def spec(self) -> str:
@@ -97,15 +101,15 @@ DIMENSIONS: tuple[Dimension, ...] = (
     Dimension("method", "methods", str, "full", False, "method", "model", lambda v: "",
               lambda v: f"{v} fine-tuning" if v == "full" else v.upper() if v == "qlora" else "LoRA",
               "use TP=1 for lora and qlora, and the torch engine with ZeRO 0-1 for qlora",
-              choices=METHODS),
+              choices=METHODS, regime=True),
     Dimension("tp", "tensor_parallel_sizes", int, 1, True, "TP", "tp", _count("tp"), lambda v: f"TP={v}",
-              "use TP values that divide the (key/value) head count and fit in one node"),
+              "use TP values that divide the (key/value) head count and fit in one node", regime=True),
     Dimension("sequence_parallel", "sequence_parallel", bool, False, False, "SP", "tp", _flag("sp"),
               lambda v: "sequence parallel" if v else "no sequence parallelism",
               "use sequence_parallel=[false], or TP > 1 on the torch engine", added=True, choices=(False, True)),
     Dimension("pp", "pipeline_parallel_sizes", int, 1, True, "PP", "pp", _count("pp"), lambda v: f"PP={v}",
               "use PP values that divide the layer count (T5/mT5: 1, or an even PP whose half divides the layers "
-              "per stack)"),
+              "per stack)", regime=True),
     Dimension("virtual_stages", "virtual_pipeline_sizes", int, 1, False, "VP", "pp", _unless_one("vp"),
               lambda v: f"interleaved over {v} virtual stages" if v > 1 else "no interleaving",
               "use virtual stages that divide the layers per pipeline stage (num_layers / PP), 1 without a "
@@ -121,12 +125,13 @@ DIMENSIONS: tuple[Dimension, ...] = (
               "use values between 0 and the layers per pipeline stage (num_layers / PP; T5/mT5: 2 x num_layers / "
               "PP)", least=0),
     Dimension("engine", "engines", str, "torch", True, "engine", "saver", lambda v: ENGINE_CODES[v],
-              lambda v: f"{v} engine", "use engines=[torch]", choices=ENGINES),
+              lambda v: f"{v} engine", "use engines=[torch]", choices=ENGINES, regime=True),
     Dimension("zero_stage", "zero_stages", int, 3, True, "ZeRO", "saver", lambda v: f"_z{v}", lambda v: f"ZeRO-{v}",
               "choose a ZeRO stage the engine runs at this TP/PP (hp_tool/sharding.py)", choices=ZERO_STAGES),
     Dimension("offload", "offload", str, "none", False, "offload", "saver", lambda v: f"_{OFFLOAD_CODES[v]}",
               lambda v: f"offload {v}" if v != "none" else "no offload",
-              "choose an offload the engine runs (hp_tool/sharding.py), or give gpu.host_ram_gib", choices=OFFLOADS),
+              "choose an offload the engine runs (hp_tool/sharding.py), or give gpu.host_ram_gib", choices=OFFLOADS,
+              regime=True),
     Dimension("optimizer", "optimizers", str, "adamw", False, "optimizer", "saver", lambda v: OPTIMIZER_CODES[v],
               lambda v: f"{v} optimizer", "use adamw with offload, or the other optimizers without it",
               choices=OPTIMIZERS),
@@ -150,15 +155,41 @@ DIMENSIONS: tuple[Dimension, ...] = (
               choices=(False, True)),
     Dimension("compile", "compile", bool, False, False, "compile", "saver", _flag("_compiled"),
               lambda v: "torch.compile" if v else "eager",
-              "use compile=[false], or the torch engine", added=True, choices=(False, True)),
+              "use compile=[false], or the torch engine", added=True, choices=(False, True), regime=True),
     Dimension("fp8", "fp8", bool, False, False, "fp8", "saver", _flag("_fp8"),
               lambda v: "fp8 linears" if v else "bf16 linears",
               "use fp8=[false], or a GPU with fp8 tensor cores (H100, H200, L4, L40S) with the torch engine (no sequence "
-              "parallel) training full in bf16", added=True, choices=(False, True)),
+              "parallel) training full in bf16", added=True, choices=(False, True), regime=True),
 )
 
 BY_NAME = {d.name: d for d in DIMENSIONS}
 BY_KEY = {d.key: d for d in DIMENSIONS}
+# the dimensions a regime of the adaptive search is keyed by besides TP and PP (``Dimension.regime``)
+RECIPE_REGIME = tuple(d for d in DIMENSIONS if d.regime and d.name not in ("tp", "pp"))
+
+
+def regime_recipe(values: Mapping[str, Any]) -> tuple:
+    """A layout's regime beyond its TP and PP: ((dimension, value), ...) of ``RECIPE_REGIME``, from its values by
+    name (a layout's fields); a dimension it does not set runs its default."""
+    return tuple((d.name, values.get(d.name, d.default)) for d in RECIPE_REGIME)
+
+
+def regime_of(values: Mapping[str, Any]) -> tuple:
+    """A layout's regime from its values by name (a layout's fields, a plan or result row): (TP, PP, *recipe), as
+    ``adaptive.Option.regime`` holds it; the one key the adaptive search and the collector's calibration use."""
+    return (int(values["tp"]), int(values["pp"]), *regime_recipe(values))
+
+
+def regime_words_of(regime: tuple) -> str:
+    """``regime_words`` of a ``regime_of`` key."""
+    return regime_words(regime[0], regime[1], regime[2:])
+
+
+def regime_words(tp: int, pp: int, recipe: Iterable[tuple[str, Any]]) -> str:
+    """A regime in words, its recipe's dimensions named where not at their defaults: "TP=2, PP=1, LoRA,
+    deepspeed engine"."""
+    return ", ".join([f"TP={tp}", f"PP={pp}", *(BY_NAME[name].words(value) for name, value in recipe
+                                               if value != BY_NAME[name].default)])
 
 
 def layout_headers(dims: Iterable[Dimension] = DIMENSIONS) -> tuple[tuple[str, str], ...]:

@@ -35,19 +35,21 @@ def test_candidates_slower_than_the_best_measured_by_the_margin_are_skipped_with
 def test_an_oom_prunes_untried_candidates_of_its_regime_predicted_to_need_as_much():
     got = verdicts(grid(), [Outcome("b", "oom")], skip_margin=10)
     assert got == {"c": (PRUNED_AFTER_OOM, got["c"][1])}  # a needs less, d/e/f are other regimes
-    assert "b (same TP 2, PP 1) ran out of memory at a predicted 50.00 GiB" in got["c"][1]
+    assert "b (same regime: TP=2, PP=1) ran out of memory at a predicted 50.00 GiB" in got["c"][1]
 
 
 def test_nothing_is_decided_before_any_trial_ends():
     assert verdicts(grid(), [], skip_margin=0.0) == {}
 
 
-def test_each_unmeasured_regime_gets_its_best_candidate_launched_before_anything_is_skipped():
-    # only (2, 1) measured, 3x slower than predicted: (1, 2) and (4, 1) are calibrated hopeless, but their
-    # best candidates still run once so the calibration sees their communication
+def test_no_candidate_of_an_unmeasured_regime_is_skipped_on_another_regimes_calibration():
+    # only (2, 1) measured, 3x slower than predicted: its own b and c are calibrated behind a and skipped; (1, 2)
+    # and (4, 1) calibrated with (2, 1)'s factor would look hopeless, but no trial has measured them: within 2x
+    # of a on their raw predictions, they run (their regimes' best first, by the launch order)
     got = verdicts(grid(), [Outcome("a", "ok", 3.3)], skip_margin=0.0)
-    assert set(got) == {"b", "c", "e"}
-    assert all(status == SKIPPED for status, _ in got.values())
+    assert set(got) == {"b", "c"}
+    assert all(status == SKIPPED and "its regime's factor from its own trials: TP=2, PP=1" in reason
+               for status, reason in got.values())
 
 
 def test_a_running_trial_slower_than_the_best_by_the_margin_is_stopped_with_its_numbers():
@@ -101,17 +103,17 @@ def test_nothing_is_skipped_while_the_calibration_is_clamped_at_its_bounds():
     assert fitted["slow"][0] == SKIPPED  # the same case with a factor of 2 skips it
 
 
-def test_an_unmeasured_regime_calibrated_more_than_twice_the_best_is_not_scouted():
-    # a (2, 1) measured 3x its prediction; (1, 2)'s best, d, is calibrated 1.14x the best: it runs once to
-    # calibrate its regime. (4, 1)'s f is calibrated 1.73x: still within the 2x a regime's own error may
-    # span, it runs. A regime g calibrated 2.7x the best would need its own error to be more than 2x in its
-    # favour: it is skipped, and the reason says why its regime was not scouted.
+def test_an_unmeasured_regime_predicted_more_than_twice_the_best_is_not_scouted():
+    # a (2, 1) measured 3x its prediction; (1, 2)'s best, d, is predicted 1.14x a (raw): it runs once to
+    # calibrate its regime. (4, 1)'s f is predicted 1.73x: still within the 2x a regime's own error may
+    # span, it runs. A regime g predicted 2.7x a would need its own error to be more than 2x in its favour
+    # against a's regime: it is skipped, and the reason says why its regime was not scouted.
     options = [*grid(), Option("g", 8, 1, 2.9, 0.1, 10)]
     got = verdicts(options, [Outcome("a", "ok", 3.3)], skip_margin=0.0)
     assert "d" not in got and "f" not in got
     status, reason = got["g"]
     assert status == SKIPPED
-    assert "no trial of its regime (TP 8, PP 1) yet" in reason and "more than 2x" in reason
+    assert "no trial of its regime (TP=8, PP=1), nor of each of its values, yet" in reason and "more than 2x" in reason
     # a user who keeps everything within 3x (skip_margin=2) scouts it
     assert "g" not in verdicts(options, [Outcome("a", "ok", 3.3)], skip_margin=2.0)
 
@@ -127,3 +129,47 @@ def test_a_trial_far_behind_on_every_step_is_stopped_after_three_timed_steps():
     assert losing("tp2", [0.78, 0.09, 0.77], 0.78, ended, skip_margin=0.25) is None
     # behind by less than twice the margin's bar: judged after the usual five timed steps only
     assert losing("slow", [0.09, 0.09, 0.09], 0.09, ended, skip_margin=0.25) is None
+
+
+def test_a_method_running_7x_its_prediction_does_not_skip_one_running_2x_that_holds_the_best():
+    """One TP/PP, two methods (regimes by the method: hp_tool/dimensions.py ``Dimension.regime``): the model ranks
+    LoRA first, LoRA runs 7x its predictions and full fine-tuning 2x, so a full layout is the true best. Searched as
+    the launcher runs it one trial at a time (launch order, then each verdict before each launch), the full
+    regime's best is measured, not skipped on LoRA's factor, and the pick is the true best. With the regime keyed
+    by TP and PP alone (the recipe dropped) the full layouts would be priced with LoRA's factor and all skipped."""
+    lora, full = (("method", "lora"),), (("method", "full"),)
+    options = [Option(f"lora{i}", 1, 1, 1.0 + 0.1 * i, 0.0, 10, lora) for i in range(4)] + \
+              [Option(f"full{i}", 1, 1, 1.3 + 0.2 * i, 0.0, 10, full) for i in range(4)]
+    truth = {o.name: o.predicted_s * (7.0 if o.recipe == lora else 2.0) for o in options}
+
+    def search(opts: list[Option]) -> list[Outcome]:
+        outcomes: list[Outcome] = []
+        for name in launch_order(opts):
+            if name not in verdicts(opts, outcomes, skip_margin=0.25):
+                outcomes.append(Outcome(name, "ok", truth[name]))
+        return outcomes
+
+    ran = search(options)
+    pick = min(ran, key=lambda r: r.step_s)
+    assert pick.name == min(truth, key=truth.get) == "full0"
+    assert {r.name for r in ran} >= {"lora0", "full0"}
+    blind = search([Option(o.name, o.tp, o.pp, o.compute_s, o.comm_s, o.memory_gib) for o in options])
+    assert not any(r.name.startswith("full") for r in blind)  # LoRA's 7x put every full layout 2.6x behind
+    assert min(blind, key=lambda r: r.step_s).name == "lora0"  # a pick 2.7x slower than the best
+
+
+def test_an_unmeasured_regime_whose_every_value_ran_is_priced_by_what_it_shares_with_them():
+    """(TP 1, full), (TP 1, LoRA) and (TP 2, LoRA) measured: full runs 2x its prediction, LoRA 6x, TP 2 no worse
+    than TP 1. (TP 2, full) has no trial but each of its values has run: it is calibrated by the product of its
+    values' factors (about 2x), not LoRA's 6x; a (TP 2, full) candidate predicted far behind is skipped on that,
+    naming where its factor came from, and one close to the best runs."""
+    full, lora = (("method", "full"),), (("method", "lora"),)
+    options = [Option("f1", 1, 1, 1.0, 0.0, 10, full), Option("l1", 1, 1, 0.5, 0.0, 10, lora),
+               Option("l2", 2, 1, 0.5, 0.0, 10, lora), Option("near", 2, 1, 1.05, 0.0, 10, full),
+               Option("far", 2, 1, 2.0, 0.0, 10, full)]
+    outcomes = [Outcome("f1", "ok", 2.0), Outcome("l1", "ok", 3.0), Outcome("l2", "ok", 3.0)]
+    got = verdicts(options, outcomes, skip_margin=0.25)
+    assert "near" not in got
+    status, reason = got["far"]
+    assert status == SKIPPED and "calibrated prediction 4 s" in reason
+    assert "its regime, TP=2, PP=1, not measured: the product of its values' factors" in reason

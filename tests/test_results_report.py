@@ -323,7 +323,7 @@ def test_a_calibrated_step_error_fitted_exactly_is_not_shown_as_zero(tmp_path):
     by_regime = one_trial_per_regime(out, plan, lambda i: 0.3 + 0.1 * i)
     assert len(by_regime) >= 2 and finalize(out, app) == 0
     page = (out / "final_results" / "report.md").read_text()
-    assert f"| {len(by_regime)} |" in page and "| exact by construction: one trial per TP/PP regime |" in page
+    assert f"| {len(by_regime)} |" in page and "| exact by construction: one trial per regime |" in page
     write_ok(out, next(s.trial_id for s in plan.specs if s.trial_id not in by_regime.values()), 0.9)
     assert finalize(out, app) == 0  # a second trial in one regime: the calibrated error means something again
     assert "exact by construction" not in (out / "final_results" / "report.md").read_text()

@@ -25,6 +25,7 @@ import pandas as pd
 from hp_tool import dimensions
 from hp_tool.calibration import BOUNDS, StepPoint, fit_memory_offset, fit_step_factors
 from hp_tool.cost import cost_columns, epoch_columns
+from hp_tool.dimensions import regime_of, regime_words_of
 from hp_tool.errors import ConfigError
 from hp_tool.contracts.spec import TrialSpec, load_spec
 from hp_tool.estimate.layout import Layout
@@ -304,10 +305,13 @@ def calibrate(df: pd.DataFrame) -> pd.DataFrame:
     ``calibrated_memory_gib`` beside ``predicted_memory_gib``; the raw figures where nothing was measured.
     The fitted factors in words go to ``df.attrs[CALIBRATION]``."""
     ok = df[(df["status"] == OK) & df[RANK_COLUMN].notna() & df["predicted_compute_s"].notna()]
-    factors = fit_step_factors([StepPoint(r.predicted_compute_s, r.predicted_comm_s, r.full_run_step_time_s,
-                                          (r.tp, r.pp)) for r in ok.itertuples()])
-    df["calibrated_step_time_s"] = [factors.predict(c, m, (tp, pp)) for c, m, tp, pp in
-                                    zip(df["predicted_compute_s"], df["predicted_comm_s"], df["tp"], df["pp"])]
+    # what the adaptive search calibrates apart; a row without its layout (none) has no residual
+    regimes = [regime_of(row) if pd.notna(row.get("tp")) and pd.notna(row.get("pp")) else None
+               for row in df.to_dict("records")]
+    factors = fit_step_factors([StepPoint(df.at[i, "predicted_compute_s"], df.at[i, "predicted_comm_s"],
+                                          df.at[i, RANK_COLUMN], regimes[df.index.get_loc(i)]) for i in ok.index])
+    df["calibrated_step_time_s"] = [factors.predict(c, m, regime) for c, m, regime in
+                                    zip(df["predicted_compute_s"], df["predicted_comm_s"], regimes)]
     df["calibrated_step_time_error_pct"] = 100 * (df[RANK_COLUMN] / df["calibrated_step_time_s"] - 1)
     measured = df[(df["status"] == OK) & df["peak_memory_gib"].notna() & df["predicted_memory_gib"].notna()]
     offset = fit_memory_offset(list(measured["predicted_memory_gib"]), list(measured["peak_memory_gib"]))
@@ -315,10 +319,12 @@ def calibrate(df: pd.DataFrame) -> pd.DataFrame:
     df["calibrated_memory_error_pct"] = error_pct(df["peak_memory_gib"], df["calibrated_memory_gib"])
     df.attrs[CALIBRATION] = None
     if factors.points:
-        residuals = ", ".join(f"TP{tp} PP{pp} x{r:.3g}" for (tp, pp), r in sorted(factors.residuals.items()))
+        residuals = "; ".join(f"{regime_words_of(regime)} x{r:.3g}"
+                              for regime, r in sorted(factors.residuals.items(), key=lambda kv: str(kv[0])))
         df.attrs[CALIBRATION] = (
             f"Calibrated on {plural(factors.points, 'trial')}: compute x{factors.compute:.3g}, communication "
-            f"x{factors.comm:.3g}{' (one common factor)' if factors.common else ''}, per regime {residuals}, "
+            f"x{factors.comm:.3g}{' (one common factor)' if factors.common else ''}; each measured regime's own "
+            f"residual on them: {residuals}; "
             f"memory {offset or 0.0:+.3g} GiB" + (
                 f"; clamped at a bound (x{BOUNDS[0]:g}-x{BOUNDS[1]:g}): the model does not explain these trials, "
                 f"so their calibrated figures are not exact, and the adaptive search skips nothing on this fit"

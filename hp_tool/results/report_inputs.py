@@ -8,6 +8,7 @@ those tables hold; nothing here recomputes one.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterable, Optional
@@ -15,7 +16,7 @@ from typing import Any, Iterable, Optional
 import pandas as pd
 
 from hp_tool import dimensions
-from hp_tool.dimensions import Dimension, layout_columns, layout_words
+from hp_tool.dimensions import Dimension, layout_columns, layout_words, regime_of
 from hp_tool.fsutil import atomic_write_text
 from hp_tool.vocab import INFERENCE_CSV, INFERENCE_PLOT
 from hp_tool.vocab import NOT_RUN, SELECTED
@@ -37,7 +38,7 @@ INFERENCE_METRIC = RankMetric("tokens_per_s_per_gpu", "generated tokens/s per GP
 INFERENCE_COLUMNS = ("config_id", "tp", "pp", "batch_size", "num_gpus", "tokens_per_s_per_gpu", "latency_ms_p50",
                      "latency_ms_p99", "time_to_first_token_ms", "meets_latency_bound", "predicted_memory_gib")
 IN_SAMPLE = ("Calibrated predictions are fitted to these same measured trials (hp_tool/calibration.py: a compute "
-             "and a communication factor, a residual per TP/PP regime, a memory offset), so their error here is "
+             "and a communication factor, a residual per regime, a memory offset), so their error here is "
              "in-sample: a regime with one measured trial is matched exactly by construction, unless the fit "
              "was clamped at its bounds (then the factors above say so). For a layout "
              "nobody measured, expect an error between the raw and the calibrated column.")
@@ -100,8 +101,10 @@ def model_errors(ranked: pd.DataFrame, cpu: bool) -> tuple[ModelError, ...]:
     step = error("step time", f"{RANK_COLUMN} vs predicted_step_time_s / calibrated_step_time_s",
                  "step_time_error_pct", "calibrated_step_time_error_pct")
     exact = step.calibrated_pct is not None and step.calibrated_pct < 0.01  # a clamped residual is not exact
-    if step.trials and exact and ranked.groupby(["tp", "pp"]).size().max() == 1:  # each regime's residual fits its trial
-        step = replace(step, calibrated_pct=None, calibrated_note="exact by construction: one trial per TP/PP regime")
+    measured = ranked[ranked["step_time_error_pct"].notna()]
+    per_regime = Counter(regime_of(row) for row in measured.to_dict("records"))
+    if step.trials and exact and max(per_regime.values(), default=0) == 1:  # each regime's residual fits its trial
+        step = replace(step, calibrated_pct=None, calibrated_note="exact by construction: one trial per regime")
     return (
         step,
         error("tensor memory, analytic", "peak_tensor_memory_gib vs predicted_tensor_memory_gib",
