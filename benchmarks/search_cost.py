@@ -1,29 +1,35 @@
 """GPU-hours a search spends and how good its pick is, by strategy: on simulated landscapes at scale, and
 on a real CPU landscape.
 
-    python benchmarks/search_cost.py [--search gpt3/175b] [--seeds 20] [--margins 0.1,0.25,0.5] [--real]
+    python benchmarks/search_cost.py [--search gpt3/175b] [--mixed finetune/llama2_7b] [--seeds 20]
+                                     [--margins 0.1,0.25,0.5] [--real] [--real-mixed]
 
 The candidates and their predictions come from the real planner (``make_plan``, analytic memory) for the
 search config on its cluster, every fitting candidate selected. For each seed a hidden truth is drawn from
 a perturbed model: the cluster's compute and communication run ``U(0.8, 1.6)`` and ``U(0.5, 3)`` times the
 model's, each candidate's step time has 8% log-normal noise on top, and memory runs ``U(0.95, 1.15)`` times
 the prediction with 3% per-candidate noise, so layouts near the limit run out of memory unpredicted.
-A trial costs its GPUs for 3 minutes of start-up plus its steps (an OOM: start-up plus one minute).
+A trial costs its GPUs for 3 minutes of start-up plus its steps (an OOM: start-up plus one minute). The
+mixed-method landscape (``--mixed``, a fine-tuning search with full, LoRA and QLoRA) adds a factor per value of the
+recipe's regime dimensions, drawn once per seed: each method ``U(1, 4)``, each engine, offload, compile and fp8
+value ``U(0.8, 1.5)``; so the model's ranking across methods is wrong by up to 4x.
 
 Strategies:
 - ``nemo``: every candidate, 50 fixed steps (NeMo's auto-configurator);
-- ``exhaustive``: hp_tool without adaptation, the top ``limit`` candidates by raw prediction, 20 steps;
+- ``exhaustive``: hp_tool without adaptation, the candidates the planner keeps under ``limit_search_runs`` (the
+  search config's own, or ``--limit``; the best of each regime value within 2x first), 20 steps;
 - ``adaptive(m)``: hp_tool's adaptive search (``hp_tool.adaptive``) in waves of ``--parallel`` trials over
-  the same candidates: launch order spread over TP/PP regimes, skipping what the calibrated model puts
+  the same candidates: launch order spread over the regimes, skipping what the calibrated model puts
   more than ``m`` behind the best measured, pruning a regime's larger candidates after an OOM, and
   stopping a trial whose step is more than ``m`` behind the best of the earlier waves after its warm-up
   and ``LOSING_MIN_STEPS`` timed steps (``LOSING_FAST_STEPS`` when far behind on every step).
 
-Prints one line per strategy: median and worst GPU-hours as a fraction of ``nemo``'s, and the pick's true
-step time over the true best (median, worst). Targets: median pick <= 1.03x best at <= 25% of nemo.
+Prints one line per strategy: median and worst GPU-hours as a fraction of ``nemo``'s, the median as a fraction
+of ``exhaustive``'s, and the pick's true step time over the true best (median, worst). Targets: median pick
+<= 1.03x best at <= 25% of nemo; on the mixed-method landscape at <= 25% of exhaustive.
 
 ``--real`` also searches the real CPU landscape of ``gpt3/tiny`` (12 candidates, TP, PP and micro-batch
-on two CPU processes) with ``main.py`` once per strategy, trials of at most ``--real-steps`` steps:
+on two CPU processes; ``--real-mixed``: ``finetune/tiny`` with full and LoRA fine-tuning) with ``main.py`` once per strategy, trials of at most ``--real-steps`` steps:
 ``nemo`` (exhaustive, the stable-time stop off: every trial runs all its steps), ``exhaustive`` (every
 candidate, the stable-time stop on) and ``adaptive`` (the default), each with the analytic memory check,
 and README's command as it is (adaptive, the traced memory check before launch). Its truth is the landscape measured
@@ -154,8 +160,9 @@ def folder(strategy: str) -> str:
     return "".join(ch if ch.isalnum() else "_" for ch in strategy)
 
 
-def real_landscape(steps: int) -> None:
-    """Part (b): gpt3/tiny searched for real once per strategy (see the module docstring)."""
+def real_landscape(steps: int, search: str = "gpt3/tiny", overrides: tuple = ()) -> None:
+    """Part (b): ``search`` (gpt3/tiny; or finetune/tiny with full and LoRA, the mixed-method landscape) searched
+    for real once per strategy (see the module docstring)."""
     from hp_tool.results.collect import RANK_COLUMN, collect_trials
     from hp_tool.vocab import SELECTED
     from hp_tool.results.report import trial_gpu_hours
@@ -170,15 +177,15 @@ def real_landscape(steps: int) -> None:
     tables, walls, training = {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, settings in strategies.items():
-            cmd = [sys.executable, str(REPO / "main.py"), "search_config=gpt3/tiny", "cluster=local",
-                   f"base_results_dir={tmp}/{folder(name)}",
+            cmd = [sys.executable, str(REPO / "main.py"), f"search_config={search}", "cluster=local",
+                   f"base_results_dir={tmp}/{folder(name)}", *overrides,
                    *([] if settings is None else [f"{ts}.max_steps_per_run={steps}", *settings])]
             start = time.monotonic()
             proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True)
             walls[name] = time.monotonic() - start
             if proc.returncode != 0:
                 raise SystemExit(f"{name}: main.py failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-            results = Path(tmp) / folder(name) / "gpt3" / "tiny"
+            results = Path(tmp) / folder(name) / search
             df = collect_trials(results)
             tables[name] = df[df["plan_status"] == SELECTED]
             training[name] = steps_seconds(results)
@@ -187,7 +194,7 @@ def real_landscape(steps: int) -> None:
     truth = ((passes[0] + passes[1]) / 2).dropna()  # both full passes: one pass's noise is not the truth
     nemo_h = float(trial_gpu_hours(nemo).sum())
     exhaustive_h = float(trial_gpu_hours(tables["exhaustive"]).sum())
-    print(f"gpt3/tiny on CPU processes (real): {len(nemo)} candidates, {len(truth)} measured by nemo and "
+    print(f"{search} {' '.join(overrides)} on CPU processes (real): {len(nemo)} candidates, {len(truth)} measured by nemo and "
           f"exhaustive (the truth: the mean of their two measurements; they differ by a median "
           f"{float(((passes[0] - passes[1]).abs() / truth).median()):.0%}), best {truth.idxmin()} at "
           f"{truth.min():.4g} s per step")
@@ -260,13 +267,19 @@ def main() -> None:
     parser.add_argument("--parallel", type=int, default=8, help="trials per wave (cluster.max_parallel_runs)")
     parser.add_argument("--margins", default="0.1,0.25,0.5")
     parser.add_argument("--real", action="store_true", help="also search gpt3/tiny's real CPU landscape")
+    parser.add_argument("--real-mixed", action="store_true",
+                        help="also search finetune/tiny's real CPU landscape with full and LoRA fine-tuning")
     parser.add_argument("--real-steps", type=int, default=30, help="steps per trial of the real searches")
     parser.add_argument("--mixed", default="finetune/llama2_7b",
                         help="the mixed-method fine-tuning landscape's search (full, LoRA and QLoRA); '' for none")
     args = parser.parse_args()
     logging.disable(logging.WARNING)
-    if args.real and args.skip_simulation:
-        real_landscape(args.real_steps)
+    mixed = ("search_config.train_settings.methods=[full,lora]",)
+    if (args.real or args.real_mixed) and args.skip_simulation:
+        if args.real:
+            real_landscape(args.real_steps)
+        if args.real_mixed:
+            real_landscape(args.real_steps, "finetune/tiny", mixed)
         return
     margins = [float(m) for m in args.margins.split(",")]
     landscapes = [(args.search, (), False)]
@@ -276,6 +289,8 @@ def main() -> None:
         simulate(search, overrides, per_value, args.seeds, args.limit, args.parallel, margins)
     if args.real:
         real_landscape(args.real_steps)
+    if args.real_mixed:
+        real_landscape(args.real_steps, "finetune/tiny", mixed)
 
 
 if __name__ == "__main__":
