@@ -75,7 +75,7 @@ def make_plan(app: AppConfig, search_name: str, results_dir: Path, tracer: Optio
 
 def check_traced_memory(candidates: list[Candidate], spec_of: Callable[[Candidate], TrialSpec],
                         tracer: Callable, ts, cluster: Cluster) -> None:
-    """Trace the fitting candidates, predicted fastest first, until ``limit_search_runs`` of them fit by
+    """Trace the fitting candidates, the selected first, predicted fastest first, until ``limit_search_runs`` of them fit by
     the trace (a batch of the missing number at a time, traced in parallel); prune those whose traced peak
     plus the overhead exceeds the usable memory, then rank again; a compiled candidate's trace runs its layers
     eager, and what its compiled layers do not keep is taken off (``memory.eager_trace_excess_gib``). A candidate
@@ -83,7 +83,9 @@ def check_traced_memory(candidates: list[Candidate], spec_of: Callable[[Candidat
     limit are not traced."""
     hw, limit = cluster.hw, ts.limit_search_runs
     usable = hw.usable_gib(ts.memory_margin)
-    order = sorted((c for c in candidates if c.status in (SELECTED, OVER_LIMIT)), key=lambda c: c.rank)
+    # the selected first (the run limit's choice: each competing regime value's best among them), then the rest
+    order = sorted((c for c in candidates if c.status in (SELECTED, OVER_LIMIT)),
+                   key=lambda c: (c.status != SELECTED, c.rank))
     kept = done = 0
     while kept < limit and done < len(order):
         batch = order[done:done + limit - kept]

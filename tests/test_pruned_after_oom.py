@@ -8,7 +8,7 @@ spec the planner makes). gpt3/tiny widened to 8 layers of 256 at 2048 tokens: th
 prunes MBS 8 without checkpointing and selects, fastest first,
 
     A  MBS 4, no checkpointing      predicted 1.65 GiB   needs about 2.8 GiB of address space here
-    B  MBS 8, 4 layers checkpointed predicted 1.92 GiB   never launched: A (same TP 1, PP 1) ran out of memory
+    B  MBS 8, 4 layers checkpointed predicted 1.92 GiB   never launched: A (same regime: TP=1, PP=1) ran out of memory
        MBS 4, 4 layers checkpointed                      over_limit (limit_search_runs=2)
 
 The process builds its model in about 1.3 GiB of address space, so A fails in its first forward, whatever
@@ -61,7 +61,7 @@ def test_a_trial_out_of_memory_prunes_the_bigger_layout_of_its_regime_unlaunched
     rows = pd.read_csv(res / "final_results" / "all_trials_1nodes.csv").set_index("trial_id")
     assert rows.loc[A, "status"] == "oom" and "allocate" in rows.loc[A, "reason"]
     assert rows.loc[B, "status"] == PRUNED_AFTER_OOM
-    assert rows.loc[B, "reason"] == (f"{A} (same TP 1, PP 1) ran out of memory at a predicted 1.65 GiB per GPU; "
+    assert rows.loc[B, "reason"] == (f"{A} (same regime: TP=1, PP=1) ran out of memory at a predicted 1.65 GiB per GPU; "
                                      "this one is predicted to need 1.92 GiB")
     assert rows.loc[C, "plan_status"] == "over_limit"
     assert not (res / "training_logs" / B / "job").exists()  # decided before submission: no job folder
