@@ -25,9 +25,11 @@ another's (a LoRA trial may run 7x its prediction where full fine-tuning runs 2x
     of its regime (TP 2, LoRA, the DeepSpeed engine, ...) has run in some trial, it is calibrated with what
     it shares with them, the product of its values' factors (:mod:`hp_tool.calibration` ``value_ratios``), and
     judged as above. Where some value has not run, its raw prediction is set against the best measured
-    trial's raw prediction, and it is launched (its regime's best candidate first, by the launch order) unless
-    more than ``SCOUT_RANGE`` (2x) behind it (or ``1 + skip_margin`` when larger): its regime's own error would
-    have to be more than that in its favour relative to the best trial's regime.
+    trial's raw prediction, each value it has run taken with its factor relative to the best's value of that
+    dimension (``StepFactors.shared_ratio``: what the two have in common; the values it has not run count as the
+    best's), and it is launched (its regime's best candidate first, by the launch order) unless more than
+    ``SCOUT_RANGE`` (2x) behind it (or ``1 + skip_margin`` when larger): its own values' error would have to be
+    more than that in its favour.
 - ``losing``: a running trial is stopped early (stop reason ``losing``, status ok, its measurement kept)
   only when it is slower with confidence: after ``LOSING_MIN_STEPS`` timed steps, the lower end of its
   median's confidence interval (median - 1.57 x IQR / sqrt(n), the box plot's notch), extrapolated to the
@@ -136,12 +138,13 @@ def verdicts(options: Sequence[Option], outcomes: Sequence[Outcome], skip_margin
             continue
         if not factors.covers(o.regime):  # never judged on another regime's calibration
             scout_range = max(SCOUT_RANGE, 1 + skip_margin)
-            behind = o.predicted_s / b.predicted_s
+            behind = o.predicted_s / b.predicted_s * factors.shared_ratio(o.regime, b.regime)
             if behind > scout_range:
                 out[o.name] = (SKIPPED,
                                f"no trial of its regime ({o.regime_words}), nor of each of its values, yet, and its "
                                f"raw prediction {o.predicted_s:.4g} s per step is {behind:.2f}x the raw prediction of "
-                               f"the best "
+                               f"the best (with the factors of the values it shares with trials, relative to the "
+                               f"best's; none of another regime) "
                                f"measured, {best.name} ({b.predicted_s:.4g} s raw, {best.step_s:.4g} s measured; "
                                f"regime {b.regime_words}): its regime's own error would have to be more than "
                                f"{scout_range:g}x in its favour")

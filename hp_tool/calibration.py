@@ -80,6 +80,15 @@ class StepFactors:
     def predict(self, compute_s: float, comm_s: float, regime: Optional[Regime] = None) -> float:
         return (self.compute * compute_s + self.comm * comm_s) * self.ratio(regime)
 
+    def shared_ratio(self, regime: Regime, reference: Regime) -> float:
+        """How much slower ``regime`` runs than ``reference`` (a measured regime) by what trials know of its values:
+        for each dimension whose value in ``regime`` some trial ran, its factor over ``reference``'s value's (a
+        difference of one dimension's values, which no constant split among the dimensions moves); 1 for a
+        dimension whose value no trial ran, where nothing is known of it (not ``reference``'s own factor)."""
+        logs = [self.values[v] - self.values.get(r, 0.0) for v, r in zip(values_of(regime), values_of(reference))
+                if v in self.values and v != r]
+        return math.exp(sum(logs))
+
 
 def values_of(regime: Regime) -> list[tuple]:
     """A regime's values by dimension: [("tp", 2), ("pp", 1), ("method", "lora"), ...]."""

@@ -173,3 +173,18 @@ def test_an_unmeasured_regime_whose_every_value_ran_is_priced_by_what_it_shares_
     status, reason = got["far"]
     assert status == SKIPPED and "calibrated prediction 4 s" in reason
     assert "its regime, TP=2, PP=1, not measured: the product of its values' factors" in reason
+
+
+def test_an_unmeasured_regime_is_set_against_the_best_by_the_values_it_shares_never_by_the_bests_own_factor():
+    """(TP 1, LoRA) ran at 2x its prediction and (TP 2, LoRA) at 6x: TP 2 runs 3x slower than the model says. No
+    full fine-tuning has run. (TP 1, full), predicted 1.5x the best, is scouted: nothing is known of full, and
+    LoRA's 2x is not its. (TP 2, full), predicted 1.5x too, shares TP 2 with a measured trial: 3x that, 4.5x the
+    best, more than full's own unknown error could make up within 2x; it is skipped, the reason saying so."""
+    full, lora = (("method", "full"),), (("method", "lora"),)
+    options = [Option("l1", 1, 1, 1.0, 0.0, 10, lora), Option("l2", 2, 1, 1.0, 0.0, 10, lora),
+               Option("f1", 1, 1, 1.5, 0.0, 10, full), Option("f2", 2, 1, 1.5, 0.0, 10, full)]
+    got = verdicts(options, [Outcome("l1", "ok", 2.0), Outcome("l2", "ok", 6.0)], skip_margin=0.25)
+    assert "f1" not in got
+    status, reason = got["f2"]
+    assert status == SKIPPED and "4.50x the raw prediction of the best" in reason
+    assert "with the factors of the values it shares with trials" in reason
