@@ -88,10 +88,11 @@ def test_local_search_end_to_end_and_rerun_submits_nothing(readme_tiny_search):
     assert len(ran) == 2 and (ran["memory_check"] == "traced").all()
     assert (ran["traced_memory_gib"] > 0).all() and (ran["peak_tensor_memory_gib"] > 0).all()
     overhead = 0.5  # gpu=cpu preset: the traced figure includes it, the measured tensor peak does not
-    ratio = (ran["traced_memory_gib"] - overhead) / ran["peak_tensor_memory_gib"]
-    # the run limit keeps PP 2's best beside the best (the best of each regime value within 2x): a pipelined
-    # trial's trace reads up to 5% over its measured peak on this 7 MB model, one without a pipeline within 3%
-    assert ratio[ran["pp"] == 1].between(0.97, 1.03).all() and ratio[ran["pp"] > 1].between(0.95, 1.05).all()
+    # within 3% of the measured tensor peak, less the half of a unit all_trials rounds the traced figure to (0.001
+    # GiB: 7% of this model's 7 MB pipelined trial); the run limit kept PP 2's best beside the best (the best of
+    # each regime value within 2x is kept first)
+    gap = ((ran["traced_memory_gib"] - overhead) - ran["peak_tensor_memory_gib"]).abs()
+    assert (gap <= 0.03 * ran["peak_tensor_memory_gib"] + 0.0005).all()
     assert set(ran["pp"]) == {1, 2}
 
 
