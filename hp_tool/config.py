@@ -126,6 +126,9 @@ class GpuConfig:
     inter_node_bandwidth_gbps: float = MISSING  # GB/s per GPU across nodes
     host_ram_gib: Optional[float] = None  # host RAM per node, GiB; null = unknown (no offload planning)
     host_cpu_cores: Optional[float] = None  # host CPU threads (vCPUs) per node, for offload's CPU Adam; null = unknown
+    # GB/s peak of the host's memory channels per node (its CPUs' channels x their rate), which bounds offload's CPU
+    # Adam; null = unknown (a 2-socket, 16-channel DDR4-3200 host's)
+    host_memory_bandwidth_gbps: Optional[float] = None
     pcie_bandwidth_gbps: float = MISSING  # GB/s per GPU and direction between host and GPU (offload)
     memory_bandwidth_gbps: Optional[float] = None  # GB/s of GPU memory; null = unknown (QLoRA cannot be priced)
     memory_overhead_gib: float = MISSING  # calibrated per-GPU framework overhead (context, buffers), GiB
@@ -140,7 +143,8 @@ class GpuConfig:
             require(getattr(self.efficiency, key) <= 1, f"gpu.efficiency.{key}", getattr(self.efficiency, key),
                     "is a fraction of the peak and cannot exceed 1", "give a fraction of peak, e.g. 0.6")
         _positive(self, "gpu", ("memory_gib", "intra_node_bandwidth_gbps", "inter_node_bandwidth_gbps",
-                                "host_ram_gib", "pcie_bandwidth_gbps", "price_per_gpu_hour", "memory_bandwidth_gbps"))
+                                "host_ram_gib", "pcie_bandwidth_gbps", "price_per_gpu_hour", "memory_bandwidth_gbps",
+                                "host_memory_bandwidth_gbps"))
         _positive(self.peak_tflops, "gpu.peak_tflops", (*PRECISIONS, "fp8"))
         require(self.host_cpu_cores is None or self.host_cpu_cores > 0, "gpu.host_cpu_cores", self.host_cpu_cores,
                 "must be a positive number of CPU threads",

@@ -176,3 +176,23 @@ def test_the_collector_prices_the_full_run_with_the_same_host_as_the_planner(tmp
     shape, layout = offloaded.shape, offloaded.full
     assert offload_s(shape, layout, full.hw) == pytest.approx(offload_s(shape, layout, plan.cluster.hw))
     assert offload_s(shape, layout, full.hw) > offload_s(shape, layout, dataclasses.replace(full.hw, host_cpu_cores=None))
+
+
+def test_the_host_memory_bounds_cpu_adam_where_its_threads_would_step_faster():
+    """CPU Adam streams about 30 bytes per parameter through host memory, at STREAM's 73% of its peak: a 256-thread
+    host with 8 channels of DDR4-3200 (204.8 GB/s) steps what its memory carries (5e9 parameters per second), not
+    what its threads would (1.1e10); a DGX H100 (224 threads, 614.4 GB/s) steps at its threads' rate; an unknown
+    host memory keeps the 2-socket DDR4-3200 ceiling. Every GPU preset names its host's memory."""
+    from hp_tool.estimate.speed import CPU_ADAM_MAX_PARAMS_PER_S, CPU_ADAM_PARAMS_PER_S_PER_THREAD, cpu_adam_params_per_s
+
+    def hw(threads, gbps):
+        return Hardware(gpus_per_node=8, gpu_memory_gib=80, peak_tflops=312, intra_node_bandwidth_gbps=300,
+                        inter_node_bandwidth_gbps=25, memory_overhead_gib=3, host_cpu_cores=threads,
+                        host_memory_bandwidth_gbps=gbps)
+
+    assert cpu_adam_params_per_s(hw(256, 204.8)) == pytest.approx(0.73 * 204.8e9 / 30)
+    assert cpu_adam_params_per_s(hw(224, 614.4)) == pytest.approx(224 * CPU_ADAM_PARAMS_PER_S_PER_THREAD)
+    assert cpu_adam_params_per_s(hw(256, None)) == pytest.approx(CPU_ADAM_MAX_PARAMS_PER_S) == pytest.approx(1e10, rel=0.01)
+    for path in sorted((Path(__file__).parent.parent / "hp_tool" / "conf" / "gpu").glob("*.yaml")):
+        gbps = yaml.safe_load(path.read_text())["host_memory_bandwidth_gbps"]
+        assert (gbps is None) == (path.stem == "cpu"), path.stem

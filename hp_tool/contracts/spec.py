@@ -239,6 +239,7 @@ class ResourcesSpec:
     host_ram_gib: Optional[float] = None  # host RAM per node, GiB
     pcie_bandwidth_gbps: float = 25.0  # GB/s per GPU and direction between host and GPU
     host_cpu_cores: Optional[float] = None  # host CPU threads per node (CPU Adam under offload); None: unknown
+    host_memory_bandwidth_gbps: Optional[float] = None  # GB/s peak of the host's memory per node; None: unknown
     fp8_peak_tflops_per_gpu: Optional[float] = None  # the GPU's FP8 Tensor Core peak; None: it has none
     memory_bandwidth_gbps: float = 2000.0  # GB/s of GPU memory (fp8 casts, QLoRA's dequantisation)
     # the gpu preset's compute-efficiency constants (hp_tool/estimate/layout.py EFFICIENCY_FIELDS); {}: defaults

@@ -358,6 +358,9 @@ class Hardware:
     # host CPU threads (vCPUs) per node, which step an offloaded optimizer (speed.cpu_adam_params_per_s);
     # None = unknown (the reference host's rate)
     host_cpu_cores: Optional[float] = None
+    # GB/s peak of the host's memory channels per node, the ceiling of its CPU Adam; None = unknown (the ceiling of
+    # a 2-socket DDR4-3200 host, speed.CPU_ADAM_MAX_PARAMS_PER_S)
+    host_memory_bandwidth_gbps: Optional[float] = None
     pcie_bandwidth_gbps: float = 25.0  # GB/s per GPU and direction between host and GPU (offload traffic)
     memory_bandwidth_gbps: float = 2000.0  # GB/s of GPU memory (QLoRA's dequantisation)
     flash_attention: bool = True  # attention scores are not stored (SDPA / flash kernels)

@@ -113,10 +113,16 @@ DROPOUT_BYTES = (5.0, 5.0, 5.0)
 CPU_ADAM_PARAMS_PER_S = 4e9  # parameters per second a node of unknown host steps (the paper's DGX-2)
 CPU_ADAM_REFERENCE_THREADS = 96  # the DGX-2 host's threads that rate was measured on
 CPU_ADAM_PARAMS_PER_S_PER_THREAD = CPU_ADAM_PARAMS_PER_S / CPU_ADAM_REFERENCE_THREADS  # about 4.2e7
-# The ceiling: a 2-socket host with 16 channels of DDR4-3200 (410 GB/s peak: DGX A100's 2 x EPYC 7742, g5.48xlarge's
-# and p5's EPYC hosts) sustains about 300 GB/s (STREAM reaches 70-75% of peak), about 1e10 parameters per second at
-# 30 bytes each, whatever its thread count. It binds above 240 threads (the DGX A100's 256).
-CPU_ADAM_MAX_PARAMS_PER_S = 1e10
+# The ceiling: the host's memory bandwidth (the gpu preset's ``host_memory_bandwidth_gbps``, its CPUs' channels x
+# their rate), of which a streaming loop sustains STREAM's fraction, 70-75% of peak, at CPU_ADAM_HOST_BYTES per
+# parameter, whatever the thread count. A host of unknown memory is priced as a 2-socket host with 16 channels of
+# DDR4-3200 (410 GB/s peak: DGX A100's 2 x EPYC 7742, g5.48xlarge's and p5's EPYC hosts), about 1e10 parameters
+# per second, which binds above 240 threads (the DGX A100's 256); a DGX H100's 614 GB/s (2 x 8 channels of
+# DDR5-4800) allows 1.5e10, above what its 224 threads step.
+STREAM_FRACTION = 0.73
+CPU_ADAM_HOST_BYTES = 30.0  # bytes per parameter a CPU Adam step streams through host memory (above)
+REFERENCE_HOST_MEMORY_GBPS = 409.6  # 2 sockets x 8 channels x DDR4-3200 (25.6 GB/s each)
+CPU_ADAM_MAX_PARAMS_PER_S = STREAM_FRACTION * REFERENCE_HOST_MEMORY_GBPS * 1e9 / CPU_ADAM_HOST_BYTES  # about 1e10
 
 
 cached_model_flops = cached(model_flops_per_step)
@@ -488,12 +494,15 @@ def offload_pcie_bytes(shape: Shape, layout: Layout) -> float:
 
 def cpu_adam_params_per_s(hw: Hardware) -> float:
     """Parameters per second the node's host CPUs step with Adam, all its GPUs' processes together: its threads
-    (``host_cpu_cores``) at ``CPU_ADAM_PARAMS_PER_S_PER_THREAD``, at most ``CPU_ADAM_MAX_PARAMS_PER_S`` (host memory
-    bandwidth); ``CPU_ADAM_PARAMS_PER_S`` where the host is unknown. A 16-thread g5.4xlarge steps 6.7e8 per second,
-    a 96-thread p4d 4e9, a 192-thread g5.48xlarge 8e9, a 256-thread DGX A100 1e10."""
+    (``host_cpu_cores``) at ``CPU_ADAM_PARAMS_PER_S_PER_THREAD``, at most what the host's memory streams
+    (``host_memory_bandwidth_gbps`` x ``STREAM_FRACTION`` / ``CPU_ADAM_HOST_BYTES``; ``CPU_ADAM_MAX_PARAMS_PER_S``
+    where unknown); ``CPU_ADAM_PARAMS_PER_S`` where the threads are unknown. A 16-thread g5.4xlarge steps 6.7e8 per
+    second, a 96-thread p4d 4e9, a 192-thread g5.48xlarge 8e9, a 256-thread DGX A100 1e10 (its memory's ceiling)."""
     if hw.host_cpu_cores is None:
         return CPU_ADAM_PARAMS_PER_S
-    return min(CPU_ADAM_PARAMS_PER_S_PER_THREAD * hw.host_cpu_cores, CPU_ADAM_MAX_PARAMS_PER_S)
+    ceiling = CPU_ADAM_MAX_PARAMS_PER_S if hw.host_memory_bandwidth_gbps is None else \
+        STREAM_FRACTION * hw.host_memory_bandwidth_gbps * 1e9 / CPU_ADAM_HOST_BYTES
+    return min(CPU_ADAM_PARAMS_PER_S_PER_THREAD * hw.host_cpu_cores, ceiling)
 
 
 def tp_allreduce_bytes(shape: Shape, layout: Layout, hw: Hardware) -> float:
