@@ -469,14 +469,47 @@ def estimate_memory(shape: Shape, layout: Layout, hw: Hardware) -> MemoryEstimat
     the last stage holds the larger of the two, not both (tests/test_selective_checkpoint.py measures both modes of
     checkpointing against the trace)."""
     tp, pp = layout.tp, layout.pp
-    bpv = layout.bytes_per_value
-    rank = rank_shape(shape, layout)
-    logits = logits_bytes(rank, layout, hw)
     layer, encoder_layer, experts = layer_parameter_counts(shape)
     gathered_layer = max(layer - experts, encoder_layer) / tp + experts / layout.ep
     best: MemoryEstimate | None = None
     best_total = -1.0
-    for stage, params in enumerate(stage_parameters(shape, tp, pp, layout.ep)):
+    for stage, (params, (activations, stage_logits)) in enumerate(zip(stage_parameters(shape, tp, pp, layout.ep),
+                                                                      activation_terms(shape, layout, hw))):
+        states = stage_state_bytes(shape, layout, hw, params, stage, gathered_layer)
+        total = states + activations + stage_logits
+        if total > best_total:
+            best_total = total
+            best = MemoryEstimate(states / GIB, activations / GIB, stage_logits / GIB, hw.memory_overhead_gib)
+    assert best is not None
+    return best
+
+
+# the recipe's fields the model states depend on and the activations do not: ``activation_terms`` is computed once for
+# the layouts that differ only in them (the planner tries several memory savers per layout)
+STATE_ONLY_FIELDS = frozenset({"zero_stage", "offload", "optimizer", "master_weights"})
+_activations: dict = {}
+
+
+def activation_terms(shape: Shape, layout: Layout, hw: Hardware) -> tuple[tuple[float, float], ...]:
+    """Per pipeline stage, (activations and transient bytes, logits bytes) on the GPU at the stage's peak (see
+    ``estimate_memory``); the same for layouts that differ only in ``STATE_ONLY_FIELDS``."""
+    key = (shape, hw, layout.degrees,
+           tuple(v for k, v in layout.recipe.__dict__.items() if k not in STATE_ONLY_FIELDS))
+    found = _activations.get(key)
+    if found is None:
+        if len(_activations) > 200_000:  # a bound on a long-lived process's memory
+            _activations.clear()
+        found = _activations[key] = _activation_terms(shape, layout, hw)
+    return found
+
+
+def _activation_terms(shape: Shape, layout: Layout, hw: Hardware) -> tuple[tuple[float, float], ...]:
+    tp, pp = layout.tp, layout.pp
+    bpv = layout.bytes_per_value
+    rank = rank_shape(shape, layout)
+    logits = logits_bytes(rank, layout, hw)
+    out = []
+    for stage in range(pp):
         per_microbatch, buffer = stage_activation_bytes(rank, layout, hw, stage)
         if hw.offloads_activations(layout):
             activations, buffer = working_layer_bytes(rank, layout, hw), 0.0
@@ -485,20 +518,13 @@ def estimate_memory(shape: Shape, layout: Layout, hw: Hardware) -> MemoryEstimat
         # the hidden states a stage sends and receives, sequence-sharded over TP under sequence parallelism
         activations += sum(interleave_held_tensors(layout, stage)) * layout.mbs * rank.seq_length * \
             shape.hidden_size * bpv / (tp if layout.sequence_parallel else 1)
-        stage_logits = logits if stage == pp - 1 else 0.0
         # a layer's backward (its recompute, the ring's working memory) starts once the loss has freed its logits:
         # the larger of the two is the peak's
         freed = loss_freed_bytes(rank, layout, hw) if stage == pp - 1 else 0.0
         transient = ring_transient_bytes(rank, layout) + \
             shape.facts.backward_transient_bytes(rank, layout.mbs, tp, bpv)
-        activations += max(0.0, buffer + transient - freed)
-        states = stage_state_bytes(shape, layout, hw, params, stage, gathered_layer)
-        total = states + activations + stage_logits
-        if total > best_total:
-            best_total = total
-            best = MemoryEstimate(states / GIB, activations / GIB, stage_logits / GIB, hw.memory_overhead_gib)
-    assert best is not None
-    return best
+        out.append((activations + max(0.0, buffer + transient - freed), logits if stage == pp - 1 else 0.0))
+    return tuple(out)
 
 
 def working_layer_bytes(shape: Shape, layout: Layout, hw: Hardware) -> float:
