@@ -380,9 +380,10 @@ def estimate(shape: Shape, c: Candidate, cluster: Cluster, usable_gib: float,
     hw, gpn = cluster.hw, cluster.hw.gpus_per_node
     full = c.full
     c.full_memory_gib = estimate_memory(shape, full, hw).total_gib
+    counts = trial_node_counts(c.tp * c.pp * c.cp * c.full.ep, gpn, cluster.num_nodes)
     if c.full_memory_gib > usable_gib:  # no trial fits where the full run does not
         c.memory_gib = c.full_memory_gib
-        _set_trial(c, gpn, trial_node_counts(c.tp * c.pp * c.cp * c.full.ep, gpn, cluster.num_nodes)[-1])
+        _set_trial(c, gpn, counts[-1])
         return
     full_host = host_phases_gib(shape, full, gpn, hw)
     trial_gib: dict[int, float] = {}  # trial nodes -> predicted peak per GPU
@@ -408,8 +409,7 @@ def estimate(shape: Shape, c: Candidate, cluster: Cluster, usable_gib: float,
     # Memory per GPU and host RAM per node never grow with more data-parallel shards, so bisect for the first
     # count that fits (the largest when none does). The largest is the full run's own nodes: when the full run
     # does not fit, no trial does, and the bisection is skipped (as it is when there is one count).
-    counts = trial_node_counts(c.tp * c.pp * c.cp * c.full.ep, gpn, cluster.num_nodes)
-    full_fits = c.full_memory_gib <= usable_gib and (host_usable_gib is None or full_host.node_gib <= host_usable_gib)
+    full_fits = host_usable_gib is None or full_host.node_gib <= host_usable_gib  # its GPU memory fits (above)
     if not full_fits or len(counts) == 1:
         nodes = counts[-1]
     else:

@@ -166,6 +166,7 @@ BY_NAME = {d.name: d for d in DIMENSIONS}
 BY_KEY = {d.key: d for d in DIMENSIONS}
 # the dimensions a regime of the adaptive search is keyed by besides TP and PP (``Dimension.regime``)
 RECIPE_REGIME = tuple(d for d in DIMENSIONS if d.regime and d.name not in ("tp", "pp"))
+REGIME_COLUMNS = ("tp", "pp", *(d.column for d in RECIPE_REGIME))  # the table columns ``regime_of`` reads
 
 
 def regime_recipe(values: Mapping[str, Any]) -> tuple:

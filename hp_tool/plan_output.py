@@ -199,8 +199,8 @@ def render_plan(plan: Plan, max_rows: int = 25) -> str:
     finetune = plan.base.full_run.epoch_tokens is not None
     # the dimensions shown: those that varied among the candidates that could exist (``searched``, by their
     # dimensions alone); the figures are the selected ones' rows
-    dims = layout_headers(searched(({**candidate_dimensions(c), "plan_status": c.status} for c in plan.candidates
-                                    if c.status != INVALID), finetune))
+    dims = layout_headers(searched((candidate_dimensions(c) for c in plan.candidates if c.status != INVALID),
+                                   finetune))
     rows = list(plan_rows(dataclasses.replace(plan, candidates=[c for c in plan.candidates if c.status == SELECTED])))
     figures = ["GPU GiB", "traced GiB", "host GiB", "step s", "tok/s/GPU"]
     if finetune:  # the fine-tuning table: context length x batch per device -> tokens/hour, MFU, cost

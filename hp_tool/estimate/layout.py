@@ -95,8 +95,9 @@ class Layout:
         out = []
         for rule in RULES:
             found = rule.check(self, shape, gpus_per_node)
-            if found is not None:
-                out.append(found if isinstance(found, Problem) else Problem(found[0], rule.name, found[1], rule.fix))
+            if found is not None:  # a per-saver method's own Problem, or (field, reason)
+                out.append(dataclasses.replace(found, fix=rule.fix) if isinstance(found, Problem)
+                           else Problem(found[0], rule.name, found[1], rule.fix))
         return out
 
     def checkpoint_mode_problem(self, shape: "Shape") -> Optional["Problem"]:
@@ -260,52 +261,37 @@ def _fp8(layout: Layout, shape: "Shape", _gpn: Optional[int]):
     return None if not bad else ("fp8", bad)
 
 
-def _fix_with(rule: Rule) -> Check:
-    """A per-saver method's Problem, given its rule's fix."""
-    def check(layout: Layout, shape: "Shape", gpn: Optional[int]):
-        found = rule.check(layout, shape, gpn)
-        return None if found is None else dataclasses.replace(found, fix=rule.fix)
-    return check
-
-
-def _rule(name: str, check: Check, fix: str, per_saver: bool = False) -> Rule:
-    """A rule; a ``per_saver`` one's check is a Layout method returning its own Problem, given the fix here."""
-    rule = Rule(name, check, fix)
-    return Rule(name, _fix_with(rule), fix) if per_saver else rule
-
-
 # Every validity rule of a layout, most basic first: ``Layout.problems`` is the loop over them, the planner's
 # candidates, a spec read back by a trial (hp_tool/contracts/spec.py) and the inference grid ask it. The GPU's own
 # rule (fp8 tensor cores) needs the hardware, and the planner asks it apart (``sharding.fp8_problem``).
 RULES: tuple[Rule, ...] = (
-    _rule("family", _tp_family, "use TP 1: the family does not split over TP"),
-    _rule("heads", _tp_heads, "use a TP that divides the kv head count"),
-    _rule("node", _tp_node, "keep TP within one node"),
-    _rule("pipeline", _pipeline, "use a PP that splits the layers evenly (T5/mT5: 1, or even with PP/2 dividing "
+    Rule("family", _tp_family, "use TP 1: the family does not split over TP"),
+    Rule("heads", _tp_heads, "use a TP that divides the kv head count"),
+    Rule("node", _tp_node, "keep TP within one node"),
+    Rule("pipeline", _pipeline, "use a PP that splits the layers evenly (T5/mT5: 1, or even with PP/2 dividing "
                                  "num_layers)"),
-    _rule("checkpointing", _checkpointed_layers, "use at most the layers of a pipeline stage"),
-    _rule("family", _engine_family, "use engine torch"),
-    _rule("batch", _batch, "use a multiple of mbs*dp"),
-    _rule("interleave", _interleave, "use 1 virtual stage, or a layout interleaved 1F1B can run (virtual stages "
+    Rule("checkpointing", _checkpointed_layers, "use at most the layers of a pipeline stage"),
+    Rule("family", _engine_family, "use engine torch"),
+    Rule("batch", _batch, "use a multiple of mbs*dp"),
+    Rule("interleave", _interleave, "use 1 virtual stage, or a layout interleaved 1F1B can run (virtual stages "
                                      "dividing the layers per stage and the checkpointed layers)"),
-    _rule("savers", lambda layout, _s, _g: layout.saver_problem(),
-          "choose a combination the engine supports (hp_tool/sharding.py combination_problem)", per_saver=True),
-    _rule("optimizer", lambda layout, _s, _g: layout.optimizer_problem(),
-          "use adamw, or the optimizer without offload (hp_tool/sharding.py optimizer_problem)", per_saver=True),
-    _rule("method", lambda layout, shape, _g: layout.method_problem(shape),
-          "use a layout the method runs on (hp_tool/sharding.py method_problem)", per_saver=True),
-    _rule("experts", _experts, "use an expert-parallel size the model and engine run (hp_tool/sharding.py "
+    Rule("savers", lambda layout, _s, _g: layout.saver_problem(),
+          "choose a combination the engine supports (hp_tool/sharding.py combination_problem)"),
+    Rule("optimizer", lambda layout, _s, _g: layout.optimizer_problem(),
+          "use adamw, or the optimizer without offload (hp_tool/sharding.py optimizer_problem)"),
+    Rule("method", lambda layout, shape, _g: layout.method_problem(shape),
+          "use a layout the method runs on (hp_tool/sharding.py method_problem)"),
+    Rule("experts", _experts, "use an expert-parallel size the model and engine run (hp_tool/sharding.py "
                                "expert_problem)"),
-    _rule("expert_savers", lambda layout, _s, _g: layout.expert_saver_problem(),
-          "with EP > 1 use ZeRO 0, 2 or 3 (hp_tool/sharding.py expert_saver_problem)", per_saver=True),
-    _rule("sequence", lambda layout, shape, _g: layout.sequence_problem(shape),
-          "use a loss, sequence or context parallelism the layout runs (hp_tool/sharding.py sequence_problem)",
-          per_saver=True),
-    _rule("checkpoint_mode", lambda layout, shape, _g: layout.checkpoint_mode_problem(shape),
+    Rule("expert_savers", lambda layout, _s, _g: layout.expert_saver_problem(),
+          "with EP > 1 use ZeRO 0, 2 or 3 (hp_tool/sharding.py expert_saver_problem)"),
+    Rule("sequence", lambda layout, shape, _g: layout.sequence_problem(shape),
+          "use a loss, sequence or context parallelism the layout runs (hp_tool/sharding.py sequence_problem)"),
+    Rule("checkpoint_mode", lambda layout, shape, _g: layout.checkpoint_mode_problem(shape),
           "use act_ckpt_mode full, or selective with act_ckpt_layers > 0 on the torch engine (hp_tool/sharding.py "
-          "checkpoint_mode_problem)", per_saver=True),
-    _rule("compile", _compile, "use compile false, or the torch engine at TP 1"),
-    _rule("fp8", _fp8, "use fp8 false, or the torch engine without sequence parallelism training full in bf16 "
+          "checkpoint_mode_problem)"),
+    Rule("compile", _compile, "use compile false, or the torch engine at TP 1"),
+    Rule("fp8", _fp8, "use fp8 false, or the torch engine without sequence parallelism training full in bf16 "
                        "(hp_tool/sharding.py fp8_layout_problem)"),
 )
 

@@ -176,9 +176,10 @@ class Launcher:
         return Active(job, handle, entry.time)
 
     # ---- submit ----
-    def _entry(self, job: JobSpec, state: str, job_id: Optional[str] = None, reason: Optional[str] = None) -> Entry:
+    def _entry(self, job: JobSpec, state: str, job_id: Optional[str] = None, reason: Optional[str] = None,
+               inputs: Optional[dict] = None) -> Entry:
         return Entry(job.name, state, job_id=job_id, fingerprint=job.fingerprint, kind=self.backend.kind,
-                     folder=str(job.folder), tasks=job.tasks, reason=reason)
+                     folder=str(job.folder), tasks=job.tasks, reason=reason, inputs=inputs)
 
     def submit(self, job: JobSpec) -> None:
         verdict = self.gate(job) if self.gate is not None else None
@@ -293,10 +294,8 @@ class Launcher:
 
     def _ended(self, job: JobSpec, a: Optional[Active], result: dict, inputs: Optional[dict] = None) -> None:
         """Record how ``job`` ended (with the gate's ``inputs`` where the gate decided it) and tell the hooks."""
-        entry = self._entry(job, result.get("status", "failed"), None if a is None else a.job_id,
-                            reason=result.get("reason"))
-        entry.inputs = inputs
-        self.ledger.append(entry)
+        self.ledger.append(self._entry(job, result.get("status", "failed"), None if a is None else a.job_id,
+                                       reason=result.get("reason"), inputs=inputs))
         self.progress.update(job.name, result.get("status", "failed"), result)
         if self.on_end is None:
             return

@@ -25,7 +25,7 @@ import pandas as pd
 from hp_tool import dimensions
 from hp_tool.calibration import BOUNDS, StepPoint, fit_memory_offset, fit_step_factors
 from hp_tool.cost import cost_columns, epoch_columns
-from hp_tool.dimensions import regime_of, regime_words_of
+from hp_tool.dimensions import REGIME_COLUMNS, regime_of, regime_words_of
 from hp_tool.errors import ConfigError
 from hp_tool.contracts.spec import TrialSpec, load_spec
 from hp_tool.estimate.layout import Layout
@@ -306,8 +306,8 @@ def calibrate(df: pd.DataFrame) -> pd.DataFrame:
     The fitted factors in words go to ``df.attrs[CALIBRATION]``."""
     ok = df[(df["status"] == OK) & df[RANK_COLUMN].notna() & df["predicted_compute_s"].notna()]
     # what the adaptive search calibrates apart; a row without its layout (none) has no residual
-    regimes = [regime_of(row) if pd.notna(row.get("tp")) and pd.notna(row.get("pp")) else None
-               for row in df.to_dict("records")]
+    layouts = df[[c for c in REGIME_COLUMNS if c in df.columns]].to_dict("records")  # not a whole row each
+    regimes = [regime_of(row) if pd.notna(row.get("tp")) and pd.notna(row.get("pp")) else None for row in layouts]
     factors = fit_step_factors([StepPoint(df.at[i, "predicted_compute_s"], df.at[i, "predicted_comm_s"],
                                           df.at[i, RANK_COLUMN], regimes[df.index.get_loc(i)]) for i in ok.index])
     df["calibrated_step_time_s"] = [factors.predict(c, m, regime) for c, m, regime in
