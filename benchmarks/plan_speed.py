@@ -94,8 +94,8 @@ def main() -> int:
     model = choose_model(app, cluster)
     layers = model.shape.num_layers
     gbs = base_spec(app, model, cluster).training.global_batch_size
-    grid = Grid(tp=list(range(1, 9)), pp=[p for p in range(1, layers + 1) if layers % p == 0],
-                mbs=list(range(1, 17)), act_ckpt=None, mp_range=(1, 1024), act_ckpt_step=1)
+    grid = Grid(lists=dict(tp=list(range(1, 9)), pp=[p for p in range(1, layers + 1) if layers % p == 0],
+                           mbs=list(range(1, 17))), mp_range=(1, 1024), act_ckpt_step=1)
 
     t0 = time.perf_counter()
     candidates = plan_candidates(model.shape, model.size_b, ts, cluster, gbs, model.recipe("full", training_precision(app)),

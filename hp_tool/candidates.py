@@ -1,6 +1,12 @@
-"""Candidate grid: product of engine x TP x PP x EP x CP x virtual stages x MBS x checkpointed layers x
-checkpointing mode x sequence parallel x loss x activation offload x (ZeRO stage, offload) -> validity ->
-estimates -> prune -> order.
+"""Candidate grid: the product of the dimension table's rows (hp_tool/dimensions.py) -> validity -> estimates ->
+prune -> order.
+
+The grid is one generic product over the table (``grid_dimensions``): each dimension searches its list (the
+user's ``train_settings`` list, resolved once by ``build_grid``; TP, PP and MBS from the family's table), or where
+the list is left null and the dimension has a rule (``RULES``), the values its rule gives at each point of the
+product from the dimensions it reads (set first); a dimension with neither searches its default. The model's
+dimensions (sequence length, method) are the planner's, one shape and recipe a call; the memory savers (ZeRO
+stage, offload) are searched per layout (``_layout_candidates``).
 
 Pure planning: no I/O, no torch. Every candidate ends with a status and, unless selected, the reason:
 ``invalid`` (the layout cannot exist on this model and cluster, or the engine cannot run the
@@ -34,14 +40,14 @@ import functools
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Mapping, Optional
 
 from hp_tool.adaptive import SCOUT_RANGE
 from hp_tool.architectures import Shape, pipeline_problem
 from hp_tool.base_config import TS, Cluster
 from hp_tool.config import TrainSettings
 from hp_tool.calibration import values_of
-from hp_tool.dimensions import BY_NAME, DIMENSIONS, regime_of
+from hp_tool.dimensions import BY_NAME, DIMENSIONS, Dimension, regime_of
 from hp_tool.estimate.layout import Hardware, Layout, Problem
 from hp_tool.recipe import Degrees, Recipe
 from hp_tool.estimate.memory import HostPhases, estimate_memory, host_phases_gib
@@ -112,26 +118,19 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Grid:
-    tp: list[int]
-    pp: list[int]
-    mbs: list[int]
-    act_ckpt: Optional[list[int]]  # None: heuristic values per PP
+    """What the grid searches: each grid dimension's list by name (the user's, or what ``build_grid`` resolves for
+    the model and cluster), or None (or absent) where its rule (``RULES``) picks values per layout, and the
+    memory savers."""
+
+    lists: Mapping[str, Optional[list]]
     mp_range: tuple[int, int]
     act_ckpt_step: int
-    engines: list[str] = dataclasses.field(default_factory=lambda: ["torch"])
     savers: list[tuple[int, str]] = dataclasses.field(default_factory=lambda: [(3, "none")])  # (stage, offload)
     heuristic_savers: bool = False  # search one saver per layout (zero_stages/offload null)
-    virtual: Optional[list[int]] = None  # virtual stages per pipeline rank; None: heuristic per PP
-    optimizers: list[str] = dataclasses.field(default_factory=lambda: ["adamw"])
-    master_weights: list[str] = dataclasses.field(default_factory=lambda: ["fp32"])
-    ep: list[int] = dataclasses.field(default_factory=lambda: [1])  # expert-parallel sizes (mixture of experts)
-    cp: list[int] = dataclasses.field(default_factory=lambda: [1])  # context-parallel sizes
-    sequence_parallel: Optional[list[bool]] = None  # None: wherever it runs
-    losses: Optional[list[str]] = None  # None: chunked from CHUNKED_LOSS_FROM tokens where it runs
-    activation_offload: list[bool] = dataclasses.field(default_factory=lambda: [False])
-    fp8: list[bool] = dataclasses.field(default_factory=lambda: [False])
-    compile: Optional[list[bool]] = None  # None: compiled wherever the engine compiles the layers on a GPU
-    act_ckpt_modes: Optional[list[str]] = None  # None: full, and selective where every layer is checkpointed
+
+    def given(self, name: str) -> Optional[list]:
+        """The list of dimension ``name`` (None: its rule's, or its default)."""
+        return self.lists.get(name)
 
 
 CP_MIN_TOKENS = 8192  # the heuristic's context parallelism leaves each rank at least this many tokens
@@ -148,32 +147,6 @@ def context_parallel_sizes(ts: TrainSettings, shape: Shape, gpus_per_node: int) 
         return [1]
     return [c for c in (1, 2, 4, 8, 16, 32) if c == 1 or (shape.seq_length // c >= CP_MIN_TOKENS
                                                           and c <= gpus_per_node)]
-
-
-def compile_values(grid: Grid, layout: Layout, hw: Hardware) -> tuple[list[bool], str]:
-    """The compile values to search for a layout, and why the heuristic runs it eager where it does: the
-    user's list (no note); else compiled wherever the engine compiles the layout's layers on a GPU, as torchtitan
-    and torchtune train, and eager on CPU processes, where Inductor's compile of each trial's layers would take
-    longer than the trial's steps and fused kernels change nothing the CPU preset prices."""
-    if grid.compile is not None:
-        return list(grid.compile), ""
-    if hw.device_is_host:
-        return [False], "eager: CPU processes (compiling the layers would outlast a trial's steps)"
-    bad = compile_problem(True, layout.engine, layout.tp)
-    return ([False], f"eager: {bad}") if bad else ([True], "")
-
-
-def long_context_values(grid: Grid, shape: Shape, layout: Layout) -> list[tuple[bool, str]]:
-    """(sequence parallel, loss) pairs to search for a layout: the user's lists, or the heuristic's one
-    pair: sequence parallelism and the chunked loss (from CHUNKED_LOSS_FROM tokens) where each runs."""
-    def runs(**change) -> bool:
-        return layout.replace(**change).sequence_problem(shape) is None
-
-    sps = grid.sequence_parallel if grid.sequence_parallel is not None else \
-        [runs(sequence_parallel=True)]
-    losses = grid.losses if grid.losses is not None else \
-        ["chunked" if shape.seq_length >= CHUNKED_LOSS_FROM and runs(loss="chunked") else "full"]
-    return [(sp, loss) for sp in sps for loss in losses]
 
 
 def expert_parallel_sizes(ts: TrainSettings, shape: Shape, gpus_per_node: int) -> list[int]:
@@ -207,75 +180,190 @@ def memory_savers(ts: TrainSettings, host_ram_known: bool) -> tuple[list[tuple[i
 
 def build_grid(ts: TrainSettings, shape: Shape, size_b: float, host_ram_known: bool = True,
                gpus_per_node: int = 8) -> Grid:
-    """Heuristic lists for the family, size and sequence length (NeMo tables) with the user's lists taking
-    their place when given."""
+    """Every grid dimension's list: the user's (``train_settings``, by the row's key) where given; TP, PP and MBS
+    from the family's table for the size and sequence length (NeMo's); EP, CP and activation offload from the
+    model and cluster; the rest left to their rules (``RULES``) or defaults."""
     tp, pp, mbs, (lo, hi) = lookup(grid_table(shape), size_b, inclusive=True)
     if ts.pipeline_parallel_sizes is None:  # the heuristic keeps only PP values that split the layers
         pp = [p for p in pp if pipeline_problem(shape, p) is None] or [1]
     savers, heuristic = memory_savers(ts, host_ram_known)
-    return Grid(
-        tp=list(ts.tensor_parallel_sizes or tp),
-        pp=list(ts.pipeline_parallel_sizes or pp),
-        mbs=list(ts.micro_batch_sizes or mbs),
-        act_ckpt=None if ts.act_ckpt_layers is None else list(ts.act_ckpt_layers),
-        mp_range=(ts.min_model_parallel_size or lo, ts.max_model_parallel_size or hi),
-        act_ckpt_step=lookup(ACT_CKPT_STEP, size_b),
-        engines=list(ts.engines or ["torch"]),
-        savers=savers,
-        heuristic_savers=heuristic,
-        virtual=None if ts.virtual_pipeline_sizes is None else list(ts.virtual_pipeline_sizes),
-        optimizers=list(ts.optimizers or ["adamw"]),
-        master_weights=list(ts.master_weights or ["fp32"]),
-        ep=expert_parallel_sizes(ts, shape, gpus_per_node),
-        cp=context_parallel_sizes(ts, shape, gpus_per_node),
-        sequence_parallel=None if ts.sequence_parallel is None else list(ts.sequence_parallel),
-        losses=None if ts.losses is None else list(ts.losses),
-        activation_offload=list(ts.activation_offload) if ts.activation_offload is not None else
-        [False, True] if host_ram_known and shape.seq_length >= ACTIVATION_OFFLOAD_FROM else [False],
-        act_ckpt_modes=None if ts.act_ckpt_modes is None else list(ts.act_ckpt_modes),
-        fp8=list(ts.fp8 or [False]),
-        compile=None if ts.compile is None else list(ts.compile),
-    )
+    lists = {d.name: None if (given := getattr(ts, d.key, None)) is None else list(given) for d in grid_dimensions()}
+    lists["tp"] = lists["tp"] or list(tp)
+    lists["pp"] = lists["pp"] or list(pp)
+    lists["mbs"] = lists["mbs"] or list(mbs)
+    lists["ep"] = expert_parallel_sizes(ts, shape, gpus_per_node)
+    lists["cp"] = context_parallel_sizes(ts, shape, gpus_per_node)
+    if lists["activation_offload"] is None:
+        lists["activation_offload"] = [False, True] if host_ram_known and shape.seq_length >= ACTIVATION_OFFLOAD_FROM \
+            else [False]
+    return Grid(lists=lists, mp_range=(ts.min_model_parallel_size or lo, ts.max_model_parallel_size or hi),
+                act_ckpt_step=lookup(ACT_CKPT_STEP, size_b), savers=savers, heuristic_savers=heuristic)
 
 
-def virtual_stage_values(grid: Grid, shape: Shape, pp: int) -> list[int]:
-    """The grid's virtual stages per pipeline rank for ``pp``: the user's list (only 1 without a pipeline),
-    or NeMo's choice: 1, and for a decoder-only model with PP > 2 also 2 and one layer per chunk
+@dataclass(frozen=True, slots=True)
+class At:
+    """Where the grid's product is when a rule picks a dimension's values: the model, the grid, the hardware and
+    the layout so far (the dimensions the rule reads set, the rest at their defaults)."""
+
+    shape: Shape
+    grid: Grid
+    hw: Hardware
+    layout: Layout
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How a dimension's values are picked where its list is not given (or mended where it is), per point of
+    the product: ``values(given, at)`` -> the values, or (the values, why, for plan.csv's note). The grid nests
+    the dimension inside those it ``reads``."""
+
+    reads: tuple[str, ...]
+    values: Callable[[Optional[list], At], "list | tuple[list, str]"]
+
+
+def compile_values(given: Optional[list], at: At) -> tuple[list[bool], str]:
+    """The compile values to search for a layout, and why the heuristic runs it eager where it does: the
+    user's list (no note); else compiled wherever the engine compiles the layout's layers on a GPU, as torchtitan
+    and torchtune train, and eager on CPU processes, where Inductor's compile of each trial's layers would take
+    longer than the trial's steps and fused kernels change nothing the CPU preset prices."""
+    if given is not None:
+        return list(given), ""
+    if at.hw.device_is_host:
+        return [False], "eager: CPU processes (compiling the layers would outlast a trial's steps)"
+    bad = compile_problem(True, at.layout.engine, at.layout.tp)
+    return ([False], f"eager: {bad}") if bad else ([True], "")
+
+
+def sequence_parallel_values(given: Optional[list], at: At) -> list[bool]:
+    """The user's list, or the heuristic's one value: sequence parallelism wherever it runs (it never adds time
+    in the model and divides the norms' activations by TP)."""
+    if given is not None:
+        return list(given)
+    return [at.layout.replace(sequence_parallel=True).sequence_problem(at.shape) is None]
+
+
+def loss_values(given: Optional[list], at: At) -> list[str]:
+    """The user's list, or the heuristic's one loss: chunked from CHUNKED_LOSS_FROM tokens per sequence where it
+    runs (judged without sequence parallelism, which it never runs with: TP 1), else the whole-logits one."""
+    if given is not None:
+        return list(given)
+    chunked = at.shape.seq_length >= CHUNKED_LOSS_FROM and \
+        at.layout.replace(loss="chunked", sequence_parallel=False).sequence_problem(at.shape) is None
+    return ["chunked" if chunked else "full"]
+
+
+def virtual_stage_values(given: Optional[list], at: At) -> list[int]:
+    """The grid's virtual stages per pipeline rank for the layout's PP: the user's list (only 1 without a
+    pipeline), or NeMo's choice: 1, and for a decoder-only model with PP > 2 also 2 and one layer per chunk
     (num_layers / PP), those that divide the layers per stage."""
-    if grid.virtual is not None:
-        return [v for v in grid.virtual if v == 1 or pp > 1] or [1]
+    shape, pp = at.shape, at.layout.pp
+    if given is not None:
+        return [v for v in given if v == 1 or pp > 1] or [1]
     if shape.encoder_decoder or pp <= 2 or pipeline_problem(shape, pp) is not None:
         return [1]
     per_stage = shape.pipeline_layers // pp
     return sorted({v for v in (1, 2, per_stage) if per_stage % v == 0})
 
 
-def act_ckpt_values(grid: Grid, shape: Shape, pp: int, virtual_stages: int = 1) -> list[int]:
+def act_ckpt_values(given: Optional[list], at: At) -> list[int]:
     """The grid's checkpointed layers per stage: the user's list, or 0 to the stage's layers (both stacks'
     for an encoder-decoder) in the size's step divided by PP, interleaved in multiples of the virtual
     stages (each chunk recomputes the same number)."""
-    if grid.act_ckpt is not None:
-        return grid.act_ckpt
+    if given is not None:
+        return list(given)
+    shape, pp, virtual_stages = at.shape, at.layout.pp, at.layout.virtual_stages
     per_stage = shape.pipeline_layers // pp if pipeline_problem(shape, pp) is None else 0
-    step = max(1, grid.act_ckpt_step // pp)
+    step = max(1, at.grid.act_ckpt_step // pp)
     step = -(-step // virtual_stages) * virtual_stages
     return list(range(0, per_stage + 1, step))
 
 
-def act_ckpt_mode_values(grid: Grid, shape: Shape, layout: Layout) -> list[str]:
-    """How the grid recomputes ``layout``'s checkpointed layers: full alone when it checkpoints none (the mode
+def act_ckpt_mode_values(given: Optional[list], at: At) -> list[str]:
+    """How the grid recomputes the layout's checkpointed layers: full alone when it checkpoints none (the mode
     means nothing then); the user's list; or the heuristic's: full, and selective too where the layout
     checkpoints every layer of its stage (as torchtitan applies it; fewer checkpointed layers already trade
     memory for time layer by layer) and selective runs (``Layout.checkpoint_mode_problem``)."""
+    shape, layout = at.shape, at.layout
     if layout.act_ckpt_layers == 0:
         return ["full"]
-    if grid.act_ckpt_modes is not None:
-        return list(grid.act_ckpt_modes)
+    if given is not None:
+        return list(given)
     per_stage = shape.pipeline_layers // layout.pp if pipeline_problem(shape, layout.pp) is None else 0
     if layout.act_ckpt_layers != per_stage:
         return ["full"]
     selective = layout.replace(act_ckpt_mode="selective")
     return ["full", "selective"] if selective.checkpoint_mode_problem(shape) is None else ["full"]
+
+
+_SEQUENCE_READS = ("tp", "pp", "ep", "cp", "engine", "activation_offload")  # what Layout.sequence_problem reads
+# the dimensions whose values a rule picks per point of the product, by name
+RULES: dict[str, Rule] = {
+    "compile": Rule(("engine", "tp"), compile_values),
+    "sequence_parallel": Rule(_SEQUENCE_READS, sequence_parallel_values),
+    "loss": Rule(_SEQUENCE_READS, loss_values),
+    "virtual_stages": Rule(("pp",), virtual_stage_values),
+    "act_ckpt_layers": Rule(("pp", "virtual_stages"), act_ckpt_values),
+    "act_ckpt_mode": Rule(("pp", "act_ckpt_layers", "engine", "cp", "activation_offload"), act_ckpt_mode_values),
+}
+MODEL_DIMENSIONS = ("seq_length", "method")  # the planner's: one shape and recipe a call of plan_candidates
+SAVER_DIMENSIONS = ("zero_stage", "offload")  # searched per layout (``_layout_candidates``)
+
+
+def grid_dimensions() -> tuple[Dimension, ...]:
+    """The dimensions the grid's product nests, outermost first: the table's rows but the model's and the memory
+    savers'; those without a rule first, in table order (their lists make one product), then those a rule picks,
+    each after the dimensions its rule reads."""
+    return _nesting(DIMENSIONS, tuple((name, rule.reads) for name, rule in RULES.items()))
+
+
+@functools.cache
+def _nesting(dims: tuple[Dimension, ...], reads: tuple[tuple[str, tuple[str, ...]], ...]) -> tuple[Dimension, ...]:
+    needs = dict(reads)
+    grid = [d for d in dims if d.name not in MODEL_DIMENSIONS + SAVER_DIMENSIONS]
+    out = [d for d in grid if d.name not in needs]
+    pending = [d for d in grid if d.name in needs]
+    names = {d.name for d in grid}
+    while pending:
+        placed = {d.name for d in out}
+        ready = next((d for d in pending if names & set(needs[d.name]) <= placed), None)
+        if ready is None:
+            raise ValueError(f"grid rules read each other in a cycle: {[d.name for d in pending]}")
+        out.append(ready)
+        pending.remove(ready)
+    return tuple(out)
+
+
+def grid_values(d: Dimension, at: At) -> tuple[list, str]:
+    """The values dimension ``d`` searches at ``at``, and why (plan.csv's note): its rule's where it has one, else
+    its list, else its default."""
+    given = at.grid.given(d.name)
+    rule = RULES.get(d.name)
+    if rule is None:
+        return (list(given) if given is not None else [d.default]), ""
+    out = rule.values(given, at)
+    return out if isinstance(out, tuple) else (out, "")
+
+
+def grid_layouts(shape: Shape, grid: Grid, hw: Hardware, root: Layout, gpus: int) -> list[tuple[Layout, str]]:
+    """Every layout of the grid's product from ``root`` (the model's recipe, the first memory saver) on ``gpus``
+    GPUs (data parallelism filling them), with the notes of the rules that chose its values; in grid order
+    (``grid_dimensions``)."""
+    dims = grid_dimensions()
+    listed = [d for d in dims if d.name not in RULES]
+    frontier: list[tuple[Layout, str]] = []
+    for values in itertools.product(*(grid_values(d, At(shape, grid, hw, root))[0] for d in listed)):
+        change = {d.name: v for d, v in zip(listed, values) if getattr(root, d.name) != v}
+        dp = max(1, gpus // (change.get("tp", root.tp) * change.get("pp", root.pp) * change.get("cp", root.cp)))
+        frontier.append((root.replace(**change, dp=dp), ""))
+    for d in dims[len(listed):]:
+        name, nxt = d.name, []
+        for layout, note in frontier:
+            values, why = grid_values(d, At(shape, grid, hw, layout))
+            why = f"{note}; {why}" if note and why else note or why
+            for v in values:
+                nxt.append((layout if getattr(layout, name) == v else layout.replace(**{name: v}), why))
+        frontier = nxt
+    return frontier
 
 
 # train_settings keys of the Layout fields a problem can name: each dimension's list, and the global batch
@@ -494,28 +582,12 @@ def plan_candidates(shape: Shape, size_b: float, ts: TrainSettings, cluster: Clu
     first."""
     grid = grid or build_grid(ts, shape, size_b, cluster.hw.host_ram_gib is not None, cluster.hw.gpus_per_node)
     stage, offload = grid.savers[0]
+    root = Layout(Degrees(global_batch_size=gbs), recipe).replace(zero_stage=stage, offload=offload)
     out: list[Candidate] = []
-    for opt, mw, engine, tp, pp, ep, cp, mbs, ao, f8 in itertools.product(
-            grid.optimizers, grid.master_weights, grid.engines, grid.tp, grid.pp, grid.ep, grid.cp, grid.mbs,
-            grid.activation_offload, grid.fp8):
-        dp = max(1, cluster.gpus // (tp * pp * cp))
-        eager = Layout(Degrees(tp, pp, mbs=mbs, ep=ep, cp=cp), recipe).replace(engine=engine, activation_offload=ao,
-                                                                                fp8=f8)
-        compiles, note = compile_values(grid, eager, cluster.hw)
-        for base, sp, loss in ((b, sp, loss) for b in (eager.replace(compile=c) for c in compiles)
-                               for sp, loss in long_context_values(grid, shape, b)):
-            chosen = base.replace(zero_stage=stage, offload=offload, sequence_parallel=sp, optimizer=opt, loss=loss,
-                                  master_weights=mw).recipe
-            for vp in virtual_stage_values(grid, shape, pp):
-                at = Layout(Degrees(tp, pp, dp, mbs, gbs, vp, ep, cp), chosen)
-                for ac in act_ckpt_values(grid, shape, pp, vp):
-                    layout = at.replace(act_ckpt_layers=ac)
-                    for mode in act_ckpt_mode_values(grid, shape, layout):
-                        if mode != layout.act_ckpt_mode:
-                            layout = layout.replace(act_ckpt_mode=mode)
-                        for c in _layout_candidates(shape, grid, ts, cluster, layout):
-                            c.note = note
-                            out.append(c)
+    for layout, note in grid_layouts(shape, grid, cluster.hw, root, cluster.gpus):
+        for c in _layout_candidates(shape, grid, ts, cluster, layout):
+            c.note = note
+            out.append(c)
     rank_candidates(out, ts.limit_search_runs)
     return out
 

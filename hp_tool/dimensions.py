@@ -193,16 +193,16 @@ def regime_words(tp: int, pp: int, recipe: Iterable[tuple[str, Any]]) -> str:
                                                if value != BY_NAME[name].default)])
 
 
-def layout_headers(dims: Iterable[Dimension] = DIMENSIONS) -> tuple[tuple[str, str], ...]:
-    """(column, printed header) of these dimensions in table order, the data-parallel size (what the GPUs
-    leave, never searched) after PP."""
+def layout_headers(dims: Optional[Iterable[Dimension]] = None) -> tuple[tuple[str, str], ...]:
+    """(column, printed header) of these dimensions (default: the table's) in table order, the data-parallel size
+    (what the GPUs leave, never searched) after PP."""
     out: list[tuple[str, str]] = []
-    for d in dims:
+    for d in DIMENSIONS if dims is None else dims:
         out += [(d.column, d.header), ("dp", "DP")] if d.name == "pp" else [(d.column, d.header)]
     return tuple(out)
 
 
-def layout_columns(dims: Iterable[Dimension] = DIMENSIONS) -> tuple[str, ...]:
+def layout_columns(dims: Optional[Iterable[Dimension]] = None) -> tuple[str, ...]:
     """The columns of these dimensions in table order, DP after PP."""
     return tuple(column for column, _ in layout_headers(dims))
 

@@ -23,18 +23,21 @@ from hp_tool.words import plural
 
 log = logging.getLogger(__name__)
 
-PLAN_COLUMNS = (
-    "trial_id", "model_family", "model_size_b", *layout_columns(), "lora_rank",
-    "global_batch_size", "num_nodes", "trial_num_nodes", "trial_dp", "trial_global_batch_size",
-    "fingerprint", "predicted_memory_gib", "traced_memory_gib", "memory_check",
-    "predicted_full_memory_gib", "predicted_host_memory_gib", "predicted_step_time_s", "predicted_compute_s",
-    "predicted_comm_s", "predicted_tokens_per_s_per_gpu",
-    "predicted_model_tflops_per_gpu", "predicted_days_to_train", "predicted_full_run_cost_usd",
-    "predicted_cost_usd_per_million_tokens", "predicted_rank", "plan_status", "reason", "note",
-    "predicted_mfu", "predicted_tokens_per_hour", "predicted_hours_per_epoch",
-    "predicted_cost_usd_per_epoch", "predicted_rank0_host_memory_gib",
-    "trainable_parameters", "experts", "top_k", "active_parameters",
-)
+
+def plan_columns() -> tuple[str, ...]:
+    """plan.csv's columns: the dimension table's (read as the plan is written) among the plan's own."""
+    return (
+        "trial_id", "model_family", "model_size_b", *layout_columns(), "lora_rank",
+        "global_batch_size", "num_nodes", "trial_num_nodes", "trial_dp", "trial_global_batch_size",
+        "fingerprint", "predicted_memory_gib", "traced_memory_gib", "memory_check",
+        "predicted_full_memory_gib", "predicted_host_memory_gib", "predicted_step_time_s", "predicted_compute_s",
+        "predicted_comm_s", "predicted_tokens_per_s_per_gpu",
+        "predicted_model_tflops_per_gpu", "predicted_days_to_train", "predicted_full_run_cost_usd",
+        "predicted_cost_usd_per_million_tokens", "predicted_rank", "plan_status", "reason", "note",
+        "predicted_mfu", "predicted_tokens_per_hour", "predicted_hours_per_epoch",
+        "predicted_cost_usd_per_epoch", "predicted_rank0_host_memory_gib",
+        "trainable_parameters", "experts", "top_k", "active_parameters",
+    )
 
 
 def _round(x: float | None, digits: int) -> float | None:
@@ -98,11 +101,12 @@ def plan_rows(plan: Plan) -> Iterable[dict[str, Any]]:
 
 
 def plan_csv_text(plan: Plan) -> str:
-    """plan.csv: ``PLAN_COLUMNS``, one line per candidate (``plan_rows``), a missing value empty."""
+    """plan.csv: ``plan_columns``, one line per candidate (``plan_rows``), a missing value empty."""
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
-    writer.writerow(PLAN_COLUMNS)
-    writer.writerows([("" if (v := row.get(k)) is None else v) for k in PLAN_COLUMNS] for row in plan_rows(plan))
+    columns = plan_columns()
+    writer.writerow(columns)
+    writer.writerows([("" if (v := row.get(k)) is None else v) for k in columns] for row in plan_rows(plan))
     return buf.getvalue()
 
 

@@ -10,7 +10,7 @@ from hp_tool.config import TrainSettings
 from hp_tool.contracts.spec import ADDED_FIELD_DEFAULTS, ParallelSpec, TrainingSpec
 from hp_tool.dimensions import DIMENSIONS, layout_columns, layout_words, trial_id, varied
 from hp_tool.estimate.layout import Layout
-from hp_tool.plan_output import PLAN_COLUMNS
+from hp_tool.plan_output import plan_columns
 from hp_tool.planner import FIXES
 from hp_tool.results import collect
 
@@ -28,7 +28,7 @@ def test_every_dimension_reaches_its_setting_its_field_its_columns_and_its_fix()
         assert d.key in settings, f"{d.name}: train_settings.{d.key} does not exist"
         assert d.name in layout or d.name == "seq_length", f"{d.name} is not a Layout field"
         assert d.name in sections[d.spec], f"{d.name} is not in the spec's {d.spec} section"
-        assert d.column in PLAN_COLUMNS and d.column in collect.TABLE_COLUMNS
+        assert d.column in plan_columns() and d.column in collect.TABLE_COLUMNS
         typed = {int: collect.INT_COLUMNS, bool: collect.BOOL_COLUMNS, str: collect.TEXT_COLUMNS}[d.kind]
         assert d.column in typed and collect._cell(d.column, "1" if d.kind is int else "True") is not None
         assert FIXES[d.key] == d.fix and d.fix

@@ -8,7 +8,9 @@ import dataclasses
 
 import pytest
 
-from hp_tool.candidates import CHUNKED_LOSS_FROM, Grid, build_grid, context_parallel_sizes, long_context_values
+from hp_tool.candidates import (CHUNKED_LOSS_FROM, At, Grid, build_grid, context_parallel_sizes, grid_values,
+                                loss_values, sequence_parallel_values)
+from hp_tool.dimensions import BY_NAME
 from hp_tool.cli import compose
 from hp_tool.config import to_app_config
 from hp_tool.contracts.spec import ModelSpec, ParallelSpec, ResourcesSpec, TrainingSpec, TrialSpec
@@ -215,17 +217,26 @@ def test_heuristic_grid_at_long_context():
     gpt3 = Shape("gpt3", 32, 4096, 32, 32, 16384, 51200, 32768)
     assert context_parallel_sizes(ts, gpt3, 8) == [1]
     grid = build_grid(ts, L8B, 8.0, host_ram_known=True)
-    assert grid.activation_offload == [False, True]
-    assert build_grid(ts, L8B, 8.0, host_ram_known=False).activation_offload == [False]
-    assert long_context_values(grid, L8B, lay()) == [(False, "chunked")]
-    assert long_context_values(grid, L8B, lay(tp=2)) == [(True, "full")]
-    assert long_context_values(grid, L8B, lay(engine="deepspeed")) == [(False, "full")]
+    assert grid.given("activation_offload") == [False, True]
+    assert build_grid(ts, L8B, 8.0, host_ram_known=False).given("activation_offload") == [False]
+    hw = A100
+
+    def long_context(g, shape, layout):
+        at = At(shape, g, hw, layout)
+        return [(sp, loss) for sp in sequence_parallel_values(g.given("sequence_parallel"), at)
+                for loss in loss_values(g.given("loss"), at)]
+
+    assert long_context(grid, L8B, lay()) == [(False, "chunked")]
+    assert long_context(grid, L8B, lay(tp=2)) == [(True, "full")]
+    assert long_context(grid, L8B, lay(engine="deepspeed")) == [(False, "full")]
     short = dataclasses.replace(L8B, seq_length=CHUNKED_LOSS_FROM // 2)
-    assert long_context_values(grid, short, lay()) == [(False, "full")]
-    assert build_grid(TrainSettings(seq_length=4096), short, 8.0).activation_offload == [False]
+    assert long_context(grid, short, lay()) == [(False, "full")]
+    assert build_grid(TrainSettings(seq_length=4096), short, 8.0).given("activation_offload") == [False]
     # lists given are searched in full
-    explicit = dataclasses.replace(grid, sequence_parallel=[False, True], losses=["full", "chunked"])
-    assert len(long_context_values(explicit, L8B, lay(tp=2))) == 4
+    explicit = dataclasses.replace(grid, lists={**grid.lists, "sequence_parallel": [False, True],
+                                                "loss": ["full", "chunked"]})
+    assert len(long_context(explicit, L8B, lay(tp=2))) == 4
+    assert grid_values(BY_NAME["loss"], At(L8B, explicit, hw, lay(tp=2))) == (["full", "chunked"], "")
     assert isinstance(grid, Grid)
 
 
