@@ -6,7 +6,8 @@ group and the moved keys, read from hp_tool/config.py and hp_tool/conf/.
 
 Each key's type and default come from its dataclass field; its description from the comment on the field's
 line in hp_tool/config.py (or the comment lines just above the field, or those continuing the previous
-field's comment after a trailing ",", ";" or ":"). Run it after adding a key or a preset.
+field's comment after a trailing ",", ";" or ":"), or for train_settings' lists of the searched dimensions from
+their rows in hp_tool/dimensions.py (``doc``). Run it after adding a key or a preset.
 """
 
 from __future__ import annotations
@@ -50,9 +51,6 @@ WRITTEN_HERE = {  # keys neither config.py nor a shipped YAML describes
     "search_config.model.hidden_size": "hidden width; null = from the family's table",
     "search_config.model.num_attention_heads": "attention heads; null = from the family's table",
     "search_config.train_settings.vocab_size": "vocabulary size (fine-tuning: the model config's)",
-    "search_config.train_settings.tensor_parallel_sizes": "TP sizes searched; null = the family's table for the size",
-    "search_config.train_settings.pipeline_parallel_sizes": "PP sizes searched; null = the family's table for the size",
-    "search_config.train_settings.micro_batch_sizes": "micro-batch sizes searched; null = the family's table",
     "search_config.inference_settings.vocab_size": "vocabulary size of the served model",
     "search_config.inference_settings.tensor_parallel_sizes": "TP sizes searched",
     "search_config.inference_settings.pipeline_parallel_sizes": "PP sizes searched",
@@ -152,7 +150,8 @@ def rows(prefix: str, cls: type) -> Iterator[tuple[str, str, str, str]]:
         key = f"{prefix}.{f.name}" if prefix else f.name
         first, second = (comments.get(f.name, ""), shipped.get(key, "")) if key.startswith("gpu.") else \
             (shipped.get(key, ""), comments.get(f.name, ""))
-        doc = first or second or WRITTEN_HERE.get(key, "")
+        # a field made from a table's row (train_settings' lists of the searched dimensions): the row's doc alone
+        doc = f.metadata.get("doc") or first or second or WRITTEN_HERE.get(key, "")
         if is_nested(f):
             if any(key == p for _, p, _ in SECTIONS):
                 continue
@@ -160,7 +159,8 @@ def rows(prefix: str, cls: type) -> Iterator[tuple[str, str, str, str]]:
                 continue
             yield from rows(key, f.default_factory().__class__)  # type: ignore[misc]
             continue
-        yield key, type_text(str(f.type)), default_text(f), doc
+        yield key, type_text(f.type if isinstance(f.type, str) else repr(f.type).replace("typing.", "")), \
+            default_text(f), doc
 
 
 def all_keys() -> list[str]:

@@ -20,7 +20,7 @@ data-parallel ranks to fit), then the lightest (sharding.SAVING_ORDER), as a lig
 predicted slower. The lighter ones that do not fit are listed as pruned with
 their numbers; the rest, and combinations the engine cannot run, are not candidates.
 
-Long context, each list given in full is searched in full; left null (``long_context_values``):
+Long context, each list given in full is searched in full; left null (``sequence_parallel_values``, ``loss_values``, ``build_grid``):
 sequence parallelism wherever it runs (it never adds time in the model and divides the norms' activations
 by TP); context parallelism 1 and the powers of two leaving each rank at least ``CP_MIN_TOKENS`` tokens,
 within a node with TP; the chunked loss from ``CHUNKED_LOSS_FROM`` tokens per sequence where it runs (the
@@ -87,6 +87,7 @@ class Candidate:
     tokens_per_s_per_gpu: Optional[float] = None
     model_tflops_per_gpu: Optional[float] = None
     rank: Optional[int] = None  # 1 = predicted fastest, among valid and fitting candidates
+    values: Optional[dict] = None  # every searched dimension's value by name (planner.candidate_dimensions), once
 
     def reject(self, status: str, key: str, reason: str) -> None:
         self.status, self.reason_key, self.reason = status, key, reason
@@ -214,8 +215,9 @@ class At:
 @dataclass(frozen=True)
 class Rule:
     """How a dimension's values are picked where its list is not given (or mended where it is), per point of
-    the product: ``values(given, at)`` -> the values, or (the values, why, for plan.csv's note). The grid nests
-    the dimension inside those it ``reads``."""
+    the product: ``values(given, at)`` -> the values, or (the values, why, for plan.csv's note). It reads no more
+    of the layout than the dimensions it ``reads`` (and the model's recipe): the grid nests the dimension inside
+    those, and asks once per combination of their values."""
 
     reads: tuple[str, ...]
     values: Callable[[Optional[list], At], "list | tuple[list, str]"]
@@ -356,9 +358,13 @@ def grid_layouts(shape: Shape, grid: Grid, hw: Hardware, root: Layout, gpus: int
         dp = max(1, gpus // (change.get("tp", root.tp) * change.get("pp", root.pp) * change.get("cp", root.cp)))
         frontier.append((root.replace(**change, dp=dp), ""))
     for d in dims[len(listed):]:
-        name, nxt = d.name, []
+        name, reads, nxt = d.name, RULES[d.name].reads, []
+        picked: dict[tuple, tuple[list, str]] = {}  # what the rule reads -> its values: it reads nothing else
         for layout, note in frontier:
-            values, why = grid_values(d, At(shape, grid, hw, layout))
+            key = tuple([getattr(layout, r) for r in reads])
+            if key not in picked:
+                picked[key] = grid_values(d, At(shape, grid, hw, layout))
+            values, why = picked[key]
             why = f"{note}; {why}" if note and why else note or why
             for v in values:
                 nxt.append((layout if getattr(layout, name) == v else layout.replace(**{name: v}), why))

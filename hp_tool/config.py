@@ -261,9 +261,16 @@ class ModelOverrides:
         return self.num_layers is not None
 
 
+def _dimension_lists() -> list[tuple]:
+    """train_settings' list of every searched dimension, from its row (hp_tool/dimensions.py: its key, its values'
+    type, its doc): null searches the dimension's heuristic (hp_tool/candidates.py) or its default."""
+    return [(d.key, Optional[List[d.kind]], field(default=None, metadata={"doc": d.doc})) for d in DIMENSIONS]
+
+
 @dataclass
-class TrainSettings:
-    """The training search. Lists set to null take the heuristic defaults for the model size."""
+class TrainSettings(dataclasses.make_dataclass("DimensionLists", _dimension_lists())):
+    """The training search. Its lists of the searched dimensions come from the dimension table (``_dimension_lists``);
+    lists set to null take the heuristic defaults for the model size."""
 
     model_size_in_b: Optional[float] = None  # null = recommend from the budget below
     num_nodes: int = 1
@@ -281,54 +288,18 @@ class TrainSettings:
     decoder_seq_length: Optional[int] = None  # T5/mT5 only: the decoder's length; null = 128
     global_batch_size: Optional[int] = None  # null = table default for the size and seq length
     precision: Optional[str] = "bf16"  # bf16 | fp16 | fp32; null = bf16 where the GPU has it, else fp16
-    engines: Optional[List[str]] = None  # torch | deepspeed; null = [torch]
-    zero_stages: Optional[List[int]] = None  # 0-3; null (or offload null) = one saver per layout (candidates.py)
-    offload: Optional[List[str]] = None  # none | optimizer | optimizer_and_params; null = only if nothing else fits
     memory_margin: float = 0.05  # fraction of GPU memory kept free when pruning
     search_strategy: str = STRATEGIES[0]  # adaptive | exhaustive (hp_tool/adaptive.py)
     skip_margin: float = DEFAULT_SKIP_MARGIN  # adaptive: skip candidates calibrated this much slower than the best measured,
     # and stop a running trial measured this much slower
     confirm_top: int = 2  # the fastest trials timed again after the search (0: none), for the run-to-run spread
-    tensor_parallel_sizes: Optional[List[int]] = None
-    pipeline_parallel_sizes: Optional[List[int]] = None
-    virtual_pipeline_sizes: Optional[List[int]] = None  # model chunks per pipeline rank (interleaved 1F1B when > 1);
-    # null = NeMo's rule: 1, and for decoder-only models with PP > 2 also 2 and num_layers / PP
-    micro_batch_sizes: Optional[List[int]] = None
-    act_ckpt_layers: Optional[List[int]] = None  # layers per pipeline stage recomputed
-    # how the checkpointed layers are recomputed: full | selective (torchtitan's per-op policy, torch engine);
-    # null = full, and selective too where every layer of a stage is checkpointed and it runs (candidates.py)
-    act_ckpt_modes: Optional[List[str]] = None
     min_model_parallel_size: Optional[int] = None
     max_model_parallel_size: Optional[int] = None
-    optimizers: Optional[List[str]] = None  # adamw | sgd | sgd_momentum (0.9) | adamw_8bit (CUDA); null = [adamw]
-    # what holds the trained weights: fp32 (mixed precision's fp32 masters) | bf16 (weights, gradients and optimizer
-    # moments in bf16, no fp32 master: torchtune's dtype=bf16; torch engine, precision bf16, a GPU); null = [fp32]
-    master_weights: Optional[List[str]] = None
-    methods: Optional[List[str]] = None  # fine-tuning: full | lora | qlora; null = [full]
     lora: LoraSettings = field(default_factory=LoraSettings)  # the adapters of lora and qlora
-    # mixture of experts: EP sizes searched (null: 1 and the powers of two dividing the experts within a node)
-    expert_parallel_sizes: Optional[List[int]] = None
     # the busiest expert's tokens over the mean (top_k·tokens/experts) that expert memory and compute are sized
     # at (hp_tool/families/moe.py DEFAULT_EXPERT_IMBALANCE: Switch Transformer's capacity factor 1.25)
     expert_imbalance: float = DEFAULT_EXPERT_IMBALANCE
-    # long context (hp_tool/sharding.py sequence_problem); null = the heuristic (candidates.py):
-    # sequence parallelism wherever it runs (TP > 1 on the torch engine without PP, Llama-style layers)
-    sequence_parallel: Optional[List[bool]] = None
-    # CP sizes: null = 1, and the powers of two leaving each rank at least 8192 tokens within a node with TP
-    context_parallel_sizes: Optional[List[int]] = None
-    # full | chunked: null = chunked from 8192 tokens per sequence where it runs (TP 1, torch), else full
-    losses: Optional[List[str]] = None
-    # saved activations in host RAM: null = [false], and [false, true] from 16384 tokens with a host RAM figure
-    activation_offload: Optional[List[bool]] = None
-    # the layers under torch.compile (the torch engine at TP 1): null = compiled wherever the engine compiles the
-    # layout's layers on a GPU, eager elsewhere (DeepSpeed, TP > 1, CPU processes; the reason in plan.csv's note);
-    # [false, true] searches both
-    compile: Optional[List[bool]] = None
-    # the layers' linears in Float8 (torchao): null = [false]; [false, true] searches both where the GPU has fp8
-    # tensor cores (gpu.peak_tflops.fp8), the torch engine training full in bf16 (at TP > 1 without sequence parallel)
-    fp8: Optional[List[bool]] = None
     # fine-tuning (model_family finetune): the data is the budget; the answer is hours and dollars per epoch
-    seq_lengths: Optional[List[int]] = None  # tokens per sequence, searched with micro_batch_sizes; null = [seq_length]
     global_batch_tokens: Optional[int] = None  # tokens per optimizer step at every sequence length; null = GBS x seq
     dataset_tokens_in_m: Optional[float] = None  # tokens in one epoch of the data, millions
     epochs: float = 1.0  # passes over the data

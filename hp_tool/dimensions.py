@@ -45,6 +45,7 @@ class Dimension:
     # kernels, what trains): the adaptive search calibrates each combination of these apart (``regime_recipe``);
     # the others (sequence length, micro-batch, checkpointing, ...) the model's own terms carry within a regime
     regime: bool = False
+    doc: str = ""  # its train_settings key's description (docs/configuration.md): what a list sets, what null searches
 
     @property
     def spec(self) -> str:
@@ -96,70 +97,109 @@ def _ckpt_words(v: int) -> str:
 
 DIMENSIONS: tuple[Dimension, ...] = (
     Dimension("seq_length", "seq_lengths", int, None, False, "seq", "model", lambda v: f"_s{v}" if v is not None else "",
-              lambda v: f"{v} tokens per sequence", "use sequence lengths the model's positions hold"),
+              lambda v: f"{v} tokens per sequence", "use sequence lengths the model's positions hold",
+              doc=("sequence lengths searched; each at most the model's max_position_embeddings unless its config has"
+                   " rope_scaling")),
     # an adapter method is named with its rank (trial_id)
     Dimension("method", "methods", str, "full", False, "method", "model", lambda v: "",
               lambda v: f"{v} fine-tuning" if v == "full" else v.upper() if v == "qlora" else "LoRA",
               "use TP=1 for lora and qlora, and the torch engine with ZeRO 0-1 for qlora",
-              choices=METHODS, regime=True),
+              choices=METHODS, regime=True,
+              doc=("full | lora | qlora; null = every one the target runs (lora with peft installed, qlora with "
+                   "bitsandbytes, in 16-bit precision, on a GPU preset)")),
     Dimension("tp", "tensor_parallel_sizes", int, 1, True, "TP", "tp", _count("tp"), lambda v: f"TP={v}",
-              "use TP values that divide the (key/value) head count and fit in one node", regime=True),
+              "use TP values that divide the (key/value) head count and fit in one node", regime=True,
+              doc="TP sizes searched; null = the family's table for the size"),
     Dimension("sequence_parallel", "sequence_parallel", bool, False, False, "SP", "tp", _flag("sp"),
               lambda v: "sequence parallel" if v else "no sequence parallelism",
-              "use sequence_parallel=[false], or TP > 1 on the torch engine", added=True, choices=(False, True)),
+              "use sequence_parallel=[false], or TP > 1 on the torch engine", added=True, choices=(False, True),
+              doc=(("with TP, norms on sequence shards (torch engine, PP 1, Llama-style layers); null = wherever it "
+                   "runs"))),
     Dimension("pp", "pipeline_parallel_sizes", int, 1, True, "PP", "pp", _count("pp"), lambda v: f"PP={v}",
               "use PP values that divide the layer count (T5/mT5: 1, or an even PP whose half divides the layers "
-              "per stack)", regime=True),
+              "per stack)", regime=True,
+              doc="PP sizes searched; null = the family's table for the size"),
     Dimension("virtual_stages", "virtual_pipeline_sizes", int, 1, False, "VP", "pp", _unless_one("vp"),
               lambda v: f"interleaved over {v} virtual stages" if v > 1 else "no interleaving",
               "use virtual stages that divide the layers per pipeline stage (num_layers / PP), 1 without a "
-              "pipeline or for T5/mT5"),
+              "pipeline or for T5/mT5",
+              doc=(("model chunks per pipeline rank (interleaved 1F1B when > 1); null = 1, and with PP > 2 also 2 and "
+                   "num_layers / PP (NeMo's choice)"))),
     # a mixture of experts names its EP, 1 included; a dense model has none (None)
     Dimension("ep", "expert_parallel_sizes", int, 1, True, "EP", "pp", lambda v: f"_ep{v}" if v is not None else "",
-              lambda v: f"EP={v}", "use expert-parallel sizes dividing the experts and the data-parallel ranks"),
+              lambda v: f"EP={v}", "use expert-parallel sizes dividing the experts and the data-parallel ranks",
+              doc=(("EP, experts split over EP of the data-parallel ranks (EP divides the experts and DP; torch "
+                   "engine, ZeRO 0/2/3); null = 1 and the powers of two dividing the experts within a node"))),
     Dimension("cp", "context_parallel_sizes", int, 1, False, "CP", "pp", _unless_one("cp"), lambda v: f"CP={v}",
-              "use context_parallel_sizes=[1], or sizes leaving each rank whole attention chunks", added=True),
+              "use context_parallel_sizes=[1], or sizes leaving each rank whole attention chunks", added=True,
+              doc=(("CP, each sequence split over CP ranks (ring attention; torch, PP 1, Llama-style attention, "
+                   "sequence divisible by 2 x CP); null = 1 and the powers of two leaving each rank >= 8192 tokens "
+                   "within a node"))),
     Dimension("mbs", "micro_batch_sizes", int, 1, True, "MBS", "mbs", _count("mbs"), lambda v: f"MBS={v}",
-              "use a global_batch_size (and micro_batch_sizes) with GBS % (MBS*DP) == 0"),
+              "use a global_batch_size (and micro_batch_sizes) with GBS % (MBS*DP) == 0",
+              doc="micro-batch sizes searched; null = the family's table"),
     Dimension("act_ckpt_layers", "act_ckpt_layers", int, 0, True, "ckpt", "ac", _count("ac"), _ckpt_words,
               "use values between 0 and the layers per pipeline stage (num_layers / PP; T5/mT5: 2 x num_layers / "
-              "PP)", least=0),
+              "PP)", least=0,
+              doc="layers per pipeline stage recomputed"),
     Dimension("engine", "engines", str, "torch", True, "engine", "saver", lambda v: ENGINE_CODES[v],
-              lambda v: f"{v} engine", "use engines=[torch]", choices=ENGINES, regime=True),
+              lambda v: f"{v} engine", "use engines=[torch]", choices=ENGINES, regime=True,
+              doc="trial engines, torch | deepspeed; null = [torch]"),
     Dimension("zero_stage", "zero_stages", int, 3, True, "ZeRO", "saver", lambda v: f"_z{v}", lambda v: f"ZeRO-{v}",
-              "choose a ZeRO stage the engine runs at this TP/PP (hp_tool/sharding.py)", choices=ZERO_STAGES),
+              "choose a ZeRO stage the engine runs at this TP/PP (hp_tool/sharding.py)", choices=ZERO_STAGES,
+              doc=("ZeRO stages 0-3 (0 DDP, 1 optimizer, 2 + gradients, 3 + parameters sharded); null = one per "
+                   "layout: the lightest that fits on the fewest trial nodes")),
     Dimension("offload", "offload", str, "none", False, "offload", "saver", lambda v: f"_{OFFLOAD_CODES[v]}",
               lambda v: f"offload {v}" if v != "none" else "no offload",
               "choose an offload the engine runs (hp_tool/sharding.py), or give gpu.host_ram_gib", choices=OFFLOADS,
-              regime=True),
+              regime=True,
+              doc=("none | optimizer | optimizer_and_params (to host RAM); null = none, and offload only for layouts "
+                   "that fit no other way")),
     Dimension("optimizer", "optimizers", str, "adamw", False, "optimizer", "saver", lambda v: OPTIMIZER_CODES[v],
               lambda v: f"{v} optimizer", "use adamw with offload, or the other optimizers without it",
-              choices=OPTIMIZERS),
+              choices=OPTIMIZERS,
+              doc="adamw | sgd | sgd_momentum | adamw_8bit (CUDA); null = [adamw]"),
     Dimension("master_weights", "master_weights", str, "fp32", False, "master", "saver",
               lambda v: "_bf16w" if v == "bf16" else "",
               lambda v: "bf16 weights and optimizer states (no fp32 master)" if v == "bf16" else "fp32 master weights",
               "use master_weights=[fp32], or bf16 with the torch engine, precision bf16 and no offload", added=True,
-              choices=MASTER_WEIGHTS),
+              choices=MASTER_WEIGHTS,
+              doc=(("what holds the trained weights: fp32 (mixed precision's fp32 masters) | bf16 (weights, gradients "
+                   "and optimizer moments in bf16, no fp32 master: torchtune's dtype=bf16; torch engine, precision "
+                   "bf16, a GPU); null = [fp32]"))),
     Dimension("act_ckpt_mode", "act_ckpt_modes", str, "full", False, "ckpt mode", "saver",
               lambda v: "_sac" if v == "selective" else "",
               lambda v: "selective checkpointing (per op)" if v == "selective" else "whole-layer checkpointing",
               "use act_ckpt_modes=[full], or selective with the torch engine and checkpointed layers", added=True,
-              choices=ACT_CKPT_MODES),
+              choices=ACT_CKPT_MODES,
+              doc=(("how checkpointed layers are recomputed: full (whole) | selective (torchtitan's per-op policy, "
+                   "keeping every second matmul's and the attention's outputs; torch engine, no CP or activation "
+                   "offload); null = full, and selective too where a layout checkpoints every layer of its stage"))),
     Dimension("loss", "losses", str, "full", False, "loss", "saver", lambda v: "_lchunk" if v == "chunked" else "",
               lambda v: "chunked loss" if v == "chunked" else "whole-logits loss",
               "use losses=[full], or chunked on the last pipeline stage's engine that runs it", added=True,
-              choices=LOSSES),
+              choices=LOSSES,
+              doc=(("full (whole logits) | chunked (output projection and cross-entropy over chunks of tokens; TP 1, "
+                   "torch); null = chunked from 8192 tokens where it runs"))),
     Dimension("activation_offload", "activation_offload", bool, False, False, "act offload", "saver", _flag("_aoff"),
               lambda v: "activations offloaded to host RAM" if v else "activations on the GPU",
               "use activation_offload=[false], or the torch engine with a host RAM figure", added=True,
-              choices=(False, True)),
+              choices=(False, True),
+              doc=(("saved activations in host RAM (torch); null = [false], and [false, true] from 16384 tokens when "
+                   "gpu.host_ram_gib is set"))),
     Dimension("compile", "compile", bool, False, False, "compile", "saver", _flag("_compiled"),
               lambda v: "torch.compile" if v else "eager",
-              "use compile=[false], or the torch engine", added=True, choices=(False, True), regime=True),
+              "use compile=[false], or the torch engine", added=True, choices=(False, True), regime=True,
+              doc=(("the layers under torch.compile (the torch engine at TP 1): null = compiled wherever the engine "
+                   "compiles the layout's layers on a GPU, eager elsewhere (DeepSpeed, TP > 1, CPU processes; the "
+                   "reason in plan.csv's note); [false, true] searches both"))),
     Dimension("fp8", "fp8", bool, False, False, "fp8", "saver", _flag("_fp8"),
               lambda v: "fp8 linears" if v else "bf16 linears",
               "use fp8=[false], or a GPU with fp8 tensor cores (H100, H200, L4, L40S) with the torch engine (no sequence "
-              "parallel) training full in bf16", added=True, choices=(False, True), regime=True),
+              "parallel) training full in bf16", added=True, choices=(False, True), regime=True,
+              doc=(("the layers' linears in Float8 (torchao): null = [false]; [false, true] searches both where the "
+                   "GPU has fp8 tensor cores (gpu.peak_tflops.fp8), the torch engine training full in bf16 (at TP > 1"
+                   " without sequence parallel)"))),
 )
 
 BY_NAME = {d.name: d for d in DIMENSIONS}
@@ -230,16 +270,19 @@ def trial_id(family: str, size_label: str, values: Mapping[str, Any], lora_rank:
     mixtral_46.7b_s4096_tp1_pp1_ep8_mbs1_...; llama_8.03b_s32768_tp2sp_pp1_cp2_mbs1_ac32_torch_z3_noff_lchunk_aoff;
     an adapter method adds its name and rank after the sequence length."""
     parts = dict.fromkeys(SLOTS, "")
+    tokens = _TOKENS
     for d in DIMENSIONS:
-        value = values.get(d.name, None if d.name == "ep" else d.default)
-        if d.name == "method" and value != "full":
+        name = d.name
+        value = values.get(name, None if name == "ep" else d.default)
+        if name == "method" and value != "full":
             parts[d.slot] += f"_{value}{lora_rank}"
             continue
-        key = (d.name, value)
-        token = _TOKENS.get(key)
-        if token is None:
-            token = _TOKENS[key] = d.token(value)
-        parts[d.slot] += token
+        try:
+            token = tokens[name, value]
+        except KeyError:
+            token = tokens[name, value] = d.token(value)
+        if token:
+            parts[d.slot] += token
     return (f"{family}_{size_label}{parts['model']}_{parts['tp']}_{parts['pp']}_{parts['mbs']}_{parts['ac']}_"
             f"{parts['saver']}")
 

@@ -17,7 +17,10 @@ anything is written.
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import json
+import os
 import re
 from dataclasses import dataclass
 from functools import lru_cache
@@ -25,6 +28,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from hp_tool.errors import ConfigError, require
+from hp_tool.fsutil import atomic_write_json
 from hp_tool.families import family, hf_model_types
 from hp_tool.families.shape import Shape
 
@@ -159,6 +163,58 @@ def load_hf_model(value: str) -> HFModel:
             f"model_type {raw.get('model_type') if isinstance(raw, dict) else None!r} is not supported",
             f"use a config of a supported model_type: {supported}")
     _check_sizes(raw, value, path)
+    facts = family(raw["model_type"])
+    for flag in facts.hf_unmodelled:
+        require(not raw.get(flag), KEY, value, f"{flag}=true describes layers hp_tool does not model for "
+                f"{raw['model_type']}", "use a config without it (the published models of this type have none)")
+    filled = _filled_facts(raw, value, path)
+    heads = raw["num_attention_heads"]
+    rope = raw.get("rope_scaling")
+    return HFModel(
+        source=value, path=str(path), config=raw, model_type=raw["model_type"],
+        num_layers=raw["num_hidden_layers"], hidden_size=raw["hidden_size"], num_attention_heads=heads,
+        vocab_size=raw["vocab_size"], max_positions=raw["max_position_embeddings"],
+        rope_scaling=rope if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) != "default" else None,
+        **filled,
+    )
+
+
+# the facts transformers fills in (``_transformers_facts``) are kept per config and transformers version in this
+# folder ($HP_TOOL_CACHE, default ~/.cache/hp_tool): reading a config with transformers imports torch and its
+# distributed tensors, seconds of a dry run that the same config.json answers the same way every time
+CACHE_ENV = "HP_TOOL_CACHE"
+
+
+def cache_dir() -> Path:
+    """Where hp_tool keeps what it derives once per input ($HP_TOOL_CACHE, default ~/.cache/hp_tool)."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "hp_tool")
+
+
+def _filled_facts(raw: dict, value: str, path: Path) -> dict[str, Any]:
+    """``_transformers_facts`` of the config, from the cache when transformers (this version) has read the same
+    config before with this code; a config it refuses is never kept, so it is refused again."""
+    try:
+        version = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        version = "none"
+    key = hashlib.sha256(json.dumps([raw, version, _CODE_DIGEST], sort_keys=True).encode()).hexdigest()[:32]
+    cached = cache_dir() / "hf_facts" / f"{key}.json"
+    try:
+        return json.loads(cached.read_text())
+    except (OSError, ValueError):
+        pass
+    filled = _transformers_facts(raw, value, path)
+    try:
+        atomic_write_json(cached, filled)
+    except OSError:  # a read-only home: read it with transformers every time
+        pass
+    return filled
+
+
+def _transformers_facts(raw: dict, value: str, path: Path) -> dict[str, Any]:
+    """The shape facts a config may leave to transformers' defaults for its model_type (kv heads, head dim,
+    tied embeddings, q/k/v biases, the sliding window, the experts' routing), as ``AutoConfig`` reads them and
+    the trial's model has them; transformers' own errors as a ``ConfigError``."""
     from transformers import AutoConfig
 
     try:
@@ -168,24 +224,15 @@ def load_hf_model(value: str) -> HFModel:
                           f"{' '.join(str(exc).split())}",
                           "check the config.json against the model's published one") from exc
     facts = family(raw["model_type"])
-    for flag in facts.hf_unmodelled:
-        require(not raw.get(flag), KEY, value, f"{flag}=true describes layers hp_tool does not model for "
-                f"{raw['model_type']}", "use a config without it (the published models of this type have none)")
     heads = raw["num_attention_heads"]
     head_dim = getattr(cfg, "head_dim", None) or raw["hidden_size"] // heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     if raw.get("num_key_value_heads") is None:  # transformers' default for this model_type: checked the same
         _check_kv_heads(raw, value, path, kv_heads)
-    rope = raw.get("rope_scaling")
     experts = _experts(cfg, value) if facts.moe else {}
-    return HFModel(
-        source=value, path=str(path), config=raw, model_type=raw["model_type"],
-        num_layers=raw["num_hidden_layers"], hidden_size=raw["hidden_size"], num_attention_heads=heads,
-        num_kv_heads=kv_heads, head_dim=head_dim,
-        ffn_hidden_size=experts.get("ffn", cfg.intermediate_size), vocab_size=raw["vocab_size"],
-        tied_embeddings=bool(cfg.tie_word_embeddings), qkv_bias=facts.hf_qkv_bias(cfg),
-        max_positions=raw["max_position_embeddings"],
-        rope_scaling=rope if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) != "default" else None,
+    return dict(
+        num_kv_heads=kv_heads, head_dim=head_dim, ffn_hidden_size=experts.get("ffn", cfg.intermediate_size),
+        tied_embeddings=bool(cfg.tie_word_embeddings), qkv_bias=bool(facts.hf_qkv_bias(cfg)),
         # transformers sets it only where it is used (Qwen2-MoE's 0 without use_sliding_window: none)
         sliding_window=getattr(cfg, "sliding_window", None) or None,
         num_experts=experts.get("num_experts", 0), top_k=experts.get("top_k", 0),
@@ -261,3 +308,6 @@ def _experts(cfg: Any, value: str) -> dict[str, int]:
     return {"num_experts": experts, "top_k": top_k,
             "ffn": getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size,
             "shared": getattr(cfg, "shared_expert_intermediate_size", 0) or 0}
+
+
+_CODE_DIGEST = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()  # this code's own: a change reads anew

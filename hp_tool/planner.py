@@ -136,10 +136,12 @@ def _require_selection(candidates: list[Candidate], ts, cluster: Cluster) -> Non
 def candidate_dimensions(c: Candidate) -> dict:
     """A candidate's value of every searched dimension (hp_tool/dimensions.py), by name: its layout's fields
     and its sequence length; experts only for a mixture of experts (None for a dense model)."""
-    fields = c.full.__dict__
-    values = {d.name: fields[d.name] for d in DIMENSIONS if d.name in fields}
-    values.update(seq_length=c.shape.seq_length, ep=c.ep if c.shape.moe else None)
-    return values
+    if c.values is None:  # a plan's tables and names read it several times for each of tens of thousands
+        fields = c.full.__dict__
+        values = {d.name: fields[d.name] for d in DIMENSIONS if d.name in fields}
+        values.update(seq_length=c.shape.seq_length, ep=c.ep if c.shape.moe else None)
+        c.values = values
+    return c.values
 
 
 def name_candidates(model: ModelChoice, candidates: list[Candidate]) -> None:

@@ -12,8 +12,8 @@ fail a reader by the order tests run in; ``--durations`` (CI lists the 30 slowes
 from __future__ import annotations
 
 import os
-
 import subprocess
+import tempfile
 
 import _posixsubprocess
 import pytest
@@ -23,6 +23,8 @@ from shared_finetune_searches import *  # noqa: E402,F401,F403
 from shared_searches import *  # noqa: E402,F401,F403
 
 BUDGET_S = float(os.environ.get("HP_TOOL_TEST_BUDGET_S", "90"))
+# what hp_tool keeps once per input (hp_tool/hf_config.py cache_dir) is this session's own, never the user's
+os.environ["HP_TOOL_CACHE"] = tempfile.mkdtemp(prefix="hp_tool_cache_")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -115,3 +115,20 @@ def test_a_list_given_is_searched_in_the_order_given():
     assert grid_values(dimensions.BY_NAME["mbs"], at) == ([4, 1, 2], "")
     assert grid_values(dimensions.BY_NAME["optimizer"], at) == (["sgd", "adamw"], "")
     assert grid_values(dimensions.BY_NAME["fp8"], at) == ([False], "")  # null and no rule: its default
+
+
+def test_train_settings_lists_come_from_the_rows_and_are_documented_once():
+    """Each row's train_settings list is the schema's field (its values' type, null by default) and its doc is the
+    one docs/configuration.md prints."""
+    import dataclasses
+    from pathlib import Path
+
+    from hp_tool.config import TrainSettings
+
+    fields = {f.name: f for f in dataclasses.fields(TrainSettings)}
+    page = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
+    for d in dimensions.DIMENSIONS:
+        f = fields[d.key]
+        assert f.default is None and f.metadata["doc"] == d.doc and d.doc, d.key
+        assert f"`search_config.train_settings.{d.key}` | List[{d.kind.__name__}] or null | `null` | " \
+               f"{d.doc.replace('|', '/')} |" in page, d.key

@@ -93,8 +93,34 @@ def test_an_error_inside_transformers_becomes_a_config_error(tmp_path, monkeypat
         raise Broken("validator said no")
 
     monkeypatch.setattr(transformers.AutoConfig, "for_model", boom)
+    monkeypatch.setenv("HP_TOOL_CACHE", str(tmp_path / "cache"))  # what no earlier read of this config answered
     err = refused(write_config(tmp_path / "m"))
     assert err.key == KEY and "validator said no" in err.problem and "Fix:" in str(err)
+
+
+@pytest.mark.e2e  # starts three processes
+def test_a_config_read_before_is_planned_without_importing_transformers(tmp_path):
+    """transformers' config classes import torch (seconds of every dry run): what they fill in is kept per config,
+    transformers version and reading code, so a second read of the same config.json needs neither, and gives the
+    same model; a changed config, or one transformers refuses, is read by transformers again."""
+    import subprocess
+    import sys
+
+    folder = write_config(tmp_path / "m", drop=("num_key_value_heads",))  # left to transformers' default (4)
+    env = {**__import__("os").environ, "HP_TOOL_CACHE": str(tmp_path / "cache")}
+    probe = ("import sys, json; from hp_tool.hf_config import load_hf_model; m = load_hf_model(sys.argv[1]); "
+             "print(json.dumps([m.num_kv_heads, m.head_dim, m.tied_embeddings, 'transformers' in sys.modules]))")
+
+    def read(path):
+        out = subprocess.run([sys.executable, "-c", probe, str(path)], env=env, capture_output=True, text=True,
+                             check=True)
+        return json.loads(out.stdout)
+
+    assert read(folder) == [4, 16, False, True]  # the first read: transformers fills the kv heads in
+    assert read(folder) == [4, 16, False, False]  # the same config again: nothing imported
+    write_config(folder, drop=("num_key_value_heads",), tie_word_embeddings=True)
+    assert read(folder) == [4, 16, True, True]  # a changed config is read anew
+    assert len(list((tmp_path / "cache" / "hf_facts").iterdir())) == 2
 
 
 def test_an_explicit_head_dim_is_kept_and_shipped_configs_still_load(tmp_path):
