@@ -375,6 +375,10 @@ class InferenceSettings:
     input_seq_len: int = 60
     output_seq_len: int = 20
     max_latency_ms: float = 1200.0
+    # limits on the serving-time model's predicted time to first token and time per output token
+    # (hp_tool/estimate/serving.py): a layout predicted to miss one is not run (plan.csv: over_slo); null = none
+    max_ttft_ms: Optional[float] = None
+    max_tpot_ms: Optional[float] = None
     top_n: int = 10
     tensor_parallel_sizes: List[int] = field(default_factory=lambda: [1, 2, 4, 8])
     pipeline_parallel_sizes: List[int] = field(default_factory=lambda: [1])
@@ -382,7 +386,7 @@ class InferenceSettings:
 
     def __post_init__(self) -> None:
         p = "search_config.inference_settings"
-        _positive(self, p, ("input_seq_len", "output_seq_len", "max_latency_ms", "top_n"))
+        _positive(self, p, ("input_seq_len", "output_seq_len", "max_latency_ms", "top_n", "max_ttft_ms", "max_tpot_ms"))
         _seq_and_vocab(p, None, self.vocab_size)
         _positive_list(self, p, ("tensor_parallel_sizes", "pipeline_parallel_sizes", "max_batch_sizes"))
         for name in ("start_id", "end_id"):

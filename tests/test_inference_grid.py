@@ -101,3 +101,36 @@ def test_planning_imports_no_torch():
     code = ("import sys; import hp_tool.inference.grid, hp_tool.inference.search, hp_tool.inference.report; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_every_layout_that_fits_carries_its_predicted_serving_time(tmp_path):
+    """GPT-3 5B on an 80 GB A100 (the preset's): one request per step is memory-bound, so TP 2 serves it faster than
+    TP 1 but with less output per GPU; a larger batch raises the throughput per GPU and the time per output token. The plan.csv
+    columns carry the figures."""
+    cfg, _ = compose(["search_config=gpt3/5b", "cluster=local", f"base_results_dir={tmp_path}",
+                      f"{IS}.max_batch_sizes=[1,4]", f"{IS}.tensor_parallel_sizes=[1,2]"])
+    plan = plan_inference(to_app_config(cfg), tmp_path)
+    t = {(c.tp, c.batch_size): c.predicted for c in plan.candidates}
+    assert t[(2, 1)].tpot_s < t[(1, 1)].tpot_s and t[(2, 1)].tokens_per_s_per_gpu < t[(1, 1)].tokens_per_s_per_gpu
+    assert t[(1, 4)].tokens_per_s_per_gpu > t[(1, 1)].tokens_per_s_per_gpu and t[(1, 4)].tpot_s >= t[(1, 1)].tpot_s
+    from hp_tool.inference.search import PREDICTED_COLUMNS, plan_csv_text
+
+    header, *rows = plan_csv_text(plan).splitlines()
+    assert all(c in header.split(",") for c in PREDICTED_COLUMNS) and all(",," not in r.split(",valid")[0] for r in rows)
+
+
+def test_slo_limits_prune_on_the_prediction_naming_the_key(tmp_path):
+    """max_tpot_ms between the layouts' predictions: the slower ones are over_slo with their number, the rest run;
+    below every prediction: a ConfigError naming the key before anything is written."""
+    base = ["gpu=h100_80gb", "search_config.train_settings.gpus_per_node=8", f"{IS}.max_batch_sizes=[1,4]"]
+    plan = plan_inference(tiny_app(tmp_path, *base), tmp_path)
+    tpots = sorted(1e3 * c.predicted.tpot_s for c in plan.candidates)
+    limit = (tpots[0] + tpots[-1]) / 2
+    pruned = plan_inference(tiny_app(tmp_path, *base, f"{IS}.max_tpot_ms={limit}"), tmp_path)
+    over = [c for c in pruned.candidates if c.status == "over_slo"]
+    assert over and all(1e3 * c.predicted.tpot_s > limit and "max_tpot_ms" in c.reason for c in over)
+    assert set(pruned.configs) == {c.config_id for c in pruned.candidates if 1e3 * c.predicted.tpot_s <= limit}
+    with pytest.raises(ConfigError) as err:
+        plan_inference(tiny_app(tmp_path, *base, f"{IS}.max_tpot_ms={tpots[0] / 2}"), tmp_path)
+    assert err.value.key == f"{IS}.max_tpot_ms" and "Fix:" in str(err.value)
+    assert not (tmp_path / "inference").exists()

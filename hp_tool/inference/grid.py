@@ -1,7 +1,10 @@
-"""The inference grid: TP x PP x batch size, the validity filter and the memory check. Pure, no torch.
+"""The inference grid: TP x PP x batch size, the validity filter, the memory check and the serving-time model's
+prediction. Pure, no torch.
 
 Every candidate keeps its verdict and the reason: ``valid``, ``invalid`` (the layout cannot be built
-for this model or node) or ``over_memory`` (predicted not to fit in one GPU's memory). The per-config
+for this model or node), ``over_memory`` (predicted not to fit in one GPU's memory) or ``over_slo`` (predicted to
+miss ``max_ttft_ms`` or ``max_tpot_ms``: hp_tool/estimate/serving.py). Every layout that can be built carries its
+predicted time to first token, time per output token, batch latency and output tokens per second per GPU. The per-config
 YAML the worker reads (:class:`InferenceJobConfig`) is defined here too, so that planning and the worker
 share one contract without the planner importing torch.
 """
@@ -16,6 +19,7 @@ from hp_tool.architectures import Shape, layer_parameters, vocab_parallel_parame
 from hp_tool.config import InferenceSettings
 from hp_tool.errors import ConfigError, require
 from hp_tool.estimate.layout import GIB, Hardware, Layout
+from hp_tool.estimate.serving import ServingGpu, ServingLayout, ServingTime, serving_time
 from hp_tool.contracts.inference import InferenceJobConfig, dump_job_config, load_job_config  # noqa: F401
 
 IS = "search_config.inference_settings"
@@ -35,9 +39,10 @@ class InferenceCandidate:
     tp: int
     pp: int
     batch_size: int
-    status: str  # valid | invalid | over_memory
+    status: str  # valid | invalid | over_memory | over_slo
     reason: Optional[str] = None
     memory_gib: Optional[float] = None  # predicted peak per GPU, GiB
+    predicted: Optional[ServingTime] = None  # the serving-time model's, for a layout that can be built
 
     @property
     def gpus(self) -> int:
@@ -118,9 +123,34 @@ def memory_gib(shape: Shape, settings: InferenceSettings, tp: int, pp: int, batc
     return total / GIB + hw.memory_overhead_gib
 
 
+def serving_gpu(hw: Hardware, precision: str) -> ServingGpu:
+    """The serving-time model's view of the cluster's GPU: its peak in the served precision (and fp8's)."""
+    return ServingGpu(hw.gpu_memory_gib, hw.memory_bandwidth_gbps, {precision: hw.peak_tflops, "fp8": hw.fp8_peak_tflops},
+                      hw.intra_node_bandwidth_gbps, hw.memory_overhead_gib)
+
+
+def predict(shape: Shape, settings: InferenceSettings, tp: int, pp: int, batch: int, hw: Hardware,
+            precision: str) -> ServingTime:
+    """The serving-time model's TTFT, TPOT, latency and throughput of a layout serving ``batch`` requests of the
+    settings' lengths in the served precision (weights and KV cache)."""
+    layout = ServingLayout(tp, pp, batch, settings.input_seq_len, settings.output_seq_len, precision, precision)
+    return serving_time(shape, layout, serving_gpu(hw, precision))
+
+
+def slo_problem(settings: InferenceSettings, predicted: ServingTime) -> Optional[str]:
+    """Why a layout's prediction misses the settings' limits on time to first token or time per output token (the
+    batch latency bound, max_latency_ms, judges the measured results), or None."""
+    for key, limit, value in (("max_ttft_ms", settings.max_ttft_ms, predicted.ttft_s),
+                              ("max_tpot_ms", settings.max_tpot_ms, predicted.tpot_s)):
+        if limit is not None and 1e3 * value > limit:
+            return f"predicted {key[4:].upper()} {1e3 * value:.4g} ms > {key}={limit:g}"
+    return None
+
+
 def build_grid(shape: Shape, label: str, settings: InferenceSettings, hw: Hardware,
-               bytes_per_value: int) -> list[InferenceCandidate]:
-    """Every TP x PP x batch candidate with its verdict, in (TP, PP, batch) order."""
+               bytes_per_value: int, precision: Optional[str] = None) -> list[InferenceCandidate]:
+    """Every TP x PP x batch candidate with its verdict and prediction, in (TP, PP, batch) order."""
+    precision = precision or ("fp32" if bytes_per_value == FP32_BYTES else "bf16")
     out = []
     for tp in sorted(set(settings.tensor_parallel_sizes)):
         for pp in sorted(set(settings.pipeline_parallel_sizes)):
@@ -131,20 +161,30 @@ def build_grid(shape: Shape, label: str, settings: InferenceSettings, hw: Hardwa
                     out.append(InferenceCandidate(cid, tp, pp, bs, "invalid", problem))
                     continue
                 need = memory_gib(shape, settings, tp, pp, bs, hw, bytes_per_value)
+                predicted = predict(shape, settings, tp, pp, bs, hw, precision)
+                slo = slo_problem(settings, predicted)
                 if need > hw.gpu_memory_gib:
                     reason = f"needs {need:.2f} GiB per GPU, more than the {hw.gpu_memory_gib:g} GiB available"
-                    out.append(InferenceCandidate(cid, tp, pp, bs, "over_memory", reason, need))
+                    out.append(InferenceCandidate(cid, tp, pp, bs, "over_memory", reason, need, predicted))
+                elif slo:
+                    out.append(InferenceCandidate(cid, tp, pp, bs, "over_slo", slo, need, predicted))
                 else:
-                    out.append(InferenceCandidate(cid, tp, pp, bs, "valid", None, need))
+                    out.append(InferenceCandidate(cid, tp, pp, bs, "valid", None, need, predicted))
     return out
 
 
 def plan_grid(shape: Shape, label: str, settings: InferenceSettings, hw: Hardware,
-              bytes_per_value: int) -> list[InferenceCandidate]:
+              bytes_per_value: int, precision: Optional[str] = None) -> list[InferenceCandidate]:
     """The checked grid; ConfigError when the settings leave nothing that can run."""
     shape = inference_shape(shape, settings)
     check_settings(shape, settings, hw.gpus_per_node)
-    grid = build_grid(shape, label, settings, hw, bytes_per_value)
+    grid = build_grid(shape, label, settings, hw, bytes_per_value, precision)
+    if not any(c.status == "valid" for c in grid) and any(c.status == "over_slo" for c in grid):
+        near = min((c for c in grid if c.status == "over_slo"), key=lambda c: c.predicted.ttft_s + c.predicted.tpot_s)
+        key = "max_ttft_ms" if "TTFT" in near.reason else "max_tpot_ms"
+        raise ConfigError(f"{IS}.{key}", getattr(settings, key),
+                          f"no layout that fits is predicted to meet it (nearest: {near.config_id}, {near.reason})",
+                          f"raise {key}, or search smaller batch sizes or larger TP")
     if not any(c.status == "valid" for c in grid):
         smallest = min((c for c in grid if c.memory_gib is not None), key=lambda c: c.memory_gib)
         raise ConfigError(f"{IS}.max_batch_sizes", settings.max_batch_sizes,

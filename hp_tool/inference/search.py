@@ -60,7 +60,7 @@ def plan_inference(app: AppConfig, results_dir: Path) -> InferencePlan:
     inf, ts = app.search_config.inference_settings, app.search_config.train_settings
     precision = training_precision(app)
     bytes_per_value = FP32_BYTES if precision == "fp32" else HALF_BYTES
-    grid = plan_grid(model.shape, model.label, inf, cluster.hw, bytes_per_value)
+    grid = plan_grid(model.shape, model.label, inf, cluster.hw, bytes_per_value, precision)
     spec = dataclasses.replace(model_spec(model.shape, model.num_parameters), vocab_size=inf.vocab_size)
     root = Path(results_dir) / "inference"
     configs = {
@@ -85,7 +85,7 @@ def collect_rows(plan: InferencePlan) -> list[dict]:
     rows = []
     for c in plan.candidates:
         row: dict[str, Any] = {"config_id": c.config_id, "tp": c.tp, "pp": c.pp, "batch_size": c.batch_size,
-                               "num_gpus": c.gpus, "predicted_memory_gib": c.memory_gib}
+                               "num_gpus": c.gpus, "predicted_memory_gib": c.memory_gib, **predicted_columns(c)}
         result = report.read_result(plan.root / c.config_id) if c.status == "valid" else None
         expected = plan.configs[c.config_id].fingerprint() if c.status == "valid" else None
         if result is None:
@@ -115,8 +115,20 @@ def write_summary(app: AppConfig, plan: InferencePlan, results_dir: Path):
     return frame
 
 
-PLAN_COLUMNS = ("config_id", "tp", "pp", "batch_size", "num_gpus", "predicted_memory_gib", "plan_status",
-                "fingerprint", "reason")
+PREDICTED_COLUMNS = ("predicted_ttft_ms", "predicted_tpot_ms", "predicted_latency_ms", "predicted_tokens_per_s_per_gpu")
+PLAN_COLUMNS = ("config_id", "tp", "pp", "batch_size", "num_gpus", "predicted_memory_gib", *PREDICTED_COLUMNS,
+                "plan_status", "fingerprint", "reason")
+
+
+def predicted_columns(c: InferenceCandidate) -> dict[str, Optional[float]]:
+    """The serving-time model's TTFT, TPOT and batch latency (ms) and output tokens/s per GPU of a candidate (None
+    where the layout cannot be built)."""
+    t = c.predicted
+    if t is None:
+        return dict.fromkeys(PREDICTED_COLUMNS)
+    return {"predicted_ttft_ms": round(1e3 * t.ttft_s, 4), "predicted_tpot_ms": round(1e3 * t.tpot_s, 4),
+            "predicted_latency_ms": round(1e3 * t.latency_s, 4),
+            "predicted_tokens_per_s_per_gpu": round(t.tokens_per_s_per_gpu, 3)}
 
 
 def plan_csv_text(plan: InferencePlan) -> str:
@@ -128,6 +140,7 @@ def plan_csv_text(plan: InferencePlan) -> str:
         cfg = plan.configs.get(c.config_id)
         writer.writerow({"config_id": c.config_id, "tp": c.tp, "pp": c.pp, "batch_size": c.batch_size,
                          "num_gpus": c.gpus, "predicted_memory_gib": "" if c.memory_gib is None else round(c.memory_gib, 4),
+                         **{k: "" if v is None else v for k, v in predicted_columns(c).items()},
                          "plan_status": c.status, "fingerprint": cfg.fingerprint() if cfg else "",
                          "reason": c.reason or ""})
     return buf.getvalue()

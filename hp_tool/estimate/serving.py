@@ -1,0 +1,209 @@
+"""The serving-time model: how fast a layout serves requests, one function per term. Pure, no torch.
+
+A server holds the model's weights split over TP x PP GPUs and a KV cache of the requests in flight. For a batch
+of ``concurrency`` requests of ``input_len`` prompt and ``output_len`` generated tokens:
+
+- prefill (``prefill_s``): the prompts' forward pass, compute-bound: 2 FLOPs per active parameter per token plus
+  the causal attention, quadratic in the prompt, at a fraction of the GPU's dense peak in the weights' precision;
+  no faster than reading the weights once;
+- decode (``decode_step_s``): one token for every request, memory-bound at serving batch sizes: each step reads the
+  weights a token touches (a mixture of experts: the experts some request of the batch routes to) and every
+  request's KV cache, per TP rank, at a fraction of the GPU's memory bandwidth; compute-bound once the batch's
+  FLOPs take longer than that;
+- TP (``tp_allreduce_s``): two all-reduces of the step's hidden states per layer, latency-bound at small batch;
+- PP (``pp_handoff_s``): a request's hidden states handed from stage to stage, its stages run one after another;
+- KV cache capacity (``kv_capacity_tokens``): what the GPU holds beside the weights and the framework's overhead,
+  at the KV cache's precision; the largest concurrency that fits (``max_concurrency``);
+- quantised weights (fp8, int8, int4, fp4: bytes per parameter, and the peak the GEMMs run at) and the KV cache's
+  precision (bf16 / fp16 / fp8).
+
+``serving_time`` puts them together: time to first token (the batch's prefill), time per output token (a decode
+step at the mean context), request latency (prefill plus ``output_len - 1`` steps) and output tokens per second,
+of the system and per GPU. The efficiencies (``ServingEfficiency``) are fitted on published serving runs
+(benchmarks/published_serving_runs.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from hp_tool.architectures import active_parameters, count_parameters, expert_parameters
+from hp_tool.families.shape import Shape
+
+GIB = 2 ** 30
+# bytes per weight by the served model's weight format
+WEIGHT_BYTES = {"bf16": 2.0, "fp16": 2.0, "fp32": 4.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5, "fp4": 0.5}
+KV_BYTES = {"bf16": 2.0, "fp16": 2.0, "fp32": 4.0, "fp8": 1.0}
+# the dense peak a weight format's GEMMs run at (the peak_tflops key): fp8 on fp8 tensor cores; weight-only int8 /
+# int4 dequantise into 16-bit GEMMs
+GEMM_PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32", "fp8": "fp8", "int8": "fp16", "int4": "fp16",
+                  "fp4": "fp8"}
+WEIGHT_FORMATS = tuple(WEIGHT_BYTES)
+KV_FORMATS = tuple(KV_BYTES)
+
+
+@dataclass(frozen=True)
+class ServingGpu:
+    """What the model reads of a GPU: its memory, its memory bandwidth, its dense peaks by precision and its
+    NVLink bandwidth (all per GPU)."""
+
+    memory_gib: float
+    memory_bandwidth_gbps: float  # GB/s
+    peak_tflops: dict  # precision -> dense TFLOPS (None where the GPU has none)
+    intra_node_bandwidth_gbps: float  # GB/s per direction
+    memory_overhead_gib: float = 3.0  # the framework's own: CUDA context, allocator, communication buffers
+
+    def peak(self, weights: str) -> float:
+        """The dense peak the GEMMs of ``weights`` run at: its precision's, else 16-bit's."""
+        return self.peak_tflops.get(GEMM_PRECISION[weights]) or self.peak_tflops.get("fp16") or \
+            self.peak_tflops["bf16"]
+
+
+@dataclass(frozen=True)
+class ServingEfficiency:
+    """The fractions of the GPU's peaks a serving engine reaches, and its fixed costs (fitted on published runs:
+    benchmarks/published_serving_runs.py)."""
+
+    bandwidth: float = 0.75  # of the memory bandwidth, a decode step's reads
+    compute: float = 0.55  # of the dense peak, the prefill's GEMMs and attention
+    allreduce_s: float = 8e-6  # one all-reduce's latency within a node (NVLink)
+    step_s: float = 2e-4  # a step's fixed cost (kernel launches, sampling, the scheduler)
+    memory_utilization: float = 0.9  # of the GPU's memory the engine takes for weights and KV cache (vLLM's default)
+
+
+@dataclass(frozen=True)
+class ServingLayout:
+    """One serving layout: its parallel degrees, the requests in flight and their lengths, the weights' and the KV
+    cache's formats."""
+
+    tp: int
+    pp: int
+    concurrency: int  # requests in flight (a static batch's size, a continuous-batching server's running ones)
+    input_len: int
+    output_len: int
+    weights: str = "bf16"  # WEIGHT_FORMATS
+    kv_cache: str = "bf16"  # KV_FORMATS
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp
+
+
+@dataclass(frozen=True)
+class ServingTime:
+    """The model's prediction for a layout (seconds, tokens per second)."""
+
+    ttft_s: float  # time to first token: the batch's prefill
+    tpot_s: float  # time per output token: a decode step at the mean context
+    latency_s: float  # a request's: prefill and output_len - 1 decode steps
+    tokens_per_s: float  # output tokens per second of the whole layout
+    tokens_per_s_per_gpu: float
+    weights_gib: float  # per GPU
+    kv_cache_gib: float  # per GPU, at this concurrency and the full length
+    max_concurrency: int  # requests of this length the KV cache holds
+
+    @property
+    def memory_gib(self) -> float:
+        return self.weights_gib + self.kv_cache_gib
+
+
+def weight_bytes_per_gpu(shape: Shape, layout: ServingLayout) -> float:
+    """The weights one GPU holds: the whole model split over TP x PP, in the weights' format."""
+    return count_parameters(shape) * WEIGHT_BYTES[layout.weights] / layout.gpus
+
+
+def kv_bytes_per_token(shape: Shape, layout: ServingLayout) -> float:
+    """KV cache of one token on one GPU: keys and values of its stage's layers, its TP share of the kv heads (a
+    kv head is never split: with TP above the kv heads each rank keeps one)."""
+    kv_heads = max(1.0, shape.num_kv_heads / layout.tp)
+    return 2 * (shape.num_layers / layout.pp) * kv_heads * shape.head_dim * KV_BYTES[layout.kv_cache]
+
+
+def kv_capacity_tokens(shape: Shape, layout: ServingLayout, gpu: ServingGpu, eff: ServingEfficiency) -> float:
+    """Tokens the KV cache holds on the busiest GPU: the engine's share of its memory less the weights and the
+    framework's overhead (0 when the weights do not fit)."""
+    free = gpu.memory_gib * eff.memory_utilization * GIB - weight_bytes_per_gpu(shape, layout) - \
+        gpu.memory_overhead_gib * GIB
+    return max(0.0, free / kv_bytes_per_token(shape, layout))
+
+
+def max_concurrency(shape: Shape, layout: ServingLayout, gpu: ServingGpu, eff: ServingEfficiency) -> int:
+    """Requests of the layout's full length (prompt and output) the KV cache holds at once."""
+    return int(kv_capacity_tokens(shape, layout, gpu, eff) // (layout.input_len + layout.output_len))
+
+
+def touched_weight_parameters(shape: Shape, batch: int) -> float:
+    """Parameters a decode step over ``batch`` tokens reads: all of a dense model; of a mixture of experts, what
+    every token runs through and, per layer, the experts some token routes to (the expected number of distinct
+    experts ``batch`` tokens picking ``top_k`` each touch, uniformly routed)."""
+    if not shape.moe:
+        return float(count_parameters(shape))
+    experts = shape.num_experts
+    per_expert = expert_parameters(shape) / experts
+    touched = experts * (1 - (1 - shape.top_k / experts) ** batch)
+    dense = count_parameters(shape) - shape.num_layers * expert_parameters(shape)
+    return dense + shape.num_layers * touched * per_expert
+
+
+def attention_flops(shape: Shape, queries: int, context: float) -> float:
+    """FLOPs of the attention scores and their weighted sum for ``queries`` tokens over ``context`` keys each."""
+    return 4 * shape.num_layers * queries * context * shape.num_attention_heads * shape.head_dim
+
+
+def prefill_s(shape: Shape, layout: ServingLayout, gpu: ServingGpu, eff: ServingEfficiency) -> float:
+    """The prompts' forward pass: its FLOPs (2 per active parameter per token, and the causal attention over the
+    prompt, half the square) over the layout's TP ranks at ``eff.compute`` of the peak, the pipeline's stages one
+    after another; at least one read of the weights; with its TP all-reduces and PP hand-offs."""
+    tokens = layout.concurrency * layout.input_len
+    flops = 2 * active_parameters(shape) * tokens + attention_flops(shape, tokens, layout.input_len / 2)
+    compute = flops / (layout.tp * gpu.peak(layout.weights) * 1e12 * eff.compute)
+    read = weight_bytes_per_gpu(shape, layout) * layout.pp / (gpu.memory_bandwidth_gbps * 1e9 * eff.bandwidth)
+    return max(compute, read) + tp_allreduce_s(shape, layout, tokens, gpu, eff) + \
+        pp_handoff_s(shape, layout, tokens, gpu, eff) + eff.step_s
+
+
+def decode_step_s(shape: Shape, layout: ServingLayout, gpu: ServingGpu, eff: ServingEfficiency,
+                  context: Optional[float] = None) -> float:
+    """One generated token for every request in flight: the weights it touches and every request's KV cache at
+    ``context`` tokens (default: the mean over the output, input + output / 2) read per TP rank at ``eff.bandwidth``
+    of the memory bandwidth, or its FLOPs at ``eff.compute`` of the peak when they take longer; the pipeline's
+    stages one after another; with its TP all-reduces and PP hand-offs and the step's fixed cost."""
+    batch = layout.concurrency
+    context = layout.input_len + layout.output_len / 2 if context is None else context
+    weights = touched_weight_parameters(shape, batch) * WEIGHT_BYTES[layout.weights] / layout.tp
+    kv = batch * context * kv_bytes_per_token(shape, layout) * layout.pp
+    read = (weights + kv) / (gpu.memory_bandwidth_gbps * 1e9 * eff.bandwidth)
+    flops = 2 * active_parameters(shape) * batch + attention_flops(shape, batch, context)
+    compute = flops / (layout.tp * gpu.peak(layout.weights) * 1e12 * eff.compute)
+    return max(read, compute) + tp_allreduce_s(shape, layout, batch, gpu, eff) + \
+        pp_handoff_s(shape, layout, batch, gpu, eff) + eff.step_s
+
+
+def tp_allreduce_s(shape: Shape, layout: ServingLayout, tokens: int, gpu: ServingGpu,
+                   eff: ServingEfficiency) -> float:
+    """Two all-reduces per layer of ``tokens`` tokens' hidden states (16-bit) over the TP ranks: each a latency
+    and the ring's 2(TP-1)/TP of the bytes over NVLink; none without TP."""
+    if layout.tp == 1:
+        return 0.0
+    volume = tokens * shape.hidden_size * 2 * 2 * (layout.tp - 1) / layout.tp
+    return 2 * shape.num_layers * (eff.allreduce_s + volume / (gpu.intra_node_bandwidth_gbps * 1e9))
+
+
+def pp_handoff_s(shape: Shape, layout: ServingLayout, tokens: int, gpu: ServingGpu, eff: ServingEfficiency) -> float:
+    """PP - 1 hand-offs of ``tokens`` tokens' hidden states (16-bit) from a stage to the next."""
+    volume = tokens * shape.hidden_size * 2 / layout.tp
+    return (layout.pp - 1) * (eff.allreduce_s + volume / (gpu.intra_node_bandwidth_gbps * 1e9))
+
+
+def serving_time(shape: Shape, layout: ServingLayout, gpu: ServingGpu,
+                 eff: ServingEfficiency = ServingEfficiency()) -> ServingTime:
+    """TTFT, TPOT, request latency and throughput of ``layout`` (module docstring). The pipeline serves one batch
+    at a time here: its stages take turns, so PP adds memory, not speed."""
+    ttft = prefill_s(shape, layout, gpu, eff)
+    tpot = decode_step_s(shape, layout, gpu, eff)
+    latency = ttft + (layout.output_len - 1) * tpot
+    tokens = layout.concurrency * layout.output_len / latency
+    kv = layout.concurrency * (layout.input_len + layout.output_len) * kv_bytes_per_token(shape, layout)
+    return ServingTime(ttft, tpot, latency, tokens, tokens / layout.gpus, weight_bytes_per_gpu(shape, layout) / GIB,
+                       kv / GIB, max_concurrency(shape, layout, gpu, eff))
