@@ -47,7 +47,6 @@ sources when it is left out.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import statistics
 import sys
@@ -58,8 +57,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # published_rows
 
 from benchmarks.published_runs import MEMORY_MARGIN, RANK_TIE, rank_pairs  # noqa: E402
+from published_rows import Unexpressible, print_unexpressible, rows_of, value  # noqa: E402,F401
 from hp_tool.architectures import count_parameters  # noqa: E402
 from hp_tool.base_config import lora_targets, resolve_cluster  # noqa: E402
 from hp_tool.cli import compose  # noqa: E402
@@ -139,21 +140,8 @@ TARGET_NAMES = {"output_proj": ("o_proj",), "mlp": ("gate_proj", "up_proj", "dow
                 "w1": ("gate_proj",), "w2": ("up_proj",)}
 
 
-class Unexpressible(Exception):
-    """A row hp_tool cannot ask: ``kind`` groups the rows in the summary, ``detail`` says what of this one."""
-
-    def __init__(self, kind: str, detail: str = ""):
-        super().__init__(f"{kind}: {detail}" if detail else kind)
-        self.kind, self.detail = kind, detail
-
-
-def value(x: Any) -> Any:
-    """A field's value: the rows write inferred values as {"value": ..., "inferred": true, "from": ...}."""
-    return x.get("value") if isinstance(x, dict) and "value" in x else x
-
-
 def load_rows(path: Path = DATA) -> list[dict]:
-    return json.loads(Path(path).read_text())["rows"]
+    return rows_of(path)
 
 
 # ------------------------------------------------------------------------------------------ the question
@@ -682,14 +670,7 @@ def print_summaries(card: Scorecard) -> None:
             print(f"- verdict not judged: {s.case.id} ({'fits' if s.fits else 'does not fit'} predicted, "
                   f"{'ran' if s.case.measured_fits else 'OOM'} measured): {s.case.verdict_why}")
 
-    print(f"\nNot expressible: {len(card.unexpressible)} rows\n")
-    by_kind: dict[str, list[str]] = defaultdict(list)
-    for row_id, _, kind, _ in card.unexpressible:
-        by_kind[kind].append(row_id)
-    for kind, ids in sorted(by_kind.items(), key=lambda kv: (-len(kv[1]), kv[0])):
-        details = sorted({d for i, _, k, d in card.unexpressible if k == kind and d})
-        shown = f" ({'; '.join(details[:4])}{'; ...' if len(details) > 4 else ''})" if details else ""
-        print(f"- {kind}: {len(ids)} rows{shown}")
+    print_unexpressible(card.unexpressible)
 
 
 @dataclass(frozen=True)

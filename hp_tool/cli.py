@@ -127,18 +127,29 @@ def run(app: AppConfig, search_name: str, out: Optional[Path] = None, plans: Opt
         backend = _launch_backend(app, plan)
     if plans is not None:
         plans.append(plan)
+    serving = None
+    if app.run_inference_hp_search:  # its settings checked before anything is written, dry run or not
+        from hp_tool.inference.search import plan_inference
+
+        serving = plan_inference(app, out)
     with ResultsLock(out).acquire(app.wait_for_lock):
-        return _write_and_search(app, plan, search_name, out, backend)
+        return _write_and_search(app, plan, search_name, out, backend, serving)
 
 
 def _write_and_search(app: AppConfig, plan: Plan, search_name: str, out: Path,
-                      backend: Optional["Backend"]) -> int:
-    """Under the results folder's lock: write the plan, then search (unless dry_run)."""
+                      backend: Optional["Backend"], serving=None) -> int:
+    """Under the results folder's lock: write the plan (and the inference search's, ``serving``), then search (unless
+    dry_run)."""
     handler = _log_to_file(out)
     try:
         write_plan(plan)
         print(render_plan(plan), flush=True)
         if app.dry_run:
+            if serving is not None:
+                from hp_tool.inference.search import plan_summary, write_configs
+
+                write_configs(serving)
+                print(plan_summary(serving), flush=True)
             log.info("Dry run: plan written to %s; no job submitted.", out)
             return 0
         code = 0
@@ -149,7 +160,7 @@ def _write_and_search(app: AppConfig, plan: Plan, search_name: str, out: Path,
         if app.run_inference_hp_search:
             from hp_tool.inference.search import run_inference_search  # not on the dry-run path either
 
-            code = max(code, run_inference_search(app, search_name, out))
+            code = max(code, run_inference_search(app, search_name, out, serving))
         return code
     finally:
         logging.getLogger().removeHandler(handler)

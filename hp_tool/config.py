@@ -27,6 +27,7 @@ from hp_tool.sharding import checkpoint_mode_problem
 from hp_tool.vocab import trial_device  # noqa: F401 - re-exported: the planner's callers ask it here
 from hp_tool.dimensions import DIMENSIONS
 from hp_tool.recipe import LORA_DROPOUT
+from hp_tool.contracts.inference import INFERENCE_ENGINES
 from hp_tool.engine_facts import engine_facts
 from hp_tool.vocab import CLUSTER_TYPES, FINETUNE, MEMORY_CHECKS, PRECISIONS, STRATEGIES
 
@@ -379,6 +380,11 @@ class InferenceSettings:
     # (hp_tool/estimate/serving.py): a layout predicted to miss one is not run (plan.csv: over_slo); null = none
     max_ttft_ms: Optional[float] = None
     max_tpot_ms: Optional[float] = None
+    # what serves each layout: hp_tool (its own decode loop: CPU runs and tests) | vllm (`vllm bench latency` with
+    # the layout's flags, where vLLM is installed on the nodes; the report prints the `vllm serve` line of the pick)
+    engine: str = "hp_tool"
+    # the checkpoint vLLM loads (a hub id or a local directory); null = a fine-tuning preset's model.hf_config
+    model_path: Optional[str] = None
     top_n: int = 10
     tensor_parallel_sizes: List[int] = field(default_factory=lambda: [1, 2, 4, 8])
     pipeline_parallel_sizes: List[int] = field(default_factory=lambda: [1])
@@ -389,6 +395,8 @@ class InferenceSettings:
         _positive(self, p, ("input_seq_len", "output_seq_len", "max_latency_ms", "top_n", "max_ttft_ms", "max_tpot_ms"))
         _seq_and_vocab(p, None, self.vocab_size)
         _positive_list(self, p, ("tensor_parallel_sizes", "pipeline_parallel_sizes", "max_batch_sizes"))
+        require(self.engine in INFERENCE_ENGINES, f"{p}.engine", self.engine, "is not an inference engine",
+                f"use one of {list(INFERENCE_ENGINES)}")
         for name in ("start_id", "end_id"):
             value = getattr(self, name)
             require(0 <= value < self.vocab_size, f"{p}.{name}", value,
@@ -481,7 +489,7 @@ class AppConfig:
                 "the formula), or null for traced when trials launch and analytic for dry runs")
         name = self.search_config.model_family
         covered = [n for n in family_names() if family(n).inference]
-        searched = name != FINETUNE and family(name).inference
+        searched = name == FINETUNE or family(name).inference  # a fine-tuning model's family: plan_inference's check
         require(not self.run_inference_hp_search or searched, "run_inference_hp_search",
                 self.run_inference_hp_search, f"the inference search covers decoder-only families ({covered}), not {name}",
                 f"set run_inference_hp_search=false (the training search runs for it), or search a config of "

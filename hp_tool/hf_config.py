@@ -48,6 +48,31 @@ MAY_BE_ZERO = ("shared_expert_intermediate_size",)  # 0: no shared expert
 OPTIONAL_SIZE_KEYS = ("num_key_value_heads", "head_dim")
 
 
+# the Hugging Face repository each shipped config was copied from (hf_configs/README.md): the checkpoint a server
+# loads for it; tiny and tiny_moe are hp_tool's own shapes, with no checkpoint
+SHIPPED_REPOS = {
+    "llama2_7b": "meta-llama/Llama-2-7b-hf", "llama2_13b": "meta-llama/Llama-2-13b-hf",
+    "llama2_70b": "meta-llama/Llama-2-70b-hf", "llama3_8b": "meta-llama/Meta-Llama-3-8B",
+    "llama3_1_8b": "meta-llama/Llama-3.1-8B", "mistral_7b": "mistralai/Mistral-7B-v0.1",
+    "qwen2_5_7b": "Qwen/Qwen2.5-7B", "qwen3_8b": "Qwen/Qwen3-8B", "qwen3_0_6b": "Qwen/Qwen3-0.6B",
+    "phi3_mini_4k": "microsoft/Phi-3-mini-4k-instruct", "gemma2_9b": "google/gemma-2-9b",
+    "gemma3_1b": "google/gemma-3-1b-pt", "gemma3_12b": "google/gemma-3-12b-pt", "qwen3_30b_a3b": "Qwen/Qwen3-30B-A3B",
+    "mixtral_8x7b": "mistralai/Mixtral-8x7B-v0.1", "mixtral_8x22b": "mistralai/Mixtral-8x22B-v0.1",
+    "qwen1_5_moe_a2_7b": "Qwen/Qwen1.5-MoE-A2.7B",
+}
+
+
+def checkpoint_of(hf: "HFModel") -> Optional[str]:
+    """The checkpoint a server loads for this config: a shipped config's Hugging Face repository, a hub id as given,
+    the folder of a local config.json (a checkpoint saved with it); None for hp_tool's own shapes."""
+    path = Path(hf.path)
+    if path.is_relative_to(SHIPPED):
+        return SHIPPED_REPOS.get(path.parent.name)
+    if hf.source.count("/") == 1 and not Path(hf.source).exists():
+        return hf.source
+    return str(path.parent)
+
+
 def shipped_configs() -> list[str]:
     """Names of the configs shipped with hp_tool (``model.hf_config=<name>``)."""
     return sorted(p.parent.name for p in SHIPPED.glob("*/config.json"))

@@ -104,14 +104,15 @@ def test_planning_imports_no_torch():
 
 
 def test_every_layout_that_fits_carries_its_predicted_serving_time(tmp_path):
-    """GPT-3 5B on an 80 GB A100 (the preset's): one request per step is memory-bound, so TP 2 serves it faster than
-    TP 1 but with less output per GPU; a larger batch raises the throughput per GPU and the time per output token. The plan.csv
-    columns carry the figures."""
+    """GPT-3 5B on an 80 GB A100 (the preset's): TP 2 holds half the weights per GPU and, at one request per step,
+    gives less output per GPU than TP 1; a larger batch raises the throughput per GPU and the time per output token.
+    The plan.csv columns carry the figures."""
     cfg, _ = compose(["search_config=gpt3/5b", "cluster=local", f"base_results_dir={tmp_path}",
                       f"{IS}.max_batch_sizes=[1,4]", f"{IS}.tensor_parallel_sizes=[1,2]"])
     plan = plan_inference(to_app_config(cfg), tmp_path)
     t = {(c.tp, c.batch_size): c.predicted for c in plan.candidates}
-    assert t[(2, 1)].tpot_s < t[(1, 1)].tpot_s and t[(2, 1)].tokens_per_s_per_gpu < t[(1, 1)].tokens_per_s_per_gpu
+    assert t[(2, 1)].weights_gib == pytest.approx(t[(1, 1)].weights_gib / 2)
+    assert t[(2, 1)].tokens_per_s_per_gpu < t[(1, 1)].tokens_per_s_per_gpu
     assert t[(1, 4)].tokens_per_s_per_gpu > t[(1, 1)].tokens_per_s_per_gpu and t[(1, 4)].tpot_s >= t[(1, 1)].tpot_s
     from hp_tool.inference.search import PREDICTED_COLUMNS, plan_csv_text
 

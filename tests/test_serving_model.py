@@ -21,13 +21,13 @@ MIXTRAL = load_hf_model("mixtral_8x7b").shape(4096)
 
 def test_a_batch_of_one_decodes_at_the_memory_bandwidth():
     """Llama-2-7B in bf16 on one H100, one request: each step reads the 13.5 GB of weights (and a little KV
-    cache) at 75% of 3.35 TB/s, about 5.4 ms, and fp8 weights read half of them."""
+    cache) at the fitted fraction of 3.35 TB/s, about 5.3 ms, and fp8 weights read half of them."""
     layout = ServingLayout(1, 1, 1, 128, 128)
     weights_s = count_parameters(LLAMA7B) * 2 / (3350e9 * EFF.bandwidth)
     step = decode_step_s(LLAMA7B, layout, H100, EFF)
-    assert weights_s < step < 1.05 * weights_s + EFF.step_s
+    assert weights_s < step - EFF.step_s < 1.05 * weights_s
     fp8 = decode_step_s(LLAMA7B, dataclasses.replace(layout, weights="fp8"), H100, EFF)
-    assert 0.45 < fp8 / step < 0.55
+    assert 0.45 < (fp8 - EFF.step_s) / (step - EFF.step_s) < 0.55
 
 
 def test_larger_batches_share_the_weights_until_compute_binds():
@@ -43,13 +43,18 @@ def test_larger_batches_share_the_weights_until_compute_binds():
 
 
 def test_tp_splits_the_reads_and_adds_two_all_reduces_a_layer():
+    """At batch 1 a TP 2 step reads half the weights per GPU and adds 64 all-reduces (two per layer): with
+    all-reduces free it takes about half as long, with the fitted latency it pays them."""
     one = ServingLayout(1, 1, 1, 128, 128)
     two = dataclasses.replace(one, tp=2)
     assert tp_allreduce_s(LLAMA7B, one, 1, H100, EFF) == 0.0
     assert tp_allreduce_s(LLAMA7B, two, 1, H100, EFF) == pytest.approx(2 * 32 * EFF.allreduce_s, rel=0.01)
-    t1, t2 = serving_time(LLAMA7B, one, H100), serving_time(LLAMA7B, two, H100)
-    assert 0.5 * t1.tpot_s < t2.tpot_s < 0.65 * t1.tpot_s  # half the reads, plus 64 all-reduces
-    assert t2.tokens_per_s_per_gpu < t1.tokens_per_s_per_gpu  # per GPU, TP at batch 1 costs
+    free = dataclasses.replace(EFF, allreduce_s=0.0, step_s=0.0)
+    t1, t2 = serving_time(LLAMA7B, one, H100, free), serving_time(LLAMA7B, two, H100, free)
+    assert 0.5 * t1.tpot_s < t2.tpot_s < 0.52 * t1.tpot_s  # half the reads (and a 16-bit all-reduce's bytes)
+    paid = serving_time(LLAMA7B, two, H100, EFF).tpot_s - serving_time(LLAMA7B, two, H100, free).tpot_s
+    assert paid == pytest.approx(64 * EFF.allreduce_s + EFF.step_s, rel=0.01)
+    assert serving_time(LLAMA7B, two, H100).tokens_per_s_per_gpu < serving_time(LLAMA7B, one, H100).tokens_per_s_per_gpu
 
 
 def test_pp_adds_memory_room_not_speed():

@@ -12,7 +12,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from hp_tool.contracts.result import blank_result
 from hp_tool.contracts.spec import ModelSpec
@@ -46,13 +46,21 @@ class InferenceJobConfig:
     seed: int = 1234  # weights and prompt
     precision: str = "bf16"  # bf16 | fp16 | fp32 on GPU; the CPU always runs fp32
     max_minutes: float = 10.0  # the job's time limit
+    engine: str = "hp_tool"  # what serves it (INFERENCE_ENGINES): hp_tool's own decode loop, or vLLM's benchmark
+    model_path: Optional[str] = None  # vLLM: the checkpoint it loads (a hub id or a local directory)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     def fingerprint(self) -> str:
-        """Hash of everything that changes what this config measures (not its id or output folder)."""
-        return fingerprint_of({k: v for k, v in self.to_dict().items() if k not in ("config_id", "output_dir")})
+        """Hash of everything that changes what this config measures (not its id or output folder; the fields added
+        since configs were first written only where they differ from what those ran)."""
+        return fingerprint_of({k: v for k, v in self.to_dict().items() if k not in ("config_id", "output_dir")
+                               and (k not in ADDED_DEFAULTS or v != ADDED_DEFAULTS[k])})
+
+
+INFERENCE_ENGINES = ("hp_tool", "vllm")
+ADDED_DEFAULTS = {"engine": "hp_tool", "model_path": None}  # a config without them keeps its fingerprint
 
 
 def dump_job_config(cfg: InferenceJobConfig, path: str | Path) -> Path:

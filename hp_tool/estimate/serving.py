@@ -25,6 +25,7 @@ of the system and per GPU. The efficiencies (``ServingEfficiency``) are fitted o
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -62,13 +63,16 @@ class ServingGpu:
 
 @dataclass(frozen=True)
 class ServingEfficiency:
-    """The fractions of the GPU's peaks a serving engine reaches, and its fixed costs (fitted on published runs:
-    benchmarks/published_serving_runs.py)."""
+    """The fractions of the GPU's peaks a serving engine reaches, and its fixed costs: fitted on 719 published
+    serving runs of FasterTransformer, TensorRT-LLM, LMDeploy, vLLM, Megatron-LM and NVIDIA NIM on A100, H100, H200
+    and L40S (``python3 benchmarks/published_serving_runs.py --fit``, which also prints the refits leaving each
+    engine out). FasterTransformer's 346 runs weigh most: its all-reduces and steps cost more than a CUDA-graphed
+    engine's (fitted without it: allreduce_s 3e-05)."""
 
-    bandwidth: float = 0.75  # of the memory bandwidth, a decode step's reads
-    compute: float = 0.55  # of the dense peak, the prefill's GEMMs and attention
-    allreduce_s: float = 8e-6  # one all-reduce's latency within a node (NVLink)
-    step_s: float = 2e-4  # a step's fixed cost (kernel launches, sampling, the scheduler)
+    bandwidth: float = 0.755  # of the memory bandwidth, a decode step's reads
+    compute: float = 0.52  # of the dense peak, the prefill's GEMMs and attention
+    allreduce_s: float = 7.54e-05  # one all-reduce's latency within a node (NVLink), the kernels around it included
+    step_s: float = 6.35e-04  # a step's fixed cost (kernel launches, sampling, the scheduler)
     memory_utilization: float = 0.9  # of the GPU's memory the engine takes for weights and KV cache (vLLM's default)
 
 
@@ -84,6 +88,10 @@ class ServingLayout:
     output_len: int
     weights: str = "bf16"  # WEIGHT_FORMATS
     kv_cache: str = "bf16"  # KV_FORMATS
+    # static: one batch prefilled together, then decoded together (FasterTransformer's, vLLM's latency benchmark);
+    # continuous: requests join as others finish, a step decoding the running ones and prefilling those joining
+    # (vLLM's and TensorRT-LLM's servers, their throughput benchmarks)
+    batching: str = "static"
 
     @property
     def gpus(self) -> int:
@@ -151,33 +159,86 @@ def attention_flops(shape: Shape, queries: int, context: float) -> float:
     return 4 * shape.num_layers * queries * context * shape.num_attention_heads * shape.head_dim
 
 
-def prefill_s(shape: Shape, layout: ServingLayout, gpu: ServingGpu, eff: ServingEfficiency) -> float:
-    """The prompts' forward pass: its FLOPs (2 per active parameter per token, and the causal attention over the
-    prompt, half the square) over the layout's TP ranks at ``eff.compute`` of the peak, the pipeline's stages one
-    after another; at least one read of the weights; with its TP all-reduces and PP hand-offs."""
-    tokens = layout.concurrency * layout.input_len
+def microbatches(layout: ServingLayout) -> list[int]:
+    """How the pipeline may split the requests in flight: 1 (a batch through the stages in turn), and with PP the
+    powers of two from PP up to the requests, so that the stages work on different micro-batches at once."""
+    if layout.pp == 1:
+        return [1]
+    out, m = [1], layout.pp
+    while m <= layout.concurrency:
+        out.append(m)
+        m *= 2
+    return out
+
+
+def pipelined_s(layout: ServingLayout, one_pass_s, handoff_s) -> float:
+    """The fastest way through the pipeline (``microbatches``): m micro-batches of the requests take m + PP - 1
+    stage times, a stage time being 1/PP of one micro-batch's pass through every layer (``one_pass_s(requests)``) and
+    its hand-off to the next stage (``handoff_s(requests)``)."""
+    best = math.inf
+    for m in microbatches(layout):
+        requests = -(-layout.concurrency // m)
+        stage = one_pass_s(requests) / layout.pp + (handoff_s(requests) if layout.pp > 1 else 0.0)
+        best = min(best, (m + layout.pp - 1) * stage)
+    return best
+
+
+def prefill_pass_s(shape: Shape, layout: ServingLayout, gpu: ServingGpu, eff: ServingEfficiency,
+                   requests: int) -> float:
+    """``requests`` prompts through every layer: their FLOPs (2 per active parameter per token, and the causal
+    attention over the prompt, half the square) over the TP ranks at ``eff.compute`` of the peak, at least one read
+    of the weights, and the TP all-reduces."""
+    tokens = requests * layout.input_len
     flops = 2 * active_parameters(shape) * tokens + attention_flops(shape, tokens, layout.input_len / 2)
     compute = flops / (layout.tp * gpu.peak(layout.weights) * 1e12 * eff.compute)
     read = weight_bytes_per_gpu(shape, layout) * layout.pp / (gpu.memory_bandwidth_gbps * 1e9 * eff.bandwidth)
-    return max(compute, read) + tp_allreduce_s(shape, layout, tokens, gpu, eff) + \
-        pp_handoff_s(shape, layout, tokens, gpu, eff) + eff.step_s
+    return max(compute, read) + tp_allreduce_s(shape, layout, tokens, gpu, eff)
+
+
+def prefill_s(shape: Shape, layout: ServingLayout, gpu: ServingGpu, eff: ServingEfficiency) -> float:
+    """Time to first token. A static batch: every prompt's prefill, through the pipeline (``pipelined_s``). Continuous
+    batching: the request's own prompt, prefilled in the step it joins."""
+    if layout.batching == "continuous":
+        return prefill_pass_s(shape, layout, gpu, eff, 1) + (layout.pp - 1) * \
+            pp_handoff_s(shape, layout, layout.input_len, gpu, eff) + eff.step_s
+    return pipelined_s(layout, lambda r: prefill_pass_s(shape, layout, gpu, eff, r),
+                       lambda r: pp_handoff_s(shape, layout, r * layout.input_len, gpu, eff) / (layout.pp - 1)) + \
+        eff.step_s
+
+
+def decode_pass_s(shape: Shape, layout: ServingLayout, gpu: ServingGpu, eff: ServingEfficiency, requests: int,
+                  context: float) -> float:
+    """One token for each of ``requests`` requests through every layer: the weights they touch and their KV cache
+    at ``context`` tokens read per TP rank at ``eff.bandwidth`` of the memory bandwidth, or their FLOPs at
+    ``eff.compute`` of the peak when those take longer; and the TP all-reduces."""
+    weights = touched_weight_parameters(shape, requests) * WEIGHT_BYTES[layout.weights] / layout.tp
+    kv = requests * context * kv_bytes_per_token(shape, layout) * layout.pp
+    read = (weights + kv) / (gpu.memory_bandwidth_gbps * 1e9 * eff.bandwidth)
+    flops = 2 * active_parameters(shape) * requests + attention_flops(shape, requests, context)
+    compute = flops / (layout.tp * gpu.peak(layout.weights) * 1e12 * eff.compute)
+    return max(read, compute) + tp_allreduce_s(shape, layout, requests, gpu, eff)
+
+
+def joining_prefill_s(shape: Shape, layout: ServingLayout, gpu: ServingGpu, eff: ServingEfficiency) -> float:
+    """Continuous batching at a steady state: the prompts that join each step (concurrency / output_len requests
+    finish, and as many start), prefilled in the same step: their FLOPs at ``eff.compute`` of the peak (the step
+    reads the weights once for both)."""
+    tokens = layout.concurrency * layout.input_len / layout.output_len
+    flops = 2 * active_parameters(shape) * tokens + attention_flops(shape, tokens, layout.input_len / 2)
+    return flops / (layout.tp * gpu.peak(layout.weights) * 1e12 * eff.compute)
 
 
 def decode_step_s(shape: Shape, layout: ServingLayout, gpu: ServingGpu, eff: ServingEfficiency,
                   context: Optional[float] = None) -> float:
-    """One generated token for every request in flight: the weights it touches and every request's KV cache at
-    ``context`` tokens (default: the mean over the output, input + output / 2) read per TP rank at ``eff.bandwidth``
-    of the memory bandwidth, or its FLOPs at ``eff.compute`` of the peak when they take longer; the pipeline's
-    stages one after another; with its TP all-reduces and PP hand-offs and the step's fixed cost."""
-    batch = layout.concurrency
+    """Time per output token: one token for every request in flight at ``context`` tokens (default: the mean over
+    the output, input + output / 2), through the pipeline (``pipelined_s``), with the step's fixed cost; continuous
+    batching adds the prompts that join each step (``joining_prefill_s``)."""
     context = layout.input_len + layout.output_len / 2 if context is None else context
-    weights = touched_weight_parameters(shape, batch) * WEIGHT_BYTES[layout.weights] / layout.tp
-    kv = batch * context * kv_bytes_per_token(shape, layout) * layout.pp
-    read = (weights + kv) / (gpu.memory_bandwidth_gbps * 1e9 * eff.bandwidth)
-    flops = 2 * active_parameters(shape) * batch + attention_flops(shape, batch, context)
-    compute = flops / (layout.tp * gpu.peak(layout.weights) * 1e12 * eff.compute)
-    return max(read, compute) + tp_allreduce_s(shape, layout, batch, gpu, eff) + \
-        pp_handoff_s(shape, layout, batch, gpu, eff) + eff.step_s
+    step = pipelined_s(layout, lambda r: decode_pass_s(shape, layout, gpu, eff, r, context),
+                       lambda r: pp_handoff_s(shape, layout, r, gpu, eff) / (layout.pp - 1)) + eff.step_s
+    if layout.batching == "continuous":
+        step += joining_prefill_s(shape, layout, gpu, eff)
+    return step
 
 
 def tp_allreduce_s(shape: Shape, layout: ServingLayout, tokens: int, gpu: ServingGpu,
@@ -198,12 +259,13 @@ def pp_handoff_s(shape: Shape, layout: ServingLayout, tokens: int, gpu: ServingG
 
 def serving_time(shape: Shape, layout: ServingLayout, gpu: ServingGpu,
                  eff: ServingEfficiency = ServingEfficiency()) -> ServingTime:
-    """TTFT, TPOT, request latency and throughput of ``layout`` (module docstring). The pipeline serves one batch
-    at a time here: its stages take turns, so PP adds memory, not speed."""
+    """TTFT, TPOT, request latency and throughput of ``layout`` (module docstring): a static batch's tokens over
+    its latency; a continuous-batching server's, every running request's token each step."""
     ttft = prefill_s(shape, layout, gpu, eff)
     tpot = decode_step_s(shape, layout, gpu, eff)
     latency = ttft + (layout.output_len - 1) * tpot
-    tokens = layout.concurrency * layout.output_len / latency
+    tokens = layout.concurrency / tpot if layout.batching == "continuous" else \
+        layout.concurrency * layout.output_len / latency
     kv = layout.concurrency * (layout.input_len + layout.output_len) * kv_bytes_per_token(shape, layout)
     return ServingTime(ttft, tpot, latency, tokens, tokens / layout.gpus, weight_bytes_per_gpu(shape, layout) / GIB,
                        kv / GIB, max_concurrency(shape, layout, gpu, eff))

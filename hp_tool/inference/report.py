@@ -92,6 +92,6 @@ def plot_latency_vs_throughput(frame, max_latency_ms: float, path: Path) -> Opti
 
 def render_top(frame, top_n: int) -> str:
     """The top rows as a fixed-width table for the terminal."""
-    cols = ["config_id", "status", "latency_ms_p50", "latency_ms_p99", "time_to_first_token_ms",
-            "tokens_per_s_per_gpu", "meets_latency_bound"]
+    cols = ["config_id", "status", "latency_ms_p50", "predicted_latency_ms", "latency_ms_p99", "time_to_first_token_ms",
+            "tokens_per_s_per_gpu", "predicted_tokens_per_s_per_gpu", "meets_latency_bound"]
     return frame[cols].head(top_n).to_string(index=False, na_rep="", float_format=lambda v: f"{v:.2f}")

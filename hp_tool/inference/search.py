@@ -14,6 +14,8 @@ import csv
 import dataclasses
 import io
 import logging
+import shutil
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -21,10 +23,14 @@ from typing import Any, Optional
 from hp_tool import tracking  # wandb itself is imported only when enabled (tracking._import_wandb)
 from hp_tool.base_config import choose_model, model_spec, resolve_cluster
 from hp_tool.config import AppConfig, training_precision
+from hp_tool.contracts.vllm import serve_command
+from hp_tool.errors import ConfigError
+from hp_tool.families import family, family_names
+from hp_tool.hf_config import checkpoint_of
 from hp_tool.fingerprint import STALE, stale_reason
 from hp_tool.fsutil import atomic_write_text
 from hp_tool.inference import report
-from hp_tool.inference.grid import (FP32_BYTES, HALF_BYTES, InferenceCandidate, InferenceJobConfig,
+from hp_tool.inference.grid import (FP32_BYTES, HALF_BYTES, IS, InferenceCandidate, InferenceJobConfig,
                                     dump_job_config, plan_grid)
 from hp_tool.launch.job import JobSpec
 from hp_tool.results.report_inputs import write_inference_report
@@ -48,6 +54,19 @@ class InferencePlan:
     candidates: list[InferenceCandidate]
     configs: dict[str, InferenceJobConfig]  # config_id -> job config, valid candidates only
     root: Path  # <results_dir>/inference
+    model_path: Optional[str] = None  # what vLLM loads (the serve line's model), where known
+    precision: str = "bf16"
+    max_model_len: int = 0  # a request's prompt and output tokens
+
+    def serve_line(self, frame) -> Optional[str]:
+        """The ``vllm serve`` line of the ranked frame's top config that ran, at its batch as max-num-seqs; None
+        where nothing ran or the checkpoint is unknown."""
+        ok = frame[frame["status"] == "ok"]
+        if ok.empty or self.model_path is None:
+            return None
+        top = ok.iloc[0]
+        return serve_command(self.model_path, int(top["tp"]), int(top["pp"]), int(top["batch_size"]), self.precision,
+                             self.max_model_len)
 
     def config_path(self, config_id: str) -> Path:
         return self.root / "candidate_configs" / f"{config_id}.yaml"
@@ -58,18 +77,38 @@ def plan_inference(app: AppConfig, results_dir: Path) -> InferencePlan:
     cluster = resolve_cluster(app)
     model = choose_model(app, cluster)
     inf, ts = app.search_config.inference_settings, app.search_config.train_settings
+    if inf.engine == "hp_tool" and not model.shape.facts.inference:  # vLLM serves what it loads
+        covered = [n for n in family_names() if family(n).inference]
+        raise ConfigError("run_inference_hp_search", True, f"hp_tool's own decode loop serves {covered}, not "
+                          f"{model.shape.family}", "use search_config.inference_settings.engine=vllm (on GPU nodes "
+                          "with vLLM), or set run_inference_hp_search=false")
     precision = training_precision(app)
     bytes_per_value = FP32_BYTES if precision == "fp32" else HALF_BYTES
     grid = plan_grid(model.shape, model.label, inf, cluster.hw, bytes_per_value, precision)
     spec = dataclasses.replace(model_spec(model.shape, model.num_parameters), vocab_size=inf.vocab_size)
     root = Path(results_dir) / "inference"
+    path = checkpoint(app, model)
     configs = {
         c.config_id: InferenceJobConfig(
             c.config_id, spec, c.tp, c.pp, c.batch_size, inf.input_seq_len, inf.output_seq_len,
             inf.start_id, inf.end_id, str(root / c.config_id), warmup=WARMUP, repeats=REPEATS,
-            precision=precision, max_minutes=ts.max_minutes_per_run)
+            precision=precision, max_minutes=ts.max_minutes_per_run, engine=inf.engine,
+            model_path=path if inf.engine == "vllm" else None)
         for c in grid if c.status == "valid"}
-    return InferencePlan(grid, configs, root)
+    return InferencePlan(grid, configs, root, path, precision, inf.input_seq_len + inf.output_seq_len)
+
+
+def checkpoint(app: AppConfig, model) -> Optional[str]:
+    """What vLLM loads to serve the model: inference_settings.model_path, else the checkpoint of a fine-tuning
+    preset's Hugging Face config (hf_config.checkpoint_of); None for a model known only by its shape. A vLLM search
+    without one is a ConfigError naming the key."""
+    inf = app.search_config.inference_settings
+    path = inf.model_path or (checkpoint_of(model.hf) if model.hf is not None else None)
+    if inf.engine == "vllm" and path is None:
+        raise ConfigError(f"{IS}.model_path", None, "vLLM serves a Hugging Face checkpoint, and this model "
+                          f"({model.shape.family}, {model.label}) has none", f"set {IS}.model_path to a hub id or a "
+                          "local checkpoint directory of the model, or use inference_settings.engine=hp_tool")
+    return path
 
 
 def inference_job_spec(cfg: InferenceJobConfig, config_path: Path) -> JobSpec:
@@ -110,7 +149,7 @@ def write_summary(app: AppConfig, plan: InferencePlan, results_dir: Path):
     except Exception as exc:  # noqa: BLE001 - a picture must not cost the user the results
         log.error("Plot %s failed (%s: %s); %s is complete", report.PLOT_FILE, type(exc).__name__, exc,
                   report.SUMMARY_CSV)
-    write_inference_report(out, frame, inf.max_latency_ms)
+    write_inference_report(out, frame, inf.max_latency_ms, plan.serve_line(frame))
     log.info("inference summary written to %s", out)
     return frame
 
@@ -171,11 +210,31 @@ def _summary_to_wandb(app: AppConfig, frame, root: Path, search_name: str) -> No
                   type(exc).__name__, exc, report.SUMMARY_CSV)
 
 
-def run_inference_search(app: AppConfig, search_name: str, results_dir: Path) -> int:
-    """Plan, launch (or resume, detach, cancel), collect and rank the inference search; 0 when a config
-    ran (or the command only detached or cancelled), INTERRUPTED after Ctrl-C, else 1. ConfigError
+def plan_summary(plan: InferencePlan) -> str:
+    """The inference plan in a few lines: its layouts by verdict, and the fastest predicted that will run."""
+    counts = Counter(c.status for c in plan.candidates)
+    valid = sorted((c for c in plan.candidates if c.status == "valid"),
+                   key=lambda c: -c.predicted.tokens_per_s_per_gpu)
+    lines = [f"Inference plan: {len(plan.candidates)} layouts ({', '.join(f'{n} {k}' for k, n in counts.items())}); "
+             f"{plan.root / 'candidate_configs' / 'plan.csv'}"]
+    for c in valid[:3]:
+        t = c.predicted
+        lines.append(f"  {c.config_id}: predicted {t.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, TTFT "
+                     f"{1e3 * t.ttft_s:.4g} ms, TPOT {1e3 * t.tpot_s:.4g} ms, {c.memory_gib:.1f} GiB per GPU")
+    return "\n".join(lines)
+
+
+def run_inference_search(app: AppConfig, search_name: str, results_dir: Path,
+                         plan: Optional[InferencePlan] = None) -> int:
+    """Plan (unless ``plan`` is given), launch (or resume, detach, cancel), collect and rank the inference search; 0
+    when a config ran (or the command only detached or cancelled), INTERRUPTED after Ctrl-C, else 1. ConfigError
     (before anything is written) when nothing valid is left."""
-    plan = plan_inference(app, results_dir)
+    plan = plan or plan_inference(app, results_dir)
+    inf = app.search_config.inference_settings
+    if inf.engine == "vllm" and app.cluster.type in ("local", "in_process") and shutil.which("vllm") is None:
+        raise ConfigError(f"{IS}.engine", inf.engine, f"the configs run on this machine (cluster={app.cluster.type}), "
+                          "which has no `vllm` on PATH", "install vLLM here (it needs a GPU), run on a cluster whose "
+                          "nodes have it, or use inference_settings.engine=hp_tool")
     jobs = [inference_job_spec(cfg, plan.config_path(cid)) for cid, cfg in plan.configs.items()]
     backend = prepare_backend(app, jobs)  # before any file: a config the cluster's backend can never run
     write_configs(plan)
@@ -187,7 +246,9 @@ def run_inference_search(app: AppConfig, search_name: str, results_dir: Path) ->
     frame = write_summary(app, plan, results_dir)
     if app.wandb.enable:
         _summary_to_wandb(app, frame, plan.root, search_name)
-    inf = app.search_config.inference_settings
     print(f"Inference search {search_name}: best layouts (latency bound {inf.max_latency_ms:g} ms)")
     print(report.render_top(frame, inf.top_n), flush=True)
+    serve = plan.serve_line(frame)
+    if serve:
+        print(f"Serve the pick with vLLM: {serve}", flush=True)
     return 0 if (frame["status"] == "ok").any() else 1

@@ -35,8 +35,10 @@ REPORT_COLUMNS = (
 INFERENCE_METRIC = RankMetric("tokens_per_s_per_gpu", "generated tokens/s per GPU", "tokens/s", "median",
                               lower_is_better=False, repeats="timed generations' batch latency",
                               order="configs within the p99 latency bound first")
-INFERENCE_COLUMNS = ("config_id", "tp", "pp", "batch_size", "num_gpus", "tokens_per_s_per_gpu", "latency_ms_p50",
-                     "latency_ms_p99", "time_to_first_token_ms", "meets_latency_bound", "predicted_memory_gib")
+INFERENCE_COLUMNS = ("config_id", "tp", "pp", "batch_size", "num_gpus", "tokens_per_s_per_gpu",
+                     "predicted_tokens_per_s_per_gpu", "latency_ms_p50", "predicted_latency_ms", "latency_ms_p99",
+                     "time_to_first_token_ms", "predicted_ttft_ms", "predicted_tpot_ms", "meets_latency_bound",
+                     "predicted_memory_gib")
 IN_SAMPLE = ("Calibrated predictions are fitted to these same measured trials (hp_tool/calibration.py: a compute "
              "and a communication factor, a residual per regime, a memory offset), so their error here is "
              "in-sample: a regime with one measured trial is matched exactly by construction, unless the fit "
@@ -164,13 +166,31 @@ def _inference_pick(row: pd.Series, bound_ms: float) -> Pick:
     return Pick(row["config_id"], layout, float(row["tokens_per_s_per_gpu"]))
 
 
-def inference_report_inputs(frame: pd.DataFrame, max_latency_ms: float, plot: bool) -> ReportInputs:
-    """The page of an inference search from its ranked summary frame (within the bound first)."""
+def prediction_error_line(ok: pd.DataFrame) -> str:
+    """How far the serving-time model's predictions were from what ran: the median |predicted / measured - 1| of
+    the batch latency and of the tokens/s per GPU (no calibration on these configs: hp_tool/estimate/serving.py)."""
+    parts = []
+    for what, predicted, measured in (("batch latency", "predicted_latency_ms", "latency_ms_p50"),
+                                      ("tokens/s per GPU", "predicted_tokens_per_s_per_gpu", "tokens_per_s_per_gpu")):
+        pairs = ok[[predicted, measured]].apply(pd.to_numeric, errors="coerce").dropna()
+        if not pairs.empty:
+            error = (pairs[predicted] / pairs[measured] - 1).abs().median()
+            parts.append(f"{what} {error:.0%} median error over {len(pairs)} configs")
+    return ("The serving-time model (hp_tool/estimate/serving.py, fitted on published serving runs, not on these) "
+            "predicted " + "; ".join(parts) + "." if parts else "")
+
+
+def inference_report_inputs(frame: pd.DataFrame, max_latency_ms: float, plot: bool,
+                            serve: Optional[str] = None) -> ReportInputs:
+    """The page of an inference search from its ranked summary frame (within the bound first); ``serve``: the
+    command that serves the pick (``vllm serve ...``), where the checkpoint is known."""
     ok = frame[frame["status"] == "ok"]
     within = ok[ok["meets_latency_bound"].astype(bool)]
     picks = [_inference_pick(row, max_latency_ms) for _, row in within.head(2).iterrows()]
     notes = () if picks or ok.empty else (f"No config that ran meets the {max_latency_ms:g} ms p99 latency "
                                           f"bound; raise inference_settings.max_latency_ms or add smaller batches.",)
+    if picks and serve:
+        notes += (f"Serve the pick with vLLM: `{serve}`",)
     rest = frame[frame["status"] != "ok"]
     return ReportInputs(
         title="Inference search", metric=INFERENCE_METRIC, columns=INFERENCE_COLUMNS,
@@ -180,8 +200,8 @@ def inference_report_inputs(frame: pd.DataFrame, max_latency_ms: float, plot: bo
         plots=(Plot(INFERENCE_PLOT, "p99 batch latency against generated tokens/s per GPU, Pareto front"),)
         if plot and not ok.empty else (),
         counts=f"{len(ok)} of {len(frame)} configs ran ({status_counts(frame)}).",
-        trust_note=("The inference search predicts memory only (predicted_memory_gib, for pruning); its "
-                    "configs do not measure memory, so that prediction is untested here."),
+        trust_note=" ".join(filter(None, (prediction_error_line(ok), "Its configs do not measure memory, so "
+                                          "predicted_memory_gib (what pruned) is untested here."))),
         files=(INFERENCE_CSV,), notes=notes)
 
 
@@ -190,7 +210,8 @@ def write_report_md(folder: Path, inputs: ReportInputs) -> Path:
     return atomic_write_text(Path(folder) / REPORT_FILE, render_report(inputs))
 
 
-def write_inference_report(folder: Path, frame: pd.DataFrame, max_latency_ms: float) -> Path:
+def write_inference_report(folder: Path, frame: pd.DataFrame, max_latency_ms: float,
+                           serve: Optional[str] = None) -> Path:
     """The inference search's report.md beside its final_output.csv and plot."""
     plot = (Path(folder) / INFERENCE_PLOT).is_file()
-    return write_report_md(folder, inference_report_inputs(frame, max_latency_ms, plot))
+    return write_report_md(folder, inference_report_inputs(frame, max_latency_ms, plot, serve))

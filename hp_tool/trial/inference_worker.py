@@ -10,7 +10,8 @@ it with the layout-independent random weights, so every layout serves the same m
 cache; ``end_id`` does not stop a timed run. With PP > 1 each stage passes its hidden states to the next
 (point-to-point send/recv at every step) and the last stage returns the new token to the first.
 
-Rank 0 writes ``<output_dir>/result.json`` atomically; a failure becomes status ``oom`` or ``failed``.
+Rank 0 writes ``<output_dir>/result.json`` atomically; a failure becomes status ``oom`` or ``failed``. A config
+whose engine is vLLM is run by hp_tool/trial/vllm_runner.py instead.
 """
 
 from __future__ import annotations
@@ -215,12 +216,24 @@ def share_cpu_threads(env: tdist.DistEnv, device: torch.device) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
 
 
+def _vllm(cfg: InferenceJobConfig, rank: int) -> dict:
+    from hp_tool.trial.vllm_runner import run_vllm  # imported where a job runs it
+
+    return run_vllm(cfg, rank)
+
+
+OTHER_ENGINES = {"vllm": _vllm}  # the serving engines besides this decode loop: config's engine -> its job
+
+
 def run_inference(config_path: str | os.PathLike) -> dict:
     """Run the job described by ``config_path``; returns result.json's content (rank 0's view)."""
     cfg = load_job_config(config_path)
+    env = tdist.read_env()
+    other = OTHER_ENGINES.get(cfg.engine)
+    if other is not None:
+        return other(cfg, env.rank)
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    env = tdist.read_env()
     device = tdist.select_device(env)
     result = empty_result(cfg)
     result.update(world_size=env.world_size, device=device.type, versions=res.versions(),

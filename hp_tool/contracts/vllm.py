@@ -1,0 +1,70 @@
+"""vLLM as an inference job's engine: the command a job runs (``vllm bench latency``, with the layout's flags and
+``--output-json``), how its JSON becomes the job's result.json fields (hp_tool/contracts/inference.py
+``RESULT_FIELDS``), and the ``vllm serve`` line that serves a chosen layout. Pure: no vLLM, no torch.
+
+vLLM's latency benchmark (vllm/benchmarks/latency.py) generates ``--output-len`` tokens for a batch of
+``--batch-size`` prompts of ``--input-len`` random tokens, ``--num-iters`` times after ``--num-iters-warmup``, and
+writes ``{"avg_latency": s, "std_latency": s, "latencies": [s, ...], "percentiles": {"10": s, "25": s, "50": s,
+"75": s, "90": s, "99": s}}``: the batch's end-to-end latency, as hp_tool's own decode loop measures it. It does
+not time the first token apart, so ``time_to_first_token_ms`` stays null for a vLLM job.
+"""
+
+from __future__ import annotations
+
+import shlex
+from typing import Any, Optional
+
+from hp_tool.contracts.inference import percentile
+
+# a served precision -> vLLM's --dtype
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+OOM_WORDS = ("CUDA out of memory", "OutOfMemoryError", "No available memory for the cache blocks",
+             "not enough KV cache")
+
+
+def layout_flags(tp: int, pp: int, precision: str, quantization: Optional[str] = None,
+                 kv_cache_dtype: Optional[str] = None) -> list[str]:
+    """The engine flags of a layout, the same for the benchmark and the server."""
+    flags = ["--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp), "--dtype", DTYPES[precision]]
+    if quantization:
+        flags += ["--quantization", quantization]
+    if kv_cache_dtype:
+        flags += ["--kv-cache-dtype", kv_cache_dtype]
+    return flags
+
+
+def bench_command(model: str, tp: int, pp: int, batch_size: int, input_len: int, output_len: int,
+                  warmup: int, repeats: int, precision: str, output_json: str) -> list[str]:
+    """``vllm bench latency`` of one layout: the batch's latency over ``repeats`` generations after ``warmup``,
+    written to ``output_json``."""
+    return ["vllm", "bench", "latency", "--model", model, *layout_flags(tp, pp, precision),
+            "--batch-size", str(batch_size), "--input-len", str(input_len), "--output-len", str(output_len),
+            "--num-iters-warmup", str(warmup), "--num-iters", str(repeats), "--max-model-len",
+            str(input_len + output_len), "--output-json", output_json]
+
+
+def latency_result(data: dict[str, Any], batch_size: int, output_len: int, gpus: int) -> dict[str, Any]:
+    """result.json's fields from ``vllm bench latency``'s JSON: the batch latency's percentiles (ms; p95 from the
+    latencies themselves, which vLLM does not print) and the throughput at its median."""
+    latencies = [float(x) for x in data["latencies"]]
+    p50 = float(data["percentiles"]["50"])
+    tokens_per_s = batch_size * output_len / p50
+    return {"latency_ms_p50": 1e3 * p50, "latency_ms_p95": 1e3 * percentile(latencies, 95),
+            "latency_ms_p99": 1e3 * float(data["percentiles"]["99"]), "time_to_first_token_ms": None,
+            "samples_per_s": batch_size / p50, "tokens_per_s": tokens_per_s, "tokens_per_s_per_gpu": tokens_per_s / gpus,
+            "generated_tokens": batch_size * output_len}
+
+
+def failure_status(output: str) -> str:
+    """A failed vLLM run's status from what it printed: ``oom`` where it ran out of GPU memory (for the weights, or
+    for the KV cache of one batch), else ``failed``."""
+    return "oom" if any(word in output for word in OOM_WORDS) else "failed"
+
+
+def serve_command(model: str, tp: int, pp: int, max_num_seqs: int, precision: str, max_model_len: int,
+                  quantization: Optional[str] = None, kv_cache_dtype: Optional[str] = None) -> str:
+    """The ``vllm serve`` line that serves a layout: its TP and PP, at most ``max_num_seqs`` requests in flight
+    (the concurrency it was chosen at), the requests' length."""
+    argv = ["vllm", "serve", model, *layout_flags(tp, pp, precision, quantization, kv_cache_dtype),
+            "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len)]
+    return shlex.join(argv)
