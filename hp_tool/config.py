@@ -28,6 +28,7 @@ from hp_tool.vocab import trial_device  # noqa: F401 - re-exported: the planner'
 from hp_tool.dimensions import DIMENSIONS
 from hp_tool.recipe import LORA_DROPOUT
 from hp_tool.contracts.inference import INFERENCE_ENGINES
+from hp_tool.estimate.serving import KV_FORMATS, WEIGHT_FORMATS
 from hp_tool.engine_facts import engine_facts
 from hp_tool.vocab import CLUSTER_TYPES, FINETUNE, MEMORY_CHECKS, PRECISIONS, STRATEGIES
 
@@ -385,6 +386,10 @@ class InferenceSettings:
     engine: str = "hp_tool"
     # the checkpoint vLLM loads (a hub id or a local directory); null = a fine-tuning preset's model.hf_config
     model_path: Optional[str] = None
+    # the weights' formats searched: bf16 | fp16 | fp32 | fp8 | int8 | int4 | fp4 (vLLM: fp8 quantised as it loads,
+    # the others from a checkpoint quantised so); null = the served precision
+    weight_formats: Optional[List[str]] = None
+    kv_cache_formats: Optional[List[str]] = None  # the KV cache's: bf16 | fp16 | fp32 | fp8; null = the served precision
     top_n: int = 10
     tensor_parallel_sizes: List[int] = field(default_factory=lambda: [1, 2, 4, 8])
     pipeline_parallel_sizes: List[int] = field(default_factory=lambda: [1])
@@ -397,6 +402,8 @@ class InferenceSettings:
         _positive_list(self, p, ("tensor_parallel_sizes", "pipeline_parallel_sizes", "max_batch_sizes"))
         require(self.engine in INFERENCE_ENGINES, f"{p}.engine", self.engine, "is not an inference engine",
                 f"use one of {list(INFERENCE_ENGINES)}")
+        _members(self, p, "weight_formats", WEIGHT_FORMATS)
+        _members(self, p, "kv_cache_formats", KV_FORMATS)
         for name in ("start_id", "end_id"):
             value = getattr(self, name)
             require(0 <= value < self.vocab_size, f"{p}.{name}", value,

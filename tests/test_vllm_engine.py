@@ -109,7 +109,8 @@ def test_a_vllm_search_plans_its_checkpoint_and_names_the_key_when_it_has_none(t
     hp, _ = compose(["search_config=finetune/qwen3_8b", f"{IS}.max_batch_sizes=[1,8]", f"{IS}.tensor_parallel_sizes=[1,2]"])
     same = plan_inference(to_app_config(hp), tmp_path).configs[config.config_id]
     assert same.engine == "hp_tool" and same.fingerprint() != config.fingerprint()  # what measures it differs
-    frame = pd.DataFrame([{"status": "ok", "tp": 2, "pp": 1, "batch_size": 8}])
+    top = next(c for c in plan.configs.values() if (c.tp, c.batch_size) == (2, 8))
+    frame = pd.DataFrame([{"status": "ok", "config_id": top.config_id}])
     assert plan.serve_line(frame) == ("vllm serve Qwen/Qwen3-8B --tensor-parallel-size 2 --pipeline-parallel-size 1 "
                                       "--dtype bfloat16 --max-num-seqs 8 --max-model-len 80")
     gpt, _ = compose(["search_config=gpt3/5b", f"{IS}.engine=vllm"])
@@ -135,3 +136,49 @@ def test_the_job_config_round_trips_with_its_engine(tmp_path):
 
     cfg = job(tmp_path)
     assert load_job_config(dump_job_config(cfg, tmp_path / "c.yaml")) == cfg
+
+
+def test_weight_and_kv_cache_formats_are_searched_where_the_engine_serves_them(tmp_path):
+    """fp8 weights and an fp8 KV cache on H100s: four formats per layout, named in the config ids; fp8 weights hold
+    half the memory and, one request per step being memory-bound, serve faster; the job's vLLM flags and the serve
+    line carry them. hp_tool's own loop serves the precision alone, and an A100 has no fp8 KV cache: invalid with the
+    fix."""
+    from hp_tool.contracts.vllm import bench_command
+
+    base = ["search_config=finetune/llama2_7b", "gpu=h100_80gb", f"{IS}.max_batch_sizes=[1]",
+            f"{IS}.tensor_parallel_sizes=[1]", f"{IS}.weight_formats=[bf16,fp8]", f"{IS}.kv_cache_formats=[bf16,fp8]"]
+    cfg, _ = compose([*base, f"{IS}.engine=vllm"])
+    plan = plan_inference(to_app_config(cfg), tmp_path)
+    by_id = {c.config_id: c for c in plan.candidates}
+    assert set(by_id) == {"llama_6.74b_tp1_pp1_bs1", "llama_6.74b_tp1_pp1_bs1_kvfp8", "llama_6.74b_tp1_pp1_bs1_wfp8",
+                          "llama_6.74b_tp1_pp1_bs1_wfp8_kvfp8"}
+    bf16, fp8 = by_id["llama_6.74b_tp1_pp1_bs1"], by_id["llama_6.74b_tp1_pp1_bs1_wfp8"]
+    assert fp8.memory_gib < 0.6 * bf16.memory_gib + 3 and fp8.predicted.tpot_s < 0.6 * bf16.predicted.tpot_s
+    job = plan.configs["llama_6.74b_tp1_pp1_bs1_wfp8_kvfp8"]
+    argv = bench_command(job.model_path, job.tp, job.pp, job.batch_size, 128, 128, 1, 1, job.precision, "o.json",
+                         job.weights, job.kv_cache)
+    assert argv[argv.index("--quantization") + 1] == "fp8" and argv[argv.index("--kv-cache-dtype") + 1] == "fp8"
+    assert plan.configs["llama_6.74b_tp1_pp1_bs1"].fingerprint() != job.fingerprint()
+    frame = pd.DataFrame([{"status": "ok", "config_id": job.config_id}])
+    assert "--quantization fp8 --kv-cache-dtype fp8 --max-num-seqs 1" in plan.serve_line(frame)
+    own, _ = compose(base)
+    mine = {c.config_id: c for c in plan_inference(to_app_config(own), tmp_path).candidates}
+    assert mine["llama_6.74b_tp1_pp1_bs1_wfp8"].status == "invalid"
+    assert "engine=vllm" in mine["llama_6.74b_tp1_pp1_bs1_wfp8"].reason
+    a100, _ = compose([*base, "gpu=a100_80gb", f"{IS}.engine=vllm"])
+    on_a100 = {c.config_id: c for c in plan_inference(to_app_config(a100), tmp_path).candidates}
+    assert on_a100["llama_6.74b_tp1_pp1_bs1_kvfp8"].status == "invalid"
+    assert on_a100["llama_6.74b_tp1_pp1_bs1_wfp8"].status == "valid"  # fp8 weights dequantised on the A100
+
+
+def test_dollars_per_million_tokens_come_from_the_gpu_price(tmp_path):
+    from hp_tool.inference.search import plan_csv_text
+
+    cfg, _ = compose(["search_config=finetune/llama2_7b", "gpu=h100_80gb", "gpu.price_per_gpu_hour=3.6",
+                      f"{IS}.max_batch_sizes=[1,16]", f"{IS}.tensor_parallel_sizes=[1]"])
+    plan = plan_inference(to_app_config(cfg), tmp_path)
+    rows = {r.split(",")[0]: r for r in plan_csv_text(plan).splitlines()[1:]}
+    header = plan_csv_text(plan).splitlines()[0].split(",")
+    for c in plan.candidates:
+        usd = float(rows[c.config_id].split(",")[header.index("predicted_usd_per_million_tokens")])
+        assert usd == pytest.approx(3.6 / (3600 * c.predicted.tokens_per_s_per_gpu) * 1e6, rel=1e-4)

@@ -48,6 +48,8 @@ class InferenceJobConfig:
     max_minutes: float = 10.0  # the job's time limit
     engine: str = "hp_tool"  # what serves it (INFERENCE_ENGINES): hp_tool's own decode loop, or vLLM's benchmark
     model_path: Optional[str] = None  # vLLM: the checkpoint it loads (a hub id or a local directory)
+    weights: Optional[str] = None  # the weights' format when not the precision's (vLLM: fp8, int8, int4, fp4)
+    kv_cache: Optional[str] = None  # the KV cache's when not the precision's (vLLM: fp8)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -60,7 +62,7 @@ class InferenceJobConfig:
 
 
 INFERENCE_ENGINES = ("hp_tool", "vllm")
-ADDED_DEFAULTS = {"engine": "hp_tool", "model_path": None}  # a config without them keeps its fingerprint
+ADDED_DEFAULTS = {"engine": "hp_tool", "model_path": None, "weights": None, "kv_cache": None}  # a config without them keeps its fingerprint
 
 
 def dump_job_config(cfg: InferenceJobConfig, path: str | Path) -> Path:

@@ -19,16 +19,20 @@ from hp_tool.architectures import Shape, layer_parameters, vocab_parallel_parame
 from hp_tool.config import InferenceSettings
 from hp_tool.errors import ConfigError, require
 from hp_tool.estimate.layout import GIB, Hardware, Layout
-from hp_tool.estimate.serving import ServingGpu, ServingLayout, ServingTime, serving_time
+from hp_tool.estimate.serving import (KV_BYTES, WEIGHT_BYTES, ServingGpu, ServingLayout, ServingTime,
+                                      serving_time)
 from hp_tool.contracts.inference import InferenceJobConfig, dump_job_config, load_job_config  # noqa: F401
 
 IS = "search_config.inference_settings"
 FP32_BYTES, HALF_BYTES = 4, 2
 
 
-def make_config_id(family: str, label: str, tp: int, pp: int, batch_size: int) -> str:
-    """The only builder of inference config ids, e.g. ``gpt3_241k_tp2_pp1_bs4``."""
-    return f"{family}_{label}_tp{tp}_pp{pp}_bs{batch_size}"
+def make_config_id(family: str, label: str, tp: int, pp: int, batch_size: int, weights: Optional[str] = None,
+                   kv_cache: Optional[str] = None) -> str:
+    """The only builder of inference config ids, e.g. ``gpt3_241k_tp2_pp1_bs4``; a weight or KV cache format other
+    than the served precision is named: ``llama_6.74b_tp1_pp1_bs64_wfp8_kvfp8``."""
+    return f"{family}_{label}_tp{tp}_pp{pp}_bs{batch_size}" + (f"_w{weights}" if weights else "") + \
+        (f"_kv{kv_cache}" if kv_cache else "")
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,8 @@ class InferenceCandidate:
     reason: Optional[str] = None
     memory_gib: Optional[float] = None  # predicted peak per GPU, GiB
     predicted: Optional[ServingTime] = None  # the serving-time model's, for a layout that can be built
+    weights: str = "bf16"  # the weights' format (hp_tool/estimate/serving.py WEIGHT_FORMATS)
+    kv_cache: str = "bf16"  # the KV cache's (KV_FORMATS)
 
     @property
     def gpus(self) -> int:
@@ -86,7 +92,7 @@ def check_settings(shape: Shape, settings: InferenceSettings, gpus_per_node: int
                           f"use PP values that divide the {shape.num_layers} layers, e.g. [1]")
 
 
-def kv_cache_bytes(shape: Shape, tp: int, pp: int, batch: int, tokens: int, bytes_per_value: int) -> float:
+def kv_cache_bytes(shape: Shape, tp: int, pp: int, batch: int, tokens: int, bytes_per_value: float) -> float:
     """Keys and values of one stage's layers for ``batch`` x ``tokens`` positions on one GPU, bytes."""
     layers = shape.num_layers // pp
     return 2 * layers * batch * tokens * shape.num_kv_heads * shape.head_dim * bytes_per_value / tp
@@ -104,7 +110,7 @@ def step_activation_bytes(shape: Shape, tp: int, batch: int, seq: int, bytes_per
     return hidden + scores + logits
 
 
-def weight_bytes(shape: Shape, tp: int, pp: int, bytes_per_value: int) -> float:
+def weight_bytes(shape: Shape, tp: int, pp: int, bytes_per_value: float) -> float:
     """Weights on the most loaded GPU: its stage's layer shard plus the whole embedding and/or head."""
     layers = (shape.num_layers // pp) * layer_parameters(shape) / tp
     embed, head = vocab_parallel_parameters(shape, 1, pp)  # the server keeps the vocabulary whole on TP ranks
@@ -114,11 +120,12 @@ def weight_bytes(shape: Shape, tp: int, pp: int, bytes_per_value: int) -> float:
 
 
 def memory_gib(shape: Shape, settings: InferenceSettings, tp: int, pp: int, batch: int,
-              hw: Hardware, bytes_per_value: int) -> float:
-    """Predicted peak memory per GPU in GiB: weights + KV cache + one step's activations + overhead."""
+              hw: Hardware, bytes_per_value: int, weights: Optional[str] = None, kv_cache: Optional[str] = None) -> float:
+    """Predicted peak memory per GPU in GiB: weights (in their format) + KV cache (in its) + one step's activations
+    (in the served precision) + overhead."""
     tokens = settings.input_seq_len + settings.output_seq_len
-    total = (weight_bytes(shape, tp, pp, bytes_per_value)
-             + kv_cache_bytes(shape, tp, pp, batch, tokens, bytes_per_value)
+    total = (weight_bytes(shape, tp, pp, WEIGHT_BYTES[weights] if weights else bytes_per_value)
+             + kv_cache_bytes(shape, tp, pp, batch, tokens, KV_BYTES[kv_cache] if kv_cache else bytes_per_value)
              + step_activation_bytes(shape, tp, batch, settings.input_seq_len, bytes_per_value))
     return total / GIB + hw.memory_overhead_gib
 
@@ -130,11 +137,35 @@ def serving_gpu(hw: Hardware, precision: str) -> ServingGpu:
 
 
 def predict(shape: Shape, settings: InferenceSettings, tp: int, pp: int, batch: int, hw: Hardware,
-            precision: str) -> ServingTime:
+            precision: str, weights: Optional[str] = None, kv_cache: Optional[str] = None) -> ServingTime:
     """The serving-time model's TTFT, TPOT, latency and throughput of a layout serving ``batch`` requests of the
-    settings' lengths in the served precision (weights and KV cache)."""
-    layout = ServingLayout(tp, pp, batch, settings.input_seq_len, settings.output_seq_len, precision, precision)
+    settings' lengths, its weights and KV cache in their formats (default: the served precision)."""
+    layout = ServingLayout(tp, pp, batch, settings.input_seq_len, settings.output_seq_len, weights or precision,
+                           kv_cache or precision)
     return serving_time(shape, layout, serving_gpu(hw, precision))
+
+
+def formats(settings: InferenceSettings, precision: str) -> list[tuple[Optional[str], Optional[str]]]:
+    """The (weights, KV cache) formats the grid searches: the settings' lists, each left null the served precision
+    (None: not named in the config id)."""
+    weights = [None if w == precision else w for w in settings.weight_formats or [precision]]
+    kv = [None if k == precision else k for k in settings.kv_cache_formats or [precision]]
+    return [(w, k) for w in dict.fromkeys(weights) for k in dict.fromkeys(kv)]
+
+
+def format_problem(settings: InferenceSettings, precision: str, weights: Optional[str], kv_cache: Optional[str],
+                   hw: Hardware) -> Optional[str]:
+    """Why the search's engine cannot serve these formats, or None: hp_tool's own decode loop serves the served
+    precision alone; vLLM quantises to fp8 as it loads, and reads int8 / int4 / fp4 from a checkpoint quantised so
+    (inference_settings.model_path); an fp8 KV cache needs fp8 tensor cores."""
+    if weights is None and kv_cache is None:
+        return None
+    if settings.engine != "vllm":
+        return (f"hp_tool's own decode loop serves {precision} weights and KV cache; {weights or precision} weights "
+                f"and a {kv_cache or precision} KV cache need inference_settings.engine=vllm")
+    if kv_cache == "fp8" and not hw.fp8_peak_tflops:
+        return "an fp8 KV cache needs fp8 tensor cores (H100, H200, L4, L40S)"
+    return None
 
 
 def slo_problem(settings: InferenceSettings, predicted: ServingTime) -> Optional[str]:
@@ -155,21 +186,23 @@ def build_grid(shape: Shape, label: str, settings: InferenceSettings, hw: Hardwa
     for tp in sorted(set(settings.tensor_parallel_sizes)):
         for pp in sorted(set(settings.pipeline_parallel_sizes)):
             problem = layout_problem(shape, tp, pp, hw.gpus_per_node)
-            for bs in sorted(set(settings.max_batch_sizes)):
-                cid = make_config_id(shape.family, label, tp, pp, bs)
-                if problem:
-                    out.append(InferenceCandidate(cid, tp, pp, bs, "invalid", problem))
-                    continue
-                need = memory_gib(shape, settings, tp, pp, bs, hw, bytes_per_value)
-                predicted = predict(shape, settings, tp, pp, bs, hw, precision)
-                slo = slo_problem(settings, predicted)
-                if need > hw.gpu_memory_gib:
-                    reason = f"needs {need:.2f} GiB per GPU, more than the {hw.gpu_memory_gib:g} GiB available"
-                    out.append(InferenceCandidate(cid, tp, pp, bs, "over_memory", reason, need, predicted))
-                elif slo:
-                    out.append(InferenceCandidate(cid, tp, pp, bs, "over_slo", slo, need, predicted))
-                else:
-                    out.append(InferenceCandidate(cid, tp, pp, bs, "valid", None, need, predicted))
+            for weights, kv_cache in formats(settings, precision):
+                bad = problem or format_problem(settings, precision, weights, kv_cache, hw)
+                named = dict(weights=weights or precision, kv_cache=kv_cache or precision)
+                for bs in sorted(set(settings.max_batch_sizes)):
+                    cid = make_config_id(shape.family, label, tp, pp, bs, weights, kv_cache)
+                    if bad:
+                        out.append(InferenceCandidate(cid, tp, pp, bs, "invalid", bad, **named))
+                        continue
+                    need = memory_gib(shape, settings, tp, pp, bs, hw, bytes_per_value, weights, kv_cache)
+                    predicted = predict(shape, settings, tp, pp, bs, hw, precision, weights, kv_cache)
+                    slo = slo_problem(settings, predicted)
+                    if need > hw.gpu_memory_gib:
+                        reason = f"needs {need:.2f} GiB per GPU, more than the {hw.gpu_memory_gib:g} GiB available"
+                        status = "over_memory"
+                    else:
+                        status, reason = ("over_slo", slo) if slo else ("valid", None)
+                    out.append(InferenceCandidate(cid, tp, pp, bs, status, reason, need, predicted, **named))
     return out
 
 

@@ -17,10 +17,11 @@ from hp_tool.vocab import INFERENCE_CSV, INFERENCE_PLOT
 log = logging.getLogger(__name__)
 
 SUMMARY_COLUMNS = (
-    "config_id", "status", "tp", "pp", "batch_size", "num_gpus", "latency_ms_p50", "latency_ms_p95",
-    "latency_ms_p99", "time_to_first_token_ms", "samples_per_s", "tokens_per_s", "tokens_per_s_per_gpu",
-    "meets_latency_bound", "predicted_memory_gib", "predicted_ttft_ms", "predicted_tpot_ms", "predicted_latency_ms",
-    "predicted_tokens_per_s_per_gpu", "reason",
+    "config_id", "status", "tp", "pp", "batch_size", "weights", "kv_cache", "num_gpus", "latency_ms_p50",
+    "latency_ms_p95", "latency_ms_p99", "time_to_first_token_ms", "samples_per_s", "tokens_per_s",
+    "tokens_per_s_per_gpu", "usd_per_million_tokens", "meets_latency_bound", "predicted_memory_gib",
+    "predicted_ttft_ms", "predicted_tpot_ms", "predicted_latency_ms", "predicted_tokens_per_s_per_gpu",
+    "predicted_usd_per_million_tokens", "reason",
 )
 SUMMARY_DIR = Path("inference") / "final_summary"
 SUMMARY_CSV, PLOT_FILE = INFERENCE_CSV, INFERENCE_PLOT

@@ -57,6 +57,7 @@ class InferencePlan:
     model_path: Optional[str] = None  # what vLLM loads (the serve line's model), where known
     precision: str = "bf16"
     max_model_len: int = 0  # a request's prompt and output tokens
+    gpu_hour_price: Optional[float] = None  # dollars per GPU-hour (the gpu preset's), for $ per million tokens
 
     def serve_line(self, frame) -> Optional[str]:
         """The ``vllm serve`` line of the ranked frame's top config that ran, at its batch as max-num-seqs; None
@@ -64,9 +65,9 @@ class InferencePlan:
         ok = frame[frame["status"] == "ok"]
         if ok.empty or self.model_path is None:
             return None
-        top = ok.iloc[0]
-        return serve_command(self.model_path, int(top["tp"]), int(top["pp"]), int(top["batch_size"]), self.precision,
-                             self.max_model_len)
+        top = self.configs[ok.iloc[0]["config_id"]]
+        return serve_command(self.model_path, top.tp, top.pp, top.batch_size, self.precision, self.max_model_len,
+                             top.weights, top.kv_cache)
 
     def config_path(self, config_id: str) -> Path:
         return self.root / "candidate_configs" / f"{config_id}.yaml"
@@ -93,9 +94,11 @@ def plan_inference(app: AppConfig, results_dir: Path) -> InferencePlan:
             c.config_id, spec, c.tp, c.pp, c.batch_size, inf.input_seq_len, inf.output_seq_len,
             inf.start_id, inf.end_id, str(root / c.config_id), warmup=WARMUP, repeats=REPEATS,
             precision=precision, max_minutes=ts.max_minutes_per_run, engine=inf.engine,
-            model_path=path if inf.engine == "vllm" else None)
+            model_path=path if inf.engine == "vllm" else None,
+            weights=None if c.weights == precision else c.weights, kv_cache=None if c.kv_cache == precision else c.kv_cache)
         for c in grid if c.status == "valid"}
-    return InferencePlan(grid, configs, root, path, precision, inf.input_seq_len + inf.output_seq_len)
+    return InferencePlan(grid, configs, root, path, precision, inf.input_seq_len + inf.output_seq_len,
+                         cluster.gpu_hour_price)
 
 
 def checkpoint(app: AppConfig, model) -> Optional[str]:
@@ -124,7 +127,8 @@ def collect_rows(plan: InferencePlan) -> list[dict]:
     rows = []
     for c in plan.candidates:
         row: dict[str, Any] = {"config_id": c.config_id, "tp": c.tp, "pp": c.pp, "batch_size": c.batch_size,
-                               "num_gpus": c.gpus, "predicted_memory_gib": c.memory_gib, **predicted_columns(c)}
+                               "weights": c.weights, "kv_cache": c.kv_cache, "num_gpus": c.gpus,
+                               "predicted_memory_gib": c.memory_gib, **predicted_columns(c, plan.gpu_hour_price)}
         result = report.read_result(plan.root / c.config_id) if c.status == "valid" else None
         expected = plan.configs[c.config_id].fingerprint() if c.status == "valid" else None
         if result is None:
@@ -134,6 +138,7 @@ def collect_rows(plan: InferencePlan) -> list[dict]:
             row.update(status=STALE, reason=stale_reason(result.get("fingerprint"), expected))
         else:
             row.update({k: v for k, v in result.items() if k in report.SUMMARY_COLUMNS})
+            row["usd_per_million_tokens"] = usd_per_million(plan.gpu_hour_price, result.get("tokens_per_s_per_gpu"))
         rows.append(row)
     return rows
 
@@ -154,20 +159,29 @@ def write_summary(app: AppConfig, plan: InferencePlan, results_dir: Path):
     return frame
 
 
-PREDICTED_COLUMNS = ("predicted_ttft_ms", "predicted_tpot_ms", "predicted_latency_ms", "predicted_tokens_per_s_per_gpu")
-PLAN_COLUMNS = ("config_id", "tp", "pp", "batch_size", "num_gpus", "predicted_memory_gib", *PREDICTED_COLUMNS,
-                "plan_status", "fingerprint", "reason")
+PREDICTED_COLUMNS = ("predicted_ttft_ms", "predicted_tpot_ms", "predicted_latency_ms", "predicted_tokens_per_s_per_gpu",
+                     "predicted_usd_per_million_tokens")
+PLAN_COLUMNS = ("config_id", "tp", "pp", "batch_size", "weights", "kv_cache", "num_gpus", "predicted_memory_gib",
+                *PREDICTED_COLUMNS, "plan_status", "fingerprint", "reason")
 
 
-def predicted_columns(c: InferenceCandidate) -> dict[str, Optional[float]]:
-    """The serving-time model's TTFT, TPOT and batch latency (ms) and output tokens/s per GPU of a candidate (None
-    where the layout cannot be built)."""
+def usd_per_million(gpu_hour_price: Optional[float], tokens_per_s_per_gpu: Optional[float]) -> Optional[float]:
+    """Dollars per million generated tokens of a GPU at ``gpu_hour_price`` generating ``tokens_per_s_per_gpu``."""
+    if gpu_hour_price is None or not tokens_per_s_per_gpu:
+        return None
+    return round(gpu_hour_price / (3600 * tokens_per_s_per_gpu) * 1e6, 6)
+
+
+def predicted_columns(c: InferenceCandidate, gpu_hour_price: Optional[float] = None) -> dict[str, Optional[float]]:
+    """The serving-time model's TTFT, TPOT and batch latency (ms), output tokens/s per GPU and dollars per million
+    of them of a candidate (None where the layout cannot be built, or the price is unknown)."""
     t = c.predicted
     if t is None:
         return dict.fromkeys(PREDICTED_COLUMNS)
     return {"predicted_ttft_ms": round(1e3 * t.ttft_s, 4), "predicted_tpot_ms": round(1e3 * t.tpot_s, 4),
             "predicted_latency_ms": round(1e3 * t.latency_s, 4),
-            "predicted_tokens_per_s_per_gpu": round(t.tokens_per_s_per_gpu, 3)}
+            "predicted_tokens_per_s_per_gpu": round(t.tokens_per_s_per_gpu, 3),
+            "predicted_usd_per_million_tokens": usd_per_million(gpu_hour_price, t.tokens_per_s_per_gpu)}
 
 
 def plan_csv_text(plan: InferencePlan) -> str:
@@ -178,8 +192,9 @@ def plan_csv_text(plan: InferencePlan) -> str:
     for c in plan.candidates:
         cfg = plan.configs.get(c.config_id)
         writer.writerow({"config_id": c.config_id, "tp": c.tp, "pp": c.pp, "batch_size": c.batch_size,
-                         "num_gpus": c.gpus, "predicted_memory_gib": "" if c.memory_gib is None else round(c.memory_gib, 4),
-                         **{k: "" if v is None else v for k, v in predicted_columns(c).items()},
+                         "weights": c.weights, "kv_cache": c.kv_cache, "num_gpus": c.gpus,
+                         "predicted_memory_gib": "" if c.memory_gib is None else round(c.memory_gib, 4),
+                         **{k: "" if v is None else v for k, v in predicted_columns(c, plan.gpu_hour_price).items()},
                          "plan_status": c.status, "fingerprint": cfg.fingerprint() if cfg else "",
                          "reason": c.reason or ""})
     return buf.getvalue()

@@ -35,8 +35,9 @@ REPORT_COLUMNS = (
 INFERENCE_METRIC = RankMetric("tokens_per_s_per_gpu", "generated tokens/s per GPU", "tokens/s", "median",
                               lower_is_better=False, repeats="timed generations' batch latency",
                               order="configs within the p99 latency bound first")
-INFERENCE_COLUMNS = ("config_id", "tp", "pp", "batch_size", "num_gpus", "tokens_per_s_per_gpu",
-                     "predicted_tokens_per_s_per_gpu", "latency_ms_p50", "predicted_latency_ms", "latency_ms_p99",
+INFERENCE_COLUMNS = ("config_id", "tp", "pp", "batch_size", "weights", "kv_cache", "num_gpus", "tokens_per_s_per_gpu",
+                     "predicted_tokens_per_s_per_gpu", "usd_per_million_tokens", "latency_ms_p50", "predicted_latency_ms",
+                     "latency_ms_p99",
                      "time_to_first_token_ms", "predicted_ttft_ms", "predicted_tpot_ms", "meets_latency_bound",
                      "predicted_memory_gib")
 IN_SAMPLE = ("Calibrated predictions are fitted to these same measured trials (hp_tool/calibration.py: a compute "
