@@ -288,7 +288,6 @@ def base_spec(app: AppConfig, model: ModelChoice, cluster: Cluster) -> TrialSpec
     require(gbs % dp == 0, f"{TS}.global_batch_size", gbs,
             f"not divisible by the {dp} data-parallel replicas of the base layout (TP={tp}, PP={pp})",
             f"use a multiple of {dp}, or change num_nodes")
-    hw = cluster.hw
     return TrialSpec(
         trial_id=trial_id(s.family, model.label, dict(tp=tp, pp=pp, mbs=1, act_ckpt_layers=0, engine="torch",
                                                       zero_stage=3, seq_length=model_seq(model, s),
@@ -297,13 +296,7 @@ def base_spec(app: AppConfig, model: ModelChoice, cluster: Cluster) -> TrialSpec
         parallel=ParallelSpec(tp=tp, pp=pp, dp=dp, mbs=1, act_ckpt_layers=0, engine="torch", zero_stage=3),
         training=with_lr(TrainingSpec(global_batch_size=gbs, precision=training_precision(app), warmup_steps=warmup,
                                       constant_steps=constant, max_steps=max_steps), model.lr),
-        resources=ResourcesSpec(cluster.num_nodes, hw.gpus_per_node, hw.gpu_memory_gib, hw.peak_tflops,
-                                hw.intra_node_bandwidth_gbps, hw.inter_node_bandwidth_gbps,
-                                cluster.gpu_hour_price, gpu=cluster.gpu_name, host_ram_gib=hw.host_ram_gib,
-                                pcie_bandwidth_gbps=hw.pcie_bandwidth_gbps, host_cpu_cores=hw.host_cpu_cores,
-                                host_memory_bandwidth_gbps=hw.host_memory_bandwidth_gbps,
-                                efficiency=hw.efficiency(), fp8_peak_tflops_per_gpu=hw.fp8_peak_tflops,
-                                memory_bandwidth_gbps=hw.memory_bandwidth_gbps),
+        resources=ResourcesSpec.of(cluster.hw, cluster.num_nodes, cluster.gpu_hour_price, cluster.gpu_name),
         run=RunSpec(mode="full", max_minutes=ts.max_training_days * 24 * 60, max_steps=max_steps,
                     stable_cv=0.0),
         full_run=FullRunSpec(cluster.num_nodes, dp, gbs, tokens_b, max_steps, ts.epochs if sc.finetune else None),

@@ -81,3 +81,24 @@ def write_metrics(out: Path, trial_id: str, step_times: list[float], warmup: int
     path = trial_dir(out, trial_id) / "metrics.jsonl"
     path.write_text(text)
     return path
+
+
+def test_a_specs_resources_carry_every_hardware_fact_the_collector_prices():
+    """The planner's Hardware of every gpu preset, written into a spec's resources (ResourcesSpec.of) and read back
+    by the collector (hardware()), is the same Hardware: all but the framework's memory overhead (memory estimates
+    only) and whether the device is the host (the trial's own business), so a fact added to one is carried or fails
+    here."""
+    import dataclasses
+
+    from hp_tool.base_config import resolve_cluster
+    from hp_tool.cli import compose
+    from hp_tool.config import to_app_config
+    from hp_tool.contracts.spec import ResourcesSpec
+
+    presets = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "hp_tool" / "conf" / "gpu").glob("*.yaml"))
+    assert len(presets) > 10
+    for gpu in presets:
+        cfg, _ = compose(["search_config=gpt3/tiny", f"gpu={gpu}", "search_config.train_settings.precision=null"])
+        hw = resolve_cluster(to_app_config(cfg)).hw
+        back = ResourcesSpec.of(hw, 2, 1.5, gpu).hardware()
+        assert back == dataclasses.replace(hw, memory_overhead_gib=0.0, device_is_host=False), gpu

@@ -22,7 +22,7 @@ from hp_tool.architectures import Shape
 from hp_tool.dimensions import BY_NAME, DIMENSIONS, fingerprint_defaults
 from hp_tool.families import family
 from hp_tool.errors import ConfigError, require
-from hp_tool.estimate.layout import Layout
+from hp_tool.estimate.layout import Hardware, Layout
 from hp_tool.recipe import LORA_DROPOUT, LOSS_CHUNK_TOKENS, SECTIONS, Adapters, Degrees, Recipe
 from hp_tool.fingerprint import fingerprint_of
 from hp_tool.fsutil import atomic_write_text
@@ -250,6 +250,26 @@ class ResourcesSpec:
                      "intra_node_bandwidth_gbps", "inter_node_bandwidth_gbps"):
             require(getattr(self, name) > 0, f"resources.{name}", getattr(self, name),
                     "must be positive", "set a positive number")
+
+    @classmethod
+    def of(cls, hw: Hardware, num_nodes: int, gpu_hour_price: Optional[float], gpu: Optional[str]) -> "ResourcesSpec":
+        """A spec's resources: ``num_nodes`` nodes of the planner's ``hw`` (the one place a Hardware becomes them;
+        ``hardware`` reads them back)."""
+        return cls(num_nodes, hw.gpus_per_node, hw.gpu_memory_gib, hw.peak_tflops, hw.intra_node_bandwidth_gbps,
+                   hw.inter_node_bandwidth_gbps, gpu_hour_price, gpu=gpu, host_ram_gib=hw.host_ram_gib,
+                   pcie_bandwidth_gbps=hw.pcie_bandwidth_gbps, host_cpu_cores=hw.host_cpu_cores,
+                   host_memory_bandwidth_gbps=hw.host_memory_bandwidth_gbps, efficiency=hw.efficiency(),
+                   fp8_peak_tflops_per_gpu=hw.fp8_peak_tflops, memory_bandwidth_gbps=hw.memory_bandwidth_gbps)
+
+    def hardware(self) -> Hardware:
+        """The planner's Hardware these resources were made from (``of``), for the step-time terms a collector
+        prices: the framework's memory overhead, which only memory estimates read, is not carried (0)."""
+        return Hardware(self.gpus_per_node, self.gpu_memory_gib, self.peak_tflops_per_gpu, self.intra_node_bandwidth_gbps,
+                        self.inter_node_bandwidth_gbps, memory_overhead_gib=0.0, host_ram_gib=self.host_ram_gib,
+                        pcie_bandwidth_gbps=self.pcie_bandwidth_gbps, host_cpu_cores=self.host_cpu_cores,
+                        host_memory_bandwidth_gbps=self.host_memory_bandwidth_gbps,
+                        memory_bandwidth_gbps=self.memory_bandwidth_gbps, fp8_peak_tflops=self.fp8_peak_tflops_per_gpu,
+                        **self.efficiency)
 
 
 @dataclass

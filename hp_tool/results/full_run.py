@@ -36,14 +36,7 @@ class FullRun:
 
     @property
     def hw(self) -> Hardware:
-        r = self.base.resources
-        # memory_overhead_gib only matters for memory estimates, not for the step-time terms used here
-        return Hardware(r.gpus_per_node, r.gpu_memory_gib, r.peak_tflops_per_gpu, r.intra_node_bandwidth_gbps,
-                        r.inter_node_bandwidth_gbps, memory_overhead_gib=0.0, host_ram_gib=r.host_ram_gib,
-                        pcie_bandwidth_gbps=r.pcie_bandwidth_gbps, host_cpu_cores=r.host_cpu_cores,
-                        host_memory_bandwidth_gbps=r.host_memory_bandwidth_gbps,
-                        memory_bandwidth_gbps=r.memory_bandwidth_gbps, fp8_peak_tflops=r.fp8_peak_tflops_per_gpu,
-                        **r.efficiency)
+        return self.base.resources.hardware()
 
     @property
     def num_nodes(self) -> int:
