@@ -8,8 +8,8 @@ Four runs of `python3 main.py ... cluster=local`, each in its own results folder
 LoRA and QLoRA in one search, each at two micro-batch sizes, exhaustive, a few steps per trial; the H100 recipe's
 choices, fp8 linears and torch.compile each on and off, on full fine-tuning of a model one GPU trains whole
 (Qwen3-0.6B; on CPU the tiny model, where fp8 is refused and the compiled trials run); the inference
-search at two batch sizes for the same shape as a llama preset (llama/llama2_7b, llama/tiny: the inference search
-does not take finetune configs); last, full fine-tuning (ZeRO 3, offload none and optimizer_and_params; the
+search at two batch sizes for the same shape as a llama preset (llama/llama2_7b, llama/tiny), its predicted TTFT,
+TPOT, latency and throughput beside what hp_tool's own decode loop measured; last, full fine-tuning (ZeRO 3, offload none and optimizer_and_params; the
 planner prunes what does not fit and the table shows it), whose offloaded trial holds the most host RAM. The gpu
 preset's host RAM and CPU threads are set to this machine's (/proc/meminfo, os.cpu_count()), so offloaded
 layouts are planned, and CPU Adam priced, for the node they run on. The tables come from the searches' own CSVs
@@ -46,7 +46,7 @@ from hp_tool.vocab import INVALID, NOT_LAUNCHED, OVER_LIMIT, PRUNED  # noqa: E40
 
 TS, IS = "search_config.train_settings", "search_config.inference_settings"
 NOT_RUN_BY_PLAN = (PRUNED, INVALID, OVER_LIMIT, *NOT_LAUNCHED)  # training statuses of a trial never launched
-INFERENCE_NOT_RUN = ("invalid", "over_memory")  # the inference grid's verdicts (hp_tool/inference/grid.py)
+INFERENCE_NOT_RUN = ("invalid", "over_memory", "over_slo")  # the inference grid's verdicts (hp_tool/inference/grid.py)
 PACKAGES = ("torch", "transformers", "peft", "bitsandbytes", "deepspeed", "hydra-core", "submitit")
 GIB = 1024 ** 3
 
@@ -215,8 +215,8 @@ def cell(value: Optional[str], kind: str) -> str:
 
 
 def extra_predictions(rows: list[dict]) -> tuple[tuple[str, str, str], ...]:
-    """Columns ``predicted_*`` of an inference CSV besides memory (none today: the inference search
-    predicts memory only), so a latency or throughput prediction shows up once the CSV carries one."""
+    """Columns ``predicted_*`` of an inference CSV besides memory (the serving-time model's TTFT, TPOT, batch
+    latency, tokens/s per GPU and dollars per million tokens), each shown beside what was measured."""
     names = sorted({k for r in rows for k in r if k.startswith("predicted_") and k != "predicted_memory_gib"})
     return tuple((name.removeprefix("predicted_") + " pred", name, "sig") for name in names)
 
@@ -297,8 +297,9 @@ TRAINING_NOTE = ("One row per candidate of the LoRA/QLoRA, recipe (fp8, compile)
                  "`all_trials_*.csv`: `step err %` is its `step_time_error_pct`; `GiB analytic` and `GiB traced` "
                  "include the gpu preset's `memory_overhead_gib`, `GiB meas` is the device's peak allocation (on CPU "
                  "the process RSS); the tensor columns count live tensors only, on both sides.")
-INFERENCE_NOTE = ("From `inference/final_summary/final_output.csv`. The inference search predicts memory only; "
-                  "latency and throughput are measured (a `... pred` column appears once the CSV carries one).")
+INFERENCE_NOTE = ("From `inference/final_summary/final_output.csv`: measured beside the serving-time model's "
+                  "predictions (`... pred`: TTFT, TPOT, batch latency, tokens/s per GPU; hp_tool/estimate/serving.py, "
+                  "fitted on published serving runs, not on this GPU), on hp_tool's own decode loop.")
 
 
 def section(title: str, note: str, rows: list[dict], columns) -> list[str]:
