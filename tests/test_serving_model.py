@@ -88,3 +88,35 @@ def test_the_prefill_grows_faster_than_the_prompt():
     short = prefill_s(LLAMA7B, ServingLayout(1, 1, 16, 1024, 1), H100, EFF)
     long = prefill_s(LLAMA7B, ServingLayout(1, 1, 16, 4096, 1), H100, EFF)
     assert long > 4 * short  # the attention is quadratic in the prompt
+
+
+def test_a_continuous_batching_server_prefills_a_request_as_it_joins():
+    """Continuous batching: a request's first token waits for its own prompt's prefill (not the batch's), handed
+    through each of the PP - 1 stage boundaries once, and every step also prefills the prompts that join it
+    (concurrency / output_len of them), so its time per output token is the static batch's plus their FLOPs."""
+    from hp_tool.estimate.serving import joining_prefill_s, pp_handoff_s, prefill_pass_s
+
+    static = ServingLayout(1, 4, 64, 1024, 256)
+    served = dataclasses.replace(static, batching="continuous")
+    assert prefill_s(LLAMA7B, served, H100, EFF) == pytest.approx(
+        prefill_pass_s(LLAMA7B, served, H100, EFF, 1) + pp_handoff_s(LLAMA7B, served, 1024, H100, EFF) + EFF.step_s)
+    assert prefill_s(LLAMA7B, served, H100, EFF) < prefill_s(LLAMA7B, static, H100, EFF) / 10
+    joining = joining_prefill_s(LLAMA7B, served, H100, EFF)
+    assert joining > 0 and decode_step_s(LLAMA7B, served, H100, EFF) == pytest.approx(
+        decode_step_s(LLAMA7B, static, H100, EFF) + joining)
+    t = serving_time(LLAMA7B, served, H100)
+    assert t.tokens_per_s == pytest.approx(64 / t.tpot_s)
+
+
+def test_a_pipeline_runs_micro_batches_through_its_stages_at_once():
+    """A large compute-bound batch (Llama 3.1 8B: 8 kv heads, a short context, so the batch's FLOPs outlast its KV
+    cache's reads) through 4 stages: in micro-batches the stages work at once, so the step takes about
+    (m + 3) / (4 m) of the whole batch's pass, not all of it; one request cannot be split."""
+    from hp_tool.estimate.serving import microbatches
+
+    llama31 = load_hf_model("llama3_1_8b").shape(4096)
+    big = ServingLayout(1, 4, 1024, 128, 16)
+    assert microbatches(big) == [1, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+    assert microbatches(dataclasses.replace(big, concurrency=1)) == [1]
+    one_stage = decode_step_s(llama31, dataclasses.replace(big, pp=1), H100, EFF) - EFF.step_s
+    assert decode_step_s(llama31, big, H100, EFF) - EFF.step_s < 0.5 * one_stage

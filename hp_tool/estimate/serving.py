@@ -199,8 +199,8 @@ def prefill_s(shape: Shape, layout: ServingLayout, gpu: ServingGpu, eff: Serving
     """Time to first token. A static batch: every prompt's prefill, through the pipeline (``pipelined_s``). Continuous
     batching: the request's own prompt, prefilled in the step it joins."""
     if layout.batching == "continuous":
-        return prefill_pass_s(shape, layout, gpu, eff, 1) + (layout.pp - 1) * \
-            pp_handoff_s(shape, layout, layout.input_len, gpu, eff) + eff.step_s
+        return prefill_pass_s(shape, layout, gpu, eff, 1) + pp_handoff_s(shape, layout, layout.input_len, gpu, eff) + \
+            eff.step_s
     return pipelined_s(layout, lambda r: prefill_pass_s(shape, layout, gpu, eff, r),
                        lambda r: pp_handoff_s(shape, layout, r * layout.input_len, gpu, eff) / (layout.pp - 1)) + \
         eff.step_s
