@@ -61,7 +61,22 @@ class InferenceJobConfig:
                                and (k not in ADDED_DEFAULTS or v != ADDED_DEFAULTS[k])})
 
 
-INFERENCE_ENGINES = ("hp_tool", "vllm")
+@dataclass(frozen=True)
+class ServingEngine:
+    """What an inference search's engine serves (inference_settings.engine)."""
+
+    name: str
+    executable: Optional[str]  # the command its jobs run (looked for on PATH before a search on this machine)
+    loads_checkpoint: bool  # serves the model's Hugging Face checkpoint (inference_settings.model_path)
+    any_family: bool  # serves whatever it loads; else the families whose record says ``inference``
+    formats: bool  # serves weights and KV cache formats other than the served precision's
+
+
+SERVING_ENGINES = {
+    "hp_tool": ServingEngine("hp_tool", None, loads_checkpoint=False, any_family=False, formats=False),
+    "vllm": ServingEngine("vllm", "vllm", loads_checkpoint=True, any_family=True, formats=True),
+}
+INFERENCE_ENGINES = tuple(SERVING_ENGINES)
 ADDED_DEFAULTS = {"engine": "hp_tool", "model_path": None, "weights": None, "kv_cache": None}  # a config without them keeps its fingerprint
 
 

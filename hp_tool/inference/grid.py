@@ -21,7 +21,8 @@ from hp_tool.errors import ConfigError, require
 from hp_tool.estimate.layout import GIB, Hardware, Layout
 from hp_tool.estimate.serving import (KV_BYTES, WEIGHT_BYTES, ServingGpu, ServingLayout, ServingTime,
                                       serving_time)
-from hp_tool.contracts.inference import InferenceJobConfig, dump_job_config, load_job_config  # noqa: F401
+from hp_tool.contracts.inference import (SERVING_ENGINES, InferenceJobConfig, dump_job_config,  # noqa: F401
+                                         load_job_config)
 
 IS = "search_config.inference_settings"
 FP32_BYTES, HALF_BYTES = 4, 2
@@ -160,7 +161,7 @@ def format_problem(settings: InferenceSettings, precision: str, weights: Optiona
     (inference_settings.model_path); an fp8 KV cache needs fp8 tensor cores."""
     if weights is None and kv_cache is None:
         return None
-    if settings.engine != "vllm":
+    if not SERVING_ENGINES[settings.engine].formats:
         return (f"hp_tool's own decode loop serves {precision} weights and KV cache; {weights or precision} weights "
                 f"and a {kv_cache or precision} KV cache need inference_settings.engine=vllm")
     if kv_cache == "fp8" and not hw.fp8_peak_tflops:

@@ -30,8 +30,8 @@ from hp_tool.hf_config import checkpoint_of
 from hp_tool.fingerprint import STALE, stale_reason
 from hp_tool.fsutil import atomic_write_text
 from hp_tool.inference import report
-from hp_tool.inference.grid import (FP32_BYTES, HALF_BYTES, IS, InferenceCandidate, InferenceJobConfig,
-                                    dump_job_config, plan_grid)
+from hp_tool.inference.grid import (FP32_BYTES, HALF_BYTES, IS, SERVING_ENGINES, InferenceCandidate,
+                                    InferenceJobConfig, dump_job_config, plan_grid)
 from hp_tool.launch.job import JobSpec
 from hp_tool.results.report_inputs import write_inference_report
 from hp_tool.session import Hook, LaunchSession, prepare_backend
@@ -78,7 +78,8 @@ def plan_inference(app: AppConfig, results_dir: Path) -> InferencePlan:
     cluster = resolve_cluster(app)
     model = choose_model(app, cluster)
     inf, ts = app.search_config.inference_settings, app.search_config.train_settings
-    if inf.engine == "hp_tool" and not model.shape.facts.inference:  # vLLM serves what it loads
+    serving = SERVING_ENGINES[inf.engine]
+    if not serving.any_family and not model.shape.facts.inference:  # vLLM serves what it loads
         covered = [n for n in family_names() if family(n).inference]
         raise ConfigError("run_inference_hp_search", True, f"hp_tool's own decode loop serves {covered}, not "
                           f"{model.shape.family}", "use search_config.inference_settings.engine=vllm (on GPU nodes "
@@ -94,7 +95,7 @@ def plan_inference(app: AppConfig, results_dir: Path) -> InferencePlan:
             c.config_id, spec, c.tp, c.pp, c.batch_size, inf.input_seq_len, inf.output_seq_len,
             inf.start_id, inf.end_id, str(root / c.config_id), warmup=WARMUP, repeats=REPEATS,
             precision=precision, max_minutes=ts.max_minutes_per_run, engine=inf.engine,
-            model_path=path if inf.engine == "vllm" else None,
+            model_path=path if serving.loads_checkpoint else None,
             weights=None if c.weights == precision else c.weights, kv_cache=None if c.kv_cache == precision else c.kv_cache)
         for c in grid if c.status == "valid"}
     return InferencePlan(grid, configs, root, path, precision, inf.input_seq_len + inf.output_seq_len,
@@ -107,7 +108,7 @@ def checkpoint(app: AppConfig, model) -> Optional[str]:
     without one is a ConfigError naming the key."""
     inf = app.search_config.inference_settings
     path = inf.model_path or (checkpoint_of(model.hf) if model.hf is not None else None)
-    if inf.engine == "vllm" and path is None:
+    if SERVING_ENGINES[inf.engine].loads_checkpoint and path is None:
         raise ConfigError(f"{IS}.model_path", None, "vLLM serves a Hugging Face checkpoint, and this model "
                           f"({model.shape.family}, {model.label}) has none", f"set {IS}.model_path to a hub id or a "
                           "local checkpoint directory of the model, or use inference_settings.engine=hp_tool")
@@ -246,10 +247,11 @@ def run_inference_search(app: AppConfig, search_name: str, results_dir: Path,
     (before anything is written) when nothing valid is left."""
     plan = plan or plan_inference(app, results_dir)
     inf = app.search_config.inference_settings
-    if inf.engine == "vllm" and app.cluster.type in ("local", "in_process") and shutil.which("vllm") is None:
+    exe = SERVING_ENGINES[inf.engine].executable
+    if exe and app.cluster.type in ("local", "in_process") and shutil.which(exe) is None:
         raise ConfigError(f"{IS}.engine", inf.engine, f"the configs run on this machine (cluster={app.cluster.type}), "
-                          "which has no `vllm` on PATH", "install vLLM here (it needs a GPU), run on a cluster whose "
-                          "nodes have it, or use inference_settings.engine=hp_tool")
+                          f"which has no `{exe}` on PATH", f"install {inf.engine} here (vLLM needs a GPU), run on a "
+                          "cluster whose nodes have it, or use inference_settings.engine=hp_tool")
     jobs = [inference_job_spec(cfg, plan.config_path(cid)) for cid, cfg in plan.configs.items()]
     backend = prepare_backend(app, jobs)  # before any file: a config the cluster's backend can never run
     write_configs(plan)
