@@ -84,7 +84,7 @@ def write_metrics(out: Path, trial_id: str, step_times: list[float], warmup: int
 
 
 def test_a_specs_resources_carry_every_hardware_fact_the_collector_prices():
-    """The planner's Hardware of every gpu preset, written into a spec's resources (ResourcesSpec.of) and read back
+    """The planner's Hardware of a gpu preset, written into a spec's resources (ResourcesSpec.of) and read back
     by the collector (hardware()), is the same Hardware: all but the framework's memory overhead (memory estimates
     only) and whether the device is the host (the trial's own business), so a fact added to one is carried or fails
     here."""
@@ -95,9 +95,9 @@ def test_a_specs_resources_carry_every_hardware_fact_the_collector_prices():
     from hp_tool.config import to_app_config
     from hp_tool.contracts.spec import ResourcesSpec
 
-    presets = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "hp_tool" / "conf" / "gpu").glob("*.yaml"))
-    assert len(presets) > 10
-    for gpu in presets:
+    # presets whose optional facts differ: CPU processes (no fp8, host RAM as the device's), an H100 node (fp8, 614
+    # GB/s of host memory), a g5.4xlarge's share of a host (16 threads)
+    for gpu in ("cpu", "h100_80gb", "a10g_g5_4xlarge"):
         cfg, _ = compose(["search_config=gpt3/tiny", f"gpu={gpu}", "search_config.train_settings.precision=null"])
         hw = resolve_cluster(to_app_config(cfg)).hw
         back = ResourcesSpec.of(hw, 2, 1.5, gpu).hardware()
