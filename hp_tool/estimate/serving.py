@@ -122,10 +122,14 @@ def weight_bytes_per_gpu(shape: Shape, layout: ServingLayout) -> float:
 
 
 def kv_bytes_per_token(shape: Shape, layout: ServingLayout) -> float:
+    """KV cache of one token on one GPU, in the layout's KV cache format (``kv_token_bytes``)."""
+    return kv_token_bytes(shape, layout.tp, layout.pp, KV_BYTES[layout.kv_cache])
+
+
+def kv_token_bytes(shape: Shape, tp: int, pp: int, bytes_per_value: float) -> float:
     """KV cache of one token on one GPU: keys and values of its stage's layers, its TP share of the kv heads (a
     kv head is never split: with TP above the kv heads each rank keeps one)."""
-    kv_heads = max(1.0, shape.num_kv_heads / layout.tp)
-    return 2 * (shape.num_layers / layout.pp) * kv_heads * shape.head_dim * KV_BYTES[layout.kv_cache]
+    return 2 * (shape.num_layers / pp) * max(1.0, shape.num_kv_heads / tp) * shape.head_dim * bytes_per_value
 
 
 def kv_capacity_tokens(shape: Shape, layout: ServingLayout, gpu: ServingGpu, eff: ServingEfficiency) -> float:

@@ -20,7 +20,7 @@ from hp_tool.config import InferenceSettings
 from hp_tool.errors import ConfigError, require
 from hp_tool.estimate.layout import GIB, Hardware, Layout
 from hp_tool.estimate.serving import (KV_BYTES, WEIGHT_BYTES, ServingGpu, ServingLayout, ServingTime,
-                                      serving_time)
+                                      kv_token_bytes, serving_time)
 from hp_tool.contracts.inference import (SERVING_ENGINES, InferenceJobConfig, dump_job_config,  # noqa: F401
                                          load_job_config)
 
@@ -94,9 +94,9 @@ def check_settings(shape: Shape, settings: InferenceSettings, gpus_per_node: int
 
 
 def kv_cache_bytes(shape: Shape, tp: int, pp: int, batch: int, tokens: int, bytes_per_value: float) -> float:
-    """Keys and values of one stage's layers for ``batch`` x ``tokens`` positions on one GPU, bytes."""
-    layers = shape.num_layers // pp
-    return 2 * layers * batch * tokens * shape.num_kv_heads * shape.head_dim * bytes_per_value / tp
+    """Keys and values of one stage's layers for ``batch`` x ``tokens`` positions on one GPU, bytes (the serving
+    model's per token: serving.kv_token_bytes)."""
+    return batch * tokens * kv_token_bytes(shape, tp, pp, bytes_per_value)
 
 
 def step_activation_bytes(shape: Shape, tp: int, batch: int, seq: int, bytes_per_value: int) -> float:
@@ -137,13 +137,14 @@ def serving_gpu(hw: Hardware, precision: str) -> ServingGpu:
                       hw.intra_node_bandwidth_gbps, hw.memory_overhead_gib)
 
 
-def predict(shape: Shape, settings: InferenceSettings, tp: int, pp: int, batch: int, hw: Hardware,
+def predict(shape: Shape, settings: InferenceSettings, tp: int, pp: int, batch: int, gpu: ServingGpu,
             precision: str, weights: Optional[str] = None, kv_cache: Optional[str] = None) -> ServingTime:
     """The serving-time model's TTFT, TPOT, latency and throughput of a layout serving ``batch`` requests of the
-    settings' lengths, its weights and KV cache in their formats (default: the served precision)."""
+    settings' lengths on ``gpu`` (``serving_gpu``), its weights and KV cache in their formats (default: the served
+    precision)."""
     layout = ServingLayout(tp, pp, batch, settings.input_seq_len, settings.output_seq_len, weights or precision,
                            kv_cache or precision)
-    return serving_time(shape, layout, serving_gpu(hw, precision))
+    return serving_time(shape, layout, gpu)
 
 
 def formats(settings: InferenceSettings, precision: str) -> list[tuple[Optional[str], Optional[str]]]:
@@ -169,13 +170,13 @@ def format_problem(settings: InferenceSettings, precision: str, weights: Optiona
     return None
 
 
-def slo_problem(settings: InferenceSettings, predicted: ServingTime) -> Optional[str]:
-    """Why a layout's prediction misses the settings' limits on time to first token or time per output token (the
-    batch latency bound, max_latency_ms, judges the measured results), or None."""
+def slo_problem(settings: InferenceSettings, predicted: ServingTime) -> Optional[tuple[str, str]]:
+    """(the key, why) where a layout's prediction misses the settings' limit on time to first token or time per
+    output token (the batch latency bound, max_latency_ms, judges the measured results), or None."""
     for key, limit, value in (("max_ttft_ms", settings.max_ttft_ms, predicted.ttft_s),
                               ("max_tpot_ms", settings.max_tpot_ms, predicted.tpot_s)):
         if limit is not None and 1e3 * value > limit:
-            return f"predicted {key[4:].upper()} {1e3 * value:.4g} ms > {key}={limit:g}"
+            return key, f"predicted {key[4:].upper()} {1e3 * value:.4g} ms > {key}={limit:g}"
     return None
 
 
@@ -183,6 +184,7 @@ def build_grid(shape: Shape, label: str, settings: InferenceSettings, hw: Hardwa
                bytes_per_value: int, precision: Optional[str] = None) -> list[InferenceCandidate]:
     """Every TP x PP x batch candidate with its verdict and prediction, in (TP, PP, batch) order."""
     precision = precision or ("fp32" if bytes_per_value == FP32_BYTES else "bf16")
+    gpu = serving_gpu(hw, precision)
     out = []
     for tp in sorted(set(settings.tensor_parallel_sizes)):
         for pp in sorted(set(settings.pipeline_parallel_sizes)):
@@ -196,13 +198,13 @@ def build_grid(shape: Shape, label: str, settings: InferenceSettings, hw: Hardwa
                         out.append(InferenceCandidate(cid, tp, pp, bs, "invalid", bad, **named))
                         continue
                     need = memory_gib(shape, settings, tp, pp, bs, hw, bytes_per_value, weights, kv_cache)
-                    predicted = predict(shape, settings, tp, pp, bs, hw, precision, weights, kv_cache)
+                    predicted = predict(shape, settings, tp, pp, bs, gpu, precision, weights, kv_cache)
                     slo = slo_problem(settings, predicted)
                     if need > hw.gpu_memory_gib:
                         reason = f"needs {need:.2f} GiB per GPU, more than the {hw.gpu_memory_gib:g} GiB available"
                         status = "over_memory"
                     else:
-                        status, reason = ("over_slo", slo) if slo else ("valid", None)
+                        status, reason = ("over_slo", slo[1]) if slo else ("valid", None)
                     out.append(InferenceCandidate(cid, tp, pp, bs, status, reason, need, predicted, **named))
     return out
 
@@ -215,7 +217,7 @@ def plan_grid(shape: Shape, label: str, settings: InferenceSettings, hw: Hardwar
     grid = build_grid(shape, label, settings, hw, bytes_per_value, precision)
     if not any(c.status == "valid" for c in grid) and any(c.status == "over_slo" for c in grid):
         near = min((c for c in grid if c.status == "over_slo"), key=lambda c: c.predicted.ttft_s + c.predicted.tpot_s)
-        key = "max_ttft_ms" if "TTFT" in near.reason else "max_tpot_ms"
+        key = slo_problem(settings, near.predicted)[0]
         raise ConfigError(f"{IS}.{key}", getattr(settings, key),
                           f"no layout that fits is predicted to meet it (nearest: {near.config_id}, {near.reason})",
                           f"raise {key}, or search smaller batch sizes or larger TP")

@@ -127,9 +127,7 @@ def collect_rows(plan: InferencePlan) -> list[dict]:
     whose fingerprint differs from the config's is shown as ``stale``, never ranked."""
     rows = []
     for c in plan.candidates:
-        row: dict[str, Any] = {"config_id": c.config_id, "tp": c.tp, "pp": c.pp, "batch_size": c.batch_size,
-                               "weights": c.weights, "kv_cache": c.kv_cache, "num_gpus": c.gpus,
-                               "predicted_memory_gib": c.memory_gib, **predicted_columns(c, plan.gpu_hour_price)}
+        row = candidate_row(c, plan.gpu_hour_price)
         result = report.read_result(plan.root / c.config_id) if c.status == "valid" else None
         expected = plan.configs[c.config_id].fingerprint() if c.status == "valid" else None
         if result is None:
@@ -166,6 +164,14 @@ PLAN_COLUMNS = ("config_id", "tp", "pp", "batch_size", "weights", "kv_cache", "n
                 *PREDICTED_COLUMNS, "plan_status", "fingerprint", "reason")
 
 
+def candidate_row(c: InferenceCandidate, gpu_hour_price: Optional[float]) -> dict[str, Any]:
+    """What the planner knows of a candidate, by column: its layout and formats, its predicted memory and the
+    serving-time model's figures (``predicted_columns``); plan.csv's and the summary's rows start from it."""
+    return {"config_id": c.config_id, "tp": c.tp, "pp": c.pp, "batch_size": c.batch_size, "weights": c.weights,
+            "kv_cache": c.kv_cache, "num_gpus": c.gpus, "predicted_memory_gib": c.memory_gib,
+            **predicted_columns(c, gpu_hour_price)}
+
+
 def usd_per_million(gpu_hour_price: Optional[float], tokens_per_s_per_gpu: Optional[float]) -> Optional[float]:
     """Dollars per million generated tokens of a GPU at ``gpu_hour_price`` generating ``tokens_per_s_per_gpu``."""
     if gpu_hour_price is None or not tokens_per_s_per_gpu:
@@ -192,12 +198,11 @@ def plan_csv_text(plan: InferencePlan) -> str:
     writer.writeheader()
     for c in plan.candidates:
         cfg = plan.configs.get(c.config_id)
-        writer.writerow({"config_id": c.config_id, "tp": c.tp, "pp": c.pp, "batch_size": c.batch_size,
-                         "weights": c.weights, "kv_cache": c.kv_cache, "num_gpus": c.gpus,
-                         "predicted_memory_gib": "" if c.memory_gib is None else round(c.memory_gib, 4),
-                         **{k: "" if v is None else v for k, v in predicted_columns(c, plan.gpu_hour_price).items()},
-                         "plan_status": c.status, "fingerprint": cfg.fingerprint() if cfg else "",
-                         "reason": c.reason or ""})
+        row = {**candidate_row(c, plan.gpu_hour_price), "plan_status": c.status,
+               "fingerprint": cfg.fingerprint() if cfg else "", "reason": c.reason or ""}
+        if c.memory_gib is not None:
+            row["predicted_memory_gib"] = round(c.memory_gib, 4)
+        writer.writerow({k: "" if v is None else v for k, v in row.items()})
     return buf.getvalue()
 
 
