@@ -56,6 +56,7 @@ def test_the_serve_line_and_the_failure_kinds():
                     "--max-num-seqs 64 --max-model-len 2048")
     assert failure_status("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate") == "oom"
     assert failure_status("ValueError: No available memory for the cache blocks.") == "oom"
+    assert failure_status("RuntimeError: DefaultCPUAllocator: can't allocate memory: you tried to allocate") == "oom"
     assert failure_status("ModuleNotFoundError: No module named 'flash_attn'") == "failed"
 
 

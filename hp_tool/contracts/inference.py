@@ -116,12 +116,12 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 def latency_stats(latencies_s: Sequence[float], ttfts_s: Sequence[float], batch: int, new_tokens: int,
                   gpus: int) -> dict:
-    """Percentiles of the batch latency (ms), median time to first token (ms), and throughput from the
-    median latency: samples/s, generated tokens/s, and tokens/s per GPU."""
+    """Percentiles of the batch latency (ms), median time to first token (ms; None where the first token was not
+    timed apart), and throughput from the median latency: samples/s, generated tokens/s, and tokens/s per GPU."""
     p50 = percentile(latencies_s, 50)
     tokens_per_s = batch * new_tokens / p50
     return {"latency_ms_p50": 1e3 * p50, "latency_ms_p95": 1e3 * percentile(latencies_s, 95),
             "latency_ms_p99": 1e3 * percentile(latencies_s, 99),
-            "time_to_first_token_ms": 1e3 * percentile(ttfts_s, 50),
+            "time_to_first_token_ms": 1e3 * percentile(ttfts_s, 50) if ttfts_s else None,
             "samples_per_s": batch / p50, "tokens_per_s": tokens_per_s,
             "tokens_per_s_per_gpu": tokens_per_s / gpus}

@@ -89,7 +89,12 @@ def is_oom(exc: BaseException) -> bool:
 
     if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
         return True
-    text = str(exc).lower()
+    return oom_text(str(exc))
+
+
+def oom_text(text: str) -> bool:
+    """Whether an error's text says it ran out of memory (torch's, the C++ allocator's, the kernel's)."""
+    text = text.lower()
     return any(s in text for s in ("out of memory", "can't allocate memory", "cannot allocate memory",
                                    "std::bad_alloc"))
 

@@ -14,12 +14,13 @@ from __future__ import annotations
 import shlex
 from typing import Any, Optional
 
-from hp_tool.contracts.inference import percentile
+from hp_tool.contracts.inference import latency_stats
+from hp_tool.contracts.result import oom_text
 
 # a served precision -> vLLM's --dtype
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-OOM_WORDS = ("CUDA out of memory", "OutOfMemoryError", "No available memory for the cache blocks",
-             "not enough KV cache")
+# what vLLM prints beyond an out-of-memory error's text: torch's exception by name, no room for one batch's KV cache
+VLLM_OOM_WORDS = ("OutOfMemoryError", "No available memory for the cache blocks", "not enough KV cache")
 
 
 # weight formats vLLM quantises to as it loads a 16-bit checkpoint (--quantization); the others it reads from a
@@ -51,21 +52,17 @@ def bench_command(model: str, tp: int, pp: int, batch_size: int, input_len: int,
 
 
 def latency_result(data: dict[str, Any], batch_size: int, output_len: int, gpus: int) -> dict[str, Any]:
-    """result.json's fields from ``vllm bench latency``'s JSON: the batch latency's percentiles (ms; p95 from the
-    latencies themselves, which vLLM does not print) and the throughput at its median."""
-    latencies = [float(x) for x in data["latencies"]]
-    p50 = float(data["percentiles"]["50"])
-    tokens_per_s = batch_size * output_len / p50
-    return {"latency_ms_p50": 1e3 * p50, "latency_ms_p95": 1e3 * percentile(latencies, 95),
-            "latency_ms_p99": 1e3 * float(data["percentiles"]["99"]), "time_to_first_token_ms": None,
-            "samples_per_s": batch_size / p50, "tokens_per_s": tokens_per_s, "tokens_per_s_per_gpu": tokens_per_s / gpus,
+    """result.json's fields from ``vllm bench latency``'s JSON: its latencies' statistics as hp_tool's own decode
+    loop reports them (``latency_stats``: the percentiles numpy's way, as vLLM prints them, and p95, which it does
+    not), without a time to first token."""
+    return {**latency_stats([float(x) for x in data["latencies"]], (), batch_size, output_len, gpus),
             "generated_tokens": batch_size * output_len}
 
 
 def failure_status(output: str) -> str:
-    """A failed vLLM run's status from what it printed: ``oom`` where it ran out of GPU memory (for the weights, or
-    for the KV cache of one batch), else ``failed``."""
-    return "oom" if any(word in output for word in OOM_WORDS) else "failed"
+    """A failed vLLM run's status from what it printed: ``oom`` where it ran out of memory (``oom_text``, or
+    ``VLLM_OOM_WORDS``: for the weights, or for the KV cache of one batch), else ``failed``."""
+    return "oom" if oom_text(output) or any(word in output for word in VLLM_OOM_WORDS) else "failed"
 
 
 def serve_command(model: str, tp: int, pp: int, max_num_seqs: int, precision: str, max_model_len: int,
