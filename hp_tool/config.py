@@ -173,38 +173,56 @@ class GpuConfig:
 
 
 @dataclass
-class ClusterConfig:
-    """Where and how trials run. Hardware is the ``gpu`` group; the run's shape is ``train_settings``."""
+class SlurmSettings:
+    """How a SLURM cluster's jobs are submitted (cluster=bcm, and auto where SLURM answers): sbatch and srun
+    options, as submitit passes them."""
 
-    type: str = "auto"  # local | bcm (SLURM) | auto (SLURM, else local if the search fits) | in_process | ray
     partition: Optional[str] = None
     account: Optional[str] = None
     qos: Optional[str] = None
     exclusive: bool = True
     constraint: Optional[str] = None
-    cpus_per_task: Optional[int] = None  # null = the partition's CPUs per node / tasks per node (Ray: 1 per worker)
     mem: Optional[str] = None  # sbatch --mem, e.g. "0" for the whole node
-    job_name_prefix: str = "hp_tool:"
     container_image: Optional[str] = None
     container_mounts: List[str] = field(default_factory=list)
     srun_args: List[str] = field(default_factory=list)
     setup: List[str] = field(default_factory=list)  # shell lines run before each trial
     additional_sbatch_parameters: Dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class RaySettings:
+    """How an existing Ray cluster's jobs are submitted (cluster=ray)."""
+
+    address: Optional[str] = None  # its job API, http://<head>:8265; null/auto: RAY_ADDRESS or local
+    gpus_per_worker: Optional[float] = None  # GPUs per worker (trial process); null: 1, 0 with gpu=cpu
+    accelerator_type: Optional[str] = None  # the accelerator label a worker's node must carry (A100, H100)
+    runtime_env: Dict[str, Any] = field(default_factory=dict)  # jobs' runtime_env (working_dir, pip)
+
+    def __post_init__(self) -> None:
+        require(self.gpus_per_worker is None or self.gpus_per_worker >= 0, "cluster.ray.gpus_per_worker",
+                self.gpus_per_worker, "is negative", "give the GPUs each Ray worker (trial process) takes, e.g. 1")
+
+
+@dataclass
+class ClusterConfig:
+    """Where and how trials run: what every backend reads, then each backend's own keys in its section
+    (``slurm``, ``ray``). Hardware is the ``gpu`` group; the run's shape is ``train_settings``."""
+
+    type: str = "auto"  # local | bcm (SLURM) | auto (SLURM, else local if the search fits) | in_process | ray
+    cpus_per_task: Optional[int] = None  # CPUs per trial process; null = SLURM: the partition's CPUs per node / tasks per node, Ray: 1
+    job_name_prefix: str = "hp_tool:"
     max_parallel_runs: int = 1  # trials running at once
     max_queue_minutes: Optional[float] = None  # cancel (unschedulable) a job pending longer than this
-    address: Optional[str] = None  # cluster=ray: its job API, http://<head>:8265; null/auto: RAY_ADDRESS or local
-    gpus_per_worker: Optional[float] = None  # cluster=ray: GPUs per worker (trial process); null: 1, 0 with gpu=cpu
-    accelerator_type: Optional[str] = None  # cluster=ray: the accelerator label a worker's node must carry (A100, H100)
-    runtime_env: Dict[str, Any] = field(default_factory=dict)  # cluster=ray: jobs' runtime_env (working_dir, pip)
+    slurm: SlurmSettings = field(default_factory=SlurmSettings)
+    ray: RaySettings = field(default_factory=RaySettings)
 
     def __post_init__(self) -> None:
         require(self.type in CLUSTER_TYPES, "cluster.type", self.type, "unknown cluster type",
                 f"use one of {list(CLUSTER_TYPES)}")
-        require(self.type != "bcm" or bool(self.partition), "cluster.partition", self.partition,
-                "is required for a SLURM cluster", "add cluster.partition=<partition> to the command")
+        require(self.type != "bcm" or bool(self.slurm.partition), "cluster.slurm.partition", self.slurm.partition,
+                "is required for a SLURM cluster", "add cluster.slurm.partition=<partition> to the command")
         _positive(self, "cluster", ("cpus_per_task", "max_parallel_runs", "max_queue_minutes"))
-        require(self.gpus_per_worker is None or self.gpus_per_worker >= 0, "cluster.gpus_per_worker",
-                self.gpus_per_worker, "is negative", "give the GPUs each Ray worker (trial process) takes, e.g. 1")
 
 
 @dataclass
@@ -569,7 +587,8 @@ def register() -> None:
     ConfigStore.instance().store(name="hp_tool_schema", node=AppConfig)
 
 
-# Keys that moved when hardware got its own config group; a config still using one fails naming the new key.
+# Keys that moved (hardware to its own config group, each launcher backend's keys to its section of the cluster
+# group); a config still using one fails naming the new key.
 MOVED_KEYS = {
     "cluster.gpus_per_node": "search_config.train_settings.gpus_per_node",
     "cluster.gpu_memory_gb": "gpu.memory_gib",
@@ -584,6 +603,9 @@ MOVED_KEYS = {
     "gpu.memory_gb": "gpu.memory_gib",
     "gpu.memory_overhead_gb": "gpu.memory_overhead_gib",
     "gpu.host_ram_gb": "gpu.host_ram_gib",
+    # each backend's own keys in its section of the cluster group
+    **{f"cluster.{k}": f"cluster.{section}.{k}" for section, cls in (("slurm", SlurmSettings), ("ray", RaySettings))
+       for k in (f.name for f in dataclasses.fields(cls))},
 }
 GIB_FIX = "memory is in GiB now (GB x 0.931; the device's total as torch.cuda.mem_get_info reports it): use {new}=<GiB>"
 MOVED_FIXES = {  # keys whose new form is not a plain copy of the value
@@ -599,7 +621,8 @@ def unknown_key_error(key: str, value: object) -> ConfigError:
     if key in MOVED_KEYS:
         new = MOVED_KEYS[key]
         return ConfigError(key, value, f"was moved to {new}", MOVED_FIXES.get(
-            key, f"use {new}=<value>, or choose a preset of the gpu group, e.g. gpu=h100_80gb"))
+            key, f"use {new}=<value>" if key.startswith("cluster.") and new.startswith("cluster.") else
+            f"use {new}=<value>, or choose a preset of the gpu group, e.g. gpu=h100_80gb"))
     parent, _, name = key.rpartition(".")
     siblings = _schema_children(parent)
     close = difflib.get_close_matches(name, siblings, n=1)
@@ -693,7 +716,7 @@ def _check_type(key: str, node: Any, text: str, value: Any) -> None:
 
 
 def _in_free_form_dict(key: str) -> bool:
-    """True for keys inside a Dict[str, ...] field such as cluster.additional_sbatch_parameters."""
+    """True for keys inside a Dict[str, ...] field such as cluster.slurm.additional_sbatch_parameters."""
     parent = key.rpartition(".")[0]
     node = _schema_node(parent)
     return isinstance(node, DictConfig) and not _is_structured(node)

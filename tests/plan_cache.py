@@ -7,7 +7,7 @@ with the overrides as the CLI does (``hp_tool.cli.compose``, ``to_app_config``) 
 
 Requests that mean the same plan share it: each request's command line is composed once (``composed``), and
 the plan is keyed by the composed config less what ``make_plan`` never reads (``NOT_PLANNED``): the cluster
-group (``cluster=bcm cluster.partition=batch``: where and how trials are launched; no planner module reads
+group (``cluster=bcm cluster.slurm.partition=batch``: where and how trials are launched; no planner module reads
 ``app.cluster``) and ``memory_check`` (it picks the tracer the CLI passes to ``make_plan``; without one the
 plan is analytic whatever it says). So the same preset asked for with another cluster preset or memory
 check, or with an override that sets what the preset already says (its own ``gpus_per_node``), is planned

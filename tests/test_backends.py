@@ -69,7 +69,7 @@ def test_each_cluster_type_gets_its_backend(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", f"{tmp_path}:{Path(sys.executable).parent}")  # no sinfo: auto finds no SLURM
     kinds = {t: backend_for(app_for(f"cluster={t}").cluster, app_for().gpu) for t in ("local", "auto", "in_process")}
     assert {t: b.kind for t, b in kinds.items()} == {"local": "local", "auto": "local", "in_process": "in_process"}
-    bcm = backend_for(app_for("cluster=bcm", "cluster.partition=batch").cluster, app_for().gpu)
+    bcm = backend_for(app_for("cluster=bcm", "cluster.slurm.partition=batch").cluster, app_for().gpu)
     assert bcm.kind == "slurm" and bcm.detachable and not kinds["local"].detachable
     assert kinds["in_process"].parallelism == 1
 
@@ -190,11 +190,11 @@ def test_slurm_backend_writes_the_golden_sbatch_script(tmp_path, monkeypatch):
         (bin_dir / "srun").write_text("#!/bin/sh\nexit 1\n")
         (bin_dir / "srun").chmod(stat.S_IRWXU)
         monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    cfg, name = compose(["search_config=gpt3/5b", "cluster=bcm", "cluster.partition=batch", "cluster.account=acct",
-                         "cluster.qos=high", "cluster.constraint=h100", "cluster.cpus_per_task=12",
-                         "cluster.container_image=nvcr.io/x:1", "cluster.container_mounts=[/data:/data]",
-                         "cluster.setup=[module load cuda]", "cluster.srun_args=['--mpi=pmix']",
-                         "+cluster.additional_sbatch_parameters.reservation=res1",
+    cfg, name = compose(["search_config=gpt3/5b", "cluster=bcm", "cluster.slurm.partition=batch", "cluster.slurm.account=acct",
+                         "cluster.slurm.qos=high", "cluster.slurm.constraint=h100", "cluster.cpus_per_task=12",
+                         "cluster.slurm.container_image=nvcr.io/x:1", "cluster.slurm.container_mounts=[/data:/data]",
+                         "cluster.slurm.setup=[module load cuda]", "cluster.slurm.srun_args=['--mpi=pmix']",
+                         "+cluster.slurm.additional_sbatch_parameters.reservation=res1",
                          "search_config.train_settings.max_minutes_per_run=30"])
     app = to_app_config(cfg)
     spec = make_plan(app, name, tmp_path / name).specs[0]

@@ -30,7 +30,7 @@ def user_model(name: str) -> list[str]:
 def test_every_cluster_preset_composes_and_validates(cluster):
     """Each cluster preset composes with a search config (every search config is composed and planned in
     test_config_surface.py)."""
-    app = load("search_config=gpt3/tiny", f"cluster={cluster}", "cluster.partition=batch")
+    app = load("search_config=gpt3/tiny", f"cluster={cluster}", "cluster.slurm.partition=batch")
     assert app.search_config.model_family == "gpt3"
     assert app.cluster.type == cluster
 
@@ -97,5 +97,20 @@ def test_bad_values_name_key_value_and_fix(override, key):
 def test_slurm_cluster_requires_a_partition():
     with pytest.raises(ConfigError) as exc:
         load("cluster=bcm")
-    assert exc.value.key == "cluster.partition"
-    assert load("cluster=bcm", "cluster.partition=batch").cluster.partition == "batch"
+    assert exc.value.key == "cluster.slurm.partition"
+    assert load("cluster=bcm", "cluster.slurm.partition=batch").cluster.slurm.partition == "batch"
+
+
+@pytest.mark.parametrize("old, new", [("cluster.partition=batch", "cluster.slurm.partition"),
+                                      ("cluster.setup=[module load cuda]", "cluster.slurm.setup"),
+                                      ("cluster.address=http://head:8265", "cluster.ray.address")])
+def test_a_backend_key_given_flat_names_its_section(old, new):
+    """Each launcher backend's keys live in its own section of the cluster group; the flat key a command line
+    from before still passes fails naming where it went, with the value to carry over."""
+    from hp_tool.cli import _check_args
+
+    with pytest.raises(ConfigError) as exc:
+        _check_args(["search_config=gpt3/tiny", "cluster=bcm", "cluster.slurm.partition=batch", old])
+    assert exc.value.key == old.split("=")[0]
+    assert f"was moved to {new}" in str(exc.value) and f"Fix: use {new}=<value>" in str(exc.value)
+    assert "gpu=" not in str(exc.value)  # not the hardware keys' fix

@@ -36,7 +36,7 @@ def gpu_search(gpu: str, cluster: str) -> tuple[str, tuple[str, ...]]:
     or on the CPU preset gpt3/tiny in fp32 (null: bf16, or fp16 on a GPU without bf16)."""
     model = "gpt3/tiny" if gpu == "cpu" else "gpt3/1b"
     precision = "fp32" if gpu == "cpu" else "null"
-    return model, (f"gpu={gpu}", f"cluster={cluster}", "cluster.partition=batch",
+    return model, (f"gpu={gpu}", f"cluster={cluster}", "cluster.slurm.partition=batch",
                    f"search_config.train_settings.precision={precision}")
 
 
@@ -124,7 +124,7 @@ def test_every_search_config_composes_and_plans_on_its_default_gpu(name, cluster
     (the cluster group is independent of the search config). finetune/custom gets the user's model
     (plan_cache.CUSTOM_MODEL). The plan is tests/plan_cache.py's: the planner reads nothing of the cluster
     group, so it is the plan tests/test_engine_agreement.py and tests/test_preset_equivalence.py read."""
-    overrides = (f"cluster={cluster}", "cluster.partition=batch")
+    overrides = (f"cluster={cluster}", "cluster.slurm.partition=batch")
     app, search = plan_cache.composed(plan_cache.preset_overrides(name, *overrides))
     assert app.search_config.model_family == name.split("/")[0] and app.cluster.type == cluster
     plan = plan_cache.plan(name, *overrides)
@@ -186,8 +186,8 @@ def test_unknown_gpu_preset_lists_the_shipped_ones(tmp_path):
 
 
 def test_free_form_sbatch_parameters_still_take_any_key():
-    app, _ = load("cluster=bcm", "cluster.partition=p", "+cluster.additional_sbatch_parameters.reservation=r")
-    assert app.cluster.additional_sbatch_parameters == {"reservation": "r"}
+    app, _ = load("cluster=bcm", "cluster.slurm.partition=p", "+cluster.slurm.additional_sbatch_parameters.reservation=r")
+    assert app.cluster.slurm.additional_sbatch_parameters == {"reservation": "r"}
 
 
 # ----------------------------------------------------------------------------------- W&B key file
@@ -225,7 +225,7 @@ def test_auto_without_slurm_refuses_a_gpu_search_on_a_machine_without_gpus(tmp_p
     proc = main(tmp_path, "search_config=gpt3/5b", "cluster=auto", env=env)
     assert proc.returncode == 2
     assert "cluster='auto': found no SLURM" in proc.stderr
-    assert "cluster=bcm cluster.partition=" in proc.stderr and "gpu=cpu" in proc.stderr
+    assert "cluster=bcm cluster.slurm.partition=" in proc.stderr and "gpu=cpu" in proc.stderr
     assert not (tmp_path / "res").exists()
 
 
@@ -273,7 +273,7 @@ def test_cpus_per_task_shares_the_nodes_cpus_among_its_tasks(tmp_path, monkeypat
     monkeypatch.setenv("PATH", str(tmp_path))
     partition_cpus_per_node.cache_clear()
     try:
-        app, _ = load("cluster=bcm", "cluster.partition=batch")
+        app, _ = load("cluster=bcm", "cluster.slurm.partition=batch")
         assert cpus_per_task(app.cluster, 8) == 8
         assert cpus_per_task(app.cluster, 3) == 21
         app.cluster.cpus_per_task = 4
@@ -323,9 +323,9 @@ def test_multirun_where_no_job_can_plan_exits_2(tmp_path):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("override", ["cluster.job_name_prefix=t1a2:", "cluster.setup=[sleep 300,echo a: b]",
+@pytest.mark.parametrize("override", ["cluster.job_name_prefix=t1a2:", "cluster.slurm.setup=[sleep 300,echo a: b]",
                                       "search_config.train_settings.max_minutes_per_run=1",
                                       "search_config.train_settings.precision=fp32"])
 def test_values_hydra_reads_as_plain_strings_or_lists_pass_the_type_check(tmp_path, override):
-    proc = main(tmp_path, "search_config=gpt3/tiny", "cluster=bcm", "cluster.partition=p", "dry_run=true", override)
+    proc = main(tmp_path, "search_config=gpt3/tiny", "cluster=bcm", "cluster.slurm.partition=p", "dry_run=true", override)
     assert proc.returncode == 0, proc.stderr[-2000:]

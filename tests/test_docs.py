@@ -185,7 +185,7 @@ def test_configuration_page_lists_every_key_and_moved_key():
     assert gen_configuration.updated(page) == page, "docs/configuration.md is out of date: " \
                                                     "run python3 docs/gen_configuration.py"
     keys = gen_configuration.all_keys()
-    assert {"dry_run", "cluster.partition", "gpu.peak_tflops.bf16", "search_config.train_settings.lora.rank",
+    assert {"dry_run", "cluster.slurm.partition", "gpu.peak_tflops.bf16", "search_config.train_settings.lora.rank",
             "search_config.inference_settings.max_batch_sizes"} <= set(keys)
     missing = [k for k in keys + list(config.MOVED_KEYS) + list(config.MOVED_KEYS.values()) if f"`{k}`" not in page]
     assert not missing, missing

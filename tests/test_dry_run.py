@@ -86,7 +86,7 @@ def test_planning_never_imports_torch(tmp_path):
     (["search_config.train_settings.num_nodes=-2"], "search_config.train_settings.num_nodes"),
     (["search_config.train_settings.global_batch_size=1001"], "search_config.train_settings.global_batch_size"),
     (["search_config.train_settings.seq_length=0"], "search_config.train_settings.seq_length"),
-    (["cluster=bcm"], "cluster.partition"),
+    (["cluster=bcm"], "cluster.slurm.partition"),
 ])
 def test_bad_input_is_a_clear_error_and_writes_nothing(tmp_path, args, key):
     proc = main(tmp_path, "dry_run=true", *args)

@@ -21,7 +21,7 @@ from hp_tool.search import trial_job_spec
 from search_helpers import TS, main_here, search_here
 
 def bcm_plan(tmp_path, *overrides):
-    cfg, name = compose(["search_config=gpt3/5b", "cluster=bcm", "cluster.partition=batch", *overrides])
+    cfg, name = compose(["search_config=gpt3/5b", "cluster=bcm", "cluster.slurm.partition=batch", *overrides])
     app = to_app_config(cfg)
     return app, make_plan(app, name, tmp_path / name)
 

@@ -29,7 +29,7 @@ PUBLISHED = {  # preset: (parameters in billions from the model cards, layers, k
 
 
 def plan(tmp_path, *overrides):
-    cfg, name = compose(["cluster=bcm", "cluster.partition=batch", *overrides])
+    cfg, name = compose(["cluster=bcm", "cluster.slurm.partition=batch", *overrides])
     return make_plan(to_app_config(cfg), name, tmp_path / name)
 
 

@@ -5,7 +5,7 @@ a real Ray head: tests/ray_cluster/."""
 import pytest
 
 from hp_tool.cli import compose
-from hp_tool.config import ClusterConfig, to_app_config
+from hp_tool.config import RaySettings, to_app_config
 from hp_tool.errors import ConfigError
 from hp_tool.launch.backends import backend_for
 from hp_tool.launch.backends.ray_driver import driver_command, entry_of, never_placed, worker_resources
@@ -44,15 +44,15 @@ def test_names_and_addresses():
 
 
 def test_cluster_ray_picks_the_ray_backend_and_refuses_negative_gpus():
-    app = to_app_config(compose(["search_config=gpt3/tiny", "cluster=ray", "cluster.address=head:8265"])[0])
+    app = to_app_config(compose(["search_config=gpt3/tiny", "cluster=ray", "cluster.ray.address=head:8265"])[0])
     backend = backend_for(app.cluster, app.gpu)
     assert (backend.kind, backend.detachable, backend.address) == ("ray", True, "http://head:8265")
     assert backend.worker_need() == {"CPU": 1}  # gpt3/tiny trains on CPU processes: no GPU asked
     h100 = to_app_config(compose(["search_config=gpt3/tiny", "cluster=ray", "gpu=h100_80gb",
-                                  "cluster.accelerator_type=H100", "cluster.cpus_per_task=8"])[0])
+                                  "cluster.ray.accelerator_type=H100", "cluster.cpus_per_task=8"])[0])
     assert backend_for(h100.cluster, h100.gpu).worker_need() == {"CPU": 8, "GPU": 1, "accelerator_type:H100": 0.001}
-    with pytest.raises(ConfigError, match="cluster.gpus_per_worker"):
-        ClusterConfig(type="ray", gpus_per_worker=-1)
+    with pytest.raises(ConfigError, match="cluster.ray.gpus_per_worker"):
+        RaySettings(gpus_per_worker=-1)
 
 
 class Ended:

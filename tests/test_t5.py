@@ -29,7 +29,7 @@ H100 = Hardware(gpus_per_node=8, gpu_memory_gib=80, peak_tflops=989, intra_node_
 
 
 def plan(tmp_path, *overrides):
-    cfg, name = compose(["cluster=bcm", "cluster.partition=batch", *overrides])
+    cfg, name = compose(["cluster=bcm", "cluster.slurm.partition=batch", *overrides])
     return make_plan(to_app_config(cfg), name, tmp_path / name)
 
 

@@ -99,24 +99,24 @@ def capacity_problem(nodes: list[Node], num_nodes: int, gpus_per_node: int, cpus
 def check_slurm_target(cluster: ClusterConfig, jobs: Iterable[tuple[str, int, int, int]]) -> None:
     """Before any submission: the partition and account exist, and every job (name, nodes, GPUs per node,
     CPUs per node) fits the partition's nodes. ConfigError names the job, what it asks and what is there."""
-    if cluster.partition:
+    if cluster.slurm.partition:
         out = command_output(["sinfo", "-h", "-o", "%R"])
         partitions = sorted(set((out or "").split()))
-        if out is not None and cluster.partition not in partitions:
-            raise ConfigError("cluster.partition", cluster.partition, "no such SLURM partition",
+        if out is not None and cluster.slurm.partition not in partitions:
+            raise ConfigError("cluster.slurm.partition", cluster.slurm.partition, "no such SLURM partition",
                               f"use one of {partitions}")
-    if cluster.account:
-        out = command_output(["sacctmgr", "-n", "-P", "show", "account", cluster.account, "format=account"])
-        if out is not None and cluster.account not in out.split():
-            raise ConfigError("cluster.account", cluster.account, "no such SLURM account",
+    if cluster.slurm.account:
+        out = command_output(["sacctmgr", "-n", "-P", "show", "account", cluster.slurm.account, "format=account"])
+        if out is not None and cluster.slurm.account not in out.split():
+            raise ConfigError("cluster.slurm.account", cluster.slurm.account, "no such SLURM account",
                               "use an account from `sacctmgr show account`")
-    nodes = partition_nodes(cluster.partition)
+    nodes = partition_nodes(cluster.slurm.partition)
     if not nodes:
         return  # sinfo gave nothing to check against; SLURM itself will judge
     for name, num_nodes, gpus, cpus in jobs:
         problem = capacity_problem(nodes, num_nodes, gpus, cpus)
         if problem:
-            raise ConfigError("cluster.partition", cluster.partition or default_partition(),
+            raise ConfigError("cluster.slurm.partition", cluster.slurm.partition or default_partition(),
                               f"can never run {name}: {problem}",
                               "choose a partition with such nodes, or set search_config.train_settings."
                               "gpus_per_node (and tensor/pipeline_parallel_sizes) to what a node has")

@@ -24,7 +24,7 @@ SMALL = ("search_config.train_settings.limit_search_runs=2", "search_config.trai
 
 
 def main_args(tmp_path, address, prefix, *args) -> list[str]:
-    return ["search_config=gpt3/tiny", "cluster=ray", f"cluster.address={address}", f"cluster.job_name_prefix={prefix}",
+    return ["search_config=gpt3/tiny", "cluster=ray", f"cluster.ray.address={address}", f"cluster.job_name_prefix={prefix}",
             f"base_results_dir={tmp_path / 'res'}", *SMALL, *args]
 
 
@@ -123,7 +123,7 @@ def test_a_detached_search_returns_at_once_and_cancel_stops_its_jobs(tmp_path, r
 
 def test_a_trial_whose_workers_need_a_gpu_the_cluster_lacks_is_unschedulable(tmp_path, ray_address, ray_client):
     prefix = f"hpt{uuid.uuid4().hex[:6]}:"
-    proc = run_main(tmp_path, ray_address, prefix, "cluster.gpus_per_worker=1")
+    proc = run_main(tmp_path, ray_address, prefix, "cluster.ray.gpus_per_worker=1")
     rows = table(tmp_path).query("status == 'unschedulable'")
     assert len(rows) == 2, proc.stderr[-3000:]
     assert all("need 2 GPU and the Ray cluster has 0 in all" in reason for reason in rows.reason)
@@ -132,5 +132,5 @@ def test_a_trial_whose_workers_need_a_gpu_the_cluster_lacks_is_unschedulable(tmp
 def test_a_cluster_that_does_not_answer_is_named_before_anything_is_written(tmp_path, ray_address):
     proc = run_main(tmp_path, "http://127.0.0.1:9", f"hpt{uuid.uuid4().hex[:6]}:")
     assert proc.returncode == 2
-    assert "cluster.address" in proc.stderr and "http://127.0.0.1:9" in proc.stderr
+    assert "cluster.ray.address" in proc.stderr and "http://127.0.0.1:9" in proc.stderr
     assert not (tmp_path / "res").exists()

@@ -5,7 +5,7 @@ against the real one-node cluster of tests/slurm/testbed.sh, with no cluster= on
 partition (SLURM's default partition takes the job). sacct is the witness.
 
 One search, two readers: the whole tiny search to a ranked CSV (once a test of its own with cluster=bcm
-cluster.partition=debug in test_search_on_slurm.py) reads the same search as the auto test; both run their
+cluster.slurm.partition=debug in test_search_on_slurm.py) reads the same search as the auto test; both run their
 trials through the same SLURM backend, the auto one with one more thing to check.
 """
 

@@ -30,7 +30,7 @@ def command(tmp_path: Path, prefix: str) -> list[str]:
     """One one-process gpt3/tiny trial that trains until it is asked to stop (or its 4-minute limit). Its job
     shares the node (SHARE_THE_NODE) with the timeout test's, which waits out SLURM's time limit beside this test
     (tests/slurm/conftest.py: timed_out_search)."""
-    return [sys.executable, str(REPO / "main.py"), "search_config=gpt3/tiny", "cluster=bcm", "cluster.partition=debug",
+    return [sys.executable, str(REPO / "main.py"), "search_config=gpt3/tiny", "cluster=bcm", "cluster.slurm.partition=debug",
             f"cluster.job_name_prefix={prefix}", f"base_results_dir={tmp_path / 'res'}", "memory_check=analytic",
             *SHARE_THE_NODE,
             f"{TS}.gpus_per_node=1", f"{TS}.tensor_parallel_sizes=[1]", f"{TS}.pipeline_parallel_sizes=[1]",

@@ -34,14 +34,14 @@ pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("beside_timed_out_searc
 REPO = Path(__file__).resolve().parents[2]
 TS = "search_config.train_settings"
 # jobs that leave room on the node for a second one (the timed-out search's): 1 of its 2 CPUs, 4 of its 21 GB
-SHARE_THE_NODE = ("cluster.exclusive=false", "cluster.cpus_per_task=1", "cluster.mem=4G")
+SHARE_THE_NODE = ("cluster.slurm.exclusive=false", "cluster.cpus_per_task=1", "cluster.slurm.mem=4G")
 ONE_PROCESS = (f"{TS}.gpus_per_node=1", f"{TS}.tensor_parallel_sizes=[1]", f"{TS}.pipeline_parallel_sizes=[1]")
 SHARED_NODE = (*SHARE_THE_NODE, *ONE_PROCESS)  # one-process trials (1 fake GPU each) on a shared node
 
 
 def argv(tmp_path, prefix, *args):
     """main.py's arguments for a gpt3/tiny search on the testbed's partition, results under tmp_path/res."""
-    return ["search_config=gpt3/tiny", "cluster=bcm", "cluster.partition=debug", f"cluster.job_name_prefix={prefix}",
+    return ["search_config=gpt3/tiny", "cluster=bcm", "cluster.slurm.partition=debug", f"cluster.job_name_prefix={prefix}",
             f"base_results_dir={tmp_path / 'res'}",
             "memory_check=analytic",  # traced on the orchestrator's machine: tests/test_memory_check.py
             *args]
@@ -81,7 +81,7 @@ def start_timed_out_search(tmp_path: Path) -> SimpleNamespace:
     p = prefix()
     cmd = [sys.executable, str(REPO / "main.py"),
            *argv(tmp_path, p, *SHARED_NODE, f"{TS}.limit_search_runs=1", f"{TS}.max_minutes_per_run=1",
-                 "cluster.setup=[sleep 300]")]
+                 "cluster.slurm.setup=[sleep 300]")]
     log = tmp_path / "orchestrator.log"
     with log.open("w") as sink:
         proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=sink, stderr=subprocess.STDOUT)
@@ -99,7 +99,7 @@ def start_timed_out_search(tmp_path: Path) -> SimpleNamespace:
 
 def test_cancelled_search_gives_cancelled_rows(tmp_path):
     p = prefix()
-    common = (*SHARED_NODE, f"{TS}.limit_search_runs=2", "cluster.setup=[sleep 120]")
+    common = (*SHARED_NODE, f"{TS}.limit_search_runs=2", "cluster.slurm.setup=[sleep 120]")
     proc = main_here(*argv(tmp_path, p, "detach=true", *common), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "cancel=true" in proc.stdout
@@ -142,10 +142,10 @@ def test_killed_orchestrator_resumes_without_duplicates(tmp_path):
 
 def test_bad_partition_fails_before_any_submission(tmp_path):
     p = prefix()
-    proc = main_here("search_config=gpt3/tiny", "cluster=bcm", "cluster.partition=nosuchpart",
+    proc = main_here("search_config=gpt3/tiny", "cluster=bcm", "cluster.slurm.partition=nosuchpart",
                      f"cluster.job_name_prefix={p}", f"base_results_dir={tmp_path / 'res'}", cwd=tmp_path)
     assert proc.returncode == 2
-    assert "cluster.partition='nosuchpart'" in proc.stderr and "debug" in proc.stderr
+    assert "cluster.slurm.partition='nosuchpart'" in proc.stderr and "debug" in proc.stderr
     assert not (results(tmp_path) / "jobs.jsonl").exists()
     assert sacct_jobs(p) == []
 

@@ -22,7 +22,7 @@ ONE_TRIAL = (f"{TS}.limit_search_runs=1", f"{TS}.max_steps_per_run=4")
 
 
 def main_args(tmp_path, prefix, *args):
-    return ["search_config=gpt3/tiny", "cluster=bcm", "cluster.partition=debug", f"cluster.job_name_prefix={prefix}",
+    return ["search_config=gpt3/tiny", "cluster=bcm", "cluster.slurm.partition=debug", f"cluster.job_name_prefix={prefix}",
             f"base_results_dir={tmp_path / 'res'}",
             "memory_check=analytic",  # traced on the orchestrator's machine: tests/test_memory_check.py
             *args]
@@ -78,7 +78,7 @@ def test_a_trial_bigger_than_the_partition_is_refused_before_anything_is_submitt
     # gpt3/5b's trials ask for one node of 8 GPUs; the testbed's node has 2 GPUs and 2 CPUs
     proc = main_here(*main_args(tmp_path, p, "search_config=gpt3/5b"), cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "cluster.partition='debug': can never run gpt3_5b_" in proc.stderr
+    assert "cluster.slurm.partition='debug': can never run gpt3_5b_" in proc.stderr
     assert (f"asks for 1 node(s) with 8 GPUs and 8 CPUs each; the partition has 1 node(s) "
             f"({slurm_cluster.gpus_per_node} GPUs and {slurm_cluster.cpus_per_node} CPUs)") in proc.stderr
     assert not (tmp_path / "res").exists()  # no plan file, no ledger

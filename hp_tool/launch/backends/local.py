@@ -115,9 +115,9 @@ class LocalBackend(Backend):
         if self.fallback:
             raise ConfigError("cluster", self.cluster.type, "found no SLURM (sinfo did not answer), and this "
                               f"machine cannot run the search: {problem}",
-                              f"on a SLURM login node pass cluster=bcm cluster.partition=<partition>; to run here, {FIX}")
+                              f"on a SLURM login node pass cluster=bcm cluster.slurm.partition=<partition>; to run here, {FIX}")
         raise ConfigError("cluster", self.cluster.type, f"this machine cannot run the search: {problem}",
-                          f"run on a SLURM cluster (cluster=bcm cluster.partition=<partition>), or {FIX}")
+                          f"run on a SLURM cluster (cluster=bcm cluster.slurm.partition=<partition>), or {FIX}")
 
     def submit(self, job: JobSpec, name: str) -> Handle:
         if warm.forks_trials(self.gpu.name):  # forked from a process that has imported the engine

@@ -66,7 +66,7 @@ def never_placed(workers: int, need: dict[str, float], total: dict[str, float]) 
     for name, each in need.items():
         if name.startswith("accelerator_type:"):
             if name not in total:
-                return (f"the trial's workers need {name.split(':', 1)[1]} GPUs (cluster.accelerator_type) and no node "
+                return (f"the trial's workers need {name.split(':', 1)[1]} GPUs (cluster.ray.accelerator_type) and no node "
                         "of the Ray cluster carries that label")
         elif total.get(name, 0.0) < workers * each:
             return (f"the trial's {workers} worker(s) need {workers * each:g} {name} and the Ray cluster has "

@@ -3,7 +3,7 @@ one Ray job, submitted under the trial's search-unique name, whose driver (ray_d
 a Ray Train run of one worker per trial process. Ray jobs outlive the orchestrator: a second run of the search
 finds each live job by its name and follows it instead of submitting it again (detachable).
 
-What the backend assumes and checks: ``cluster.address`` is the cluster's job API (its dashboard, ``http://head:8265``;
+What the backend assumes and checks: ``cluster.ray.address`` is the cluster's job API (its dashboard, ``http://head:8265``;
 ``auto``: ``RAY_ADDRESS`` or this machine's head); the results folder is the same folder on the cluster's nodes (a
 shared file system, or one machine), which ``preflight`` checks by a probe job that writes into it, before any file
 of the search is written. A trial whose workers need more than the cluster has in all (GPUs, CPUs, an accelerator
@@ -27,16 +27,16 @@ from hp_tool.launch.backends.base import Backend, Handle, Pending, Sized
 from hp_tool.launch.job import JobSpec
 from hp_tool.launch.ledger import Entry
 
-KEY = "cluster.address"
+KEY = "cluster.ray.address"
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 LOCAL_DASHBOARD = "http://127.0.0.1:8265"
 PROBE_TIMEOUT_S = 120.0
-FIX = ("start one (ray start --head) or give its job API: cluster.address=http://<head>:8265 (the dashboard's "
+FIX = ("start one (ray start --head) or give its job API: cluster.ray.address=http://<head>:8265 (the dashboard's "
        "address; a ray:// client address is not the job API)")
 
 
 def job_api_address(address: Optional[str]) -> str:
-    """The job API's address for ``cluster.address`` (``auto``/null: RAY_ADDRESS when it is an http one, else this
+    """The job API's address for ``cluster.ray.address`` (``auto``/null: RAY_ADDRESS when it is an http one, else this
     machine's head)."""
     if address in (None, "", "auto"):
         env = os.environ.get("RAY_ADDRESS", "")
@@ -92,7 +92,7 @@ class RayBackend(Backend):
     def __init__(self, cluster: ClusterConfig, gpu: GpuConfig):
         super().__init__(cluster)
         self.gpu = gpu
-        self.address = job_api_address(cluster.address)
+        self.address = job_api_address(cluster.ray.address)
         self._client = None
 
     @property
@@ -106,28 +106,28 @@ class RayBackend(Backend):
             try:
                 self._client = JobSubmissionClient(self.address)
             except Exception as exc:  # noqa: BLE001 - connection errors of every kind: the cluster does not answer
-                raise ConfigError(KEY, self.cluster.address, f"no Ray job API answers at {self.address} "
+                raise ConfigError(KEY, self.cluster.ray.address, f"no Ray job API answers at {self.address} "
                                   f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]})", FIX) from exc
         return self._client
 
     # ---- what a trial's workers ask ----
     def worker_need(self) -> dict[str, float]:
         """One worker's resources: its CPUs (cluster.cpus_per_task, default 1), one GPU unless gpu=cpu (or
-        cluster.gpus_per_worker), the accelerator label (cluster.accelerator_type)."""
-        gpus = self.cluster.gpus_per_worker if self.cluster.gpus_per_worker is not None else \
+        cluster.ray.gpus_per_worker), the accelerator label (cluster.ray.accelerator_type)."""
+        gpus = self.cluster.ray.gpus_per_worker if self.cluster.ray.gpus_per_worker is not None else \
             (0 if self.gpu.name == "cpu" else 1)
-        return ray_driver.worker_resources(self.cluster.cpus_per_task or 1, gpus, self.cluster.accelerator_type)
+        return ray_driver.worker_resources(self.cluster.cpus_per_task or 1, gpus, self.cluster.ray.accelerator_type)
 
     def driver_args(self, job: JobSpec, name: str) -> list[str]:
         """The Ray job's entrypoint: the driver running the job's entry in one worker per task."""
         return ray_driver.driver_command(ray_driver.entry_name(job.entry), job.tasks, self.worker_need(),
-                                         str(Path(job.config_path).resolve()), self.cluster.accelerator_type,
+                                         str(Path(job.config_path).resolve()), self.cluster.ray.accelerator_type,
                                          submission_id(name), str(job.folder.resolve()))
 
     def runtime_env(self) -> dict:
-        """cluster.runtime_env, with this checkout on the jobs' Python path unless it sets a working_dir (or an
+        """cluster.ray.runtime_env, with this checkout on the jobs' Python path unless it sets a working_dir (or an
         image) of its own."""
-        env = dict(self.cluster.runtime_env or {})
+        env = dict(self.cluster.ray.runtime_env or {})
         if not {"working_dir", "image_uri", "container"} & env.keys():
             repo = str(Path(__file__).resolve().parents[3])
             env_vars = dict(env.get("env_vars") or {})
@@ -152,14 +152,14 @@ class RayBackend(Backend):
             time.sleep(0.5)
         logs = self.client.get_job_logs(job_id)
         if status != "SUCCEEDED":
-            raise ConfigError(KEY, self.cluster.address, f"the probe job on the Ray cluster at {self.address} did "
+            raise ConfigError(KEY, self.cluster.ray.address, f"the probe job on the Ray cluster at {self.address} did "
                               f"not succeed ({status or 'no answer'} within {PROBE_TIMEOUT_S:.0f} s); its log: "
                               f"{tail(logs)}", "check that the cluster's nodes can import hp_tool "
-                              "(cluster.runtime_env: a working_dir, pip or image) and that it runs a job's driver")
+                              "(cluster.ray.runtime_env: a working_dir, pip or image) and that it runs a job's driver")
         seen = probe_file.exists()
         probe_file.unlink(missing_ok=True)
         if not seen:
-            raise ConfigError(KEY, self.cluster.address, f"the Ray cluster's nodes do not see {folder} (a probe job "
+            raise ConfigError(KEY, self.cluster.ray.address, f"the Ray cluster's nodes do not see {folder} (a probe job "
                               "wrote there and this machine does not find the file): trials' results would not "
                               "come back", "run the search from a folder on a file system the cluster's nodes share "
                               "(or on the head node itself)")

@@ -49,18 +49,18 @@ def cpus_per_task(cluster: ClusterConfig, tasks_per_node: int) -> Optional[int]:
     default is one CPU per task, which starves data loading and the host side of each rank)."""
     if cluster.cpus_per_task is not None:
         return cluster.cpus_per_task
-    cpus = slurm.partition_cpus_per_node(cluster.partition)
+    cpus = slurm.partition_cpus_per_node(cluster.slurm.partition)
     return max(1, cpus // tasks_per_node) if cpus else None
 
 
 def srun_args(cluster: ClusterConfig) -> list[str]:
     """Container image and mounts for pyxis/enroot, then the user's own srun arguments."""
     args = []
-    if cluster.container_image:
-        args.append(f"--container-image={cluster.container_image}")
-    if cluster.container_mounts:
-        args.append(f"--container-mounts={','.join(cluster.container_mounts)}")
-    return args + list(cluster.srun_args)
+    if cluster.slurm.container_image:
+        args.append(f"--container-image={cluster.slurm.container_image}")
+    if cluster.slurm.container_mounts:
+        args.append(f"--container-mounts={','.join(cluster.slurm.container_mounts)}")
+    return args + list(cluster.slurm.srun_args)
 
 
 def complete_interrupted_submission(folder: Path, job_id: str) -> bool:
@@ -92,14 +92,14 @@ class SlurmBackend(Backend):
         params = dict(
             name=name, nodes=job.num_nodes, tasks_per_node=job.tasks_per_node, gpus_per_node=job.tasks_per_node,
             timeout_min=job.timeout_min, slurm_signal_delay_s=job.signal_delay_s,
-            slurm_setup=list(cluster.setup), slurm_srun_args=srun_args(cluster),
-            slurm_additional_parameters=dict(cluster.additional_sbatch_parameters),
+            slurm_setup=list(cluster.slurm.setup), slurm_srun_args=srun_args(cluster),
+            slurm_additional_parameters=dict(cluster.slurm.additional_sbatch_parameters),
         )
-        optional = dict(slurm_partition=cluster.partition, slurm_account=cluster.account,
-                        slurm_qos=cluster.qos, slurm_constraint=cluster.constraint,
-                        cpus_per_task=cpus_per_task(cluster, job.tasks_per_node), slurm_mem=cluster.mem)
+        optional = dict(slurm_partition=cluster.slurm.partition, slurm_account=cluster.slurm.account,
+                        slurm_qos=cluster.slurm.qos, slurm_constraint=cluster.slurm.constraint,
+                        cpus_per_task=cpus_per_task(cluster, job.tasks_per_node), slurm_mem=cluster.slurm.mem)
         params.update({k: v for k, v in optional.items() if v is not None})
-        if cluster.exclusive:
+        if cluster.slurm.exclusive:
             params["slurm_exclusive"] = True
         ex.update_parameters(**params)
         return ex
@@ -134,7 +134,7 @@ class SlurmBackend(Backend):
     def pending(self, handles: Sequence[Handle]) -> dict[str, Pending]:
         reasons = slurm.pending_reasons([str(h.job_id) for h in handles])
         return {job_id: Pending(reason, f"SLURM can never start job {job_id}: pending reason {reason}"
-                                if slurm.never_starts(reason, self.cluster.partition) else None)
+                                if slurm.never_starts(reason, self.cluster.slurm.partition) else None)
                 for job_id, reason in reasons.items()}
 
     def end_state(self, handle: Handle, job: JobSpec, ran_s: float, log_tail: str) -> tuple[str, str]:
