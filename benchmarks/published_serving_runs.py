@@ -25,7 +25,8 @@ rows in the summary, never dropped):
   by precision, NVLink bandwidth, the framework's overhead; an A100 whose memory the row does not state is the 80 GB
   part; GPUs without a preset (B200, GB200, RTX PRO 6000 Blackwell): kind "gpu";
 - the weights' format from the row's quantization and precision (none + fp16 / bf16, fp8, int8 / int4
-  weight-only, nvfp4 as fp4), the KV cache in fp8 where the row says the build quantised it, else 16-bit;
+  weight-only, nvfp4 as fp4), the KV cache in fp8 where the row says the build quantised it or the weights are
+  fp8 / fp4 (those recipes quantise the cache with them), else 16-bit;
 - TP and PP as stated (kind "layout" where the row does not give them); prompt and output lengths as stated (kind
   "lengths" for variable-length datasets such as ShareGPT);
 - the requests in flight: the row's batch, else its concurrency, else (offline throughput, all requests queued)
@@ -249,7 +250,12 @@ def formats(row: dict) -> tuple[str, str]:
         weights = activation
     else:
         raise Unexpressible("weights", quant)
-    kv = "fp8" if "fp8 kv" in precision else ("bf16" if weights not in ("fp16", "bf16") else weights)
+    # an fp8 / fp4 build (TensorRT-LLM's and ModelOpt's fp8 and nvfp4 recipes, the checkpoints NIM and trtllm-bench
+    # serve) quantises the KV cache to fp8 with the weights; weight-only int8 / int4 keep a 16-bit cache
+    if "fp8 kv" in precision or weights in ("fp8", "fp4"):
+        kv = "fp8"
+    else:
+        kv = "bf16" if weights not in ("fp16", "bf16") else weights
     return weights, kv
 
 
@@ -728,6 +734,12 @@ def print_summaries(report: Report) -> None:
     print("\nFitted without each engine:")
     for engine, e in report.fitted.left_out.items():
         print(f"- without {engine}: {eff_text(e)}")
+    print("\nThe same layouts measured on two engines (what no constant shared between engines can predict): the "
+          "engine's throughput per GPU over the other's, median (range, pairs)")
+    for engine in sorted({c.engine for c in scored}):
+        for other, ratios in sorted(twin_ratios(scored, engine).items()):
+            print(f"- {engine} / {other}: x{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}, "
+                  f"{len(ratios)})")
 
     print("\nBy source (fitted in-sample)\n")
     print(SCORE_HEADER.replace("| rows |", "| source |", 1))
@@ -774,6 +786,24 @@ def print_summaries(report: Report) -> None:
 
     print(f"\nFitted in-sample (median |log error| {report.fitted.in_sample_score:.3f}): {eff_text(eff)}")
     print(constants_text(eff))
+
+
+def twin_ratios(cases: list[Case], engine: str) -> dict[str, list[float]]:
+    """Per other engine, the measured throughput per GPU of ``engine``'s rows over the other engine's on the same
+    layout (model, GPU, formats, TP, PP, requests in flight, lengths): how far the engines themselves differ."""
+    def key(c: Case) -> tuple:
+        return (c.model, c.gpu_name, c.layout)
+
+    others: dict[tuple, list[Case]] = {}
+    for c in cases:
+        if c.engine != engine and "throughput" in c.measured:
+            others.setdefault(key(c), []).append(c)
+    out: dict[str, list[float]] = {}
+    for c in cases:
+        if c.engine == engine and "throughput" in c.measured:
+            for twin in others.get(key(c), []):
+                out.setdefault(twin.engine, []).append(c.measured["throughput"] / twin.measured["throughput"])
+    return out
 
 
 def fmt(x: Optional[float], spec: str) -> str:

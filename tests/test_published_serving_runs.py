@@ -88,7 +88,7 @@ def test_offline_run_without_a_batch_holds_what_the_kv_cache_does_and_per_system
     s = c.shape
     assert (c.model, s.num_layers, s.hidden_size, s.num_attention_heads, s.num_kv_heads, s.ffn_hidden_size,
             s.vocab_size) == ("llama3_70b", 80, 8192, 64, 8, 28672, 128256)
-    assert (c.gpu_name, c.layout.weights, c.layout.kv_cache, c.layout.tp) == ("h100_80gb", "fp8", "bf16", 2)
+    assert (c.gpu_name, c.layout.weights, c.layout.kv_cache, c.layout.tp) == ("h100_80gb", "fp8", "fp8", 2)
     most = max_concurrency(c.shape, c.layout, c.gpu, ServingEfficiency())
     assert c.stated_concurrency is None and 1 < c.layout.concurrency == most < 30000
     assert c.measured["throughput"] == pytest.approx(row["outcome"]["throughput_tokens_per_s"]["value"] / 2)
@@ -106,6 +106,17 @@ def test_continuous_server_past_its_kv_cache_runs_what_fits_and_drops_the_queued
     assert c.engine == "NVIDIA NIM" and c.stated_concurrency == 250
     assert c.layout.concurrency == c.model_max_concurrency < 250
     assert "ttft" not in c.measured and {"throughput", "tpot"} <= set(c.measured)
+
+
+def test_an_fp8_build_holds_its_kv_cache_in_fp8_as_the_server_saturates(rows):
+    """NIM's fp8 Llama 3.3 70B on 2 H100s states no KV cache format. Measured throughput x time per output token
+    (Little's law) gives the requests actually in flight: about 85 at concurrency 100-250, what an fp8 cache holds
+    at 5,000 + 500 tokens, twice a 16-bit one's. A weight-only int8 build keeps a 16-bit cache."""
+    for row_id in ("nim-llama3370b-v180-2xh100-tp2-i5000-o500-c150", "nim-llama3370b-v180-2xh100-tp2-i5000-o500-c250"):
+        c = case(rows, row_id)
+        in_flight = c.measured["throughput"] * 2 * c.measured["tpot"] / 1000  # system tokens/s x s per token
+        assert c.layout.kv_cache == "fp8" and abs(c.model_max_concurrency - in_flight) < 0.05 * in_flight
+    assert bench.formats({"precision": "fp16", "model": {"quantization": "int8 weight-only"}}) == ("int8", "bf16")
 
 
 def test_fixed_batch_latency_reads_the_median(rows):

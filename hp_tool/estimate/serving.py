@@ -69,10 +69,10 @@ class ServingEfficiency:
     engine out). FasterTransformer's 346 runs weigh most: its all-reduces and steps cost more than a CUDA-graphed
     engine's (fitted without it: allreduce_s 3e-05)."""
 
-    bandwidth: float = 0.755  # of the memory bandwidth, a decode step's reads
-    compute: float = 0.52  # of the dense peak, the prefill's GEMMs and attention
-    allreduce_s: float = 7.54e-05  # one all-reduce's latency within a node (NVLink), the kernels around it included
-    step_s: float = 6.35e-04  # a step's fixed cost (kernel launches, sampling, the scheduler)
+    bandwidth: float = 0.867  # of the memory bandwidth, a decode step's reads
+    compute: float = 0.526  # of the dense peak, the prefill's GEMMs and attention
+    allreduce_s: float = 6.43e-05  # one all-reduce's latency within a node (NVLink), the kernels around it included
+    step_s: float = 2.66e-03  # a step's fixed cost (kernel launches, sampling, the scheduler)
     memory_utilization: float = 0.9  # of the GPU's memory the engine takes for weights and KV cache (vLLM's default)
 
 
