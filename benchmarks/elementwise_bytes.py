@@ -12,7 +12,7 @@ returns, matmuls (mm, addmm, bmm), attention kernels, views and single values le
 tiny stage (the difference is the layers'), forward, backward, and what a checkpointed layer's backward adds (its
 recompute). Bytes per token are linear in the layer's widths; two stages with the feed-forward width 128 and 256
 (hidden 64) separate them: bytes per token = a x hidden + b x ffn (a mixture of experts: ffn x the tokens' top_k
-experts). Against the family's ``Family.layer_bytes`` ((a, b) for forward, backward, recompute) and LoRA's
+experts). Against the family's ``Family.time.layer_bytes`` ((a, b) for forward, backward, recompute) and LoRA's
 ``ADAPTER_BYTES`` per adapted linear's input and output features; tests/test_elementwise_bytes.py holds the
 records to ``BYTES_TOLERANCE``. A T5 layer is the mean of an encoder and a decoder layer.
 """
@@ -152,7 +152,7 @@ def mismatches(name: str, counted: tuple[tuple[float, float], ...]) -> list[str]
     column); [] when the record holds."""
     hidden, ffn = tiny_model(name, 2).hidden_size, _ffn_width(name, FFN[0])
     out = []
-    for what, c, r in zip(("forward", "backward", "recompute"), counted, family(name).layer_bytes):
+    for what, c, r in zip(("forward", "backward", "recompute"), counted, family(name).time.layer_bytes):
         total = c[0] * hidden + c[1] * ffn
         if not within(total, r[0] * hidden + r[1] * ffn, total):
             out.append(f"{name} {what}: the record says {r}, the engine's layer moves {c[0]:.0f} x hidden + "
@@ -174,7 +174,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print("|---|---|---|---|---|")
     ok = True
     for name in args.families.split(","):
-        counted, record = layer_bytes(name), family(name).layer_bytes
+        counted, record = layer_bytes(name), family(name).time.layer_bytes
         good = not mismatches(name, counted)
         ok &= good
         cells = " | ".join(f"{c[0]:.0f}, {c[1]:.1f} / {r[0]:g}, {r[1]:g}" for c, r in zip(counted, record))

@@ -8,7 +8,7 @@ measures what that model takes as given:
 
 1. the aten operators one layer of the trial engine's own stage dispatches in forward and in backward, full
    training, counted with a dispatch mode on a tiny stage of each family (2 and 4 layers: the difference is
-   the layers'), against the family's record (``Family.layer_ops``), and what LoRA adds per adapted linear
+   the layers'), against the family's record (``Family.time.layer_ops``), and what LoRA adds per adapted linear
    (``ADAPTER_OPS``);
 2. the host seconds per operator: the tiny Llama stage's forward and backward timed on ``--device`` with
    tensors so small that the kernels cost nothing next to their dispatch (2 against 10 layers, one thread,
@@ -287,7 +287,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print("|---|---|---|---|---|")
     ok = True
     for name in args.families.split(","):
-        counted, record = layer_ops(name), family(name).layer_ops
+        counted, record = layer_ops(name), family(name).time.layer_ops
         within = all(abs(c - r) <= OPS_TOLERANCE * c for c, r in zip(counted, record))
         ok &= within
         cells = " | ".join(f"{c:.0f} / {r}" for c, r in zip(counted, record))
@@ -348,7 +348,7 @@ def print_hooks(repeats: int) -> None:
                 modules, trained = layer_hooked(model.shape(), layout)
                 print(f"| {zero} | {method} | {'yes' if checkpointed else 'no'} | {modules:g}, {trained:g} | "
                       f"{seconds * 1e3:.2f} | {predicted * 1e3:.2f} | {predicted / seconds:.2f} |")
-    modules, trained = family("llama").layer_tensors
+    modules, trained = family("llama").time.layer_tensors
     per_tensor = measured[2, "full", False] / trained
     per_module_pass = (measured[3, "full", False] - trained * per_tensor) / (2 * modules)
     print(f"\nFrom the full, uncheckpointed layers: {per_tensor * 1e6:.0f} us per trained tensor (ZeRO-2), "

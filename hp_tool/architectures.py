@@ -95,7 +95,7 @@ def selective_keeps_matmul(position: int) -> bool:
 def selective_kept_matmuls(shape: Shape) -> tuple[Matmul, ...]:
     """The matmuls of a layer (the family's ``layer_matmuls``, in forward order) whose outputs the selective
     policy keeps: the 1st, 3rd, 5th ... (Llama: q, v, gate and down of q, k, v, o, gate, up, down)."""
-    return tuple(m for i, m in enumerate(shape.facts.layer_matmuls(shape), start=1) if selective_keeps_matmul(i))
+    return tuple(m for i, m in enumerate(shape.facts.arch.layer_matmuls(shape), start=1) if selective_keeps_matmul(i))
 
 
 def selective_recompute_flops_per_sample(shape: Shape) -> float:
@@ -103,25 +103,25 @@ def selective_recompute_flops_per_sample(shape: Shape) -> float:
     outputs the policy does not keep (Llama: k, o and up) and a mixture of experts' routed experts (grouped
     matmuls, which it neither counts nor keeps); not the attention, whose output it keeps."""
     kept = selective_kept_matmuls(shape)
-    redone = sum(2 * m.inputs * m.outputs for m in shape.facts.layer_matmuls(shape) if m not in kept)
+    redone = sum(2 * m.inputs * m.outputs for m in shape.facts.arch.layer_matmuls(shape) if m not in kept)
     return shape.seq_length * redone + expert_forward_flops(shape)
 
 
 def layer_parameters(shape: Shape, encoder: bool = False) -> int:
     """Parameters of one transformer layer (of the encoder stack when ``encoder``, for T5/mT5)."""
-    return shape.facts.layer_parameters(shape, encoder)
+    return shape.facts.arch.layer_parameters(shape, encoder)
 
 
 def embedding_parameters(shape: Shape) -> int:
     """Input embedding parameters (word, plus learned positions for GPT; T5 counts its encoder's relative
     position table here)."""
-    return shape.facts.embedding_parameters(shape)
+    return shape.facts.arch.embedding_parameters(shape)
 
 
 def head_parameters(shape: Shape) -> int:
     """Final norm plus output projection (GPT and T5 tie the projection to the word embedding; T5 counts
     both stacks' final norms and its decoder's relative position table here)."""
-    return shape.facts.head_parameters(shape)
+    return shape.facts.arch.head_parameters(shape)
 
 
 def vocab_parallel_parameters(shape: Shape, tp: int, pp: int) -> tuple[float, float]:
@@ -152,7 +152,7 @@ def count_parameters(shape: Shape) -> int:
 def expert_parameters(shape: Shape) -> int:
     """One layer's routed experts' parameters (a mixture of experts; 0 for a dense model): what expert
     parallelism splits and ZeRO shards over the data-parallel ranks holding the same experts."""
-    return shape.facts.expert_parameters(shape)
+    return shape.facts.arch.expert_parameters(shape)
 
 
 def stage_expert_parameters(shape: Shape, pp: int, stage: int, ep: int = 1) -> float:
@@ -170,7 +170,7 @@ def active_parameters(shape: Shape) -> int:
 def layer_forward_flops_per_sample(shape: Shape, encoder: bool = False) -> float:
     """Forward matmul FLOPs of one transformer layer for one sample (attention over the full sequence; of
     the encoder stack when ``encoder``); the family's formula."""
-    return shape.facts.layer_forward_flops(shape, encoder)
+    return shape.facts.arch.layer_forward_flops(shape, encoder)
 
 
 def model_flops_per_step(shape: Shape, global_batch_size: int, lora: Optional[Adapters] = None) -> float:
@@ -205,9 +205,9 @@ def recompute_flops_per_step(shape: Shape, global_batch_size: int, act_ckpt_laye
 def shape_for_size(family_name: str, size_b: float, vocab: int, seq: int,
                    decoder_seq: Optional[int] = None) -> tuple[Shape, float]:
     """The family's shape and learning rate for a model of ``size_b`` billion parameters."""
-    return family(family_name).shape_for_size(size_b, vocab, seq, decoder_seq)
+    return family(family_name).sizing.shape_for_size(size_b, vocab, seq, decoder_seq)
 
 
 def lr_for(family_name: str, size_b: float) -> float:
     """The family's learning rate for a model of ``size_b`` billion parameters (explicit shapes too)."""
-    return family(family_name).lr_for(size_b)
+    return family(family_name).sizing.lr_for(size_b)

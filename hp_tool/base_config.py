@@ -156,11 +156,11 @@ def choose_model(app: AppConfig, cluster: Cluster) -> ModelChoice:
     if sc.finetune:
         return finetune_model(ts, ov.hf_config, searched_methods(app))
     experts = _experts(facts := family(sc.model_family, "search_config.model_family"), ov, ts)
-    decoder_seq = (ts.decoder_seq_length or facts.default_decoder_seq) if facts.encoder_decoder else None
+    decoder_seq = (ts.decoder_seq_length or facts.sizing.default_decoder_seq) if facts.arch.encoder_decoder else None
     if ov.given:
         heads = ov.num_attention_heads
-        ffn = ov.ffn_hidden_size or facts.default_ffn(ov.hidden_size)
-        kv = ov.kv_channels or facts.default_kv_channels
+        ffn = ov.ffn_hidden_size or facts.sizing.default_ffn(ov.hidden_size)
+        kv = ov.kv_channels or facts.sizing.default_kv_channels
         shape = Shape(sc.model_family, ov.num_layers, ov.hidden_size, heads, ov.num_kv_heads or heads,
                       ffn, ts.vocab_size, ts.seq_length, kv, decoder_seq, **experts)
         _check_shape(shape)
@@ -185,7 +185,7 @@ def choose_model(app: AppConfig, cluster: Cluster) -> ModelChoice:
 def _experts(facts, ov: ModelOverrides, ts: TrainSettings) -> dict:
     """A mixture of experts' Shape fields from search_config.model (an explicit shape, or over the sized
     one) and the planning imbalance; none for a dense family, where giving experts is an error."""
-    if not facts.moe:
+    if not facts.arch.moe:
         require(ov.num_experts is None and ov.top_k is None, "search_config.model.num_experts", ov.num_experts,
                 f"model_family {facts.name} is dense", "use model_family moe for a mixture of experts, or null")
         return {}
@@ -249,7 +249,7 @@ def _check_shape(shape: Shape) -> None:
 def _gbs_tp_pp(family_name: str, size_b: float) -> tuple[int, int, int]:
     """(the family's table batch: sequences at its reference length or tokens, per global batch),
     starting TP, starting PP."""
-    return lookup(family(family_name).gbs_tp_pp, size_b, inclusive=True)
+    return lookup(family(family_name).sizing.gbs_tp_pp, size_b, inclusive=True)
 
 
 def global_batch_size(family_name: str, ts: TrainSettings, size_b: float, seq: Optional[int] = None,
@@ -261,7 +261,7 @@ def global_batch_size(family_name: str, ts: TrainSettings, size_b: float, seq: O
         return ts.batch_tokens() // (seq or ts.seq_length)
     if ts.global_batch_size is not None:
         return ts.global_batch_size
-    return family(family_name).global_batch(_gbs_tp_pp(family_name, size_b)[0], ts.seq_length)
+    return family(family_name).sizing.global_batch(_gbs_tp_pp(family_name, size_b)[0], ts.seq_length)
 
 
 def schedule(family_name: str, tokens_b: float, seq: int, gbs: int, finetune: bool = False) -> tuple[int, int, int]:
@@ -272,7 +272,7 @@ def schedule(family_name: str, tokens_b: float, seq: int, gbs: int, finetune: bo
     max_steps = max(1, int(tokens_b * 1e9 / (seq * gbs)))
     if finetune:
         return max_steps, int(FINETUNE_WARMUP_RATIO * max_steps), 0
-    return max_steps, int(facts.warmup_ratio * max_steps), int(facts.constant_ratio * max_steps)
+    return max_steps, int(facts.sizing.warmup_ratio * max_steps), int(facts.sizing.constant_ratio * max_steps)
 
 
 def base_spec(app: AppConfig, model: ModelChoice, cluster: Cluster) -> TrialSpec:
@@ -324,7 +324,7 @@ def model_spec(s: Shape, num_parameters: int, hf: Optional[HFModel] = None, meth
 def init_std(shape: Shape) -> float:
     """Weight init std, the family's: GPT-3 0.64/sqrt(h) (NeMo); Llama 0.02 (Meta's and transformers'
     default); T5/mT5 0.015 (NeMo)."""
-    return shape.facts.init_std(shape)
+    return shape.facts.sizing.init_std(shape)
 
 
 def _fit_base_layout(s: Shape, tp: int, pp: int, gpus: int, gpn: int) -> tuple[int, int]:

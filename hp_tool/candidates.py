@@ -144,7 +144,7 @@ def context_parallel_sizes(ts: TrainSettings, shape: Shape, gpus_per_node: int) 
     powers of two that leave each rank at least CP_MIN_TOKENS tokens and fit in a node."""
     if ts.context_parallel_sizes is not None:
         return list(ts.context_parallel_sizes)
-    if not shape.facts.context_parallel:
+    if not shape.facts.trial.context_parallel:
         return [1]
     return [c for c in (1, 2, 4, 8, 16, 32) if c == 1 or (shape.seq_length // c >= CP_MIN_TOKENS
                                                           and c <= gpus_per_node)]
@@ -163,7 +163,7 @@ def expert_parallel_sizes(ts: TrainSettings, shape: Shape, gpus_per_node: int) -
 def grid_table(shape: Shape) -> list:
     """The family's heuristic grid table: GPT-3's (seq 2048); T5's for T5 and mT5 (seq 512); Llama's for
     the shortest tabled sequence length at least the model's (the longest one beyond)."""
-    return shape.facts.grid_table(shape)
+    return shape.facts.sizing.grid_table(shape)
 
 
 def memory_savers(ts: TrainSettings, host_ram_known: bool) -> tuple[list[tuple[int, str]], bool]:

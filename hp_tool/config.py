@@ -447,8 +447,8 @@ class SearchConfig:
                 "no planner for this family yet", f"use one of {list(planned) + [FINETUNE]}")
         self._check_finetune()
         decoder_seq = self.train_settings.decoder_seq_length
-        encdec = [n for n in planned if family(n).encoder_decoder]
-        require(decoder_seq is None or (not self.finetune and family(self.model_family).encoder_decoder),
+        encdec = [n for n in planned if family(n).arch.encoder_decoder]
+        require(decoder_seq is None or (not self.finetune and family(self.model_family).arch.encoder_decoder),
                 "search_config.train_settings.decoder_seq_length", decoder_seq,
                 f"only encoder-decoder families ({encdec}) have a decoder length",
                 f"remove it (null): a {self.model_family} model has one sequence, train_settings.seq_length")
@@ -513,8 +513,8 @@ class AppConfig:
                 f"use one of {list(MEMORY_CHECKS)} (traced: the engine's model under fake tensors; analytic: "
                 "the formula), or null for traced when trials launch and analytic for dry runs")
         name = self.search_config.model_family
-        covered = [n for n in family_names() if family(n).inference]
-        searched = name == FINETUNE or family(name).inference  # a fine-tuning model's family: plan_inference's check
+        covered = [n for n in family_names() if family(n).trial.inference]
+        searched = name == FINETUNE or family(name).trial.inference  # a fine-tuning model's family: plan_inference's check
         require(not self.run_inference_hp_search or searched, "run_inference_hp_search",
                 self.run_inference_hp_search, f"the inference search covers decoder-only families ({covered}), not {name}",
                 f"set run_inference_hp_search=false (the training search runs for it), or search a config of "

@@ -123,7 +123,7 @@ class HFModel:
                 f"is above the model's max_position_embeddings={self.max_positions} and its config has no "
                 "rope_scaling (positions beyond it were never trained)",
                 f"use sequence lengths up to {self.max_positions}, or a config with rope_scaling")
-        require(self.sliding_window is None or seq <= self.sliding_window or family(self.model_type).runs_windows,
+        require(self.sliding_window is None or seq <= self.sliding_window or family(self.model_type).trial.runs_windows,
                 key, seq,
                 f"is above the model's sliding attention window of {self.sliding_window} tokens, which the trials "
                 "do not model (they run full causal attention, which costs more and computes other numbers)",
@@ -189,7 +189,7 @@ def load_hf_model(value: str) -> HFModel:
             f"use a config of a supported model_type: {supported}")
     _check_sizes(raw, value, path)
     facts = family(raw["model_type"])
-    for flag in facts.hf_unmodelled:
+    for flag in facts.trial.hf_unmodelled:
         require(not raw.get(flag), KEY, value, f"{flag}=true describes layers hp_tool does not model for "
                 f"{raw['model_type']}", "use a config without it (the published models of this type have none)")
     filled = _filled_facts(raw, value, path)
@@ -254,10 +254,10 @@ def _transformers_facts(raw: dict, value: str, path: Path) -> dict[str, Any]:
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     if raw.get("num_key_value_heads") is None:  # transformers' default for this model_type: checked the same
         _check_kv_heads(raw, value, path, kv_heads)
-    experts = _experts(cfg, value) if facts.moe else {}
+    experts = _experts(cfg, value) if facts.arch.moe else {}
     return dict(
         num_kv_heads=kv_heads, head_dim=head_dim, ffn_hidden_size=experts.get("ffn", cfg.intermediate_size),
-        tied_embeddings=bool(cfg.tie_word_embeddings), qkv_bias=bool(facts.hf_qkv_bias(cfg)),
+        tied_embeddings=bool(cfg.tie_word_embeddings), qkv_bias=bool(facts.trial.hf_qkv_bias(cfg)),
         # transformers sets it only where it is used (Qwen2-MoE's 0 without use_sliding_window: none)
         sliding_window=getattr(cfg, "sliding_window", None) or None,
         num_experts=experts.get("num_experts", 0), top_k=experts.get("top_k", 0),

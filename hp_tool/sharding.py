@@ -38,8 +38,8 @@ def family_problem(family_name: str, engine: str) -> Optional[tuple[str, str]]:
     """(the train_settings key at fault, why) when ``engine`` cannot train a ``family_name`` model, else
     None: the family's record lists the engines that train it."""
     facts = family(family_name)
-    if engine not in facts.engines:
-        return "engines", facts.engines_note or f"{engine} does not train {family_name} models"
+    if engine not in facts.trial.engines:
+        return "engines", facts.trial.engines_note or f"{engine} does not train {family_name} models"
     return None
 
 
@@ -164,7 +164,7 @@ def sequence_problem(family_name: str, seq_length: int, tp: int, pp: int, cp: in
     if cp > 1:
         if not runs.context_parallel:
             return "cp", f"CP={cp} on engine {engine}: only the torch engine splits the sequence"
-        if not facts.context_parallel:
+        if not facts.trial.context_parallel:
             return "cp", (f"CP={cp} for {family_name}: the engine's ring attention splits causal decoder-only "
                           f"attention with rotary positions (Llama-style families), not {family_name}'s")
         if pp > 1:
@@ -178,7 +178,7 @@ def sequence_problem(family_name: str, seq_length: int, tp: int, pp: int, cp: in
         if tp == 1 or not runs.sequence_parallel or pp > 1:
             return "sequence_parallel", (f"sequence parallelism splits the sequence over TP on the torch engine "
                                          f"without PP (here TP={tp}, PP={pp}, engine {engine})")
-        if not facts.sequence_parallel:
+        if not facts.trial.sequence_parallel:
             return "sequence_parallel", f"the torch engine has no sequence-parallel plan for {family_name}'s layers"
         if (seq_length // cp) % tp:
             return "sequence_parallel", (f"sequence parallelism splits each rank's {seq_length // cp} tokens over "
@@ -227,7 +227,7 @@ def fp8_layout_problem(family_name: str, fp8: bool, engine: str, tp: int, method
       parallelism (torchao's row-wise style gathers the output's gradient over the sequence in fp8: a trial of
       it has not run, as gloo carries no fp8 tensor);
     - full training (an adapter method's frozen base is no Float8 training linear) of a family whose linears the
-      planner knows (``Family.linear_shapes``: their casts are priced per linear)."""
+      planner knows (``Family.arch.linear_shapes``: their casts are priced per linear)."""
     if not fp8:
         return None
     if not engine_facts(engine).fp8_linears:
@@ -239,7 +239,7 @@ def fp8_layout_problem(family_name: str, fp8: bool, engine: str, tp: int, method
         return f"fp8 linears compute the rest of the model in bf16, not {precision}"
     if method != "full":
         return f"fp8 linears train full models: {method}'s frozen base is not converted"
-    if family(family_name).linear_shapes is None:
+    if family(family_name).arch.linear_shapes is None:
         return f"fp8 linears are priced per linear module, which the planner does not list for {family_name}"
     return None
 
@@ -251,7 +251,7 @@ def checkpoint_mode_problem(family_name: Optional[str], act_ckpt_mode: str, act_
 
     - checkpointed layers (with none, nothing is recomputed and the mode means nothing);
     - the torch engine (DeepSpeed checkpoints whole layers its own way);
-    - a family whose layers' matmuls the family record lists (``Family.layer_matmuls``), so that the memory
+    - a family whose layers' matmuls the family record lists (``Family.arch.layer_matmuls``), so that the memory
       model knows which outputs the policy keeps (not T5/mT5, whose attention is not one SDPA kernel);
     - CP 1: the ring attention is not a kernel the policy keeps, so it would recompute every ring pass;
     - no activation offload: the policy's kept outputs stay on the GPU, outside the offload's hooks;
@@ -268,7 +268,7 @@ def checkpoint_mode_problem(family_name: Optional[str], act_ckpt_mode: str, act_
     if not engine_facts(engine).selective_checkpointing:
         return (f"selective checkpointing on engine {engine}: DeepSpeed runs its own activation checkpointing of "
                 "whole layers; the per-op policy runs on the torch engine")
-    if family_name is not None and family(family_name).layer_matmuls is None:
+    if family_name is not None and family(family_name).arch.layer_matmuls is None:
         return (f"selective checkpointing for {family_name}: its layers' attention is not one SDPA kernel, and "
                 "hp_tool does not model which of their op outputs the per-op policy keeps")
     if cp > 1:

@@ -14,7 +14,7 @@ SECONDS_PER_DAY = 86400
 def _family_factors(family_name: str) -> tuple[float, float]:
     """(p, q): the family's size-for-budget and time-per-parameter factors (mT5 gets a smaller model for the
     budget and takes longer per parameter)."""
-    return family(family_name).size_factors
+    return family(family_name).sizing.size_factors
 
 
 def recommend_model_size_b(family: str, days: float, gpus: int, tflops_per_gpu: float,

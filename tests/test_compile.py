@@ -144,7 +144,7 @@ def test_a_compiled_layer_keeps_what_the_familys_records_take_off_the_eager_byte
     difference is the family's fused-norm and compiled records (Llama: 8 bytes a hidden unit, the norms' fp32 copies,
     and 2 an FFN unit, SwiGLU's SiLU output recomputed; with LoRA's frozen norms, which keep no normalised value
     eager, 4 a hidden unit; Qwen3: its per-head norms' copies besides) within 10%."""
-    from hp_tool.families.registry import family
+    from hp_tool.families.registry import LayerAt, family
     from hp_tool.families.shape import Shape
 
     facts = family(name)
@@ -152,8 +152,8 @@ def test_a_compiled_layer_keeps_what_the_familys_records_take_off_the_eager_byte
         counted = _saved_bytes_per_layer_token(name, ffn, False, method) - \
             _saved_bytes_per_layer_token(name, ffn, True, method)
         shape = Shape(name, 4, 64, 4, 2, ffn, 256, 16, kv_channels=16)
-        record = (facts.fused_norm_saving(shape, 1, 1, False, 2, method != "full") +
-                  facts.compiled_saving(shape, 1, 1, False, 2)) / 16
+        at = LayerAt(mbs=1, tp=1, sequence_parallel=False, bytes_per_value=2, frozen_norms=method != "full")
+        record = (facts.memory.fused_norm_saving(shape, at) + facts.memory.compiled_saving(shape, at)) / 16
         assert counted == pytest.approx(record, rel=0.1), (ffn, counted, record)
 
 

@@ -54,7 +54,7 @@ def test_bytes_are_priced_at_the_memory_bandwidth_per_layer_pass_and_micro_batch
     tokens = 3 * 2 * 2048
     expected = tokens * (32 * (forward + backward) + 12 * recompute) / (2039 * GB * ELEMENTWISE_BANDWIDTH)
     assert elementwise_s(L7B, layout, A100) == pytest.approx(expected)
-    (fa, fb), (ba, bb), _ = family("llama").layer_bytes
+    (fa, fb), (ba, bb), _ = family("llama").time.layer_bytes
     assert forward == fa * 4096 + fb * 11008 and backward == ba * 4096 + bb * 11008
     # TP splits each rank's share; context parallelism its tokens
     assert elementwise_s(L7B, layout.replace(tp=2, dp=1), A100) == pytest.approx(expected / 2)

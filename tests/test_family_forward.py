@@ -166,7 +166,7 @@ def test_every_family_plan_names_modules_of_its_layers(name):
     stage = build_stage(model, 1, 0)  # on the meta device
     family = torch_family(name)
     assert stage.layers and all(p.is_meta for p in stage.parameters())
-    untensored = family_facts(name).no_tensor_parallel  # the planner refuses TP for it (Phi-3's fused projections)
+    untensored = family_facts(name).trial.no_tensor_parallel  # the planner refuses TP for it (Phi-3's fused projections)
     for key, layer in stage.layers.items():
         assert bool(family.layer_plan(layer)) != bool(untensored), f"{name} layer {key}: TP plan against the planner"
         assert set(family.layer_plan(layer).values()) <= {"colwise", "rowwise"}

@@ -31,7 +31,7 @@ def lay(**kw) -> Layout:
 @pytest.mark.parametrize("name", family_names())
 def test_each_familys_operator_count_is_what_the_engines_layer_dispatches(name):
     counted = COUNTER.layer_ops(name)
-    record = family(name).layer_ops
+    record = family(name).time.layer_ops
     for what, c, r in zip(("forward", "backward", "recompute"), counted, record):
         assert abs(r - c) <= OPS_TOLERANCE * c, f"{name} {what}: the record says {r}, the engine's layer runs {c:.0f}"
 

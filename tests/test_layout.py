@@ -51,7 +51,7 @@ def test_the_family_record_decides_the_engines():
     torch_t5 = Layout.of(tp=1, pp=2, dp=1, mbs=1, act_ckpt_layers=0, global_batch_size=2)
     assert fields(torch_t5, T5) == []
     assert fields(torch_t5.replace(pp=1, engine="deepspeed"), T5) == [("engine", "family")]
-    assert family("t5").engines == ("torch",) and "deepspeed" in family("llama").engines
+    assert family("t5").trial.engines == ("torch",) and "deepspeed" in family("llama").trial.engines
 
 
 def test_the_trial_spec_maps_a_problem_to_its_own_key(tmp_path):

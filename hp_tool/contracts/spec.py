@@ -104,7 +104,7 @@ class ModelSpec:
                 "choose hidden_size as a multiple of the head count, or set model.kv_channels")
         require(self.kv_channels is None or self.kv_channels > 0, "model.kv_channels", self.kv_channels,
                 "must be positive", "set the per-head width, or null for hidden_size / num_attention_heads")
-        require((self.decoder_seq_length is not None) == facts.encoder_decoder, "model.decoder_seq_length",
+        require((self.decoder_seq_length is not None) == facts.arch.encoder_decoder, "model.decoder_seq_length",
                 self.decoder_seq_length, "is set exactly for encoder-decoder families",
                 "give a positive decoder length for t5/mt5, null for decoder-only families")
         require(self.decoder_seq_length is None or self.decoder_seq_length > 0, "model.decoder_seq_length",
@@ -117,10 +117,10 @@ class ModelSpec:
         require((self.lora is not None) == (self.method != "full"), "model.lora", self.lora,
                 f"is given exactly for the adapter methods (lora, qlora), and the method is {self.method}",
                 "give model.lora for lora and qlora, null for full")
-        require(facts.moe == (self.num_experts > 0), "model.num_experts", self.num_experts,
-                f"family {self.family} is {'a mixture of experts' if facts.moe else 'dense'}",
+        require(facts.arch.moe == (self.num_experts > 0), "model.num_experts", self.num_experts,
+                f"family {self.family} is {'a mixture of experts' if facts.arch.moe else 'dense'}",
                 "give the experts of an MoE family (e.g. 8), 0 for a dense one")
-        require(0 < self.top_k <= self.num_experts if facts.moe else self.top_k == 0, "model.top_k", self.top_k,
+        require(0 < self.top_k <= self.num_experts if facts.arch.moe else self.top_k == 0, "model.top_k", self.top_k,
                 f"must be between 1 and num_experts={self.num_experts} for an MoE model, 0 for a dense one",
                 "set the experts each token is routed to (Mixtral: 2)")
         model_type = (self.hf_config or {}).get("model_type", self.family)

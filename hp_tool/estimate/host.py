@@ -11,7 +11,7 @@ the tokens/s their FLOPs allow.
 host = micro-batches x the busiest stage's layers x (forward + backward operators a layer, and a checkpointed
        layer's recompute) x ``HOST_SECONDS_PER_OP``
 
-The operators are the family's record (``Family.layer_ops``: one layer's forward and backward in full training,
+The operators are the family's record (``Family.time.layer_ops``: one layer's forward and backward in full training,
 counted from the trial engine's own modules) plus ``ADAPTER_OPS`` per adapted linear under LoRA or QLoRA.
 Both counts and the seconds per operator are measured by benchmarks/host_overhead.py and checked against the
 engine in tests/test_host_overhead.py.
@@ -49,8 +49,8 @@ ADAPTER_OPS = (9, 16, 12)
 
 def layer_pass_ops(shape: Shape, layout: Layout) -> tuple[float, float, float]:
     """(forward, backward, recompute) operators one layer dispatches for one micro-batch under the layout's
-    method (``Family.layer_ops``, plus ``ADAPTER_OPS`` per adapted linear)."""
-    ops = shape.facts.layer_ops
+    method (``Family.time.layer_ops``, plus ``ADAPTER_OPS`` per adapted linear)."""
+    ops = shape.facts.time.layer_ops
     if not layout.adapted:
         return ops
     adapted = len(layout.lora.target_modules)
@@ -59,9 +59,9 @@ def layer_pass_ops(shape: Shape, layout: Layout) -> tuple[float, float, float]:
 
 def layer_hooked(shape: Shape, layout: Layout) -> tuple[float, float]:
     """(parameter-holding modules, trained parameter tensors) of one layer under the layout's method
-    (``Family.layer_tensors``, q, k and v biases included; LoRA: the adapters' two per adapted linear are trained,
+    (``Family.time.layer_tensors``, q, k and v biases included; LoRA: the adapters' two per adapted linear are trained,
     the frozen base's modules still there)."""
-    modules, tensors = shape.facts.layer_tensors
+    modules, tensors = shape.facts.time.layer_tensors
     tensors += 3 if shape.qkv_bias else 0
     if not layout.adapted:
         return modules, tensors

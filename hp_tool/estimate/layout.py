@@ -187,14 +187,14 @@ class Rule:
 
 
 def _tp_family(layout: Layout, shape: "Shape", _gpn: Optional[int]):
-    if layout.tp > 1 and shape.facts.no_tensor_parallel:
-        return "tp", f"TP={layout.tp}: {shape.facts.no_tensor_parallel}"
+    if layout.tp > 1 and shape.facts.trial.no_tensor_parallel:
+        return "tp", f"TP={layout.tp}: {shape.facts.trial.no_tensor_parallel}"
     return None
 
 
 def _tp_heads(layout: Layout, shape: "Shape", _gpn: Optional[int]):
     heads, kv, tp = shape.num_attention_heads, shape.num_kv_heads, layout.tp
-    if tp > 1 and shape.facts.no_tensor_parallel:
+    if tp > 1 and shape.facts.trial.no_tensor_parallel:
         return None  # the family's own rule says it
     if heads % tp:
         return "tp", f"TP={tp} does not divide the {heads} heads"
@@ -361,7 +361,7 @@ class Hardware:
     hopper_attention: bool = False
     # the training stack's norms are fused kernels that keep their input alone (torchtitan's fused_rmsnorm: what
     # benchmarks/published_runs.py says of its runs that set it); hp_tool's engines run transformers' eager norms,
-    # whose fp32 copy of the input the family's activation record counts (Family.fused_norm_saving)
+    # whose fp32 copy of the input the family's activation record counts (Family.memory.fused_norm_saving)
     fused_norms: bool = False
     # the fraction of the TP collectives the training stack hides behind the GEMMs beside them (torch's async TP,
     # Transformer Engine's userbuffers: what benchmarks/published_runs.py says of such runs); hp_tool's engines

@@ -42,6 +42,7 @@ from hp_tool.recipe import Adapters
 from hp_tool.sharding import master_on_host
 from hp_tool.families.methods import (NF4_BITS, activation_delta_bytes, adapter_parameters_per_layer,
                                       linear_parameters_per_layer, linear_shapes)
+from hp_tool.families.registry import LayerAt
 
 MODEL_STATE_BYTES = 16  # 2 (16-bit weights) + 2 (16-bit grads) + 12 (fp32 master, Adam m, v)
 # Optimizer states per trainable parameter beyond the fp32 master (REFERENCE §13): Adam's m and v in fp32 (8),
@@ -76,8 +77,8 @@ def layer_activation_bytes(shape: Shape, layout: Layout, hw: Hardware, encoder: 
     """One layer's stored activations for the family (an encoder layer when ``encoder``), one micro-batch,
     bytes; with an adapter method what it changes (``methods.activation_delta_bytes``: dropout's mask is a
     byte an element on a GPU, a value of the input's dtype on a CPU); with fused norms (a stack's,
-    ``Hardware.fused_norms``, or torch.compile's) less what they do not keep (``Family.fused_norm_saving``), and
-    under torch.compile less what Inductor recomputes (``Family.compiled_saving``), where the family counts them."""
+    ``Hardware.fused_norms``, or torch.compile's) less what they do not keep (``Family.memory.fused_norm_saving``), and
+    under torch.compile less what Inductor recomputes (``Family.memory.compiled_saving``), where the family counts them."""
     bpv = layout.bytes_per_value
     return _layer_activation_bytes(shape, layout.lora, layout.mbs, layout.tp, layout.sequence_parallel, bpv,
                                    hw.flash_attention, encoder, bpv if hw.device_is_host else 1, hw.fused_norms,
@@ -88,12 +89,13 @@ def layer_activation_bytes(shape: Shape, layout: Layout, hw: Hardware, encoder: 
 def _layer_activation_bytes(shape: Shape, lora: Optional[Adapters], mbs: int, tp: int, sp: bool, bpv: int, flash: bool,
                             encoder: bool, mask_bytes: int, fused_norms: bool = False,
                             compiled: bool = False) -> float:
-    facts, fused = shape.facts, 0.0
-    if (fused_norms or compiled) and facts.fused_norm_saving is not None and not encoder:
-        fused += facts.fused_norm_saving(shape, mbs, tp, sp, bpv, lora is not None)
-    if compiled and facts.compiled_saving is not None and not encoder:
-        fused += facts.compiled_saving(shape, mbs, tp, sp, bpv)
-    return (facts.activation_bytes(shape, mbs, tp, sp, bpv, flash, encoder) - fused
+    terms, fused = shape.facts.memory, 0.0
+    at = LayerAt(mbs, tp, sp, bpv, flash=flash, encoder=encoder, frozen_norms=lora is not None)
+    if (fused_norms or compiled) and terms.fused_norm_saving is not None and not encoder:
+        fused += terms.fused_norm_saving(shape, at)
+    if compiled and terms.compiled_saving is not None and not encoder:
+        fused += terms.compiled_saving(shape, at)
+    return (terms.activation_bytes(shape, at) - fused
             + activation_delta_bytes(shape, lora, mbs, tp, sp, bpv, mask_bytes))
 
 
@@ -278,8 +280,9 @@ def stage_activation_bytes(shape: Shape, layout: Layout, hw: Hardware, stage: in
     sp_div = tp if sp else 1
     n_enc, n_dec = stage_layer_counts(shape, layout.pp, stage)
     k_enc, k_dec = checkpointed_layer_counts(shape, layout.pp, stage, layout.act_ckpt_layers)
+    at = LayerAt(b, tp, sp, bpv, ep=layout.ep)
     dec_full = layer_activation_bytes(shape, layout, hw) + \
-        shape.facts.expert_parallel_activation_bytes(shape, b, layout.ep, bpv, tp) + ring_saved_bytes(shape, layout)
+        shape.facts.memory.expert_parallel_activation_bytes(shape, at) + ring_saved_bytes(shape, layout)
     dec_input = shape.target_length * b * h * bpv / sp_div
     # what the per-op policy keeps of a checkpointed layer, stored until its backward and part of its recompute
     # (decoder-only families: hp_tool/sharding.py checkpoint_mode_problem)
@@ -292,8 +295,8 @@ def stage_activation_bytes(shape: Shape, layout: Layout, hw: Hardware, stage: in
         buffer = max(buffer, enc_full if k_enc else 0.0)
     if shape.encoder_decoder and n_dec:
         stored += shape.seq_length * b * h * bpv  # the encoder output, read by every cross-attention
-    if stage == layout.pp - 1 and shape.facts.head_activation_bytes is not None:
-        stored += shape.facts.head_activation_bytes(shape, b, tp, sp, bpv)  # final norm, head input
+    if stage == layout.pp - 1 and shape.facts.memory.head_activation_bytes is not None:
+        stored += shape.facts.memory.head_activation_bytes(shape, at)  # final norm, head input
     return stored, buffer
 
 
@@ -311,7 +314,7 @@ def selective_kept_bytes(shape: Shape, mbs: int, tp: int, sequence_parallel: boo
     attention = (p * shape.attention_dim + 4 * shape.num_attention_heads) / tp
     scattered = 0.0
     if sequence_parallel:
-        scattered = shape.hidden_size / tp * sum(m.split == "rowwise" for m in shape.facts.layer_matmuls(shape))
+        scattered = shape.hidden_size / tp * sum(m.split == "rowwise" for m in shape.facts.arch.layer_matmuls(shape))
     return tokens * (p * (kept + scattered) + attention)
 
 
@@ -411,14 +414,14 @@ def logits_bytes(shape: Shape, layout: Layout, hw: Hardware) -> float:
     (hp_tool/trial/loss.py, TP 1): the hidden states' gradient (tokens x hidden, compute dtype) and the head
     weight's fp32 gradient (vocabulary x hidden) it computes in forward, and one chunk in flight: 12 bytes per
     logit, the fp32 logits with logsumexp's two temporaries of their size (then the logits and their softmax),
-    as traced (tests/test_long_context_memory.py). Soft-capped logits (``Family.softcapped_logits``) keep their
+    as traced (tests/test_long_context_memory.py). Soft-capped logits (``Family.arch.softcapped_logits``) keep their
     tanh's output besides: the logits' bytes (compute dtype) per logit of the whole loss, an fp32 chunk's in the
     chunked one (tests/test_gemma.py)."""
     bpv, tokens = layout.bytes_per_value, layout.mbs * shape.target_length
     if layout.loss == "full":
         # with activation offload the log-softmax output waits in host RAM until backward brings it back
         per_logit = WHOLE_LOSS_BYTES[layout.tp > 1] - (2 if hw.offloads_activations(layout) else 0) + \
-            (bpv if shape.facts.softcapped_logits else 0)
+            (bpv if shape.facts.arch.softcapped_logits else 0)
         return tokens * shape.vocab_size * per_logit / layout.tp
     return tokens * shape.hidden_size * bpv + 4 * shape.vocab_size * shape.hidden_size + \
         loss_freed_bytes(shape, layout, hw)
@@ -432,7 +435,7 @@ def loss_freed_bytes(shape: Shape, layout: Layout, hw: Hardware) -> float:
     if layout.loss == "full":
         return logits_bytes(shape, layout, hw)
     # the fp32 logits and logsumexp's two temporaries, or the logits and their softmax; a soft cap's fp32 tanh
-    per_logit = 12 + (4 if shape.facts.softcapped_logits else 0)
+    per_logit = 12 + (4 if shape.facts.arch.softcapped_logits else 0)
     return min(layout.loss_chunk_tokens, tokens) * shape.vocab_size * per_logit
 
 
@@ -450,7 +453,7 @@ def offloaded_activation_bytes(shape: Shape, layout: Layout, hw: Hardware) -> fl
 def eager_trace_excess_gib(shape: Shape, layout: Layout, hw: Hardware) -> float:
     """What a traced figure of ``layout`` holds beyond the layout's own peak, GiB per GPU: the tracer runs a
     compiled layout's layers eager (hp_tool/trial/trace/inflight.py ``traced_spec``), and they keep what Inductor's
-    fused region does not (``Family.fused_norm_saving``, ``Family.compiled_saving``); 0 for an eager layout."""
+    fused region does not (``Family.memory.fused_norm_saving``, ``Family.memory.compiled_saving``); 0 for an eager layout."""
     if not layout.compile:
         return 0.0
     return estimate_memory(shape, layout.replace(compile=False), hw).total_gib - \
@@ -465,7 +468,7 @@ def estimate_memory(shape: Shape, layout: Layout, hw: Hardware) -> MemoryEstimat
     are of the rank's tokens (``rank_shape``: the sequence over CP); with activation offload the stored
     activations are in host RAM and what one sub-layer's backward brings back is on the GPU
     (``working_layer_bytes``). A checkpointed layer's recompute (and CP's ring working memory, and what a layer's
-    backward allocates: ``Family.backward_transient_bytes``) runs in backward, after the loss has freed the logits:
+    backward allocates: ``Family.memory.backward_transient_bytes``) runs in backward, after the loss has freed the logits:
     the last stage holds the larger of the two, not both (tests/test_selective_checkpoint.py measures both modes of
     checkpointing against the trace)."""
     tp, pp = layout.tp, layout.pp
@@ -522,7 +525,7 @@ def _activation_terms(shape: Shape, layout: Layout, hw: Hardware) -> tuple[tuple
         # the larger of the two is the peak's
         freed = loss_freed_bytes(rank, layout, hw) if stage == pp - 1 else 0.0
         transient = ring_transient_bytes(rank, layout) + \
-            shape.facts.backward_transient_bytes(rank, layout.mbs, tp, bpv)
+            shape.facts.memory.backward_transient_bytes(rank, LayerAt(layout.mbs, tp, bytes_per_value=bpv))
         out.append((activations + max(0.0, buffer + transient - freed), logits if stage == pp - 1 else 0.0))
     return tuple(out)
 

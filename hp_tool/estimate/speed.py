@@ -279,7 +279,7 @@ def layer_pass_bytes(shape: Shape, layout: Layout) -> tuple[float, float, float]
     ``ADAPTER_BYTES`` per input and output feature of each adapted linear and, with a non-zero dropout,
     ``DROPOUT_BYTES`` per input feature, over TP (each rank's slice)."""
     ffn = elementwise_ffn(shape)
-    passes = [a * shape.hidden_size + b * ffn for a, b in shape.facts.layer_bytes]
+    passes = [a * shape.hidden_size + b * ffn for a, b in shape.facts.time.layer_bytes]
     if layout.adapted:
         linears = [shape for name, shape in linear_shapes(shape).items() if name in layout.lora.target_modules]
         features, inputs = sum(i + o for i, o in linears), sum(i for i, _ in linears)

@@ -19,16 +19,14 @@ A new family is one file here that builds a ``Family``, one torch file in ``hp_t
 its YAML presets under ``hp_tool/conf/search_config/``.
 """
 
-import dataclasses
-
 from hp_tool.families import gemma, gpt3, llama, mistral, moe, phi3, qwen2, qwen3, t5  # noqa: I001 (registration)
 from hp_tool.families.registry import Family, family, family_names, hf_model_types, register
 
 MIXTRAL = moe.hf_moe_variant("mixtral", "Mixtral: Mistral's layers with top-2 of 8 experts (from a Hugging Face config)",
                              qkv_bias=False)
-QWEN2_MOE = dataclasses.replace(
-    moe.hf_moe_variant("qwen2_moe", "Qwen1.5/Qwen2-MoE: q, k, v biases, fine-grained routed experts and a gated "
-                       "shared expert (from a Hugging Face config)", qkv_bias=True),
+QWEN2_MOE = moe.hf_moe_variant(
+    "qwen2_moe", "Qwen1.5/Qwen2-MoE: q, k, v biases, fine-grained routed experts and a gated shared expert (from a "
+    "Hugging Face config)", qkv_bias=True).variant(
     layer_ops=(105, 203, 191), layer_tensors=(12, 13), layer_bytes=((179, 64), (412, 134), (163, 64)))
 
 for _record in (gpt3.FAMILY, llama.FAMILY, t5.T5, t5.MT5, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, phi3.FAMILY,

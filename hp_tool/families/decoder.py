@@ -21,18 +21,18 @@ def decoder_layer_flops(shape: Shape, encoder: bool = False) -> float:
 def decoder_parameters(shape: Shape) -> int:
     """Parameters of a whole decoder-only model: its layers, embedding and head."""
     f = shape.facts
-    return shape.num_layers * f.layer_parameters(shape, False) + f.embedding_parameters(shape) + f.head_parameters(shape)
+    return shape.num_layers * f.arch.layer_parameters(shape, False) + f.arch.embedding_parameters(shape) + f.arch.head_parameters(shape)
 
 
 def skipped_expert_parameters(shape: Shape) -> int:
     """One layer's routed-expert parameters a token does not run: num_experts - top_k of the experts
     (the family's ``expert_parameters``); 0 for a dense model."""
-    experts = shape.facts.expert_parameters(shape)
+    experts = shape.facts.arch.expert_parameters(shape)
     return experts // shape.num_experts * (shape.num_experts - shape.top_k) if experts else 0
 
 
 def expert_forward_flops(shape: Shape) -> float:
     """Forward matmul FLOPs of one layer's routed experts for one sample: 2 per weight of the top_k experts
     each token runs; 0 for a dense model."""
-    experts = shape.facts.expert_parameters(shape)
+    experts = shape.facts.arch.expert_parameters(shape)
     return 2.0 * shape.seq_length * shape.top_k * experts / shape.num_experts if experts else 0.0

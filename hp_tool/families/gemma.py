@@ -11,15 +11,14 @@ How the engine runs them (hp_tool/trial/families/gemma.py) decides what is price
     keys and values repeated to every query head where heads are grouped;
   - the sliding windows are masks on kernels that compute every score (the eager kernel, SDPA with a mask),
     so a sliding layer costs what a full one costs: the FLOPs are Llama's at the whole sequence;
-  - the final logits' cap keeps its tanh's output (``Family.softcapped_logits``).
+  - the final logits' cap keeps its tanh's output (``Family.arch.softcapped_logits``).
 Context parallelism is refused (the ring attention applies neither caps nor windows), and the inference search
 does not cover the families.
 """
 
-import dataclasses
 
 from hp_tool.families import llama, qwen3
-from hp_tool.families.registry import Family
+from hp_tool.families.registry import Family, layer_term
 from hp_tool.families.shape import Shape
 
 
@@ -79,8 +78,7 @@ def gemma3_activation_bytes(shape: Shape, mbs: int, tp: int = 1, sequence_parall
 
 def _variant(name: str, description: str, unmodelled: tuple[str, ...] = (), **facts) -> Family:
     """Llama's record read from a Hugging Face config, tied, with the trial running the config's windows."""
-    return dataclasses.replace(
-        llama.hf_variant(name, description, qkv_bias=False),
+    return llama.hf_variant(name, description, qkv_bias=False).variant(
         tied_head=True,
         context_parallel=False,
         # transformers' attention_bias puts biases on q, k, v and o; no published Gemma has them
@@ -98,8 +96,8 @@ def _variant(name: str, description: str, unmodelled: tuple[str, ...] = (), **fa
 GEMMA2 = _variant(
     "gemma2", "Gemma-2: four norms a layer, soft-capped attention (eager kernel) and logits, alternating sliding "
     "windows, scaled tied embeddings (from a Hugging Face config)",
-    layer_parameters=layer_parameters, activation_bytes=gemma2_activation_bytes, softcapped_logits=True,
-    backward_transient_bytes=eager_backward_bytes,
+    layer_parameters=layer_parameters, activation_bytes=layer_term(gemma2_activation_bytes), softcapped_logits=True,
+    backward_transient_bytes=lambda shape, at: eager_backward_bytes(shape, at.mbs, at.tp, at.bytes_per_value),
     layer_ops=(118, 200, 198),
     layer_tensors=(11, 11),
     layer_bytes=((262, 10), (568, 18), (242, 10)),
@@ -110,7 +108,7 @@ GEMMA3 = _variant(
     "gemma3_text", "Gemma-3 (text): four norms a layer, per-head q and k norms, alternating sliding windows with a "
     "local RoPE base, scaled tied embeddings (from a Hugging Face config)",
     layer_parameters=lambda shape, encoder=False: layer_parameters(shape) + qwen3.qk_norm_parameters(shape),
-    activation_bytes=gemma3_activation_bytes,
+    activation_bytes=layer_term(gemma3_activation_bytes),
     layer_ops=(118, 217, 216),
     layer_tensors=(13, 13),
     layer_bytes=((282, 10), (692, 18), (261, 10)),

@@ -11,7 +11,7 @@ import math
 from typing import Optional
 
 from hp_tool.families.decoder import decoder_layer_flops
-from hp_tool.families.registry import Family, Matmul
+from hp_tool.families.registry import Architecture, Family, LayerAt, Matmul, MemoryTerms, Sizing, TimeTerms
 from hp_tool.families.shape import Shape, num_layers_for
 from hp_tool.tables import Table, lookup, span
 
@@ -120,36 +120,37 @@ def layer_matmuls(shape: Shape) -> tuple[Matmul, ...]:
             Matmul("out_proj", h, h, "rowwise"), Matmul("fc1", h, f), Matmul("fc2", f, h, "rowwise"))
 
 
-def _activation_bytes(shape: Shape, mbs: int, tp: int, sequence_parallel: bool, bytes_per_value: int,
-                      flash_attention: bool, encoder: bool = False) -> float:
+def _activation_bytes(shape: Shape, at: LayerAt) -> float:
     """The engine's GPT layer: Korthikanti's count without dropout masks."""
-    return activation_bytes_per_layer(shape.seq_length, mbs, shape.hidden_size, shape.num_attention_heads, tp,
-                                      sequence_parallel, not flash_attention, bytes_per_value, dropout=False)
+    return activation_bytes_per_layer(shape.seq_length, at.mbs, shape.hidden_size, shape.num_attention_heads, at.tp,
+                                      at.sequence_parallel, not at.flash, at.bytes_per_value, dropout=False)
 
 
 FAMILY = Family(
     name="gpt3",
     description="GPT-3 (NeMo's sizes): learned positions, LayerNorm with biases, 4h GeLU MLP, tied head",
-    encoder_decoder=False,
-    gated_mlp=False,
-    tied_head=True,
-    shape_for_size=gpt3_shape,
-    lr_for=lambda size_b: lookup(GPT3_SHAPE, size_b)[2],
-    default_ffn=lambda hidden: 4 * hidden,
-    init_std=lambda shape: round(0.64 / math.sqrt(shape.hidden_size), 6),  # NeMo's 0.64/sqrt(h)
-    layer_parameters=layer_parameters,
-    embedding_parameters=lambda shape: (shape.vocab_size + shape.seq_length) * shape.hidden_size,
-    head_parameters=lambda shape: 2 * shape.hidden_size,  # the final LayerNorm; the projection is tied
-    layer_forward_flops=decoder_layer_flops,
-    activation_bytes=_activation_bytes,
-    gbs_tp_pp=GPT3_GBS_TP_PP,
-    # sequences at seq 2048, halved for each doubling of the sequence length
-    global_batch=lambda batch, seq: max(1, int(batch * REFERENCE_SEQ / seq)),
-    warmup_ratio=0.0015,  # NeMo's GPT-3 schedule: 0.15% warm-up, 16.6% constant
-    constant_ratio=0.166,
-    grid_table=lambda shape: GPT3_GRID,
-    layer_matmuls=layer_matmuls,
-    layer_ops=(39, 93, 80),
-    layer_tensors=(8, 16),
-    layer_bytes=((25, 4), (52, 8), (19, 4)),
+    arch=Architecture(
+        encoder_decoder=False,
+        gated_mlp=False,
+        tied_head=True,
+        layer_parameters=layer_parameters,
+        embedding_parameters=lambda shape: (shape.vocab_size + shape.seq_length) * shape.hidden_size,
+        head_parameters=lambda shape: 2 * shape.hidden_size,  # the final LayerNorm; the projection is tied
+        layer_forward_flops=decoder_layer_flops,
+        layer_matmuls=layer_matmuls,
+    ),
+    sizing=Sizing(
+        shape_for_size=gpt3_shape,
+        lr_for=lambda size_b: lookup(GPT3_SHAPE, size_b)[2],
+        default_ffn=lambda hidden: 4 * hidden,
+        init_std=lambda shape: round(0.64 / math.sqrt(shape.hidden_size), 6),  # NeMo's 0.64/sqrt(h)
+        gbs_tp_pp=GPT3_GBS_TP_PP,
+        # sequences at seq 2048, halved for each doubling of the sequence length
+        global_batch=lambda batch, seq: max(1, int(batch * REFERENCE_SEQ / seq)),
+        warmup_ratio=0.0015,  # NeMo's GPT-3 schedule: 0.15% warm-up, 16.6% constant
+        constant_ratio=0.166,
+        grid_table=lambda shape: GPT3_GRID,
+    ),
+    memory=MemoryTerms(activation_bytes=_activation_bytes),
+    time=TimeTerms(layer_ops=(39, 93, 80), layer_tensors=(8, 16), layer_bytes=((25, 4), (52, 8), (19, 4))),
 )

@@ -6,11 +6,11 @@ tokens; the grid extends NeMo's GPT tables by sequence length.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 from hp_tool.families.decoder import decoder_layer_flops, decoder_parameters
-from hp_tool.families.registry import Family, LinearInput, Matmul
+from hp_tool.families.registry import (Architecture, Family, LinearInput, Matmul, MemoryTerms, Sizing, TrialHooks,
+                                       layer_term)
 from hp_tool.families.shape import Shape, num_layers_for
 from hp_tool.tables import Table, lookup, span
 
@@ -197,42 +197,50 @@ def grid_table(shape: Shape) -> Table:
 FAMILY = Family(
     name="llama",
     description="Llama-style: grouped-query attention, SwiGLU, RMSNorm, RoPE, untied embeddings",
-    encoder_decoder=False,
-    gated_mlp=True,
-    tied_head=False,
-    shape_for_size=llama_shape,
-    lr_for=lambda size_b: lookup(LLAMA_SHAPE, size_b)[5],
-    default_ffn=lambda hidden: llama_ffn(hidden, 1.0, 256),
-    init_std=lambda shape: 0.02,  # Meta's and transformers' default
-    layer_parameters=layer_parameters,
-    embedding_parameters=lambda shape: shape.vocab_size * shape.hidden_size,
-    # final norm + lm_head (none of its own when a Hugging Face config ties it to the embedding)
-    head_parameters=lambda shape: shape.hidden_size + (0 if shape.tied_head else shape.vocab_size * shape.hidden_size),
-    layer_forward_flops=decoder_layer_flops,
-    activation_bytes=lambda shape, mbs, tp, sp, p, flash, encoder=False: llama_activation_bytes_per_layer(
-        shape, mbs, tp, sp, p),
-    head_activation_bytes=llama_head_activation_bytes,
-    fused_norm_saving=llama_fused_norm_saving,
-    compiled_saving=llama_compiled_saving,
-    gbs_tp_pp=LLAMA_GBS_TP_PP,
-    global_batch=lambda tokens, seq: max(1, tokens // seq),  # the table's tokens per batch
-    warmup_ratio=0.0015,
-    constant_ratio=0.166,
-    grid_table=grid_table,
-    # transformers' Llama: attention_bias puts biases on q, k, v and o, mlp_bias on the MLP; no published
-    # Llama has them, and hp_tool/hf_config.py refuses a config that sets them
-    hf_qkv_bias=lambda config: False,
-    hf_unmodelled=("attention_bias", "mlp_bias"),
-    sequence_parallel=True,
-    context_parallel=True,
-    linear_shapes=linear_shapes,
-    linear_inputs=LINEAR_INPUTS,
-    layer_matmuls=layer_matmuls,
+    arch=Architecture(
+        encoder_decoder=False,
+        gated_mlp=True,
+        tied_head=False,
+        layer_parameters=layer_parameters,
+        embedding_parameters=lambda shape: shape.vocab_size * shape.hidden_size,
+        # final norm + lm_head (none of its own when a Hugging Face config ties it to the embedding)
+        head_parameters=lambda shape: shape.hidden_size + (0 if shape.tied_head else shape.vocab_size * shape.hidden_size),
+        layer_forward_flops=decoder_layer_flops,
+        linear_shapes=linear_shapes,
+        linear_inputs=LINEAR_INPUTS,
+        layer_matmuls=layer_matmuls,
+    ),
+    sizing=Sizing(
+        shape_for_size=llama_shape,
+        lr_for=lambda size_b: lookup(LLAMA_SHAPE, size_b)[5],
+        default_ffn=lambda hidden: llama_ffn(hidden, 1.0, 256),
+        init_std=lambda shape: 0.02,  # Meta's and transformers' default
+        gbs_tp_pp=LLAMA_GBS_TP_PP,
+        global_batch=lambda tokens, seq: max(1, tokens // seq),  # the table's tokens per batch
+        warmup_ratio=0.0015,
+        constant_ratio=0.166,
+        grid_table=grid_table,
+    ),
+    memory=MemoryTerms(
+        activation_bytes=layer_term(llama_activation_bytes_per_layer),
+        head_activation_bytes=layer_term(llama_head_activation_bytes),
+        fused_norm_saving=lambda shape, at: llama_fused_norm_saving(shape, at.mbs, at.tp, at.sequence_parallel,
+                                                                    at.bytes_per_value, at.frozen_norms),
+        compiled_saving=layer_term(llama_compiled_saving),
+    ),
+    trial=TrialHooks(
+        sequence_parallel=True,
+        context_parallel=True,
+        # transformers' Llama: attention_bias puts biases on q, k, v and o, mlp_bias on the MLP; no published
+        # Llama has them, and hp_tool/hf_config.py refuses a config that sets them
+        hf_qkv_bias=lambda config: False,
+        hf_unmodelled=("attention_bias", "mlp_bias"),
+    ),
 )
 
 
 def hf_variant(name: str, description: str, qkv_bias: bool) -> Family:
     """A model with Llama's layers that hp_tool reads from its Hugging Face config only (never sized from a
     budget): Llama's record under another ``model_type``, with or without q, k and v biases."""
-    return dataclasses.replace(FAMILY, name=name, description=description, planner=False, hf_unmodelled=(),
-                               hf_qkv_bias=lambda config: qkv_bias)
+    return FAMILY.variant(name=name, description=description, planner=False, hf_unmodelled=(),
+                          hf_qkv_bias=lambda config: qkv_bias)

@@ -25,7 +25,7 @@ ADAPTED = ("lora", "qlora")  # methods that train adapters over a frozen base
 
 def linear_shapes(shape: Shape) -> dict[str, tuple[int, int]]:
     """One layer's linear modules by name -> (in, out) features (the family's)."""
-    shapes = shape.facts.linear_shapes
+    shapes = shape.facts.arch.linear_shapes
     return {} if shapes is None else shapes(shape)
 
 
@@ -100,12 +100,12 @@ def adapter_input_bytes(shape: Shape, lora: Adapters, tp: int, bytes_per_value: 
     ``dropout_as_on``). Not counted: the first layer's q, k and v keep no mask (its input needs no gradient).
     Checked against the trace in tests/test_lora_dropout_memory.py."""
     linears, targets = linear_shapes(shape), set(lora.target_modules)
-    rowwise = {m.name for m in shape.facts.layer_matmuls(shape) if m.split == "rowwise"} \
-        if shape.facts.layer_matmuls is not None else set()
+    rowwise = {m.name for m in shape.facts.arch.layer_matmuls(shape) if m.split == "rowwise"} \
+        if shape.facts.arch.layer_matmuls is not None else set()
     dropout = lora.dropout > 0  # each adapter drops its input out apart: its own copy and mask
     per_adapter = (bytes_per_value + mask_bytes) if dropout else 0
     total = 0.0
-    for tensor in shape.facts.linear_inputs:
+    for tensor in shape.facts.arch.linear_inputs:
         width = linears[tensor.readers[0]][0] / (tp if tensor.readers[0] in rowwise else 1)
         readers = sum(name in targets for name in tensor.readers)
         kept = tensor.held or (readers > 0 and not dropout)

@@ -22,7 +22,7 @@ from typing import Optional
 from hp_tool.families import llama
 from hp_tool.families.decoder import (decoder_layer_flops, decoder_parameters, expert_forward_flops,
                                       skipped_expert_parameters)
-from hp_tool.families.registry import Family, Matmul
+from hp_tool.families.registry import Family, Matmul, layer_term
 from hp_tool.families.shape import Shape, num_layers_for
 from hp_tool.tables import Table, lookup
 
@@ -125,7 +125,7 @@ def moe_shape(size_b: float, vocab: int, seq: int, decoder_seq: Optional[int] = 
 def linear_shapes(shape: Shape) -> dict[str, tuple[int, int]]:
     """The nn.Linear modules of a layer LoRA can adapt: the attention projections (transformers' experts are
     3-D parameters peft's LoRA layers do not wrap, and adapting them would defeat the sparsity)."""
-    full = llama.FAMILY.linear_shapes(shape)
+    full = llama.FAMILY.arch.linear_shapes(shape)
     return {name: full[name] for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
 
 
@@ -155,14 +155,13 @@ MOE_GRID: Table = [
 ]
 
 
-FAMILY = dataclasses.replace(
-    llama.FAMILY,
+FAMILY = llama.FAMILY.variant(
     name="moe",
     description="Mixture of experts (Mixtral's architecture): Llama's attention, top-k of n SwiGLU experts per layer",
     shape_for_size=moe_shape,
     layer_parameters=layer_parameters,
     layer_forward_flops=layer_forward_flops,
-    activation_bytes=activation_bytes,
+    activation_bytes=layer_term(activation_bytes),
     grid_table=lambda shape: MOE_GRID,
     hf_qkv_bias=None,
     hf_unmodelled=(),
@@ -170,7 +169,8 @@ FAMILY = dataclasses.replace(
     linear_inputs=llama.LINEAR_INPUTS[:2],  # the attention's (linear_shapes)
     moe=True,
     expert_parameters=expert_parameters,
-    expert_parallel_activation_bytes=expert_parallel_activation_bytes,
+    expert_parallel_activation_bytes=lambda shape, at: expert_parallel_activation_bytes(shape, at.mbs, at.ep,
+                                                                                        at.bytes_per_value, at.tp),
     # compiled, the experts' SwiGLU recomputes its SiLU too, over the routed tokens: not counted (Llama's fused norms
     # are; the experts' eager bytes stand, an upper bound)
     compiled_saving=None,
@@ -183,5 +183,5 @@ FAMILY = dataclasses.replace(
 
 def hf_moe_variant(name: str, description: str, qkv_bias: bool, unmodelled: tuple[str, ...] = ()) -> Family:
     """A mixture of experts read from its Hugging Face config only (never sized from a budget)."""
-    return dataclasses.replace(FAMILY, name=name, description=description, planner=False,
-                               hf_qkv_bias=lambda config: qkv_bias, hf_unmodelled=unmodelled)
+    return FAMILY.variant(name=name, description=description, planner=False, hf_qkv_bias=lambda config: qkv_bias,
+                          hf_unmodelled=unmodelled)

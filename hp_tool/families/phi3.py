@@ -11,10 +11,9 @@ and o_proj's input are two tensors where Llama's are one. No engine splits
 the fused projections over TP ranks (a column split would give a rank parts of q, k and v that are not its heads;
 transformers' own plan gathers the outputs again), so TP is refused, and with it sequence parallelism."""
 
-import dataclasses
 
 from hp_tool.families import llama
-from hp_tool.families.registry import LinearInput, Matmul
+from hp_tool.families.registry import LinearInput, Matmul, layer_term
 from hp_tool.families.shape import Shape
 
 
@@ -42,11 +41,9 @@ def activation_bytes_per_layer(shape: Shape, mbs: int, tp: int = 1, sequence_par
     return llama.llama_activation_bytes_per_layer(shape, mbs, tp, sequence_parallel, p) + p * s * b * (2 * q + k) / tp
 
 
-FAMILY = dataclasses.replace(
-    llama.hf_variant("phi3", "Phi-3 / Phi-4: Llama's layers with fused q/k/v and gate/up projections (from a "
-                     "Hugging Face config)", qkv_bias=False),
-    activation_bytes=lambda shape, mbs, tp, sp, p, flash, encoder=False: activation_bytes_per_layer(
-        shape, mbs, tp, sp, p),
+FAMILY = llama.hf_variant("phi3", "Phi-3 / Phi-4: Llama's layers with fused q/k/v and gate/up projections (from a "
+                          "Hugging Face config)", qkv_bias=False).variant(
+    activation_bytes=layer_term(activation_bytes_per_layer),
     linear_shapes=linear_shapes,
     linear_inputs=LINEAR_INPUTS,
     layer_matmuls=layer_matmuls,

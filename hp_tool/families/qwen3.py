@@ -4,9 +4,8 @@ sizes (Qwen3-0.6B: 16 heads of 128 over a hidden size of 1024), no biases, tied 
 (``qwen3_moe``): the same attention over Qwen2-MoE's routed experts without a shared expert. Fine-tuned from its
 Hugging Face config, never sized from a budget."""
 
-import dataclasses
-
 from hp_tool.families import llama, moe
+from hp_tool.families.registry import layer_term
 from hp_tool.families.shape import Shape
 
 
@@ -48,13 +47,12 @@ def fused_norm_saving(shape: Shape, mbs: int, tp: int = 1, sequence_parallel: bo
         4 * qk_values(shape, mbs, tp)
 
 
-FAMILY = dataclasses.replace(
-    llama.hf_variant("qwen3", "Qwen3: Llama's layers with per-head q and k RMSNorms (from a Hugging Face config)",
-                     qkv_bias=False),
+FAMILY = llama.hf_variant("qwen3", "Qwen3: Llama's layers with per-head q and k RMSNorms (from a Hugging Face config)",
+                          qkv_bias=False).variant(
     layer_parameters=layer_parameters,
-    activation_bytes=lambda shape, mbs, tp, sp, p, flash, encoder=False: activation_bytes_per_layer(
-        shape, mbs, tp, sp, p),
-    fused_norm_saving=fused_norm_saving,
+    activation_bytes=layer_term(activation_bytes_per_layer),
+    fused_norm_saving=lambda shape, at: fused_norm_saving(shape, at.mbs, at.tp, at.sequence_parallel, at.bytes_per_value,
+                                                          at.frozen_norms),
     # transformers' Qwen3: attention_bias puts biases on q, k, v and o; no published Qwen3 has them
     hf_unmodelled=("attention_bias",),
     layer_ops=(87, 174, 164),
@@ -62,14 +60,14 @@ FAMILY = dataclasses.replace(
     layer_bytes=((173, 10), (421, 18), (167, 10)),
 )
 
-MOE = dataclasses.replace(
-    moe.hf_moe_variant("qwen3_moe", "Qwen3-MoE: Qwen3's attention (per-head q and k norms) over fine-grained routed "
-                       "experts, no shared expert (from a Hugging Face config)", qkv_bias=False,
-                       unmodelled=("attention_bias",)),
+MOE = moe.hf_moe_variant("qwen3_moe", "Qwen3-MoE: Qwen3's attention (per-head q and k norms) over fine-grained routed "
+                         "experts, no shared expert (from a Hugging Face config)", qkv_bias=False,
+                         unmodelled=("attention_bias",)).variant(
     layer_parameters=lambda shape, encoder=False: moe.layer_parameters(shape) + qk_norm_parameters(shape),
-    activation_bytes=lambda shape, mbs, tp=1, sp=False, p=2, flash=True, encoder=False: moe.activation_bytes(
-        shape, mbs, tp, sp, p) + qk_norm_bytes(shape, mbs, tp, p),
-    fused_norm_saving=fused_norm_saving,
+    activation_bytes=lambda shape, at: moe.activation_bytes(shape, at.mbs, at.tp, at.sequence_parallel,
+                                                            at.bytes_per_value) +
+    qk_norm_bytes(shape, at.mbs, at.tp, at.bytes_per_value),
+    fused_norm_saving=FAMILY.memory.fused_norm_saving,
     layer_ops=(105, 191, 184),
     layer_tensors=(10, 11),
     layer_bytes=((216, 64), (507, 134), (195, 64)),

@@ -44,7 +44,7 @@ class Shape:
     def tied_head(self) -> bool:
         """Whether the output projection is the input embedding's matrix (a Hugging Face config's
         ``tie_word_embeddings``, else the family's rule)."""
-        return self.facts.tied_head if self.tied_embeddings is None else self.tied_embeddings
+        return self.facts.arch.tied_head if self.tied_embeddings is None else self.tied_embeddings
 
     @cached_property
     def facts(self) -> Family:
@@ -76,11 +76,11 @@ class Shape:
 
     @cached_property
     def encoder_decoder(self) -> bool:
-        return self.facts.encoder_decoder
+        return self.facts.arch.encoder_decoder
 
     @property
     def gated_mlp(self) -> bool:
-        return self.facts.gated_mlp
+        return self.facts.arch.gated_mlp
 
     @cached_property
     def pipeline_layers(self) -> int:

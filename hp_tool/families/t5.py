@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from hp_tool.families.registry import Family
+from hp_tool.families.registry import Architecture, Family, MemoryTerms, Sizing, TimeTerms, TrialHooks
 from hp_tool.families.shape import Shape, num_layers_for
 from hp_tool.tables import Table, lookup, span
 
@@ -150,37 +150,41 @@ def _family(name: str, table: Table, size_factors: tuple[float, float], descript
     return Family(
         name=name,
         description=description,
-        encoder_decoder=True,
-        gated_mlp=True,
-        tied_head=True,
-        shape_for_size=_shape_for_size(name, table),
-        lr_for=lambda size_b: T5_LR,
-        default_ffn=lambda hidden: int(2.5 * hidden),  # NeMo's 2048 -> 5120, 4096 -> 10240
-        init_std=lambda shape: T5_INIT_STD,
-        layer_parameters=layer_parameters,
-        # the encoder's relative position table counts with the embedding
-        embedding_parameters=lambda shape: shape.vocab_size * shape.hidden_size + buckets(shape),
-        # both stacks' final norms and the decoder's relative position table; the projection is tied
-        head_parameters=lambda shape: 2 * shape.hidden_size + buckets(shape),
-        layer_forward_flops=layer_forward_flops,
-        activation_bytes=lambda shape, mbs, tp, sp, p, flash, encoder=False: t5_activation_bytes_per_layer(
-            shape, mbs, encoder, tp, sp, p),
-        gbs_tp_pp=T5_GBS_TP_PP,
-        # sequences at encoder length 512, halved for each doubling of the length
-        global_batch=lambda batch, seq: max(1, int(batch * T5_REFERENCE_SEQ / seq)),
-        warmup_ratio=T5_WARMUP_RATIO,
-        constant_ratio=0.0,
-        grid_table=lambda shape: T5_GRID,
-        size_factors=size_factors,
-        default_kv_channels=T5_KV_CHANNELS,
-        default_decoder_seq=T5_DECODER_SEQ,
-        engines=("torch",),
-        engines_note=(f"hp_tool trains encoder-decoder models ({name}) on the torch engine only "
-                      "(TP, PP over both stacks, FSDP2 for ZeRO 0-3 and offload)"),
-        inference=False,
-        layer_ops=(98, 178, 174),
-        layer_tensors=(12, 12),
-        layer_bytes=((138, 10), (318, 18), (132, 10)),
+        arch=Architecture(
+            encoder_decoder=True,
+            gated_mlp=True,
+            tied_head=True,
+            layer_parameters=layer_parameters,
+            # the encoder's relative position table counts with the embedding
+            embedding_parameters=lambda shape: shape.vocab_size * shape.hidden_size + buckets(shape),
+            # both stacks' final norms and the decoder's relative position table; the projection is tied
+            head_parameters=lambda shape: 2 * shape.hidden_size + buckets(shape),
+            layer_forward_flops=layer_forward_flops,
+        ),
+        sizing=Sizing(
+            shape_for_size=_shape_for_size(name, table),
+            lr_for=lambda size_b: T5_LR,
+            default_ffn=lambda hidden: int(2.5 * hidden),  # NeMo's 2048 -> 5120, 4096 -> 10240
+            init_std=lambda shape: T5_INIT_STD,
+            gbs_tp_pp=T5_GBS_TP_PP,
+            # sequences at encoder length 512, halved for each doubling of the length
+            global_batch=lambda batch, seq: max(1, int(batch * T5_REFERENCE_SEQ / seq)),
+            warmup_ratio=T5_WARMUP_RATIO,
+            constant_ratio=0.0,
+            grid_table=lambda shape: T5_GRID,
+            size_factors=size_factors,
+            default_kv_channels=T5_KV_CHANNELS,
+            default_decoder_seq=T5_DECODER_SEQ,
+        ),
+        memory=MemoryTerms(activation_bytes=lambda shape, at: t5_activation_bytes_per_layer(
+            shape, at.mbs, at.encoder, at.tp, at.sequence_parallel, at.bytes_per_value)),
+        time=TimeTerms(layer_ops=(98, 178, 174), layer_tensors=(12, 12), layer_bytes=((138, 10), (318, 18), (132, 10))),
+        trial=TrialHooks(
+            engines=("torch",),
+            engines_note=(f"hp_tool trains encoder-decoder models ({name}) on the torch engine only "
+                          "(TP, PP over both stacks, FSDP2 for ZeRO 0-3 and offload)"),
+            inference=False,
+        ),
     )
 
 

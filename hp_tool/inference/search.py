@@ -79,8 +79,8 @@ def plan_inference(app: AppConfig, results_dir: Path) -> InferencePlan:
     model = choose_model(app, cluster)
     inf, ts = app.search_config.inference_settings, app.search_config.train_settings
     serving = SERVING_ENGINES[inf.engine]
-    if not serving.any_family and not model.shape.facts.inference:  # vLLM serves what it loads
-        covered = [n for n in family_names() if family(n).inference]
+    if not serving.any_family and not model.shape.facts.trial.inference:  # vLLM serves what it loads
+        covered = [n for n in family_names() if family(n).trial.inference]
         raise ConfigError("run_inference_hp_search", True, f"hp_tool's own decode loop serves {covered}, not "
                           f"{model.shape.family}", "use search_config.inference_settings.engine=vllm (on GPU nodes "
                           "with vLLM), or set run_inference_hp_search=false")
