@@ -408,6 +408,10 @@ class InferenceSettings:
     # the others from a checkpoint quantised so); null = the served precision
     weight_formats: Optional[List[str]] = None
     kv_cache_formats: Optional[List[str]] = None  # the KV cache's: bf16 | fp16 | fp32 | fp8; null = the served precision
+    # a mixture of experts' routed experts whole on the TP ranks (EP = TP, attention still TP; vLLM's
+    # --enable-expert-parallel) instead of a 1/TP slice of each: false | true; null = both for a mixture of experts at
+    # TP > 1 where the engine runs it (vLLM), else false
+    expert_parallel: Optional[List[bool]] = None
     top_n: int = 10
     tensor_parallel_sizes: List[int] = field(default_factory=lambda: [1, 2, 4, 8])
     pipeline_parallel_sizes: List[int] = field(default_factory=lambda: [1])
@@ -422,6 +426,7 @@ class InferenceSettings:
                 f"use one of {list(INFERENCE_ENGINES)}")
         _members(self, p, "weight_formats", WEIGHT_FORMATS)
         _members(self, p, "kv_cache_formats", KV_FORMATS)
+        _members(self, p, "expert_parallel", (False, True))
         for name in ("start_id", "end_id"):
             value = getattr(self, name)
             require(0 <= value < self.vocab_size, f"{p}.{name}", value,

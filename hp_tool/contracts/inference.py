@@ -50,6 +50,7 @@ class InferenceJobConfig:
     model_path: Optional[str] = None  # vLLM: the checkpoint it loads (a hub id or a local directory)
     weights: Optional[str] = None  # the weights' format when not the precision's (vLLM: fp8, int8, int4, fp4)
     kv_cache: Optional[str] = None  # the KV cache's when not the precision's (vLLM: fp8)
+    expert_parallel: bool = False  # a mixture of experts' experts whole on the TP ranks (vLLM: --enable-expert-parallel)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -70,14 +71,17 @@ class ServingEngine:
     loads_checkpoint: bool  # serves the model's Hugging Face checkpoint (inference_settings.model_path)
     any_family: bool  # serves whatever it loads; else the families whose record says ``inference``
     formats: bool  # serves weights and KV cache formats other than the served precision's
+    expert_parallel: bool  # runs a mixture of experts' experts whole on the TP ranks (expert parallelism)
 
 
 SERVING_ENGINES = {
-    "hp_tool": ServingEngine("hp_tool", None, loads_checkpoint=False, any_family=False, formats=False),
-    "vllm": ServingEngine("vllm", "vllm", loads_checkpoint=True, any_family=True, formats=True),
+    "hp_tool": ServingEngine("hp_tool", None, loads_checkpoint=False, any_family=False, formats=False,
+                             expert_parallel=False),
+    "vllm": ServingEngine("vllm", "vllm", loads_checkpoint=True, any_family=True, formats=True, expert_parallel=True),
 }
 INFERENCE_ENGINES = tuple(SERVING_ENGINES)
-ADDED_DEFAULTS = {"engine": "hp_tool", "model_path": None, "weights": None, "kv_cache": None}  # a config without them keeps its fingerprint
+# a config without them keeps its fingerprint
+ADDED_DEFAULTS = {"engine": "hp_tool", "model_path": None, "weights": None, "kv_cache": None, "expert_parallel": False}
 
 
 def dump_job_config(cfg: InferenceJobConfig, path: str | Path) -> Path:

@@ -29,10 +29,14 @@ ONLINE_QUANTIZATION = {"fp8": "fp8"}
 
 
 def layout_flags(tp: int, pp: int, precision: str, weights: Optional[str] = None,
-                 kv_cache: Optional[str] = None) -> list[str]:
-    """The engine flags of a layout, the same for the benchmark and the server: TP, PP, the compute precision, the
-    weights quantised as vLLM loads them (fp8) and the KV cache's format (fp8)."""
-    flags = ["--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp), "--dtype", DTYPES[precision]]
+                 kv_cache: Optional[str] = None, expert_parallel: bool = False) -> list[str]:
+    """The engine flags of a layout, the same for the benchmark and the server: TP, PP, a mixture of experts' experts
+    whole on the TP ranks (``--enable-expert-parallel``: EP = TP x DP, here TP), the compute precision, the weights
+    quantised as vLLM loads them (fp8) and the KV cache's format (fp8)."""
+    flags = ["--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp)]
+    if expert_parallel:
+        flags.append("--enable-expert-parallel")
+    flags += ["--dtype", DTYPES[precision]]
     if weights in ONLINE_QUANTIZATION:
         flags += ["--quantization", ONLINE_QUANTIZATION[weights]]
     if kv_cache == "fp8":
@@ -42,10 +46,11 @@ def layout_flags(tp: int, pp: int, precision: str, weights: Optional[str] = None
 
 def bench_command(model: str, tp: int, pp: int, batch_size: int, input_len: int, output_len: int,
                   warmup: int, repeats: int, precision: str, output_json: str, weights: Optional[str] = None,
-                  kv_cache: Optional[str] = None) -> list[str]:
+                  kv_cache: Optional[str] = None, expert_parallel: bool = False) -> list[str]:
     """``vllm bench latency`` of one layout: the batch's latency over ``repeats`` generations after ``warmup``,
     written to ``output_json``."""
-    return ["vllm", "bench", "latency", "--model", model, *layout_flags(tp, pp, precision, weights, kv_cache),
+    return ["vllm", "bench", "latency", "--model", model,
+            *layout_flags(tp, pp, precision, weights, kv_cache, expert_parallel),
             "--batch-size", str(batch_size), "--input-len", str(input_len), "--output-len", str(output_len),
             "--num-iters-warmup", str(warmup), "--num-iters", str(repeats), "--max-model-len",
             str(input_len + output_len), "--output-json", output_json]
@@ -66,9 +71,9 @@ def failure_status(output: str) -> str:
 
 
 def serve_command(model: str, tp: int, pp: int, max_num_seqs: int, precision: str, max_model_len: int,
-                  weights: Optional[str] = None, kv_cache: Optional[str] = None) -> str:
-    """The ``vllm serve`` line that serves a layout: its TP and PP, formats, at most ``max_num_seqs`` requests in
-    flight (the concurrency it was chosen at), the requests' length."""
-    argv = ["vllm", "serve", model, *layout_flags(tp, pp, precision, weights, kv_cache),
+                  weights: Optional[str] = None, kv_cache: Optional[str] = None, expert_parallel: bool = False) -> str:
+    """The ``vllm serve`` line that serves a layout: its TP and PP, expert parallelism, formats, at most
+    ``max_num_seqs`` requests in flight (the concurrency it was chosen at), the requests' length."""
+    argv = ["vllm", "serve", model, *layout_flags(tp, pp, precision, weights, kv_cache, expert_parallel),
             "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len)]
     return shlex.join(argv)

@@ -11,6 +11,14 @@ of ``concurrency`` requests of ``input_len`` prompt and ``output_len`` generated
   request's KV cache, per TP rank, at a fraction of the GPU's memory bandwidth; compute-bound once the batch's
   FLOPs take longer than that;
 - TP (``tp_allreduce_s``): two all-reduces of the step's hidden states per layer, latency-bound at small batch;
+- expert parallelism (``ServingLayout.expert_parallel``, vLLM's ``--enable-expert-parallel``): a mixture of experts'
+  routed experts whole on the TP ranks (EP = TP) instead of a 1/TP slice of each; attention stays TP. A GPU holds the
+  same share of the weights (``expert_excess_parameters``: more on the busiest rank where TP does not divide the
+  experts) and a decode step waits for the rank whose experts the batch routes to most
+  (``ep_expert_read_parameters``). With one replica (DP 1) vLLM runs no all-to-all: every TP rank holds every token
+  after the attention, runs its own experts on those routed to them, and the MoE layer's output is summed by the
+  all-reduce it has without EP (vLLM's ``FusedMoEParallelConfig.use_all2all_kernels`` needs DP > 1), so
+  ``tp_allreduce_s`` prices both;
 - PP (``pp_handoff_s``): a request's hidden states handed from stage to stage, its stages run one after another;
 - KV cache capacity (``kv_capacity_tokens``): what the GPU holds beside the weights and the framework's overhead,
   at the KV cache's precision; the largest concurrency that fits (``max_concurrency``);
@@ -92,10 +100,18 @@ class ServingLayout:
     # continuous: requests join as others finish, a step decoding the running ones and prefilling those joining
     # (vLLM's and TensorRT-LLM's servers, their throughput benchmarks)
     batching: str = "static"
+    # a mixture of experts' routed experts whole on the TP ranks (EP = TP; vLLM's --enable-expert-parallel) instead
+    # of a 1/TP slice of every expert
+    expert_parallel: bool = False
 
     @property
     def gpus(self) -> int:
         return self.tp * self.pp
+
+    @property
+    def ep(self) -> int:
+        """The ranks the experts are split over whole: TP with expert parallelism, else 1."""
+        return self.tp if self.expert_parallel else 1
 
 
 @dataclass(frozen=True)
@@ -117,8 +133,25 @@ class ServingTime:
 
 
 def weight_bytes_per_gpu(shape: Shape, layout: ServingLayout) -> float:
-    """The weights one GPU holds: the whole model split over TP x PP, in the weights' format."""
-    return count_parameters(shape) * WEIGHT_BYTES[layout.weights] / layout.gpus
+    """The weights one GPU holds: the whole model split over TP x PP, in the weights' format; with expert parallelism
+    the busiest rank's whole experts beyond that share (``expert_excess_parameters``) on its stage's layers."""
+    excess = shape.num_layers / layout.pp * expert_excess_parameters(shape, layout.tp, layout.expert_parallel)
+    return count_parameters(shape) * WEIGHT_BYTES[layout.weights] / layout.gpus + excess * WEIGHT_BYTES[layout.weights]
+
+
+def experts_per_gpu(shape: Shape, ep: int) -> int:
+    """Routed experts of a layer the busiest of ``ep`` ranks holds whole: ceil(experts / EP) (vLLM gives the first
+    experts mod EP ranks one more)."""
+    return -(-shape.num_experts // ep)
+
+
+def expert_excess_parameters(shape: Shape, tp: int, expert_parallel: bool) -> float:
+    """One layer's routed-expert parameters the busiest GPU holds beyond a 1/TP share of them: with expert
+    parallelism, ceil(experts / TP) whole experts less experts / TP of them; 0 without it, or where TP divides the
+    experts (the same total, in whole experts); 0 for a dense model."""
+    if not expert_parallel or not shape.moe:
+        return 0.0
+    return (experts_per_gpu(shape, tp) - shape.num_experts / tp) * expert_parameters(shape) / shape.num_experts
 
 
 def kv_bytes_per_token(shape: Shape, layout: ServingLayout) -> float:
@@ -145,6 +178,17 @@ def max_concurrency(shape: Shape, layout: ServingLayout, gpu: ServingGpu, eff: S
     return int(kv_capacity_tokens(shape, layout, gpu, eff) // (layout.input_len + layout.output_len))
 
 
+def routed_share(shape: Shape, batch: int) -> float:
+    """The chance that some of ``batch`` tokens, picking ``top_k`` of the experts each (uniformly routed), routes to a
+    given expert."""
+    return 1 - (1 - shape.top_k / shape.num_experts) ** batch
+
+
+def non_expert_parameters(shape: Shape) -> float:
+    """Parameters every token runs through: all but the layers' routed experts."""
+    return count_parameters(shape) - shape.num_layers * expert_parameters(shape)
+
+
 def touched_weight_parameters(shape: Shape, batch: int) -> float:
     """Parameters a decode step over ``batch`` tokens reads: all of a dense model; of a mixture of experts, what
     every token runs through and, per layer, the experts some token routes to (the expected number of distinct
@@ -153,9 +197,40 @@ def touched_weight_parameters(shape: Shape, batch: int) -> float:
         return float(count_parameters(shape))
     experts = shape.num_experts
     per_expert = expert_parameters(shape) / experts
-    touched = experts * (1 - (1 - shape.top_k / experts) ** batch)
-    dense = count_parameters(shape) - shape.num_layers * expert_parameters(shape)
-    return dense + shape.num_layers * touched * per_expert
+    touched = experts * routed_share(shape, batch)
+    return non_expert_parameters(shape) + shape.num_layers * touched * per_expert
+
+
+def busiest_rank_experts(experts: int, share: float, ranks: int) -> float:
+    """Expected distinct experts the busiest of ``ranks`` GPUs reads, each holding ``experts`` of them and each
+    expert routed to with probability ``share``: the largest of ``ranks`` binomial(experts, share) counts, taken as
+    independent (E[max] = sum over x >= 1 of 1 - P(count < x)^ranks)."""
+    below, total = 0.0, 0.0
+    for x in range(1, experts + 1):
+        below += math.comb(experts, x - 1) * share ** (x - 1) * (1 - share) ** (experts - x + 1)
+        total += 1 - min(1.0, below) ** ranks
+    return total
+
+
+def ep_expert_read_parameters(shape: Shape, layout: ServingLayout, batch: int) -> float:
+    """Routed-expert parameters the busiest GPU reads in a decode step over ``batch`` tokens with expert
+    parallelism, every layer: whole experts, of the ceil(experts / EP) it holds, that some token routes to, on the
+    rank with the most of them (``busiest_rank_experts``). Without it a rank reads a 1/TP slice of every routed
+    expert (``touched_weight_parameters`` / TP): the same where the batch touches every expert, less where it
+    touches a few, which then sit on one rank whole."""
+    held = experts_per_gpu(shape, layout.ep)
+    per_expert = expert_parameters(shape) / shape.num_experts
+    return shape.num_layers * busiest_rank_experts(held, routed_share(shape, batch), layout.ep) * per_expert
+
+
+def decode_weight_bytes(shape: Shape, layout: ServingLayout, batch: int) -> float:
+    """Weight bytes the busiest GPU reads in a decode step over ``batch`` tokens: a 1/TP share of what the step
+    touches; with expert parallelism a 1/TP share of what every token runs through and its own routed experts
+    whole (``ep_expert_read_parameters``)."""
+    if not layout.expert_parallel:
+        return touched_weight_parameters(shape, batch) * WEIGHT_BYTES[layout.weights] / layout.tp
+    return (non_expert_parameters(shape) / layout.tp + ep_expert_read_parameters(shape, layout, batch)) * \
+        WEIGHT_BYTES[layout.weights]
 
 
 def attention_flops(shape: Shape, queries: int, context: float) -> float:
@@ -212,10 +287,10 @@ def prefill_s(shape: Shape, layout: ServingLayout, gpu: ServingGpu, eff: Serving
 
 def decode_pass_s(shape: Shape, layout: ServingLayout, gpu: ServingGpu, eff: ServingEfficiency, requests: int,
                   context: float) -> float:
-    """One token for each of ``requests`` requests through every layer: the weights they touch and their KV cache
-    at ``context`` tokens read per TP rank at ``eff.bandwidth`` of the memory bandwidth, or their FLOPs at
-    ``eff.compute`` of the peak when those take longer; and the TP all-reduces."""
-    weights = touched_weight_parameters(shape, requests) * WEIGHT_BYTES[layout.weights] / layout.tp
+    """One token for each of ``requests`` requests through every layer: the weights they touch
+    (``decode_weight_bytes``) and their KV cache at ``context`` tokens read per TP rank at ``eff.bandwidth`` of the
+    memory bandwidth, or their FLOPs at ``eff.compute`` of the peak when those take longer; and the TP all-reduces."""
+    weights = decode_weight_bytes(shape, layout, requests)
     kv = requests * context * kv_bytes_per_token(shape, layout) * layout.pp
     read = (weights + kv) / (gpu.memory_bandwidth_gbps * 1e9 * eff.bandwidth)
     flops = 2 * active_parameters(shape) * requests + attention_flops(shape, requests, context)
@@ -248,7 +323,8 @@ def decode_step_s(shape: Shape, layout: ServingLayout, gpu: ServingGpu, eff: Ser
 def tp_allreduce_s(shape: Shape, layout: ServingLayout, tokens: int, gpu: ServingGpu,
                    eff: ServingEfficiency) -> float:
     """Two all-reduces per layer of ``tokens`` tokens' hidden states (16-bit) over the TP ranks: each a latency
-    and the ring's 2(TP-1)/TP of the bytes over NVLink; none without TP."""
+    and the ring's 2(TP-1)/TP of the bytes over NVLink; none without TP. With expert parallelism the second sums the
+    EP ranks' experts' outputs instead of the TP slices' (vLLM at DP 1: no all-to-all), at the same cost."""
     if layout.tp == 1:
         return 0.0
     volume = tokens * shape.hidden_size * 2 * 2 * (layout.tp - 1) / layout.tp

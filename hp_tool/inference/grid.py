@@ -1,5 +1,5 @@
-"""The inference grid: TP x PP x batch size, the validity filter, the memory check and the serving-time model's
-prediction. Pure, no torch.
+"""The inference grid: TP x PP x expert parallelism x formats x batch size, the validity filter, the memory check
+and the serving-time model's prediction. Pure, no torch.
 
 Every candidate keeps its verdict and the reason: ``valid``, ``invalid`` (the layout cannot be built
 for this model or node), ``over_memory`` (predicted not to fit in one GPU's memory) or ``over_slo`` (predicted to
@@ -20,7 +20,7 @@ from hp_tool.config import InferenceSettings
 from hp_tool.errors import ConfigError, require
 from hp_tool.estimate.layout import GIB, Hardware, Layout
 from hp_tool.estimate.serving import (KV_BYTES, WEIGHT_BYTES, ServingGpu, ServingLayout, ServingTime,
-                                      kv_token_bytes, serving_time)
+                                      expert_excess_parameters, kv_token_bytes, serving_time)
 from hp_tool.contracts.inference import (SERVING_ENGINES, InferenceJobConfig, dump_job_config,  # noqa: F401
                                          load_job_config)
 
@@ -29,11 +29,11 @@ FP32_BYTES, HALF_BYTES = 4, 2
 
 
 def make_config_id(family: str, label: str, tp: int, pp: int, batch_size: int, weights: Optional[str] = None,
-                   kv_cache: Optional[str] = None) -> str:
-    """The only builder of inference config ids, e.g. ``gpt3_241k_tp2_pp1_bs4``; a weight or KV cache format other
-    than the served precision is named: ``llama_6.74b_tp1_pp1_bs64_wfp8_kvfp8``."""
-    return f"{family}_{label}_tp{tp}_pp{pp}_bs{batch_size}" + (f"_w{weights}" if weights else "") + \
-        (f"_kv{kv_cache}" if kv_cache else "")
+                   kv_cache: Optional[str] = None, expert_parallel: bool = False) -> str:
+    """The only builder of inference config ids, e.g. ``gpt3_241k_tp2_pp1_bs4``; expert parallelism and a weight or
+    KV cache format other than the served precision are named: ``mixtral_46.7b_tp4_pp1_bs64_ep_wfp8_kvfp8``."""
+    return f"{family}_{label}_tp{tp}_pp{pp}_bs{batch_size}" + ("_ep" if expert_parallel else "") + \
+        (f"_w{weights}" if weights else "") + (f"_kv{kv_cache}" if kv_cache else "")
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,7 @@ class InferenceCandidate:
     predicted: Optional[ServingTime] = None  # the serving-time model's, for a layout that can be built
     weights: str = "bf16"  # the weights' format (hp_tool/estimate/serving.py WEIGHT_FORMATS)
     kv_cache: str = "bf16"  # the KV cache's (KV_FORMATS)
+    expert_parallel: bool = False  # a mixture of experts' experts whole on the TP ranks (EP = TP)
 
     @property
     def gpus(self) -> int:
@@ -91,6 +92,12 @@ def check_settings(shape: Shape, settings: InferenceSettings, gpus_per_node: int
         raise ConfigError(f"{IS}.pipeline_parallel_sizes", pps, "no value is usable: " +
                           "; ".join(bad_pp.values()),
                           f"use PP values that divide the {shape.num_layers} layers, e.g. [1]")
+    if settings.expert_parallel and False not in settings.expert_parallel:
+        bad_ep = {tp: expert_parallel_problem(shape, settings, tp) for tp in tps}
+        if all(bad_ep.values()):
+            raise ConfigError(f"{IS}.expert_parallel", settings.expert_parallel, "no layout can use it: " +
+                              "; ".join(dict.fromkeys(bad_ep.values())),
+                              "use expert_parallel=null (searched where it applies), or a list with false")
 
 
 def kv_cache_bytes(shape: Shape, tp: int, pp: int, batch: int, tokens: int, bytes_per_value: float) -> float:
@@ -111,9 +118,11 @@ def step_activation_bytes(shape: Shape, tp: int, batch: int, seq: int, bytes_per
     return hidden + scores + logits
 
 
-def weight_bytes(shape: Shape, tp: int, pp: int, bytes_per_value: float) -> float:
-    """Weights on the most loaded GPU: its stage's layer shard plus the whole embedding and/or head."""
-    layers = (shape.num_layers // pp) * layer_parameters(shape) / tp
+def weight_bytes(shape: Shape, tp: int, pp: int, bytes_per_value: float, expert_parallel: bool = False) -> float:
+    """Weights on the most loaded GPU: its stage's layer shard (with expert parallelism, its experts whole:
+    serving.expert_excess_parameters) plus the whole embedding and/or head."""
+    stage = shape.num_layers // pp
+    layers = stage * layer_parameters(shape) / tp + stage * expert_excess_parameters(shape, tp, expert_parallel)
     embed, head = vocab_parallel_parameters(shape, 1, pp)  # the server keeps the vocabulary whole on TP ranks
     first = layers + embed + (head if pp == 1 else 0.0)
     last = layers + head
@@ -121,11 +130,12 @@ def weight_bytes(shape: Shape, tp: int, pp: int, bytes_per_value: float) -> floa
 
 
 def memory_gib(shape: Shape, settings: InferenceSettings, tp: int, pp: int, batch: int,
-              hw: Hardware, bytes_per_value: int, weights: Optional[str] = None, kv_cache: Optional[str] = None) -> float:
-    """Predicted peak memory per GPU in GiB: weights (in their format) + KV cache (in its) + one step's activations
-    (in the served precision) + overhead."""
+              hw: Hardware, bytes_per_value: int, weights: Optional[str] = None, kv_cache: Optional[str] = None,
+              expert_parallel: bool = False) -> float:
+    """Predicted peak memory per GPU in GiB: weights (in their format, split as the layout splits them) + KV cache
+    (in its) + one step's activations (in the served precision) + overhead."""
     tokens = settings.input_seq_len + settings.output_seq_len
-    total = (weight_bytes(shape, tp, pp, WEIGHT_BYTES[weights] if weights else bytes_per_value)
+    total = (weight_bytes(shape, tp, pp, WEIGHT_BYTES[weights] if weights else bytes_per_value, expert_parallel)
              + kv_cache_bytes(shape, tp, pp, batch, tokens, KV_BYTES[kv_cache] if kv_cache else bytes_per_value)
              + step_activation_bytes(shape, tp, batch, settings.input_seq_len, bytes_per_value))
     return total / GIB + hw.memory_overhead_gib
@@ -138,12 +148,13 @@ def serving_gpu(hw: Hardware, precision: str) -> ServingGpu:
 
 
 def predict(shape: Shape, settings: InferenceSettings, tp: int, pp: int, batch: int, gpu: ServingGpu,
-            precision: str, weights: Optional[str] = None, kv_cache: Optional[str] = None) -> ServingTime:
+            precision: str, weights: Optional[str] = None, kv_cache: Optional[str] = None,
+            expert_parallel: bool = False) -> ServingTime:
     """The serving-time model's TTFT, TPOT, latency and throughput of a layout serving ``batch`` requests of the
     settings' lengths on ``gpu`` (``serving_gpu``), its weights and KV cache in their formats (default: the served
-    precision)."""
+    precision), its experts whole on the TP ranks where ``expert_parallel``."""
     layout = ServingLayout(tp, pp, batch, settings.input_seq_len, settings.output_seq_len, weights or precision,
-                           kv_cache or precision)
+                           kv_cache or precision, expert_parallel=expert_parallel)
     return serving_time(shape, layout, gpu)
 
 
@@ -170,6 +181,32 @@ def format_problem(settings: InferenceSettings, precision: str, weights: Optiona
     return None
 
 
+def expert_parallel_values(shape: Shape, settings: InferenceSettings, tp: int) -> list[bool]:
+    """Expert parallelism off and on as the grid searches it at ``tp``: the settings' list; null, both for a mixture
+    of experts at TP > 1 where the engine runs it (at TP 1 it is the layout without it), else off alone (a dense
+    model's grid is the same as before the dimension)."""
+    if settings.expert_parallel is not None:
+        return sorted(set(settings.expert_parallel))
+    return [False, True] if shape.moe and tp > 1 and SERVING_ENGINES[settings.engine].expert_parallel else [False]
+
+
+def expert_parallel_problem(shape: Shape, settings: InferenceSettings, tp: int) -> Optional[str]:
+    """Why a layout at ``tp`` cannot split the experts whole over its TP ranks, or None: the model has experts, the
+    engine runs expert parallelism (ServingEngine.expert_parallel), TP > 1 and no more ranks than experts."""
+    if not shape.moe:
+        return "a dense model has no experts to split (expert_parallel applies to a mixture of experts)"
+    if not SERVING_ENGINES[settings.engine].expert_parallel:
+        runs = [e.name for e in SERVING_ENGINES.values() if e.expert_parallel]
+        return (f"inference_settings.engine={settings.engine} slices every expert over TP and does not run expert "
+                f"parallelism; whole experts per TP rank need inference_settings.engine={' or '.join(runs)}")
+    if tp == 1:
+        return "expert parallelism splits the experts over the TP ranks, and TP=1 has one rank; use it at TP > 1"
+    if tp > shape.num_experts:
+        return (f"TP={tp} ranks exceed the {shape.num_experts} experts, so a rank would hold none; use TP <= "
+                f"{shape.num_experts}")
+    return None
+
+
 def slo_problem(settings: InferenceSettings, predicted: ServingTime) -> Optional[tuple[str, str]]:
     """(the key, why) where a layout's prediction misses the settings' limit on time to first token or time per
     output token (the batch latency bound, max_latency_ms, judges the measured results), or None."""
@@ -182,30 +219,33 @@ def slo_problem(settings: InferenceSettings, predicted: ServingTime) -> Optional
 
 def build_grid(shape: Shape, label: str, settings: InferenceSettings, hw: Hardware,
                bytes_per_value: int, precision: Optional[str] = None) -> list[InferenceCandidate]:
-    """Every TP x PP x batch candidate with its verdict and prediction, in (TP, PP, batch) order."""
+    """Every TP x PP x expert parallelism x formats x batch candidate with its verdict and prediction, in that
+    order."""
     precision = precision or ("fp32" if bytes_per_value == FP32_BYTES else "bf16")
     gpu = serving_gpu(hw, precision)
     out = []
     for tp in sorted(set(settings.tensor_parallel_sizes)):
         for pp in sorted(set(settings.pipeline_parallel_sizes)):
             problem = layout_problem(shape, tp, pp, hw.gpus_per_node)
-            for weights, kv_cache in formats(settings, precision):
-                bad = problem or format_problem(settings, precision, weights, kv_cache, hw)
-                named = dict(weights=weights or precision, kv_cache=kv_cache or precision)
-                for bs in sorted(set(settings.max_batch_sizes)):
-                    cid = make_config_id(shape.family, label, tp, pp, bs, weights, kv_cache)
-                    if bad:
-                        out.append(InferenceCandidate(cid, tp, pp, bs, "invalid", bad, **named))
-                        continue
-                    need = memory_gib(shape, settings, tp, pp, bs, hw, bytes_per_value, weights, kv_cache)
-                    predicted = predict(shape, settings, tp, pp, bs, gpu, precision, weights, kv_cache)
-                    slo = slo_problem(settings, predicted)
-                    if need > hw.gpu_memory_gib:
-                        reason = f"needs {need:.2f} GiB per GPU, more than the {hw.gpu_memory_gib:g} GiB available"
-                        status = "over_memory"
-                    else:
-                        status, reason = ("over_slo", slo[1]) if slo else ("valid", None)
-                    out.append(InferenceCandidate(cid, tp, pp, bs, status, reason, need, predicted, **named))
+            for ep in expert_parallel_values(shape, settings, tp):
+                split = problem or (expert_parallel_problem(shape, settings, tp) if ep else None)
+                for weights, kv_cache in formats(settings, precision):
+                    bad = split or format_problem(settings, precision, weights, kv_cache, hw)
+                    named = dict(weights=weights or precision, kv_cache=kv_cache or precision, expert_parallel=ep)
+                    for bs in sorted(set(settings.max_batch_sizes)):
+                        cid = make_config_id(shape.family, label, tp, pp, bs, weights, kv_cache, ep)
+                        if bad:
+                            out.append(InferenceCandidate(cid, tp, pp, bs, "invalid", bad, **named))
+                            continue
+                        need = memory_gib(shape, settings, tp, pp, bs, hw, bytes_per_value, weights, kv_cache, ep)
+                        predicted = predict(shape, settings, tp, pp, bs, gpu, precision, weights, kv_cache, ep)
+                        slo = slo_problem(settings, predicted)
+                        if need > hw.gpu_memory_gib:
+                            reason = f"needs {need:.2f} GiB per GPU, more than the {hw.gpu_memory_gib:g} GiB available"
+                            status = "over_memory"
+                        else:
+                            status, reason = ("over_slo", slo[1]) if slo else ("valid", None)
+                        out.append(InferenceCandidate(cid, tp, pp, bs, status, reason, need, predicted, **named))
     return out
 
 

@@ -67,7 +67,7 @@ class InferencePlan:
             return None
         top = self.configs[ok.iloc[0]["config_id"]]
         return serve_command(self.model_path, top.tp, top.pp, top.batch_size, self.precision, self.max_model_len,
-                             top.weights, top.kv_cache)
+                             top.weights, top.kv_cache, top.expert_parallel)
 
     def config_path(self, config_id: str) -> Path:
         return self.root / "candidate_configs" / f"{config_id}.yaml"
@@ -96,7 +96,8 @@ def plan_inference(app: AppConfig, results_dir: Path) -> InferencePlan:
             inf.start_id, inf.end_id, str(root / c.config_id), warmup=WARMUP, repeats=REPEATS,
             precision=precision, max_minutes=ts.max_minutes_per_run, engine=inf.engine,
             model_path=path if serving.loads_checkpoint else None,
-            weights=None if c.weights == precision else c.weights, kv_cache=None if c.kv_cache == precision else c.kv_cache)
+            weights=None if c.weights == precision else c.weights, kv_cache=None if c.kv_cache == precision else c.kv_cache,
+            expert_parallel=c.expert_parallel)
         for c in grid if c.status == "valid"}
     return InferencePlan(grid, configs, root, path, precision, inf.input_seq_len + inf.output_seq_len,
                          cluster.gpu_hour_price)
@@ -164,11 +165,21 @@ PLAN_COLUMNS = ("config_id", "tp", "pp", "batch_size", "weights", "kv_cache", "n
                 *PREDICTED_COLUMNS, "plan_status", "fingerprint", "reason")
 
 
+def plan_columns(candidates: list[InferenceCandidate]) -> tuple[str, ...]:
+    """plan.csv's columns: ``PLAN_COLUMNS``, and ``expert_parallel`` after PP where the grid has a layout with it (a
+    mixture of experts; a dense model's plan.csv is as it was before the dimension)."""
+    if not any(c.expert_parallel for c in candidates):
+        return PLAN_COLUMNS
+    at = PLAN_COLUMNS.index("pp") + 1
+    return PLAN_COLUMNS[:at] + ("expert_parallel",) + PLAN_COLUMNS[at:]
+
+
 def candidate_row(c: InferenceCandidate, gpu_hour_price: Optional[float]) -> dict[str, Any]:
     """What the planner knows of a candidate, by column: its layout and formats, its predicted memory and the
     serving-time model's figures (``predicted_columns``); plan.csv's and the summary's rows start from it."""
-    return {"config_id": c.config_id, "tp": c.tp, "pp": c.pp, "batch_size": c.batch_size, "weights": c.weights,
-            "kv_cache": c.kv_cache, "num_gpus": c.gpus, "predicted_memory_gib": c.memory_gib,
+    return {"config_id": c.config_id, "tp": c.tp, "pp": c.pp, "expert_parallel": c.expert_parallel,
+            "batch_size": c.batch_size, "weights": c.weights, "kv_cache": c.kv_cache, "num_gpus": c.gpus,
+            "predicted_memory_gib": c.memory_gib,
             **predicted_columns(c, gpu_hour_price)}
 
 
@@ -194,7 +205,7 @@ def predicted_columns(c: InferenceCandidate, gpu_hour_price: Optional[float] = N
 def plan_csv_text(plan: InferencePlan) -> str:
     """Every grid candidate with the planner's verdict; valid ones with the fingerprint of their config."""
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=PLAN_COLUMNS, lineterminator="\n")
+    writer = csv.DictWriter(buf, fieldnames=plan_columns(plan.candidates), lineterminator="\n", extrasaction="ignore")
     writer.writeheader()
     for c in plan.candidates:
         cfg = plan.configs.get(c.config_id)

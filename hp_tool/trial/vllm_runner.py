@@ -35,7 +35,8 @@ def run_vllm(cfg: InferenceJobConfig, rank: int = 0) -> dict:
         return result
     json_path = out / "vllm_latency.json"
     argv = bench_command(cfg.model_path, cfg.tp, cfg.pp, cfg.batch_size, cfg.input_seq_len, cfg.output_seq_len,
-                         cfg.warmup, cfg.repeats, cfg.precision, str(json_path), cfg.weights, cfg.kv_cache)
+                         cfg.warmup, cfg.repeats, cfg.precision, str(json_path), cfg.weights, cfg.kv_cache,
+                         cfg.expert_parallel)
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=60 * cfg.max_minutes)
         output = proc.stdout + proc.stderr
