@@ -4,11 +4,13 @@ Pure, no I/O: the memory trace (hp_tool/memory_check.py) comes in as a callable.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 from hp_tool.base_config import (Cluster, ModelChoice, base_spec, choose_model, days_for, finetune_lr,
                                  global_batch_size, model_seq, model_spec, resolve_cluster, schedule, with_lr)
@@ -16,6 +18,7 @@ from hp_tool.vocab import INVALID, OVER_LIMIT, PRUNED, SELECTED
 from hp_tool.candidates import Candidate, plan_candidates, rank_candidates
 from hp_tool.config import AppConfig, training_precision
 from hp_tool.errors import ConfigError
+from hp_tool.estimate.layout import PART_OF
 from hp_tool.estimate.memory import eager_trace_excess_gib
 from hp_tool.contracts.spec import EstimatesSpec, ParallelSpec, RunSpec, TrialSpec, section_values
 from hp_tool.dimensions import BY_KEY, DIMENSIONS, trial_id
@@ -44,6 +47,20 @@ class Plan:
     tracer: Optional[Callable] = None  # the memory_check.Tracer that checked the candidates (traced mode)
 
 
+@contextlib.contextmanager
+def no_cycle_collection() -> Iterator[None]:
+    """Python's cycle collector paused while the grid is planned: tens of thousands of candidates, layouts and
+    estimates, none of them in a reference cycle, would set it off over and over (a tenth of a large plan's time);
+    reference counting frees them as ever."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
+
+
 def make_plan(app: AppConfig, search_name: str, results_dir: Path, tracer: Optional[Callable] = None) -> Plan:
     """Plan the training search; raises ConfigError (before anything is written) when nothing can run.
     ``tracer`` (memory_check=traced): list of TrialSpecs -> list of memory_check.TraceOutcome."""
@@ -53,14 +70,15 @@ def make_plan(app: AppConfig, search_name: str, results_dir: Path, tracer: Optio
     days = days_for(model, app, cluster)
     base = base_spec(app, model, cluster)
     candidates = []
-    for seq in model.seq_lengths or (model.shape.seq_length,):  # several for a fine-tuning search
-        gbs = global_batch_size(model.shape.family, ts, model.size_b, seq, app.search_config.finetune)
-        for method in model.methods:
-            recipe = model.recipe(method, training_precision(app))
-            candidates += plan_candidates(model.at(seq), model.size_b, ts, cluster, gbs, recipe)
-    name_candidates(model, candidates)
-    if len(model.seq_lengths) > 1 or len(model.methods) > 1:
-        rank_candidates(candidates, ts.limit_search_runs)
+    with no_cycle_collection():
+        for seq in model.seq_lengths or (model.shape.seq_length,):  # several for a fine-tuning search
+            gbs = global_batch_size(model.shape.family, ts, model.size_b, seq, app.search_config.finetune)
+            for method in model.methods:
+                recipe = model.recipe(method, training_precision(app))
+                candidates += plan_candidates(model.at(seq), model.size_b, ts, cluster, gbs, recipe)
+        name_candidates(model, candidates)
+        if len(model.seq_lengths) > 1 or len(model.methods) > 1:
+            rank_candidates(candidates, ts.limit_search_runs)
     if tracer is not None:
         check_traced_memory(candidates, lambda c: candidate_spec(base, c, model, app, results_dir), tracer,
                             ts, cluster)
@@ -138,7 +156,7 @@ def candidate_dimensions(c: Candidate) -> dict:
     and its sequence length; experts only for a mixture of experts (None for a dense model)."""
     if c.values is None:  # a plan's tables and names read it several times for each of tens of thousands
         fields = c.full.__dict__
-        values = {d.name: fields[d.name] for d in DIMENSIONS if d.name in fields}
+        values = {d.name: fields[d.name] for d in DIMENSIONS if d.name in PART_OF}
         values.update(seq_length=c.shape.seq_length, ep=c.ep if c.shape.moe else None)
         c.values = values
     return c.values

@@ -30,12 +30,12 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Callable, Optional
 
 from hp_tool.architectures import (Shape, checkpointed_layer_counts, count_parameters, expert_parameters,
                                    layer_parameters, selective_kept_matmuls, stage_expert_parameters,
                                    stage_layer_counts, stage_layer_parameters, vocab_parallel_parameters)
-from hp_tool.estimate.layout import (GIB, Hardware, Layout, interleave_held_tensors,
+from hp_tool.estimate.layout import (GIB, PART_OF, Hardware, Layout, interleave_held_tensors,
                                      microbatches_in_flight, rank_shape, ring_tile_rows)
 from hp_tool.engine_facts import engine_facts
 from hp_tool.recipe import Adapters
@@ -471,14 +471,9 @@ def estimate_memory(shape: Shape, layout: Layout, hw: Hardware) -> MemoryEstimat
     backward allocates: ``Family.memory.backward_transient_bytes``) runs in backward, after the loss has freed the logits:
     the last stage holds the larger of the two, not both (tests/test_selective_checkpoint.py measures both modes of
     checkpointing against the trace)."""
-    tp, pp = layout.tp, layout.pp
-    layer, encoder_layer, experts = layer_parameter_counts(shape)
-    gathered_layer = max(layer - experts, encoder_layer) / tp + experts / layout.ep
     best: MemoryEstimate | None = None
     best_total = -1.0
-    for stage, (params, (activations, stage_logits)) in enumerate(zip(stage_parameters(shape, tp, pp, layout.ep),
-                                                                      activation_terms(shape, layout, hw))):
-        states = stage_state_bytes(shape, layout, hw, params, stage, gathered_layer)
+    for states, (activations, stage_logits) in zip(state_terms(shape, layout, hw), activation_terms(shape, layout, hw)):
         total = states + activations + stage_logits
         if total > best_total:
             best_total = total
@@ -491,18 +486,46 @@ def estimate_memory(shape: Shape, layout: Layout, hw: Hardware) -> MemoryEstimat
 # the layouts that differ only in them (the planner tries several memory savers per layout)
 STATE_ONLY_FIELDS = frozenset({"zero_stage", "offload", "optimizer", "master_weights"})
 _activations: dict = {}
+# the layout's fields the activations depend on and the model states do not: ``state_terms`` is computed once for the
+# layouts that differ only in them (the planner tries every micro-batch, checkpointing and loss of a layout's savers)
+ACTIVATION_ONLY_FIELDS = frozenset({"mbs", "global_batch_size", "act_ckpt_layers", "act_ckpt_mode", "sequence_parallel",
+                                    "loss", "loss_chunk_tokens", "activation_offload", "compile"})
+_STATE_KEYS = tuple(k for k in PART_OF if k not in ACTIVATION_ONLY_FIELDS)
+_ACTIVATION_KEYS = tuple(k for k in PART_OF if k not in STATE_ONLY_FIELDS)
+_states: dict = {}
+
+
+def state_terms(shape: Shape, layout: Layout, hw: Hardware) -> tuple[float, ...]:
+    """Per pipeline stage, the bytes of its weights, gradients, optimizer states and compute copies on one GPU
+    (``stage_state_bytes``); the same for layouts that differ only in ``ACTIVATION_ONLY_FIELDS``."""
+    return _kept(_states, shape, layout, hw, _STATE_KEYS, _state_terms)
+
+
+def _state_terms(shape: Shape, layout: Layout, hw: Hardware) -> tuple[float, ...]:
+    tp, ep = layout.tp, layout.ep
+    layer, encoder_layer, experts = layer_parameter_counts(shape)
+    gathered_layer = max(layer - experts, encoder_layer) / tp + experts / ep
+    return tuple(stage_state_bytes(shape, layout, hw, params, stage, gathered_layer)
+                 for stage, params in enumerate(stage_parameters(shape, tp, layout.pp, ep)))
 
 
 def activation_terms(shape: Shape, layout: Layout, hw: Hardware) -> tuple[tuple[float, float], ...]:
     """Per pipeline stage, (activations and transient bytes, logits bytes) on the GPU at the stage's peak (see
     ``estimate_memory``); the same for layouts that differ only in ``STATE_ONLY_FIELDS``."""
-    key = (shape, hw, layout.degrees,
-           tuple(v for k, v in layout.recipe.__dict__.items() if k not in STATE_ONLY_FIELDS))
-    found = _activations.get(key)
+    return _kept(_activations, shape, layout, hw, _ACTIVATION_KEYS, _activation_terms)
+
+
+def _kept(store: dict, shape: Shape, layout: Layout, hw: Hardware, keys: tuple[str, ...],
+          compute: Callable[[Shape, Layout, Hardware], Any]) -> Any:
+    """``compute(shape, layout, hw)``, kept in ``store`` by the layout's fields named in ``keys``: the planner asks
+    tens of thousands of layouts that differ only in the fields left out."""
+    fields = layout.__dict__
+    key = (shape, hw, *[fields[k] for k in keys])
+    found = store.get(key)
     if found is None:
-        if len(_activations) > 200_000:  # a bound on a long-lived process's memory
-            _activations.clear()
-        found = _activations[key] = _activation_terms(shape, layout, hw)
+        if len(store) > 200_000:  # a bound on a long-lived process's memory
+            store.clear()
+        found = store[key] = compute(shape, layout, hw)
     return found
 
 
