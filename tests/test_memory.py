@@ -129,3 +129,35 @@ def test_micro_batches_in_flight_follow_torchs_interleaved_schedule(pp, v, m):
     if m % pp == 0 and m >= 2 * pp:  # Korthikanti et al.'s first-stage factor (full rounds, warm-up not capped)
         assert microbatches_in_flight(Layout.of(tp=1, pp=pp, dp=1, mbs=1, act_ckpt_layers=0, global_batch_size=m, virtual_stages=v), 0) == \
             pytest.approx(pp * (1 + (pp - 1) / (pp * v)))
+
+
+# one value of each field besides the base layout's, to vary it by
+OTHER_VALUE = {"mbs": 2, "global_batch_size": 128, "act_ckpt_layers": 4, "act_ckpt_mode": "selective",
+               "sequence_parallel": False, "loss": "chunked", "loss_chunk_tokens": 512, "activation_offload": True,
+               "compile": True, "zero_stage": 1, "offload": "optimizer", "optimizer": "sgd", "master_weights": "bf16"}
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_the_state_and_activation_terms_each_read_only_their_own_fields(method):
+    """The planner keeps a layout's model states across layouts that differ only in activation fields, and its
+    activations across those that differ only in the savers' (memory.state_terms / activation_terms): each field
+    on the list leaves the other term unchanged, computed afresh, while it changes its own term (the test can tell:
+    a state field left on the activations' list would fail here)."""
+    from hp_tool.estimate import memory
+    from hp_tool.families.llama import llama_shape
+    from hp_tool.recipe import Adapters
+
+    shape, _ = llama_shape(8, 128256, 2048)
+    lora = Adapters(target_modules=("q_proj", "v_proj")) if method == "lora" else None
+    base = Layout.of(tp=2, pp=2, dp=4, mbs=1, global_batch_size=64, act_ckpt_layers=0, sequence_parallel=True,
+                     zero_stage=3, method=method, lora=lora)
+    states, activations = memory._state_terms(shape, base, HW), memory._activation_terms(shape, base, HW)
+    for name in memory.ACTIVATION_ONLY_FIELDS:
+        other = base.replace(**{name: OTHER_VALUE[name]})
+        assert memory._state_terms(shape, other, HW) == states, name
+    for name in memory.STATE_ONLY_FIELDS:
+        other = base.replace(**{name: OTHER_VALUE[name]})
+        assert memory._activation_terms(shape, other, HW) == activations, name
+        if method == "full":
+            assert memory._state_terms(shape, other, HW) != states, name
+    assert memory._activation_terms(shape, base.replace(mbs=2), HW) != activations
