@@ -251,7 +251,9 @@ def formats(row: dict) -> tuple[str, str]:
     else:
         raise Unexpressible("weights", quant)
     # an fp8 / fp4 build (TensorRT-LLM's and ModelOpt's fp8 and nvfp4 recipes, the checkpoints NIM and trtllm-bench
-    # serve) quantises the KV cache to fp8 with the weights; weight-only int8 / int4 keep a 16-bit cache
+    # serve) quantises the KV cache to fp8 with the weights; weight-only int8 / int4 keep a 16-bit cache. The rows with
+    # fp8 or fp4 weights are TensorRT-LLM and NIM builds: vLLM keeps a 16-bit cache beside fp8 weights unless given
+    # --kv-cache-dtype fp8, which a vLLM row would have to state ("fp8 kv")
     if "fp8 kv" in precision or weights in ("fp8", "fp4"):
         kv = "fp8"
     else:

@@ -141,8 +141,9 @@ OTHER_VALUE = {"mbs": 2, "global_batch_size": 128, "act_ckpt_layers": 4, "act_ck
 def test_the_state_and_activation_terms_each_read_only_their_own_fields(method):
     """The planner keeps a layout's model states across layouts that differ only in activation fields, and its
     activations across those that differ only in the savers' (memory.state_terms / activation_terms): each field
-    on the list leaves the other term unchanged, computed afresh, while it changes its own term (the test can tell:
-    a state field left on the activations' list would fail here)."""
+    on either list leaves the other term unchanged, computed afresh; each saver field changes the states of full
+    training and the micro-batch the activations (the test can tell: a state field put on the activations' list
+    fails here)."""
     from hp_tool.estimate import memory
     from hp_tool.families.llama import llama_shape
     from hp_tool.recipe import Adapters
