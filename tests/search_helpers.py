@@ -5,6 +5,7 @@ per trial; the real-subprocess searches (cluster=local) build their own command 
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -33,11 +34,21 @@ def search_here(tmp_path: Path, *overrides: str) -> tuple[int, Path]:
     return run(app, name), results_dir(app, name)
 
 
+def interruptible() -> None:
+    """``preexec_fn`` of an orchestrator a test Ctrl-Cs: SIGINT at its default, as a command typed at a terminal
+    has it, whatever the test run inherited. A test run started as a shell's background job ignores SIGINT, its
+    children inherit the ignored signal, and Python then installs no KeyboardInterrupt handler: the orchestrator
+    would never see the Ctrl-C the test sends."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start(cmd: list[str], log: Path) -> subprocess.Popen:
     """The orchestrator in its own session (so a test can Ctrl-C its process group), its output in ``log``:
-    a file, not a pipe, which the job it starts would hold open past its exit."""
+    a file, not a pipe, which the job it starts would hold open past its exit; Ctrl-C reaches it as at a
+    terminal (``interruptible``)."""
     with log.open("w") as sink:
-        return subprocess.Popen(cmd, cwd=log.parent, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(cmd, cwd=log.parent, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=interruptible)
 
 
 def wait_for(what: str, check, proc: Optional[subprocess.Popen] = None, timeout_s: float = 60.0,

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pandas as pd
 import pytest
 
-from search_helpers import main_here  # tests/ is on sys.path (its conftest)
+from search_helpers import interruptible, main_here  # tests/ is on sys.path (its conftest)
 
 REPO = Path(__file__).resolve().parents[2]
 # two trials, two at once: each is a Ray Train run of 2 workers, 1 CPU each, on the head's 4
@@ -57,7 +57,7 @@ def interrupted_search(tmp_path_factory, ray_address, ray_client):
     tmp_path = tmp_path_factory.mktemp("ray_search")
     prefix = f"hpt{uuid.uuid4().hex[:6]}:"
     first = subprocess.Popen(main_command(tmp_path, ray_address, prefix), cwd=tmp_path, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+                             stderr=subprocess.STDOUT, text=True, preexec_fn=interruptible)
     deadline = time.time() + 120
     while len(jobs_of(ray_client, prefix)) < 2 and time.time() < deadline and first.poll() is None:
         time.sleep(0.5)
