@@ -19,7 +19,8 @@ from hp_tool.estimate.serving import (ServingEfficiency, ServingGpu, ServingLayo
                                       expert_excess_parameters, tp_allreduce_s, weight_bytes_per_gpu)
 from hp_tool.fingerprint import fingerprint_of
 from hp_tool.hf_config import load_hf_model
-from hp_tool.inference.search import PLAN_COLUMNS, plan_csv_text, plan_inference
+from hp_tool.inference.report import SUMMARY_COLUMNS, summary_frame
+from hp_tool.inference.search import PLAN_COLUMNS, collect_rows, plan_csv_text, plan_inference
 
 IS = "search_config.inference_settings"
 H100 = ServingGpu(memory_gib=79.2, memory_bandwidth_gbps=3350, peak_tflops={"bf16": 989, "fp16": 989, "fp8": 1979},
@@ -111,6 +112,9 @@ def test_a_mixture_of_experts_on_vllm_plans_ep_rows_beside_tp_rows(tmp_path):
     assert "--enable-expert-parallel" not in bench_command("m", 4, 1, 1, 60, 20, 1, 1, "bf16", "o.json")
     header = plan_csv_text(plan).splitlines()[0].split(",")
     assert header[:4] == ["config_id", "tp", "pp", "expert_parallel"]
+    summary = summary_frame(collect_rows(plan), 1e9)  # final_output.csv: nothing ran, each row its verdict
+    assert list(summary.columns[:5]) == ["config_id", "status", "tp", "pp", "expert_parallel"]
+    assert summary.set_index("config_id").loc["mixtral_46.7b_tp4_pp1_bs1_ep", "expert_parallel"]
     assert plan.serve_line(pd.DataFrame([{"status": "ok", "config_id": job.config_id}])) == (
         "vllm serve mistralai/Mixtral-8x7B-v0.1 --tensor-parallel-size 4 --pipeline-parallel-size 1 "
         "--enable-expert-parallel --dtype bfloat16 --max-num-seqs 1 --max-model-len 80")
@@ -125,6 +129,7 @@ def test_a_dense_model_plans_no_ep_rows_and_keeps_its_plan(tmp_path):
     plan = plan_inference(to_app_config(cfg), tmp_path)
     assert not any(c.expert_parallel or "_ep" in c.config_id for c in plan.candidates)
     assert tuple(plan_csv_text(plan).splitlines()[0].split(",")) == PLAN_COLUMNS
+    assert tuple(summary_frame(collect_rows(plan), 1e9).columns) == SUMMARY_COLUMNS
     for job in plan.configs.values():
         old = {k: v for k, v in job.to_dict().items() if k not in ("config_id", "output_dir", "expert_parallel")
                and not (k in ("weights", "kv_cache") and v is None)}

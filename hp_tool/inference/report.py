@@ -33,11 +33,21 @@ def meets_bound(result: dict, max_latency_ms: float) -> bool:
     return result.get("status") == "ok" and p99 is not None and p99 <= max_latency_ms
 
 
+def with_expert_parallel(columns: tuple[str, ...], used: bool) -> tuple[str, ...]:
+    """``columns`` with ``expert_parallel`` after PP where some layout of the grid uses it (a mixture of experts); a
+    dense model's columns as they were before the dimension. plan.csv's and the summary's."""
+    if not used:
+        return columns
+    at = columns.index("pp") + 1
+    return columns[:at] + ("expert_parallel",) + columns[at:]
+
+
 def summary_frame(rows: list[dict], max_latency_ms: float):
     """One row per config; those meeting the bound first, each group by throughput per GPU, best first."""
     import pandas as pd
 
-    frame = pd.DataFrame([{c: r.get(c) for c in SUMMARY_COLUMNS} for r in rows], columns=list(SUMMARY_COLUMNS))
+    columns = with_expert_parallel(SUMMARY_COLUMNS, any(r.get("expert_parallel") for r in rows))
+    frame = pd.DataFrame([{c: r.get(c) for c in columns} for r in rows], columns=list(columns))
     frame["meets_latency_bound"] = [meets_bound(r, max_latency_ms) for r in rows]
     frame["tokens_per_s_per_gpu"] = pd.to_numeric(frame["tokens_per_s_per_gpu"])
     frame = frame.sort_values(["meets_latency_bound", "tokens_per_s_per_gpu", "latency_ms_p99"],

@@ -168,10 +168,7 @@ PLAN_COLUMNS = ("config_id", "tp", "pp", "batch_size", "weights", "kv_cache", "n
 def plan_columns(candidates: list[InferenceCandidate]) -> tuple[str, ...]:
     """plan.csv's columns: ``PLAN_COLUMNS``, and ``expert_parallel`` after PP where the grid has a layout with it (a
     mixture of experts; a dense model's plan.csv is as it was before the dimension)."""
-    if not any(c.expert_parallel for c in candidates):
-        return PLAN_COLUMNS
-    at = PLAN_COLUMNS.index("pp") + 1
-    return PLAN_COLUMNS[:at] + ("expert_parallel",) + PLAN_COLUMNS[at:]
+    return report.with_expert_parallel(PLAN_COLUMNS, any(c.expert_parallel for c in candidates))
 
 
 def candidate_row(c: InferenceCandidate, gpu_hour_price: Optional[float]) -> dict[str, Any]:
