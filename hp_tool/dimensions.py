@@ -271,31 +271,20 @@ def trial_id(family: str, size_label: str, values: Mapping[str, Any], lora_rank:
     an adapter method adds its name and rank after the sequence length."""
     parts = dict.fromkeys(SLOTS, "")
     tokens = _TOKENS
-    get = values.get
-    for d, name, default in _id_dimensions():
-        value = get(name, default)
+    for d in DIMENSIONS:
+        name = d.name
+        value = values.get(name, None if name == "ep" else d.default)
         if name == "method" and value != "full":
             parts[d.slot] += f"_{value}{lora_rank}"
             continue
-        token = tokens.get((name, value))
-        if token is None:
+        try:
+            token = tokens[name, value]
+        except KeyError:
             token = tokens[name, value] = d.token(value)
         if token:
             parts[d.slot] += token
     return (f"{family}_{size_label}{parts['model']}_{parts['tp']}_{parts['pp']}_{parts['mbs']}_{parts['ac']}_"
             f"{parts['saver']}")
-
-
-_ID_DIMENSIONS: tuple = ((), ())  # (the table, its rows as trial_id reads them), made once per table
-
-
-def _id_dimensions() -> tuple:
-    """Each dimension of the table with its name and the value a trial id names when ``values`` leaves it out
-    (ep: none)."""
-    global _ID_DIMENSIONS
-    if _ID_DIMENSIONS[0] is not DIMENSIONS:
-        _ID_DIMENSIONS = (DIMENSIONS, tuple((d, d.name, None if d.name == "ep" else d.default) for d in DIMENSIONS))
-    return _ID_DIMENSIONS[1]
 
 
 def varied(rows: Iterable[Mapping[str, Any]], also: Iterable[str] = ()) -> list[Dimension]:

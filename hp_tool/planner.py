@@ -18,7 +18,6 @@ from hp_tool.vocab import INVALID, OVER_LIMIT, PRUNED, SELECTED
 from hp_tool.candidates import Candidate, plan_candidates, rank_candidates
 from hp_tool.config import AppConfig, training_precision
 from hp_tool.errors import ConfigError
-from hp_tool.estimate.layout import PART_OF
 from hp_tool.estimate.memory import eager_trace_excess_gib
 from hp_tool.contracts.spec import EstimatesSpec, ParallelSpec, RunSpec, TrialSpec, section_values
 from hp_tool.dimensions import BY_KEY, DIMENSIONS, trial_id
@@ -156,7 +155,7 @@ def candidate_dimensions(c: Candidate) -> dict:
     and its sequence length; experts only for a mixture of experts (None for a dense model)."""
     if c.values is None:  # a plan's tables and names read it several times for each of tens of thousands
         fields = c.full.__dict__
-        values = {d.name: fields[d.name] for d in DIMENSIONS if d.name in PART_OF}
+        values = {d.name: fields[d.name] for d in DIMENSIONS if d.name in fields}
         values.update(seq_length=c.shape.seq_length, ep=c.ep if c.shape.moe else None)
         c.values = values
     return c.values
